@@ -1,0 +1,37 @@
+# Every target works from a fresh clone with only Python 3 and a C compiler:
+# a local virtual environment (.venv) gets the build and test dependencies.
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.deps-installed
+
+.PHONY: install build run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip
+	$(VPY) -m pip install "setuptools>=64" wheel "Cython>=3.1" "numpy>=2" \
+		"pytest>=7" "hypothesis>=6" "threadpoolctl>=3"
+	touch $(STAMP)
+
+# Editable install: the extension is built in place, so tests and
+# `python -m cattention` run against the working tree.
+install build: $(STAMP)
+	$(VPY) -m pip install --no-build-isolation --no-deps -e .
+
+run: install
+	$(VPY) -m cattention
+
+test: install
+	$(VPY) -m pytest -q tests
+
+bench: install
+	$(VPY) -m cattention bench
+
+clean:
+	rm -rf build dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \
+		.pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

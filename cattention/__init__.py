@@ -1,0 +1,50 @@
+"""cattention: fast, exact scaled dot-product attention for the CPU.
+
+    attn = cattention.attention(q, k, v, causal=True)
+    attn, scores = cattention.attention(q, k, v, return_scores=True)
+
+See ``attention`` for the conventions (bottom-right causal alignment, True
+in a bool mask means "may attend", zero rows for rows that see no key).
+"""
+
+import os
+
+import numpy as np
+
+from . import _attention
+from ._api import attention, attention_scores, get_num_threads, set_num_threads
+from ._version import __version__
+
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_scores",
+    "get_include",
+    "get_num_threads",
+    "set_num_threads",
+    "show_config",
+]
+
+
+def get_include():
+    """Directory holding the C headers of the kernels (for other extensions)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
+
+def show_config():
+    """Print the build and run-time configuration: version, compiler, OpenMP
+    and its thread count, and the SIMD kernels in use."""
+    openmp = (f"yes (OpenMP {_attention.openmp_version()}), "
+              f"threads: {get_num_threads()}"
+              if _attention.openmp_enabled()
+              else "no (serial build), threads: 1")
+    lines = [
+        f"cattention {__version__}",
+        f"  compiler: {_attention.compiler()}",
+        f"  OpenMP:   {openmp}",
+        f"  SIMD:     {_attention.get_simd()} "
+        f"(available: {', '.join(_attention.available_simd())}; "
+        "CATTENTION_SIMD selects one)",
+        f"  NumPy:    {np.__version__}",
+    ]
+    print("\n".join(lines))

@@ -1,0 +1,95 @@
+"""Command line: ``python -m cattention [demo] | --version``.
+
+``demo`` (the default) computes attention on a built-in workload, checks it
+against a float64 NumPy reference and prints timings beside NumPy.
+"""
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from . import __version__, attention, get_num_threads, show_config
+
+
+def _numpy_attention(q, k, v, causal, scale):
+    """Plain NumPy attention in the inputs' dtype (materialises T x S)."""
+    logits = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)
+    n_queries, n_keys = logits.shape[-2:]
+    if causal:
+        visible = np.arange(n_keys)[None, :] <= np.arange(n_queries)[:, None] + (n_keys - n_queries)
+        logits = np.where(visible, logits, -np.inf)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return weights @ v
+
+
+def _median_seconds(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def demo(batch, heads, n_queries, n_keys, dim, repeats):
+    show_config()
+    print()
+    rng = np.random.default_rng(0)
+    shape_q = (batch, heads, n_queries, dim)
+    shape_kv = (batch, heads, n_keys, dim)
+    print(f"workload: q {shape_q}, k/v {shape_kv}, median of {repeats} runs, "
+          f"{get_num_threads()} threads")
+    header = f"{'dtype':8} {'causal':6} {'cattention ms':>14} {'NumPy ms':>10} {'speedup':>8} {'GFLOP/s':>8} {'max err vs f64':>15}"
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for dtype in (np.float32, np.float64):
+        q = rng.standard_normal(shape_q).astype(dtype)
+        k = rng.standard_normal(shape_kv).astype(dtype)
+        v = rng.standard_normal(shape_kv).astype(dtype)
+        scale = 1.0 / np.sqrt(dim)
+        for causal in (False, True):
+            ours = attention(q, k, v, causal=causal)
+            reference = _numpy_attention(q.astype(np.float64), k.astype(np.float64),
+                                         v.astype(np.float64), causal, scale)
+            error = float(np.max(np.abs(ours - reference)))
+            t_ours = _median_seconds(lambda: attention(q, k, v, causal=causal), repeats)
+            t_numpy = _median_seconds(lambda: _numpy_attention(q, k, v, causal, scale), repeats)
+            flops = 4.0 * batch * heads * n_queries * n_keys * dim * (0.5 if causal else 1.0)
+            print(f"{np.dtype(dtype).name:8} {str(causal):6} {t_ours * 1e3:14.2f} "
+                  f"{t_numpy * 1e3:10.2f} {t_numpy / t_ours:7.2f}x "
+                  f"{flops / t_ours / 1e9:8.1f} {error:15.2e}")
+            limit = 1e-5 if dtype == np.float32 else 1e-12
+            worst = max(worst, error / limit)
+    ok = worst <= 1.0
+    print()
+    print("check against float64 reference:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m cattention",
+        description="cattention: fast, exact scaled dot-product attention for the CPU")
+    parser.add_argument("--version", action="version", version=f"cattention {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("demo", help="attention on a default workload, checked and timed (default)")
+    run.add_argument("--batch", type=int, default=1)
+    run.add_argument("--heads", type=int, default=8)
+    run.add_argument("--queries", type=int, default=1024)
+    run.add_argument("--keys", type=int, default=1024)
+    run.add_argument("--dim", type=int, default=64)
+    run.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = run.parse_args([], namespace=args)
+    return demo(args.batch, args.heads, args.queries, args.keys, args.dim, args.repeats)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Public API: validation, dtype and broadcast normalisation, output allocation.
+
+Nothing here loops over data. Inputs are checked and brought to one compute
+dtype (float32 or float64), made aligned when they are not, and handed with
+their strides to the Cython driver, which reads any layout (transposed,
+negative or zero strides) without copying.
+"""
+
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from . import _attention
+
+__all__ = [
+    "attention",
+    "attention_scores",
+    "get_num_threads",
+    "set_num_threads",
+]
+
+_SUPPORTED_DTYPES = (
+    "float16, float32 and float64 (integer and bool inputs are computed as float64)"
+)
+
+# Thread count set by set_num_threads(); None follows OpenMP's current setting.
+_thread_limit = None
+
+
+def set_num_threads(n):
+    """Set the number of threads used by calls that pass ``num_threads=None``.
+
+    Parameters
+    ----------
+    n : int or None
+        A positive thread count, or None to follow OpenMP's current setting
+        again (``OMP_NUM_THREADS``, ``threadpoolctl`` limits).
+    """
+    global _thread_limit
+    _thread_limit = None if n is None else _check_num_threads(n)
+
+
+def get_num_threads():
+    """Number of threads a call with ``num_threads=None`` would use (at most)."""
+    if _thread_limit is not None:
+        return _thread_limit
+    return max(1, _attention.max_threads())
+
+
+def _check_num_threads(n):
+    if isinstance(n, (bool, np.bool_)):
+        raise ValueError(f"num_threads must be a positive integer, got {n!r}")
+    try:
+        value = operator.index(n)
+    except TypeError:
+        raise ValueError(f"num_threads must be a positive integer, got {n!r}") from None
+    if value < 1:
+        raise ValueError(f"num_threads must be a positive integer, got {value}")
+    return value
+
+
+def _as_input(x, name):
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
+        raise TypeError(
+            f"{name} has dtype {arr.dtype}; cattention supports {_SUPPORTED_DTYPES}")
+    if arr.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions (..., rows, features); "
+            f"got shape {arr.shape}")
+    return arr
+
+
+def _compute_dtype(*arrays):
+    """(compute dtype, result dtype) for the inputs, by np.result_type."""
+    common = np.result_type(*arrays)
+    if common.kind in "iub":
+        return np.dtype(np.float64), np.dtype(np.float64)
+    if common == np.float16:
+        return np.dtype(np.float32), np.dtype(np.float16)
+    return common, common
+
+
+def _to_compute(arr, dtype):
+    """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
+    if arr.dtype != dtype:
+        return arr.astype(dtype)
+    if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
+        # same bits, aligned and element-strided, so results are unchanged
+        return np.array(arr, order="C")
+    return arr
+
+
+def _prepare_mask(mask, n_queries, n_keys, dtype):
+    arr = np.asarray(mask)
+    given_shape = arr.shape
+    if arr.dtype == np.bool_:
+        pass
+    elif arr.dtype.kind == "f":
+        if arr.dtype not in (np.float32, np.float64):
+            arr = arr.astype(dtype)
+    else:
+        raise TypeError(
+            f"mask has dtype {arr.dtype}; it must be bool (True = may attend) or "
+            "float (added to the scaled logits, -inf masks)")
+    if arr.ndim < 2:
+        arr = arr.reshape((1,) * (2 - arr.ndim) + arr.shape)
+    if arr.shape[-2] not in (1, n_queries) or arr.shape[-1] not in (1, n_keys):
+        raise ValueError(
+            f"mask of shape {given_shape} does not broadcast to (..., T, S) = "
+            f"(..., {n_queries}, {n_keys})")
+    if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
+        arr = np.array(arr, order="C")
+    return arr
+
+
+def _resolve_scale(scale, d_k):
+    if scale is None:
+        if d_k == 0:
+            raise ValueError(
+                "d_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the "
+                "default scale 1/sqrt(d_k) is undefined; pass scale explicitly")
+        return 1.0 / math.sqrt(d_k)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads):
+    q = _as_input(q, "q")
+    k = _as_input(k, "k")
+    if v is not None:
+        v = _as_input(v, "v")
+    n_queries, d_k = q.shape[-2:]
+    n_keys = k.shape[-2]
+    if k.shape[-1] != d_k:
+        raise ValueError(
+            f"q and k must share d_k (their last dimension): q has shape {q.shape}, "
+            f"k has shape {k.shape}")
+    if v is not None and v.shape[-2] != n_keys:
+        raise ValueError(
+            f"k and v must have the same number of keys S (second-to-last "
+            f"dimension): k has shape {k.shape}, v has shape {v.shape}")
+
+    operands = (q, k) if v is None else (q, k, v)
+    compute, result = _compute_dtype(*operands)
+
+    if mask is not None:
+        mask = _prepare_mask(mask, n_queries, n_keys, compute)
+    leading = [a.shape[:-2] for a in operands]
+    if mask is not None:
+        leading.append(mask.shape[:-2])
+    try:
+        batch_shape = np.broadcast_shapes(*leading)
+    except ValueError:
+        names = ["q", "k", "v"][: len(operands)] + (["mask"] if mask is not None else [])
+        described = ", ".join(
+            f"{name} {arr.shape}"
+            for name, arr in zip(names, list(operands) + ([mask] if mask is not None else [])))
+        raise ValueError(
+            f"batch dimensions do not broadcast: {described} "
+            f"(leading shapes {', '.join(str(s) for s in leading)})") from None
+
+    scale = _resolve_scale(scale, d_k)
+    threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
+
+    q = _to_compute(q, compute)
+    k = _to_compute(k, compute)
+    if v is not None:
+        v = _to_compute(v, compute)
+    d_v = v.shape[-1] if v is not None else 0
+
+    out = np.empty(batch_shape + (n_queries, d_v), dtype=compute) if want_out else None
+    scores = (np.empty(batch_shape + (n_queries, n_keys), dtype=compute)
+              if want_scores else None)
+    if n_queries > 0 and math.prod(batch_shape) > 0:
+        _attention.attention_into(
+            q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads)
+    if result != compute:
+        out = out.astype(result) if out is not None else None
+        scores = scores.astype(result) if scores is not None else None
+    return out, scores
+
+
+def attention(q, k, v, *, causal=False, mask=None, scale=None,
+              return_scores=False, num_threads=None):
+    """Scaled dot-product attention.
+
+    Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
+    ``ATTN = SCORES V``, exactly (float32 and float64 agree with a float64
+    reference to rounding), in parallel over blocks of query rows.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., T, d_k)
+        Queries.
+    k : array_like, shape (..., S, d_k)
+        Keys.
+    v : array_like, shape (..., S, d_v)
+        Values; d_v may differ from d_k.
+    causal : bool, default False
+        Query ``i`` sees key ``j`` only if ``j <= i + (S - T)``: the queries
+        are the *last* T positions of the key sequence ("bottom-right"
+        alignment, what a KV cache needs; PyTorch's ``causal_lower_right``).
+        For T == S this is ``j <= i``. When T > S the first T - S rows see no
+        key and are zero.
+    mask : array_like, optional
+        Broadcastable to ``(..., T, S)``. A bool mask where **True means
+        "may attend"**, or a float mask **added to the scaled logits**
+        (``-inf`` masks). Combines with ``causal``. Its leading dimensions
+        take part in batch broadcasting.
+    scale : float, optional
+        Multiplies ``Q K^T``; default ``1 / sqrt(d_k)``. Any finite value,
+        including 0 and negatives.
+    return_scores : bool, default False
+        Also return SCORES.
+    num_threads : int, optional
+        Threads for this call; default ``get_num_threads()``.
+
+    Returns
+    -------
+    attn : ndarray, shape (..., T, d_v)
+    scores : ndarray, shape (..., T, S)
+        Only with ``return_scores=True``, as ``(attn, scores)``.
+
+    Notes
+    -----
+    Leading (batch) dimensions of q, k, v and mask broadcast by NumPy's
+    rules; a K/V with leading dimensions of size 1 is shared, not copied.
+    Any strides are accepted (transposed, negative, zero, read-only) and give
+    bitwise the same result as a contiguous copy; results are also bitwise
+    the same for any thread count. The GIL is released while computing.
+
+    dtypes: float32 and float64 are computed in their own precision; mixed
+    inputs follow ``np.result_type``; integer and bool inputs are computed as
+    float64; float16 is computed in float32 and returned as float16.
+
+    Rows that can see no key (fully masked, T > S under ``causal``, S == 0)
+    are zero in ATTN and SCORES. Masked keys take no part at all: a NaN or
+    Inf in a masked-out key or value cannot reach the output. More generally
+    a key whose weight is exactly zero never touches the output.
+
+    Memory: without SCORES nothing of size T x S is allocated; the extra
+    memory is per-thread scratch of about
+    ``(96 * (d_k + 256 + 2 * d_v) + 256 * (d_k + d_v))`` elements. With SCORES
+    the SCORES array itself is the scratch.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 8), dtype=np.float32)
+    >>> k = rng.standard_normal((2, 6, 8), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 6, 3), dtype=np.float32)
+    >>> out, scores = ca.attention(q, k, v, causal=True, return_scores=True)
+    >>> out.shape, scores.shape
+    ((2, 4, 3), (2, 4, 6))
+    >>> bool(np.allclose(scores.sum(axis=-1), 1))
+    True
+    """
+    if v is None:
+        raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
+    out, scores = _run(q, k, v, causal, mask, scale, True, bool(return_scores), num_threads)
+    if return_scores:
+        return out, scores
+    return out
+
+
+def attention_scores(q, k, *, causal=False, mask=None, scale=None, num_threads=None):
+    """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
+
+    Same conventions as :func:`attention` (causal alignment, mask meaning,
+    dtypes, broadcasting, zero rows for rows that see no key).
+
+    Parameters
+    ----------
+    q : array_like, shape (..., T, d_k)
+    k : array_like, shape (..., S, d_k)
+    causal, mask, scale, num_threads
+        As in :func:`attention`.
+
+    Returns
+    -------
+    scores : ndarray, shape (..., T, S)
+        Each row sums to 1, or is all zero if the row sees no key.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> q = np.ones((2, 4))
+    >>> ca.attention_scores(q, q, causal=True)
+    array([[1. , 0. ],
+           [0.5, 0.5]])
+    """
+    _, scores = _run(q, k, None, causal, mask, scale, False, True, num_threads)
+    return scores

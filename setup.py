@@ -1,0 +1,116 @@
+"""Build of the cattention extension.
+
+OpenMP is probed by compiling and running a tiny program; without it the
+extension is built serial with a loud warning (CATTENTION_REQUIRE_OPENMP=1
+makes that an error, for wheel builds). The default build targets the
+baseline instruction set of the platform: faster kernels are compiled with
+per-function target attributes and chosen at run time, so no -march=native
+and no -ffast-math here (masked logits are -inf and must stay IEEE).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+OPENMP_TEST = r"""
+#include <omp.h>
+#include <stdio.h>
+int main(void) {
+    int n = 0;
+    #pragma omp parallel reduction(+:n)
+    n += 1;
+    printf("%d\n", n > 0);
+    return 0;
+}
+"""
+
+
+def openmp_flags(compiler):
+    """(compile_args, link_args) that build and run an OpenMP program, or None."""
+    cc = compiler.compiler_so[0] if hasattr(compiler, "compiler_so") else "cc"
+    candidates = [(["-fopenmp"], ["-fopenmp"])]
+    if sys.platform == "darwin":
+        candidates.append((["-Xpreprocessor", "-fopenmp"], ["-lomp"]))
+    tmp = tempfile.mkdtemp(prefix="cattention-omp-")
+    try:
+        src = os.path.join(tmp, "omp_test.c")
+        exe = os.path.join(tmp, "omp_test")
+        with open(src, "w") as f:
+            f.write(OPENMP_TEST)
+        for cflags, lflags in candidates:
+            cmd = [cc, *cflags, src, "-o", exe, *lflags]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True)
+                result = subprocess.run([exe], check=True, capture_output=True, text=True)
+            except (OSError, subprocess.CalledProcessError):
+                continue
+            if result.stdout.strip() == "1":
+                return cflags, lflags
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class BuildExt(build_ext):
+    def build_extensions(self):
+        flags = openmp_flags(self.compiler)
+        if flags is None:
+            if os.environ.get("CATTENTION_REQUIRE_OPENMP") == "1":
+                raise RuntimeError(
+                    "cattention: OpenMP was required (CATTENTION_REQUIRE_OPENMP=1) "
+                    "but the compiler could not build and run an OpenMP program")
+            print("*" * 72, file=sys.stderr)
+            print("cattention: WARNING: OpenMP not found; building a SERIAL extension.",
+                  file=sys.stderr)
+            print("cattention: show_config() will report 'OpenMP: no'.", file=sys.stderr)
+            print("*" * 72, file=sys.stderr)
+        else:
+            print(f"cattention: OpenMP found, building with {' '.join(flags[0])}")
+        for ext in self.extensions:
+            if flags is not None:
+                ext.extra_compile_args += flags[0]
+                ext.extra_link_args += flags[1]
+        super().build_extensions()
+
+
+extra_compile_args = ["-O3", "-fno-math-errno", "-Wno-unused-function"]
+if sysconfig.get_platform().startswith("win"):
+    extra_compile_args = ["/O2"]
+
+if os.environ.get("CATTENTION_SANITIZE") == "1":
+    extra_compile_args += ["-O1", "-g", "-fno-omit-frame-pointer",
+                           "-fsanitize=address,undefined"]
+
+extensions = [
+    Extension(
+        "cattention._attention",
+        sources=[
+            "cattention/_attention.pyx",
+            "src/dispatch.c",
+            "src/kernels_baseline.c",
+            "src/kernels_avx2.c",
+        ],
+        include_dirs=["src", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=extra_compile_args,
+        extra_link_args=["-fsanitize=address,undefined"]
+        if os.environ.get("CATTENTION_SANITIZE") == "1" else [],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": 3},
+        include_path=["cattention"],
+    ),
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,134 @@
+/*
+ * Runtime choice of the kernel table: CPUID says what the CPU decodes, XGETBV
+ * says whether the OS saves the wider registers on a context switch; both must
+ * hold before a SIMD table is used. CATTENTION_SIMD=<name> asks for a table by
+ * name (an unknown or unsupported name falls back to the best one; the Python
+ * layer reports which table is in use).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if CA_HAVE_X86_KERNELS
+#if defined(_MSC_VER)
+#include <intrin.h>
+#else
+#include <cpuid.h>
+#endif
+
+static void cpuid_count(unsigned leaf, unsigned sub, unsigned regs[4])
+{
+#if defined(_MSC_VER)
+    int r[4];
+    __cpuidex(r, (int)leaf, (int)sub);
+    for (int i = 0; i < 4; ++i)
+        regs[i] = (unsigned)r[i];
+#else
+    __cpuid_count(leaf, sub, regs[0], regs[1], regs[2], regs[3]);
+#endif
+}
+
+static unsigned long long xgetbv0(void)
+{
+#if defined(_MSC_VER)
+    return _xgetbv(0);
+#else
+    unsigned eax, edx;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((unsigned long long)edx << 32) | eax;
+#endif
+}
+
+static int cpu_has_avx2_fma(void)
+{
+    unsigned regs[4];
+    cpuid_count(0, 0, regs);
+    if (regs[0] < 7)
+        return 0;
+    cpuid_count(1, 0, regs);
+    const int has_fma = (regs[2] >> 12) & 1;
+    const int has_osxsave = (regs[2] >> 27) & 1;
+    const int has_avx = (regs[2] >> 28) & 1;
+    if (!(has_fma && has_osxsave && has_avx))
+        return 0;
+    /* XMM (bit 1) and YMM (bit 2) state enabled by the OS */
+    if ((xgetbv0() & 0x6) != 0x6)
+        return 0;
+    cpuid_count(7, 0, regs);
+    return (regs[1] >> 5) & 1; /* EBX bit 5: AVX2 */
+}
+#endif
+
+const ca_kernels *ca_kernels_by_name(const char *name)
+{
+    if (name == NULL)
+        return NULL;
+    if (strcmp(name, "baseline") == 0)
+        return &ca_kernels_baseline;
+#if CA_HAVE_X86_KERNELS
+    if (strcmp(name, "avx2") == 0 && cpu_has_avx2_fma())
+        return &ca_kernels_avx2;
+#endif
+    return NULL;
+}
+
+int ca_available_kernels(const char **names, int capacity)
+{
+    int n = 0;
+    if (n < capacity)
+        names[n++] = ca_kernels_baseline.name;
+#if CA_HAVE_X86_KERNELS
+    if (n < capacity && cpu_has_avx2_fma())
+        names[n++] = ca_kernels_avx2.name;
+#endif
+    return n;
+}
+
+const ca_kernels *ca_default_kernels(void)
+{
+    const ca_kernels *forced = ca_kernels_by_name(getenv("CATTENTION_SIMD"));
+    if (forced != NULL)
+        return forced;
+#if CA_HAVE_X86_KERNELS
+    if (cpu_has_avx2_fma())
+        return &ca_kernels_avx2;
+#endif
+    return &ca_kernels_baseline;
+}
+
+const char *ca_compiler_version(void)
+{
+#if defined(__clang__)
+    return "Clang " __clang_version__;
+#elif defined(__GNUC__)
+    return "GCC " __VERSION__;
+#elif defined(_MSC_VER)
+    return "MSVC";
+#else
+    return "unknown";
+#endif
+}
+
+void *ca_aligned_alloc(size_t n_bytes)
+{
+    void *ptr = NULL;
+    if (n_bytes == 0)
+        n_bytes = 64;
+#if defined(_MSC_VER)
+    ptr = _aligned_malloc(n_bytes, 64);
+#else
+    if (posix_memalign(&ptr, 64, n_bytes) != 0)
+        ptr = NULL;
+#endif
+    return ptr;
+}
+
+void ca_aligned_free(void *ptr)
+{
+#if defined(_MSC_VER)
+    _aligned_free(ptr);
+#else
+    free(ptr);
+#endif
+}

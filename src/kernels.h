@@ -1,0 +1,90 @@
+/*
+ * Micro-kernels of cattention: the pieces of flash-style attention that run
+ * per tile and decide the speed (score tile, P.V tile, row max, exp-and-sum).
+ *
+ * The Cython driver owns the blocking, masking, online-softmax bookkeeping and
+ * OpenMP; these functions know nothing of Python, of masks or of threads.
+ * Every instruction set provides the same table (ca_kernels); one is chosen at
+ * import after a CPUID/XGETBV check and may be forced with CATTENTION_SIMD.
+ *
+ * Packed layouts (all row-major, allocated by the driver):
+ *   q   n_rows x d_k, leading dimension ldq
+ *   kt  d_k x n_cols, leading dimension ldkt  (K transposed; n_cols is a
+ *       multiple of key_pad and columns past the real keys are zero)
+ *   s   n_rows x n_cols, leading dimension lds
+ *   v   n_keys x n_vcols, leading dimension ldv (n_vcols a multiple of
+ *       col_pad, zero past d_v)
+ *   acc n_rows x n_vcols, leading dimension ldacc
+ */
+#ifndef CATTENTION_KERNELS_H
+#define CATTENTION_KERNELS_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ca_kernels {
+    const char *name;
+    /* Column counts of packed K^T and of packed V / accumulators must be
+       multiples of these (elements). */
+    ptrdiff_t key_pad_f32, key_pad_f64;
+    ptrdiff_t col_pad_f32, col_pad_f64;
+
+    /* s = factor * (q . kt)  (overwrites s); factor is the softmax scale.
+       Scaling the finished dot product rather than q keeps one rounding
+       out of every logit. */
+    void (*score_f32)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                      const float *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                      ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds);
+    void (*score_f64)(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                      const double *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                      ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds);
+
+    /* acc += p . v  over n_keys keys (accumulates into acc) */
+    void (*pv_f32)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                   const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                   ptrdiff_t n_vcols, float *acc, ptrdiff_t ldacc);
+    void (*pv_f64)(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                   const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                   ptrdiff_t n_vcols, double *acc, ptrdiff_t ldacc);
+
+    /* max(x[0..n)); -inf when n == 0 or every entry is -inf; NaN if any
+       entry is NaN (a NaN logit must make its row NaN, not empty). */
+    float (*row_max_f32)(const float *x, ptrdiff_t n);
+    double (*row_max_f64)(const double *x, ptrdiff_t n);
+
+    /* x[j] = e^(x[j] - shift) in place; returns the sum. shift is finite
+       or NaN. e^(-inf) is exactly 0. */
+    float (*exp_sum_f32)(float *x, ptrdiff_t n, float shift);
+    double (*exp_sum_f64)(double *x, ptrdiff_t n, double shift);
+} ca_kernels;
+
+/* Tables, one per instruction set compiled in. */
+extern const ca_kernels ca_kernels_baseline;
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#define CA_HAVE_X86_KERNELS 1
+extern const ca_kernels ca_kernels_avx2;
+#else
+#define CA_HAVE_X86_KERNELS 0
+#endif
+
+/* The best table this CPU supports, or the one CATTENTION_SIMD names. */
+const ca_kernels *ca_default_kernels(void);
+/* The table called name if this CPU runs it, else NULL. */
+const ca_kernels *ca_kernels_by_name(const char *name);
+/* Names of the tables this CPU runs, best last; returns how many. */
+int ca_available_kernels(const char **names, int capacity);
+/* Compiler that built the extension, e.g. "GCC 12.2.0". */
+const char *ca_compiler_version(void);
+
+/* 64-byte aligned scratch; NULL on failure. */
+void *ca_aligned_alloc(size_t n_bytes);
+void ca_aligned_free(void *ptr);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CATTENTION_KERNELS_H */

@@ -1,0 +1,371 @@
+/*
+ * AVX2 + FMA kernels (Haswell and later, Zen and later).
+ *
+ * Every function carries a target attribute instead of the file being built
+ * with -mavx2, so the extension as a whole still runs on any x86-64 and these
+ * are only called after dispatch.c has checked CPUID and XGETBV.
+ *
+ * Register tiles are fixed-size code: a tile of R rows (R <= 6) times two
+ * vectors, written once as an always-inline function and instantiated with
+ * constant R, so the 12 accumulators stay in registers (AVX2 has 16).
+ */
+#include "kernels.h"
+
+#if CA_HAVE_X86_KERNELS
+
+#include <immintrin.h>
+#include <math.h>
+
+#include "exp_poly.h"
+
+#define CA_AVX2 __attribute__((target("avx2,fma")))
+#define CA_TILE static inline __attribute__((always_inline)) CA_AVX2
+
+#define MR 6
+
+/* ---- float32 -------------------------------------------------------- */
+
+/* s[0..R) x [0..16) = q[0..R) . kt[:, 0..16) */
+CA_TILE void score_tile_f32(const float *q, ptrdiff_t ldq, const float *kt,
+                            ptrdiff_t ldkt, ptrdiff_t d_k, float factor,
+                            float *s, ptrdiff_t lds, const int R)
+{
+    __m256 acc_lo[MR], acc_hi[MR];
+    for (int r = 0; r < R; ++r) {
+        acc_lo[r] = _mm256_setzero_ps();
+        acc_hi[r] = _mm256_setzero_ps();
+    }
+    for (ptrdiff_t c = 0; c < d_k; ++c) {
+        const __m256 k_lo = _mm256_loadu_ps(kt + c * ldkt);
+        const __m256 k_hi = _mm256_loadu_ps(kt + c * ldkt + 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 q_rc = _mm256_broadcast_ss(q + r * ldq + c);
+            acc_lo[r] = _mm256_fmadd_ps(q_rc, k_lo, acc_lo[r]);
+            acc_hi[r] = _mm256_fmadd_ps(q_rc, k_hi, acc_hi[r]);
+        }
+    }
+    const __m256 factor_v = _mm256_set1_ps(factor);
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(s + r * lds, _mm256_mul_ps(acc_lo[r], factor_v));
+        _mm256_storeu_ps(s + r * lds + 8, _mm256_mul_ps(acc_hi[r], factor_v));
+    }
+}
+
+CA_AVX2 static void score_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                              const float *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                              ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds)
+{
+    for (ptrdiff_t j = 0; j < n_cols; j += 16) {
+        ptrdiff_t i = 0;
+        for (; i + MR <= n_rows; i += MR)
+            score_tile_f32(q + i * ldq, ldq, kt + j, ldkt, d_k, factor, s + i * lds + j, lds, MR);
+        const float *q_tail = q + i * ldq;
+        float *s_tail = s + i * lds + j;
+        switch (n_rows - i) {
+        case 5: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 5); break;
+        case 4: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 4); break;
+        case 3: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 3); break;
+        case 2: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 2); break;
+        case 1: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* acc[0..R) x [0..16) += p[0..R) x [0..n_keys) . v[0..n_keys) x [0..16) */
+CA_TILE void pv_tile_f32(const float *p, ptrdiff_t ldp, const float *v,
+                         ptrdiff_t ldv, ptrdiff_t n_keys, float *acc,
+                         ptrdiff_t ldacc, const int R)
+{
+    /* sum this block of keys from zero and add it to acc once: chains of
+       at most one block of terms instead of all S keep float32 near NumPy */
+    __m256 acc_lo[MR], acc_hi[MR];
+    for (int r = 0; r < R; ++r) {
+        acc_lo[r] = _mm256_setzero_ps();
+        acc_hi[r] = _mm256_setzero_ps();
+    }
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        const __m256 v_lo = _mm256_loadu_ps(v + j * ldv);
+        const __m256 v_hi = _mm256_loadu_ps(v + j * ldv + 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 p_rj = _mm256_broadcast_ss(p + r * ldp + j);
+            acc_lo[r] = _mm256_fmadd_ps(p_rj, v_lo, acc_lo[r]);
+            acc_hi[r] = _mm256_fmadd_ps(p_rj, v_hi, acc_hi[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_ps(acc + r * ldacc,
+                          _mm256_add_ps(_mm256_loadu_ps(acc + r * ldacc), acc_lo[r]));
+        _mm256_storeu_ps(acc + r * ldacc + 8,
+                          _mm256_add_ps(_mm256_loadu_ps(acc + r * ldacc + 8), acc_hi[r]));
+    }
+}
+
+CA_AVX2 static void pv_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                           const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                           ptrdiff_t n_vcols, float *acc, ptrdiff_t ldacc)
+{
+    for (ptrdiff_t c = 0; c < n_vcols; c += 16) {
+        ptrdiff_t i = 0;
+        for (; i + MR <= n_rows; i += MR)
+            pv_tile_f32(p + i * ldp, ldp, v + c, ldv, n_keys, acc + i * ldacc + c, ldacc, MR);
+        const float *p_tail = p + i * ldp;
+        float *acc_tail = acc + i * ldacc + c;
+        switch (n_rows - i) {
+        case 5: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 5); break;
+        case 4: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 4); break;
+        case 3: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 3); break;
+        case 2: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 2); break;
+        case 1: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 1); break;
+        default: break;
+        }
+    }
+}
+
+CA_AVX2 static float row_max_f32(const float *x, ptrdiff_t n)
+{
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    __m256 nan8 = _mm256_setzero_ps();
+    ptrdiff_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x8 = _mm256_loadu_ps(x + j);
+        m8 = _mm256_max_ps(x8, m8);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x8, x8, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m8);
+    float m = -INFINITY;
+    int has_nan = _mm256_movemask_ps(nan8) != 0;
+    for (int l = 0; l < 8; ++l)
+        m = lanes[l] > m ? lanes[l] : m;
+    for (; j < n; ++j) {
+        m = x[j] > m ? x[j] : m;
+        has_nan |= x[j] != x[j];
+    }
+    return has_nan ? NAN : m;
+}
+
+CA_TILE __m256 exp_f32x8(__m256 x)
+{
+    const __m256 magic = _mm256_set1_ps(CA_ROUND_MAGIC_F32);
+    /* operand order makes NaN pass through the clamps */
+    x = _mm256_max_ps(_mm256_set1_ps(CA_EXPF_MIN), x);
+    x = _mm256_min_ps(_mm256_set1_ps(CA_EXPF_MAX), x);
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(CA_LOG2E_F32), magic);
+    const __m256 n = _mm256_sub_ps(t, magic);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(CA_LN2_HI_F32), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(CA_LN2_LO_F32), r);
+    __m256 p = _mm256_set1_ps(CA_EXPF_C6);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CA_EXPF_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CA_EXPF_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CA_EXPF_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(CA_EXPF_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(magic));
+    e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+CA_AVX2 static float exp_sum_f32(float *x, ptrdiff_t n, float shift)
+{
+    const __m256 shift8 = _mm256_set1_ps(shift);
+    __m256 sum8 = _mm256_setzero_ps();
+    ptrdiff_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp_f32x8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift8));
+        _mm256_storeu_ps(x + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    if (j < n) {
+        /* the tail goes through the same vector code on a padded copy */
+        float tail[8];
+        const ptrdiff_t n_tail = n - j;
+        for (int l = 0; l < 8; ++l)
+            tail[l] = l < n_tail ? x[j + l] : -INFINITY;
+        const __m256 e = exp_f32x8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift8));
+        _mm256_storeu_ps(tail, e);
+        for (ptrdiff_t l = 0; l < n_tail; ++l)
+            x[j + l] = tail[l];
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum8);
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+           ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+/* ---- float64 -------------------------------------------------------- */
+
+CA_TILE void score_tile_f64(const double *q, ptrdiff_t ldq, const double *kt,
+                            ptrdiff_t ldkt, ptrdiff_t d_k, double factor,
+                            double *s, ptrdiff_t lds, const int R)
+{
+    __m256d acc_lo[MR], acc_hi[MR];
+    for (int r = 0; r < R; ++r) {
+        acc_lo[r] = _mm256_setzero_pd();
+        acc_hi[r] = _mm256_setzero_pd();
+    }
+    for (ptrdiff_t c = 0; c < d_k; ++c) {
+        const __m256d k_lo = _mm256_loadu_pd(kt + c * ldkt);
+        const __m256d k_hi = _mm256_loadu_pd(kt + c * ldkt + 4);
+        for (int r = 0; r < R; ++r) {
+            const __m256d q_rc = _mm256_broadcast_sd(q + r * ldq + c);
+            acc_lo[r] = _mm256_fmadd_pd(q_rc, k_lo, acc_lo[r]);
+            acc_hi[r] = _mm256_fmadd_pd(q_rc, k_hi, acc_hi[r]);
+        }
+    }
+    const __m256d factor_v = _mm256_set1_pd(factor);
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_pd(s + r * lds, _mm256_mul_pd(acc_lo[r], factor_v));
+        _mm256_storeu_pd(s + r * lds + 4, _mm256_mul_pd(acc_hi[r], factor_v));
+    }
+}
+
+CA_AVX2 static void score_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                              const double *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                              ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds)
+{
+    for (ptrdiff_t j = 0; j < n_cols; j += 8) {
+        ptrdiff_t i = 0;
+        for (; i + MR <= n_rows; i += MR)
+            score_tile_f64(q + i * ldq, ldq, kt + j, ldkt, d_k, factor, s + i * lds + j, lds, MR);
+        const double *q_tail = q + i * ldq;
+        double *s_tail = s + i * lds + j;
+        switch (n_rows - i) {
+        case 5: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 5); break;
+        case 4: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 4); break;
+        case 3: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 3); break;
+        case 2: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 2); break;
+        case 1: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 1); break;
+        default: break;
+        }
+    }
+}
+
+CA_TILE void pv_tile_f64(const double *p, ptrdiff_t ldp, const double *v,
+                         ptrdiff_t ldv, ptrdiff_t n_keys, double *acc,
+                         ptrdiff_t ldacc, const int R)
+{
+    /* sum this block of keys from zero and add it to acc once: chains of
+       at most one block of terms instead of all S keep float32 near NumPy */
+    __m256d acc_lo[MR], acc_hi[MR];
+    for (int r = 0; r < R; ++r) {
+        acc_lo[r] = _mm256_setzero_pd();
+        acc_hi[r] = _mm256_setzero_pd();
+    }
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        const __m256d v_lo = _mm256_loadu_pd(v + j * ldv);
+        const __m256d v_hi = _mm256_loadu_pd(v + j * ldv + 4);
+        for (int r = 0; r < R; ++r) {
+            const __m256d p_rj = _mm256_broadcast_sd(p + r * ldp + j);
+            acc_lo[r] = _mm256_fmadd_pd(p_rj, v_lo, acc_lo[r]);
+            acc_hi[r] = _mm256_fmadd_pd(p_rj, v_hi, acc_hi[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_pd(acc + r * ldacc,
+                          _mm256_add_pd(_mm256_loadu_pd(acc + r * ldacc), acc_lo[r]));
+        _mm256_storeu_pd(acc + r * ldacc + 4,
+                          _mm256_add_pd(_mm256_loadu_pd(acc + r * ldacc + 4), acc_hi[r]));
+    }
+}
+
+CA_AVX2 static void pv_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                           const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                           ptrdiff_t n_vcols, double *acc, ptrdiff_t ldacc)
+{
+    for (ptrdiff_t c = 0; c < n_vcols; c += 8) {
+        ptrdiff_t i = 0;
+        for (; i + MR <= n_rows; i += MR)
+            pv_tile_f64(p + i * ldp, ldp, v + c, ldv, n_keys, acc + i * ldacc + c, ldacc, MR);
+        const double *p_tail = p + i * ldp;
+        double *acc_tail = acc + i * ldacc + c;
+        switch (n_rows - i) {
+        case 5: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 5); break;
+        case 4: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 4); break;
+        case 3: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 3); break;
+        case 2: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 2); break;
+        case 1: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 1); break;
+        default: break;
+        }
+    }
+}
+
+CA_AVX2 static double row_max_f64(const double *x, ptrdiff_t n)
+{
+    __m256d m4 = _mm256_set1_pd(-INFINITY);
+    __m256d nan4 = _mm256_setzero_pd();
+    ptrdiff_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const __m256d x4 = _mm256_loadu_pd(x + j);
+        m4 = _mm256_max_pd(x4, m4);
+        nan4 = _mm256_or_pd(nan4, _mm256_cmp_pd(x4, x4, _CMP_UNORD_Q));
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, m4);
+    double m = -INFINITY;
+    int has_nan = _mm256_movemask_pd(nan4) != 0;
+    for (int l = 0; l < 4; ++l)
+        m = lanes[l] > m ? lanes[l] : m;
+    for (; j < n; ++j) {
+        m = x[j] > m ? x[j] : m;
+        has_nan |= x[j] != x[j];
+    }
+    return has_nan ? NAN : m;
+}
+
+CA_TILE __m256d exp_f64x4(__m256d x)
+{
+    const __m256d magic = _mm256_set1_pd(CA_ROUND_MAGIC_F64);
+    x = _mm256_max_pd(_mm256_set1_pd(CA_EXPD_MIN), x);
+    x = _mm256_min_pd(_mm256_set1_pd(CA_EXPD_MAX), x);
+    const __m256d t = _mm256_fmadd_pd(x, _mm256_set1_pd(CA_LOG2E_F64), magic);
+    const __m256d n = _mm256_sub_pd(t, magic);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(CA_LN2_HI_F64), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(CA_LN2_LO_F64), r);
+    __m256d p = _mm256_set1_pd(ca_expd_coef[13]);
+    for (int k = 12; k >= 0; --k)
+        p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(ca_expd_coef[k]));
+    __m256i e = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(magic));
+    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(e));
+}
+
+CA_AVX2 static double exp_sum_f64(double *x, ptrdiff_t n, double shift)
+{
+    const __m256d shift4 = _mm256_set1_pd(shift);
+    __m256d sum4 = _mm256_setzero_pd();
+    ptrdiff_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const __m256d e = exp_f64x4(_mm256_sub_pd(_mm256_loadu_pd(x + j), shift4));
+        _mm256_storeu_pd(x + j, e);
+        sum4 = _mm256_add_pd(sum4, e);
+    }
+    if (j < n) {
+        double tail[4];
+        const ptrdiff_t n_tail = n - j;
+        for (int l = 0; l < 4; ++l)
+            tail[l] = l < n_tail ? x[j + l] : -INFINITY;
+        const __m256d e = exp_f64x4(_mm256_sub_pd(_mm256_loadu_pd(tail), shift4));
+        _mm256_storeu_pd(tail, e);
+        for (ptrdiff_t l = 0; l < n_tail; ++l)
+            x[j + l] = tail[l];
+        sum4 = _mm256_add_pd(sum4, e);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, sum4);
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
+const ca_kernels ca_kernels_avx2 = {
+    "avx2",
+    16, 8,
+    16, 8,
+    score_f32, score_f64,
+    pv_f32, pv_f64,
+    row_max_f32, row_max_f64,
+    exp_sum_f32, exp_sum_f64,
+};
+
+#endif /* CA_HAVE_X86_KERNELS */

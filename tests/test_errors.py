@@ -1,0 +1,165 @@
+"""Error paths: every bad input raises a precise exception with a useful message."""
+
+import numpy as np
+import pytest
+
+import cattention as ca
+from reference import make_qkv, shapes_regex
+
+SUPPORTED_DTYPES_RE = r"(?s)(?=.*float32)(?=.*float64)"
+
+
+def _qkv(q_shape, k_shape, v_shape):
+    return make_qkv(0, q_shape, k_shape, v_shape)
+
+
+# ---------------------------------------------------------------------------
+# Shapes
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,bad", [
+    ((8,), (5, 8), (5, 3), (8,)),
+    ((3, 8), (8,), (5, 3), (8,)),
+    ((3, 8), (5, 8), (5,), (5,)),
+    ((), (5, 8), (5, 3), ()),
+])
+def test_ndim_below_two(q_shape, k_shape, v_shape, bad):
+    q, k, v = _qkv(q_shape, k_shape, v_shape)
+    with pytest.raises(ValueError, match=shapes_regex(bad)):
+        ca.attention(q, k, v)
+    if v_shape == (5, 3):  # attention_scores only sees q and k
+        with pytest.raises(ValueError, match=shapes_regex(bad)):
+            ca.attention_scores(q, k)
+
+
+@pytest.mark.parametrize("q_shape,k_shape", [
+    ((3, 8), (5, 7)),
+    ((2, 3, 8), (2, 5, 9)),
+    ((3, 1), (5, 8)),
+])
+def test_dk_mismatch_between_q_and_k(q_shape, k_shape):
+    q, k, v = _qkv(q_shape, k_shape, k_shape[:-1] + (4,))
+    with pytest.raises(ValueError, match=shapes_regex(q_shape, k_shape)):
+        ca.attention(q, k, v)
+    with pytest.raises(ValueError, match=shapes_regex(q_shape, k_shape)):
+        ca.attention_scores(q, k)
+
+
+@pytest.mark.parametrize("k_shape,v_shape", [
+    ((5, 8), (6, 4)),
+    ((2, 5, 8), (2, 4, 8)),
+    ((5, 8), (0, 8)),
+])
+def test_s_mismatch_between_k_and_v(k_shape, v_shape):
+    q, k, v = _qkv((3, 8), k_shape, v_shape)
+    with pytest.raises(ValueError, match=shapes_regex(k_shape, v_shape)):
+        ca.attention(q, k, v)
+    with pytest.raises(ValueError, match=shapes_regex(k_shape, v_shape)):
+        ca.attention(q, k, v, return_scores=True)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,offenders", [
+    ((2, 3, 8), (3, 5, 8), (3, 5, 4), [(2, 3, 8), (3, 5, 8)]),
+    ((2, 3, 8), (2, 5, 8), (3, 5, 4), [(2, 5, 8), (3, 5, 4)]),
+    ((4, 2, 3, 8), (3, 1, 5, 8), (5, 4), [(4, 2, 3, 8), (3, 1, 5, 8)]),
+])
+def test_unbroadcastable_batch(q_shape, k_shape, v_shape, offenders):
+    q, k, v = _qkv(q_shape, k_shape, v_shape)
+    with pytest.raises(ValueError, match=shapes_regex(*offenders)):
+        ca.attention(q, k, v)
+
+
+def test_unbroadcastable_batch_attention_scores():
+    q, k, _ = _qkv((2, 3, 8), (3, 5, 8), (5, 4))
+    with pytest.raises(ValueError, match=shapes_regex((2, 3, 8), (3, 5, 8))):
+        ca.attention_scores(q, k)
+
+
+@pytest.mark.parametrize("mask_shape", [
+    (4, 5),        # T mismatch (T = 3)
+    (3, 6),        # S mismatch (S = 5)
+    (6,),          # S mismatch, 1-D
+    (3, 3, 5),     # batch mismatch (batch = 2)
+    (2, 1, 3, 4),
+])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_unbroadcastable_mask(mask_shape, kind):
+    q, k, v = _qkv((2, 3, 8), (2, 5, 8), (2, 5, 4))
+    mask = np.ones(mask_shape, dtype=bool if kind == "bool" else np.float64)
+    with pytest.raises(ValueError, match=shapes_regex(mask_shape)):
+        ca.attention(q, k, v, mask=mask)
+    with pytest.raises(ValueError, match=shapes_regex(mask_shape)):
+        ca.attention_scores(q, k, mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+# ---------------------------------------------------------------------------
+
+BAD_DTYPE_MAKERS = {
+    "complex64": lambda x: x.astype(np.complex64),
+    "complex128": lambda x: x.astype(np.complex128),
+    "object": lambda x: x.astype(object),
+    "str": lambda x: x.astype(str),
+    "bytes": lambda x: x.astype(np.bytes_),
+}
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", list(BAD_DTYPE_MAKERS))
+def test_unsupported_dtype(bad, which):
+    arrays = dict(zip("qkv", _qkv((3, 4), (5, 4), (5, 2))))
+    arrays[which] = BAD_DTYPE_MAKERS[bad](arrays[which])
+    with pytest.raises(TypeError, match=SUPPORTED_DTYPES_RE):
+        ca.attention(arrays["q"], arrays["k"], arrays["v"])
+    if which != "v":
+        with pytest.raises(TypeError, match=SUPPORTED_DTYPES_RE):
+            ca.attention_scores(arrays["q"], arrays["k"])
+
+
+@pytest.mark.parametrize("mask_dtype", [np.int8, np.int32, np.int64, np.uint8])
+def test_integer_mask_is_type_error(mask_dtype):
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    mask = np.ones((3, 5), dtype=mask_dtype)
+    with pytest.raises(TypeError, match=r"(?i)mask"):
+        ca.attention(q, k, v, mask=mask)
+    with pytest.raises(TypeError, match=r"(?i)mask"):
+        ca.attention_scores(q, k, mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# scale
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [np.inf, -np.inf, np.nan, np.float32(np.nan)],
+                         ids=["inf", "-inf", "nan", "float32-nan"])
+def test_non_finite_scale(scale):
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    with pytest.raises(ValueError, match=r"(?i)scale"):
+        ca.attention(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match=r"(?i)scale"):
+        ca.attention_scores(q, k, scale=scale)
+
+
+def test_zero_dk_without_scale():
+    q, k, v = _qkv((3, 0), (5, 0), (5, 2))
+    with pytest.raises(ValueError, match=r"(?i)d_k|scale"):
+        ca.attention(q, k, v)
+
+
+# ---------------------------------------------------------------------------
+# Signature
+# ---------------------------------------------------------------------------
+
+def test_options_are_keyword_only():
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    with pytest.raises(TypeError, match=r"(?i)positional|argument"):
+        ca.attention(q, k, v, True)
+    with pytest.raises(TypeError, match=r"(?i)positional|argument"):
+        ca.attention_scores(q, k, True)
+
+
+def test_unknown_keyword():
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    with pytest.raises(TypeError, match=r"(?i)keyword|argument|casual"):
+        ca.attention(q, k, v, casual=True)

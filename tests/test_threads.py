@@ -1,0 +1,232 @@
+"""Threading: results are bitwise independent of the thread count; config API."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cattention as ca
+from reference import assert_bitwise_equal, make_qkv
+
+# Large enough for several row blocks (and several key blocks) per batch entry.
+T, S, D_K, D_V = 300, 517, 64, 40
+
+
+def _run(q, k, v, **kw):
+    attn, scores = ca.attention(q, k, v, return_scores=True, **kw)
+    attn_only = ca.attention(q, k, v, **kw)
+    scores_only = ca.attention_scores(q, k, **kw)
+    return attn, scores, attn_only, scores_only
+
+
+def _assert_all_bitwise(results_a, results_b):
+    for a, b in zip(results_a, results_b):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(T, S), (S, T)], ids=["T<S", "T>S"])
+def test_num_threads_keyword_bitwise(dtype, shape, causal):
+    t, s = shape
+    q, k, v = make_qkv(1, (t, D_K), (s, D_K), (s, D_V), dtype)
+    one = _run(q, k, v, causal=causal, num_threads=1)
+    for n in (2, 3, 7):  # 7 > cores and does not divide the row blocks evenly
+        _assert_all_bitwise(_run(q, k, v, causal=causal, num_threads=n), one)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_num_threads_bitwise_batched_with_mask(dtype, causal):
+    q, k, v = make_qkv(2, (3, 2, 150, 32), (1, 2, 211, 32), (3, 1, 211, 24), dtype)
+    rng = np.random.default_rng(3)
+    mask = rng.standard_normal((2, 150, 211)).astype(dtype)
+    mask[rng.random(mask.shape) < 0.3] = -np.inf
+    mask[:, 10] = -np.inf  # a fully masked row
+    one = _run(q, k, v, mask=mask, causal=causal, num_threads=1)
+    two = _run(q, k, v, mask=mask, causal=causal, num_threads=2)
+    _assert_all_bitwise(two, one)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_set_num_threads_bitwise(dtype, causal):
+    q, k, v = make_qkv(4, (2, T, D_K), (2, S, D_K), (2, S, D_V), dtype)
+    ca.set_num_threads(1)
+    one = _run(q, k, v, causal=causal)
+    ca.set_num_threads(2)
+    two = _run(q, k, v, causal=causal)
+    _assert_all_bitwise(two, one)
+    # and the keyword agrees with the global setting
+    _assert_all_bitwise(_run(q, k, v, causal=causal, num_threads=1), one)
+
+
+def test_single_row_many_threads(dtype):
+    q, k, v = make_qkv(5, (1, D_K), (S, D_K), (S, D_V), dtype)
+    _assert_all_bitwise(_run(q, k, v, num_threads=4), _run(q, k, v, num_threads=1))
+
+
+# ---------------------------------------------------------------------------
+# get/set_num_threads
+# ---------------------------------------------------------------------------
+
+def test_get_num_threads_default():
+    n = ca.get_num_threads()
+    assert isinstance(n, int) and not isinstance(n, bool)
+    assert n >= 1
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_set_get_roundtrip(n):
+    ca.set_num_threads(n)
+    assert ca.get_num_threads() == n
+
+
+def test_set_num_threads_none_restores_default():
+    default = ca.get_num_threads()  # the autouse fixture restored the default
+    ca.set_num_threads(1 if default != 1 else 2)
+    assert ca.get_num_threads() != default
+    ca.set_num_threads(None)
+    assert ca.get_num_threads() == default
+
+
+def test_num_threads_keyword_does_not_change_global():
+    ca.set_num_threads(2)
+    q, k, v = make_qkv(6, (5, 4), (6, 4), (6, 3))
+    ca.attention(q, k, v, num_threads=1)
+    ca.attention_scores(q, k, num_threads=1)
+    assert ca.get_num_threads() == 2
+
+
+BAD_NUM_THREADS = [
+    (0, ValueError),
+    (-1, ValueError),
+    (-8, ValueError),
+    (2.5, (ValueError, TypeError)),
+    ("x", (ValueError, TypeError)),
+]
+
+
+@pytest.mark.parametrize("value,exc", BAD_NUM_THREADS,
+                         ids=[repr(v) for v, _ in BAD_NUM_THREADS])
+def test_bad_num_threads_keyword(value, exc):
+    q, k, v = make_qkv(7, (5, 4), (6, 4), (6, 3))
+    with pytest.raises(exc, match=r"(?i)thread"):
+        ca.attention(q, k, v, num_threads=value)
+    with pytest.raises(exc, match=r"(?i)thread"):
+        ca.attention_scores(q, k, num_threads=value)
+
+
+@pytest.mark.parametrize("value,exc", BAD_NUM_THREADS,
+                         ids=[repr(v) for v, _ in BAD_NUM_THREADS])
+def test_bad_set_num_threads(value, exc):
+    before = ca.get_num_threads()
+    with pytest.raises(exc, match=r"(?i)thread"):
+        ca.set_num_threads(value)
+    assert ca.get_num_threads() == before
+
+
+def test_numpy_integer_num_threads_accepted():
+    q, k, v = make_qkv(8, (5, 4), (6, 4), (6, 3))
+    assert_bitwise_equal(ca.attention(q, k, v, num_threads=np.int64(2)),
+                         ca.attention(q, k, v, num_threads=1))
+    ca.set_num_threads(np.int32(1))
+    assert ca.get_num_threads() == 1
+
+
+# ---------------------------------------------------------------------------
+# show_config / __version__
+# ---------------------------------------------------------------------------
+
+def test_version_string():
+    assert isinstance(ca.__version__, str) and ca.__version__
+
+
+def test_show_config(capsys):
+    ca.show_config()
+    out = capsys.readouterr().out
+    assert ca.__version__ in out
+    assert "OpenMP" in out
+    assert "SIMD" in out
+
+
+def test_show_config_reports_active_simd_level(capsys, simd):
+    if simd is None:
+        pytest.skip("private SIMD API unavailable (reported by test_private_simd_api)")
+    ca.show_config()
+    assert simd in capsys.readouterr().out
+
+
+def test_omp_num_threads_is_honoured():
+    """num_threads=None follows OpenMP's setting, read at call time."""
+    if not ca._attention.openmp_enabled():
+        pytest.skip("serial build")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", "import cattention as ca; print(ca.get_num_threads())"],
+        env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
+
+
+def test_threadpoolctl_openmp_limit_is_honoured():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not ca._attention.openmp_enabled():
+        pytest.skip("serial build")
+    # the module must be loaded for threadpoolctl to find its OpenMP runtime
+    ca.attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)))
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        assert ca.get_num_threads() == 1
+    with threadpoolctl.threadpool_limits(2, user_api="openmp"):
+        assert ca.get_num_threads() == 2
+
+
+def test_gil_is_released_during_the_computation():
+    """Another Python thread keeps running while a long call is in C.
+
+    The main thread counts loop iterations while the worker is inside the
+    call. Were the GIL held, the main thread could run only within about one
+    switch interval around the call's start, a small fraction of a call that
+    lasts many intervals; released, it runs for most of the call."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((8, 1024, 64))
+    k = rng.standard_normal((8, 1024, 64))
+    v = rng.standard_normal((8, 1024, 64))
+    in_call = threading.Event()
+    done = threading.Event()
+    span = {}
+
+    def work():
+        in_call.set()
+        start = time.perf_counter()
+        ca.attention(q, k, v, num_threads=1)
+        span["seconds"] = time.perf_counter() - start
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    in_call.wait()
+    ticks = 0
+    loop_start = time.perf_counter()
+    while not done.is_set():
+        ticks += 1
+    loop_seconds = time.perf_counter() - loop_start
+    worker.join()
+    switch = sys.getswitchinterval()
+    assert span["seconds"] > 10 * switch, "call too short to tell"
+    # iterations happened over more than half of the call's duration: the
+    # loop kept its pace, measured on itself afterwards
+    rate = _loop_rate(done)
+    assert ticks / rate > 0.5 * min(span["seconds"], loop_seconds)
+
+
+def _loop_rate(event, seconds=0.05):
+    """Iterations per second of the same loop with no other thread running."""
+    ticks = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(1000):
+            ticks += 1
+            if not event.is_set():
+                break
+    return ticks / (time.perf_counter() - start)
