@@ -1,7 +1,9 @@
-"""Command line: ``python -m cattention [demo] | --version``.
+"""Command line: ``python -m cattention [demo | bench] | --version``.
 
 ``demo`` (the default) computes attention on a built-in workload, checks it
 against a float64 NumPy reference and prints timings beside NumPy.
+``bench`` times cattention beside NumPy and PyTorch on a grid of shapes
+(see ``cattention._bench``).
 """
 
 import argparse
@@ -10,7 +12,7 @@ import time
 
 import numpy as np
 
-from . import __version__, attention, get_num_threads, show_config
+from . import __version__, _bench, attention, get_num_threads, show_config
 
 
 def _numpy_attention(q, k, v, causal, scale):
@@ -85,7 +87,14 @@ def main(argv=None):
     run.add_argument("--keys", type=int, default=1024)
     run.add_argument("--dim", type=int, default=64)
     run.add_argument("--repeats", type=int, default=5)
+    bench = sub.add_parser(
+        "bench", help="time cattention beside NumPy and PyTorch on a grid of shapes",
+        description="Time cattention beside NumPy and PyTorch on a grid of attention "
+                    "shapes, round-robin in one process (method: cattention/_bench.py).")
+    _bench.add_arguments(bench)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench.main(args)
     if args.command is None:
         args = run.parse_args([], namespace=args)
     return demo(args.batch, args.heads, args.queries, args.keys, args.dim, args.repeats)

@@ -264,6 +264,11 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
+    if mask is None:
+        result = _attention.attention_fast(
+            q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
+        if result is not None:
+            return result
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores = _run(q, k, v, causal, mask, scale, True, bool(return_scores), num_threads)

@@ -16,12 +16,15 @@ Python layer (``_api.py``) has already validated shapes and dtypes, made the
 inputs aligned, and allocated the outputs.
 """
 
+import math
+
 import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport parallel, prange
-from libc.math cimport INFINITY, exp
+from libc.math cimport INFINITY, exp, isfinite, sqrt
 from libc.stdint cimport uint8_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 cnp.import_array()
@@ -32,27 +35,25 @@ ctypedef cnp.intp_t intp_t
 cdef extern from "kernels.h" nogil:
     ctypedef struct ca_kernels:
         const char *name
-        Py_ssize_t key_pad_f32
-        Py_ssize_t key_pad_f64
-        Py_ssize_t col_pad_f32
-        Py_ssize_t col_pad_f64
         void (*score_f32)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
-                          const float *kt, Py_ssize_t ldkt, Py_ssize_t n_cols,
+                          const float *kt, Py_ssize_t kt_panel_stride, Py_ssize_t n_cols,
                           Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds) noexcept nogil
         void (*score_f64)(const double *q, Py_ssize_t ldq, Py_ssize_t n_rows,
-                          const double *kt, Py_ssize_t ldkt, Py_ssize_t n_cols,
+                          const double *kt, Py_ssize_t kt_panel_stride, Py_ssize_t n_cols,
                           Py_ssize_t d_k, double factor, double *s, Py_ssize_t lds) noexcept nogil
         void (*pv_f32)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
-                       const float *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                       const float *v, Py_ssize_t v_panel_stride, Py_ssize_t n_keys,
                        Py_ssize_t n_vcols, float *acc, Py_ssize_t ldacc) noexcept nogil
         void (*pv_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
-                       const double *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                       const double *v, Py_ssize_t v_panel_stride, Py_ssize_t n_keys,
                        Py_ssize_t n_vcols, double *acc, Py_ssize_t ldacc) noexcept nogil
         float (*row_max_f32)(const float *x, Py_ssize_t n) noexcept nogil
         double (*row_max_f64)(const double *x, Py_ssize_t n) noexcept nogil
         float (*exp_sum_f32)(float *x, Py_ssize_t n, float shift) noexcept nogil
         double (*exp_sum_f64)(double *x, Py_ssize_t n, double shift) noexcept nogil
 
+    enum: CA_PANEL_F32
+    enum: CA_PANEL_F64
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)
@@ -103,17 +104,25 @@ cdef struct Problem:
     int mask_kind
     bint causal
     double scale                 # multiplies q.k
+    # K^T and V are packed once per distinct K/V batch entry, shared by every
+    # query block that reads them (a K/V broadcast over heads is packed once)
+    Py_ssize_t n_kv              # distinct K/V batch entries
+    const intp_t *kv_of_batch    # batch entry -> packed index
+    const intp_t *kv_source      # packed index -> a batch entry holding it
+    Py_ssize_t n_key_blocks
+    Py_ssize_t ld_k              # rows of a packed K^T block: max(d_k, 1)
+    Py_ssize_t ld_v              # length of a packed V row: d_v padded to PAD
+    void *packed_k               # blocks of ld_k x K_BLOCK, (kv, key block) order
+    void *packed_v               # K_BLOCK rows of ld_v per (kv, key block)
+    uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
 
 
 cdef struct Workspace:
     void *base
     intp_t *row_lo               # first visible key of each row in the item
     intp_t *row_hi               # one past the last visible key
-    Py_ssize_t ld_k              # = max(d_k, 1)
-    Py_ssize_t ld_s              # padded K_BLOCK
-    Py_ssize_t ld_v              # d_v padded to PAD
     # typed pointers are cast from these offsets for float or double
-    Py_ssize_t off_q, off_kt, off_s, off_v, off_acc, off_max, off_sum
+    Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
@@ -127,20 +136,13 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
     cdef Workspace *ws = <Workspace *>ca_aligned_alloc(sizeof(Workspace))
     if ws == NULL:
         return NULL
-    ws.ld_k = pb.d_k if pb.d_k > 0 else 1
-    ws.ld_s = round_up(K_BLOCK, PAD)
-    ws.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
     ws.off_q = n
-    n += round_up(n_rows * ws.ld_k, 16)
-    ws.off_kt = n
-    n += round_up(ws.ld_k * ws.ld_s, 16)
+    n += round_up(n_rows * pb.ld_k, 16)
     ws.off_s = n
-    n += round_up(n_rows * ws.ld_s, 16)
-    ws.off_v = n
-    n += round_up(K_BLOCK * ws.ld_v, 16)
+    n += round_up(n_rows * K_BLOCK, 16)
     ws.off_acc = n
-    n += round_up(n_rows * ws.ld_v, 16)
+    n += round_up(n_rows * pb.ld_v, 16)
     ws.off_max = n
     n += round_up(n_rows, 16)
     ws.off_sum = n
@@ -172,49 +174,85 @@ cdef void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
             q_packed[i * ld + c] = q_row[c * pb.q.col_stride]
 
 
+cdef inline Py_ssize_t panel_width(floating *dtype_tag) noexcept nogil:
+    if floating is float:
+        return CA_PANEL_F32
+    else:
+        return CA_PANEL_F64
+
+
 cdef void pack_keys_transposed(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
-                               Py_ssize_t n_keys, Py_ssize_t n_cols,
-                               floating *kt, Py_ssize_t ld) noexcept nogil:
-    """kt[c, j] = K[key0 + j, c]; columns n_keys..n_cols are zero."""
+                               Py_ssize_t n_keys, floating *kt) noexcept nogil:
+    """K[key0:key0 + n_keys]^T in panels (see kernels.h): key j, feature c at
+    kt[(j // P) * ld_k * P + c * P + j % P]; keys up to the panel's end are 0."""
     cdef const floating *k = <const floating *>pb.k.data + pb.k.batch_offset[b]
+    cdef Py_ssize_t P = panel_width(kt)
     cdef Py_ssize_t j, c
     cdef const floating *k_row
+    cdef floating *panel
     for j in range(n_keys):
         k_row = k + (key0 + j) * pb.k.row_stride
+        panel = kt + (j // P) * pb.ld_k * P + j % P
         for c in range(pb.d_k):
-            kt[c * ld + j] = k_row[c * pb.k.col_stride]
-    if n_cols > n_keys:
+            panel[c * P] = k_row[c * pb.k.col_stride]
+    for j in range(n_keys, round_up(n_keys, P)):
+        panel = kt + (j // P) * pb.ld_k * P + j % P
         for c in range(pb.d_k):
-            memset(&kt[c * ld + n_keys], 0, (n_cols - n_keys) * sizeof(floating))
+            panel[c * P] = 0
 
 
 cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
-                      Py_ssize_t n_keys, floating *v_packed,
-                      Py_ssize_t ld) noexcept nogil:
-    """Copy V rows key0..key0+n_keys (zero-padded to ld) with every NaN or Inf
-    replaced by 0; True if there was any (add_nonfinite_values then adds them
-    back for the rows that give their key a nonzero weight).
+                      Py_ssize_t n_keys, floating *v_packed) noexcept nogil:
+    """V[key0:key0 + n_keys] in panels (see kernels.h): key j, column c at
+    v_packed[(c // P) * K_BLOCK * P + j * P + c % P], zero past d_v.
 
-    A key of weight 0 then contributes fma(0, 0, acc) == acc, exactly what a
-    finite value would contribute, so a NaN or Inf in a masked-out value
-    changes no bit of the output."""
+    Every NaN or Inf is replaced by 0; returns True if there was any
+    (add_nonfinite_values then adds them back for the rows that give their
+    key a nonzero weight). A key of weight 0 thus contributes
+    fma(0, 0, acc) == acc, exactly what a finite value would, so a NaN or Inf
+    in a masked-out value changes no bit of the output."""
     cdef const floating *v = <const floating *>pb.v.data + pb.v.batch_offset[b]
+    cdef Py_ssize_t P = panel_width(v_packed)
     cdef Py_ssize_t j, c
     cdef const floating *v_row
     cdef floating x
     cdef bint nonfinite = False
     for j in range(n_keys):
         v_row = v + (key0 + j) * pb.v.row_stride
-        for c in range(pb.d_v):
-            x = v_row[c * pb.v.col_stride]
+        for c in range(pb.ld_v):
+            x = v_row[c * pb.v.col_stride] if c < pb.d_v else 0
             # x - x is 0 for finite x and NaN for NaN or +-Inf
             if (x - x) != 0:
                 nonfinite = True
                 x = 0
-            v_packed[j * ld + c] = x
-        if ld > pb.d_v:
-            memset(&v_packed[j * ld + pb.d_v], 0, (ld - pb.d_v) * sizeof(floating))
+            v_packed[(c // P) * K_BLOCK * P + j * P + c % P] = x
     return nonfinite
+
+
+cdef inline const floating *packed_keys(const Problem *pb, Py_ssize_t block,
+                                        floating *dtype_tag) noexcept nogil:
+    """K^T of packed block ``block`` (= kv * n_key_blocks + key block)."""
+    return <const floating *>pb.packed_k + block * pb.ld_k * K_BLOCK
+
+
+cdef inline const floating *packed_values(const Problem *pb, Py_ssize_t block,
+                                          floating *dtype_tag) noexcept nogil:
+    return <const floating *>pb.packed_v + block * K_BLOCK * pb.ld_v
+
+
+cdef void pack_block(Problem *pb, Py_ssize_t block, floating *dtype_tag) noexcept nogil:
+    """Pack K^T and V of one (kv, key block) from the caller's arrays."""
+    cdef Py_ssize_t kv = block // pb.n_key_blocks
+    cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK
+    cdef Py_ssize_t b = pb.kv_source[kv]
+    cdef Py_ssize_t n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
+    pack_keys_transposed(pb, b, key0, n_keys,
+                         <floating *>pb.packed_k + block * pb.ld_k * K_BLOCK)
+    if pb.d_v > 0:
+        pb.value_nonfinite[block] = pack_values(
+            pb, b, key0, n_keys, <floating *>pb.packed_v + block * K_BLOCK * pb.ld_v)
+    else:
+        pb.value_nonfinite[block] = 0
 
 
 cdef void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
@@ -312,23 +350,23 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
 
 
 cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,
-                              Py_ssize_t n_rows, const floating *kt, Py_ssize_t ldkt,
+                              Py_ssize_t n_rows, const floating *kt, Py_ssize_t kt_panel_stride,
                               Py_ssize_t n_cols, Py_ssize_t d_k, double factor,
                               floating *s, Py_ssize_t lds) noexcept nogil:
     if floating is float:
-        kern.score_f32(q, ldq, n_rows, kt, ldkt, n_cols, d_k, <float>factor, s, lds)
+        kern.score_f32(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, <float>factor, s, lds)
     else:
-        kern.score_f64(q, ldq, n_rows, kt, ldkt, n_cols, d_k, factor, s, lds)
+        kern.score_f64(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, factor, s, lds)
 
 
 cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,
                            Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v,
-                           Py_ssize_t ldv, Py_ssize_t n_keys, Py_ssize_t n_vcols,
+                           Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
                            floating *acc, Py_ssize_t ldacc) noexcept nogil:
     if floating is float:
-        kern.pv_f32(p, ldp, n_rows, v, ldv, n_keys, n_vcols, acc, ldacc)
+        kern.pv_f32(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc)
     else:
-        kern.pv_f64(p, ldp, n_rows, v, ldv, n_keys, n_vcols, acc, ldacc)
+        kern.pv_f64(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc)
 
 
 cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,
@@ -347,31 +385,24 @@ cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssiz
         return kern.exp_sum_f64(x, n, shift)
 
 
-cdef inline Py_ssize_t kernel_key_pad(const ca_kernels *kern, floating *dummy) noexcept nogil:
-    if floating is float:
-        return kern.key_pad_f32
-    else:
-        return kern.key_pad_f64
-
-
 cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                       Py_ssize_t b, Py_ssize_t row0, Py_ssize_t n_rows,
                       floating *out) noexcept nogil:
     """ATTN for one block of query rows, streaming key blocks (no SCORES)."""
     cdef floating *q_packed = <floating *>ws.base + ws.off_q
-    cdef floating *kt = <floating *>ws.base + ws.off_kt
     cdef floating *s = <floating *>ws.base + ws.off_s
-    cdef floating *v_packed = <floating *>ws.base + ws.off_v
+    cdef const floating *kt
+    cdef const floating *v_packed
+    cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
-    cdef Py_ssize_t key_pad = kernel_key_pad(kern, q_packed)
+    cdef Py_ssize_t P = panel_width(q_packed)
     cdef Py_ssize_t i, c, key0, n_keys, first_key, last_key
     cdef floating tile_max, alpha
     cdef floating *s_row
     cdef floating *acc_row
     cdef floating *out_row
-    cdef bint nonfinite
 
     visible_ranges(pb, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key = pb.n_keys
@@ -384,20 +415,20 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                 last_key = ws.row_hi[i]
         row_max[i] = -INFINITY
         row_sum[i] = 0
-    memset(acc, 0, n_rows * ws.ld_v * sizeof(floating))
+    memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
 
     if last_key > first_key:
-        pack_queries(pb, b, row0, n_rows, q_packed, ws.ld_k)
+        pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
         key0 = (first_key // K_BLOCK) * K_BLOCK
         while key0 < last_key:
             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
-            pack_keys_transposed(pb, b, key0, n_keys, round_up(n_keys, key_pad), kt, ws.ld_s)
-            kernel_score(kern, q_packed, ws.ld_k, n_rows, kt, ws.ld_s,
-                         round_up(n_keys, key_pad), pb.d_k, pb.scale, s, ws.ld_s)
-            mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, ws.ld_s)
+            kt = packed_keys(pb, first_packed + key0 // K_BLOCK, q_packed)
+            kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
+                         round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+            mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             for i in range(n_rows):
-                s_row = s + i * ws.ld_s
+                s_row = s + i * K_BLOCK
                 tile_max = kernel_row_max(kern, s_row, n_keys)
                 if tile_max == -INFINITY:
                     # nothing visible in this block: weights exactly zero
@@ -411,16 +442,16 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                     if row_max[i] != -INFINITY:
                         alpha = <floating>exp(row_max[i] - tile_max)
                         row_sum[i] *= alpha
-                        acc_row = acc + i * ws.ld_v
+                        acc_row = acc + i * pb.ld_v
                         for c in range(pb.d_v):
                             acc_row[c] *= alpha
                     row_max[i] = tile_max
                 row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
-            nonfinite = pack_values(pb, b, key0, n_keys, v_packed, ws.ld_v)
-            kernel_pv(kern, s, ws.ld_s, n_rows, v_packed, ws.ld_v, n_keys,
-                      ws.ld_v, acc, ws.ld_v)
-            if nonfinite:
-                add_nonfinite_values(pb, b, key0, n_keys, s, ws.ld_s, n_rows, acc, ws.ld_v)
+            v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
+            kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, K_BLOCK * P, n_keys,
+                      pb.ld_v, acc, pb.ld_v)
+            if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
+                add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
 
     for i in range(n_rows):
@@ -429,7 +460,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             # a row that sees no key gives zeros, not 0/0
             memset(out_row, 0, pb.d_v * sizeof(floating))
         else:
-            acc_row = acc + i * ws.ld_v
+            acc_row = acc + i * pb.ld_v
             for c in range(pb.d_v):
                 out_row[c] = acc_row[c] / row_sum[i]
 
@@ -443,19 +474,19 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     The rows of the caller's SCORES array are the scratch: logits are written
     there, then turned into weights in place, then multiplied by V."""
     cdef floating *q_packed = <floating *>ws.base + ws.off_q
-    cdef floating *kt = <floating *>ws.base + ws.off_kt
     cdef floating *s = <floating *>ws.base + ws.off_s
-    cdef floating *v_packed = <floating *>ws.base + ws.off_v
+    cdef const floating *kt
+    cdef const floating *v_packed
+    cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
-    cdef Py_ssize_t key_pad = kernel_key_pad(kern, q_packed)
+    cdef Py_ssize_t P = panel_width(q_packed)
     cdef Py_ssize_t n_keys_total = pb.n_keys
     cdef Py_ssize_t i, j, c, key0, n_keys, first_key, last_key, first_block
     cdef floating tile_max, row_total
     cdef floating *s_row
     cdef floating *scores_row
     cdef floating *scores_block = scores + (b * pb.n_queries + row0) * n_keys_total
-    cdef bint nonfinite
 
     visible_ranges(pb, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key = n_keys_total
@@ -476,7 +507,7 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         return
 
     first_block = (first_key // K_BLOCK) * K_BLOCK
-    pack_queries(pb, b, row0, n_rows, q_packed, ws.ld_k)
+    pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
     # pass 1: masked logits into SCORES, keys nobody sees as zeros
     for i in range(n_rows):
         scores_row = scores_block + i * n_keys_total
@@ -488,12 +519,12 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
         if key0 + n_keys > last_key:
             n_keys = last_key - key0
-        pack_keys_transposed(pb, b, key0, n_keys, round_up(n_keys, key_pad), kt, ws.ld_s)
-        kernel_score(kern, q_packed, ws.ld_k, n_rows, kt, ws.ld_s,
-                     round_up(n_keys, key_pad), pb.d_k, pb.scale, s, ws.ld_s)
-        mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, ws.ld_s)
+        kt = packed_keys(pb, first_packed + key0 // K_BLOCK, q_packed)
+        kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
+                     round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+        mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
         for i in range(n_rows):
-            s_row = s + i * ws.ld_s
+            s_row = s + i * K_BLOCK
             scores_row = scores_block + i * n_keys_total + key0
             for j in range(n_keys):
                 scores_row[j] = s_row[j]
@@ -517,20 +548,20 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         return
 
     # pass 3: ATTN = SCORES . V
-    memset(acc, 0, n_rows * ws.ld_v * sizeof(floating))
+    memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
     key0 = first_block
     while key0 < last_key:
         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
-        nonfinite = pack_values(pb, b, key0, n_keys, v_packed, ws.ld_v)
+        v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
         kernel_pv(kern, scores_block + key0, n_keys_total, n_rows,
-                  v_packed, ws.ld_v, n_keys, ws.ld_v, acc, ws.ld_v)
-        if nonfinite:
+                  v_packed, K_BLOCK * P, n_keys, pb.ld_v, acc, pb.ld_v)
+        if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
             add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, n_keys_total,
-                                 n_rows, acc, ws.ld_v)
+                                 n_rows, acc, pb.ld_v)
         key0 += K_BLOCK
     for i in range(n_rows):
         for c in range(pb.d_v):
-            out[(b * pb.n_queries + row0 + i) * pb.d_v + c] = acc[i * ws.ld_v + c]
+            out[(b * pb.n_queries + row0 + i) * pb.d_v + c] = acc[i * pb.ld_v + c]
 
 
 cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -550,37 +581,53 @@ cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *
         attend_item(pb, kern, ws, b, row0, n_rows, out)
 
 
-cdef int run_problem(const Problem *pb, const ca_kernels *kern, int n_threads,
+cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
                      floating *out, floating *scores) noexcept nogil:
-    """All work items; returns 0, or -1 if a thread's scratch could not be had."""
+    """Pack K/V, then all work items; returns 0, or -1 if memory ran out."""
     cdef Py_ssize_t n_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
     cdef Py_ssize_t n_items = n_blocks * pb.n_batch
-    cdef Py_ssize_t item
+    cdef Py_ssize_t n_packed = pb.n_kv * pb.n_key_blocks
+    cdef Py_ssize_t item, block
     cdef Workspace *ws = NULL
     cdef int status = 0
     cdef int *status_ptr = &status
     cdef size_t itemsize = sizeof(floating)
+    cdef int n_workers = n_threads
     if n_items == 0:
         return 0
-    if n_threads > n_items:
-        n_threads = <int>n_items
-    if n_threads <= 1:
+    if n_workers > n_items:
+        n_workers = <int>n_items
+    pb.packed_k = ca_aligned_alloc(n_packed * pb.ld_k * K_BLOCK * itemsize)
+    pb.packed_v = ca_aligned_alloc(n_packed * K_BLOCK * pb.ld_v * itemsize)
+    pb.value_nonfinite = <uint8_t *>ca_aligned_alloc(n_packed)
+    if pb.packed_k == NULL or pb.packed_v == NULL or pb.value_nonfinite == NULL:
+        status = -1
+    elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
         if ws == NULL:
-            return -1
-        for item in range(n_items):
-            run_item(pb, kern, ws, item, n_blocks, out, scores)
-        workspace_delete(ws)
-        return 0
-    with parallel(num_threads=n_threads):
-        # assigned inside the parallel block, so private to each thread
-        ws = workspace_new(pb, itemsize)
-        if ws == NULL:
-            status_ptr[0] = -1
-        for item in prange(n_items, schedule='dynamic'):
-            if ws != NULL:
+            status = -1
+        else:
+            for block in range(n_packed):
+                pack_block(pb, block, out)
+            for item in range(n_items):
                 run_item(pb, kern, ws, item, n_blocks, out, scores)
-        workspace_delete(ws)
+            workspace_delete(ws)
+    else:
+        with parallel(num_threads=n_workers):
+            # assigned inside the parallel block, so private to each thread
+            ws = workspace_new(pb, itemsize)
+            if ws == NULL:
+                status_ptr[0] = -1
+            for block in prange(n_packed, schedule='static'):
+                pack_block(pb, block, out)
+            # (the end of a prange is a barrier: every block is packed here)
+            for item in prange(n_items, schedule='dynamic'):
+                if ws != NULL:
+                    run_item(pb, kern, ws, item, n_blocks, out, scores)
+            workspace_delete(ws)
+    ca_aligned_free(pb.packed_k)
+    ca_aligned_free(pb.packed_v)
+    ca_aligned_free(pb.value_nonfinite)
     return status
 
 
@@ -633,31 +680,27 @@ def max_threads():
     return omp_get_max_threads()
 
 
-cdef cnp.ndarray batch_offsets(cnp.ndarray arr, tuple batch_shape):
+cdef void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
+                             const Py_ssize_t *batch_shape, intp_t *out):
     """Element offset of each entry of the broadcast batch, in C order.
 
     ``arr``'s leading dimensions broadcast against ``batch_shape`` (aligned on
     the right); a dimension of size 1 or a missing one advances by 0, so
     shared K/V are never copied."""
-    cdef Py_ssize_t n_batch_dims = len(batch_shape)
     cdef Py_ssize_t arr_batch_dims = cnp.PyArray_NDIM(arr) - 2
     cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(arr)
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t d, a, i, offset
-    cdef Py_ssize_t shape[64]
     cdef Py_ssize_t stride[64]
     cdef Py_ssize_t index[64]
     for d in range(n_batch_dims):
-        shape[d] = batch_shape[d]
-        n_batch *= shape[d]
+        n_batch *= batch_shape[d]
         a = d - (n_batch_dims - arr_batch_dims)
         if a >= 0 and cnp.PyArray_DIM(arr, a) != 1:
             stride[d] = cnp.PyArray_STRIDE(arr, a) // itemsize
         else:
             stride[d] = 0
         index[d] = 0
-    cdef cnp.ndarray result = np.empty(n_batch, dtype=np.intp)
-    cdef intp_t *out = <intp_t *>cnp.PyArray_DATA(result)
     offset = 0
     for i in range(n_batch):
         out[i] = offset
@@ -666,19 +709,90 @@ cdef cnp.ndarray batch_offsets(cnp.ndarray arr, tuple batch_shape):
         while d >= 0:
             index[d] += 1
             offset += stride[d]
-            if index[d] < shape[d]:
+            if index[d] < batch_shape[d]:
                 break
-            offset -= stride[d] * shape[d]
+            offset -= stride[d] * batch_shape[d]
             index[d] = 0
             d -= 1
+
+
+cdef cnp.ndarray batch_offsets(cnp.ndarray arr, tuple batch_shape):
+    cdef Py_ssize_t n_batch_dims = len(batch_shape)
+    cdef Py_ssize_t shape[64]
+    cdef Py_ssize_t d
+    for d in range(n_batch_dims):
+        shape[d] = batch_shape[d]
+    cdef cnp.ndarray result = np.empty(math.prod(batch_shape), dtype=np.intp)
+    fill_batch_offsets(arr, n_batch_dims, shape, <intp_t *>cnp.PyArray_DATA(result))
     return result
 
 
+cdef tuple distinct_kv(cnp.ndarray k_off, cnp.ndarray v_off):
+    """(kv index of each batch entry, a batch entry of each kv index): batch
+    entries reading the same K and V share one packed copy."""
+    cdef Py_ssize_t n_batch = k_off.shape[0]
+    cdef const intp_t *k_at = <const intp_t *>cnp.PyArray_DATA(k_off)
+    cdef const intp_t *v_at = NULL
+    cdef cnp.ndarray kv_of_batch = np.empty(n_batch, dtype=np.intp)
+    cdef intp_t *kv_of = <intp_t *>cnp.PyArray_DATA(kv_of_batch)
+    cdef Py_ssize_t b
+    cdef dict seen = {}
+    cdef list sources = []
+    if v_off is not None:
+        v_at = <const intp_t *>cnp.PyArray_DATA(v_off)
+    for b in range(n_batch):
+        key = (k_at[b], v_at[b] if v_at != NULL else 0)
+        index = seen.get(key)
+        if index is None:
+            index = len(sources)
+            seen[key] = index
+            sources.append(b)
+        kv_of[b] = index
+    return kv_of_batch, np.array(sources, dtype=np.intp)
+
+
 cdef void fill_operand(Operand *op, cnp.ndarray arr, cnp.ndarray offsets):
+    fill_operand_at(op, arr, <const intp_t *>cnp.PyArray_DATA(offsets))
+
+
+cdef void set_packing(Problem *pb) noexcept:
+    pb.ld_k = pb.d_k if pb.d_k > 0 else 1
+    pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
+    pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
+
+
+cdef int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
+                 cnp.ndarray out, cnp.ndarray scores):
+    """Run with the GIL released on float or double outputs (either may be None)."""
+    cdef int status
+    cdef int threads = <int>n_threads if n_threads < 1 << 30 else 1 << 30
+    cdef float *out_f32 = NULL
+    cdef float *scores_f32 = NULL
+    cdef double *out_f64 = NULL
+    cdef double *scores_f64 = NULL
+    cdef cnp.ndarray any_output = out if out is not None else scores
+    if cnp.PyArray_TYPE(any_output) == cnp.NPY_FLOAT64:
+        if out is not None:
+            out_f64 = <double *>cnp.PyArray_DATA(out)
+        if scores is not None:
+            scores_f64 = <double *>cnp.PyArray_DATA(scores)
+        with nogil:
+            status = run_problem(pb, kern, threads, out_f64, scores_f64)
+    else:
+        if out is not None:
+            out_f32 = <float *>cnp.PyArray_DATA(out)
+        if scores is not None:
+            scores_f32 = <float *>cnp.PyArray_DATA(scores)
+        with nogil:
+            status = run_problem(pb, kern, threads, out_f32, scores_f32)
+    return status
+
+
+cdef void fill_operand_at(Operand *op, cnp.ndarray arr, const intp_t *offsets):
     cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(arr)
     cdef int ndim = cnp.PyArray_NDIM(arr)
     op.data = <const char *>cnp.PyArray_DATA(arr)
-    op.batch_offset = <const intp_t *>cnp.PyArray_DATA(offsets)
+    op.batch_offset = offsets
     op.row_stride = cnp.PyArray_STRIDE(arr, ndim - 2) // itemsize if cnp.PyArray_DIM(arr, ndim - 2) != 1 else 0
     op.col_stride = cnp.PyArray_STRIDE(arr, ndim - 1) // itemsize if cnp.PyArray_DIM(arr, ndim - 1) != 1 else 0
 
@@ -696,13 +810,13 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     ``v`` may be None when ``out`` is None."""
     cdef Problem pb
     cdef cnp.ndarray q_off = batch_offsets(q, batch_shape)
+    cdef cnp.ndarray kv_of_batch, kv_source
     cdef cnp.ndarray k_off = batch_offsets(k, batch_shape)
     cdef cnp.ndarray v_off = None
     cdef cnp.ndarray mask_off = None
     cdef cnp.ndarray mask_arr
     cdef int status
     cdef const ca_kernels *kern = _kernels
-    cdef bint is_double = q.dtype == np.float64
 
     pb.n_batch = q_off.shape[0]
     pb.n_queries = cnp.PyArray_DIM(q, q.ndim - 2)
@@ -719,6 +833,11 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     else:
         pb.v = pb.k
         pb.d_v = 0
+    set_packing(&pb)
+    kv_of_batch, kv_source = distinct_kv(k_off, v_off)
+    pb.n_kv = kv_source.shape[0]
+    pb.kv_of_batch = <const intp_t *>cnp.PyArray_DATA(kv_of_batch)
+    pb.kv_source = <const intp_t *>cnp.PyArray_DATA(kv_source)
     pb.mask_kind = MASK_NONE
     pb.mask = pb.q
     if mask is not None:
@@ -732,23 +851,128 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         else:
             pb.mask_kind = MASK_F64
 
-    cdef float *out_f32 = NULL
-    cdef float *scores_f32 = NULL
-    cdef double *out_f64 = NULL
-    cdef double *scores_f64 = NULL
-    if is_double:
-        if out is not None:
-            out_f64 = <double *>cnp.PyArray_DATA(out)
-        if scores is not None:
-            scores_f64 = <double *>cnp.PyArray_DATA(scores)
-        with nogil:
-            status = run_problem(&pb, kern, num_threads, out_f64, scores_f64)
-    else:
-        if out is not None:
-            out_f32 = <float *>cnp.PyArray_DATA(out)
-        if scores is not None:
-            scores_f32 = <float *>cnp.PyArray_DATA(scores)
-        with nogil:
-            status = run_problem(&pb, kern, num_threads, out_f32, scores_f32)
+    status = run_any(&pb, kern, num_threads, out, scores)
     if status != 0:
-        raise MemoryError("cattention: could not allocate per-thread scratch")
+        raise MemoryError("cattention: could not allocate scratch memory")
+
+
+cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
+    """Aligned, of type_num, every stride a multiple of the itemsize."""
+    cdef int d
+    cdef Py_ssize_t itemsize
+    if cnp.PyArray_TYPE(arr) != type_num or not cnp.PyArray_ISALIGNED(arr):
+        return False
+    itemsize = cnp.PyArray_ITEMSIZE(arr)
+    for d in range(cnp.PyArray_NDIM(arr)):
+        if cnp.PyArray_STRIDE(arr, d) % itemsize != 0:
+            return False
+    return True
+
+
+def attention_fast(object q, object k, object v, bint causal, object scale,
+                   object num_threads, bint return_scores, object thread_limit):
+    """``attention`` for the common case with no Python-level overhead, or
+    None when the general path (``_api._run``) must handle the call.
+
+    Common: q, k, v are ndarrays of one dtype (float32 or float64) and one
+    ndim, with equal leading dimensions, aligned, element-multiple strides,
+    nonempty, no mask, and scale/num_threads of plain types. Anything else,
+    including every error, goes to the general path."""
+    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+        return None
+    cdef cnp.ndarray qa = <cnp.ndarray>q
+    cdef cnp.ndarray ka = <cnp.ndarray>k
+    cdef cnp.ndarray va = <cnp.ndarray>v
+    cdef int type_num = cnp.PyArray_TYPE(qa)
+    cdef int ndim = cnp.PyArray_NDIM(qa)
+    cdef int d
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t shape[64]
+    cdef double scale_value
+    cdef Py_ssize_t threads
+    if type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT64:
+        return None
+    if ndim < 2 or cnp.PyArray_NDIM(ka) != ndim or cnp.PyArray_NDIM(va) != ndim:
+        return None
+    if not (usable_input(qa, type_num) and usable_input(ka, type_num)
+            and usable_input(va, type_num)):
+        return None
+    for d in range(ndim - 2):
+        shape[d] = cnp.PyArray_DIM(qa, d)
+        if cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:
+            return None
+        n_batch *= shape[d]
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, ndim - 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(qa, ndim - 1)
+    cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)
+    cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)
+    if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys
+            or n_batch == 0 or n_queries == 0):
+        return None
+    if scale is None:
+        if d_k == 0:
+            return None
+        scale_value = 1.0 / sqrt(<double>d_k)
+    elif isinstance(scale, float):
+        scale_value = scale
+        if not isfinite(scale_value):
+            return None
+    else:
+        return None
+    if num_threads is None:
+        threads = thread_limit if thread_limit is not None else omp_get_max_threads()
+    elif type(num_threads) is int and num_threads >= 1:
+        threads = num_threads
+    else:
+        return None
+    if threads < 1:
+        threads = 1
+
+    shape[ndim - 2] = n_queries
+    shape[ndim - 1] = d_v
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+    cdef cnp.ndarray scores = None
+    if return_scores:
+        shape[ndim - 1] = n_keys
+        scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+
+    cdef intp_t *offsets = <intp_t *>malloc(5 * n_batch * sizeof(intp_t))
+    if offsets == NULL:
+        raise MemoryError()
+    cdef Problem pb
+    cdef Py_ssize_t b
+    cdef int status
+    cdef const ca_kernels *kern = _kernels
+    try:
+        fill_batch_offsets(qa, ndim - 2, shape, offsets)
+        fill_batch_offsets(ka, ndim - 2, shape, offsets + n_batch)
+        fill_batch_offsets(va, ndim - 2, shape, offsets + 2 * n_batch)
+        # every batch entry packs its own K/V (shared ones are found on the
+        # general path; packing a duplicate changes no result)
+        for b in range(n_batch):
+            offsets[3 * n_batch + b] = b
+            offsets[4 * n_batch + b] = b
+        pb.n_batch = n_batch
+        pb.n_queries = n_queries
+        pb.n_keys = n_keys
+        pb.d_k = d_k
+        pb.d_v = d_v
+        pb.causal = causal
+        pb.scale = scale_value
+        fill_operand_at(&pb.q, qa, offsets)
+        fill_operand_at(&pb.k, ka, offsets + n_batch)
+        fill_operand_at(&pb.v, va, offsets + 2 * n_batch)
+        pb.mask_kind = MASK_NONE
+        pb.mask = pb.q
+        pb.n_kv = n_batch
+        pb.kv_of_batch = offsets + 3 * n_batch
+        pb.kv_source = offsets + 4 * n_batch
+        set_packing(&pb)
+        status = run_any(&pb, kern, threads, out, scores)
+    finally:
+        free(offsets)
+    if status != 0:
+        raise MemoryError("cattention: could not allocate scratch memory")
+    if return_scores:
+        return out, scores
+    return out

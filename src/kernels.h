@@ -7,19 +7,29 @@
  * Every instruction set provides the same table (ca_kernels); one is chosen at
  * import after a CPUID/XGETBV check and may be forced with CATTENTION_SIMD.
  *
- * Packed layouts (all row-major, allocated by the driver):
- *   q   n_rows x d_k, leading dimension ldq
- *   kt  d_k x n_cols, leading dimension ldkt  (K transposed; n_cols is a
- *       multiple of key_pad and columns past the real keys are zero)
- *   s   n_rows x n_cols, leading dimension lds
- *   v   n_keys x n_vcols, leading dimension ldv (n_vcols a multiple of
- *       col_pad, zero past d_v)
- *   acc n_rows x n_vcols, leading dimension ldacc
+ * Layouts (allocated and packed by the driver):
+ *   q   n_rows x d_k, row-major, leading dimension ldq
+ *   kt  K transposed in panels of CA_PANEL keys: panel p holds keys
+ *       p*CA_PANEL.. as d_k rows of CA_PANEL contiguous values, and starts
+ *       at kt + p * kt_panel_stride. Keys past the real ones are zero.
+ *   v   V in panels of CA_PANEL columns: panel p holds columns p*CA_PANEL..
+ *       as n_keys rows of CA_PANEL contiguous values, starting at
+ *       v + p * v_panel_stride. Columns past d_v are zero.
+ *   s   n_rows x n_cols, row-major, leading dimension lds
+ *   acc n_rows x n_vcols, row-major, leading dimension ldacc
+ * Panels make every kernel stream contiguous memory: a plain row-major K^T
+ * with 256 keys a row puts successive rows 1 KiB apart, so a 16-key strip
+ * maps onto a quarter of the L1 sets and is evicted before it is reused.
+ * n_cols and n_vcols are multiples of CA_PANEL.
  */
 #ifndef CATTENTION_KERNELS_H
 #define CATTENTION_KERNELS_H
 
 #include <stddef.h>
+
+/* panel width: one 64-byte cache line of floats or doubles */
+#define CA_PANEL_F32 16
+#define CA_PANEL_F64 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -27,27 +37,22 @@ extern "C" {
 
 typedef struct ca_kernels {
     const char *name;
-    /* Column counts of packed K^T and of packed V / accumulators must be
-       multiples of these (elements). */
-    ptrdiff_t key_pad_f32, key_pad_f64;
-    ptrdiff_t col_pad_f32, col_pad_f64;
-
     /* s = factor * (q . kt)  (overwrites s); factor is the softmax scale.
        Scaling the finished dot product rather than q keeps one rounding
        out of every logit. */
     void (*score_f32)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
-                      const float *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                      const float *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
                       ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds);
     void (*score_f64)(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
-                      const double *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                      const double *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
                       ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds);
 
     /* acc += p . v  over n_keys keys (accumulates into acc) */
     void (*pv_f32)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
-                   const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                   const float *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys,
                    ptrdiff_t n_vcols, float *acc, ptrdiff_t ldacc);
     void (*pv_f64)(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
-                   const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                   const double *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys,
                    ptrdiff_t n_vcols, double *acc, ptrdiff_t ldacc);
 
     /* max(x[0..n)); -inf when n == 0 or every entry is -inf; NaN if any

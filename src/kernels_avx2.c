@@ -52,21 +52,22 @@ CA_TILE void score_tile_f32(const float *q, ptrdiff_t ldq, const float *kt,
 }
 
 CA_AVX2 static void score_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
-                              const float *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                              const float *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
                               ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds)
 {
-    for (ptrdiff_t j = 0; j < n_cols; j += 16) {
+    for (ptrdiff_t j = 0; j < n_cols; j += CA_PANEL_F32) {
+        const float *panel = kt + (j / CA_PANEL_F32) * kt_panel_stride;
         ptrdiff_t i = 0;
         for (; i + MR <= n_rows; i += MR)
-            score_tile_f32(q + i * ldq, ldq, kt + j, ldkt, d_k, factor, s + i * lds + j, lds, MR);
+            score_tile_f32(q + i * ldq, ldq, panel, CA_PANEL_F32, d_k, factor, s + i * lds + j, lds, MR);
         const float *q_tail = q + i * ldq;
         float *s_tail = s + i * lds + j;
         switch (n_rows - i) {
-        case 5: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 5); break;
-        case 4: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 4); break;
-        case 3: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 3); break;
-        case 2: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 2); break;
-        case 1: score_tile_f32(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 1); break;
+        case 5: score_tile_f32(q_tail, ldq, panel, CA_PANEL_F32, d_k, factor, s_tail, lds, 5); break;
+        case 4: score_tile_f32(q_tail, ldq, panel, CA_PANEL_F32, d_k, factor, s_tail, lds, 4); break;
+        case 3: score_tile_f32(q_tail, ldq, panel, CA_PANEL_F32, d_k, factor, s_tail, lds, 3); break;
+        case 2: score_tile_f32(q_tail, ldq, panel, CA_PANEL_F32, d_k, factor, s_tail, lds, 2); break;
+        case 1: score_tile_f32(q_tail, ldq, panel, CA_PANEL_F32, d_k, factor, s_tail, lds, 1); break;
         default: break;
         }
     }
@@ -102,21 +103,22 @@ CA_TILE void pv_tile_f32(const float *p, ptrdiff_t ldp, const float *v,
 }
 
 CA_AVX2 static void pv_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
-                           const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                           const float *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys,
                            ptrdiff_t n_vcols, float *acc, ptrdiff_t ldacc)
 {
-    for (ptrdiff_t c = 0; c < n_vcols; c += 16) {
+    for (ptrdiff_t c = 0; c < n_vcols; c += CA_PANEL_F32) {
+        const float *panel = v + (c / CA_PANEL_F32) * v_panel_stride;
         ptrdiff_t i = 0;
         for (; i + MR <= n_rows; i += MR)
-            pv_tile_f32(p + i * ldp, ldp, v + c, ldv, n_keys, acc + i * ldacc + c, ldacc, MR);
+            pv_tile_f32(p + i * ldp, ldp, panel, CA_PANEL_F32, n_keys, acc + i * ldacc + c, ldacc, MR);
         const float *p_tail = p + i * ldp;
         float *acc_tail = acc + i * ldacc + c;
         switch (n_rows - i) {
-        case 5: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 5); break;
-        case 4: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 4); break;
-        case 3: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 3); break;
-        case 2: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 2); break;
-        case 1: pv_tile_f32(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 1); break;
+        case 5: pv_tile_f32(p_tail, ldp, panel, CA_PANEL_F32, n_keys, acc_tail, ldacc, 5); break;
+        case 4: pv_tile_f32(p_tail, ldp, panel, CA_PANEL_F32, n_keys, acc_tail, ldacc, 4); break;
+        case 3: pv_tile_f32(p_tail, ldp, panel, CA_PANEL_F32, n_keys, acc_tail, ldacc, 3); break;
+        case 2: pv_tile_f32(p_tail, ldp, panel, CA_PANEL_F32, n_keys, acc_tail, ldacc, 2); break;
+        case 1: pv_tile_f32(p_tail, ldp, panel, CA_PANEL_F32, n_keys, acc_tail, ldacc, 1); break;
         default: break;
         }
     }
@@ -223,21 +225,22 @@ CA_TILE void score_tile_f64(const double *q, ptrdiff_t ldq, const double *kt,
 }
 
 CA_AVX2 static void score_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
-                              const double *kt, ptrdiff_t ldkt, ptrdiff_t n_cols,
+                              const double *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
                               ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds)
 {
-    for (ptrdiff_t j = 0; j < n_cols; j += 8) {
+    for (ptrdiff_t j = 0; j < n_cols; j += CA_PANEL_F64) {
+        const double *panel = kt + (j / CA_PANEL_F64) * kt_panel_stride;
         ptrdiff_t i = 0;
         for (; i + MR <= n_rows; i += MR)
-            score_tile_f64(q + i * ldq, ldq, kt + j, ldkt, d_k, factor, s + i * lds + j, lds, MR);
+            score_tile_f64(q + i * ldq, ldq, panel, CA_PANEL_F64, d_k, factor, s + i * lds + j, lds, MR);
         const double *q_tail = q + i * ldq;
         double *s_tail = s + i * lds + j;
         switch (n_rows - i) {
-        case 5: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 5); break;
-        case 4: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 4); break;
-        case 3: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 3); break;
-        case 2: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 2); break;
-        case 1: score_tile_f64(q_tail, ldq, kt + j, ldkt, d_k, factor, s_tail, lds, 1); break;
+        case 5: score_tile_f64(q_tail, ldq, panel, CA_PANEL_F64, d_k, factor, s_tail, lds, 5); break;
+        case 4: score_tile_f64(q_tail, ldq, panel, CA_PANEL_F64, d_k, factor, s_tail, lds, 4); break;
+        case 3: score_tile_f64(q_tail, ldq, panel, CA_PANEL_F64, d_k, factor, s_tail, lds, 3); break;
+        case 2: score_tile_f64(q_tail, ldq, panel, CA_PANEL_F64, d_k, factor, s_tail, lds, 2); break;
+        case 1: score_tile_f64(q_tail, ldq, panel, CA_PANEL_F64, d_k, factor, s_tail, lds, 1); break;
         default: break;
         }
     }
@@ -272,21 +275,22 @@ CA_TILE void pv_tile_f64(const double *p, ptrdiff_t ldp, const double *v,
 }
 
 CA_AVX2 static void pv_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
-                           const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                           const double *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys,
                            ptrdiff_t n_vcols, double *acc, ptrdiff_t ldacc)
 {
-    for (ptrdiff_t c = 0; c < n_vcols; c += 8) {
+    for (ptrdiff_t c = 0; c < n_vcols; c += CA_PANEL_F64) {
+        const double *panel = v + (c / CA_PANEL_F64) * v_panel_stride;
         ptrdiff_t i = 0;
         for (; i + MR <= n_rows; i += MR)
-            pv_tile_f64(p + i * ldp, ldp, v + c, ldv, n_keys, acc + i * ldacc + c, ldacc, MR);
+            pv_tile_f64(p + i * ldp, ldp, panel, CA_PANEL_F64, n_keys, acc + i * ldacc + c, ldacc, MR);
         const double *p_tail = p + i * ldp;
         double *acc_tail = acc + i * ldacc + c;
         switch (n_rows - i) {
-        case 5: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 5); break;
-        case 4: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 4); break;
-        case 3: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 3); break;
-        case 2: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 2); break;
-        case 1: pv_tile_f64(p_tail, ldp, v + c, ldv, n_keys, acc_tail, ldacc, 1); break;
+        case 5: pv_tile_f64(p_tail, ldp, panel, CA_PANEL_F64, n_keys, acc_tail, ldacc, 5); break;
+        case 4: pv_tile_f64(p_tail, ldp, panel, CA_PANEL_F64, n_keys, acc_tail, ldacc, 4); break;
+        case 3: pv_tile_f64(p_tail, ldp, panel, CA_PANEL_F64, n_keys, acc_tail, ldacc, 3); break;
+        case 2: pv_tile_f64(p_tail, ldp, panel, CA_PANEL_F64, n_keys, acc_tail, ldacc, 2); break;
+        case 1: pv_tile_f64(p_tail, ldp, panel, CA_PANEL_F64, n_keys, acc_tail, ldacc, 1); break;
         default: break;
         }
     }
@@ -360,8 +364,6 @@ CA_AVX2 static double exp_sum_f64(double *x, ptrdiff_t n, double shift)
 
 const ca_kernels ca_kernels_avx2 = {
     "avx2",
-    16, 8,
-    16, 8,
     score_f32, score_f64,
     pv_f32, pv_f64,
     row_max_f32, row_max_f64,

@@ -1,0 +1,714 @@
+"""Benchmark: ``python -m cattention bench``.
+
+Times cattention beside its peers on a fixed grid of attention shapes, in one
+process, and prints one table row per (case, thread count, implementation).
+
+Implementations
+    ``cattention``      ATTN only (nothing of size T x S is allocated)
+    ``cattention+S``    ATTN and SCORES (``return_scores=True``)
+    ``numpy``           plain matmul + stable softmax + matmul in the input
+                        dtype; materialises T x S
+    ``torch-sdpa``      ``torch.nn.functional.scaled_dot_product_attention``
+    ``torch-explicit``  torch matmul + softmax + matmul, also returns weights
+
+The peers that materialise T x S (``cattention+S``, ``numpy``,
+``torch-explicit``) are run only where B*H*T*S is moderate; the torch peers
+only when torch is importable (it is imported lazily).
+
+Method
+    * Each thread count is a separate pass. cattention gets ``num_threads=N``
+      per call, torch ``torch.set_num_threads(N)`` and NumPy's BLAS
+      ``threadpoolctl.threadpool_limits(N, user_api="blas")`` when available.
+    * Per case every implementation is called once untimed (warm-up; its
+      output gives the error column), then timed round-robin: in every round
+      each implementation runs once, the starting one rotating, so machine
+      noise hits all of them alike. The table shows medians. With more than
+      one thread, a multi-threaded NumPy call is followed by an untimed pause
+      so that OpenBLAS's spinning workers do not slow the next one.
+    * Errors are max |out - ref| against a float64 NumPy reference computed
+      one (batch, head) slice at a time, once per case.
+    * Throughput is GFLOP/s with FLOPs = 4*B*H*T*S*d (halved for causal with
+      T == S), or for decode (T == 1) the GB/s of K and V read, also as a
+      fraction of a DRAM bandwidth probe (``np.dot`` of two large float32
+      vectors) measured in the same pass.
+    * "vs ca" is peer time / cattention time (above 1: cattention is faster);
+      "vs ca+S" compares the peers that return the weights with
+      ``cattention+S``.
+    * A separate memory probe runs one long causal case in a fresh
+      subprocess and reports its peak RSS increase (``ru_maxrss``).
+
+Nothing here asserts on timings; :func:`run_benchmark` is the in-process
+entry point and returns plain dict records (see ``--json``).
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import attention, show_config
+
+__all__ = ["Case", "DEFAULT_CASES", "add_arguments", "main", "run_benchmark"]
+
+#: Peers that materialise a T x S matrix run only up to this many elements
+#: B*H*T*S (2**25: 128 MiB of float32 weights, e.g. 8 heads at 2048 x 2048).
+MATERIALISE_LIMIT = 1 << 25
+#: The float64 reference (one T x S slice at a time) is computed up to this.
+REFERENCE_LIMIT = 1 << 27
+
+DEFAULT_ROUNDS = 5
+QUICK_ROUNDS = 3
+DEFAULT_THREADS = (1, 2)
+#: DRAM probe: two float32 vectors of this many elements (2 x 256 MiB).
+PROBE_ELEMENTS = 64 << 20
+PROBE_ROUNDS = 5
+#: Pause after a multi-threaded NumPy (OpenBLAS) call before the next
+#: implementation runs. OpenBLAS's idle worker threads keep spinning
+#: (sched_yield) for about 2**28 cycles after a call; on a 2-core machine
+#: that slowed the implementation run next by 25-75 % (1024-token case).
+BLAS_SETTLE_SECONDS = 0.2
+#: Memory probe shape (B, H, T, S, d), causal, without SCORES.
+MEMORY_SHAPE = (1, 1, 32768, 32768, 64)
+
+CATTENTION = "cattention"
+CATTENTION_SCORES = "cattention+S"
+NUMPY = "numpy"
+TORCH_SDPA = "torch-sdpa"
+TORCH_EXPLICIT = "torch-explicit"
+PROBE = "np.dot"
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """One attention shape: q (B, H, T, d), k and v (B, H, S, d)."""
+
+    batch: int
+    heads: int
+    n_queries: int
+    n_keys: int
+    dim: int
+    causal: bool = False
+    dtype: str = "float32"
+    quick: bool = False  # part of the --quick subset
+
+    @property
+    def name(self):
+        shape = f"{self.batch}x{self.heads}x{self.n_queries}x{self.n_keys}x{self.dim}"
+        return f"{shape} causal" if self.causal else f"{shape} full"
+
+    @property
+    def is_decode(self):
+        return self.n_queries == 1
+
+    @property
+    def score_elements(self):
+        return self.batch * self.heads * self.n_queries * self.n_keys
+
+    @property
+    def materialise(self):
+        """Whether peers that build the T x S weights are affordable here."""
+        return self.score_elements <= MATERIALISE_LIMIT
+
+    @property
+    def visible_fraction(self):
+        """Share of (query, key) pairs computed: 1/2 for causal with T == S."""
+        if not self.causal:
+            return 1.0
+        if self.n_queries == self.n_keys:
+            return 0.5
+        offset = self.n_keys - self.n_queries
+        rows = np.arange(self.n_queries)
+        visible = np.clip(rows + offset + 1, 0, self.n_keys).sum()
+        return float(visible) / (self.n_queries * self.n_keys)
+
+    @property
+    def flops(self):
+        return 4.0 * self.score_elements * self.dim * self.visible_fraction
+
+    @property
+    def kv_bytes(self):
+        itemsize = np.dtype(self.dtype).itemsize
+        return 2.0 * self.batch * self.heads * self.n_keys * self.dim * itemsize
+
+    def matches(self, patterns):
+        """True if any substring in ``patterns`` occurs in the case's label."""
+        if not patterns:
+            return True
+        label = f"{self.name} {self.dtype}" + (" decode" if self.is_decode else "")
+        return any(p in label for p in patterns)
+
+
+DEFAULT_CASES = (
+    Case(1, 8, 1024, 1024, 64, causal=False, quick=True),
+    Case(1, 8, 1024, 1024, 64, causal=True, quick=True),
+    Case(1, 8, 2048, 2048, 64, causal=False),
+    Case(1, 8, 2048, 2048, 64, causal=True),
+    Case(1, 4, 4096, 4096, 64, causal=True),
+    Case(1, 8, 1024, 1024, 128, causal=True),
+    Case(8, 12, 128, 128, 64, causal=False, quick=True),
+    Case(1, 32, 1, 4096, 128),
+    Case(1, 32, 1, 1024, 128, quick=True),
+    Case(1, 1, 8, 8, 8, quick=True),
+    Case(1, 8, 1024, 1024, 64, causal=False, dtype="float64"),
+    Case(1, 8, 1024, 1024, 64, causal=True, dtype="float64"),
+)
+
+
+def make_inputs(case):
+    """Standard-normal q, k, v for ``case``; the same arrays on every call."""
+    rng = np.random.default_rng(0)
+    dtype = np.dtype(case.dtype)
+    q_shape = (case.batch, case.heads, case.n_queries, case.dim)
+    kv_shape = (case.batch, case.heads, case.n_keys, case.dim)
+    return tuple(rng.standard_normal(shape, dtype=dtype)
+                 for shape in (q_shape, kv_shape, kv_shape))
+
+
+def visible_mask(n_queries, n_keys):
+    """Bool (T, S): query i sees key j iff j <= i + S - T (bottom-right)."""
+    return np.tri(n_queries, n_keys, n_keys - n_queries, dtype=bool)
+
+
+# ---------------------------------------------------------------------------
+# Implementations
+# ---------------------------------------------------------------------------
+
+def numpy_attention(q, k, v, causal, scale):
+    """Plain attention in the inputs' dtype; returns (ATTN, weights)."""
+    weights = q @ np.swapaxes(k, -1, -2)
+    weights *= weights.dtype.type(scale)
+    if causal:
+        np.copyto(weights, -np.inf, where=~visible_mask(*weights.shape[-2:]))
+    weights -= weights.max(axis=-1, keepdims=True)
+    np.exp(weights, out=weights)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return weights @ v, weights
+
+
+def reference_attention(q, k, v, causal, scale):
+    """float64 ATTN, one (batch, head) slice at a time to bound memory."""
+    q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=np.float64)
+    for index in np.ndindex(q.shape[:-2]):
+        out[index], _ = numpy_attention(q64[index], k64[index], v64[index], causal, scale)
+    return out
+
+
+def _import_torch():
+    """torch, or None when it is not installed (tests monkeypatch this)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def build_implementations(case, q, k, v, threads, torch):
+    """{name: callable() -> ATTN} for the implementations that run on ``case``.
+
+    Conversions (torch views, masks) happen here, outside the timed calls.
+    """
+    scale = 1.0 / math.sqrt(case.dim)
+    causal = case.causal
+    impls = {
+        CATTENTION: lambda: attention(q, k, v, causal=causal, scale=scale,
+                                      num_threads=threads),
+    }
+    if case.materialise:
+        impls[CATTENTION_SCORES] = lambda: attention(
+            q, k, v, causal=causal, scale=scale, return_scores=True,
+            num_threads=threads)[0]
+        impls[NUMPY] = lambda: numpy_attention(q, k, v, causal, scale)[0]
+    if torch is not None:
+        impls.update(_torch_implementations(case, q, k, v, scale, torch))
+    return impls
+
+
+def _torch_implementations(case, q, k, v, scale, torch):
+    import torch.nn.functional as F
+
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    T, S = case.n_queries, case.n_keys
+    sdpa_kwargs = {"scale": scale}
+    if case.causal and T == S:
+        sdpa_kwargs["is_causal"] = True
+    elif case.causal:  # bottom-right alignment, as cattention
+        from torch.nn.attention.bias import causal_lower_right
+        sdpa_kwargs["attn_mask"] = causal_lower_right(T, S)
+    hidden = torch.from_numpy(~visible_mask(T, S)) if case.causal else None
+
+    def sdpa():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(tq, tk, tv, **sdpa_kwargs)
+
+    def explicit():
+        with torch.no_grad():
+            logits = torch.matmul(tq, tk.transpose(-1, -2)) * scale
+            if hidden is not None:
+                logits.masked_fill_(hidden, float("-inf"))
+            weights = torch.softmax(logits, dim=-1)
+            return torch.matmul(weights, tv), weights
+
+    impls = {TORCH_SDPA: sdpa}
+    if case.materialise:
+        impls[TORCH_EXPLICIT] = lambda: explicit()[0]
+    return impls
+
+
+#: Implementations that also return the attention weights.
+RETURNS_WEIGHTS = (CATTENTION_SCORES, NUMPY, TORCH_EXPLICIT)
+
+
+# ---------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------
+
+def time_round_robin(impls, rounds, settle=None):
+    """{name: [seconds]}: in every round each implementation runs once.
+
+    The starting implementation rotates from round to round. Freeing a
+    result is not timed. ``settle`` maps names to an untimed pause after
+    each of their calls (see :data:`BLAS_SETTLE_SECONDS`).
+    """
+    settle = settle or {}
+    names = list(impls)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            t0 = time.perf_counter()
+            result = impls[name]()
+            times[name].append(time.perf_counter() - t0)
+            del result
+            if name in settle:
+                time.sleep(settle[name])
+    return times
+
+
+def _as_numpy(result):
+    return result.numpy() if hasattr(result, "numpy") else np.asarray(result)
+
+
+def measure_dram_bandwidth(threads, n_elements, rounds=PROBE_ROUNDS):
+    """Record for ``np.dot`` of two float32 vectors: GB/s of the bytes read."""
+    a = np.ones(n_elements, dtype=np.float32)
+    b = np.ones(n_elements, dtype=np.float32)
+    times = time_round_robin({PROBE: lambda: np.dot(a, b)}, rounds + 1)[PROBE][1:]
+    time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)
+    median = statistics.median(times)
+    nbytes = a.nbytes + b.nbytes
+    return {
+        "case": f"DRAM probe: dot 2x{n_elements / 2**20:g}M",
+        "kind": "probe",
+        "dtype": "float32",
+        "threads": threads,
+        "impl": PROBE,
+        "bytes": nbytes,
+        "median_ms": median * 1e3,
+        "times_ms": [t * 1e3 for t in times],
+        "gbps": nbytes / median / 1e9,
+    }
+
+
+@contextlib.contextmanager
+def thread_limits(threads, torch):
+    """Limit NumPy's BLAS and torch to ``threads`` (restored afterwards)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            pass
+        else:
+            stack.enter_context(threadpool_limits(limits=threads, user_api="blas"))
+        if torch is not None:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            stack.callback(torch.set_num_threads, previous)
+        yield
+
+
+def benchmark_case(case, threads, rounds, torch, reference=None):
+    """Records (one per implementation) for ``case`` at ``threads`` threads.
+
+    ``reference`` is the float64 ATTN (or None to skip the error column).
+    """
+    q, k, v = make_inputs(case)
+    impls = build_implementations(case, q, k, v, threads, torch)
+    settle = {NUMPY: BLAS_SETTLE_SECONDS} if threads > 1 and NUMPY in impls else {}
+    errors = {}
+    for name, fn in impls.items():  # warm-up, and the output for the error
+        out = _as_numpy(fn())
+        if reference is not None:
+            errors[name] = float(np.max(np.abs(out - reference), initial=0.0))
+        del out
+    time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)  # after NumPy and the reference
+    times = time_round_robin(impls, rounds, settle)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    records = []
+    for name, ts in times.items():
+        median = medians[name]
+        record = {
+            "case": case.name,
+            "kind": "decode" if case.is_decode else "attention",
+            "shape": [case.batch, case.heads, case.n_queries, case.n_keys, case.dim],
+            "causal": case.causal,
+            "dtype": case.dtype,
+            "threads": threads,
+            "impl": name,
+            "median_ms": median * 1e3,
+            "times_ms": [t * 1e3 for t in ts],
+            "gflops": case.flops / median / 1e9,
+            "gbps": case.kv_bytes / median / 1e9 if case.is_decode else None,
+            "vs_ca": median / medians[CATTENTION],
+            "vs_ca_scores": (median / medians[CATTENTION_SCORES]
+                             if name in RETURNS_WEIGHTS and CATTENTION_SCORES in medians
+                             else None),
+            "max_abs_err": errors.get(name),
+        }
+        records.append(record)
+    return records
+
+
+def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_ROUNDS,
+                  probe_elements=None, on_records=None):
+    """Run every case at every thread count; returns the list of records.
+
+    One pass per thread count; each pass starts with the DRAM probe of
+    ``probe_elements`` float32 elements per vector (default
+    ``PROBE_ELEMENTS``; 0 skips it), whose GB/s is attached to decode records
+    as ``probe_fraction``. ``on_records(records)`` is called as each case (and
+    probe) completes, for progressive output.
+    """
+    if probe_elements is None:
+        probe_elements = PROBE_ELEMENTS
+    torch = _import_torch()
+    references = {}
+    records = []
+
+    def emit(new):
+        records.extend(new)
+        if on_records is not None:
+            on_records(new)
+
+    for n in threads:
+        with thread_limits(n, torch):
+            probe = measure_dram_bandwidth(n, probe_elements) if probe_elements else None
+            if probe is not None:
+                emit([probe])
+            for case in cases:
+                if case not in references:
+                    references[case] = (
+                        reference_attention(*make_inputs(case), case.causal,
+                                            1.0 / math.sqrt(case.dim))
+                        if case.score_elements <= REFERENCE_LIMIT else None)
+                new = benchmark_case(case, n, rounds, torch, references[case])
+                for record in new:
+                    if record["gbps"] is not None and probe is not None:
+                        record["probe_fraction"] = record["gbps"] / probe["gbps"]
+                emit(new)
+    return records
+
+
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, time
+    import numpy as np
+    import cattention
+    B, H, T, S, d, threads = map(int, sys.argv[1:7])
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H, T, d), dtype=np.float32)
+    k = rng.standard_normal((B, H, S, d), dtype=np.float32)
+    v = rng.standard_normal((B, H, S, d), dtype=np.float32)
+    # start the OpenMP thread pool before the baseline
+    cattention.attention(q[..., :256, :], k[..., :256, :], v[..., :256, :],
+                         causal=True, num_threads=threads)
+    page_kib = resource.getpagesize() // 1024
+    with open("/proc/self/statm") as f:
+        rss_kib = int(f.read().split()[1]) * page_kib
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    out = cattention.attention(q, k, v, causal=True, num_threads=threads)
+    seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"rss_before_kib": rss_kib, "maxrss_before_kib": before,
+                      "maxrss_after_kib": after, "seconds": seconds,
+                      "output_bytes": out.nbytes}))
+""")
+
+
+def measure_memory(shape=MEMORY_SHAPE, threads=1):
+    """Peak RSS increase of one causal call without SCORES, in a fresh process.
+
+    ``ru_maxrss`` is read just before and just after the call (inputs already
+    allocated, thread pool started), so the increase is the call's own peak:
+    its output plus scratch.
+    """
+    args = [str(x) for x in (*shape, threads)]
+    proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args],
+                          capture_output=True, text=True, check=True)
+    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    B, H, T, S, d = shape
+    return {
+        "case": f"{B}x{H}x{T}x{S}x{d} causal",
+        "dtype": "float32",
+        "threads": threads,
+        "seconds": raw["seconds"],
+        "peak_rss_increase_mib": (raw["maxrss_after_kib"] - raw["maxrss_before_kib"]) / 1024,
+        "rss_before_mib": raw["rss_before_kib"] / 1024,
+        "maxrss_before_mib": raw["maxrss_before_kib"] / 1024,
+        "output_mib": raw["output_bytes"] / 2**20,
+        "scores_would_be_mib": B * H * T * S * 4 / 2**20,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Machine description and output
+# ---------------------------------------------------------------------------
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_config(torch):
+    """Dict describing the machine, libraries and environment."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        show_config()
+    blas = "threadpoolctl not installed: NumPy's BLAS threads are not limited"
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        pass
+    else:
+        libs = [f"{i.get('internal_api')} {i.get('version')} "
+                f"({i.get('architecture', '?')}, {i.get('threading_layer', '?')})"
+                for i in threadpool_info() if i.get("user_api") == "blas"]
+        blas = "; ".join(libs) or "none found"
+    return {
+        "cattention": buffer.getvalue().rstrip(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__ if torch is not None else None,
+        "blas": blas,
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "openblas_env": {key: value for key, value in sorted(os.environ.items())
+                         if key in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
+        "omp_env": {key: value for key, value in sorted(os.environ.items())
+                    if key.startswith(("OMP_", "GOMP_"))},
+    }
+
+
+def format_config(config):
+    openblas = config["openblas_env"]
+    lines = [
+        config["cattention"],
+        f"machine: {config['cpu']} ({config['cpu_count']} CPUs), Python {config['python']}, "
+        f"load average at start {config['load_average'][0]:.2f}",
+        f"torch:   {config['torch'] or 'not installed (torch peers skipped)'}",
+        f"BLAS:    {config['blas']}",
+        "env:     " + (", ".join(f"{k}={v}" for k, v in openblas.items())
+                       + " set (OpenBLAS kernel/cache tuning overridden)"
+                       if openblas else "OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE not set"),
+    ]
+    if config["omp_env"]:
+        lines.append("         " + ", ".join(f"{k}={v}" for k, v in config["omp_env"].items()))
+    return "\n".join(lines)
+
+
+_COLUMNS = (("case", 25, "<"), ("dtype", 7, "<"), ("thr", 3, ">"), ("impl", 14, "<"),
+            ("median ms", 10, ">"), ("throughput", 20, "<"), ("vs ca", 7, ">"),
+            ("vs ca+S", 7, ">"), ("max err", 8, ">"))
+
+
+def _row(cells):
+    return " ".join(f"{cell:{align}{width}}" for cell, (_, width, align) in zip(cells, _COLUMNS))
+
+
+def table_header():
+    header = _row([name for name, _, _ in _COLUMNS])
+    return f"{header}\n{'-' * len(header)}"
+
+
+def _throughput(record):
+    if record["kind"] == "probe":
+        return f"{record['gbps']:.1f} GB/s"
+    if record["gbps"] is not None:
+        fraction = record.get("probe_fraction")
+        share = f" ({fraction:.0%} probe)" if fraction is not None else ""
+        return f"{record['gbps']:.1f} GB/s{share}"
+    return f"{_number(record['gflops'])} GFLOP/s"
+
+
+def _number(x):
+    """Compact: one decimal from 1 upwards, three significant digits below."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def format_records(records):
+    """Table rows; case, dtype and threads are shown on a group's first row."""
+    lines = []
+    for i, record in enumerate(records):
+        first = i == 0 or records[i - 1]["case"] != record["case"]
+        ratio = record.get("vs_ca")
+        ratio_scores = record.get("vs_ca_scores")
+        error = record.get("max_abs_err")
+        lines.append(_row([
+            record["case"] if first else "",
+            record["dtype"].replace("float", "f") if first else "",
+            str(record["threads"]) if first else "",
+            record["impl"],
+            f"{record['median_ms']:.2f}" if record["median_ms"] >= 1
+            else f"{record['median_ms']:.3g}",
+            _throughput(record),
+            f"{ratio:.2f}x" if ratio is not None else "",
+            f"{ratio_scores:.2f}x" if ratio_scores is not None else "",
+            f"{error:.1e}" if error is not None else "-",
+        ]))
+    return "\n".join(lines)
+
+
+def format_memory(memory):
+    return (f"memory: {memory['case']} f32, no SCORES, {memory['threads']} thread(s), "
+            f"fresh process: peak RSS +{memory['peak_rss_increase_mib']:.1f} MiB "
+            f"(output {memory['output_mib']:.1f} MiB; SCORES would be "
+            f"{memory['scores_would_be_mib']:.0f} MiB; RSS before "
+            f"{memory['rss_before_mib']:.0f} MiB, peak before "
+            f"{memory['maxrss_before_mib']:.0f} MiB), {memory['seconds']:.2f} s")
+
+
+def plot_results(records, path):
+    """GFLOP/s against sequence length for the d=64, T == S float32 cases."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib "
+                         "(or pip install 'cattention[plot]')") from None
+    selected = [r for r in records
+                if r["kind"] == "attention" and r["dtype"] == "float32"
+                and r["shape"][4] == 64 and r["shape"][2] == r["shape"][3]
+                and r["shape"][2] >= 256]
+    impls = list(dict.fromkeys(r["impl"] for r in selected))
+    thread_counts = sorted({r["threads"] for r in selected})
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        for color, impl in enumerate(impls):
+            for style, n in zip(styles, thread_counts):
+                points = sorted((r["shape"][2], r["gflops"]) for r in selected
+                                if r["impl"] == impl and r["threads"] == n
+                                and r["causal"] == causal)
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, style, marker="o", color=f"C{color}",
+                            label=f"{impl}, {n} thr")
+        ax.set_xscale("log", base=2)
+        lengths = sorted({r["shape"][2] for r in selected})
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("sequence length T = S (d = 64, float32)")
+        ax.set_title("causal" if causal else "full")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GFLOP/s")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def add_arguments(parser):
+    parser.add_argument("--threads", type=int, nargs="+", metavar="N",
+                        help=f"thread counts, one pass each (default: "
+                             f"{' and '.join(map(str, DEFAULT_THREADS))})")
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help=f"timed rounds per case (default {DEFAULT_ROUNDS}, "
+                             f"--quick {QUICK_ROUNDS})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small subset of cases, fewer rounds, no memory probe")
+    parser.add_argument("--cases", metavar="SUBSTR[,SUBSTR]",
+                        help="run only cases whose label (e.g. '1x8x1024x1024x64 "
+                             "causal float32', 'decode') contains one of these")
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="plot GFLOP/s against sequence length (needs matplotlib)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the memory probe")
+    return parser
+
+
+def main(args):
+    """Run the benchmark described by parsed ``args``; returns an exit code."""
+    started = time.perf_counter()
+    patterns = [p.strip() for p in args.cases.split(",")] if args.cases else []
+    cases = [c for c in DEFAULT_CASES if (c.quick or not args.quick) and c.matches(patterns)]
+    threads = args.threads or list(DEFAULT_THREADS)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    if any(n < 1 for n in threads) or rounds < 1:
+        raise SystemExit("--threads and --rounds must be positive")
+
+    torch = _import_torch()
+    config = machine_config(torch)
+    print(format_config(config))
+    print()
+    print(f"{len(cases)} cases x threads {threads}, {rounds} rounds round-robin, medians. "
+          "'vs ca' = peer time / cattention time (>1: cattention faster); 'vs ca+S' "
+          "the same against cattention+S (peers that return weights). Errors: max abs "
+          "of ATTN vs a float64 NumPy reference.")
+    print()
+    print(table_header())
+
+    def show(new):
+        print(format_records(new), flush=True)
+
+    records = run_benchmark(cases, threads, rounds, on_records=show)
+
+    memory_case = Case(*MEMORY_SHAPE, causal=True)
+    memory = None
+    if not args.quick and not args.no_memory and memory_case.matches(patterns):
+        print()
+        memory = measure_memory(MEMORY_SHAPE, threads=max(threads))
+        print(format_memory(memory))
+
+    elapsed = time.perf_counter() - started
+    print()
+    print(f"total {elapsed:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config,
+                       "settings": {"threads": threads, "rounds": rounds,
+                                    "quick": args.quick, "cases": patterns},
+                       "records": records, "memory": memory, "elapsed_s": elapsed},
+                      f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_results(records, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,108 @@
+"""The benchmark harness (``python -m cattention bench``) on tiny cases.
+
+Checks the records' structure and the error column, never timings. torch is
+made unimportable so the test is fast and covers the path without it.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from cattention import _bench
+from cattention.__main__ import main as cli_main
+
+TINY_CASES = (
+    _bench.Case(1, 2, 16, 16, 8),
+    _bench.Case(1, 2, 16, 16, 8, causal=True),
+    _bench.Case(2, 1, 5, 12, 4, causal=True),            # T != S: bottom-right causal
+    _bench.Case(1, 3, 1, 32, 8),                          # decode
+    _bench.Case(1, 2, 16, 16, 8, causal=True, dtype="float64"),
+)
+
+RECORD_KEYS = {"case", "kind", "shape", "causal", "dtype", "threads", "impl", "median_ms",
+               "times_ms", "gflops", "gbps", "vs_ca", "vs_ca_scores", "max_abs_err"}
+
+
+@pytest.fixture
+def no_torch(monkeypatch):
+    monkeypatch.setattr(_bench, "_import_torch", lambda: None)
+
+
+def test_run_benchmark_records(no_torch):
+    seen = []
+    records = _bench.run_benchmark(cases=TINY_CASES, threads=[1], rounds=2,
+                                   probe_elements=1 << 16, on_records=seen.extend)
+    assert seen == records
+    probes = [r for r in records if r["kind"] == "probe"]
+    assert len(probes) == 1 and probes[0]["gbps"] > 0
+
+    rows = [r for r in records if r["kind"] != "probe"]
+    expected_impls = {_bench.CATTENTION, _bench.CATTENTION_SCORES, _bench.NUMPY}
+    for case in TINY_CASES:
+        mine = [r for r in rows if r["case"] == case.name and r["dtype"] == case.dtype]
+        assert {r["impl"] for r in mine} == expected_impls  # no torch peers
+        for r in mine:
+            assert RECORD_KEYS <= r.keys()
+            assert r["threads"] == 1
+            assert len(r["times_ms"]) == 2 and r["median_ms"] > 0
+            assert r["gflops"] > 0
+            limit = 1e-5 if case.dtype == "float32" else 1e-12
+            assert r["max_abs_err"] < limit, r
+            if r["impl"] == _bench.CATTENTION:
+                assert r["vs_ca"] == 1.0
+            if r["impl"] == _bench.NUMPY:
+                assert r["vs_ca_scores"] is not None
+        if case.is_decode:
+            assert all(r["gbps"] > 0 and r["probe_fraction"] > 0 for r in mine)
+    json.dumps(records)  # machine readable as is
+
+
+def test_flops_and_causal_accounting():
+    full = _bench.Case(1, 2, 16, 16, 8)
+    causal = _bench.Case(1, 2, 16, 16, 8, causal=True)
+    assert full.flops == 4 * 2 * 16 * 16 * 8
+    assert causal.flops == full.flops / 2
+    # T > S bottom-right: the first T - S rows see nothing
+    assert _bench.Case(1, 1, 4, 2, 1, causal=True).visible_fraction == 3 / 8
+    mask = _bench.visible_mask(3, 5)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_reference_matches_numpy_f32():
+    case = _bench.Case(2, 2, 7, 9, 4, causal=True)
+    q, k, v = _bench.make_inputs(case)
+    ref = _bench.reference_attention(q, k, v, True, 0.5)
+    out, weights = _bench.numpy_attention(q, k, v, True, 0.5)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-5)
+
+
+def test_cli_filter_json_and_table(no_torch, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(_bench, "DEFAULT_CASES", TINY_CASES)
+    monkeypatch.setattr(_bench, "PROBE_ELEMENTS", 1 << 16)
+    path = tmp_path / "bench.json"
+    code = cli_main(["bench", "--threads", "1", "--rounds", "1", "--cases", "decode",
+                     "--no-memory", "--json", str(path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "OPENBLAS_CORETYPE" in out and "torch:" in out
+    assert "1x3x1x32x8 full" in out and "1x2x16x16x8" not in out
+    assert "% probe" in out
+    data = json.loads(path.read_text())
+    assert {r["case"] for r in data["records"] if r["kind"] != "probe"} == {"1x3x1x32x8 full"}
+    assert data["config"]["torch"] is None and data["memory"] is None
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(SystemExit, match="matplotlib"):
+        _bench.plot_results([], "unused.png")
