@@ -5,7 +5,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: install build run test bench clean
+.PHONY: install build run test bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test: install
 
 bench: install
 	$(VPY) -m cattention bench
+
+bench-quick: install
+	$(VPY) -m cattention bench --quick
 
 clean:
 	rm -rf build dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \

@@ -51,6 +51,20 @@ cdef extern from "kernels.h" nogil:
         double (*row_max_f64)(const double *x, Py_ssize_t n) noexcept nogil
         float (*exp_sum_f32)(float *x, Py_ssize_t n, float shift) noexcept nogil
         double (*exp_sum_f64)(double *x, Py_ssize_t n, double shift) noexcept nogil
+        void (*score_direct_f32)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                                 const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                                 Py_ssize_t d_k, float factor, float *s,
+                                 Py_ssize_t lds) noexcept nogil
+        void (*score_direct_f64)(const double *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                                 const double *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                                 Py_ssize_t d_k, double factor, double *s,
+                                 Py_ssize_t lds) noexcept nogil
+        void (*pv_direct_f32)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
+                              const float *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                              Py_ssize_t d_v, float *acc, Py_ssize_t ldacc) noexcept nogil
+        void (*pv_direct_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
+                              const double *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                              Py_ssize_t d_v, double *acc, Py_ssize_t ldacc) noexcept nogil
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
@@ -74,9 +88,17 @@ cdef enum:
     Q_BLOCK = 96
     # Keys per streamed block: K^T, V and the score tile of one block stay in L2.
     K_BLOCK = 256
-    # Column padding of packed buffers: a multiple of every kernel's key_pad and
-    # col_pad, so one workspace layout serves all instruction sets.
+    # Row padding of packed V and accumulators: a multiple of both panel
+    # widths, so one workspace layout serves float and double.
     PAD = 16
+    # At most this many query rows (decode, speculative decode) take the
+    # direct path: K and V are read where they are, not packed, and the keys
+    # may be split across threads.
+    DIRECT_ROWS = 8
+    # The direct path splits the keys until there are this many work items...
+    SPLIT_TARGET_ITEMS = 16
+    # ...but never into chunks below this many keys (a multiple of K_BLOCK).
+    SPLIT_MIN_KEYS = 512
 
 cdef enum MaskKind:
     MASK_NONE = 0
@@ -115,6 +137,10 @@ cdef struct Problem:
     void *packed_k               # blocks of ld_k x K_BLOCK, (kv, key block) order
     void *packed_v               # K_BLOCK rows of ld_v per (kv, key block)
     uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
+    # direct path: keys split into chunks of split_keys (a multiple of
+    # K_BLOCK), fixed by the shape alone so results do not depend on threads
+    Py_ssize_t n_splits
+    Py_ssize_t split_keys
 
 
 cdef struct Workspace:
@@ -123,6 +149,8 @@ cdef struct Workspace:
     intp_t *row_hi               # one past the last visible key
     # typed pointers are cast from these offsets for float or double
     Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
+    # direct path only: K and V rows copied when their features are strided
+    Py_ssize_t off_k_rows, off_v_rows
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
@@ -147,6 +175,12 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
     n += round_up(n_rows, 16)
     ws.off_sum = n
     n += round_up(n_rows, 16)
+    ws.off_k_rows = n
+    ws.off_v_rows = n
+    if n_rows <= DIRECT_ROWS:
+        n += round_up(K_BLOCK * pb.ld_k, 16)
+        ws.off_v_rows = n
+        n += round_up(K_BLOCK * pb.ld_v, 16)
     ws.base = ca_aligned_alloc(n * itemsize + 2 * n_rows * sizeof(intp_t))
     if ws.base == NULL:
         ca_aligned_free(ws)
@@ -369,6 +403,26 @@ cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,
         kern.pv_f64(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc)
 
 
+cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,
+                                     Py_ssize_t ldq, Py_ssize_t n_rows, const floating *k,
+                                     Py_ssize_t ldk, Py_ssize_t n_keys, Py_ssize_t d_k,
+                                     double factor, floating *s, Py_ssize_t lds) noexcept nogil:
+    if floating is float:
+        kern.score_direct_f32(q, ldq, n_rows, k, ldk, n_keys, d_k, <float>factor, s, lds)
+    else:
+        kern.score_direct_f64(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds)
+
+
+cdef inline void kernel_pv_direct(const ca_kernels *kern, const floating *p, Py_ssize_t ldp,
+                                  Py_ssize_t n_rows, const floating *v, Py_ssize_t ldv,
+                                  Py_ssize_t n_keys, Py_ssize_t d_v, floating *acc,
+                                  Py_ssize_t ldacc) noexcept nogil:
+    if floating is float:
+        kern.pv_direct_f32(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc)
+    else:
+        kern.pv_direct_f64(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc)
+
+
 cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,
                                     Py_ssize_t n) noexcept nogil:
     if floating is float:
@@ -385,77 +439,75 @@ cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssiz
         return kern.exp_sum_f64(x, n, shift)
 
 
-cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                      Py_ssize_t b, Py_ssize_t row0, Py_ssize_t n_rows,
-                      floating *out) noexcept nogil:
-    """ATTN for one block of query rows, streaming key blocks (no SCORES)."""
-    cdef floating *q_packed = <floating *>ws.base + ws.off_q
-    cdef floating *s = <floating *>ws.base + ws.off_s
-    cdef const floating *kt
-    cdef const floating *v_packed
-    cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
+cdef void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t row0,
+                     Py_ssize_t n_rows, floating *dtype_tag, Py_ssize_t *first_key,
+                     Py_ssize_t *last_key) noexcept nogil:
+    """Visible key ranges of the rows, the range over all of them, and a
+    fresh online-softmax state (row maximum -inf, sum 0, accumulator 0)."""
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
-    cdef Py_ssize_t P = panel_width(q_packed)
-    cdef Py_ssize_t i, c, key0, n_keys, first_key, last_key
-    cdef floating tile_max, alpha
-    cdef floating *s_row
-    cdef floating *acc_row
-    cdef floating *out_row
-
+    cdef Py_ssize_t i
     visible_ranges(pb, row0, n_rows, ws.row_lo, ws.row_hi)
-    first_key = pb.n_keys
-    last_key = 0
+    first_key[0] = pb.n_keys
+    last_key[0] = 0
     for i in range(n_rows):
         if ws.row_hi[i] > ws.row_lo[i]:
-            if ws.row_lo[i] < first_key:
-                first_key = ws.row_lo[i]
-            if ws.row_hi[i] > last_key:
-                last_key = ws.row_hi[i]
+            if ws.row_lo[i] < first_key[0]:
+                first_key[0] = ws.row_lo[i]
+            if ws.row_hi[i] > last_key[0]:
+                last_key[0] = ws.row_hi[i]
         row_max[i] = -INFINITY
         row_sum[i] = 0
     memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
 
-    if last_key > first_key:
-        pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
-        # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
-        key0 = (first_key // K_BLOCK) * K_BLOCK
-        while key0 < last_key:
-            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
-            kt = packed_keys(pb, first_packed + key0 // K_BLOCK, q_packed)
-            kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
-                         round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
-            mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
-            for i in range(n_rows):
-                s_row = s + i * K_BLOCK
-                tile_max = kernel_row_max(kern, s_row, n_keys)
-                if tile_max == -INFINITY:
-                    # nothing visible in this block: weights exactly zero
-                    memset(s_row, 0, n_keys * sizeof(floating))
-                    continue
-                if tile_max != tile_max:
-                    # a NaN logit where a key is visible: the row is NaN, as
-                    # in the reference (and stays NaN through later blocks)
-                    row_max[i] = tile_max
-                elif tile_max > row_max[i]:
-                    if row_max[i] != -INFINITY:
-                        alpha = <floating>exp(row_max[i] - tile_max)
-                        row_sum[i] *= alpha
-                        acc_row = acc + i * pb.ld_v
-                        for c in range(pb.d_v):
-                            acc_row[c] *= alpha
-                    row_max[i] = tile_max
-                row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
-            v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
-            kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, K_BLOCK * P, n_keys,
-                      pb.ld_v, acc, pb.ld_v)
-            if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
-                add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
-            key0 += K_BLOCK
 
+cdef void softmax_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                        Py_ssize_t n_rows, Py_ssize_t n_keys,
+                        floating *s) noexcept nogil:
+    """Online softmax over one key block of masked logits s (rows K_BLOCK
+    apart): update each row's maximum and sum, rescale its accumulator when
+    the maximum grows, and leave the block's weights e^(s - max) in s."""
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t i, c
+    cdef floating tile_max, alpha
+    cdef floating *s_row
+    cdef floating *acc_row
     for i in range(n_rows):
-        out_row = out + ((b * pb.n_queries) + row0 + i) * pb.d_v
+        s_row = s + i * K_BLOCK
+        tile_max = kernel_row_max(kern, s_row, n_keys)
+        if tile_max == -INFINITY:
+            # nothing visible in this block: weights exactly zero
+            memset(s_row, 0, n_keys * sizeof(floating))
+            continue
+        if tile_max != tile_max:
+            # a NaN logit where a key is visible: the row is NaN, as in the
+            # reference (and stays NaN through later blocks)
+            row_max[i] = tile_max
+        elif tile_max > row_max[i]:
+            if row_max[i] != -INFINITY:
+                alpha = <floating>exp(row_max[i] - tile_max)
+                row_sum[i] *= alpha
+                acc_row = acc + i * pb.ld_v
+                for c in range(pb.d_v):
+                    acc_row[c] *= alpha
+            row_max[i] = tile_max
+        row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
+
+
+cdef void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
+                      floating *out, Py_ssize_t ld_out) noexcept nogil:
+    """out[i, :d_v] = acc[i] / sum[i]; zeros for a row that sees no key."""
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t i, c
+    cdef floating *out_row
+    cdef floating *acc_row
+    for i in range(n_rows):
+        out_row = out + i * ld_out
         if row_max[i] == -INFINITY:
             # a row that sees no key gives zeros, not 0/0
             memset(out_row, 0, pb.d_v * sizeof(floating))
@@ -463,6 +515,151 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             acc_row = acc + i * pb.ld_v
             for c in range(pb.d_v):
                 out_row[c] = acc_row[c] / row_sum[i]
+
+
+cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                      Py_ssize_t b, Py_ssize_t row0, Py_ssize_t n_rows,
+                      floating *out) noexcept nogil:
+    """ATTN for one block of query rows, streaming packed key blocks."""
+    cdef floating *q_packed = <floating *>ws.base + ws.off_q
+    cdef floating *s = <floating *>ws.base + ws.off_s
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
+    cdef Py_ssize_t P = panel_width(q_packed)
+    cdef Py_ssize_t key0, n_keys, first_key, last_key, block
+
+    begin_rows(pb, ws, row0, n_rows, q_packed, &first_key, &last_key)
+    if last_key > first_key:
+        pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
+        # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
+        key0 = (first_key // K_BLOCK) * K_BLOCK
+        while key0 < last_key:
+            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
+            block = first_packed + key0 // K_BLOCK
+            kernel_score(kern, q_packed, pb.ld_k, n_rows, packed_keys(pb, block, s),
+                         pb.ld_k * P, round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+            mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
+            softmax_block(pb, kern, ws, n_rows, n_keys, s)
+            kernel_pv(kern, s, K_BLOCK, n_rows, packed_values(pb, block, s), K_BLOCK * P,
+                      n_keys, pb.ld_v, acc, pb.ld_v)
+            if pb.value_nonfinite[block]:
+                add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
+            key0 += K_BLOCK
+    finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.d_v, pb.d_v)
+
+
+cdef const floating *rows_in_place(const Operand *op, Py_ssize_t b, Py_ssize_t key0,
+                                   Py_ssize_t n_keys, Py_ssize_t n_features,
+                                   floating *copy, Py_ssize_t ld_copy,
+                                   Py_ssize_t *ld) noexcept nogil:
+    """Rows key0.. of an operand with contiguous features: where the caller
+    keeps them, or (strided features) copied into ``copy``. Either way the
+    kernels see the same values, so every layout gives the same bits."""
+    cdef const floating *base = <const floating *>op.data + op.batch_offset[b]
+    cdef const floating *row
+    cdef Py_ssize_t j, c
+    if op.col_stride == 1 or n_features <= 1:
+        ld[0] = op.row_stride
+        return base + key0 * op.row_stride
+    for j in range(n_keys):
+        row = base + (key0 + j) * op.row_stride
+        for c in range(n_features):
+            copy[j * ld_copy + c] = row[c * op.col_stride]
+    ld[0] = ld_copy
+    return copy
+
+
+cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                        Py_ssize_t b, Py_ssize_t split, floating *out,
+                        floating *partial) noexcept nogil:
+    """ATTN of all (few) query rows of batch entry b over key chunk ``split``,
+    K and V read in place. With one chunk the result goes to out; otherwise
+    the chunk's row maximum, sum and accumulator go to ``partial`` for
+    merge_splits."""
+    cdef floating *q_rows = <floating *>ws.base + ws.off_q
+    cdef floating *s = <floating *>ws.base + ws.off_s
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t n_rows = pb.n_queries
+    cdef Py_ssize_t chunk_lo = split * pb.split_keys
+    cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
+    cdef Py_ssize_t key0, n_keys, first_key, last_key, ld_k_rows, ld_v_rows, i, c
+    cdef const floating *k_rows
+    cdef const floating *v_rows
+    cdef floating *state
+
+    begin_rows(pb, ws, 0, n_rows, s, &first_key, &last_key)
+    if first_key < chunk_lo:
+        first_key = chunk_lo
+    if last_key > chunk_hi:
+        last_key = chunk_hi
+    if last_key > first_key:
+        pack_queries(pb, b, 0, n_rows, q_rows, pb.ld_k)
+        key0 = (first_key // K_BLOCK) * K_BLOCK
+        while key0 < last_key:
+            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
+            k_rows = rows_in_place(&pb.k, b, key0, n_keys, pb.d_k,
+                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows)
+            kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
+                                pb.d_k, pb.scale, s, K_BLOCK)
+            mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
+            softmax_block(pb, kern, ws, n_rows, n_keys, s)
+            v_rows = rows_in_place(&pb.v, b, key0, n_keys, pb.d_v,
+                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows)
+            kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
+                             acc, pb.ld_v)
+            key0 += K_BLOCK
+    if pb.n_splits == 1:
+        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.d_v, pb.d_v)
+        return
+    # per row: maximum, sum, then the unnormalised accumulator
+    state = partial + (b * pb.n_splits + split) * n_rows * (pb.d_v + 2)
+    for i in range(n_rows):
+        state[0] = row_max[i]
+        state[1] = row_sum[i]
+        for c in range(pb.d_v):
+            state[2 + c] = acc[i * pb.ld_v + c]
+        state += pb.d_v + 2
+
+
+cdef void merge_splits(const Problem *pb, Py_ssize_t b, const floating *partial,
+                       floating *out) noexcept nogil:
+    """Combine the key chunks of batch entry b in chunk order (so the result
+    does not depend on which thread did which chunk):
+    max = max_i max_i, sum = sum_i sum_i e^(max_i - max),
+    out = sum_i acc_i e^(max_i - max) / sum."""
+    cdef Py_ssize_t n_rows = pb.n_queries
+    cdef Py_ssize_t stride = n_rows * (pb.d_v + 2)
+    cdef const floating *first = partial + b * pb.n_splits * stride
+    cdef const floating *state
+    cdef floating *out_row
+    cdef Py_ssize_t i, split, c
+    cdef floating total_max, total_sum, weight
+    for i in range(n_rows):
+        out_row = out + (b * n_rows + i) * pb.d_v
+        total_max = -INFINITY
+        for split in range(pb.n_splits):
+            state = first + split * stride + i * (pb.d_v + 2)
+            if state[0] > total_max or state[0] != state[0]:
+                total_max = state[0]
+                if total_max != total_max:
+                    break
+        if total_max == -INFINITY:
+            memset(out_row, 0, pb.d_v * sizeof(floating))
+            continue
+        memset(out_row, 0, pb.d_v * sizeof(floating))
+        total_sum = 0
+        for split in range(pb.n_splits):
+            state = first + split * stride + i * (pb.d_v + 2)
+            if state[0] == -INFINITY:
+                continue
+            weight = <floating>exp(state[0] - total_max)
+            total_sum += state[1] * weight
+            for c in range(pb.d_v):
+                out_row[c] += state[2 + c] * weight
+        for c in range(pb.d_v):
+            out_row[c] = out_row[c] / total_sum
 
 
 cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
@@ -583,7 +780,76 @@ cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *
 
 cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
                      floating *out, floating *scores) noexcept nogil:
-    """Pack K/V, then all work items; returns 0, or -1 if memory ran out."""
+    """Returns 0, or -1 if memory ran out."""
+    # the path depends on the shape alone, never on the layout or threads
+    if scores == NULL and pb.n_queries <= DIRECT_ROWS:
+        return run_direct(pb, kern, n_threads, out)
+    return run_packed(pb, kern, n_threads, out, scores)
+
+
+cdef int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
+                    floating *out) noexcept nogil:
+    """Few query rows: items are (batch entry, key chunk), K/V read in place."""
+    cdef Py_ssize_t n_splits = 1
+    cdef Py_ssize_t n_items, item, b
+    cdef Workspace *ws = NULL
+    cdef floating *partial = NULL
+    cdef int status = 0
+    cdef int *status_ptr = &status
+    cdef int n_workers = n_threads
+    if pb.n_batch < SPLIT_TARGET_ITEMS:
+        n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
+        if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
+            n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
+        if n_splits < 1:
+            n_splits = 1
+    pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
+    if pb.split_keys == 0:
+        pb.split_keys = K_BLOCK
+    pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
+    if pb.n_splits < 1:
+        pb.n_splits = 1
+    n_items = pb.n_batch * pb.n_splits
+    if n_workers > n_items:
+        n_workers = <int>n_items
+    if pb.n_splits > 1:
+        partial = <floating *>ca_aligned_alloc(
+            n_items * pb.n_queries * (pb.d_v + 2) * sizeof(floating))
+        if partial == NULL:
+            return -1
+    if n_workers <= 1:
+        ws = workspace_new(pb, sizeof(floating))
+        if ws == NULL:
+            status = -1
+        else:
+            for item in range(n_items):
+                attend_direct(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
+                              out, partial)
+            workspace_delete(ws)
+        if status == 0 and pb.n_splits > 1:
+            for b in range(pb.n_batch):
+                merge_splits(pb, b, partial, out)
+    else:
+        with parallel(num_threads=n_workers):
+            ws = workspace_new(pb, sizeof(floating))
+            if ws == NULL:
+                status_ptr[0] = -1
+            for item in prange(n_items, schedule='dynamic'):
+                if ws != NULL:
+                    attend_direct(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
+                                  out, partial)
+            workspace_delete(ws)
+            if pb.n_splits > 1:
+                for b in prange(pb.n_batch, schedule='static'):
+                    if status_ptr[0] == 0:
+                        merge_splits(pb, b, partial, out)
+    ca_aligned_free(partial)
+    return status
+
+
+cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
+                    floating *out, floating *scores) noexcept nogil:
+    """Pack K/V once, then blocks of query rows across threads."""
     cdef Py_ssize_t n_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
     cdef Py_ssize_t n_items = n_blocks * pb.n_batch
     cdef Py_ssize_t n_packed = pb.n_kv * pb.n_key_blocks

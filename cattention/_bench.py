@@ -35,20 +35,19 @@ Method
       "vs ca+S" compares the peers that return the weights with
       ``cattention+S``.
     * A separate memory probe runs one long causal case in a fresh
-      subprocess and reports its peak RSS increase (``ru_maxrss``).
+      subprocess and reports its peak RSS increase (see
+      :func:`measure_memory`).
 
 Nothing here asserts on timings; :func:`run_benchmark` is the in-process
 entry point and returns plain dict records (see ``--json``).
 """
 
-import argparse
 import contextlib
 import io
 import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -68,7 +67,7 @@ MATERIALISE_LIMIT = 1 << 25
 #: The float64 reference (one T x S slice at a time) is computed up to this.
 REFERENCE_LIMIT = 1 << 27
 
-DEFAULT_ROUNDS = 5
+DEFAULT_ROUNDS = 7
 QUICK_ROUNDS = 3
 DEFAULT_THREADS = (1, 2)
 #: DRAM probe: two float32 vectors of this many elements (2 x 256 MiB).
@@ -301,6 +300,14 @@ def time_round_robin(impls, rounds, settle=None):
     return times
 
 
+def relative_spread(times):
+    """Interquartile range over the median: how noisy the timings were."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(times)
+
+
 def _as_numpy(result):
     return result.numpy() if hasattr(result, "numpy") else np.asarray(result)
 
@@ -322,6 +329,7 @@ def measure_dram_bandwidth(threads, n_elements, rounds=PROBE_ROUNDS):
         "bytes": nbytes,
         "median_ms": median * 1e3,
         "times_ms": [t * 1e3 for t in times],
+        "spread": relative_spread(times),
         "gbps": nbytes / median / 1e9,
     }
 
@@ -373,6 +381,7 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
             "impl": name,
             "median_ms": median * 1e3,
             "times_ms": [t * 1e3 for t in ts],
+            "spread": relative_spread(ts),
             "gflops": case.flops / median / 1e9,
             "gbps": case.kv_bytes / median / 1e9 if case.is_decode else None,
             "vs_ca": median / medians[CATTENTION],
@@ -429,6 +438,13 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     import json, resource, sys, time
     import numpy as np
     import cattention
+
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+
     B, H, T, S, d, threads = map(int, sys.argv[1:7])
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, H, T, d), dtype=np.float32)
@@ -437,40 +453,58 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     # start the OpenMP thread pool before the baseline
     cattention.attention(q[..., :256, :], k[..., :256, :], v[..., :256, :],
                          causal=True, num_threads=threads)
-    page_kib = resource.getpagesize() // 1024
-    with open("/proc/self/statm") as f:
-        rss_kib = int(f.read().split()[1]) * page_kib
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:  # reset VmHWM to the current RSS (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    rss_before = status_kib("VmRSS")
+    hwm_before = status_kib("VmHWM")
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     out = cattention.attention(q, k, v, causal=True, num_threads=threads)
     seconds = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"rss_before_kib": rss_kib, "maxrss_before_kib": before,
-                      "maxrss_after_kib": after, "seconds": seconds,
-                      "output_bytes": out.nbytes}))
+    print(json.dumps({
+        "hwm_reset": reset, "rss_before_kib": rss_before, "hwm_before_kib": hwm_before,
+        "hwm_after_kib": status_kib("VmHWM"), "maxrss_before_kib": maxrss_before,
+        "maxrss_after_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "seconds": seconds, "output_bytes": out.nbytes}))
 """)
 
 
 def measure_memory(shape=MEMORY_SHAPE, threads=1):
     """Peak RSS increase of one causal call without SCORES, in a fresh process.
 
-    ``ru_maxrss`` is read just before and just after the call (inputs already
-    allocated, thread pool started), so the increase is the call's own peak:
-    its output plus scratch.
+    The inputs are allocated and the thread pool started first; then the
+    peak is read just before and just after the call, so the increase is the
+    call's own: its output plus scratch. The peak is the process's VmHWM,
+    reset to the current RSS just before the call. ``ru_maxrss`` (also
+    recorded) cannot serve here: a child started by vfork + exec, as
+    ``subprocess`` does, inherits the parent's peak as its ``ru_maxrss``,
+    which in a benchmark process holding large arrays hides the call's peak.
     """
     args = [str(x) for x in (*shape, threads)]
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, *args],
                           capture_output=True, text=True, check=True)
     raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    if raw["hwm_reset"]:
+        increase_kib = raw["hwm_after_kib"] - raw["rss_before_kib"]
+        method = "VmHWM reset before the call"
+    else:
+        increase_kib = raw["maxrss_after_kib"] - raw["maxrss_before_kib"]
+        method = "ru_maxrss (VmHWM could not be reset)"
     B, H, T, S, d = shape
     return {
         "case": f"{B}x{H}x{T}x{S}x{d} causal",
         "dtype": "float32",
         "threads": threads,
         "seconds": raw["seconds"],
-        "peak_rss_increase_mib": (raw["maxrss_after_kib"] - raw["maxrss_before_kib"]) / 1024,
+        "peak_rss_increase_mib": increase_kib / 1024,
+        "method": method,
         "rss_before_mib": raw["rss_before_kib"] / 1024,
-        "maxrss_before_mib": raw["maxrss_before_kib"] / 1024,
+        "ru_maxrss_before_mib": raw["maxrss_before_kib"] / 1024,
+        "ru_maxrss_after_mib": raw["maxrss_after_kib"] / 1024,
         "output_mib": raw["output_bytes"] / 2**20,
         "scores_would_be_mib": B * H * T * S * 4 / 2**20,
     }
@@ -540,7 +574,7 @@ def format_config(config):
 
 
 _COLUMNS = (("case", 25, "<"), ("dtype", 7, "<"), ("thr", 3, ">"), ("impl", 14, "<"),
-            ("median ms", 10, ">"), ("throughput", 20, "<"), ("vs ca", 7, ">"),
+            ("median ms", 10, ">"), ("iqr", 4, ">"), ("throughput", 20, "<"), ("vs ca", 7, ">"),
             ("vs ca+S", 7, ">"), ("max err", 8, ">"))
 
 
@@ -583,6 +617,7 @@ def format_records(records):
             record["impl"],
             f"{record['median_ms']:.2f}" if record["median_ms"] >= 1
             else f"{record['median_ms']:.3g}",
+            f"{record['spread']:.0%}",
             _throughput(record),
             f"{ratio:.2f}x" if ratio is not None else "",
             f"{ratio_scores:.2f}x" if ratio_scores is not None else "",
@@ -592,12 +627,13 @@ def format_records(records):
 
 
 def format_memory(memory):
-    return (f"memory: {memory['case']} f32, no SCORES, {memory['threads']} thread(s), "
-            f"fresh process: peak RSS +{memory['peak_rss_increase_mib']:.1f} MiB "
-            f"(output {memory['output_mib']:.1f} MiB; SCORES would be "
-            f"{memory['scores_would_be_mib']:.0f} MiB; RSS before "
-            f"{memory['rss_before_mib']:.0f} MiB, peak before "
-            f"{memory['maxrss_before_mib']:.0f} MiB), {memory['seconds']:.2f} s")
+    extra = memory["peak_rss_increase_mib"] - memory["output_mib"]
+    return (f"memory: {memory['case']} f32, no SCORES, {memory['threads']} thread(s), in a "
+            f"fresh process: peak RSS +{memory['peak_rss_increase_mib']:.1f} MiB = output "
+            f"{memory['output_mib']:.1f} MiB + {extra:.1f} MiB other (SCORES alone would be "
+            f"{memory['scores_would_be_mib']:.0f} MiB); RSS before "
+            f"{memory['rss_before_mib']:.0f} MiB; {memory['seconds']:.2f} s; "
+            f"measured by {memory['method']}")
 
 
 def plot_results(records, path):
@@ -678,10 +714,12 @@ def main(args):
     config = machine_config(torch)
     print(format_config(config))
     print()
-    print(f"{len(cases)} cases x threads {threads}, {rounds} rounds round-robin, medians. "
-          "'vs ca' = peer time / cattention time (>1: cattention faster); 'vs ca+S' "
-          "the same against cattention+S (peers that return weights). Errors: max abs "
-          "of ATTN vs a float64 NumPy reference.")
+    print(textwrap.fill(
+        f"{len(cases)} cases x threads {threads}, {rounds} rounds round-robin; median "
+        "times, iqr = interquartile range / median. 'vs ca' = peer time / cattention "
+        "time (above 1: cattention is faster); 'vs ca+S' the same against "
+        "cattention+S, for the peers that also return the weights. max err: max abs "
+        "error of ATTN against a float64 NumPy reference.", width=100))
     print()
     print(table_header())
 

@@ -64,6 +64,26 @@ typedef struct ca_kernels {
        or NaN. e^(-inf) is exactly 0. */
     float (*exp_sum_f32)(float *x, ptrdiff_t n, float shift);
     double (*exp_sum_f64)(double *x, ptrdiff_t n, double shift);
+
+    /* Kernels for few query rows (decode), reading K and V where the caller
+       keeps them, rows contiguous: packing would cost as much as the work.
+       s[r, j] = factor * (q_r . k_j) with k_j = k + j * ldk; */
+    void (*score_direct_f32)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                             const float *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                             ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds);
+    void (*score_direct_f64)(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                             const double *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                             ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds);
+    /* acc[r, c] += sum_j p[r, j] * v[j * ldv + c] for c < d_v, skipping keys
+       of weight exactly 0 (so a NaN or Inf in a value that takes no part
+       never reaches acc; for finite values skipping changes no bit).
+       ldacc >= d_v rounded up to 16 elements. */
+    void (*pv_direct_f32)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                          const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                          ptrdiff_t d_v, float *acc, ptrdiff_t ldacc);
+    void (*pv_direct_f64)(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                          const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                          ptrdiff_t d_v, double *acc, ptrdiff_t ldacc);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */

@@ -362,12 +362,238 @@ CA_AVX2 static double exp_sum_f64(double *x, ptrdiff_t n, double shift)
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
+/* ---- few query rows, K and V read in place (decode) ------------------ */
+
+/* keys ahead of the one in use whose rows are prefetched: memory-bound
+   decode otherwise waits on each row as it streams in */
+#define PREFETCH_KEYS 16
+
+CA_TILE __m256i lane_mask_f32(ptrdiff_t n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+CA_TILE __m256i lane_mask_f64(ptrdiff_t n)
+{
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+}
+
+CA_TILE void prefetch_row(const void *row, ptrdiff_t n_bytes)
+{
+    for (ptrdiff_t b = 0; b < n_bytes; b += 64)
+        _mm_prefetch((const char *)row + b, _MM_HINT_T0);
+}
+
+/* {sum(a0), sum(a1), sum(a2), sum(a3)} */
+CA_TILE __m128 hsum4_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+CA_TILE __m256d hsum4_f64(__m256d a0, __m256d a1, __m256d a2, __m256d a3)
+{
+    const __m256d t0 = _mm256_hadd_pd(a0, a1);
+    const __m256d t1 = _mm256_hadd_pd(a2, a3);
+    return _mm256_add_pd(_mm256_permute2f128_pd(t0, t1, 0x20),
+                         _mm256_permute2f128_pd(t0, t1, 0x31));
+}
+
+CA_AVX2 static void score_direct_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                     const float *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                                     ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds)
+{
+    const ptrdiff_t d_main = d_k & ~(ptrdiff_t)7;
+    const __m256i tail = lane_mask_f32(d_k - d_main);
+    for (ptrdiff_t j = 0; j < n_keys; j += 4) {
+        /* four keys at a time share one horizontal reduction */
+        const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
+        const float *k0 = k + j * ldk;
+        const float *k1 = k0 + (n_group > 1 ? ldk : 0);
+        const float *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
+        const float *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
+        if (j + PREFETCH_KEYS + 4 <= n_keys)
+            for (int l = 0; l < 4; ++l)
+                prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k * 4);
+        for (ptrdiff_t r = 0; r < n_rows; ++r) {
+            const float *q_r = q + r * ldq;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            ptrdiff_t c = 0;
+            for (; c < d_main; c += 8) {
+                const __m256 q8 = _mm256_loadu_ps(q_r + c);
+                a0 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k0 + c), a0);
+                a1 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k1 + c), a1);
+                a2 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k2 + c), a2);
+                a3 = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k3 + c), a3);
+            }
+            if (c < d_k) {
+                const __m256 q8 = _mm256_maskload_ps(q_r + c, tail);
+                a0 = _mm256_fmadd_ps(q8, _mm256_maskload_ps(k0 + c, tail), a0);
+                a1 = _mm256_fmadd_ps(q8, _mm256_maskload_ps(k1 + c, tail), a1);
+                a2 = _mm256_fmadd_ps(q8, _mm256_maskload_ps(k2 + c, tail), a2);
+                a3 = _mm256_fmadd_ps(q8, _mm256_maskload_ps(k3 + c, tail), a3);
+            }
+            float dots[4];
+            _mm_storeu_ps(dots, _mm_mul_ps(hsum4_f32(a0, a1, a2, a3), _mm_set1_ps(factor)));
+            for (ptrdiff_t l = 0; l < n_group; ++l)
+                s[r * lds + j + l] = dots[l];
+        }
+    }
+}
+
+/* acc[0..8*NV) += sum_j p[j] v_j[0..8*NV), the last vector masked by tail */
+CA_TILE void pv_direct_cols_f32(const float *p, const float *v, ptrdiff_t ldv,
+                                ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
+                                int prefetch, __m256i tail, float *acc, const int NV)
+{
+    __m256 a[8];
+    for (int x = 0; x < NV; ++x)
+        a[x] = _mm256_loadu_ps(acc + 8 * x);
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (prefetch && j + PREFETCH_KEYS < n_keys)
+            prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+        if (p[j] == 0)
+            continue;
+        const __m256 p_j = _mm256_set1_ps(p[j]);
+        const float *v_j = v + j * ldv;
+        for (int x = 0; x < NV - 1; ++x)
+            a[x] = _mm256_fmadd_ps(p_j, _mm256_loadu_ps(v_j + 8 * x), a[x]);
+        a[NV - 1] = _mm256_fmadd_ps(p_j, _mm256_maskload_ps(v_j + 8 * (NV - 1), tail),
+                                    a[NV - 1]);
+    }
+    for (int x = 0; x < NV; ++x)
+        _mm256_storeu_ps(acc + 8 * x, a[x]);
+}
+
+CA_AVX2 static void pv_direct_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                  const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                                  ptrdiff_t d_v, float *acc, ptrdiff_t ldacc)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        /* up to 64 columns per pass: 8 accumulators, the rest for operands */
+        for (ptrdiff_t c = 0; c < d_v; c += 64) {
+            const ptrdiff_t width = d_v - c < 64 ? d_v - c : 64;
+            const int n_vec = (int)((width + 7) / 8);
+            const __m256i tail = lane_mask_f32(width - 8 * (n_vec - 1));
+            /* the first pass over V brings its rows in for the others */
+            const int prefetch = r == 0 && c == 0;
+            const float *p_r = p + r * ldp;
+            float *acc_rc = acc + r * ldacc + c;
+            switch (n_vec) {
+            case 8: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 8); break;
+            case 7: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 7); break;
+            case 6: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 6); break;
+            case 5: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 5); break;
+            case 4: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 4); break;
+            case 3: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 3); break;
+            case 2: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 2); break;
+            default: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 1); break;
+            }
+        }
+    }
+}
+
+CA_AVX2 static void score_direct_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                     const double *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                                     ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds)
+{
+    const ptrdiff_t d_main = d_k & ~(ptrdiff_t)3;
+    const __m256i tail = lane_mask_f64(d_k - d_main);
+    for (ptrdiff_t j = 0; j < n_keys; j += 4) {
+        const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
+        const double *k0 = k + j * ldk;
+        const double *k1 = k0 + (n_group > 1 ? ldk : 0);
+        const double *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
+        const double *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
+        if (j + PREFETCH_KEYS + 4 <= n_keys)
+            for (int l = 0; l < 4; ++l)
+                prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k * 8);
+        for (ptrdiff_t r = 0; r < n_rows; ++r) {
+            const double *q_r = q + r * ldq;
+            __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+            __m256d a2 = _mm256_setzero_pd(), a3 = _mm256_setzero_pd();
+            ptrdiff_t c = 0;
+            for (; c < d_main; c += 4) {
+                const __m256d q4 = _mm256_loadu_pd(q_r + c);
+                a0 = _mm256_fmadd_pd(q4, _mm256_loadu_pd(k0 + c), a0);
+                a1 = _mm256_fmadd_pd(q4, _mm256_loadu_pd(k1 + c), a1);
+                a2 = _mm256_fmadd_pd(q4, _mm256_loadu_pd(k2 + c), a2);
+                a3 = _mm256_fmadd_pd(q4, _mm256_loadu_pd(k3 + c), a3);
+            }
+            if (c < d_k) {
+                const __m256d q4 = _mm256_maskload_pd(q_r + c, tail);
+                a0 = _mm256_fmadd_pd(q4, _mm256_maskload_pd(k0 + c, tail), a0);
+                a1 = _mm256_fmadd_pd(q4, _mm256_maskload_pd(k1 + c, tail), a1);
+                a2 = _mm256_fmadd_pd(q4, _mm256_maskload_pd(k2 + c, tail), a2);
+                a3 = _mm256_fmadd_pd(q4, _mm256_maskload_pd(k3 + c, tail), a3);
+            }
+            double dots[4];
+            _mm256_storeu_pd(dots, _mm256_mul_pd(hsum4_f64(a0, a1, a2, a3), _mm256_set1_pd(factor)));
+            for (ptrdiff_t l = 0; l < n_group; ++l)
+                s[r * lds + j + l] = dots[l];
+        }
+    }
+}
+
+CA_TILE void pv_direct_cols_f64(const double *p, const double *v, ptrdiff_t ldv,
+                                ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
+                                int prefetch, __m256i tail, double *acc, const int NV)
+{
+    __m256d a[8];
+    for (int x = 0; x < NV; ++x)
+        a[x] = _mm256_loadu_pd(acc + 4 * x);
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (prefetch && j + PREFETCH_KEYS < n_keys)
+            prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+        if (p[j] == 0)
+            continue;
+        const __m256d p_j = _mm256_set1_pd(p[j]);
+        const double *v_j = v + j * ldv;
+        for (int x = 0; x < NV - 1; ++x)
+            a[x] = _mm256_fmadd_pd(p_j, _mm256_loadu_pd(v_j + 4 * x), a[x]);
+        a[NV - 1] = _mm256_fmadd_pd(p_j, _mm256_maskload_pd(v_j + 4 * (NV - 1), tail),
+                                    a[NV - 1]);
+    }
+    for (int x = 0; x < NV; ++x)
+        _mm256_storeu_pd(acc + 4 * x, a[x]);
+}
+
+CA_AVX2 static void pv_direct_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                  const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                                  ptrdiff_t d_v, double *acc, ptrdiff_t ldacc)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        for (ptrdiff_t c = 0; c < d_v; c += 32) {
+            const ptrdiff_t width = d_v - c < 32 ? d_v - c : 32;
+            const int n_vec = (int)((width + 3) / 4);
+            const __m256i tail = lane_mask_f64(width - 4 * (n_vec - 1));
+            const int prefetch = r == 0 && c == 0;
+            const double *p_r = p + r * ldp;
+            double *acc_rc = acc + r * ldacc + c;
+            switch (n_vec) {
+            case 8: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 8); break;
+            case 7: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 7); break;
+            case 6: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 6); break;
+            case 5: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 5); break;
+            case 4: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 4); break;
+            case 3: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 3); break;
+            case 2: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 2); break;
+            default: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 1); break;
+            }
+        }
+    }
+}
+
 const ca_kernels ca_kernels_avx2 = {
     "avx2",
     score_f32, score_f64,
     pv_f32, pv_f64,
     row_max_f32, row_max_f64,
     exp_sum_f32, exp_sum_f64,
+    score_direct_f32, score_direct_f64,
+    pv_direct_f32, pv_direct_f64,
 };
 
 #endif /* CA_HAVE_X86_KERNELS */

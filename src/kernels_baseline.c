@@ -77,8 +77,41 @@ static T exp_sum_##SUFFIX(T *x, ptrdiff_t n, T shift)                          \
            ((partial[4] + partial[5]) + (partial[6] + partial[7]));             \
 }
 
+#define CA_DEFINE_PORTABLE_DIRECT_KERNELS(T, SUFFIX)                            \
+static void score_direct_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,  \
+                                  const T *k, ptrdiff_t ldk, ptrdiff_t n_keys,  \
+                                  ptrdiff_t d_k, T factor, T *s, ptrdiff_t lds) \
+{                                                                               \
+    for (ptrdiff_t r = 0; r < n_rows; ++r)                                      \
+        for (ptrdiff_t j = 0; j < n_keys; ++j) {                                \
+            /* eight partial sums, as a vector unit would keep them */         \
+            T partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};                            \
+            for (ptrdiff_t c = 0; c < d_k; ++c)                                 \
+                partial[c & 7] += q[r * ldq + c] * k[j * ldk + c];              \
+            T dot = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +   \
+                    ((partial[4] + partial[5]) + (partial[6] + partial[7]));    \
+            s[r * lds + j] = dot * factor;                                      \
+        }                                                                       \
+}                                                                               \
+                                                                                \
+static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     \
+                               const T *v, ptrdiff_t ldv, ptrdiff_t n_keys,     \
+                               ptrdiff_t d_v, T *acc, ptrdiff_t ldacc)          \
+{                                                                               \
+    for (ptrdiff_t r = 0; r < n_rows; ++r)                                      \
+        for (ptrdiff_t j = 0; j < n_keys; ++j) {                                \
+            const T p_rj = p[r * ldp + j];                                      \
+            if (p_rj == 0)                                                      \
+                continue;                                                       \
+            for (ptrdiff_t c = 0; c < d_v; ++c)                                 \
+                acc[r * ldacc + c] += p_rj * v[j * ldv + c];                    \
+        }                                                                       \
+}
+
 CA_DEFINE_PORTABLE_KERNELS(float, f32, ca_expf_scalar, CA_PANEL_F32)
 CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, f32)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, f64)
 
 const ca_kernels ca_kernels_baseline = {
     "baseline",
@@ -86,4 +119,6 @@ const ca_kernels ca_kernels_baseline = {
     pv_f32, pv_f64,
     row_max_f32, row_max_f64,
     exp_sum_f32, exp_sum_f64,
+    score_direct_f32, score_direct_f64,
+    pv_direct_f32, pv_direct_f64,
 };

@@ -21,7 +21,7 @@ TINY_CASES = (
 )
 
 RECORD_KEYS = {"case", "kind", "shape", "causal", "dtype", "threads", "impl", "median_ms",
-               "times_ms", "gflops", "gbps", "vs_ca", "vs_ca_scores", "max_abs_err"}
+               "times_ms", "spread", "gflops", "gbps", "vs_ca", "vs_ca_scores", "max_abs_err"}
 
 
 @pytest.fixture
