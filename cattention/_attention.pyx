@@ -88,6 +88,10 @@ cdef enum:
     Q_BLOCK = 96
     # Keys per streamed block: K^T, V and the score tile of one block stay in L2.
     K_BLOCK = 256
+    # Rows per score/P.V call on a block that some rows see only in part
+    # (the causal diagonal): each group computes only the key panels its
+    # last row sees. A multiple of the 6-row register tile.
+    ROW_GROUP = 24
     # Row padding of packed V and accumulators: a multiple of both panel
     # widths, so one workspace layout serves float and double.
     PAD = 16
@@ -526,7 +530,12 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
     cdef Py_ssize_t P = panel_width(q_packed)
-    cdef Py_ssize_t key0, n_keys, first_key, last_key, block
+    cdef Py_ssize_t key0, n_keys, first_key, last_key, block, group0, group_rows, i
+    # keys seen by each group of ROW_GROUP rows (Q_BLOCK / ROW_GROUP <= 16)
+    cdef Py_ssize_t group_keys[16]
+    cdef Py_ssize_t n_groups, group
+    cdef const floating *kt
+    cdef const floating *v_packed
 
     begin_rows(pb, ws, row0, n_rows, q_packed, &first_key, &last_key)
     if last_key > first_key:
@@ -535,13 +544,49 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
         key0 = (first_key // K_BLOCK) * K_BLOCK
         while key0 < last_key:
             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
+            if n_keys > last_key - key0:
+                n_keys = last_key - key0
             block = first_packed + key0 // K_BLOCK
-            kernel_score(kern, q_packed, pb.ld_k, n_rows, packed_keys(pb, block, s),
-                         pb.ld_k * P, round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+            kt = packed_keys(pb, block, s)
+            v_packed = packed_values(pb, block, s)
+            # keys each group of rows can see in this block: on the causal
+            # diagonal the upper rows skip the panels only lower rows see
+            n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
+            for group in range(n_groups):
+                group_keys[group] = 0
+            for i in range(n_rows):
+                if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:
+                    group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
+            for group in range(n_groups):
+                if group_keys[group] > n_keys:
+                    group_keys[group] = n_keys
+            if group_keys[0] == n_keys:
+                # the first rows see the whole block, so all do: one call
+                kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
+                             round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+            else:
+                for i in range(n_groups):
+                    group0 = i * ROW_GROUP
+                    group_rows = min(ROW_GROUP, n_rows - group0)
+                    if group_keys[i] > 0:
+                        kernel_score(kern, q_packed + group0 * pb.ld_k, pb.ld_k, group_rows,
+                                     kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
+                                     pb.scale, s + group0 * K_BLOCK, K_BLOCK)
+            # columns a group skipped lie past its rows' visible range, so
+            # masking overwrites them with -inf before anything reads them
             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
-            kernel_pv(kern, s, K_BLOCK, n_rows, packed_values(pb, block, s), K_BLOCK * P,
-                      n_keys, pb.ld_v, acc, pb.ld_v)
+            if group_keys[0] == n_keys:
+                kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, K_BLOCK * P, n_keys,
+                          pb.ld_v, acc, pb.ld_v)
+            else:
+                for i in range(n_groups):
+                    group0 = i * ROW_GROUP
+                    group_rows = min(ROW_GROUP, n_rows - group0)
+                    if group_keys[i] > 0:
+                        kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
+                                  K_BLOCK * P, group_keys[i], pb.ld_v,
+                                  acc + group0 * pb.ld_v, pb.ld_v)
             if pb.value_nonfinite[block]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
