@@ -97,6 +97,7 @@ extensions = [
             "src/dispatch.c",
             "src/kernels_baseline.c",
             "src/kernels_avx2.c",
+            "src/scratch.c",
         ],
         include_dirs=["src", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

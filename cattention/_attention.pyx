@@ -72,8 +72,11 @@ cdef extern from "kernels.h" nogil:
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)
     const char *ca_compiler_version()
-    void *ca_aligned_alloc(size_t n_bytes)
-    void ca_aligned_free(void *ptr)
+    enum: CA_SCRATCH_WORKSPACE
+    enum: CA_SCRATCH_PACKED
+    enum: CA_SCRATCH_PARTIAL
+    void *ca_scratch_acquire(int slot, size_t n_bytes)
+    void ca_scratch_release(int slot, void *ptr)
 
 
 cdef extern from "openmp_shim.h" nogil:
@@ -136,6 +139,8 @@ cdef struct Problem:
     const intp_t *kv_of_batch    # batch entry -> packed index
     const intp_t *kv_source      # packed index -> a batch entry holding it
     Py_ssize_t n_key_blocks
+    Py_ssize_t block_keys        # key capacity of a packed block: K_BLOCK, or
+                                 # S rounded up to PAD when S is smaller
     Py_ssize_t ld_k              # rows of a packed K^T block: max(d_k, 1)
     Py_ssize_t ld_v              # length of a packed V row: d_v padded to PAD
     void *packed_k               # blocks of ld_k x K_BLOCK, (kv, key block) order
@@ -165,9 +170,8 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
     """Lay out and allocate one thread's scratch; NULL if there is no memory."""
     cdef Py_ssize_t n_rows = Q_BLOCK if pb.n_queries > Q_BLOCK else pb.n_queries
     cdef Py_ssize_t n = 0
-    cdef Workspace *ws = <Workspace *>ca_aligned_alloc(sizeof(Workspace))
-    if ws == NULL:
-        return NULL
+    cdef Workspace header
+    cdef Workspace *ws = &header
     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
     ws.off_q = n
     n += round_up(n_rows * pb.ld_k, 16)
@@ -185,19 +189,20 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
         n += round_up(K_BLOCK * pb.ld_k, 16)
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)
-    ws.base = ca_aligned_alloc(n * itemsize + 2 * n_rows * sizeof(intp_t))
-    if ws.base == NULL:
-        ca_aligned_free(ws)
+    # one buffer: the Workspace itself (64 bytes reserved), then the regions
+    cdef char *memory = <char *>ca_scratch_acquire(
+        CA_SCRATCH_WORKSPACE, 64 + n * itemsize + 2 * n_rows * sizeof(intp_t))
+    if memory == NULL:
         return NULL
+    ws.base = memory + 64
     ws.row_lo = <intp_t *>(<char *>ws.base + n * itemsize)
     ws.row_hi = ws.row_lo + n_rows
-    return ws
+    (<Workspace *>memory)[0] = header
+    return <Workspace *>memory
 
 
 cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
-    if ws != NULL:
-        ca_aligned_free(ws.base)
-        ca_aligned_free(ws)
+    ca_scratch_release(CA_SCRATCH_WORKSPACE, ws)
 
 
 cdef void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
@@ -242,7 +247,7 @@ cdef void pack_keys_transposed(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
 cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
                       Py_ssize_t n_keys, floating *v_packed) noexcept nogil:
     """V[key0:key0 + n_keys] in panels (see kernels.h): key j, column c at
-    v_packed[(c // P) * K_BLOCK * P + j * P + c % P], zero past d_v.
+    v_packed[(c // P) * block_keys * P + j * P + c % P], zero past d_v.
 
     Every NaN or Inf is replaced by 0; returns True if there was any
     (add_nonfinite_values then adds them back for the rows that give their
@@ -251,31 +256,50 @@ cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
     in a masked-out value changes no bit of the output."""
     cdef const floating *v = <const floating *>pb.v.data + pb.v.batch_offset[b]
     cdef Py_ssize_t P = panel_width(v_packed)
-    cdef Py_ssize_t j, c
+    cdef Py_ssize_t panel_stride = pb.block_keys * P
+    cdef Py_ssize_t col_stride = pb.v.col_stride
+    cdef Py_ssize_t j, c, l, n_full = pb.d_v // P
     cdef const floating *v_row
+    cdef floating *dst
     cdef floating x
     cdef bint nonfinite = False
     for j in range(n_keys):
         v_row = v + (key0 + j) * pb.v.row_stride
-        for c in range(pb.ld_v):
-            x = v_row[c * pb.v.col_stride] if c < pb.d_v else 0
-            # x - x is 0 for finite x and NaN for NaN or +-Inf
-            if (x - x) != 0:
-                nonfinite = True
-                x = 0
-            v_packed[(c // P) * K_BLOCK * P + j * P + c % P] = x
+        if not nonfinite:
+            for c in range(pb.d_v):
+                x = v_row[c * col_stride]
+                # x - x is 0 for finite x and NaN for NaN or +-Inf
+                if (x - x) != 0:
+                    nonfinite = True
+                    break
+        # panels of P columns; the last one zero past d_v
+        for c in range(n_full):
+            dst = v_packed + c * panel_stride + j * P
+            for l in range(P):
+                dst[l] = v_row[(c * P + l) * col_stride]
+        if pb.ld_v > n_full * P:
+            dst = v_packed + n_full * panel_stride + j * P
+            for l in range(P):
+                dst[l] = v_row[(n_full * P + l) * col_stride] if n_full * P + l < pb.d_v else 0
+    if nonfinite:
+        # rare: zero every NaN/Inf in place
+        for j in range(n_keys):
+            for c in range(pb.ld_v):
+                dst = v_packed + (c // P) * panel_stride + j * P + c % P
+                if (dst[0] - dst[0]) != 0:
+                    dst[0] = 0
     return nonfinite
 
 
 cdef inline const floating *packed_keys(const Problem *pb, Py_ssize_t block,
                                         floating *dtype_tag) noexcept nogil:
     """K^T of packed block ``block`` (= kv * n_key_blocks + key block)."""
-    return <const floating *>pb.packed_k + block * pb.ld_k * K_BLOCK
+    return <const floating *>pb.packed_k + block * pb.ld_k * pb.block_keys
 
 
 cdef inline const floating *packed_values(const Problem *pb, Py_ssize_t block,
                                           floating *dtype_tag) noexcept nogil:
-    return <const floating *>pb.packed_v + block * K_BLOCK * pb.ld_v
+    return <const floating *>pb.packed_v + block * pb.block_keys * pb.ld_v
 
 
 cdef void pack_block(Problem *pb, Py_ssize_t block, floating *dtype_tag) noexcept nogil:
@@ -285,10 +309,10 @@ cdef void pack_block(Problem *pb, Py_ssize_t block, floating *dtype_tag) noexcep
     cdef Py_ssize_t b = pb.kv_source[kv]
     cdef Py_ssize_t n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
     pack_keys_transposed(pb, b, key0, n_keys,
-                         <floating *>pb.packed_k + block * pb.ld_k * K_BLOCK)
+                         <floating *>pb.packed_k + block * pb.ld_k * pb.block_keys)
     if pb.d_v > 0:
         pb.value_nonfinite[block] = pack_values(
-            pb, b, key0, n_keys, <floating *>pb.packed_v + block * K_BLOCK * pb.ld_v)
+            pb, b, key0, n_keys, <floating *>pb.packed_v + block * pb.block_keys * pb.ld_v)
     else:
         pb.value_nonfinite[block] = 0
 
@@ -577,7 +601,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
             if group_keys[0] == n_keys:
-                kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, K_BLOCK * P, n_keys,
+                kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
                           pb.ld_v, acc, pb.ld_v)
             else:
                 for i in range(n_groups):
@@ -585,7 +609,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                     group_rows = min(ROW_GROUP, n_rows - group0)
                     if group_keys[i] > 0:
                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
-                                  K_BLOCK * P, group_keys[i], pb.ld_v,
+                                  pb.block_keys * P, group_keys[i], pb.ld_v,
                                   acc + group0 * pb.ld_v, pb.ld_v)
             if pb.value_nonfinite[block]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
@@ -796,7 +820,7 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
         v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
         kernel_pv(kern, scores_block + key0, n_keys_total, n_rows,
-                  v_packed, K_BLOCK * P, n_keys, pb.ld_v, acc, pb.ld_v)
+                  v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
         if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
             add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, n_keys_total,
                                  n_rows, acc, pb.ld_v)
@@ -858,8 +882,8 @@ cdef int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
     if n_workers > n_items:
         n_workers = <int>n_items
     if pb.n_splits > 1:
-        partial = <floating *>ca_aligned_alloc(
-            n_items * pb.n_queries * (pb.d_v + 2) * sizeof(floating))
+        partial = <floating *>ca_scratch_acquire(
+            CA_SCRATCH_PARTIAL, n_items * pb.n_queries * (pb.d_v + 2) * sizeof(floating))
         if partial == NULL:
             return -1
     if n_workers <= 1:
@@ -888,7 +912,7 @@ cdef int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
                 for b in prange(pb.n_batch, schedule='static'):
                     if status_ptr[0] == 0:
                         merge_splits(pb, b, partial, out)
-    ca_aligned_free(partial)
+    ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
     return status
 
 
@@ -908,10 +932,14 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
         return 0
     if n_workers > n_items:
         n_workers = <int>n_items
-    pb.packed_k = ca_aligned_alloc(n_packed * pb.ld_k * K_BLOCK * itemsize)
-    pb.packed_v = ca_aligned_alloc(n_packed * K_BLOCK * pb.ld_v * itemsize)
-    pb.value_nonfinite = <uint8_t *>ca_aligned_alloc(n_packed)
-    if pb.packed_k == NULL or pb.packed_v == NULL or pb.value_nonfinite == NULL:
+    cdef size_t k_bytes = round_up(n_packed * pb.ld_k * pb.block_keys * itemsize, 64)
+    cdef size_t v_bytes = round_up(n_packed * pb.block_keys * pb.ld_v * itemsize, 64)
+    cdef char *packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED,
+                                                   k_bytes + v_bytes + n_packed)
+    pb.packed_k = packed
+    pb.packed_v = packed + k_bytes
+    pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
+    if packed == NULL:
         status = -1
     elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
@@ -936,9 +964,7 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
                 if ws != NULL:
                     run_item(pb, kern, ws, item, n_blocks, out, scores)
             workspace_delete(ws)
-    ca_aligned_free(pb.packed_k)
-    ca_aligned_free(pb.packed_v)
-    ca_aligned_free(pb.value_nonfinite)
+    ca_scratch_release(CA_SCRATCH_PACKED, packed)
     return status
 
 
@@ -1070,6 +1096,7 @@ cdef void set_packing(Problem *pb) noexcept:
     pb.ld_k = pb.d_k if pb.d_k > 0 else 1
     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
+    pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)
 
 
 cdef int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,

@@ -300,6 +300,34 @@ def time_round_robin(impls, rounds, settle=None):
     return times
 
 
+def _cpu_counters():
+    """(busy CPU seconds of the whole machine, CPU seconds of this process)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    own = os.times()
+    return ((user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"),
+            own.user + own.system)
+
+
+def background_cores(before, after, seconds):
+    """Mean number of cores that other processes kept busy between two
+    :func:`_cpu_counters` readings, or None if unknown or too short to tell."""
+    if before is None or after is None or seconds < 0.25:
+        return None
+    busy = after[0] - before[0]
+    own = after[1] - before[1]
+    return max(0.0, (busy - own) / seconds)
+
+
+#: Cases during whose timed rounds other processes kept at least this many
+#: cores busy on average are flagged in the table.
+BACKGROUND_FLAG = 0.1
+
+
 def relative_spread(times):
     """Interquartile range over the median: how noisy the timings were."""
     if len(times) < 2:
@@ -366,7 +394,9 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
             errors[name] = float(np.max(np.abs(out - reference), initial=0.0))
         del out
     time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)  # after NumPy and the reference
+    counters, t0 = _cpu_counters(), time.perf_counter()
     times = time_round_robin(impls, rounds, settle)
+    background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     records = []
     for name, ts in times.items():
@@ -389,6 +419,7 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
                              if name in RETURNS_WEIGHTS and CATTENTION_SCORES in medians
                              else None),
             "max_abs_err": errors.get(name),
+            "background_cores": background,
         }
         records.append(record)
     return records
@@ -573,7 +604,7 @@ def format_config(config):
     return "\n".join(lines)
 
 
-_COLUMNS = (("case", 25, "<"), ("dtype", 7, "<"), ("thr", 3, ">"), ("impl", 14, "<"),
+_COLUMNS = (("case", 26, "<"), ("dtype", 7, "<"), ("thr", 3, ">"), ("impl", 14, "<"),
             ("median ms", 10, ">"), ("iqr", 4, ">"), ("throughput", 20, "<"), ("vs ca", 7, ">"),
             ("vs ca+S", 7, ">"), ("max err", 8, ">"))
 
@@ -607,11 +638,12 @@ def format_records(records):
     lines = []
     for i, record in enumerate(records):
         first = i == 0 or records[i - 1]["case"] != record["case"]
+        busy = (record.get("background_cores") or 0) >= BACKGROUND_FLAG
         ratio = record.get("vs_ca")
         ratio_scores = record.get("vs_ca_scores")
         error = record.get("max_abs_err")
         lines.append(_row([
-            record["case"] if first else "",
+            record["case"] + (" *" if busy else "") if first else "",
             record["dtype"].replace("float", "f") if first else "",
             str(record["threads"]) if first else "",
             record["impl"],
@@ -726,7 +758,18 @@ def main(args):
     def show(new):
         print(format_records(new), flush=True)
 
+    counters, t0 = _cpu_counters(), time.perf_counter()
     records = run_benchmark(cases, threads, rounds, on_records=show)
+    background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
+    flagged = sum(1 for r in records if r["impl"] == CATTENTION
+                  and (r.get("background_cores") or 0) >= BACKGROUND_FLAG)
+    if background is not None:
+        print()
+        print(textwrap.fill(
+            f"other processes kept {background:.2f} cores busy on average during the run"
+            + (f"; * marks the {flagged} case(s) where they used {BACKGROUND_FLAG} cores "
+               "or more during the timed rounds: those timings are suspect" if flagged else ""),
+            width=100))
 
     memory_case = Case(*MEMORY_SHAPE, causal=True)
     memory = None
@@ -743,7 +786,8 @@ def main(args):
             json.dump({"config": config,
                        "settings": {"threads": threads, "rounds": rounds,
                                     "quick": args.quick, "cases": patterns},
-                       "records": records, "memory": memory, "elapsed_s": elapsed},
+                       "records": records, "memory": memory, "elapsed_s": elapsed,
+                       "background_cores": background},
                       f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:

@@ -104,7 +104,17 @@ int ca_available_kernels(const char **names, int capacity);
 /* Compiler that built the extension, e.g. "GCC 12.2.0". */
 const char *ca_compiler_version(void);
 
-/* 64-byte aligned scratch; NULL on failure. */
+/* Per-thread scratch kept between calls (scratch.c): a 64-byte aligned
+   buffer of at least n_bytes for this thread's use of the slot, NULL on
+   failure; hand it back with ca_scratch_release(slot, ptr). */
+#define CA_SCRATCH_SLOTS 4
+#define CA_SCRATCH_WORKSPACE 0   /* each thread's tiles and accumulators */
+#define CA_SCRATCH_PACKED 1      /* the calling thread's packed K and V */
+#define CA_SCRATCH_PARTIAL 2     /* the calling thread's split-key partials */
+void *ca_scratch_acquire(int slot, size_t n_bytes);
+void ca_scratch_release(int slot, void *ptr);
+
+/* 64-byte aligned memory; NULL on failure. */
 void *ca_aligned_alloc(size_t n_bytes);
 void ca_aligned_free(void *ptr);
 

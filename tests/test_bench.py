@@ -106,3 +106,10 @@ def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(SystemExit, match="matplotlib"):
         _bench.plot_results([], "unused.png")
+
+
+def test_background_load_accounting():
+    assert _bench.background_cores(None, (1.0, 1.0), 10.0) is None
+    assert _bench.background_cores((0.0, 0.0), (5.0, 1.0), 0.1) is None  # too short
+    assert _bench.background_cores((0.0, 0.0), (5.0, 1.0), 2.0) == 2.0
+    assert _bench.background_cores((0.0, 0.0), (1.0, 1.5), 2.0) == 0.0  # never negative
