@@ -54,17 +54,25 @@ cdef extern from "kernels.h" nogil:
         void (*score_direct_f32)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
                                  const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                                  Py_ssize_t d_k, float factor, float *s,
-                                 Py_ssize_t lds) noexcept nogil
+                                 Py_ssize_t lds, const void *ahead,
+                                 Py_ssize_t ahead_stride,
+                                 Py_ssize_t ahead_bytes) noexcept nogil
         void (*score_direct_f64)(const double *q, Py_ssize_t ldq, Py_ssize_t n_rows,
                                  const double *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                                  Py_ssize_t d_k, double factor, double *s,
-                                 Py_ssize_t lds) noexcept nogil
+                                 Py_ssize_t lds, const void *ahead,
+                                 Py_ssize_t ahead_stride,
+                                 Py_ssize_t ahead_bytes) noexcept nogil
         void (*pv_direct_f32)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                               const float *v, Py_ssize_t ldv, Py_ssize_t n_keys,
-                              Py_ssize_t d_v, float *acc, Py_ssize_t ldacc) noexcept nogil
+                              Py_ssize_t d_v, float *acc, Py_ssize_t ldacc,
+                              const void *ahead, Py_ssize_t ahead_stride,
+                              Py_ssize_t ahead_bytes) noexcept nogil
         void (*pv_direct_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                               const double *v, Py_ssize_t ldv, Py_ssize_t n_keys,
-                              Py_ssize_t d_v, double *acc, Py_ssize_t ldacc) noexcept nogil
+                              Py_ssize_t d_v, double *acc, Py_ssize_t ldacc,
+                              const void *ahead, Py_ssize_t ahead_stride,
+                              Py_ssize_t ahead_bytes) noexcept nogil
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
@@ -434,21 +442,28 @@ cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,
 cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,
                                      Py_ssize_t ldq, Py_ssize_t n_rows, const floating *k,
                                      Py_ssize_t ldk, Py_ssize_t n_keys, Py_ssize_t d_k,
-                                     double factor, floating *s, Py_ssize_t lds) noexcept nogil:
+                                     double factor, floating *s, Py_ssize_t lds,
+                                     const floating *ahead, Py_ssize_t ahead_ld,
+                                     Py_ssize_t ahead_width) noexcept nogil:
     if floating is float:
-        kern.score_direct_f32(q, ldq, n_rows, k, ldk, n_keys, d_k, <float>factor, s, lds)
+        kern.score_direct_f32(q, ldq, n_rows, k, ldk, n_keys, d_k, <float>factor, s, lds,
+                              ahead, ahead_ld * sizeof(float), ahead_width * sizeof(float))
     else:
-        kern.score_direct_f64(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds)
+        kern.score_direct_f64(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds,
+                              ahead, ahead_ld * sizeof(double), ahead_width * sizeof(double))
 
 
 cdef inline void kernel_pv_direct(const ca_kernels *kern, const floating *p, Py_ssize_t ldp,
                                   Py_ssize_t n_rows, const floating *v, Py_ssize_t ldv,
                                   Py_ssize_t n_keys, Py_ssize_t d_v, floating *acc,
-                                  Py_ssize_t ldacc) noexcept nogil:
+                                  Py_ssize_t ldacc, const floating *ahead, Py_ssize_t ahead_ld,
+                                  Py_ssize_t ahead_width) noexcept nogil:
     if floating is float:
-        kern.pv_direct_f32(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc)
+        kern.pv_direct_f32(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc,
+                           ahead, ahead_ld * sizeof(float), ahead_width * sizeof(float))
     else:
-        kern.pv_direct_f64(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc)
+        kern.pv_direct_f64(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc,
+                           ahead, ahead_ld * sizeof(double), ahead_width * sizeof(double))
 
 
 cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,
@@ -638,6 +653,15 @@ cdef const floating *rows_in_place(const Operand *op, Py_ssize_t b, Py_ssize_t k
     return copy
 
 
+cdef inline const floating *contiguous_rows(const Operand *op, Py_ssize_t b,
+                                            Py_ssize_t key0, Py_ssize_t n_features,
+                                            floating *dtype_tag) noexcept nogil:
+    """Row key0 of an operand whose features are contiguous, else NULL."""
+    if op.col_stride == 1 or n_features <= 1:
+        return <const floating *>op.data + op.batch_offset[b] + key0 * op.row_stride
+    return NULL
+
+
 cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                         Py_ssize_t b, Py_ssize_t split, floating *out,
                         floating *partial) noexcept nogil:
@@ -654,6 +678,7 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
     cdef Py_ssize_t chunk_lo = split * pb.split_keys
     cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
     cdef Py_ssize_t key0, n_keys, first_key, last_key, ld_k_rows, ld_v_rows, i, c
+    cdef Py_ssize_t next_keys
     cdef const floating *k_rows
     cdef const floating *v_rows
     cdef floating *state
@@ -670,14 +695,25 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
             k_rows = rows_in_place(&pb.k, b, key0, n_keys, pb.d_k,
                                    <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows)
+            # while one kernel streams its operand, it prefetches the block the
+            # other reads next (contiguous rows only), keeping two streams busy
+            next_keys = last_key - key0 - K_BLOCK
+            if next_keys > K_BLOCK:
+                next_keys = K_BLOCK
             kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
-                                pb.d_k, pb.scale, s, K_BLOCK)
+                                pb.d_k, pb.scale, s, K_BLOCK,
+                                contiguous_rows(&pb.v, b, key0, pb.d_v, s),
+                                pb.v.row_stride, pb.d_v)
             mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
             v_rows = rows_in_place(&pb.v, b, key0, n_keys, pb.d_v,
                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows)
+            # (x86 drops a prefetch past the end of K without a fault)
             kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
-                             acc, pb.ld_v)
+                             acc, pb.ld_v,
+                             contiguous_rows(&pb.k, b, key0 + K_BLOCK, pb.d_k, s)
+                             if next_keys > 0 else NULL,
+                             pb.k.row_stride, pb.d_k)
             key0 += K_BLOCK
     if pb.n_splits == 1:
         finish_rows(pb, ws, n_rows, out + b * n_rows * pb.d_v, pb.d_v)

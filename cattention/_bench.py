@@ -684,7 +684,7 @@ def plot_results(records, path):
     impls = list(dict.fromkeys(r["impl"] for r in selected))
     thread_counts = sorted({r["threads"] for r in selected})
     styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), sharey=True)
     for ax, causal in zip(axes, (False, True)):
         for color, impl in enumerate(impls):
             for style, n in zip(styles, thread_counts):
@@ -695,15 +695,20 @@ def plot_results(records, path):
                     xs, ys = zip(*points)
                     ax.plot(xs, ys, style, marker="o", color=f"C{color}",
                             label=f"{impl}, {n} thr")
+        lengths = sorted({r["shape"][2] for r in selected if r["causal"] == causal})
         ax.set_xscale("log", base=2)
-        lengths = sorted({r["shape"][2] for r in selected})
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.set_xlabel("sequence length T = S (d = 64, float32)")
         ax.set_title("causal" if causal else "full")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("GFLOP/s")
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    labelled = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labelled.setdefault(label, handle)
+    fig.legend(labelled.values(), labelled.keys(), loc="lower center",
+               ncol=len(impls), fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

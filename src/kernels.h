@@ -67,23 +67,34 @@ typedef struct ca_kernels {
 
     /* Kernels for few query rows (decode), reading K and V where the caller
        keeps them, rows contiguous: packing would cost as much as the work.
+       Both are memory-bound, so each also prefetches into L2, at its own
+       pace, n_keys rows of `ahead_bytes` bytes at `ahead` + j * ahead_stride
+       (bytes): the block the other kernel reads next (ahead may be NULL).
        s[r, j] = factor * (q_r . k_j) with k_j = k + j * ldk; */
     void (*score_direct_f32)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                              const float *k, ptrdiff_t ldk, ptrdiff_t n_keys,
-                             ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds);
+                             ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
+                             const void *ahead, ptrdiff_t ahead_stride,
+                             ptrdiff_t ahead_bytes);
     void (*score_direct_f64)(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                              const double *k, ptrdiff_t ldk, ptrdiff_t n_keys,
-                             ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds);
+                             ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds,
+                             const void *ahead, ptrdiff_t ahead_stride,
+                             ptrdiff_t ahead_bytes);
     /* acc[r, c] += sum_j p[r, j] * v[j * ldv + c] for c < d_v, skipping keys
        of weight exactly 0 (so a NaN or Inf in a value that takes no part
        never reaches acc; for finite values skipping changes no bit).
        ldacc >= d_v rounded up to 16 elements. */
     void (*pv_direct_f32)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                           const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
-                          ptrdiff_t d_v, float *acc, ptrdiff_t ldacc);
+                          ptrdiff_t d_v, float *acc, ptrdiff_t ldacc,
+                          const void *ahead, ptrdiff_t ahead_stride,
+                          ptrdiff_t ahead_bytes);
     void (*pv_direct_f64)(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                           const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
-                          ptrdiff_t d_v, double *acc, ptrdiff_t ldacc);
+                          ptrdiff_t d_v, double *acc, ptrdiff_t ldacc,
+                          const void *ahead, ptrdiff_t ahead_stride,
+                          ptrdiff_t ahead_bytes);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */

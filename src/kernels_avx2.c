@@ -385,6 +385,17 @@ CA_TILE void prefetch_row(const void *row, ptrdiff_t n_bytes)
         _mm_prefetch((const char *)row + b, _MM_HINT_T0);
 }
 
+/* the other operand's row j, into L2 for the next kernel */
+CA_TILE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
+                            ptrdiff_t ahead_bytes, ptrdiff_t j)
+{
+    if (ahead == NULL)
+        return;
+    const char *row = (const char *)ahead + j * ahead_stride;
+    for (ptrdiff_t b = 0; b < ahead_bytes; b += 64)
+        _mm_prefetch(row + b, _MM_HINT_T1);
+}
+
 /* {sum(a0), sum(a1), sum(a2), sum(a3)} */
 CA_TILE __m128 hsum4_f32(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
 {
@@ -402,7 +413,9 @@ CA_TILE __m256d hsum4_f64(__m256d a0, __m256d a1, __m256d a2, __m256d a3)
 
 CA_AVX2 static void score_direct_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                                      const float *k, ptrdiff_t ldk, ptrdiff_t n_keys,
-                                     ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds)
+                                     ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
+                                     const void *ahead, ptrdiff_t ahead_stride,
+                                     ptrdiff_t ahead_bytes)
 {
     const ptrdiff_t d_main = d_k & ~(ptrdiff_t)7;
     const __m256i tail = lane_mask_f32(d_k - d_main);
@@ -416,6 +429,8 @@ CA_AVX2 static void score_direct_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_
         if (j + PREFETCH_KEYS + 4 <= n_keys)
             for (int l = 0; l < 4; ++l)
                 prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k * 4);
+        for (ptrdiff_t l = 0; l < n_group; ++l)
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
         for (ptrdiff_t r = 0; r < n_rows; ++r) {
             const float *q_r = q + r * ldq;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -446,14 +461,19 @@ CA_AVX2 static void score_direct_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_
 /* acc[0..8*NV) += sum_j p[j] v_j[0..8*NV), the last vector masked by tail */
 CA_TILE void pv_direct_cols_f32(const float *p, const float *v, ptrdiff_t ldv,
                                 ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
-                                int prefetch, __m256i tail, float *acc, const int NV)
+                                int prefetch, const void *ahead, ptrdiff_t ahead_stride,
+                                ptrdiff_t ahead_bytes, __m256i tail, float *acc,
+                                const int NV)
 {
     __m256 a[8];
     for (int x = 0; x < NV; ++x)
         a[x] = _mm256_loadu_ps(acc + 8 * x);
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
-        if (prefetch && j + PREFETCH_KEYS < n_keys)
-            prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+        if (prefetch) {
+            if (j + PREFETCH_KEYS < n_keys)
+                prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j);
+        }
         if (p[j] == 0)
             continue;
         const __m256 p_j = _mm256_set1_ps(p[j]);
@@ -469,7 +489,9 @@ CA_TILE void pv_direct_cols_f32(const float *p, const float *v, ptrdiff_t ldv,
 
 CA_AVX2 static void pv_direct_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                   const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
-                                  ptrdiff_t d_v, float *acc, ptrdiff_t ldacc)
+                                  ptrdiff_t d_v, float *acc, ptrdiff_t ldacc,
+                                  const void *ahead, ptrdiff_t ahead_stride,
+                                  ptrdiff_t ahead_bytes)
 {
     for (ptrdiff_t r = 0; r < n_rows; ++r) {
         /* up to 64 columns per pass: 8 accumulators, the rest for operands */
@@ -482,14 +504,14 @@ CA_AVX2 static void pv_direct_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_row
             const float *p_r = p + r * ldp;
             float *acc_rc = acc + r * ldacc + c;
             switch (n_vec) {
-            case 8: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 8); break;
-            case 7: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 7); break;
-            case 6: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 6); break;
-            case 5: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 5); break;
-            case 4: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 4); break;
-            case 3: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 3); break;
-            case 2: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 2); break;
-            default: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, tail, acc_rc, 1); break;
+            case 8: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 8); break;
+            case 7: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 7); break;
+            case 6: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 6); break;
+            case 5: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 5); break;
+            case 4: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 4); break;
+            case 3: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 3); break;
+            case 2: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 2); break;
+            default: pv_direct_cols_f32(p_r, v + c, ldv, n_keys, d_v * 4, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 1); break;
             }
         }
     }
@@ -497,7 +519,9 @@ CA_AVX2 static void pv_direct_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_row
 
 CA_AVX2 static void score_direct_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                                      const double *k, ptrdiff_t ldk, ptrdiff_t n_keys,
-                                     ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds)
+                                     ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds,
+                                     const void *ahead, ptrdiff_t ahead_stride,
+                                     ptrdiff_t ahead_bytes)
 {
     const ptrdiff_t d_main = d_k & ~(ptrdiff_t)3;
     const __m256i tail = lane_mask_f64(d_k - d_main);
@@ -510,6 +534,8 @@ CA_AVX2 static void score_direct_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n
         if (j + PREFETCH_KEYS + 4 <= n_keys)
             for (int l = 0; l < 4; ++l)
                 prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k * 8);
+        for (ptrdiff_t l = 0; l < n_group; ++l)
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
         for (ptrdiff_t r = 0; r < n_rows; ++r) {
             const double *q_r = q + r * ldq;
             __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
@@ -539,14 +565,19 @@ CA_AVX2 static void score_direct_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n
 
 CA_TILE void pv_direct_cols_f64(const double *p, const double *v, ptrdiff_t ldv,
                                 ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
-                                int prefetch, __m256i tail, double *acc, const int NV)
+                                int prefetch, const void *ahead, ptrdiff_t ahead_stride,
+                                ptrdiff_t ahead_bytes, __m256i tail, double *acc,
+                                const int NV)
 {
     __m256d a[8];
     for (int x = 0; x < NV; ++x)
         a[x] = _mm256_loadu_pd(acc + 4 * x);
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
-        if (prefetch && j + PREFETCH_KEYS < n_keys)
-            prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+        if (prefetch) {
+            if (j + PREFETCH_KEYS < n_keys)
+                prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j);
+        }
         if (p[j] == 0)
             continue;
         const __m256d p_j = _mm256_set1_pd(p[j]);
@@ -562,7 +593,9 @@ CA_TILE void pv_direct_cols_f64(const double *p, const double *v, ptrdiff_t ldv,
 
 CA_AVX2 static void pv_direct_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                   const double *v, ptrdiff_t ldv, ptrdiff_t n_keys,
-                                  ptrdiff_t d_v, double *acc, ptrdiff_t ldacc)
+                                  ptrdiff_t d_v, double *acc, ptrdiff_t ldacc,
+                                  const void *ahead, ptrdiff_t ahead_stride,
+                                  ptrdiff_t ahead_bytes)
 {
     for (ptrdiff_t r = 0; r < n_rows; ++r) {
         for (ptrdiff_t c = 0; c < d_v; c += 32) {
@@ -573,14 +606,14 @@ CA_AVX2 static void pv_direct_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_ro
             const double *p_r = p + r * ldp;
             double *acc_rc = acc + r * ldacc + c;
             switch (n_vec) {
-            case 8: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 8); break;
-            case 7: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 7); break;
-            case 6: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 6); break;
-            case 5: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 5); break;
-            case 4: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 4); break;
-            case 3: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 3); break;
-            case 2: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 2); break;
-            default: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, tail, acc_rc, 1); break;
+            case 8: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 8); break;
+            case 7: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 7); break;
+            case 6: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 6); break;
+            case 5: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 5); break;
+            case 4: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 4); break;
+            case 3: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 3); break;
+            case 2: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 2); break;
+            default: pv_direct_cols_f64(p_r, v + c, ldv, n_keys, d_v * 8, prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, 1); break;
             }
         }
     }

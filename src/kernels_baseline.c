@@ -80,8 +80,11 @@ static T exp_sum_##SUFFIX(T *x, ptrdiff_t n, T shift)                          \
 #define CA_DEFINE_PORTABLE_DIRECT_KERNELS(T, SUFFIX)                            \
 static void score_direct_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,  \
                                   const T *k, ptrdiff_t ldk, ptrdiff_t n_keys,  \
-                                  ptrdiff_t d_k, T factor, T *s, ptrdiff_t lds) \
+                                  ptrdiff_t d_k, T factor, T *s, ptrdiff_t lds, \
+                                  const void *ahead, ptrdiff_t ahead_stride,    \
+                                  ptrdiff_t ahead_bytes)                        \
 {                                                                               \
+    (void)ahead; (void)ahead_stride; (void)ahead_bytes;                         \
     for (ptrdiff_t r = 0; r < n_rows; ++r)                                      \
         for (ptrdiff_t j = 0; j < n_keys; ++j) {                                \
             /* eight partial sums, as a vector unit would keep them */         \
@@ -96,8 +99,11 @@ static void score_direct_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,  
                                                                                 \
 static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     \
                                const T *v, ptrdiff_t ldv, ptrdiff_t n_keys,     \
-                               ptrdiff_t d_v, T *acc, ptrdiff_t ldacc)          \
+                               ptrdiff_t d_v, T *acc, ptrdiff_t ldacc,          \
+                               const void *ahead, ptrdiff_t ahead_stride,       \
+                               ptrdiff_t ahead_bytes)                           \
 {                                                                               \
+    (void)ahead; (void)ahead_stride; (void)ahead_bytes;                         \
     for (ptrdiff_t r = 0; r < n_rows; ++r)                                      \
         for (ptrdiff_t j = 0; j < n_keys; ++j) {                                \
             const T p_rj = p[r * ldp + j];                                      \
