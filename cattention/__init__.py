@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from . import _attention
-from ._api import attention, attention_scores, get_num_threads, set_num_threads
+from ._api import attention, attention_scores, get_num_threads, merge, set_num_threads
 from ._version import __version__
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "attention_scores",
     "get_include",
     "get_num_threads",
+    "merge",
     "set_num_threads",
     "show_config",
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "attention",
     "attention_scores",
     "get_num_threads",
+    "merge",
     "set_num_threads",
 ]
 
@@ -131,7 +132,8 @@ def _resolve_scale(scale, d_k):
     return value
 
 
-def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads):
+def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
+         want_lse=False):
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
@@ -178,17 +180,19 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads):
     out = np.empty(batch_shape + (n_queries, d_v), dtype=compute) if want_out else None
     scores = (np.empty(batch_shape + (n_queries, n_keys), dtype=compute)
               if want_scores else None)
+    lse = np.empty(batch_shape + (n_queries,), dtype=compute) if want_lse else None
     if n_queries > 0 and math.prod(batch_shape) > 0:
         _attention.attention_into(
-            q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads)
+            q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse)
     if result != compute:
+        # float16 in: outputs back to float16, the log-sum-exp stays float32
         out = out.astype(result) if out is not None else None
         scores = scores.astype(result) if scores is not None else None
-    return out, scores
+    return out, scores, lse
 
 
 def attention(q, k, v, *, causal=False, mask=None, scale=None,
-              return_scores=False, num_threads=None):
+              return_scores=False, return_lse=False, num_threads=None):
     """Scaled dot-product attention.
 
     Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
@@ -219,6 +223,10 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         including 0 and negatives.
     return_scores : bool, default False
         Also return SCORES.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row's scaled, masked logits
+        (``-inf`` for a row that sees no key). Attention over disjoint key
+        chunks combines exactly with :func:`merge` using it.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()``.
 
@@ -226,7 +234,13 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     -------
     attn : ndarray, shape (..., T, d_v)
     scores : ndarray, shape (..., T, S)
-        Only with ``return_scores=True``, as ``(attn, scores)``.
+        Only with ``return_scores=True``.
+    lse : ndarray, shape (..., T)
+        Only with ``return_lse=True``; float32 for float32 (and float16)
+        inputs, float64 for float64.
+
+    The result is ``attn``, ``(attn, scores)``, ``(attn, lse)`` or
+    ``(attn, scores, lse)``.
 
     Notes
     -----
@@ -264,17 +278,17 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    if mask is None:
+    if mask is None and not return_lse:
         result = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
         if result is not None:
             return result
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
-    out, scores = _run(q, k, v, causal, mask, scale, True, bool(return_scores), num_threads)
-    if return_scores:
-        return out, scores
-    return out
+    out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
+                            num_threads, bool(return_lse))
+    result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
+    return result if len(result) > 1 else out
 
 
 def attention_scores(q, k, *, causal=False, mask=None, scale=None, num_threads=None):
@@ -304,5 +318,73 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, num_threads=N
     array([[1. , 0. ],
            [0.5, 0.5]])
     """
-    _, scores = _run(q, k, None, causal, mask, scale, False, True, num_threads)
+    _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads)
     return scores
+
+
+def merge(outs, lses):
+    """Combine attention computed over disjoint key chunks into the result
+    over all keys.
+
+    With ``lse = logsumexp_i lse_i`` the result is
+    ``out = sum_i outs[i] * exp(lses[i] - lse)``: exactly attention over the
+    union of the chunks, up to rounding. Chunks that see no key
+    (``lse_i = -inf``) contribute nothing; if no chunk sees a key the row is
+    zero with ``lse = -inf``, as from :func:`attention`.
+
+    Parameters
+    ----------
+    outs : sequence of array_like, each of shape (..., T, d_v)
+        ``attention(q, k_i, v_i, return_lse=True)[0]`` for each chunk i.
+    lses : sequence of array_like, each of shape (..., T)
+        The matching log-sum-exp values.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, d_v)
+    lse : ndarray, shape (..., T)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((4, 8)) for _ in range(3))
+    >>> first = ca.attention(q, k[:5], v[:5], return_lse=True)
+    >>> rest = ca.attention(q, k[5:], v[5:], return_lse=True)
+    >>> out, lse = ca.merge([first[0], rest[0]], [first[1], rest[1]])
+    >>> bool(np.allclose(out, ca.attention(q, k, v)))
+    True
+    """
+    outs = [np.asarray(o) for o in outs]
+    lses = [np.asarray(x) for x in lses]
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(
+            f"merge needs one lse per output and at least one of each; got "
+            f"{len(outs)} outputs and {len(lses)} lse arrays")
+    for i, (o, x) in enumerate(zip(outs, lses)):
+        if o.ndim < 2 or x.shape != o.shape[:-1]:
+            raise ValueError(
+                f"chunk {i}: lse of shape {x.shape} does not match output of shape "
+                f"{o.shape} (expected lse shape {o.shape[:-1]})")
+        if o.shape != outs[0].shape:
+            raise ValueError(
+                f"chunk {i}: output of shape {o.shape} differs from chunk 0's "
+                f"{outs[0].shape}")
+    dtype = np.result_type(*outs, *lses)
+    if dtype.kind != "f":
+        raise TypeError(f"merge needs floating-point arrays, got {dtype}")
+    stacked_lse = np.stack(lses).astype(dtype, copy=False)
+    with np.errstate(invalid="ignore", over="ignore"):
+        top = np.max(stacked_lse, axis=0)
+        # chunks that saw no key weigh 0; rows where none did stay -inf
+        shift = np.where(np.isneginf(top), 0, top)
+        weights = np.where(np.isneginf(stacked_lse), 0, np.exp(stacked_lse - shift))
+        total = np.sum(weights, axis=0)
+        lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1)), top)
+        scale = np.where(total > 0, weights / np.where(total > 0, total, 1), 0)
+        out = np.zeros(outs[0].shape, dtype=dtype)
+        for o, w in zip(outs, scale):
+            # keys of weight 0 take no part, even where their output is NaN
+            out += np.where(w[..., None] != 0, o * w[..., None], 0)
+    return out, lse

@@ -22,7 +22,7 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport parallel, prange
-from libc.math cimport INFINITY, exp, isfinite, sqrt
+from libc.math cimport INFINITY, exp, isfinite, log, sqrt
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -114,6 +114,9 @@ cdef enum:
     SPLIT_TARGET_ITEMS = 16
     # ...but never into chunks below this many keys (a multiple of K_BLOCK).
     SPLIT_MIN_KEYS = 512
+    # Fewer floating-point operations than this per thread and another thread
+    # costs more to start and join than it saves (a few microseconds).
+    MIN_FLOPS_PER_THREAD = 1 << 18
 
 cdef enum MaskKind:
     MASK_NONE = 0
@@ -141,6 +144,7 @@ cdef struct Problem:
     int mask_kind
     bint causal
     double scale                 # multiplies q.k
+    void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
     # K^T and V are packed once per distinct K/V batch entry, shared by every
     # query block that reads them (a K/V broadcast over heads is packed once)
     Py_ssize_t n_kv              # distinct K/V batch entries
@@ -540,9 +544,18 @@ cdef void softmax_block(const Problem *pb, const ca_kernels *kern, Workspace *ws
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
 
 
+cdef inline void store_lse(const Problem *pb, Py_ssize_t row, floating row_max,
+                           floating row_sum) noexcept nogil:
+    """log-sum-exp of a row's scaled, masked logits (-inf when it sees no key)."""
+    cdef floating *lse = <floating *>pb.lse
+    if lse != NULL:
+        lse[row] = row_max if row_max == -INFINITY else row_max + <floating>log(row_sum)
+
+
 cdef void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
-                      floating *out, Py_ssize_t ld_out) noexcept nogil:
-    """out[i, :d_v] = acc[i] / sum[i]; zeros for a row that sees no key."""
+                      floating *out, Py_ssize_t ld_out, Py_ssize_t first_row) noexcept nogil:
+    """out[i, :d_v] = acc[i] / sum[i]; zeros for a row that sees no key.
+    Also the rows' log-sum-exp when asked, at first_row (= b * T + row0)."""
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
@@ -550,6 +563,7 @@ cdef void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
     cdef floating *out_row
     cdef floating *acc_row
     for i in range(n_rows):
+        store_lse(pb, first_row + i, row_max[i], row_sum[i])
         out_row = out + i * ld_out
         if row_max[i] == -INFINITY:
             # a row that sees no key gives zeros, not 0/0
@@ -629,7 +643,8 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             if pb.value_nonfinite[block]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
-    finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.d_v, pb.d_v)
+    finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.d_v, pb.d_v,
+                b * pb.n_queries + row0)
 
 
 cdef const floating *rows_in_place(const Operand *op, Py_ssize_t b, Py_ssize_t key0,
@@ -716,7 +731,7 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
                              pb.k.row_stride, pb.d_k)
             key0 += K_BLOCK
     if pb.n_splits == 1:
-        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.d_v, pb.d_v)
+        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.d_v, pb.d_v, b * n_rows)
         return
     # per row: maximum, sum, then the unnormalised accumulator
     state = partial + (b * pb.n_splits + split) * n_rows * (pb.d_v + 2)
@@ -751,6 +766,7 @@ cdef void merge_splits(const Problem *pb, Py_ssize_t b, const floating *partial,
                 if total_max != total_max:
                     break
         if total_max == -INFINITY:
+            store_lse(pb, b * n_rows + i, total_max, 0)
             memset(out_row, 0, pb.d_v * sizeof(floating))
             continue
         memset(out_row, 0, pb.d_v * sizeof(floating))
@@ -765,6 +781,7 @@ cdef void merge_splits(const Problem *pb, Py_ssize_t b, const floating *partial,
                 out_row[c] += state[2 + c] * weight
         for c in range(pb.d_v):
             out_row[c] = out_row[c] / total_sum
+        store_lse(pb, b * n_rows + i, total_max, total_sum)
 
 
 cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
@@ -802,6 +819,8 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         row_max[i] = -INFINITY
 
     if last_key <= first_key:
+        for i in range(n_rows):
+            store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], 0)
         memset(scores_block, 0, n_rows * n_keys_total * sizeof(floating))
         if out != NULL:
             memset(out + (b * pb.n_queries + row0) * pb.d_v, 0,
@@ -839,10 +858,12 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     for i in range(n_rows):
         scores_row = scores_block + i * n_keys_total
         if row_max[i] == -INFINITY:
+            store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], 0)
             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
             continue
         row_total = kernel_exp_sum(kern, scores_row + first_block,
                                     last_key - first_block, row_max[i])
+        store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
         for j in range(first_block, last_key):
             scores_row[j] = scores_row[j] / row_total
 
@@ -886,6 +907,12 @@ cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *
 cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
                      floating *out, floating *scores) noexcept nogil:
     """Returns 0, or -1 if memory ran out."""
+    cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
+                         * (pb.d_k + pb.d_v + 1))
+    if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
+        n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
+        if n_threads < 1:
+            n_threads = 1
     # the path depends on the shape alone, never on the layout or threads
     if scores == NULL and pb.n_queries <= DIRECT_ROWS:
         return run_direct(pb, kern, n_threads, out)
@@ -1173,7 +1200,8 @@ cdef void fill_operand_at(Operand *op, cnp.ndarray arr, const intp_t *offsets):
 
 def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
-                   cnp.ndarray out, cnp.ndarray scores, int num_threads):
+                   cnp.ndarray out, cnp.ndarray scores, int num_threads,
+                   cnp.ndarray lse=None):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
@@ -1181,7 +1209,9 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     are aligned, their strides are multiples of the itemsize, their leading
     dimensions broadcast to ``batch_shape``; ``mask`` is None or an aligned
     bool/float32/float64 array of ndim >= 2 broadcastable to batch + (T, S).
-    ``v`` may be None when ``out`` is None."""
+    ``v`` may be None when ``out`` is None. ``lse``, if given, is a
+    C-contiguous (n_batch, T) array of the compute dtype for the rows'
+    log-sum-exp."""
     cdef Problem pb
     cdef cnp.ndarray q_off = batch_offsets(q, batch_shape)
     cdef cnp.ndarray kv_of_batch, kv_source
@@ -1198,6 +1228,7 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.n_keys = cnp.PyArray_DIM(k, k.ndim - 2)
     pb.causal = causal
     pb.scale = scale
+    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
     fill_operand(&pb.q, q, q_off)
     fill_operand(&pb.k, k, k_off)
     if v is not None:
@@ -1333,6 +1364,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         pb.d_v = d_v
         pb.causal = causal
         pb.scale = scale_value
+        pb.lse = NULL
         fill_operand_at(&pb.q, qa, offsets)
         fill_operand_at(&pb.k, ka, offsets + n_batch)
         fill_operand_at(&pb.v, va, offsets + 2 * n_batch)

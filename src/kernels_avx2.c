@@ -367,6 +367,8 @@ CA_AVX2 static double exp_sum_f64(double *x, ptrdiff_t n, double shift)
 /* keys ahead of the one in use whose rows are prefetched: memory-bound
    decode otherwise waits on each row as it streams in */
 #define PREFETCH_KEYS 16
+/* keys summed from zero before joining the accumulator (see pv_direct) */
+#define SUM_KEYS 64
 
 CA_TILE __m256i lane_mask_f32(ptrdiff_t n)
 {
@@ -465,10 +467,17 @@ CA_TILE void pv_direct_cols_f32(const float *p, const float *v, ptrdiff_t ldv,
                                 ptrdiff_t ahead_bytes, __m256i tail, float *acc,
                                 const int NV)
 {
+    /* runs of SUM_KEYS keys are summed from zero and then added to acc:
+       rounding chains of SUM_KEYS terms, not of every key in the split */
     __m256 a[8];
-    for (int x = 0; x < NV; ++x)
-        a[x] = _mm256_loadu_ps(acc + 8 * x);
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (j % SUM_KEYS == 0) {
+            if (j > 0)
+                for (int x = 0; x < NV; ++x)
+                    _mm256_storeu_ps(acc + 8 * x, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * x), a[x]));
+            for (int x = 0; x < NV; ++x)
+                a[x] = _mm256_setzero_ps();
+        }
         if (prefetch) {
             if (j + PREFETCH_KEYS < n_keys)
                 prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
@@ -483,8 +492,9 @@ CA_TILE void pv_direct_cols_f32(const float *p, const float *v, ptrdiff_t ldv,
         a[NV - 1] = _mm256_fmadd_ps(p_j, _mm256_maskload_ps(v_j + 8 * (NV - 1), tail),
                                     a[NV - 1]);
     }
-    for (int x = 0; x < NV; ++x)
-        _mm256_storeu_ps(acc + 8 * x, a[x]);
+    if (n_keys > 0)
+        for (int x = 0; x < NV; ++x)
+            _mm256_storeu_ps(acc + 8 * x, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * x), a[x]));
 }
 
 CA_AVX2 static void pv_direct_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
@@ -569,10 +579,17 @@ CA_TILE void pv_direct_cols_f64(const double *p, const double *v, ptrdiff_t ldv,
                                 ptrdiff_t ahead_bytes, __m256i tail, double *acc,
                                 const int NV)
 {
+    /* runs of SUM_KEYS keys are summed from zero and then added to acc:
+       rounding chains of SUM_KEYS terms, not of every key in the split */
     __m256d a[8];
-    for (int x = 0; x < NV; ++x)
-        a[x] = _mm256_loadu_pd(acc + 4 * x);
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (j % SUM_KEYS == 0) {
+            if (j > 0)
+                for (int x = 0; x < NV; ++x)
+                    _mm256_storeu_pd(acc + 4 * x, _mm256_add_pd(_mm256_loadu_pd(acc + 4 * x), a[x]));
+            for (int x = 0; x < NV; ++x)
+                a[x] = _mm256_setzero_pd();
+        }
         if (prefetch) {
             if (j + PREFETCH_KEYS < n_keys)
                 prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
@@ -587,8 +604,9 @@ CA_TILE void pv_direct_cols_f64(const double *p, const double *v, ptrdiff_t ldv,
         a[NV - 1] = _mm256_fmadd_pd(p_j, _mm256_maskload_pd(v_j + 4 * (NV - 1), tail),
                                     a[NV - 1]);
     }
-    for (int x = 0; x < NV; ++x)
-        _mm256_storeu_pd(acc + 4 * x, a[x]);
+    if (n_keys > 0)
+        for (int x = 0; x < NV; ++x)
+            _mm256_storeu_pd(acc + 4 * x, _mm256_add_pd(_mm256_loadu_pd(acc + 4 * x), a[x]));
 }
 
 CA_AVX2 static void pv_direct_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,

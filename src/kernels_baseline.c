@@ -104,13 +104,24 @@ static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     
                                ptrdiff_t ahead_bytes)                           \
 {                                                                               \
     (void)ahead; (void)ahead_stride; (void)ahead_bytes;                         \
+    /* runs of 64 keys summed from zero, then added (as the SIMD kernels) */   \
     for (ptrdiff_t r = 0; r < n_rows; ++r)                                      \
-        for (ptrdiff_t j = 0; j < n_keys; ++j) {                                \
-            const T p_rj = p[r * ldp + j];                                      \
-            if (p_rj == 0)                                                      \
-                continue;                                                       \
-            for (ptrdiff_t c = 0; c < d_v; ++c)                                 \
-                acc[r * ldacc + c] += p_rj * v[j * ldv + c];                    \
+        for (ptrdiff_t c0 = 0; c0 < d_v; c0 += 64) {                            \
+            const ptrdiff_t n_c = d_v - c0 < 64 ? d_v - c0 : 64;                \
+            T run[64];                                                          \
+            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += 64) {                     \
+                for (ptrdiff_t c = 0; c < n_c; ++c)                             \
+                    run[c] = 0;                                                 \
+                for (ptrdiff_t j = j0; j < n_keys && j < j0 + 64; ++j) {        \
+                    const T p_rj = p[r * ldp + j];                              \
+                    if (p_rj == 0)                                              \
+                        continue;                                               \
+                    for (ptrdiff_t c = 0; c < n_c; ++c)                         \
+                        run[c] += p_rj * v[j * ldv + c0 + c];                   \
+                }                                                               \
+                for (ptrdiff_t c = 0; c < n_c; ++c)                             \
+                    acc[r * ldacc + c0 + c] += run[c];                          \
+            }                                                                   \
         }                                                                       \
 }
 

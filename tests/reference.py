@@ -18,6 +18,7 @@ import numpy as np
 
 __all__ = [
     "reference_attention",
+    "reference_lse",
     "numpy_attention_f32",
     "visible_positions",
     "max_abs_err",
@@ -45,7 +46,9 @@ F32_ABS_CAP = 1e-5
 #: implementation" (FlashAttention's yardstick) is applied to the RMS error,
 #: the error of the method as a whole; the worst element must be within 4x
 #: NumPy's worst element; both allow two float32 ulps at the output's
-#: magnitude, and the worst element is also capped at ``F32_ABS_CAP``.
+#: magnitude (for the worst element of ATTN, at the magnitude of V, whose
+#: rows it combines), and the worst element is also capped at
+#: ``F32_ABS_CAP``.
 #:
 #: Why not 2x on the maximum alone: at parity with NumPy (median ratio 1.0
 #: over 300 random seeds per shape), the ratio of two maxima of rounding noise
@@ -172,6 +175,27 @@ def _attention(q, k, v, causal, mask, scale, dtype):
     return attn.astype(dtype), scores
 
 
+def reference_lse(q, k, causal=False, mask=None, scale=None):
+    """float64 log-sum-exp of each row's scaled, masked logits (-inf for a
+    row that sees no key)."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    T, d_k = q.shape[-2:]
+    S = k.shape[-2]
+    if scale is None:
+        scale = 1.0 / np.sqrt(d_k)
+    logits = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if mask is not None and np.asarray(mask).dtype != np.bool_:
+        with np.errstate(invalid="ignore"):
+            logits = logits + np.asarray(mask, dtype=np.float64)
+    visible = visible_positions(T, S, causal, mask)
+    logits = np.where(visible, logits, -np.inf)
+    top = logits.max(axis=-1, keepdims=True, initial=-np.inf)
+    shift = np.where(np.isneginf(top), 0.0, top)
+    with np.errstate(divide="ignore"):
+        return (shift + np.log(np.exp(logits - shift).sum(axis=-1, keepdims=True)))[..., 0]
+
+
 def reference_attention(q, k, v, causal=False, mask=None, scale=None):
     """float64 ground truth.  Returns ``(attn, scores)``, both float64."""
     return _attention(q, k, v, causal, mask, scale, np.float64)
@@ -228,9 +252,12 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
                 f"{name}: float32 RMS error {rms:.3g} > 2 x NumPy float32 RMS "
                 f"error {np_rms:.3g} + {atol:.3g}")
             np_err = max_abs_err(np32[i], ref)
-            assert err <= F32_RTOL_MAX * np_err + atol, (
+            # ATTN combines rows of V: rounding errors scale with |V|, which
+            # can be far above |ATTN| when many keys average out
+            atol_max = max(atol, float32_ulp_atol(v)) if i == 0 else atol
+            assert err <= F32_RTOL_MAX * np_err + atol_max, (
                 f"{name}: float32 max error {err:.3g} > 4 x NumPy float32 max "
-                f"error {np_err:.3g} + {atol:.3g}")
+                f"error {np_err:.3g} + {atol_max:.3g}")
             if f32_abs_cap is not None:
                 assert err <= f32_abs_cap, (
                     f"{name}: float32 error {err:.3g} > {f32_abs_cap:g}")
