@@ -158,6 +158,7 @@ cdef struct Problem:
     void *packed_k               # blocks of ld_k x K_BLOCK, (kv, key block) order
     void *packed_v               # K_BLOCK rows of ld_v per (kv, key block)
     uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
+    bint direct                  # few query rows: K and V read in place
     # direct path: keys split into chunks of split_keys (a multiple of
     # K_BLOCK), fixed by the shape alone so results do not depend on threads
     Py_ssize_t n_splits
@@ -806,6 +807,9 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     cdef floating *s_row
     cdef floating *scores_row
     cdef floating *scores_block = scores + (b * pb.n_queries + row0) * n_keys_total
+    cdef const floating *k_rows
+    cdef const floating *v_rows
+    cdef Py_ssize_t ld_rows
 
     visible_ranges(pb, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key = n_keys_total
@@ -840,9 +844,16 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
         if key0 + n_keys > last_key:
             n_keys = last_key - key0
-        kt = packed_keys(pb, first_packed + key0 // K_BLOCK, q_packed)
-        kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
-                     round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+        if pb.direct:
+            # few rows: keys read in place, as on the direct path
+            k_rows = rows_in_place(&pb.k, b, key0, n_keys, pb.d_k,
+                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows)
+            kernel_score_direct(kern, q_packed, pb.ld_k, n_rows, k_rows, ld_rows, n_keys,
+                                pb.d_k, pb.scale, s, K_BLOCK, NULL, 0, 0)
+        else:
+            kt = packed_keys(pb, first_packed + key0 // K_BLOCK, q_packed)
+            kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
+                         round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
         for i in range(n_rows):
             s_row = s + i * K_BLOCK
@@ -875,12 +886,18 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     key0 = first_block
     while key0 < last_key:
         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
-        v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
-        kernel_pv(kern, scores_block + key0, n_keys_total, n_rows,
-                  v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
-        if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
-            add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, n_keys_total,
-                                 n_rows, acc, pb.ld_v)
+        if pb.direct:
+            v_rows = rows_in_place(&pb.v, b, key0, n_keys, pb.d_v,
+                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows)
+            kernel_pv_direct(kern, scores_block + key0, n_keys_total, n_rows, v_rows,
+                             ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
+        else:
+            v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
+            kernel_pv(kern, scores_block + key0, n_keys_total, n_rows,
+                      v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+            if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
+                add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, n_keys_total,
+                                     n_rows, acc, pb.ld_v)
         key0 += K_BLOCK
     for i in range(n_rows):
         for c in range(pb.d_v):
@@ -914,7 +931,8 @@ cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
         if n_threads < 1:
             n_threads = 1
     # the path depends on the shape alone, never on the layout or threads
-    if scores == NULL and pb.n_queries <= DIRECT_ROWS:
+    pb.direct = pb.n_queries <= DIRECT_ROWS
+    if scores == NULL and pb.direct:
         return run_direct(pb, kern, n_threads, out)
     return run_packed(pb, kern, n_threads, out, scores)
 
@@ -984,7 +1002,8 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
     """Pack K/V once, then blocks of query rows across threads."""
     cdef Py_ssize_t n_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
     cdef Py_ssize_t n_items = n_blocks * pb.n_batch
-    cdef Py_ssize_t n_packed = pb.n_kv * pb.n_key_blocks
+    # with few query rows K and V are read in place, not packed
+    cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks
     cdef Py_ssize_t item, block
     cdef Workspace *ws = NULL
     cdef int status = 0
