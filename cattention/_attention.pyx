@@ -241,19 +241,29 @@ cdef void pack_keys_transposed(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
                                Py_ssize_t n_keys, floating *kt) noexcept nogil:
     """K[key0:key0 + n_keys]^T in panels (see kernels.h): key j, feature c at
     kt[(j // P) * ld_k * P + c * P + j % P]; keys up to the panel's end are 0."""
+    # sizes and strides in locals: stores through kt could alias *pb, so the
+    # compiler would otherwise reload them for every element
     cdef const floating *k = <const floating *>pb.k.data + pb.k.batch_offset[b]
     cdef Py_ssize_t P = panel_width(kt)
+    cdef Py_ssize_t d_k = pb.d_k
+    cdef Py_ssize_t panel_size = pb.ld_k * P
+    cdef Py_ssize_t row_stride = pb.k.row_stride
+    cdef Py_ssize_t col_stride = pb.k.col_stride
     cdef Py_ssize_t j, c
     cdef const floating *k_row
     cdef floating *panel
     for j in range(n_keys):
-        k_row = k + (key0 + j) * pb.k.row_stride
-        panel = kt + (j // P) * pb.ld_k * P + j % P
-        for c in range(pb.d_k):
-            panel[c * P] = k_row[c * pb.k.col_stride]
+        k_row = k + (key0 + j) * row_stride
+        panel = kt + (j // P) * panel_size + j % P
+        if col_stride == 1:
+            for c in range(d_k):
+                panel[c * P] = k_row[c]
+        else:
+            for c in range(d_k):
+                panel[c * P] = k_row[c * col_stride]
     for j in range(n_keys, round_up(n_keys, P)):
-        panel = kt + (j // P) * pb.ld_k * P + j % P
-        for c in range(pb.d_k):
+        panel = kt + (j // P) * panel_size + j % P
+        for c in range(d_k):
             panel[c * P] = 0
 
 
@@ -269,39 +279,56 @@ cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
     in a masked-out value changes no bit of the output."""
     cdef const floating *v = <const floating *>pb.v.data + pb.v.batch_offset[b]
     cdef Py_ssize_t P = panel_width(v_packed)
+    cdef Py_ssize_t d_v = pb.d_v
+    cdef Py_ssize_t ld_v = pb.ld_v
     cdef Py_ssize_t panel_stride = pb.block_keys * P
+    cdef Py_ssize_t row_stride = pb.v.row_stride
     cdef Py_ssize_t col_stride = pb.v.col_stride
-    cdef Py_ssize_t j, c, l, n_full = pb.d_v // P
+    cdef Py_ssize_t j, c, l, n_full = d_v // P
     cdef const floating *v_row
     cdef floating *dst
     cdef floating x
-    cdef bint nonfinite = False
+    # x - x is 0 for finite x and NaN for NaN or +-Inf, so these sums turn
+    # NaN exactly when some value is not finite; one per lane of a panel so
+    # they vectorise (a branch or a single running sum would not)
+    cdef floating probe[16]
+    for l in range(16):
+        probe[l] = 0
     for j in range(n_keys):
-        v_row = v + (key0 + j) * pb.v.row_stride
-        if not nonfinite:
-            for c in range(pb.d_v):
-                x = v_row[c * col_stride]
-                # x - x is 0 for finite x and NaN for NaN or +-Inf
-                if (x - x) != 0:
-                    nonfinite = True
-                    break
-        # panels of P columns; the last one zero past d_v
+        v_row = v + (key0 + j) * row_stride
         for c in range(n_full):
             dst = v_packed + c * panel_stride + j * P
-            for l in range(P):
-                dst[l] = v_row[(c * P + l) * col_stride]
-        if pb.ld_v > n_full * P:
+            if col_stride == 1:
+                for l in range(P):
+                    x = v_row[c * P + l]
+                    probe[l] += x - x
+                    dst[l] = x
+            else:
+                for l in range(P):
+                    x = v_row[(c * P + l) * col_stride]
+                    probe[l] += x - x
+                    dst[l] = x
+        if ld_v > n_full * P:
             dst = v_packed + n_full * panel_stride + j * P
             for l in range(P):
-                dst[l] = v_row[(n_full * P + l) * col_stride] if n_full * P + l < pb.d_v else 0
-    if nonfinite:
-        # rare: zero every NaN/Inf in place
-        for j in range(n_keys):
-            for c in range(pb.ld_v):
-                dst = v_packed + (c // P) * panel_stride + j * P + c % P
-                if (dst[0] - dst[0]) != 0:
-                    dst[0] = 0
-    return nonfinite
+                if n_full * P + l < d_v:
+                    x = v_row[(n_full * P + l) * col_stride]
+                    probe[l] += x - x
+                    dst[l] = x
+                else:
+                    dst[l] = 0
+    x = 0
+    for l in range(P):
+        x += probe[l]
+    if x == x:
+        return False
+    # rare: zero every NaN/Inf in place
+    for j in range(n_keys):
+        for c in range(ld_v):
+            dst = v_packed + (c // P) * panel_stride + j * P + c % P
+            if (dst[0] - dst[0]) != 0:
+                dst[0] = 0
+    return True
 
 
 cdef inline const floating *packed_keys(const Problem *pb, Py_ssize_t block,
