@@ -5,7 +5,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: install build run test bench bench-quick clean
+.PHONY: install build run test bench bench-deps bench-quick clean distclean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,10 +25,15 @@ run: install
 test: install
 	$(VPY) -m pytest -q tests
 
-bench: install
+# PyTorch is an optional peer: pinned to the CPU build (an unpinned torch
+# pulls a multi-GB CUDA build); without it the benchmark runs without torch.
+bench-deps: install
+	-$(VPY) -m pip install "torch==2.13.0" "threadpoolctl>=3" "matplotlib>=3.5"
+
+bench: bench-deps
 	$(VPY) -m cattention bench
 
-bench-quick: install
+bench-quick: bench-deps
 	$(VPY) -m cattention bench --quick
 
 clean:
