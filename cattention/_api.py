@@ -132,12 +132,63 @@ def _resolve_scale(scale, d_k):
     return value
 
 
+def _group_query_heads(q, k, v, mask):
+    """Views for grouped-query attention: q (..., H, T, d) becomes
+    (..., H_kv, G, T, d) and k, v (..., H_kv, S, d) become (..., H_kv, 1, S, d),
+    so ordinary batch broadcasting pairs query head h with key/value head
+    h // G, without copying K or V (they are packed once per K/V head)."""
+    operands = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    for name, arr in operands:
+        if arr.ndim < 3:
+            raise ValueError(
+                "enable_gqa needs a head axis (-3) on q, k and v; "
+                f"{name} has shape {arr.shape}")
+    n_heads, n_kv_heads = q.shape[-3], k.shape[-3]
+    if v is not None and v.shape[-3] != n_kv_heads:
+        raise ValueError(
+            f"enable_gqa: k and v must have the same number of heads (axis -3): "
+            f"k has shape {k.shape}, v has shape {v.shape}")
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(
+            f"enable_gqa: the query heads ({n_heads}, q shape {q.shape}) must be a "
+            f"multiple of the key/value heads ({n_kv_heads}, k shape {k.shape})")
+    group = n_heads // n_kv_heads
+    # splitting one axis in two, or adding a unit axis, never copies
+    q = q.reshape(q.shape[:-3] + (n_kv_heads, group) + q.shape[-2:])
+    k = k[..., None, :, :]
+    if v is not None:
+        v = v[..., None, :, :]
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.ndim >= 3 and mask.shape[-3] == n_heads and n_heads != 1:
+            mask = mask.reshape(mask.shape[:-3] + (n_kv_heads, group) + mask.shape[-2:])
+        elif mask.ndim >= 3:
+            if mask.shape[-3] != 1:
+                raise ValueError(
+                    f"mask of shape {mask.shape} does not broadcast to the {n_heads} "
+                    f"query heads of q (shape {q.shape[:-4] + (n_heads,) + q.shape[-2:]})")
+            mask = mask[..., None, :, :]
+    return q, k, v, mask, n_heads
+
+
 def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
-         want_lse=False):
+         want_lse=False, enable_gqa=False):
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
         v = _as_input(v, "v")
+    if enable_gqa:
+        q, k, v, mask, n_heads = _group_query_heads(q, k, v, mask)
+        out, scores, lse = _run(q, k, v, causal, mask, scale, want_out, want_scores,
+                                num_threads, want_lse)
+
+        def merge_heads(arr, trailing):
+            # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
+            if arr is None:
+                return None
+            return arr.reshape(arr.shape[:-2 - trailing] + (n_heads,) + arr.shape[arr.ndim - trailing:])
+
+        return merge_heads(out, 2), merge_heads(scores, 2), merge_heads(lse, 1)
     n_queries, d_k = q.shape[-2:]
     n_keys = k.shape[-2]
     if k.shape[-1] != d_k:
@@ -192,7 +243,8 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
 
 
 def attention(q, k, v, *, causal=False, mask=None, scale=None,
-              return_scores=False, return_lse=False, num_threads=None):
+              return_scores=False, return_lse=False, enable_gqa=False,
+              num_threads=None):
     """Scaled dot-product attention.
 
     Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
@@ -227,6 +279,11 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         Also return the log-sum-exp of each row's scaled, masked logits
         (``-inf`` for a row that sees no key). Attention over disjoint key
         chunks combines exactly with :func:`merge` using it.
+    enable_gqa : bool, default False
+        Grouped-query attention: q has H query heads on axis -3 and k, v
+        have H_kv heads there, H a multiple of H_kv; query head h uses
+        key/value head ``h // (H // H_kv)`` (PyTorch's ``enable_gqa``). K and
+        V are never copied or repeated. A mask's head axis may be H or 1.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()``.
 
@@ -278,7 +335,7 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    if mask is None and not return_lse:
+    if mask is None and not return_lse and not enable_gqa:
         result = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
         if result is not None:
@@ -286,12 +343,13 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
-                            num_threads, bool(return_lse))
+                            num_threads, bool(return_lse), bool(enable_gqa))
     result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     return result if len(result) > 1 else out
 
 
-def attention_scores(q, k, *, causal=False, mask=None, scale=None, num_threads=None):
+def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=False,
+                     num_threads=None):
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
     Same conventions as :func:`attention` (causal alignment, mask meaning,
@@ -301,7 +359,7 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, num_threads=N
     ----------
     q : array_like, shape (..., T, d_k)
     k : array_like, shape (..., S, d_k)
-    causal, mask, scale, num_threads
+    causal, mask, scale, enable_gqa, num_threads
         As in :func:`attention`.
 
     Returns
@@ -318,7 +376,8 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, num_threads=N
     array([[1. , 0. ],
            [0.5, 0.5]])
     """
-    _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads)
+    _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads,
+                        enable_gqa=bool(enable_gqa))
     return scores
 
 
