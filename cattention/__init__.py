@@ -13,12 +13,14 @@ import numpy as np
 
 from . import _attention
 from ._api import attention, attention_scores, get_num_threads, merge, set_num_threads
+from ._kvcache import attention_with_kvcache
 from ._version import __version__
 
 __all__ = [
     "__version__",
     "attention",
     "attention_scores",
+    "attention_with_kvcache",
     "get_include",
     "get_num_threads",
     "merge",

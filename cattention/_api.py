@@ -132,7 +132,7 @@ def _resolve_scale(scale, d_k):
     return value
 
 
-def _group_query_heads(q, k, v, mask):
+def _group_query_heads(q, k, v, mask, kv_lengths):
     """Views for grouped-query attention: q (..., H, T, d) becomes
     (..., H_kv, G, T, d) and k, v (..., H_kv, S, d) become (..., H_kv, 1, S, d),
     so ordinary batch broadcasting pairs query head h with key/value head
@@ -168,19 +168,49 @@ def _group_query_heads(q, k, v, mask):
                     f"mask of shape {mask.shape} does not broadcast to the {n_heads} "
                     f"query heads of q (shape {q.shape[:-4] + (n_heads,) + q.shape[-2:]})")
             mask = mask[..., None, :, :]
-    return q, k, v, mask, n_heads
+    if kv_lengths is not None:
+        # broadcast against q's leading dimensions: its last axis is the heads'
+        kv_lengths = np.asarray(kv_lengths)
+        if kv_lengths.ndim >= 1:
+            if kv_lengths.shape[-1] == n_heads and n_heads != 1:
+                kv_lengths = kv_lengths.reshape(kv_lengths.shape[:-1] + (n_kv_heads, group))
+            elif kv_lengths.shape[-1] == 1:
+                kv_lengths = kv_lengths[..., None]
+            else:
+                raise ValueError(
+                    f"kv_lengths of shape {kv_lengths.shape} does not broadcast to the "
+                    f"batch dimensions {q.shape[:-4] + (n_heads,)} of q")
+    return q, k, v, mask, kv_lengths, n_heads
+
+
+def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
+    """Valid key counts as a C-contiguous intp array, one per batch entry."""
+    arr = np.asarray(kv_lengths)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"kv_lengths must be integers, got dtype {arr.dtype}")
+    try:
+        full = np.broadcast_to(arr, batch_shape)
+    except ValueError:
+        raise ValueError(
+            f"kv_lengths of shape {arr.shape} does not broadcast to the batch "
+            f"shape {batch_shape} (the dimensions before T)") from None
+    if full.size and (full.min() < 0 or full.max() > n_keys):
+        raise ValueError(
+            f"kv_lengths must lie in [0, S] = [0, {n_keys}]; got values from "
+            f"{full.min()} to {full.max()}")
+    return np.ascontiguousarray(full, dtype=np.intp).reshape(-1)
 
 
 def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
-         want_lse=False, enable_gqa=False):
+         want_lse=False, enable_gqa=False, kv_lengths=None):
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
         v = _as_input(v, "v")
     if enable_gqa:
-        q, k, v, mask, n_heads = _group_query_heads(q, k, v, mask)
+        q, k, v, mask, kv_lengths, n_heads = _group_query_heads(q, k, v, mask, kv_lengths)
         out, scores, lse = _run(q, k, v, causal, mask, scale, want_out, want_scores,
-                                num_threads, want_lse)
+                                num_threads, want_lse, kv_lengths=kv_lengths)
 
         def merge_heads(arr, trailing):
             # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
@@ -221,6 +251,8 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
 
     scale = _resolve_scale(scale, d_k)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
+    if kv_lengths is not None:
+        kv_lengths = _prepare_kv_lengths(kv_lengths, batch_shape, n_keys)
 
     q = _to_compute(q, compute)
     k = _to_compute(k, compute)
@@ -234,7 +266,8 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
     lse = np.empty(batch_shape + (n_queries,), dtype=compute) if want_lse else None
     if n_queries > 0 and math.prod(batch_shape) > 0:
         _attention.attention_into(
-            q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse)
+            q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse,
+            kv_lengths)
     if result != compute:
         # float16 in: outputs back to float16, the log-sum-exp stays float32
         out = out.astype(result) if out is not None else None
@@ -244,7 +277,7 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
 
 def attention(q, k, v, *, causal=False, mask=None, scale=None,
               return_scores=False, return_lse=False, enable_gqa=False,
-              num_threads=None):
+              kv_lengths=None, num_threads=None):
     """Scaled dot-product attention.
 
     Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
@@ -284,6 +317,13 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         have H_kv heads there, H a multiple of H_kv; query head h uses
         key/value head ``h // (H // H_kv)`` (PyTorch's ``enable_gqa``). K and
         V are never copied or repeated. A mask's head axis may be H or 1.
+    kv_lengths : array_like of int, optional
+        Broadcastable to the batch shape (the dimensions before T, e.g.
+        ``(B, 1)`` or ``(B, H)`` for ``(B, H, T, d)`` inputs, or a scalar):
+        batch entry b has only its first ``kv_lengths[b]`` keys (right
+        padding, as in a batched KV cache); the others take no part. With
+        ``causal=True`` the alignment uses the valid length: key j is visible
+        to query i iff ``j <= i + (kv_lengths[b] - T)``. Values in [0, S].
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()``.
 
@@ -335,7 +375,7 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    if mask is None and not return_lse and not enable_gqa:
+    if mask is None and not return_lse and not enable_gqa and kv_lengths is None:
         result = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
         if result is not None:
@@ -343,13 +383,13 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
-                            num_threads, bool(return_lse), bool(enable_gqa))
+                            num_threads, bool(return_lse), bool(enable_gqa), kv_lengths)
     result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     return result if len(result) > 1 else out
 
 
 def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=False,
-                     num_threads=None):
+                     kv_lengths=None, num_threads=None):
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
     Same conventions as :func:`attention` (causal alignment, mask meaning,
@@ -359,7 +399,7 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=Fa
     ----------
     q : array_like, shape (..., T, d_k)
     k : array_like, shape (..., S, d_k)
-    causal, mask, scale, enable_gqa, num_threads
+    causal, mask, scale, enable_gqa, kv_lengths, num_threads
         As in :func:`attention`.
 
     Returns
@@ -377,7 +417,7 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=Fa
            [0.5, 0.5]])
     """
     _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads,
-                        enable_gqa=bool(enable_gqa))
+                        enable_gqa=bool(enable_gqa), kv_lengths=kv_lengths)
     return scores
 
 

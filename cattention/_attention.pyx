@@ -144,6 +144,7 @@ cdef struct Problem:
     int mask_kind
     bint causal
     double scale                 # multiplies q.k
+    const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
     # K^T and V are packed once per distinct K/V batch entry, shared by every
     # query block that reads them (a K/V broadcast over heads is packed once)
@@ -378,18 +379,22 @@ cdef void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
                     acc[i * ldacc + c] += p[i * ldp + j] * x
 
 
-cdef void visible_ranges(const Problem *pb, Py_ssize_t row0, Py_ssize_t n_rows,
-                         intp_t *row_lo, intp_t *row_hi) noexcept nogil:
-    """Keys each query row may see before the explicit mask: [row_lo, row_hi)."""
+cdef void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
+                         Py_ssize_t n_rows, intp_t *row_lo, intp_t *row_hi) noexcept nogil:
+    """Keys each query row of batch entry b may see before the explicit mask:
+    [row_lo, row_hi). Only the first kv_length[b] keys exist when lengths are
+    given (right padding, as in a batched KV cache)."""
     cdef Py_ssize_t i, hi
+    cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
     # causal alignment is bottom-right: the queries are the last T positions
-    cdef Py_ssize_t offset = pb.n_keys - pb.n_queries
+    # of the valid keys
+    cdef Py_ssize_t offset = n_valid - pb.n_queries
     for i in range(n_rows):
-        hi = pb.n_keys
+        hi = n_valid
         if pb.causal:
             hi = row0 + i + offset + 1
-            if hi > pb.n_keys:
-                hi = pb.n_keys
+            if hi > n_valid:
+                hi = n_valid
             if hi < 0:
                 hi = 0
         row_lo[i] = 0
@@ -514,7 +519,7 @@ cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssiz
         return kern.exp_sum_f64(x, n, shift)
 
 
-cdef void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t row0,
+cdef void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t row0,
                      Py_ssize_t n_rows, floating *dtype_tag, Py_ssize_t *first_key,
                      Py_ssize_t *last_key) noexcept nogil:
     """Visible key ranges of the rows, the range over all of them, and a
@@ -523,7 +528,7 @@ cdef void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t row0,
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef Py_ssize_t i
-    visible_ranges(pb, row0, n_rows, ws.row_lo, ws.row_hi)
+    visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key[0] = pb.n_keys
     last_key[0] = 0
     for i in range(n_rows):
@@ -618,7 +623,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
     cdef const floating *kt
     cdef const floating *v_packed
 
-    begin_rows(pb, ws, row0, n_rows, q_packed, &first_key, &last_key)
+    begin_rows(pb, ws, b, row0, n_rows, q_packed, &first_key, &last_key)
     if last_key > first_key:
         pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
@@ -726,7 +731,7 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
     cdef const floating *v_rows
     cdef floating *state
 
-    begin_rows(pb, ws, 0, n_rows, s, &first_key, &last_key)
+    begin_rows(pb, ws, b, 0, n_rows, s, &first_key, &last_key)
     if first_key < chunk_lo:
         first_key = chunk_lo
     if last_key > chunk_hi:
@@ -838,7 +843,7 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     cdef const floating *v_rows
     cdef Py_ssize_t ld_rows
 
-    visible_ranges(pb, row0, n_rows, ws.row_lo, ws.row_hi)
+    visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key = n_keys_total
     last_key = 0
     for i in range(n_rows):
@@ -1247,7 +1252,7 @@ cdef void fill_operand_at(Operand *op, cnp.ndarray arr, const intp_t *offsets):
 def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
                    cnp.ndarray out, cnp.ndarray scores, int num_threads,
-                   cnp.ndarray lse=None):
+                   cnp.ndarray lse=None, cnp.ndarray kv_lengths=None):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
@@ -1257,7 +1262,8 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     bool/float32/float64 array of ndim >= 2 broadcastable to batch + (T, S).
     ``v`` may be None when ``out`` is None. ``lse``, if given, is a
     C-contiguous (n_batch, T) array of the compute dtype for the rows'
-    log-sum-exp."""
+    log-sum-exp. ``kv_lengths``, if given, is a C-contiguous intp array of
+    n_batch valid key counts in [0, S]."""
     cdef Problem pb
     cdef cnp.ndarray q_off = batch_offsets(q, batch_shape)
     cdef cnp.ndarray kv_of_batch, kv_source
@@ -1275,6 +1281,8 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.causal = causal
     pb.scale = scale
     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
+                    if kv_lengths is not None else NULL)
     fill_operand(&pb.q, q, q_off)
     fill_operand(&pb.k, k, k_off)
     if v is not None:
@@ -1411,6 +1419,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         pb.causal = causal
         pb.scale = scale_value
         pb.lse = NULL
+        pb.kv_length = NULL
         fill_operand_at(&pb.q, qa, offsets)
         fill_operand_at(&pb.k, ka, offsets + n_batch)
         fill_operand_at(&pb.v, va, offsets + 2 * n_batch)

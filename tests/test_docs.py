@@ -2,10 +2,15 @@
 
 import doctest
 
+import pytest
+
 import cattention._api
+import cattention._kvcache
 
 
-def test_api_docstring_examples():
-    result = doctest.testmod(cattention._api, raise_on_error=False)
+@pytest.mark.parametrize("module", [cattention._api, cattention._kvcache],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0
     assert result.failed == 0

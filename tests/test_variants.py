@@ -81,3 +81,153 @@ def test_gqa_matches_torch_enable_gqa():
             torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
             enable_gqa=True).numpy()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+
+
+# ---- per-sequence key lengths ----------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 4, 50])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kv_lengths_match_truncated_keys(dtype, T, causal):
+    S = 300
+    q, k, v = make_qkv(60, (4, 3, T, 16), (4, 3, S, 16), (4, 3, S, 6), dtype)
+    lengths = np.array([S, 0, 17, 260])
+    k_dirty, v_dirty = k.copy(), v.copy()
+    for b, n in enumerate(lengths):
+        k_dirty[b, :, n:] = np.nan      # padding past the valid keys
+        v_dirty[b, :, n:] = np.inf
+    attn, scores, lse = ca.attention(q, k_dirty, v_dirty, causal=causal,
+                                     kv_lengths=lengths[:, None], return_scores=True,
+                                     return_lse=True)
+    for b, n in enumerate(lengths):
+        sub = (q[b], k[b, :, :n], v[b, :, :n])
+        if n == 0:
+            assert np.all(attn[b] == 0) and np.all(scores[b] == 0)
+            assert np.all(np.isneginf(lse[b]))
+            continue
+        assert_matches_reference(attn[b], scores[b][..., :n], *sub, causal)
+        assert np.all(scores[b][..., n:] == 0)
+        ref_attn = ca.attention(*sub, causal=causal)
+        np.testing.assert_allclose(attn[b], ref_attn, rtol=0,
+                                   atol=2e-6 if dtype == np.float32 else 1e-13)
+
+
+def test_kv_lengths_broadcast_per_head_and_scalar(dtype):
+    q, k, v = make_qkv(61, (2, 3, 4, 8), (2, 3, 20, 8), (2, 3, 20, 2), dtype)
+    per_head = np.array([[5, 20, 1], [0, 9, 13]])
+    attn = ca.attention(q, k, v, kv_lengths=per_head)
+    for b in range(2):
+        for h in range(3):
+            n = per_head[b, h]
+            expected = (np.zeros((4, 2)) if n == 0
+                        else ca.attention(q[b, h], k[b, h, :n], v[b, h, :n]))
+            np.testing.assert_allclose(attn[b, h], expected, rtol=0, atol=1e-6)
+    assert_bitwise_equal(ca.attention(q, k, v, kv_lengths=20), ca.attention(q, k, v))
+    scores = ca.attention_scores(q, k, kv_lengths=7, causal=True)
+    assert np.all(scores[..., 7:] == 0)
+
+
+def test_kv_lengths_errors():
+    q, k, v = np.ones((2, 3, 4, 8)), np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 2))
+    with pytest.raises(ValueError, match=r"\[0, S\] = \[0, 5\]"):
+        ca.attention(q, k, v, kv_lengths=6)
+    with pytest.raises(ValueError, match=r"\[0, S\] = \[0, 5\]"):
+        ca.attention(q, k, v, kv_lengths=np.array([[-1], [2]]))
+    with pytest.raises(ValueError, match=r"kv_lengths of shape \(4,\).*\(2, 3\)"):
+        ca.attention(q, k, v, kv_lengths=np.array([1, 2, 3, 4]))
+    with pytest.raises(TypeError, match="integers"):
+        ca.attention(q, k, v, kv_lengths=2.5)
+
+
+# ---- decoding against a KV cache --------------------------------------------
+
+def test_greedy_decode_loop_matches_full_recompute(dtype):
+    """64 steps of decode through the cache equal causal attention over the
+    whole sequence recomputed at each step (two sequences, GQA 4:2)."""
+    rng = np.random.default_rng(70)
+    batch, heads, kv_heads, d, max_keys, steps = 2, 4, 2, 16, 96, 64
+    prompt = [5, 11]
+    w = (rng.standard_normal((heads * d, 3 * d)) / np.sqrt(heads * d)).astype(dtype)
+    k_cache = np.zeros((batch, kv_heads, max_keys, d), dtype)
+    v_cache = np.zeros((batch, kv_heads, max_keys, d), dtype)
+    lengths = np.zeros(batch, dtype=np.int64)
+    history_k = [[] for _ in range(batch)]
+    history_v = [[] for _ in range(batch)]
+    # prompts of different lengths go in one sequence at a time
+    for b, n in enumerate(prompt):
+        qp, kp, vp = make_qkv(71 + b, (1, heads, n, d), (1, kv_heads, n, d),
+                              (1, kv_heads, n, d), dtype)
+        one = lengths[b:b + 1]
+        ca.attention_with_kvcache(qp, k_cache[b:b + 1], v_cache[b:b + 1], one, kp, vp)
+        lengths[b] = one[0]
+        history_k[b].append(kp[0])
+        history_v[b].append(vp[0])
+    token = rng.standard_normal((batch, heads * d)).astype(dtype)
+    for _ in range(steps):
+        qkv = np.tanh(token @ w)                   # the next token from the last output
+        q_t = qkv[:, :d].reshape(batch, 1, 1, d).repeat(heads, axis=1)
+        q_t = q_t * np.linspace(0.5, 1.5, heads, dtype=dtype)[None, :, None, None]
+        k_t = qkv[:, d:2 * d].reshape(batch, 1, 1, d).repeat(kv_heads, axis=1)
+        v_t = qkv[:, 2 * d:].reshape(batch, 1, 1, d).repeat(kv_heads, axis=1)
+        out = ca.attention_with_kvcache(q_t, k_cache, v_cache, lengths, k_t, v_t)
+        for b in range(batch):
+            history_k[b].append(k_t[b])
+            history_v[b].append(v_t[b])
+            k_full = np.concatenate(history_k[b], axis=1)
+            v_full = np.concatenate(history_v[b], axis=1)
+            assert lengths[b] == k_full.shape[1]
+            assert_matches_reference(out[b], None, q_t[b], repeat_kv(k_full, 2),
+                                     repeat_kv(v_full, 2), causal=True)
+        token = out.reshape(batch, heads * d)
+    assert lengths.tolist() == [prompt[0] + steps, prompt[1] + steps]
+
+
+def test_kvcache_writes_in_place_without_copies():
+    k_cache = np.zeros((2, 1, 8, 4), np.float32)
+    v_cache = np.zeros((2, 1, 8, 4), np.float32)
+    lengths = np.array([0, 3])
+    k_new = np.ones((2, 1, 2, 4), np.float32)
+    out = ca.attention_with_kvcache(np.ones((2, 2, 2, 4), np.float32), k_cache, v_cache,
+                                    lengths, k_new, 2 * k_new)
+    assert lengths.tolist() == [2, 5]
+    assert np.all(k_cache[0, :, :2] == 1) and np.all(k_cache[0, :, 2:] == 0)
+    assert np.all(v_cache[1, :, 3:5] == 2) and np.all(v_cache[1, :, :3] == 0)
+    assert out.shape == (2, 2, 2, 4)
+
+
+def test_kvcache_errors_leave_the_cache_untouched():
+    k_cache = np.zeros((2, 1, 8, 4), np.float32)
+    v_cache = np.zeros((2, 1, 8, 4), np.float32)
+    lengths = np.array([5, 7])
+    q = np.ones((2, 1, 2, 4), np.float32)
+    new = np.ones((2, 1, 2, 4), np.float32)
+    before = (k_cache.copy(), v_cache.copy(), lengths.copy())
+
+    def unchanged():
+        assert_bitwise_equal(k_cache, before[0])
+        assert_bitwise_equal(v_cache, before[1])
+        assert lengths.tolist() == before[2].tolist()
+
+    with pytest.raises(ValueError, match=r"overflow.*S_max = 8"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new)
+    unchanged()
+    lengths[:] = [1, 1]
+    before = (k_cache.copy(), v_cache.copy(), lengths.copy())
+    with pytest.raises(ValueError, match=shapes_regex((2, 1, 3, 4), (2, 1, 2, 4))):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, np.ones((2, 1, 3, 4)), new)
+    unchanged()
+    with pytest.raises(ValueError, match=r"q must have shape.*\(2, 1, 2, 5\)"):
+        ca.attention_with_kvcache(np.ones((2, 1, 2, 5)), k_cache, v_cache, lengths, new, new)
+    unchanged()
+    with pytest.raises(TypeError, match="float64"):
+        ca.attention_with_kvcache(q, k_cache.astype(np.float64), v_cache, lengths, new, new)
+    with pytest.raises(TypeError, match="copy"):
+        ca.attention_with_kvcache(q.astype(np.float64), k_cache, v_cache, lengths, new, new)
+    unchanged()
+    with pytest.raises(TypeError, match="float16"):
+        ca.attention_with_kvcache(q, k_cache.astype(np.float16), v_cache.astype(np.float16),
+                                  lengths, new, new)
+    with pytest.raises(ValueError, match="together"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, None)
+    with pytest.raises(ValueError, match=r"cache_lengths.*\(2,\)"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, [1, 1], new, new)
+    unchanged()

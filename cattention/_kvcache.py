@@ -1,0 +1,125 @@
+"""Decoding against a preallocated key/value cache owned by the caller."""
+
+import numpy as np
+
+from ._api import attention
+
+__all__ = ["attention_with_kvcache"]
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new=None, *,
+                           causal=True, scale=None, return_lse=False, num_threads=None):
+    """Append new keys and values to a KV cache in place, then attend to it.
+
+    For each sequence b, ``k_new[b]`` and ``v_new[b]`` are written into the
+    caches at positions ``cache_lengths[b]`` onwards, ``cache_lengths`` is
+    advanced by ``T_new`` **in place**, and ``q[b]`` attends to the first
+    ``cache_lengths[b]`` keys (after the update) with bottom-right causal
+    alignment: the T queries are the last T of those positions. The caches
+    are never reallocated or copied.
+
+    Parameters
+    ----------
+    q : ndarray, shape (B, H, T, d_k)
+        Queries; H may be a multiple of H_kv (grouped-query attention).
+    k_cache : ndarray, shape (B, H_kv, S_max, d_k)
+    v_cache : ndarray, shape (B, H_kv, S_max, d_v)
+        Writable float32 or float64 arrays of one dtype, owned by the caller.
+    cache_lengths : ndarray of int, shape (B,)
+        Filled positions of each sequence; a writable integer array, updated
+        in place.
+    k_new : array_like, shape (B, H_kv, T_new, d_k), optional
+    v_new : array_like, shape (B, H_kv, T_new, d_v), optional
+        Keys and values to append (both or neither), cast to the cache dtype.
+    causal : bool, default True
+    scale, return_lse, num_threads
+        As in :func:`cattention.attention`.
+
+    Returns
+    -------
+    attn : ndarray, shape (B, H, T, d_v)
+        (and the log-sum-exp, shape (B, H, T), with ``return_lse=True``)
+
+    Raises
+    ------
+    ValueError
+        On any shape mismatch, or if some ``cache_lengths[b] + T_new``
+        exceeds S_max; checked before anything is written, so a failed call
+        leaves caches and lengths as they were.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> k_cache = np.zeros((1, 2, 16, 8), np.float32)
+    >>> v_cache = np.zeros((1, 2, 16, 8), np.float32)
+    >>> lengths = np.array([0])
+    >>> step = np.ones((1, 2, 3, 8), np.float32)
+    >>> out = ca.attention_with_kvcache(step, k_cache, v_cache, lengths, step, step)
+    >>> out.shape, lengths
+    ((1, 2, 3, 8), array([3]))
+    """
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, np.ndarray) or cache.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D ndarray (B, H_kv, S_max, d); got "
+                             f"{getattr(cache, 'shape', type(cache).__name__)}")
+        if cache.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{name} has dtype {cache.dtype}; KV caches must be float32 "
+                            "or float64")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must "
+                        "share one dtype")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must share "
+                         "(B, H_kv, S_max)")
+    n_batch, n_kv_heads, max_keys, d_k = k_cache.shape
+    q = np.asarray(q)
+    if q.ndim != 4 or q.shape[0] != n_batch or q.shape[3] != d_k:
+        raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_batch}, H, T, {d_k}) "
+                         f"to match k_cache {k_cache.shape}; got {q.shape}")
+    if np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype:
+        raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "
+                        "convert (copy) the cache; pass q in the cache's dtype")
+    if n_kv_heads == 0 or q.shape[1] % n_kv_heads != 0:
+        raise ValueError(f"the query heads of q {q.shape} must be a multiple of the "
+                         f"key/value heads of k_cache {k_cache.shape}")
+    if (not isinstance(cache_lengths, np.ndarray) or cache_lengths.dtype.kind not in "iu"
+            or cache_lengths.shape != (n_batch,)):
+        raise ValueError(f"cache_lengths must be an integer ndarray of shape ({n_batch},); "
+                         f"got {getattr(cache_lengths, 'shape', type(cache_lengths).__name__)}"
+                         f"{'' if not isinstance(cache_lengths, np.ndarray) else ' ' + str(cache_lengths.dtype)}")
+
+    n_new = 0
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None:
+        k_new = np.asarray(k_new)
+        v_new = np.asarray(v_new)
+        n_new = k_new.shape[2] if k_new.ndim == 4 else -1
+        expected_k = (n_batch, n_kv_heads, n_new, d_k)
+        expected_v = (n_batch, n_kv_heads, n_new, v_cache.shape[3])
+        if k_new.shape != expected_k or v_new.shape != expected_v:
+            raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must have shapes "
+                             f"{expected_k} and {expected_v} to match the caches")
+        for name, new in (("k_new", k_new), ("v_new", v_new)):
+            if not np.can_cast(new.dtype, k_cache.dtype, casting="same_kind"):
+                raise TypeError(f"{name} of dtype {new.dtype} cannot be written into a "
+                                f"{k_cache.dtype} cache")
+        if not (k_cache.flags.writeable and v_cache.flags.writeable
+                and cache_lengths.flags.writeable):
+            raise ValueError("k_cache, v_cache and cache_lengths must be writable to append")
+    if cache_lengths.size and (cache_lengths.min() < 0
+                               or cache_lengths.max() + n_new > max_keys):
+        raise ValueError(
+            f"cache overflow: cache_lengths {cache_lengths.tolist()} + {n_new} new "
+            f"positions must stay within S_max = {max_keys}")
+
+    # every check has passed: nothing below can fail half-way on bad input
+    if n_new > 0:
+        for b, start in enumerate(cache_lengths.tolist()):
+            k_cache[b, :, start:start + n_new] = k_new[b]
+            v_cache[b, :, start:start + n_new] = v_new[b]
+        cache_lengths += n_new
+    return attention(q, k_cache, v_cache, causal=causal, scale=scale,
+                     return_lse=return_lse, enable_gqa=True,
+                     kv_lengths=cache_lengths[:, None], num_threads=num_threads)
