@@ -254,10 +254,15 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
     if kv_lengths is not None:
         kv_lengths = _prepare_kv_lengths(kv_lengths, batch_shape, n_keys)
 
+    # float16 K and V (a halved KV cache) are read as they are and converted
+    # block by block in the kernels, never copied to float32 whole
+    kv_dtype = compute
+    if compute == np.float32 and all(a.dtype == np.float16 for a in operands[1:]):
+        kv_dtype = np.dtype(np.float16)
     q = _to_compute(q, compute)
-    k = _to_compute(k, compute)
+    k = _to_compute(k, kv_dtype)
     if v is not None:
-        v = _to_compute(v, compute)
+        v = _to_compute(v, kv_dtype)
     d_v = v.shape[-1] if v is not None else 0
 
     out = np.empty(batch_shape + (n_queries, d_v), dtype=compute) if want_out else None

@@ -23,7 +23,7 @@ cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport parallel, prange
 from libc.math cimport INFINITY, exp, isfinite, log, sqrt
-from libc.stdint cimport uint8_t
+from libc.stdint cimport uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -68,6 +68,9 @@ cdef extern from "kernels.h" nogil:
                               Py_ssize_t d_v, float *acc, Py_ssize_t ldacc,
                               const void *ahead, Py_ssize_t ahead_stride,
                               Py_ssize_t ahead_bytes) noexcept nogil
+        void (*half_rows_to_f32)(const uint16_t *src, Py_ssize_t src_row, Py_ssize_t src_col,
+                                 Py_ssize_t n_rows, Py_ssize_t n_cols, float *dst,
+                                 Py_ssize_t ld_dst) noexcept nogil
         void (*pv_direct_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                               const double *v, Py_ssize_t ldv, Py_ssize_t n_keys,
                               Py_ssize_t d_v, double *acc, Py_ssize_t ldacc,
@@ -76,6 +79,7 @@ cdef extern from "kernels.h" nogil:
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
+    float ca_half_to_float(uint16_t h)
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)
@@ -160,6 +164,10 @@ cdef struct Problem:
     void *packed_v               # K_BLOCK rows of ld_v per (kv, key block)
     uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
     bint direct                  # few query rows: K and V read in place
+    Py_ssize_t itemsize          # of the compute dtype
+    bint kv_half                 # K and V are float16 (computed in float32),
+                                 # converted block by block as they are read
+    const ca_kernels *kern       # for the float16 conversion while packing
     # direct path: keys split into chunks of split_keys (a multiple of
     # K_BLOCK), fixed by the shape alone so results do not depend on threads
     Py_ssize_t n_splits
@@ -199,16 +207,18 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
     n += round_up(n_rows, 16)
     ws.off_k_rows = n
     ws.off_v_rows = n
-    if n_rows <= DIRECT_ROWS:
+    if n_rows <= DIRECT_ROWS or pb.kv_half:
         n += round_up(K_BLOCK * pb.ld_k, 16)
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)
-    # one buffer: the Workspace itself (64 bytes reserved), then the regions
+    # one buffer: the Workspace itself, then the regions from the next
+    # 64-byte boundary
+    cdef size_t header_bytes = round_up(sizeof(Workspace), 64)
     cdef char *memory = <char *>ca_scratch_acquire(
-        CA_SCRATCH_WORKSPACE, 64 + n * itemsize + 2 * n_rows * sizeof(intp_t))
+        CA_SCRATCH_WORKSPACE, header_bytes + n * itemsize + 2 * n_rows * sizeof(intp_t))
     if memory == NULL:
         return NULL
-    ws.base = memory + 64
+    ws.base = memory + header_bytes
     ws.row_lo = <intp_t *>(<char *>ws.base + n * itemsize)
     ws.row_hi = ws.row_lo + n_rows
     (<Workspace *>memory)[0] = header
@@ -238,23 +248,22 @@ cdef inline Py_ssize_t panel_width(floating *dtype_tag) noexcept nogil:
         return CA_PANEL_F64
 
 
-cdef void pack_keys_transposed(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
-                               Py_ssize_t n_keys, floating *kt) noexcept nogil:
-    """K[key0:key0 + n_keys]^T in panels (see kernels.h): key j, feature c at
-    kt[(j // P) * ld_k * P + c * P + j % P]; keys up to the panel's end are 0."""
+cdef void pack_keys_transposed(const Problem *pb, const floating *k, Py_ssize_t row_stride,
+                               Py_ssize_t col_stride, Py_ssize_t n_keys,
+                               floating *kt) noexcept nogil:
+    """The n_keys rows at k, transposed into panels (see kernels.h): key j,
+    feature c at kt[(j // P) * ld_k * P + c * P + j % P]; keys up to the
+    panel's end are 0."""
     # sizes and strides in locals: stores through kt could alias *pb, so the
     # compiler would otherwise reload them for every element
-    cdef const floating *k = <const floating *>pb.k.data + pb.k.batch_offset[b]
     cdef Py_ssize_t P = panel_width(kt)
     cdef Py_ssize_t d_k = pb.d_k
     cdef Py_ssize_t panel_size = pb.ld_k * P
-    cdef Py_ssize_t row_stride = pb.k.row_stride
-    cdef Py_ssize_t col_stride = pb.k.col_stride
     cdef Py_ssize_t j, c
     cdef const floating *k_row
     cdef floating *panel
     for j in range(n_keys):
-        k_row = k + (key0 + j) * row_stride
+        k_row = k + j * row_stride
         panel = kt + (j // P) * panel_size + j % P
         if col_stride == 1:
             for c in range(d_k):
@@ -268,9 +277,10 @@ cdef void pack_keys_transposed(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
             panel[c * P] = 0
 
 
-cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
-                      Py_ssize_t n_keys, floating *v_packed) noexcept nogil:
-    """V[key0:key0 + n_keys] in panels (see kernels.h): key j, column c at
+cdef bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_stride,
+                      Py_ssize_t col_stride, Py_ssize_t n_keys,
+                      floating *v_packed) noexcept nogil:
+    """The n_keys rows at v in panels (see kernels.h): key j, column c at
     v_packed[(c // P) * block_keys * P + j * P + c % P], zero past d_v.
 
     Every NaN or Inf is replaced by 0; returns True if there was any
@@ -278,13 +288,10 @@ cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
     key a nonzero weight). A key of weight 0 thus contributes
     fma(0, 0, acc) == acc, exactly what a finite value would, so a NaN or Inf
     in a masked-out value changes no bit of the output."""
-    cdef const floating *v = <const floating *>pb.v.data + pb.v.batch_offset[b]
     cdef Py_ssize_t P = panel_width(v_packed)
     cdef Py_ssize_t d_v = pb.d_v
     cdef Py_ssize_t ld_v = pb.ld_v
     cdef Py_ssize_t panel_stride = pb.block_keys * P
-    cdef Py_ssize_t row_stride = pb.v.row_stride
-    cdef Py_ssize_t col_stride = pb.v.col_stride
     cdef Py_ssize_t j, c, l, n_full = d_v // P
     cdef const floating *v_row
     cdef floating *dst
@@ -296,7 +303,7 @@ cdef bint pack_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
     for l in range(16):
         probe[l] = 0
     for j in range(n_keys):
-        v_row = v + (key0 + j) * row_stride
+        v_row = v + j * row_stride
         for c in range(n_full):
             dst = v_packed + c * panel_stride + j * P
             if col_stride == 1:
@@ -343,17 +350,26 @@ cdef inline const floating *packed_values(const Problem *pb, Py_ssize_t block,
     return <const floating *>pb.packed_v + block * pb.block_keys * pb.ld_v
 
 
-cdef void pack_block(Problem *pb, Py_ssize_t block, floating *dtype_tag) noexcept nogil:
+cdef void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
+                     floating *dtype_tag) noexcept nogil:
     """Pack K^T and V of one (kv, key block) from the caller's arrays."""
     cdef Py_ssize_t kv = block // pb.n_key_blocks
     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK
     cdef Py_ssize_t b = pb.kv_source[kv]
     cdef Py_ssize_t n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
-    pack_keys_transposed(pb, b, key0, n_keys,
-                         <floating *>pb.packed_k + block * pb.ld_k * pb.block_keys)
+    cdef Py_ssize_t ld_k_rows, ld_v_rows
+    cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+                                                <floating *>ws.base + ws.off_k_rows,
+                                                pb.ld_k, &ld_k_rows, True)
+    pack_keys_transposed(pb, k_rows, ld_k_rows, 1 if pb.kv_half else pb.k.col_stride,
+                         n_keys, <floating *>pb.packed_k + block * pb.ld_k * pb.block_keys)
+    cdef const floating *v_rows
     if pb.d_v > 0:
+        v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
+                               <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, True)
         pb.value_nonfinite[block] = pack_values(
-            pb, b, key0, n_keys, <floating *>pb.packed_v + block * pb.block_keys * pb.ld_v)
+            pb, v_rows, ld_v_rows, 1 if pb.kv_half else pb.v.col_stride, n_keys,
+            <floating *>pb.packed_v + block * pb.block_keys * pb.ld_v)
     else:
         pb.value_nonfinite[block] = 0
 
@@ -365,13 +381,13 @@ cdef void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
     """acc[i, c] += p[i, j] * V[key0 + j, c] for the NaN/Inf entries of V that
     pack_values zeroed, in rows where key j has a nonzero weight."""
     cdef const floating *v = <const floating *>pb.v.data + pb.v.batch_offset[b]
-    cdef Py_ssize_t i, j, c
-    cdef const floating *v_row
+    cdef const uint16_t *v_half = <const uint16_t *>pb.v.data + pb.v.batch_offset[b]
+    cdef Py_ssize_t i, j, c, at
     cdef floating x
     for j in range(n_keys):
-        v_row = v + (key0 + j) * pb.v.row_stride
         for c in range(pb.d_v):
-            x = v_row[c * pb.v.col_stride]
+            at = (key0 + j) * pb.v.row_stride + c * pb.v.col_stride
+            x = <floating>ca_half_to_float(v_half[at]) if pb.kv_half else v[at]
             if (x - x) == 0:
                 continue
             for i in range(n_rows):
@@ -480,27 +496,27 @@ cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,
                                      Py_ssize_t ldq, Py_ssize_t n_rows, const floating *k,
                                      Py_ssize_t ldk, Py_ssize_t n_keys, Py_ssize_t d_k,
                                      double factor, floating *s, Py_ssize_t lds,
-                                     const floating *ahead, Py_ssize_t ahead_ld,
-                                     Py_ssize_t ahead_width) noexcept nogil:
+                                     const void *ahead, Py_ssize_t ahead_stride,
+                                     Py_ssize_t ahead_bytes) noexcept nogil:
     if floating is float:
         kern.score_direct_f32(q, ldq, n_rows, k, ldk, n_keys, d_k, <float>factor, s, lds,
-                              ahead, ahead_ld * sizeof(float), ahead_width * sizeof(float))
+                              ahead, ahead_stride, ahead_bytes)
     else:
         kern.score_direct_f64(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds,
-                              ahead, ahead_ld * sizeof(double), ahead_width * sizeof(double))
+                              ahead, ahead_stride, ahead_bytes)
 
 
 cdef inline void kernel_pv_direct(const ca_kernels *kern, const floating *p, Py_ssize_t ldp,
                                   Py_ssize_t n_rows, const floating *v, Py_ssize_t ldv,
                                   Py_ssize_t n_keys, Py_ssize_t d_v, floating *acc,
-                                  Py_ssize_t ldacc, const floating *ahead, Py_ssize_t ahead_ld,
-                                  Py_ssize_t ahead_width) noexcept nogil:
+                                  Py_ssize_t ldacc, const void *ahead, Py_ssize_t ahead_stride,
+                                  Py_ssize_t ahead_bytes) noexcept nogil:
     if floating is float:
         kern.pv_direct_f32(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc,
-                           ahead, ahead_ld * sizeof(float), ahead_width * sizeof(float))
+                           ahead, ahead_stride, ahead_bytes)
     else:
         kern.pv_direct_f64(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc,
-                           ahead, ahead_ld * sizeof(double), ahead_width * sizeof(double))
+                           ahead, ahead_stride, ahead_bytes)
 
 
 cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,
@@ -680,17 +696,27 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                 b * pb.n_queries + row0)
 
 
-cdef const floating *rows_in_place(const Operand *op, Py_ssize_t b, Py_ssize_t key0,
-                                   Py_ssize_t n_keys, Py_ssize_t n_features,
-                                   floating *copy, Py_ssize_t ld_copy,
-                                   Py_ssize_t *ld) noexcept nogil:
-    """Rows key0.. of an operand with contiguous features: where the caller
-    keeps them, or (strided features) copied into ``copy``. Either way the
-    kernels see the same values, so every layout gives the same bits."""
+cdef const floating *rows_in_place(const Problem *pb, const Operand *op, Py_ssize_t b,
+                                   Py_ssize_t key0, Py_ssize_t n_keys,
+                                   Py_ssize_t n_features, floating *copy,
+                                   Py_ssize_t ld_copy, Py_ssize_t *ld,
+                                   bint strided_ok) noexcept nogil:
+    """Rows key0.. of K or V as compute-dtype values with contiguous features
+    (row stride in *ld): where the caller keeps them, or copied into ``copy``
+    when they are float16 (converted) or, unless strided_ok, strided. The
+    kernels see the same values either way, so every layout gives the same
+    bits."""
     cdef const floating *base = <const floating *>op.data + op.batch_offset[b]
     cdef const floating *row
     cdef Py_ssize_t j, c
-    if op.col_stride == 1 or n_features <= 1:
+    if pb.kv_half:
+        if floating is float:
+            pb.kern.half_rows_to_f32(<const uint16_t *>op.data + op.batch_offset[b]
+                                     + key0 * op.row_stride, op.row_stride,
+                                     op.col_stride, n_keys, n_features, copy, ld_copy)
+        ld[0] = ld_copy
+        return copy
+    if strided_ok or op.col_stride == 1 or n_features <= 1:
         ld[0] = op.row_stride
         return base + key0 * op.row_stride
     for j in range(n_keys):
@@ -701,13 +727,19 @@ cdef const floating *rows_in_place(const Operand *op, Py_ssize_t b, Py_ssize_t k
     return copy
 
 
-cdef inline const floating *contiguous_rows(const Operand *op, Py_ssize_t b,
-                                            Py_ssize_t key0, Py_ssize_t n_features,
-                                            floating *dtype_tag) noexcept nogil:
-    """Row key0 of an operand whose features are contiguous, else NULL."""
+cdef inline const char *contiguous_rows(const Problem *pb, const Operand *op,
+                                        Py_ssize_t b, Py_ssize_t key0,
+                                        Py_ssize_t n_features) noexcept nogil:
+    """Address of row key0 of K or V when its features are contiguous, else
+    NULL (for prefetching: rows are kv_itemsize * row_stride bytes apart)."""
     if op.col_stride == 1 or n_features <= 1:
-        return <const floating *>op.data + op.batch_offset[b] + key0 * op.row_stride
+        return (<const char *>op.data
+                + (op.batch_offset[b] + key0 * op.row_stride) * kv_itemsize(pb))
     return NULL
+
+
+cdef inline Py_ssize_t kv_itemsize(const Problem *pb) noexcept nogil:
+    return 2 if pb.kv_half else pb.itemsize
 
 
 cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -741,8 +773,9 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
         key0 = (first_key // K_BLOCK) * K_BLOCK
         while key0 < last_key:
             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
-            k_rows = rows_in_place(&pb.k, b, key0, n_keys, pb.d_k,
-                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows)
+            k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+                                   False)
             # while one kernel streams its operand, it prefetches the block the
             # other reads next (contiguous rows only), keeping two streams busy
             next_keys = last_key - key0 - K_BLOCK
@@ -750,18 +783,19 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
                 next_keys = K_BLOCK
             kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
                                 pb.d_k, pb.scale, s, K_BLOCK,
-                                contiguous_rows(&pb.v, b, key0, pb.d_v, s),
-                                pb.v.row_stride, pb.d_v)
+                                contiguous_rows(pb, &pb.v, b, key0, pb.d_v),
+                                pb.v.row_stride * kv_itemsize(pb), pb.d_v * kv_itemsize(pb))
             mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
-            v_rows = rows_in_place(&pb.v, b, key0, n_keys, pb.d_v,
-                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows)
+            v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
+                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
+                                   False)
             # (x86 drops a prefetch past the end of K without a fault)
             kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
                              acc, pb.ld_v,
-                             contiguous_rows(&pb.k, b, key0 + K_BLOCK, pb.d_k, s)
+                             contiguous_rows(pb, &pb.k, b, key0 + K_BLOCK, pb.d_k)
                              if next_keys > 0 else NULL,
-                             pb.k.row_stride, pb.d_k)
+                             pb.k.row_stride * kv_itemsize(pb), pb.d_k * kv_itemsize(pb))
             key0 += K_BLOCK
     if pb.n_splits == 1:
         finish_rows(pb, ws, n_rows, out + b * n_rows * pb.d_v, pb.d_v, b * n_rows)
@@ -878,8 +912,9 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
             n_keys = last_key - key0
         if pb.direct:
             # few rows: keys read in place, as on the direct path
-            k_rows = rows_in_place(&pb.k, b, key0, n_keys, pb.d_k,
-                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows)
+            k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows,
+                                   False)
             kernel_score_direct(kern, q_packed, pb.ld_k, n_rows, k_rows, ld_rows, n_keys,
                                 pb.d_k, pb.scale, s, K_BLOCK, NULL, 0, 0)
         else:
@@ -919,8 +954,9 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     while key0 < last_key:
         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
         if pb.direct:
-            v_rows = rows_in_place(&pb.v, b, key0, n_keys, pb.d_v,
-                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows)
+            v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
+                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
+                                   False)
             kernel_pv_direct(kern, scores_block + key0, n_keys_total, n_rows, v_rows,
                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
         else:
@@ -962,6 +998,8 @@ cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
         if n_threads < 1:
             n_threads = 1
+    pb.itemsize = sizeof(floating)
+    pb.kern = kern
     # the path depends on the shape alone, never on the layout or threads
     pb.direct = pb.n_queries <= DIRECT_ROWS
     if scores == NULL and pb.direct:
@@ -1061,7 +1099,7 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
             status = -1
         else:
             for block in range(n_packed):
-                pack_block(pb, block, out)
+                pack_block(pb, ws, block, out)
             for item in range(n_items):
                 run_item(pb, kern, ws, item, n_blocks, out, scores)
             workspace_delete(ws)
@@ -1072,7 +1110,8 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
             if ws == NULL:
                 status_ptr[0] = -1
             for block in prange(n_packed, schedule='static'):
-                pack_block(pb, block, out)
+                if ws != NULL:
+                    pack_block(pb, ws, block, out)
             # (the end of a prange is a barrier: every block is packed here)
             for item in prange(n_items, schedule='dynamic'):
                 if ws != NULL:
@@ -1256,7 +1295,8 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
-    Preconditions (checked by the caller): q, k, v share the compute dtype,
+    Preconditions (checked by the caller): q, k, v share the compute dtype
+    (or k and v are both float16 with a float32 q),
     are aligned, their strides are multiples of the itemsize, their leading
     dimensions broadcast to ``batch_shape``; ``mask`` is None or an aligned
     bool/float32/float64 array of ndim >= 2 broadcastable to batch + (T, S).
@@ -1283,6 +1323,8 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
     pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
                     if kv_lengths is not None else NULL)
+    # float16 K and V (with float32 q): read and converted block by block
+    pb.kv_half = k.dtype == np.float16
     fill_operand(&pb.q, q, q_off)
     fill_operand(&pb.k, k, k_off)
     if v is not None:
@@ -1420,6 +1462,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         pb.scale = scale_value
         pb.lse = NULL
         pb.kv_length = NULL
+        pb.kv_half = False
         fill_operand_at(&pb.q, qa, offsets)
         fill_operand_at(&pb.k, ka, offsets + n_batch)
         fill_operand_at(&pb.v, va, offsets + 2 * n_batch)

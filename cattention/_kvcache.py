@@ -24,7 +24,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new
         Queries; H may be a multiple of H_kv (grouped-query attention).
     k_cache : ndarray, shape (B, H_kv, S_max, d_k)
     v_cache : ndarray, shape (B, H_kv, S_max, d_v)
-        Writable float32 or float64 arrays of one dtype, owned by the caller.
+        Writable arrays of one dtype, owned by the caller: float32, float64,
+        or float16 with a float32 (or float16) q, in which case the cache is
+        converted block by block as it is read (half the bytes per decode
+        step) and the result is float32 (float16 for a float16 q).
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence; a writable integer array, updated
         in place.
@@ -63,9 +66,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new
         if not isinstance(cache, np.ndarray) or cache.ndim != 4:
             raise ValueError(f"{name} must be a 4-D ndarray (B, H_kv, S_max, d); got "
                              f"{getattr(cache, 'shape', type(cache).__name__)}")
-        if cache.dtype not in (np.float32, np.float64):
-            raise TypeError(f"{name} has dtype {cache.dtype}; KV caches must be float32 "
-                            "or float64")
+        if cache.dtype not in (np.float16, np.float32, np.float64):
+            raise TypeError(f"{name} has dtype {cache.dtype}; KV caches must be float16, "
+                            "float32 or float64")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must "
                         "share one dtype")
@@ -77,7 +80,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new
     if q.ndim != 4 or q.shape[0] != n_batch or q.shape[3] != d_k:
         raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_batch}, H, T, {d_k}) "
                          f"to match k_cache {k_cache.shape}; got {q.shape}")
-    if np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype:
+    # float16 caches are read as they are (converted block by block, computed
+    # in float32) with a float16 or float32 q; otherwise q must not be wider
+    # than the cache, or the cache would be converted whole
+    half_cache = k_cache.dtype == np.float16 and q.dtype in (np.float16, np.float32)
+    if not half_cache and np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype:
         raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "
                         "convert (copy) the cache; pass q in the cache's dtype")
     if n_kv_heads == 0 or q.shape[1] % n_kv_heads != 0:

@@ -40,7 +40,7 @@ static unsigned long long xgetbv0(void)
 #endif
 }
 
-static int cpu_has_avx2_fma(void)
+static int cpu_has_avx2_fma(void) /* and F16C, which every AVX2 CPU has */
 {
     unsigned regs[4];
     cpuid_count(0, 0, regs);
@@ -50,7 +50,8 @@ static int cpu_has_avx2_fma(void)
     const int has_fma = (regs[2] >> 12) & 1;
     const int has_osxsave = (regs[2] >> 27) & 1;
     const int has_avx = (regs[2] >> 28) & 1;
-    if (!(has_fma && has_osxsave && has_avx))
+    const int has_f16c = (regs[2] >> 29) & 1;
+    if (!(has_fma && has_osxsave && has_avx && has_f16c))
         return 0;
     /* XMM (bit 1) and YMM (bit 2) state enabled by the OS */
     if ((xgetbv0() & 0x6) != 0x6)

@@ -26,6 +26,7 @@
 #define CATTENTION_KERNELS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* panel width: one 64-byte cache line of floats or doubles */
 #define CA_PANEL_F32 16
@@ -95,6 +96,13 @@ typedef struct ca_kernels {
                           ptrdiff_t d_v, double *acc, ptrdiff_t ldacc,
                           const void *ahead, ptrdiff_t ahead_stride,
                           ptrdiff_t ahead_bytes);
+
+    /* float16 K/V (caches), converted block by block as they are read:
+       dst[r * ld_dst + c] = src[r * src_row + c * src_col] for c < n_cols
+       (strides in elements; exact, IEEE half to single). */
+    void (*half_rows_to_f32)(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                             ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
+                             ptrdiff_t ld_dst);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */
@@ -114,6 +122,9 @@ const ca_kernels *ca_kernels_by_name(const char *name);
 int ca_available_kernels(const char **names, int capacity);
 /* Compiler that built the extension, e.g. "GCC 12.2.0". */
 const char *ca_compiler_version(void);
+
+/* IEEE binary16 to binary32, exact (subnormals, infinities and NaN kept). */
+float ca_half_to_float(uint16_t h);
 
 /* Per-thread scratch kept between calls (scratch.c): a 64-byte aligned
    buffer of at least n_bytes for this thread's use of the slot, NULL on

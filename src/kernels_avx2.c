@@ -1,5 +1,5 @@
 /*
- * AVX2 + FMA kernels (Haswell and later, Zen and later).
+ * AVX2 + FMA (+ F16C) kernels (Haswell and later, Zen and later).
  *
  * Every function carries a target attribute instead of the file being built
  * with -mavx2, so the extension as a whole still runs on any x86-64 and these
@@ -18,7 +18,7 @@
 
 #include "exp_poly.h"
 
-#define CA_AVX2 __attribute__((target("avx2,fma")))
+#define CA_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define CA_TILE static inline __attribute__((always_inline)) CA_AVX2
 
 #define MR 6
@@ -637,6 +637,26 @@ CA_AVX2 static void pv_direct_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_ro
     }
 }
 
+CA_AVX2 static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row,
+                                     ptrdiff_t src_col, ptrdiff_t n_rows, ptrdiff_t n_cols,
+                                     float *dst, ptrdiff_t ld_dst)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const uint16_t *row = src + r * src_row;
+        float *out = dst + r * ld_dst;
+        ptrdiff_t c = 0;
+        if (src_col == 1) {
+            if (r + PREFETCH_KEYS < n_rows)
+                prefetch_row(src + (r + PREFETCH_KEYS) * src_row, n_cols * 2);
+            for (; c + 8 <= n_cols; c += 8)
+                _mm256_storeu_ps(out + c,
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + c))));
+        }
+        for (; c < n_cols; ++c)
+            out[c] = ca_half_to_float(row[c * src_col]);
+    }
+}
+
 const ca_kernels ca_kernels_avx2 = {
     "avx2",
     score_f32, score_f64,
@@ -645,6 +665,7 @@ const ca_kernels ca_kernels_avx2 = {
     exp_sum_f32, exp_sum_f64,
     score_direct_f32, score_direct_f64,
     pv_direct_f32, pv_direct_f64,
+    half_rows_to_f32,
 };
 
 #endif /* CA_HAVE_X86_KERNELS */

@@ -125,6 +125,39 @@ static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     
         }                                                                       \
 }
 
+float ca_half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);      /* inf, NaN */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;                                        /* +-0 */
+    } else {
+        /* subnormal half: normalise (its value is mantissa * 2^-24) */
+        uint32_t shift = 0;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            ++shift;
+        }
+        bits = sign | ((113u - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    return ca_f32_from_bits(bits);
+}
+
+static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                             ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
+                             ptrdiff_t ld_dst)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r)
+        for (ptrdiff_t c = 0; c < n_cols; ++c)
+            dst[r * ld_dst + c] = ca_half_to_float(src[r * src_row + c * src_col]);
+}
+
 CA_DEFINE_PORTABLE_KERNELS(float, f32, ca_expf_scalar, CA_PANEL_F32)
 CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, f32)
@@ -138,4 +171,5 @@ const ca_kernels ca_kernels_baseline = {
     exp_sum_f32, exp_sum_f64,
     score_direct_f32, score_direct_f64,
     pv_direct_f32, pv_direct_f64,
+    half_rows_to_f32,
 };

@@ -223,11 +223,75 @@ def test_kvcache_errors_leave_the_cache_untouched():
     with pytest.raises(TypeError, match="copy"):
         ca.attention_with_kvcache(q.astype(np.float64), k_cache, v_cache, lengths, new, new)
     unchanged()
-    with pytest.raises(TypeError, match="float16"):
-        ca.attention_with_kvcache(q, k_cache.astype(np.float16), v_cache.astype(np.float16),
+    with pytest.raises(TypeError, match="int32"):
+        ca.attention_with_kvcache(q, k_cache.astype(np.int32), v_cache.astype(np.int32),
                                   lengths, new, new)
     with pytest.raises(ValueError, match="together"):
         ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, None)
     with pytest.raises(ValueError, match=r"cache_lengths.*\(2,\)"):
         ca.attention_with_kvcache(q, k_cache, v_cache, [1, 1], new, new)
     unchanged()
+
+
+# ---- float16 K/V (halved caches) ---------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 6, 120])
+@pytest.mark.parametrize("return_scores", [False, True], ids=["attn", "scores"])
+def test_float16_kv_matches_reference_of_rounded_values(T, return_scores):
+    """float16 K/V with float32 q: computed in float32, output float32, equal
+    to the float64 reference of the float16-rounded values, and bitwise equal
+    to converting K/V to float32 first (they are converted block by block)."""
+    q, k, v = make_qkv(80, (2, 4, T, 32), (2, 2, 600, 32), (2, 2, 600, 24), np.float32)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    result = ca.attention(q, k16, v16, enable_gqa=True, causal=True,
+                          return_scores=return_scores)
+    attn = result[0] if return_scores else result
+    assert attn.dtype == np.float32
+    k32, v32 = k16.astype(np.float32), v16.astype(np.float32)
+    assert_matches_reference(attn, result[1] if return_scores else None, q,
+                             repeat_kv(k32, 2), repeat_kv(v32, 2), causal=True)
+    expected = ca.attention(q, k32, v32, enable_gqa=True, causal=True,
+                            return_scores=return_scores)
+    assert_bitwise_equal(attn, expected[0] if return_scores else expected)
+
+
+def test_float16_kv_special_values_and_strides():
+    q, k, v = make_qkv(81, (3, 8), (40, 8), (40, 5), np.float32)
+    k16 = k.astype(np.float16)
+    v16 = v.astype(np.float16)
+    k16[3, 0] = np.float16(6e-5) / 8      # a subnormal half
+    v16[5, 1] = np.float16(65504)         # the largest half
+    mask = np.ones((3, 40), bool)
+    mask[:, 7] = False
+    v16[7] = np.inf                       # in a masked-out value: no effect
+    k16[7] = np.nan
+    got = ca.attention(q, k16, v16, mask=mask)
+    k32, v32 = k16.astype(np.float32), v16.astype(np.float32)
+    assert np.all(np.isfinite(got))
+    # (65504 in V: not unit-scale data, so no absolute 1e-5 cap)
+    assert_matches_reference(got, None, q, k32, np.where(np.isfinite(v32), v32, 0), mask=mask,
+                             f32_abs_cap=None)
+    # strided (transposed) float16 K/V give the same bits
+    k_t = np.ascontiguousarray(k16.T).T
+    v_t = np.ascontiguousarray(v16.T).T
+    assert_bitwise_equal(ca.attention(q, k_t, v_t, mask=mask), got)
+    assert_bitwise_equal(ca.attention(q[:1], k_t, v_t, mask=mask[:1]), got[:1])
+
+
+def test_kvcache_with_float16_caches():
+    k_cache = np.zeros((2, 2, 64, 16), np.float16)
+    v_cache = np.zeros((2, 2, 64, 16), np.float16)
+    lengths = np.array([3, 0])
+    rng = np.random.default_rng(82)
+    prefix = rng.standard_normal((2, 2, 3, 16)).astype(np.float16)
+    k_cache[0, :, :3] = prefix[0]
+    v_cache[0, :, :3] = prefix[0]
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+    new = rng.standard_normal((2, 2, 1, 16)).astype(np.float32)
+    out = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new)
+    assert out.dtype == np.float32 and lengths.tolist() == [4, 1]
+    for b, n in enumerate(lengths):
+        k32 = k_cache[b, :, :n].astype(np.float32)
+        v32 = v_cache[b, :, :n].astype(np.float32)
+        assert_matches_reference(out[b], None, q[b], repeat_kv(k32, 2), repeat_kv(v32, 2),
+                                 causal=True)
