@@ -202,13 +202,38 @@ def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
 
 
 def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
-         want_lse=False, enable_gqa=False, kv_lengths=None):
+         want_lse=False, enable_gqa=False, kv_lengths=None, query_period=0):
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
         v = _as_input(v, "v")
     if enable_gqa:
         q, k, v, mask, kv_lengths, n_heads = _group_query_heads(q, k, v, mask, kv_lengths)
+        group, n_queries = q.shape[-3], q.shape[-2]
+        lengths_per_kv_head = kv_lengths is None or np.ndim(kv_lengths) == 0 or (
+            np.shape(kv_lengths)[-1] == 1)
+        if (group > 1 and group * n_queries <= _attention.DIRECT_QUERY_ROWS
+                and mask is None and lengths_per_kv_head):
+            # decode: the group's query rows are stacked as rows of one K/V
+            # head, so its keys and values are read (and converted) once
+            q = q.reshape(q.shape[:-3] + (group * n_queries, q.shape[-1]))
+            k = k[..., 0, :, :]
+            v = v[..., 0, :, :] if v is not None else None
+            if kv_lengths is not None and np.ndim(kv_lengths) > 0:
+                kv_lengths = np.asarray(kv_lengths)[..., 0]
+            out, scores, lse = _run(q, k, v, causal, None, scale, want_out, want_scores,
+                                    num_threads, want_lse, kv_lengths=kv_lengths,
+                                    query_period=n_queries)
+
+            def split_rows(arr, trailing):
+                # (..., H_kv, G * T, *rest) -> (..., H, T, *rest), a view
+                if arr is None:
+                    return None
+                lead = arr.shape[:arr.ndim - trailing - 1]
+                rest = arr.shape[arr.ndim - trailing:]
+                return arr.reshape(lead[:-1] + (n_heads, n_queries) + rest)
+
+            return split_rows(out, 1), split_rows(scores, 1), split_rows(lse, 0)
         out, scores, lse = _run(q, k, v, causal, mask, scale, want_out, want_scores,
                                 num_threads, want_lse, kv_lengths=kv_lengths)
 
@@ -272,7 +297,7 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
     if n_queries > 0 and math.prod(batch_shape) > 0:
         _attention.attention_into(
             q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse,
-            kv_lengths)
+            kv_lengths, query_period)
     if result != compute:
         # float16 in: outputs back to float16, the log-sum-exp stays float32
         out = out.astype(result) if out is not None else None

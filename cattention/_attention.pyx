@@ -149,6 +149,8 @@ cdef struct Problem:
     bint causal
     double scale                 # multiplies q.k
     const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
+    Py_ssize_t query_period      # query rows are positions 0..period-1 repeated
+                                 # (grouped-query heads stacked as rows); = T
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
     # K^T and V are packed once per distinct K/V batch entry, shared by every
     # query block that reads them (a K/V broadcast over heads is packed once)
@@ -404,11 +406,11 @@ cdef void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
     # causal alignment is bottom-right: the queries are the last T positions
     # of the valid keys
-    cdef Py_ssize_t offset = n_valid - pb.n_queries
+    cdef Py_ssize_t offset = n_valid - pb.query_period
     for i in range(n_rows):
         hi = n_valid
         if pb.causal:
-            hi = row0 + i + offset + 1
+            hi = (row0 + i) % pb.query_period + offset + 1
             if hi > n_valid:
                 hi = n_valid
             if hi < 0:
@@ -1126,6 +1128,11 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
 cdef const ca_kernels *_kernels = ca_default_kernels()
 
 
+# Query rows up to which K and V are read in place rather than packed; the
+# Python layer stacks grouped-query heads as rows within this many.
+DIRECT_QUERY_ROWS = DIRECT_ROWS
+
+
 def get_simd():
     """Name of the kernel table in use."""
     return (<bytes>_kernels.name).decode()
@@ -1291,7 +1298,8 @@ cdef void fill_operand_at(Operand *op, cnp.ndarray arr, const intp_t *offsets):
 def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
                    cnp.ndarray out, cnp.ndarray scores, int num_threads,
-                   cnp.ndarray lse=None, cnp.ndarray kv_lengths=None):
+                   cnp.ndarray lse=None, cnp.ndarray kv_lengths=None,
+                   Py_ssize_t query_period=0):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
@@ -1303,7 +1311,9 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     ``v`` may be None when ``out`` is None. ``lse``, if given, is a
     C-contiguous (n_batch, T) array of the compute dtype for the rows'
     log-sum-exp. ``kv_lengths``, if given, is a C-contiguous intp array of
-    n_batch valid key counts in [0, S]."""
+    n_batch valid key counts in [0, S]. ``query_period`` > 0 says the T rows
+    of q are ``T // query_period`` stacked groups of query_period positions
+    (grouped-query heads), for causal alignment."""
     cdef Problem pb
     cdef cnp.ndarray q_off = batch_offsets(q, batch_shape)
     cdef cnp.ndarray kv_of_batch, kv_source
@@ -1321,6 +1331,7 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.causal = causal
     pb.scale = scale
     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    pb.query_period = query_period if query_period > 0 else pb.n_queries
     pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
                     if kv_lengths is not None else NULL)
     # float16 K and V (with float32 q): read and converted block by block
@@ -1463,6 +1474,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         pb.lse = NULL
         pb.kv_length = NULL
         pb.kv_half = False
+        pb.query_period = n_queries
         fill_operand_at(&pb.q, qa, offsets)
         fill_operand_at(&pb.k, ka, offsets + n_batch)
         fill_operand_at(&pb.v, va, offsets + 2 * n_batch)
