@@ -95,7 +95,10 @@ PROBE = "np.dot"
 
 @dataclass(frozen=True)
 class Case:
-    """One attention shape: q (B, H, T, d), k and v (B, H, S, d)."""
+    """One attention shape: q (B, H, T, d), k and v (B, H_kv, S, d).
+
+    ``kv_heads`` below ``heads`` is grouped-query attention; ``kv_dtype``
+    (e.g. float16, a halved KV cache) may differ from q's ``dtype``."""
 
     batch: int
     heads: int
@@ -105,11 +108,26 @@ class Case:
     causal: bool = False
     dtype: str = "float32"
     quick: bool = False  # part of the --quick subset
+    kv_heads: int = 0    # 0: as many as query heads
+    kv_dtype: str = ""   # "": as q
+
+    @property
+    def n_kv_heads(self):
+        return self.kv_heads or self.heads
+
+    @property
+    def kv_type(self):
+        return self.kv_dtype or self.dtype
 
     @property
     def name(self):
         shape = f"{self.batch}x{self.heads}x{self.n_queries}x{self.n_keys}x{self.dim}"
-        return f"{shape} causal" if self.causal else f"{shape} full"
+        name = f"{shape} causal" if self.causal else f"{shape} full"
+        if self.n_kv_heads != self.heads:
+            name += f" gqa{self.heads}/{self.n_kv_heads}"
+        if self.kv_type != self.dtype:
+            name += f" kv-{np.dtype(self.kv_type).name}"
+        return name
 
     @property
     def is_decode(self):
@@ -142,8 +160,8 @@ class Case:
 
     @property
     def kv_bytes(self):
-        itemsize = np.dtype(self.dtype).itemsize
-        return 2.0 * self.batch * self.heads * self.n_keys * self.dim * itemsize
+        itemsize = np.dtype(self.kv_type).itemsize
+        return 2.0 * self.batch * self.n_kv_heads * self.n_keys * self.dim * itemsize
 
     def matches(self, patterns):
         """True if any substring in ``patterns`` occurs in the case's label."""
@@ -163,6 +181,8 @@ DEFAULT_CASES = (
     Case(8, 12, 128, 128, 64, causal=False, quick=True),
     Case(1, 32, 1, 4096, 128),
     Case(1, 32, 1, 1024, 128, quick=True),
+    Case(1, 32, 1, 4096, 128, kv_heads=8),
+    Case(1, 32, 1, 4096, 128, kv_heads=8, kv_dtype="float16"),
     Case(1, 1, 8, 8, 8, quick=True),
     Case(1, 8, 1024, 1024, 64, causal=False, dtype="float64"),
     Case(1, 8, 1024, 1024, 64, causal=True, dtype="float64"),
@@ -174,9 +194,19 @@ def make_inputs(case):
     rng = np.random.default_rng(0)
     dtype = np.dtype(case.dtype)
     q_shape = (case.batch, case.heads, case.n_queries, case.dim)
-    kv_shape = (case.batch, case.heads, case.n_keys, case.dim)
-    return tuple(rng.standard_normal(shape, dtype=dtype)
-                 for shape in (q_shape, kv_shape, kv_shape))
+    kv_shape = (case.batch, case.n_kv_heads, case.n_keys, case.dim)
+    q = rng.standard_normal(q_shape, dtype=dtype)
+    k, v = (rng.standard_normal(kv_shape, dtype=dtype).astype(case.kv_type)
+            for _ in range(2))
+    return q, k, v
+
+
+def full_heads(case, x):
+    """K or V with each head repeated for its query heads, in q's dtype (what
+    peers without grouped-query support or float16 need)."""
+    group = case.heads // case.n_kv_heads
+    x = x.astype(case.dtype, copy=False)
+    return np.repeat(x, group, axis=-3) if group > 1 else x
 
 
 def visible_mask(n_queries, n_keys):
@@ -201,7 +231,8 @@ def numpy_attention(q, k, v, causal, scale):
 
 
 def reference_attention(q, k, v, causal, scale):
-    """float64 ATTN, one (batch, head) slice at a time to bound memory."""
+    """float64 ATTN, one (batch, head) slice at a time to bound memory (K/V
+    with as many heads as q)."""
     q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     out = np.empty(q.shape[:-1] + v.shape[-1:], dtype=np.float64)
     for index in np.ndindex(q.shape[:-2]):
@@ -225,15 +256,19 @@ def build_implementations(case, q, k, v, threads, torch):
     """
     scale = 1.0 / math.sqrt(case.dim)
     causal = case.causal
+    gqa = case.n_kv_heads != case.heads
     impls = {
         CATTENTION: lambda: attention(q, k, v, causal=causal, scale=scale,
-                                      num_threads=threads),
+                                      enable_gqa=gqa, num_threads=threads),
     }
     if case.materialise:
         impls[CATTENTION_SCORES] = lambda: attention(
-            q, k, v, causal=causal, scale=scale, return_scores=True,
+            q, k, v, causal=causal, scale=scale, return_scores=True, enable_gqa=gqa,
             num_threads=threads)[0]
-        impls[NUMPY] = lambda: numpy_attention(q, k, v, causal, scale)[0]
+        # NumPy has no grouping or float16 arithmetic: it repeats and converts
+        # K/V inside the timed call, as a NumPy user would
+        impls[NUMPY] = lambda: numpy_attention(q, full_heads(case, k), full_heads(case, v),
+                                               causal, scale)[0]
     if torch is not None:
         impls.update(_torch_implementations(case, q, k, v, scale, torch))
     return impls
@@ -245,6 +280,10 @@ def _torch_implementations(case, q, k, v, scale, torch):
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
     T, S = case.n_queries, case.n_keys
     sdpa_kwargs = {"scale": scale}
+    if case.n_kv_heads != case.heads:
+        sdpa_kwargs["enable_gqa"] = True
+    # SDPA needs one dtype: a float16 cache is converted in the timed call
+    to_q_dtype = (lambda t: t.to(tq.dtype)) if case.kv_type != case.dtype else (lambda t: t)
     if case.causal and T == S:
         sdpa_kwargs["is_causal"] = True
     elif case.causal:  # bottom-right alignment, as cattention
@@ -254,15 +293,20 @@ def _torch_implementations(case, q, k, v, scale, torch):
 
     def sdpa():
         with torch.no_grad():
-            return F.scaled_dot_product_attention(tq, tk, tv, **sdpa_kwargs)
+            return F.scaled_dot_product_attention(tq, to_q_dtype(tk), to_q_dtype(tv),
+                                                  **sdpa_kwargs)
+
+    group = case.heads // case.n_kv_heads
 
     def explicit():
         with torch.no_grad():
-            logits = torch.matmul(tq, tk.transpose(-1, -2)) * scale
+            k_full = to_q_dtype(tk).repeat_interleave(group, dim=-3) if group > 1 else to_q_dtype(tk)
+            v_full = to_q_dtype(tv).repeat_interleave(group, dim=-3) if group > 1 else to_q_dtype(tv)
+            logits = torch.matmul(tq, k_full.transpose(-1, -2)) * scale
             if hidden is not None:
                 logits.masked_fill_(hidden, float("-inf"))
             weights = torch.softmax(logits, dim=-1)
-            return torch.matmul(weights, tv), weights
+            return torch.matmul(weights, v_full), weights
 
     impls = {TORCH_SDPA: sdpa}
     if case.materialise:
@@ -453,9 +497,10 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
                 emit([probe])
             for case in cases:
                 if case not in references:
+                    q, k, v = make_inputs(case)
                     references[case] = (
-                        reference_attention(*make_inputs(case), case.causal,
-                                            1.0 / math.sqrt(case.dim))
+                        reference_attention(q, full_heads(case, k), full_heads(case, v),
+                                            case.causal, 1.0 / math.sqrt(case.dim))
                         if case.score_elements <= REFERENCE_LIMIT else None)
                 new = benchmark_case(case, n, rounds, torch, references[case])
                 for record in new:
