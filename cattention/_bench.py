@@ -703,6 +703,61 @@ def format_records(records):
     return "\n".join(lines)
 
 
+#: Generation loop: (heads, kv_heads, dim, tokens already cached, new tokens)
+GENERATION_SHAPE = (32, 8, 128, 1024, 256)
+
+
+def measure_generation(threads, shape=GENERATION_SHAPE, kv_dtype="float32"):
+    """Tokens per second of a decode loop: one query per step against a KV
+    cache that grows by one token per step.
+
+    cattention appends into a preallocated cache with attention_with_kvcache;
+    the NumPy baseline keeps its cache as arrays it concatenates every step
+    and repeats the K/V heads for its query heads, as plain NumPy code must.
+    """
+    from . import attention_with_kvcache
+
+    heads, kv_heads, dim, cached, steps = shape
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim)
+    rng = np.random.default_rng(1)
+    prefix = rng.standard_normal((2, 1, kv_heads, cached, dim), dtype=np.float32)
+    step_q = rng.standard_normal((steps, 1, heads, 1, dim), dtype=np.float32)
+    step_kv = rng.standard_normal((steps, 2, 1, kv_heads, 1, dim), dtype=np.float32)
+
+    k_cache = np.zeros((1, kv_heads, cached + steps, dim), dtype=kv_dtype)
+    v_cache = np.zeros_like(k_cache)
+    k_cache[:, :, :cached] = prefix[0]
+    v_cache[:, :, :cached] = prefix[1]
+    lengths = np.array([cached])
+    t0 = time.perf_counter()
+    for t in range(steps):
+        attention_with_kvcache(step_q[t], k_cache, v_cache, lengths, step_kv[t, 0],
+                               step_kv[t, 1], num_threads=threads)
+    ours = time.perf_counter() - t0
+
+    k_np, v_np = prefix[0], prefix[1]
+    t0 = time.perf_counter()
+    for t in range(steps):
+        k_np = np.concatenate([k_np, step_kv[t, 0]], axis=2)
+        v_np = np.concatenate([v_np, step_kv[t, 1]], axis=2)
+        numpy_attention(step_q[t], np.repeat(k_np, group, axis=1),
+                        np.repeat(v_np, group, axis=1), False, scale)
+    baseline = time.perf_counter() - t0
+    return {"shape": list(shape), "kv_dtype": kv_dtype, "threads": threads,
+            "cattention_tokens_per_s": steps / ours, "numpy_tokens_per_s": steps / baseline,
+            "speedup": baseline / ours}
+
+
+def format_generation(result):
+    heads, kv_heads, dim, cached, steps = result["shape"]
+    return (f"generation: {steps} tokens after {cached} cached, H={heads}, H_kv={kv_heads}, "
+            f"d={dim}, {result['kv_dtype']} cache, {result['threads']} thread(s): cattention "
+            f"{result['cattention_tokens_per_s']:.0f} tokens/s (attention_with_kvcache), NumPy "
+            f"{result['numpy_tokens_per_s']:.0f} tokens/s (concatenating its cache), "
+            f"{result['speedup']:.1f}x")
+
+
 def format_memory(memory):
     extra = memory["peak_rss_increase_mib"] - memory["output_mib"]
     return (f"memory: {memory['case']} f32, no SCORES, {memory['threads']} thread(s), in a "
@@ -821,6 +876,15 @@ def main(args):
                "or more during the timed rounds: those timings are suspect" if flagged else ""),
             width=100))
 
+    generation = []
+    if not args.quick and not patterns:
+        print()
+        for n in threads:
+            with thread_limits(n, torch):
+                for kv_dtype in ("float32", "float16"):
+                    generation.append(measure_generation(n, kv_dtype=kv_dtype))
+                    print(format_generation(generation[-1]), flush=True)
+
     memory_case = Case(*MEMORY_SHAPE, causal=True)
     memory = None
     if not args.quick and not args.no_memory and memory_case.matches(patterns):
@@ -836,7 +900,8 @@ def main(args):
             json.dump({"config": config,
                        "settings": {"threads": threads, "rounds": rounds,
                                     "quick": args.quick, "cases": patterns},
-                       "records": records, "memory": memory, "elapsed_s": elapsed,
+                       "records": records, "memory": memory, "generation": generation,
+                       "elapsed_s": elapsed,
                        "background_cores": background},
                       f, indent=1)
         print(f"wrote {args.json}")

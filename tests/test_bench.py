@@ -113,3 +113,10 @@ def test_background_load_accounting():
     assert _bench.background_cores((0.0, 0.0), (5.0, 1.0), 0.1) is None  # too short
     assert _bench.background_cores((0.0, 0.0), (5.0, 1.0), 2.0) == 2.0
     assert _bench.background_cores((0.0, 0.0), (1.0, 1.5), 2.0) == 0.0  # never negative
+
+
+def test_generation_loop_record():
+    result = _bench.measure_generation(1, shape=(4, 2, 8, 16, 5), kv_dtype="float16")
+    assert result["shape"] == [4, 2, 8, 16, 5] and result["kv_dtype"] == "float16"
+    assert result["cattention_tokens_per_s"] > 0 and result["numpy_tokens_per_s"] > 0
+    assert "tokens/s" in _bench.format_generation(result)
