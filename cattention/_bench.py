@@ -73,10 +73,11 @@ DEFAULT_THREADS = (1, 2)
 #: DRAM probe: two float32 vectors of this many elements (2 x 256 MiB).
 PROBE_ELEMENTS = 64 << 20
 PROBE_ROUNDS = 5
-#: Pause after a multi-threaded NumPy (OpenBLAS) call before the next
-#: implementation runs. OpenBLAS's idle worker threads keep spinning
-#: (sched_yield) for about 2**28 cycles after a call; on a 2-core machine
-#: that slowed the implementation run next by 25-75 % (1024-token case).
+#: Pause after a multi-threaded NumPy (OpenBLAS) or PyTorch call before the
+#: next implementation runs. OpenBLAS's idle worker threads keep spinning
+#: (sched_yield) for about 2**28 cycles after a call, PyTorch's OpenMP
+#: workers similarly; on a 2-core machine that slowed the implementation run
+#: next by 25-75 % (1024-token case) and a tiny call tenfold.
 BLAS_SETTLE_SECONDS = 0.2
 #: Memory probe shape (B, H, T, S, d), causal, without SCORES.
 MEMORY_SHAPE = (1, 1, 32768, 32768, 64)
@@ -430,7 +431,10 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
     """
     q, k, v = make_inputs(case)
     impls = build_implementations(case, q, k, v, threads, torch)
-    settle = {NUMPY: BLAS_SETTLE_SECONDS} if threads > 1 and NUMPY in impls else {}
+    # with several threads, pause after the peers whose idle workers spin
+    # (OpenBLAS, PyTorch's OpenMP) so they do not slow whatever runs next
+    settle = ({name: BLAS_SETTLE_SECONDS for name in (NUMPY, TORCH_SDPA, TORCH_EXPLICIT)
+               if name in impls} if threads > 1 else {})
     errors = {}
     for name, fn in impls.items():  # warm-up, and the output for the error
         out = _as_numpy(fn())
