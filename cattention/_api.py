@@ -132,7 +132,24 @@ def _resolve_scale(scale, d_k):
     return value
 
 
-def _group_query_heads(q, k, v, mask, kv_lengths):
+def _split_head_axis(arr, n_heads, n_kv_heads, what, q_batch):
+    """An array broadcast against q's leading dimensions (heads last), with
+    its head axis split to (H_kv, G) or, if 1, widened to (1, 1)."""
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.ndim == 0:
+        return arr
+    if arr.shape[-1] == n_heads and n_heads != 1:
+        return arr.reshape(arr.shape[:-1] + (n_kv_heads, n_heads // n_kv_heads))
+    if arr.shape[-1] == 1:
+        return arr[..., None]
+    raise ValueError(
+        f"{what} of shape {arr.shape} does not broadcast to the batch dimensions "
+        f"{q_batch} of q")
+
+
+def _group_query_heads(q, k, v, mask, kv_lengths, alibi_slopes=None):
     """Views for grouped-query attention: q (..., H, T, d) becomes
     (..., H_kv, G, T, d) and k, v (..., H_kv, S, d) become (..., H_kv, 1, S, d),
     so ordinary batch broadcasting pairs query head h with key/value head
@@ -168,19 +185,66 @@ def _group_query_heads(q, k, v, mask, kv_lengths):
                     f"mask of shape {mask.shape} does not broadcast to the {n_heads} "
                     f"query heads of q (shape {q.shape[:-4] + (n_heads,) + q.shape[-2:]})")
             mask = mask[..., None, :, :]
-    if kv_lengths is not None:
-        # broadcast against q's leading dimensions: its last axis is the heads'
-        kv_lengths = np.asarray(kv_lengths)
-        if kv_lengths.ndim >= 1:
-            if kv_lengths.shape[-1] == n_heads and n_heads != 1:
-                kv_lengths = kv_lengths.reshape(kv_lengths.shape[:-1] + (n_kv_heads, group))
-            elif kv_lengths.shape[-1] == 1:
-                kv_lengths = kv_lengths[..., None]
-            else:
-                raise ValueError(
-                    f"kv_lengths of shape {kv_lengths.shape} does not broadcast to the "
-                    f"batch dimensions {q.shape[:-4] + (n_heads,)} of q")
-    return q, k, v, mask, kv_lengths, n_heads
+    q_batch = q.shape[:-4] + (n_heads,)
+    kv_lengths = _split_head_axis(kv_lengths, n_heads, n_kv_heads, "kv_lengths", q_batch)
+    alibi_slopes = _split_head_axis(alibi_slopes, n_heads, n_kv_heads, "alibi_slopes",
+                                    q_batch)
+    return q, k, v, mask, kv_lengths, alibi_slopes, n_heads
+
+
+def _check_window(window, causal):
+    """(left, right) as ints, -1 for an unbounded side; causal forces right 0."""
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be None or a (left, right) pair, got {window!r}") from None
+    bounds = []
+    for name, side in (("left", left), ("right", right)):
+        if side is None:
+            bounds.append(-1)
+            continue
+        if isinstance(side, (bool, np.bool_)):
+            raise TypeError(f"window {name} must be an integer or None, got {side!r}")
+        try:
+            value = operator.index(side)
+        except TypeError:
+            raise TypeError(f"window {name} must be an integer or None, got {side!r}") from None
+        if value < 0:
+            raise ValueError(f"window {name} must be >= 0 (or None), got {value}")
+        bounds.append(value)
+    if causal:
+        bounds[1] = 0
+    return bounds[0], bounds[1]
+
+
+def _check_softcap(softcap):
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be None or a positive number, got {softcap!r}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softcap must be a positive finite number, got {value}")
+    return value
+
+
+def _prepare_alibi(alibi_slopes, batch_shape):
+    """One float64 slope per batch entry, C-contiguous."""
+    arr = np.asarray(alibi_slopes)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"alibi_slopes must be real numbers, got dtype {arr.dtype}")
+    try:
+        full = np.broadcast_to(arr, batch_shape)
+    except ValueError:
+        raise ValueError(
+            f"alibi_slopes of shape {arr.shape} does not broadcast to the batch "
+            f"shape {batch_shape} (expected (H,) or (B, H))") from None
+    full = np.ascontiguousarray(full, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(full)):
+        raise ValueError("alibi_slopes must be finite")
+    return full
 
 
 def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
@@ -202,18 +266,20 @@ def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
 
 
 def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
-         want_lse=False, enable_gqa=False, kv_lengths=None, query_period=0):
+         want_lse=False, enable_gqa=False, kv_lengths=None, query_period=0,
+         window=None, softcap=None, alibi_slopes=None):
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
         v = _as_input(v, "v")
     if enable_gqa:
-        q, k, v, mask, kv_lengths, n_heads = _group_query_heads(q, k, v, mask, kv_lengths)
+        q, k, v, mask, kv_lengths, alibi_slopes, n_heads = _group_query_heads(
+            q, k, v, mask, kv_lengths, alibi_slopes)
         group, n_queries = q.shape[-3], q.shape[-2]
         lengths_per_kv_head = kv_lengths is None or np.ndim(kv_lengths) == 0 or (
             np.shape(kv_lengths)[-1] == 1)
         if (group > 1 and group * n_queries <= _attention.DIRECT_QUERY_ROWS
-                and mask is None and lengths_per_kv_head):
+                and mask is None and alibi_slopes is None and lengths_per_kv_head):
             # decode: the group's query rows are stacked as rows of one K/V
             # head, so its keys and values are read (and converted) once
             q = q.reshape(q.shape[:-3] + (group * n_queries, q.shape[-1]))
@@ -223,7 +289,8 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
                 kv_lengths = np.asarray(kv_lengths)[..., 0]
             out, scores, lse = _run(q, k, v, causal, None, scale, want_out, want_scores,
                                     num_threads, want_lse, kv_lengths=kv_lengths,
-                                    query_period=n_queries)
+                                    query_period=n_queries, window=window,
+                                    softcap=softcap)
 
             def split_rows(arr, trailing):
                 # (..., H_kv, G * T, *rest) -> (..., H, T, *rest), a view
@@ -235,7 +302,8 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
 
             return split_rows(out, 1), split_rows(scores, 1), split_rows(lse, 0)
         out, scores, lse = _run(q, k, v, causal, mask, scale, want_out, want_scores,
-                                num_threads, want_lse, kv_lengths=kv_lengths)
+                                num_threads, want_lse, kv_lengths=kv_lengths,
+                                window=window, softcap=softcap, alibi_slopes=alibi_slopes)
 
         def merge_heads(arr, trailing):
             # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
@@ -278,6 +346,10 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
     if kv_lengths is not None:
         kv_lengths = _prepare_kv_lengths(kv_lengths, batch_shape, n_keys)
+    window_left, window_right = _check_window(window, causal)
+    softcap = _check_softcap(softcap)
+    if alibi_slopes is not None:
+        alibi_slopes = _prepare_alibi(alibi_slopes, batch_shape)
 
     # float16 K and V (a halved KV cache) are read as they are and converted
     # block by block in the kernels, never copied to float32 whole
@@ -297,7 +369,7 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
     if n_queries > 0 and math.prod(batch_shape) > 0:
         _attention.attention_into(
             q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse,
-            kv_lengths, query_period)
+            kv_lengths, query_period, window_left, window_right, softcap, alibi_slopes)
     if result != compute:
         # float16 in: outputs back to float16, the log-sum-exp stays float32
         out = out.astype(result) if out is not None else None
@@ -307,7 +379,8 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
 
 def attention(q, k, v, *, causal=False, mask=None, scale=None,
               return_scores=False, return_lse=False, enable_gqa=False,
-              kv_lengths=None, num_threads=None):
+              kv_lengths=None, window=None, softcap=None, alibi_slopes=None,
+              num_threads=None):
     """Scaled dot-product attention.
 
     Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
@@ -354,6 +427,17 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         padding, as in a batched KV cache); the others take no part. With
         ``causal=True`` the alignment uses the valid length: key j is visible
         to query i iff ``j <= i + (kv_lengths[b] - T)``. Values in [0, S].
+    window : (int or None, int or None), optional
+        Sliding-window (local) attention: key j is visible to query i iff
+        ``i + off - left <= j <= i + off + right`` with ``off = S - T`` (or
+        ``kv_lengths[b] - T``); None on a side means unbounded. ``causal``
+        implies ``right = 0``. Cost scales with the window, not with S.
+    softcap : float, optional
+        Logits become ``softcap * tanh(logits / softcap)`` after scaling and
+        before ALiBi and the mask.
+    alibi_slopes : array_like, shape (H,) or (B, H), optional
+        Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
+        convention), the slope of each query head.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()``.
 
@@ -405,7 +489,8 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    if mask is None and not return_lse and not enable_gqa and kv_lengths is None:
+    if (mask is None and not return_lse and not enable_gqa and kv_lengths is None
+            and window is None and softcap is None and alibi_slopes is None):
         result = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
         if result is not None:
@@ -413,13 +498,15 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
-                            num_threads, bool(return_lse), bool(enable_gqa), kv_lengths)
+                            num_threads, bool(return_lse), bool(enable_gqa), kv_lengths,
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     return result if len(result) > 1 else out
 
 
 def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=False,
-                     kv_lengths=None, num_threads=None):
+                     kv_lengths=None, window=None, softcap=None, alibi_slopes=None,
+                     num_threads=None):
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
     Same conventions as :func:`attention` (causal alignment, mask meaning,
@@ -429,7 +516,7 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=Fa
     ----------
     q : array_like, shape (..., T, d_k)
     k : array_like, shape (..., S, d_k)
-    causal, mask, scale, enable_gqa, kv_lengths, num_threads
+    causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, num_threads
         As in :func:`attention`.
 
     Returns
@@ -447,7 +534,8 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=Fa
            [0.5, 0.5]])
     """
     _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads,
-                        enable_gqa=bool(enable_gqa), kv_lengths=kv_lengths)
+                        enable_gqa=bool(enable_gqa), kv_lengths=kv_lengths,
+                        window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     return scores
 
 

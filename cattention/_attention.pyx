@@ -24,7 +24,7 @@ from cython cimport floating
 from cython.parallel cimport parallel, prange
 from libc.math cimport INFINITY, exp, isfinite, log, sqrt
 from libc.stdint cimport uint8_t, uint16_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, labs, malloc
 from libc.string cimport memset
 
 cnp.import_array()
@@ -80,6 +80,8 @@ cdef extern from "kernels.h" nogil:
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
     float ca_half_to_float(uint16_t h)
+    void ca_softcap_f32(float *x, Py_ssize_t n, float cap)
+    void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)
@@ -151,6 +153,11 @@ cdef struct Problem:
     const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
     Py_ssize_t query_period      # query rows are positions 0..period-1 repeated
                                  # (grouped-query heads stacked as rows); = T
+    Py_ssize_t window_left       # sliding window: keys at most this far before
+    Py_ssize_t window_right      # / after the query's position; -1: unbounded
+    double softcap               # logits -> softcap * tanh(logits / softcap); 0: off
+    const double *alibi_slope    # per batch entry: -slope * |position - j| added
+                                 # to the logits, or NULL
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
     # K^T and V are packed once per distinct K/V batch entry, shared by every
     # query block that reads them (a K/V broadcast over heads is packed once)
@@ -402,20 +409,26 @@ cdef void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
     """Keys each query row of batch entry b may see before the explicit mask:
     [row_lo, row_hi). Only the first kv_length[b] keys exist when lengths are
     given (right padding, as in a batched KV cache)."""
-    cdef Py_ssize_t i, hi
+    cdef Py_ssize_t i, lo, hi, position
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
-    # causal alignment is bottom-right: the queries are the last T positions
-    # of the valid keys
+    # alignment is bottom-right: the queries are the last T positions of the
+    # valid keys, so query row r sits at key position r + (n_valid - T)
     cdef Py_ssize_t offset = n_valid - pb.query_period
     for i in range(n_rows):
+        position = (row0 + i) % pb.query_period + offset
+        lo = 0
         hi = n_valid
-        if pb.causal:
-            hi = (row0 + i) % pb.query_period + offset + 1
-            if hi > n_valid:
-                hi = n_valid
-            if hi < 0:
-                hi = 0
-        row_lo[i] = 0
+        if pb.causal and position + 1 < hi:
+            hi = position + 1
+        if pb.window_right >= 0 and position + pb.window_right + 1 < hi:
+            hi = position + pb.window_right + 1
+        if pb.window_left >= 0 and position - pb.window_left > lo:
+            lo = position - pb.window_left
+        if hi < 0:
+            hi = 0
+        if lo > hi:
+            lo = hi
+        row_lo[i] = lo
         row_hi[i] = hi
 
 
@@ -423,11 +436,15 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                       Py_ssize_t n_rows, Py_ssize_t key0, Py_ssize_t n_keys,
                       const intp_t *row_lo, const intp_t *row_hi,
                       floating *s, Py_ssize_t lds) noexcept nogil:
-    """Set invisible logits to -inf and add an additive mask, in place.
+    """Turn scaled logits into final ones, in place: softcap, then ALiBi, then
+    the mask; invisible logits become -inf.
 
     Masked logits are overwritten, never added to, so a NaN or Inf computed
-    from a masked-out key cannot survive."""
-    cdef Py_ssize_t i, j, lo, hi
+    from a masked-out key cannot survive. The softcap comes before the mask
+    (the order ONNX settled on: capping after an additive mask would lift
+    masked logits back towards the others)."""
+    cdef Py_ssize_t i, j, lo, hi, position
+    cdef double slope
     cdef floating *s_row
     cdef const uint8_t *mask_bool
     cdef const float *mask_f32
@@ -436,10 +453,14 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
     cdef double bias
     for i in range(n_rows):
         s_row = s + i * lds
+        # the row's visible keys within this block, clipped to it (a window
+        # can start past the block's end)
         lo = row_lo[i] - key0
         hi = row_hi[i] - key0
         if lo < 0:
             lo = 0
+        if lo > n_keys:
+            lo = n_keys
         if hi > n_keys:
             hi = n_keys
         if hi < lo:
@@ -448,7 +469,17 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
             s_row[j] = -INFINITY
         for j in range(hi, n_keys):
             s_row[j] = -INFINITY
-        if pb.mask_kind == MASK_NONE or hi == lo:
+        if hi == lo:
+            continue
+        if pb.softcap > 0:
+            kernel_softcap(s_row + lo, hi - lo, pb.softcap)
+        if pb.alibi_slope != NULL:
+            slope = pb.alibi_slope[b]
+            position = (row0 + i) % pb.query_period + (
+                (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys) - pb.query_period)
+            for j in range(lo, hi):
+                s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
+        if pb.mask_kind == MASK_NONE:
             continue
         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
         if pb.mask_kind == MASK_BOOL:
@@ -472,6 +503,13 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                     s_row[j] = -INFINITY
                 else:
                     s_row[j] = s_row[j] + <floating>bias
+
+
+cdef inline void kernel_softcap(floating *x, Py_ssize_t n, double cap) noexcept nogil:
+    if floating is float:
+        ca_softcap_f32(x, n, <float>cap)
+    else:
+        ca_softcap_f64(x, n, cap)
 
 
 cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,
@@ -1299,7 +1337,9 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
                    cnp.ndarray out, cnp.ndarray scores, int num_threads,
                    cnp.ndarray lse=None, cnp.ndarray kv_lengths=None,
-                   Py_ssize_t query_period=0):
+                   Py_ssize_t query_period=0, Py_ssize_t window_left=-1,
+                   Py_ssize_t window_right=-1, double softcap=0,
+                   cnp.ndarray alibi_slopes=None):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
@@ -1313,7 +1353,10 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     log-sum-exp. ``kv_lengths``, if given, is a C-contiguous intp array of
     n_batch valid key counts in [0, S]. ``query_period`` > 0 says the T rows
     of q are ``T // query_period`` stacked groups of query_period positions
-    (grouped-query heads), for causal alignment."""
+    (grouped-query heads), for causal alignment. ``window_left`` /
+    ``window_right`` bound a sliding window (-1: unbounded), ``softcap`` > 0
+    caps logits, ``alibi_slopes`` is a C-contiguous float64 array of n_batch
+    slopes."""
     cdef Problem pb
     cdef cnp.ndarray q_off = batch_offsets(q, batch_shape)
     cdef cnp.ndarray kv_of_batch, kv_source
@@ -1332,6 +1375,11 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.scale = scale
     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
     pb.query_period = query_period if query_period > 0 else pb.n_queries
+    pb.window_left = window_left
+    pb.window_right = window_right
+    pb.softcap = softcap
+    pb.alibi_slope = (<const double *>cnp.PyArray_DATA(alibi_slopes)
+                      if alibi_slopes is not None else NULL)
     pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
                     if kv_lengths is not None else NULL)
     # float16 K and V (with float32 q): read and converted block by block
@@ -1475,6 +1523,10 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         pb.kv_length = NULL
         pb.kv_half = False
         pb.query_period = n_queries
+        pb.window_left = -1
+        pb.window_right = -1
+        pb.softcap = 0
+        pb.alibi_slope = NULL
         fill_operand_at(&pb.q, qa, offsets)
         fill_operand_at(&pb.k, ka, offsets + n_batch)
         fill_operand_at(&pb.v, va, offsets + 2 * n_batch)

@@ -123,6 +123,10 @@ int ca_available_kernels(const char **names, int capacity);
 /* Compiler that built the extension, e.g. "GCC 12.2.0". */
 const char *ca_compiler_version(void);
 
+/* x[j] = cap * tanh(x[j] / cap) in place (logit soft-capping). */
+void ca_softcap_f32(float *x, ptrdiff_t n, float cap);
+void ca_softcap_f64(double *x, ptrdiff_t n, double cap);
+
 /* IEEE binary16 to binary32, exact (subnormals, infinities and NaN kept). */
 float ca_half_to_float(uint16_t h);
 

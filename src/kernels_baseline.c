@@ -125,6 +125,18 @@ static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     
         }                                                                       \
 }
 
+void ca_softcap_f32(float *x, ptrdiff_t n, float cap)
+{
+    for (ptrdiff_t j = 0; j < n; ++j)
+        x[j] = cap * tanhf(x[j] / cap);
+}
+
+void ca_softcap_f64(double *x, ptrdiff_t n, double cap)
+{
+    for (ptrdiff_t j = 0; j < n; ++j)
+        x[j] = cap * tanh(x[j] / cap);
+}
+
 float ca_half_to_float(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

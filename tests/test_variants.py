@@ -295,3 +295,154 @@ def test_kvcache_with_float16_caches():
         v32 = v_cache[b, :, :n].astype(np.float32)
         assert_matches_reference(out[b], None, q[b], repeat_kv(k32, 2), repeat_kv(v32, 2),
                                  causal=True)
+
+
+# ---- sliding windows, softcap, ALiBi -------------------------------------------
+
+def dense_reference(q, k, v, causal=False, window=None, softcap=None, alibi=None,
+                    kv_lengths=None, mask=None):
+    """float64 (ATTN, SCORES, LSE) from an explicit dense bias and visibility
+    matrix: logits = scale * q.k, softcap, + ALiBi, + additive mask; visible
+    keys by causal / window / kv_lengths / bool mask (q, k, v: (B, H, T|S, d))."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    B, H, T, d = q.shape
+    S = k.shape[-2]
+    logits = q @ np.swapaxes(k, -1, -2) / np.sqrt(d)
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+    lengths = np.broadcast_to(S if kv_lengths is None else np.asarray(kv_lengths), (B, H))
+    i = np.arange(T)[:, None]
+    j = np.arange(S)[None, :]
+    visible = np.zeros((B, H, T, S), dtype=bool)
+    bias = np.zeros((B, H, T, S))
+    for b in range(B):
+        for h in range(H):
+            n = lengths[b, h]
+            pos = i + n - T
+            vis = np.broadcast_to(j < n, (T, S)).copy()
+            if causal:
+                vis &= j <= pos
+            if window is not None:
+                left, right = window
+                if left is not None:
+                    vis &= j >= pos - left
+                if right is not None:
+                    vis &= j <= pos + right
+            visible[b, h] = vis
+            if alibi is not None:
+                slope = np.broadcast_to(np.asarray(alibi, dtype=np.float64), (B, H))[b, h]
+                bias[b, h] = -slope * np.abs(pos - j)
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype == np.bool_:
+            visible &= mask
+        else:
+            visible &= mask != -np.inf
+            bias = bias + np.where(mask == -np.inf, 0.0, mask)
+    logits = np.where(visible, logits + bias, -np.inf)
+    top = logits.max(axis=-1, keepdims=True, initial=-np.inf)
+    shift = np.where(np.isneginf(top), 0.0, top)
+    e = np.exp(logits - shift)
+    total = e.sum(axis=-1, keepdims=True)
+    scores = np.where(total > 0, e / np.where(total > 0, total, 1), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = (shift + np.log(total))[..., 0]
+    return scores @ v, scores, lse
+
+
+def assert_close_to_dense(result, ref, dtype):
+    """float32 within the 1e-5 ceiling of unit-scale data, float64 1e-12."""
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for got, want in zip(result, ref):
+        got = np.asarray(got, dtype=np.float64)
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        finite = np.isfinite(want)
+        assert np.max(np.abs(got[finite] - want[finite]), initial=0) <= tol
+
+
+OPTION_CASES = {
+    "window": dict(window=(7, 3)),
+    "window-left-only": dict(window=(20, None)),
+    "window-right-only": dict(window=(None, 0)),
+    "softcap": dict(softcap=2.5),
+    "alibi-H": dict(alibi=np.array([0.5, 0.25, 0.125, 0.0625])),
+    "alibi-BH": dict(alibi=np.linspace(0.01, 0.4, 8).reshape(2, 4)),
+    "combined": dict(window=(37, 5), softcap=1.5, alibi=np.array([0.1, 0.2, 0.3, 0.4]),
+                     kv_lengths=np.array([[300], [123]])),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTION_CASES))
+@pytest.mark.parametrize("T,S", [(1, 300), (6, 300), (97, 300), (300, 97), (260, 300)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_options_against_dense_reference(dtype, option, T, S, causal):
+    kwargs = dict(OPTION_CASES[option])
+    if "kv_lengths" in kwargs and S < 300:
+        kwargs["kv_lengths"] = np.minimum(kwargs["kv_lengths"], S)
+    q, k, v = make_qkv(90, (2, 4, T, 16), (2, 4, S, 16), (2, 4, S, 5), dtype)
+    ref = dense_reference(q, k, v, causal=causal, window=kwargs.get("window"),
+                          softcap=kwargs.get("softcap"), alibi=kwargs.get("alibi"),
+                          kv_lengths=kwargs.get("kv_lengths"))
+    api = dict(window=kwargs.get("window"), softcap=kwargs.get("softcap"),
+               alibi_slopes=kwargs.get("alibi"), kv_lengths=kwargs.get("kv_lengths"))
+    with_scores = ca.attention(q, k, v, causal=causal, return_scores=True, return_lse=True,
+                               **api)
+    assert_close_to_dense(with_scores, ref, dtype)
+    # the path without SCORES has the same semantics
+    attn, lse = ca.attention(q, k, v, causal=causal, return_lse=True, **api)
+    assert_close_to_dense((attn, lse), (ref[0], ref[2]), dtype)
+    assert_bitwise_equal(ca.attention_scores(q, k, causal=causal, **api), with_scores[1])
+
+
+def test_combined_options_with_gqa_and_mask(dtype):
+    q, k, v = make_qkv(91, (2, 4, 33, 16), (2, 2, 70, 16), (2, 2, 70, 5), dtype)
+    rng = np.random.default_rng(1)
+    mask = rng.random((2, 4, 33, 70)) > 0.2
+    kwargs = dict(window=(25, None), softcap=3.0, alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05]),
+                  kv_lengths=np.array([[70], [41]]))
+    got = ca.attention(q, k, v, causal=True, mask=mask, enable_gqa=True, return_scores=True,
+                       return_lse=True, **kwargs)
+    ref = dense_reference(q, repeat_kv(k, 2), repeat_kv(v, 2), causal=True,
+                          window=kwargs["window"], softcap=3.0, alibi=kwargs["alibi_slopes"],
+                          kv_lengths=kwargs["kv_lengths"], mask=mask)
+    assert_close_to_dense(got, ref, dtype)
+
+
+def test_softcap_applies_before_the_additive_mask():
+    q, k, v = make_qkv(92, (1, 1, 3, 8), (1, 1, 6, 8), (1, 1, 6, 4), np.float64)
+    bias = np.array([0.0, -1.0, 2.0, -np.inf, 0.5, -3.0])
+    got = ca.attention(q, k, v, mask=bias, softcap=0.7, return_scores=True)
+    ref = dense_reference(q, k, v, softcap=0.7, mask=bias)
+    assert_close_to_dense(got, ref[:2], np.float64)
+
+
+def test_window_skips_invisible_key_blocks():
+    """NaN in keys and values outside every query's window has no effect."""
+    q, k, v = make_qkv(93, (1, 1, 600, 8), (1, 1, 3000, 8), (1, 1, 3000, 4), np.float32)
+    k_dirty, v_dirty = k.copy(), v.copy()
+    k_dirty[..., :2000, :] = np.nan      # the window reaches back 300 keys only
+    v_dirty[..., :2000, :] = np.nan
+    got = ca.attention(q, k_dirty, v_dirty, causal=True, window=(300, None))
+    assert_bitwise_equal(got, ca.attention(q, k, v, causal=True, window=(300, None)))
+
+
+def test_option_errors():
+    q, k, v = np.ones((2, 4, 3, 8)), np.ones((2, 4, 5, 8)), np.ones((2, 4, 5, 2))
+    with pytest.raises(TypeError, match="window"):
+        ca.attention(q, k, v, window=3)
+    with pytest.raises(ValueError, match="window left must be >= 0"):
+        ca.attention(q, k, v, window=(-1, 2))
+    with pytest.raises(TypeError, match="window right must be an integer"):
+        ca.attention(q, k, v, window=(1, 2.5))
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        ca.attention(q, k, v, softcap=0)
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        ca.attention(q, k, v, softcap=float("inf"))
+    with pytest.raises(TypeError, match="softcap"):
+        ca.attention(q, k, v, softcap="1")
+    with pytest.raises(ValueError, match=r"alibi_slopes of shape \(3,\).*\(2, 4\)"):
+        ca.attention(q, k, v, alibi_slopes=np.ones(3))
+    with pytest.raises(ValueError, match="finite"):
+        ca.attention(q, k, v, alibi_slopes=np.full(4, np.nan))
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        ca.attention(q, k, v, alibi_slopes=np.ones(4, dtype=complex))
