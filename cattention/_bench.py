@@ -111,6 +111,7 @@ class Case:
     quick: bool = False  # part of the --quick subset
     kv_heads: int = 0    # 0: as many as query heads
     kv_dtype: str = ""   # "": as q
+    window: int = 0      # > 0: causal sliding window of this many earlier keys
 
     @property
     def n_kv_heads(self):
@@ -128,6 +129,8 @@ class Case:
             name += f" gqa{self.heads}/{self.n_kv_heads}"
         if self.kv_type != self.dtype:
             name += f" kv-{np.dtype(self.kv_type).name}"
+        if self.window:
+            name += f" window{self.window}"
         return name
 
     @property
@@ -146,6 +149,8 @@ class Case:
     @property
     def visible_fraction(self):
         """Share of (query, key) pairs computed: 1/2 for causal with T == S."""
+        if self.window:
+            return float(visible_mask(self.n_queries, self.n_keys, self.window).mean())
         if not self.causal:
             return 1.0
         if self.n_queries == self.n_keys:
@@ -185,6 +190,7 @@ DEFAULT_CASES = (
     Case(1, 32, 1, 4096, 128, kv_heads=8),
     Case(1, 32, 1, 4096, 128, kv_heads=8, kv_dtype="float16"),
     Case(1, 1, 8, 8, 8, quick=True),
+    Case(1, 2, 8192, 8192, 64, causal=True, window=1024),
     Case(1, 8, 1024, 1024, 64, causal=False, dtype="float64"),
     Case(1, 8, 1024, 1024, 64, causal=True, dtype="float64"),
 )
@@ -210,9 +216,13 @@ def full_heads(case, x):
     return np.repeat(x, group, axis=-3) if group > 1 else x
 
 
-def visible_mask(n_queries, n_keys):
-    """Bool (T, S): query i sees key j iff j <= i + S - T (bottom-right)."""
-    return np.tri(n_queries, n_keys, n_keys - n_queries, dtype=bool)
+def visible_mask(n_queries, n_keys, window=0):
+    """Bool (T, S): query i sees key j iff j <= i + S - T (bottom-right) and,
+    with a window, j >= i + S - T - window."""
+    visible = np.tri(n_queries, n_keys, n_keys - n_queries, dtype=bool)
+    if window:
+        visible &= ~np.tri(n_queries, n_keys, n_keys - n_queries - window - 1, dtype=bool)
+    return visible
 
 
 # ---------------------------------------------------------------------------
@@ -258,9 +268,10 @@ def build_implementations(case, q, k, v, threads, torch):
     scale = 1.0 / math.sqrt(case.dim)
     causal = case.causal
     gqa = case.n_kv_heads != case.heads
+    window = (case.window, 0) if case.window else None
     impls = {
         CATTENTION: lambda: attention(q, k, v, causal=causal, scale=scale,
-                                      enable_gqa=gqa, num_threads=threads),
+                                      enable_gqa=gqa, window=window, num_threads=threads),
     }
     if case.materialise:
         impls[CATTENTION_SCORES] = lambda: attention(
@@ -285,12 +296,14 @@ def _torch_implementations(case, q, k, v, scale, torch):
         sdpa_kwargs["enable_gqa"] = True
     # SDPA needs one dtype: a float16 cache is converted in the timed call
     to_q_dtype = (lambda t: t.to(tq.dtype)) if case.kv_type != case.dtype else (lambda t: t)
-    if case.causal and T == S:
+    if case.window:  # PyTorch has no windows: the mask is materialised
+        sdpa_kwargs["attn_mask"] = torch.from_numpy(visible_mask(T, S, case.window))
+    elif case.causal and T == S:
         sdpa_kwargs["is_causal"] = True
     elif case.causal:  # bottom-right alignment, as cattention
         from torch.nn.attention.bias import causal_lower_right
         sdpa_kwargs["attn_mask"] = causal_lower_right(T, S)
-    hidden = torch.from_numpy(~visible_mask(T, S)) if case.causal else None
+    hidden = torch.from_numpy(~visible_mask(T, S, case.window)) if case.causal else None
 
     def sdpa():
         with torch.no_grad():
@@ -505,7 +518,8 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
                     references[case] = (
                         reference_attention(q, full_heads(case, k), full_heads(case, v),
                                             case.causal, 1.0 / math.sqrt(case.dim))
-                        if case.score_elements <= REFERENCE_LIMIT else None)
+                        if case.score_elements <= REFERENCE_LIMIT and not case.window
+                        else None)
                 new = benchmark_case(case, n, rounds, torch, references[case])
                 for record in new:
                     if record["gbps"] is not None and probe is not None:
