@@ -5,7 +5,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: install build run test bench bench-deps bench-quick clean distclean
+.PHONY: install build run test bench bench-deps bench-quick asan reliability clean distclean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,23 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(VPY) -m cattention bench --quick
+
+# The test suite under AddressSanitizer and UndefinedBehaviorSanitizer: the
+# extension is rebuilt instrumented (any report aborts the run), then rebuilt
+# normally. Python itself is not instrumented, hence LD_PRELOAD and no leak
+# check (CPython keeps memory until exit by design).
+asan: $(STAMP)
+	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	$(VPY) -m pytest -q -p no:cacheprovider tests; status=$$?; \
+	$(VPY) setup.py -q build_ext --inplace --force; exit $$status
+
+# Long profiles: thousands of property examples and the slow stress cases.
+reliability: install
+	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) -m pytest -q -p no:cacheprovider \
+		-m "slow or not slow" tests/test_properties.py tests/test_stress.py
 
 clean:
 	rm -rf build dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \

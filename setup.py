@@ -85,9 +85,11 @@ extra_compile_args = ["-O3", "-fno-math-errno", "-Wno-unused-function"]
 if sysconfig.get_platform().startswith("win"):
     extra_compile_args = ["/O2"]
 
-if os.environ.get("CATTENTION_SANITIZE") == "1":
+# `make asan`: AddressSanitizer + UndefinedBehaviorSanitizer, every report fatal
+SANITIZE = os.environ.get("CATTENTION_SANITIZE") == "1"
+if SANITIZE:
     extra_compile_args += ["-O1", "-g", "-fno-omit-frame-pointer",
-                           "-fsanitize=address,undefined"]
+                           "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 extensions = [
     Extension(
@@ -102,8 +104,7 @@ extensions = [
         include_dirs=["src", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
-        extra_link_args=["-fsanitize=address,undefined"]
-        if os.environ.get("CATTENTION_SANITIZE") == "1" else [],
+        extra_link_args=["-fsanitize=address,undefined"] if SANITIZE else [],
     )
 ]
 

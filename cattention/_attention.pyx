@@ -80,6 +80,8 @@ cdef extern from "kernels.h" nogil:
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
     float ca_half_to_float(uint16_t h)
+    void ca_note_parallel_region()
+    int ca_forked_after_parallel()
     void ca_softcap_f32(float *x, Py_ssize_t n, float cap)
     void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
     const ca_kernels *ca_default_kernels()
@@ -1034,6 +1036,9 @@ cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
     """Returns 0, or -1 if memory ran out."""
     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
                          * (pb.d_k + pb.d_v + 1))
+    if ca_forked_after_parallel():
+        # GNU OpenMP would wait forever for the parent's threads (see kernels.h)
+        n_threads = 1
     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
         if n_threads < 1:
@@ -1090,6 +1095,7 @@ cdef int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
             for b in range(pb.n_batch):
                 merge_splits(pb, b, partial, out)
     else:
+        ca_note_parallel_region()
         with parallel(num_threads=n_workers):
             ws = workspace_new(pb, sizeof(floating))
             if ws == NULL:
@@ -1144,6 +1150,7 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
                 run_item(pb, kern, ws, item, n_blocks, out, scores)
             workspace_delete(ws)
     else:
+        ca_note_parallel_region()
         with parallel(num_threads=n_workers):
             # assigned inside the parallel block, so private to each thread
             ws = workspace_new(pb, itemsize)

@@ -79,6 +79,10 @@ PROBE_ROUNDS = 5
 #: workers similarly; on a 2-core machine that slowed the implementation run
 #: next by 25-75 % (1024-token case) and a tiny call tenfold.
 BLAS_SETTLE_SECONDS = 0.2
+#: Cases with at most this many score elements (B*H*T*S) are timed in runs
+#: of TINY_REPEATS calls.
+TINY_ELEMENTS = 4096
+TINY_REPEATS = 200
 #: Memory probe shape (B, H, T, S, d), causal, without SCORES.
 MEMORY_SHAPE = (1, 1, 32768, 32768, 64)
 
@@ -336,8 +340,22 @@ RETURNS_WEIGHTS = (CATTENTION_SCORES, NUMPY, TORCH_EXPLICIT)
 # Measurement
 # ---------------------------------------------------------------------------
 
-def time_round_robin(impls, rounds, settle=None):
-    """{name: [seconds]}: in every round each implementation runs once.
+#: After a settle pause the core has idled: spin this long before the next
+#: timed call so that it does not pay for waking up (tens of microseconds,
+#: the whole of a tiny call).
+WAKE_SECONDS = 0.005
+
+
+def _busy_wait(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def time_round_robin(impls, rounds, settle=None, repeats=1):
+    """{name: [seconds]}: in every round each implementation runs once
+    (``repeats`` calls back to back, timed together, for calls too short to
+    time one by one).
 
     The starting implementation rotates from round to round. Freeing a
     result is not timed. ``settle`` maps names to an untimed pause after
@@ -350,11 +368,13 @@ def time_round_robin(impls, rounds, settle=None):
         start = r % len(names)
         for name in names[start:] + names[:start]:
             t0 = time.perf_counter()
-            result = impls[name]()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(repeats):
+                result = impls[name]()
+            times[name].append((time.perf_counter() - t0) / repeats)
             del result
             if name in settle:
                 time.sleep(settle[name])
+                _busy_wait(WAKE_SECONDS)
     return times
 
 
@@ -456,7 +476,10 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
         del out
     time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)  # after NumPy and the reference
     counters, t0 = _cpu_counters(), time.perf_counter()
-    times = time_round_robin(impls, rounds, settle)
+    # microsecond calls are timed in runs: one call alone measures the timer
+    # and whatever the previous implementation left in the caches
+    repeats = TINY_REPEATS if case.score_elements <= TINY_ELEMENTS else 1
+    times = time_round_robin(impls, rounds, settle, repeats)
     background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     records = []

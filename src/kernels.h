@@ -123,6 +123,14 @@ int ca_available_kernels(const char **names, int capacity);
 /* Compiler that built the extension, e.g. "GCC 12.2.0". */
 const char *ca_compiler_version(void);
 
+/* Fork safety. GNU OpenMP cannot start a parallel region in a child forked
+   after the parent ran one (the child inherits a thread pool whose threads
+   do not exist, and waits for them forever). ca_note_parallel_region() is
+   called before every parallel region; in a child forked after one,
+   ca_forked_after_parallel() is nonzero and calls run on one thread. */
+void ca_note_parallel_region(void);
+int ca_forked_after_parallel(void);
+
 /* x[j] = cap * tanh(x[j] / cap) in place (logit soft-capping). */
 void ca_softcap_f32(float *x, ptrdiff_t n, float cap);
 void ca_softcap_f64(double *x, ptrdiff_t n, double cap);

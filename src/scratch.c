@@ -15,6 +15,40 @@
 
 #define CA_SCRATCH_KEEP_BYTES ((size_t)64 << 20)
 
+/* ---- fork safety (see kernels.h) ---------------------------------------- */
+
+static volatile int parallel_used = 0;
+static volatile int forked_after_parallel = 0;
+
+#if !defined(_WIN32)
+#include <pthread.h>
+
+static void mark_forked_child(void)
+{
+    forked_after_parallel = parallel_used;
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void register_atfork(void)
+{
+    pthread_atfork(NULL, NULL, mark_forked_child);
+}
+#endif
+
+void ca_note_parallel_region(void)
+{
+#if !defined(_WIN32)
+    pthread_once(&atfork_once, register_atfork);
+#endif
+    parallel_used = 1;
+}
+
+int ca_forked_after_parallel(void)
+{
+    return forked_after_parallel;
+}
+
 typedef struct {
     void *ptr[CA_SCRATCH_SLOTS];   /* buffer owned by the slot, or NULL */
     size_t size[CA_SCRATCH_SLOTS];

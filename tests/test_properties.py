@@ -1,0 +1,161 @@
+"""Property tests (hypothesis) against the float64 reference.
+
+The profile is chosen by CATTENTION_HYPOTHESIS_PROFILE: "ci" (the default, a
+couple of hundred examples per property) or "long" (thousands; `make
+reliability`).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import cattention as ca  # noqa: E402
+from reference import (  # noqa: E402
+    assert_bitwise_equal,
+    assert_matches_reference,
+    visible_positions,
+)
+
+settings.register_profile(
+    "ci", max_examples=150, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "long", max_examples=3000, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("CATTENTION_HYPOTHESIS_PROFILE", "ci"))
+
+# sizes around the kernels' block and tile edges (6-row tiles, 16-key panels,
+# 96-row query blocks, 256-key blocks, 8-row direct path)
+EDGE_SIZES = [0, 1, 2, 5, 6, 7, 8, 9, 15, 16, 17, 63, 64, 65, 95, 96, 97, 255, 256, 257]
+
+
+@st.composite
+def problems(draw, allow_empty=True):
+    sizes = st.sampled_from([s for s in EDGE_SIZES if allow_empty or s > 0])
+    T = draw(sizes)
+    S = draw(sizes)
+    d_k = draw(st.sampled_from([1, 3, 8, 16, 17]))
+    d_v = draw(st.sampled_from([1, 5, 16, 20]))
+    batch = draw(st.sampled_from([(), (1,), (2,), (2, 3)]))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    causal = draw(st.booleans())
+    mask_kind = draw(st.sampled_from(["none", "bool", "additive"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(batch + (T, d_k)).astype(dtype)
+    k = rng.standard_normal(batch + (S, d_k)).astype(dtype)
+    v = rng.standard_normal(batch + (S, d_v)).astype(dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((T, S)) > 0.3
+    elif mask_kind == "additive":
+        mask = np.where(rng.random((T, S)) > 0.3, rng.standard_normal((T, S)), -np.inf)
+    return q, k, v, causal, mask
+
+
+def layouts(arr, rng):
+    """The same values in other memory layouts."""
+    yield np.asfortranarray(arr)
+    yield np.ascontiguousarray(arr[..., ::-1, :][..., ::-1, :])  # copy via reversed views
+    reversed_copy = np.ascontiguousarray(arr[..., ::-1, :])
+    yield reversed_copy[..., ::-1, :]                           # negative row stride
+    wide = np.zeros(arr.shape[:-1] + (2 * arr.shape[-1] + 1,), arr.dtype)
+    wide[..., 1::2] = arr
+    yield wide[..., 1::2]                                        # strided features
+    frozen = arr.copy()
+    frozen.setflags(write=False)
+    yield frozen
+    raw = np.zeros(arr.nbytes + arr.itemsize + 1, np.uint8)
+    off = 1                                                      # misaligned buffer
+    view = np.frombuffer(raw.data, dtype=arr.dtype, count=arr.size, offset=off)
+    view = view.reshape(arr.shape)
+    raw[off:off + arr.nbytes] = np.frombuffer(np.ascontiguousarray(arr).tobytes(), np.uint8)
+    yield view
+
+
+@given(problems())
+def test_matches_reference(problem):
+    q, k, v, causal, mask = problem
+    attn, scores = ca.attention(q, k, v, causal=causal, mask=mask, return_scores=True)
+    assert_matches_reference(attn, scores, q, k, v, causal, mask)
+    assert_matches_reference(ca.attention(q, k, v, causal=causal, mask=mask), None,
+                             q, k, v, causal, mask)
+
+
+@given(problems())
+def test_scores_are_a_distribution_and_attn_is_scores_times_v(problem):
+    q, k, v, causal, mask = problem
+    attn, scores = ca.attention(q, k, v, causal=causal, mask=mask, return_scores=True)
+    T, S = q.shape[-2], k.shape[-2]
+    visible = np.broadcast_to(visible_positions(T, S, causal, mask), scores.shape)
+    assert np.all(scores >= 0)
+    assert np.all(scores[~visible] == 0)
+    sums = scores.sum(axis=-1)
+    any_visible = visible.any(axis=-1)
+    tol = 1e-5 if q.dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(sums[any_visible], 1, rtol=0, atol=tol)
+    assert np.all(sums[~any_visible] == 0)
+    expected = scores.astype(np.float64) @ v.astype(np.float64)
+    np.testing.assert_allclose(attn, expected, rtol=0, atol=10 * tol)
+
+
+@given(problems(), st.data())
+def test_bitwise_across_layouts_and_threads(problem, data):
+    q, k, v, causal, mask = problem
+    reference = ca.attention(q, k, v, causal=causal, mask=mask, return_scores=True)
+    rng = np.random.default_rng(0)
+    which = data.draw(st.sampled_from(["q", "k", "v"]))
+    arrays = {"q": q, "k": k, "v": v}
+    for alternative in layouts(arrays[which], rng):
+        args = dict(arrays, **{which: alternative})
+        got = ca.attention(args["q"], args["k"], args["v"], causal=causal, mask=mask,
+                           return_scores=True)
+        assert_bitwise_equal(got[0], reference[0])
+        assert_bitwise_equal(got[1], reference[1])
+    threads = data.draw(st.sampled_from([1, 2, 3]))
+    got = ca.attention(q, k, v, causal=causal, mask=mask, return_scores=True,
+                       num_threads=threads)
+    assert_bitwise_equal(got[0], reference[0])
+
+
+@given(problems(allow_empty=False))
+def test_adding_a_vector_to_every_key_changes_nothing(problem):
+    """q.(k_j + c) = q.k_j + q.c: a per-row constant the softmax removes."""
+    q, k, v, causal, mask = problem
+    rng = np.random.default_rng(1)
+    shift = rng.standard_normal(k.shape[-1]).astype(k.dtype)
+    got = ca.attention(q, k + shift, v, causal=causal, mask=mask)
+    assert_matches_reference(got, None, q, k, v, causal, mask)
+
+
+@given(problems(allow_empty=False))
+def test_permuting_the_batch_permutes_the_output(problem):
+    q, k, v, causal, mask = problem
+    if q.ndim < 3 or q.shape[0] < 2:
+        return
+    order = np.arange(q.shape[0])[::-1]
+    out = ca.attention(q, k, v, causal=causal, mask=mask)
+    assert_bitwise_equal(ca.attention(q[order], k[order], v[order], causal=causal,
+                                      mask=mask), out[order])
+
+
+@given(problems(allow_empty=False), st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_nan_in_never_attended_keys_and_values_has_no_effect(problem, bad):
+    q, k, v, causal, mask = problem
+    T, S = q.shape[-2], k.shape[-2]
+    visible = visible_positions(T, S, causal, mask)
+    never = ~np.broadcast_to(visible, (T, S)).any(axis=0)
+    if not never.any():
+        return
+    k_dirty, v_dirty = k.copy(), v.copy()
+    k_dirty[..., never, :] = bad
+    v_dirty[..., never, :] = bad
+    clean = ca.attention(q, k, v, causal=causal, mask=mask, return_scores=True)
+    dirty = ca.attention(q, k_dirty, v_dirty, causal=causal, mask=mask, return_scores=True)
+    assert_bitwise_equal(dirty[0], clean[0])
+    assert_bitwise_equal(dirty[1], clean[1])

@@ -1,0 +1,138 @@
+"""Concurrency, fork, memory growth and very large problems."""
+
+import multiprocessing
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cattention as ca
+from reference import assert_bitwise_equal, make_qkv
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return None
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc for memory figures")
+
+CONCURRENT_CASES = [
+    ((2, 3, 5, 16), (2, 3, 40, 16), (2, 3, 40, 8), np.float32, False),
+    ((1, 4, 1, 64), (1, 4, 700, 64), (1, 4, 700, 64), np.float32, False),
+    ((3, 100, 32), (3, 130, 32), (3, 130, 16), np.float64, True),
+    ((17, 9), (23, 9), (23, 4), np.float64, False),
+    ((2, 200, 16), (2, 300, 16), (2, 300, 16), np.float32, True),
+]
+
+
+def test_many_python_threads_at_once():
+    """16 threads x 200 calls, mixed shapes and dtypes, started together:
+    every result bitwise equal to one computed beforehand, no exception, no
+    hang."""
+    inputs = [make_qkv(200 + i, *shapes[:3], shapes[3]) + (shapes[4],)
+              for i, shapes in enumerate(CONCURRENT_CASES)]
+    expected = [ca.attention(q, k, v, causal=causal) for q, k, v, causal in inputs]
+    n_threads, n_calls = 16, 200
+    barrier = threading.Barrier(n_threads)
+    mismatches, errors = [], []
+
+    def worker(index):
+        try:
+            barrier.wait()
+            for call in range(n_calls):
+                case = (index + call) % len(inputs)
+                q, k, v, causal = inputs[case]
+                got = ca.attention(q, k, v, causal=causal, num_threads=1 + call % 2)
+                if got.tobytes() != expected[case].tobytes():
+                    mismatches.append((index, call))
+        except Exception as exc:  # reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "calls hung"
+    assert errors == []
+    assert mismatches == []
+
+
+def _child_attention(queue, threads):
+    q, k, v = make_qkv(210, (2, 300, 32), (2, 400, 32), (2, 400, 32), np.float32)
+    queue.put(ca.attention(q, k, v, causal=True, num_threads=threads).tobytes())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_call_in_a_forked_child(threads):
+    """After the parent has run parallel regions, a forked child computes the
+    same result and does not hang: GNU OpenMP cannot start threads there, so
+    cattention runs on one thread in such a child (documented)."""
+    q, k, v = make_qkv(210, (2, 300, 32), (2, 400, 32), (2, 400, 32), np.float32)
+    expected = ca.attention(q, k, v, causal=True, num_threads=2).tobytes()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_attention, args=(queue, threads), daemon=True)
+    child.start()
+    try:
+        # read before joining: the child cannot exit until its result is read
+        got = queue.get(timeout=60)
+    except Exception:
+        child.kill()
+        pytest.fail("the child hung or failed")
+    child.join(10)
+    assert child.exitcode == 0
+    assert got == expected
+
+
+def test_resident_memory_does_not_grow():
+    """20,000 calls after warm-up, on the success and the error path: the
+    resident set grows by less than 1 MiB."""
+    q, k, v = make_qkv(220, (2, 8, 16), (2, 24, 16), (2, 24, 8), np.float32)
+    bad_k = np.ones((2, 24, 15), np.float32)
+
+    def success():
+        ca.attention(q, k, v, causal=True, return_scores=True)
+
+    def failure():
+        try:
+            ca.attention(q, bad_k, v)
+        except ValueError:
+            pass
+
+    for run in (success, failure):
+        for _ in range(2000):
+            run()
+        before = _rss_kib()
+        for _ in range(20000):
+            run()
+        grown = _rss_kib() - before
+        assert grown < 1024, f"{run.__name__}: RSS grew by {grown} KiB"
+
+
+def test_scores_too_large_raise_memory_error_before_allocating():
+    q = np.ones((1 << 20, 4), np.float32)
+    with pytest.raises(MemoryError):
+        ca.attention_scores(q, q)
+
+
+@pytest.mark.slow
+def test_more_than_2_to_the_32_pairs_without_scores():
+    """T = S = 70,000 causal (T * S > 2^32) with q = 0: every visible key has
+    the same weight, so row i is the mean of v[0..i] = i / 2 for v[j] = j."""
+    n = 70_000
+    q = np.zeros((n, 1), np.float32)
+    k = np.ones((n, 1), np.float32)
+    v = np.arange(n, dtype=np.float32)[:, None]
+    out = ca.attention(q, k, v, causal=True)
+    expected = np.arange(n, dtype=np.float64) / 2
+    np.testing.assert_allclose(out[:, 0], expected, rtol=2e-6, atol=1e-3)
