@@ -125,7 +125,6 @@ def test_scores_too_large_raise_memory_error_before_allocating():
         ca.attention_scores(q, q)
 
 
-@pytest.mark.slow
 def test_more_than_2_to_the_32_pairs_without_scores():
     """T = S = 70,000 causal (T * S > 2^32) with q = 0: every visible key has
     the same weight, so row i is the mean of v[0..i] = i / 2 for v[j] = j."""
