@@ -42,7 +42,7 @@ bench-quick: bench-deps
 # check (CPython keeps memory until exit by design).
 asan: $(STAMP)
 	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	$(VPY) -m pytest -q -p no:cacheprovider tests; status=$$?; \

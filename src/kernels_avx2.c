@@ -470,6 +470,8 @@ CA_TILE void pv_direct_cols_f32(const float *p, const float *v, ptrdiff_t ldv,
     /* runs of SUM_KEYS keys are summed from zero and then added to acc:
        rounding chains of SUM_KEYS terms, not of every key in the split */
     __m256 a[8];
+    for (int x = 0; x < NV; ++x)
+        a[x] = _mm256_setzero_ps();
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
         if (j % SUM_KEYS == 0) {
             if (j > 0)
@@ -582,6 +584,8 @@ CA_TILE void pv_direct_cols_f64(const double *p, const double *v, ptrdiff_t ldv,
     /* runs of SUM_KEYS keys are summed from zero and then added to acc:
        rounding chains of SUM_KEYS terms, not of every key in the split */
     __m256d a[8];
+    for (int x = 0; x < NV; ++x)
+        a[x] = _mm256_setzero_pd();
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
         if (j % SUM_KEYS == 0) {
             if (j > 0)
