@@ -71,6 +71,7 @@ cdef extern from "kernels.h" nogil:
         void (*half_rows_to_f32)(const uint16_t *src, Py_ssize_t src_row, Py_ssize_t src_col,
                                  Py_ssize_t n_rows, Py_ssize_t n_cols, float *dst,
                                  Py_ssize_t ld_dst) noexcept nogil
+        void (*softcap_f32)(float *x, Py_ssize_t n, float cap) noexcept nogil
         void (*pv_direct_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                               const double *v, Py_ssize_t ldv, Py_ssize_t n_keys,
                               Py_ssize_t d_v, double *acc, Py_ssize_t ldacc,
@@ -82,7 +83,6 @@ cdef extern from "kernels.h" nogil:
     float ca_half_to_float(uint16_t h)
     void ca_note_parallel_region()
     int ca_forked_after_parallel()
-    void ca_softcap_f32(float *x, Py_ssize_t n, float cap)
     void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
@@ -474,7 +474,7 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
         if hi == lo:
             continue
         if pb.softcap > 0:
-            kernel_softcap(s_row + lo, hi - lo, pb.softcap)
+            kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
         if pb.alibi_slope != NULL:
             slope = pb.alibi_slope[b]
             position = (row0 + i) % pb.query_period + (
@@ -507,9 +507,10 @@ cdef void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                     s_row[j] = s_row[j] + <floating>bias
 
 
-cdef inline void kernel_softcap(floating *x, Py_ssize_t n, double cap) noexcept nogil:
+cdef inline void kernel_softcap(const ca_kernels *kern, floating *x, Py_ssize_t n,
+                                double cap) noexcept nogil:
     if floating is float:
-        ca_softcap_f32(x, n, <float>cap)
+        kern.softcap_f32(x, n, <float>cap)
     else:
         ca_softcap_f64(x, n, cap)
 

@@ -103,6 +103,10 @@ typedef struct ca_kernels {
     void (*half_rows_to_f32)(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
                              ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
                              ptrdiff_t ld_dst);
+
+    /* x[j] = cap * tanh(x[j] / cap) in place (logit soft-capping; float64
+       uses ca_softcap_f64). */
+    void (*softcap_f32)(float *x, ptrdiff_t n, float cap);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */
@@ -131,8 +135,7 @@ const char *ca_compiler_version(void);
 void ca_note_parallel_region(void);
 int ca_forked_after_parallel(void);
 
-/* x[j] = cap * tanh(x[j] / cap) in place (logit soft-capping). */
-void ca_softcap_f32(float *x, ptrdiff_t n, float cap);
+/* x[j] = cap * tanh(x[j] / cap) in place, float64 (libm). */
 void ca_softcap_f64(double *x, ptrdiff_t n, double cap);
 
 /* IEEE binary16 to binary32, exact (subnormals, infinities and NaN kept). */

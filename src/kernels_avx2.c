@@ -661,6 +661,35 @@ CA_AVX2 static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row,
     }
 }
 
+/* cap * tanh(x / cap), the steps of the portable softcap lane by lane */
+CA_AVX2 static void softcap_f32(float *x, ptrdiff_t n, float cap)
+{
+    static const float taylor[9] = {
+        0.000590027440945586f, -0.0014558343870513183f, 0.003592128036572481f,
+        -0.008863235529902197f, 0.021869488536155203f, -0.05396825396825397f,
+        0.13333333333333333f, -0.3333333333333333f, 0.0f};
+    const __m256 cap8 = _mm256_set1_ps(cap);
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    ptrdiff_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + j), cap8);
+        const __m256 a = _mm256_andnot_ps(sign_bit, y);
+        const __m256 y2 = _mm256_mul_ps(y, y);
+        __m256 p = _mm256_set1_ps(taylor[0]);
+        for (int t = 1; t < 8; ++t)
+            p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(taylor[t]));
+        const __m256 small = _mm256_fmadd_ps(y, _mm256_mul_ps(y2, p), y);
+        const __m256 e = exp_f32x8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), a));
+        __m256 large = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        large = _mm256_or_ps(large, _mm256_and_ps(sign_bit, y));
+        const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.5f), _CMP_LT_OQ);
+        _mm256_storeu_ps(x + j, _mm256_mul_ps(cap8, _mm256_blendv_ps(large, small, is_small)));
+    }
+    if (j < n)
+        ca_kernels_baseline.softcap_f32(x + j, n - j, cap);
+}
+
 const ca_kernels ca_kernels_avx2 = {
     "avx2",
     score_f32, score_f64,
@@ -670,6 +699,7 @@ const ca_kernels ca_kernels_avx2 = {
     score_direct_f32, score_direct_f64,
     pv_direct_f32, pv_direct_f64,
     half_rows_to_f32,
+    softcap_f32,
 };
 
 #endif /* CA_HAVE_X86_KERNELS */
