@@ -21,17 +21,11 @@ __all__ = [
     "attention",
     "attention_scores",
     "attention_with_kvcache",
-    "get_include",
     "get_num_threads",
     "merge",
     "set_num_threads",
     "show_config",
 ]
-
-
-def get_include():
-    """Directory holding the C headers of the kernels (for other extensions)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
 def show_config():
