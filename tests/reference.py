@@ -46,8 +46,10 @@ F32_ABS_CAP = 1e-5
 #: implementation" (FlashAttention's yardstick) is applied to the RMS error,
 #: the error of the method as a whole; the worst element must be within 4x
 #: NumPy's worst element; both allow two float32 ulps at the output's
-#: magnitude (for the worst element of ATTN, at the magnitude of V, whose
-#: rows it combines), and the worst element is also capped at
+#: magnitude (for ATTN, whose elements combine rows of V, the worst element
+#: gets two ulps at the magnitude of V, and the RMS those divided by the
+#: square root of the number of elements, since the RMS of a handful of
+#: rounding errors is itself noisy), and the worst element is also capped at
 #: ``F32_ABS_CAP``.
 #:
 #: Why not 2x on the maximum alone: at parity with NumPy (median ratio 1.0
@@ -248,9 +250,14 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
         if dtype == np.float32:
             atol = float32_ulp_atol(ref)
             rms, np_rms = rms_err(got, ref), rms_err(np32[i], ref)
-            assert rms <= F32_RTOL_RMS * np_rms + atol, (
+            # with few elements the RMS is itself noisy: allow the rounding
+            # scale of V (whose rows ATTN combines) divided by sqrt(n)
+            rms_atol = atol
+            if i == 0 and got.size:
+                rms_atol += float32_ulp_atol(v) / np.sqrt(got.size)
+            assert rms <= F32_RTOL_RMS * np_rms + rms_atol, (
                 f"{name}: float32 RMS error {rms:.3g} > 2 x NumPy float32 RMS "
-                f"error {np_rms:.3g} + {atol:.3g}")
+                f"error {np_rms:.3g} + {rms_atol:.3g}")
             np_err = max_abs_err(np32[i], ref)
             # ATTN combines rows of V: rounding errors scale with |V|, which
             # can be far above |ATTN| when many keys average out
