@@ -230,39 +230,38 @@ def _check_softcap(softcap):
     return value
 
 
-def _prepare_alibi(alibi_slopes, batch_shape):
-    """One float64 slope per batch entry, C-contiguous."""
-    arr = np.asarray(alibi_slopes)
-    if arr.dtype.kind not in "fiu":
-        raise TypeError(f"alibi_slopes must be real numbers, got dtype {arr.dtype}")
+def _per_batch_entry(values, batch_shape, name, kinds, kind_text, dtype, hint):
+    """values broadcast to the batch shape: one per batch entry, C-contiguous."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in kinds:
+        raise TypeError(f"{name} must be {kind_text}, got dtype {arr.dtype}")
     try:
         full = np.broadcast_to(arr, batch_shape)
     except ValueError:
         raise ValueError(
-            f"alibi_slopes of shape {arr.shape} does not broadcast to the batch "
-            f"shape {batch_shape} (expected (H,) or (B, H))") from None
-    full = np.ascontiguousarray(full, dtype=np.float64).reshape(-1)
+            f"{name} of shape {arr.shape} does not broadcast to the batch "
+            f"shape {batch_shape} ({hint})") from None
+    return np.ascontiguousarray(full, dtype=dtype).reshape(-1)
+
+
+def _prepare_alibi(alibi_slopes, batch_shape):
+    """One float64 slope per batch entry."""
+    full = _per_batch_entry(alibi_slopes, batch_shape, "alibi_slopes", "fiu",
+                            "real numbers", np.float64, "expected (H,) or (B, H)")
     if not np.all(np.isfinite(full)):
         raise ValueError("alibi_slopes must be finite")
     return full
 
 
 def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
-    """Valid key counts as a C-contiguous intp array, one per batch entry."""
-    arr = np.asarray(kv_lengths)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"kv_lengths must be integers, got dtype {arr.dtype}")
-    try:
-        full = np.broadcast_to(arr, batch_shape)
-    except ValueError:
-        raise ValueError(
-            f"kv_lengths of shape {arr.shape} does not broadcast to the batch "
-            f"shape {batch_shape} (the dimensions before T)") from None
+    """Valid key counts, one intp per batch entry."""
+    full = _per_batch_entry(kv_lengths, batch_shape, "kv_lengths", "iu", "integers",
+                            np.intp, "the dimensions before T")
     if full.size and (full.min() < 0 or full.max() > n_keys):
         raise ValueError(
             f"kv_lengths must lie in [0, S] = [0, {n_keys}]; got values from "
             f"{full.min()} to {full.max()}")
-    return np.ascontiguousarray(full, dtype=np.intp).reshape(-1)
+    return full
 
 
 def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
