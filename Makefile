@@ -5,7 +5,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: install build run test bench bench-deps bench-quick asan reliability clean distclean
+.PHONY: install build run test bench bench-deps bench-quick asan fuzz reliability clean distclean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,19 @@ asan: $(STAMP)
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	$(VPY) -m pytest -q -p no:cacheprovider tests; status=$$?; \
 	$(VPY) setup.py -q build_ext --inplace --force; exit $$status
+
+# Coverage-guided fuzzing of the public API (tests/fuzz_attention.py, atheris)
+# for FUZZ_SECONDS under AddressSanitizer + UBSan; the test suite runs a
+# bounded, uninstrumented pass of the same harness.
+FUZZ_SECONDS ?= 300
+fuzz: $(STAMP)
+	$(VPY) -m pip install -q atheris
+	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
+	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	$(VPY) tests/fuzz_attention.py -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1; \
+	status=$$?; $(VPY) setup.py -q build_ext --inplace --force; exit $$status
 
 # Long profiles: thousands of property examples and the slow stress cases.
 reliability: install
