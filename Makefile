@@ -61,10 +61,14 @@ fuzz: $(STAMP)
 	$(VPY) tests/fuzz_attention.py -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1; \
 	status=$$?; $(VPY) setup.py -q build_ext --inplace --force; exit $$status
 
-# Long profiles: thousands of property examples and the slow stress cases.
+# The long profile, ending in one table: thousands of examples per property,
+# worst error against the tolerance rule, concurrency, memory growth, then
+# make asan and make fuzz (RELIABILITY_FUZZ_SECONDS under the sanitizers).
+RELIABILITY_FUZZ_SECONDS ?= 120
 reliability: install
-	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) -m pytest -q -p no:cacheprovider \
-		-m "slow or not slow" tests/test_properties.py tests/test_stress.py
+	$(VPY) -m pip install -q atheris
+	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) tests/reliability_report.py \
+		--fuzz-seconds $(RELIABILITY_FUZZ_SECONDS)
 
 clean:
 	rm -rf build dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \

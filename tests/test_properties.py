@@ -1,8 +1,7 @@
 """Property tests (hypothesis) against the float64 reference.
 
-The profile is chosen by CATTENTION_HYPOTHESIS_PROFILE: "ci" (the default, a
-couple of hundred examples per property) or "long" (thousands; `make
-reliability`).
+The profile is chosen by CATTENTION_HYPOTHESIS_PROFILE: "ci" (the default,
+250 examples per property) or "long" (3000; `make reliability`).
 """
 
 import os
@@ -27,7 +26,7 @@ from reference import (  # noqa: E402
 )
 
 settings.register_profile(
-    "ci", max_examples=150, deadline=None,
+    "ci", max_examples=250, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "long", max_examples=3000, deadline=None,
