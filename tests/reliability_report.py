@@ -19,8 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
 
 os.environ.setdefault("CATTENTION_HYPOTHESIS_PROFILE", "long")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,6 +29,7 @@ import numpy as np  # noqa: E402
 
 import cattention as ca  # noqa: E402
 import test_properties  # noqa: E402
+from test_stress import rss_growth_kib, run_concurrent_calls  # noqa: E402
 from reference import (  # noqa: E402
     F32_RTOL_MAX,
     F32_RTOL_RMS,
@@ -105,75 +104,6 @@ def worst_error_ratios(n_problems=400):
     return worst
 
 
-def concurrency_mismatches(n_threads=16, n_calls=200):
-    """(mismatches, exceptions, hung threads) of mixed concurrent calls."""
-    shapes = [((2, 3, 5, 16), (2, 3, 40, 16), (2, 3, 40, 8), np.float32, False),
-              ((1, 4, 1, 64), (1, 4, 700, 64), (1, 4, 700, 64), np.float32, False),
-              ((3, 100, 32), (3, 130, 32), (3, 130, 16), np.float64, True),
-              ((2, 200, 16), (2, 300, 16), (2, 300, 16), np.float32, True)]
-    inputs = [make_qkv(300 + i, *s[:3], s[3]) + (s[4],) for i, s in enumerate(shapes)]
-    expected = [ca.attention(q, k, v, causal=c).tobytes() for q, k, v, c in inputs]
-    barrier = threading.Barrier(n_threads)
-    counts = {"mismatches": 0, "exceptions": 0}
-    lock = threading.Lock()
-
-    def worker(index):
-        barrier.wait()
-        for call in range(n_calls):
-            case = (index + call) % len(inputs)
-            q, k, v, causal = inputs[case]
-            try:
-                same = ca.attention(q, k, v, causal=causal,
-                                    num_threads=1 + call % 2).tobytes() == expected[case]
-            except Exception:
-                with lock:
-                    counts["exceptions"] += 1
-                continue
-            if not same:
-                with lock:
-                    counts["mismatches"] += 1
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True)
-               for i in range(n_threads)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 300
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return counts["mismatches"], counts["exceptions"], sum(t.is_alive() for t in threads)
-
-
-def rss_growth_kib(n_calls=20000):
-    """{path: RSS growth in KiB over n_calls after warm-up}."""
-    def rss():
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-
-    q, k, v = make_qkv(400, (2, 8, 16), (2, 24, 16), (2, 24, 8), np.float32)
-    bad = np.ones((2, 24, 15), np.float32)
-
-    def success():
-        ca.attention(q, k, v, causal=True, return_scores=True)
-
-    def failure():
-        try:
-            ca.attention(q, bad, v)
-        except ValueError:
-            pass
-
-    growth = {}
-    for name, run in (("success", success), ("error", failure)):
-        for _ in range(2000):
-            run()
-        before = rss()
-        for _ in range(n_calls):
-            run()
-        growth[name] = rss() - before
-    return growth
-
-
 def run_make(target, extra=()):
     proc = subprocess.run(["make", target, *extra], cwd=ROOT, capture_output=True, text=True)
     return proc.returncode, proc.stdout + proc.stderr
@@ -208,7 +138,7 @@ def main():
     for dtype, ratio in worst_error_ratios().items():
         rows.append((f"worst error / allowed, {dtype}", f"{ratio:.2f}",
                      "ok" if ratio <= 1 else "OVER"))
-    mismatches, exceptions, hung = concurrency_mismatches()
+    mismatches, exceptions, hung = run_concurrent_calls(16, 200)
     rows.append(("16 threads x 200 calls", f"{mismatches} mismatches, {exceptions} "
                  f"exceptions, {hung} hung", "ok" if not (mismatches or exceptions or hung)
                  else "FAILED"))
