@@ -10,7 +10,7 @@ STAMP := $(VENV)/.deps-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install "setuptools>=64" wheel "Cython>=3.1" "numpy>=2" \
+	$(VPY) -m pip install "setuptools>=77" wheel "Cython>=3.1" "numpy>=2" \
 		"pytest>=7" "hypothesis>=6" "threadpoolctl>=3"
 	touch $(STAMP)
 

@@ -102,7 +102,7 @@ extensions = [
             "src/kernels_avx2.c",
             "src/scratch.c",
         ],
-        include_dirs=["src", np.get_include()],
+        include_dirs=["src", "cattention/include", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=["-fsanitize=address,undefined"] if SANITIZE else [],

@@ -21,6 +21,7 @@ __all__ = [
     "attention",
     "attention_scores",
     "attention_with_kvcache",
+    "get_include",
     "get_num_threads",
     "merge",
     "set_num_threads",
@@ -28,17 +29,38 @@ __all__ = [
 ]
 
 
+def get_include():
+    """Directory of the C header that Cython code cimporting cattention's
+    C-level API (``cattention/_attention.pxd``) compiles against.
+
+    Returns
+    -------
+    str
+        An absolute path, for ``include_dirs`` of the cimporting extension.
+
+    Examples
+    --------
+    >>> import os, cattention
+    >>> os.path.isfile(os.path.join(cattention.get_include(), "cattention.h"))
+    True
+    """
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
+
 def show_config():
     """Print the build and run-time configuration: version, compiler, OpenMP
-    and its thread count, and the SIMD kernels in use."""
+    with the runtime library it loaded and the thread count a call would use,
+    and the SIMD kernels in use."""
     openmp = (f"yes (OpenMP {_attention.openmp_version()}), "
               f"threads: {get_num_threads()}"
               if _attention.openmp_enabled()
               else "no (serial build), threads: 1")
+    runtime = _attention.openmp_runtime() or "none"
     lines = [
         f"cattention {__version__}",
         f"  compiler: {_attention.compiler()}",
         f"  OpenMP:   {openmp}",
+        f"  runtime:  {runtime}",
         f"  SIMD:     {_attention.get_simd()} "
         f"(available: {', '.join(_attention.available_simd())}; "
         "CATTENTION_SIMD selects one)",

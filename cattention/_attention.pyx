@@ -99,6 +99,7 @@ cdef extern from "openmp_shim.h" nogil:
     int omp_get_max_threads()
     int CA_HAVE_OPENMP
     int CA_OPENMP_VERSION
+    const char *ca_openmp_runtime()
 
 
 cdef enum:
@@ -161,6 +162,10 @@ cdef struct Problem:
     const double *alibi_slope    # per batch entry: -slope * |position - j| added
                                  # to the logits, or NULL
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
+    # row strides (elements) of ATTN (n_batch, T, d_v) and SCORES (n_batch, T,
+    # S): d_v and S from Python, any row stride through the C-level API
+    Py_ssize_t ld_out
+    Py_ssize_t ld_scores
     # K^T and V are packed once per distinct K/V batch entry, shared by every
     # query block that reads them (a K/V broadcast over heads is packed once)
     Py_ssize_t n_kv              # distinct K/V batch entries
@@ -735,7 +740,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             if pb.value_nonfinite[block]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
-    finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.d_v, pb.d_v,
+    finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.ld_out, pb.ld_out,
                 b * pb.n_queries + row0)
 
 
@@ -841,7 +846,7 @@ cdef void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws
                              pb.k.row_stride * kv_itemsize(pb), pb.d_k * kv_itemsize(pb))
             key0 += K_BLOCK
     if pb.n_splits == 1:
-        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.d_v, pb.d_v, b * n_rows)
+        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.ld_out, pb.ld_out, b * n_rows)
         return
     # per row: maximum, sum, then the unnormalised accumulator
     state = partial + (b * pb.n_splits + split) * n_rows * (pb.d_v + 2)
@@ -867,7 +872,7 @@ cdef void merge_splits(const Problem *pb, Py_ssize_t b, const floating *partial,
     cdef Py_ssize_t i, split, c
     cdef floating total_max, total_sum, weight
     for i in range(n_rows):
-        out_row = out + (b * n_rows + i) * pb.d_v
+        out_row = out + (b * n_rows + i) * pb.ld_out
         total_max = -INFINITY
         for split in range(pb.n_splits):
             state = first + split * stride + i * (pb.d_v + 2)
@@ -911,11 +916,12 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef Py_ssize_t P = panel_width(q_packed)
     cdef Py_ssize_t n_keys_total = pb.n_keys
+    cdef Py_ssize_t ld_scores = pb.ld_scores
     cdef Py_ssize_t i, j, c, key0, n_keys, first_key, last_key, first_block
     cdef floating tile_max, row_total
     cdef floating *s_row
     cdef floating *scores_row
-    cdef floating *scores_block = scores + (b * pb.n_queries + row0) * n_keys_total
+    cdef floating *scores_block = scores + (b * pb.n_queries + row0) * ld_scores
     cdef const floating *k_rows
     cdef const floating *v_rows
     cdef Py_ssize_t ld_rows
@@ -934,17 +940,18 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     if last_key <= first_key:
         for i in range(n_rows):
             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], 0)
-        memset(scores_block, 0, n_rows * n_keys_total * sizeof(floating))
-        if out != NULL:
-            memset(out + (b * pb.n_queries + row0) * pb.d_v, 0,
-                   n_rows * pb.d_v * sizeof(floating))
+        for i in range(n_rows):
+            memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
+            if out != NULL:
+                memset(out + (b * pb.n_queries + row0 + i) * pb.ld_out, 0,
+                       pb.d_v * sizeof(floating))
         return
 
     first_block = (first_key // K_BLOCK) * K_BLOCK
     pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
     # pass 1: masked logits into SCORES, keys nobody sees as zeros
     for i in range(n_rows):
-        scores_row = scores_block + i * n_keys_total
+        scores_row = scores_block + i * ld_scores
         memset(scores_row, 0, first_block * sizeof(floating))
         if last_key < n_keys_total:
             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))
@@ -967,7 +974,7 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
         for i in range(n_rows):
             s_row = s + i * K_BLOCK
-            scores_row = scores_block + i * n_keys_total + key0
+            scores_row = scores_block + i * ld_scores + key0
             for j in range(n_keys):
                 scores_row[j] = s_row[j]
             tile_max = kernel_row_max(kern, s_row, n_keys)
@@ -977,7 +984,7 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
 
     # pass 2: weights in place over the keys this item can see
     for i in range(n_rows):
-        scores_row = scores_block + i * n_keys_total
+        scores_row = scores_block + i * ld_scores
         if row_max[i] == -INFINITY:
             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], 0)
             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
@@ -1000,19 +1007,19 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
                                    False)
-            kernel_pv_direct(kern, scores_block + key0, n_keys_total, n_rows, v_rows,
+            kernel_pv_direct(kern, scores_block + key0, ld_scores, n_rows, v_rows,
                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
         else:
             v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
-            kernel_pv(kern, scores_block + key0, n_keys_total, n_rows,
+            kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
             if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
-                add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, n_keys_total,
+                add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
                                      n_rows, acc, pb.ld_v)
         key0 += K_BLOCK
     for i in range(n_rows):
         for c in range(pb.d_v):
-            out[(b * pb.n_queries + row0 + i) * pb.d_v + c] = acc[i * pb.ld_v + c]
+            out[(b * pb.n_queries + row0 + i) * pb.ld_out + c] = acc[i * pb.ld_v + c]
 
 
 cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -1169,6 +1176,108 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
     return status
 
 
+# ------------------------------------------------ C-level API (_attention.pxd)
+
+cdef inline bint missing(const void *data, Py_ssize_t n_rows,
+                         Py_ssize_t n_features) noexcept nogil:
+    return data == NULL and n_rows > 0 and n_features > 0
+
+
+cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                           Py_ssize_t d_v,
+                           const floating *q, Py_ssize_t q_row_stride,
+                           const floating *k, Py_ssize_t k_row_stride,
+                           const floating *v, Py_ssize_t v_row_stride,
+                           double scale, int flags,
+                           floating *out, Py_ssize_t out_row_stride,
+                           floating *scores, Py_ssize_t scores_row_stride,
+                           floating *lse, int n_threads) noexcept nogil:
+    """One head through the same driver as the Python API (batch of one)."""
+    cdef intp_t zero[1]
+    cdef Problem pb
+    if n_queries < 0 or n_keys < 0 or d_k < 0 or d_v < 0:
+        return CATTENTION_ERR_SIZE
+    if flags & ~CATTENTION_CAUSAL:
+        return CATTENTION_ERR_FLAGS
+    if not isfinite(scale):
+        return CATTENTION_ERR_SCALE
+    if out == NULL and scores == NULL:
+        return CATTENTION_ERR_POINTER
+    if (missing(q, n_queries, d_k) or missing(k, n_keys, d_k)
+            or (out != NULL and (missing(v, n_keys, d_v) or missing(out, n_queries, d_v)))):
+        return CATTENTION_ERR_POINTER
+    if (out != NULL and out_row_stride < d_v) or (scores != NULL
+                                                   and scores_row_stride < n_keys):
+        return CATTENTION_ERR_STRIDE
+    if n_queries == 0:
+        return CATTENTION_OK
+    zero[0] = 0
+    pb.n_batch = 1
+    pb.n_queries = n_queries
+    pb.n_keys = n_keys
+    pb.d_k = d_k
+    pb.d_v = d_v if out != NULL else 0
+    pb.q.data = <const char *>q
+    pb.q.row_stride = q_row_stride
+    pb.k.data = <const char *>k
+    pb.k.row_stride = k_row_stride
+    pb.v.data = <const char *>(v if out != NULL else k)
+    pb.v.row_stride = v_row_stride if out != NULL else k_row_stride
+    pb.q.batch_offset = pb.k.batch_offset = pb.v.batch_offset = zero
+    pb.q.col_stride = pb.k.col_stride = pb.v.col_stride = 1
+    pb.mask = pb.q
+    pb.mask_kind = MASK_NONE
+    pb.causal = (flags & CATTENTION_CAUSAL) != 0
+    pb.scale = scale
+    pb.kv_length = NULL
+    pb.query_period = n_queries
+    pb.window_left = -1
+    pb.window_right = -1
+    pb.softcap = 0
+    pb.alibi_slope = NULL
+    pb.lse = lse
+    pb.ld_out = out_row_stride
+    pb.ld_scores = scores_row_stride
+    pb.n_kv = 1
+    pb.kv_of_batch = zero
+    pb.kv_source = zero
+    pb.kv_half = False
+    set_packing(&pb)
+    if n_threads < 1:
+        n_threads = 1
+    if run_problem(&pb, _kernels, n_threads, out, scores) != 0:
+        return CATTENTION_ERR_NO_MEMORY
+    return CATTENTION_OK
+
+
+cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                       Py_ssize_t d_v,
+                       const float *q, Py_ssize_t q_row_stride,
+                       const float *k, Py_ssize_t k_row_stride,
+                       const float *v, Py_ssize_t v_row_stride,
+                       double scale, int flags,
+                       float *out, Py_ssize_t out_row_stride,
+                       float *scores, Py_ssize_t scores_row_stride,
+                       float *lse, int n_threads) noexcept nogil:
+    return c_level_attention(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+                             v, v_row_stride, scale, flags, out, out_row_stride,
+                             scores, scores_row_stride, lse, n_threads)
+
+
+cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                       Py_ssize_t d_v,
+                       const double *q, Py_ssize_t q_row_stride,
+                       const double *k, Py_ssize_t k_row_stride,
+                       const double *v, Py_ssize_t v_row_stride,
+                       double scale, int flags,
+                       double *out, Py_ssize_t out_row_stride,
+                       double *scores, Py_ssize_t scores_row_stride,
+                       double *lse, int n_threads) noexcept nogil:
+    return c_level_attention(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+                             v, v_row_stride, scale, flags, out, out_row_stride,
+                             scores, scores_row_stride, lse, n_threads)
+
+
 # ---------------------------------------------------------------- Python side
 
 cdef const ca_kernels *_kernels = ca_default_kernels()
@@ -1216,6 +1325,12 @@ def openmp_enabled():
 
 def openmp_version():
     return int(CA_OPENMP_VERSION)
+
+
+def openmp_runtime():
+    """Path of the loaded OpenMP runtime library ("" for a serial build or
+    when the platform cannot tell)."""
+    return (<bytes>ca_openmp_runtime()).decode(errors="replace")
 
 
 def max_threads():
@@ -1298,7 +1413,7 @@ cdef void fill_operand(Operand *op, cnp.ndarray arr, cnp.ndarray offsets):
     fill_operand_at(op, arr, <const intp_t *>cnp.PyArray_DATA(offsets))
 
 
-cdef void set_packing(Problem *pb) noexcept:
+cdef void set_packing(Problem *pb) noexcept nogil:
     pb.ld_k = pb.d_k if pb.d_k > 0 else 1
     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
@@ -1401,6 +1516,8 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     else:
         pb.v = pb.k
         pb.d_v = 0
+    pb.ld_out = pb.d_v
+    pb.ld_scores = pb.n_keys
     set_packing(&pb)
     kv_of_batch, kv_source = distinct_kv(k_off, v_off)
     pb.n_kv = kv_source.shape[0]
@@ -1543,6 +1660,8 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         pb.n_kv = n_batch
         pb.kv_of_batch = offsets + 3 * n_batch
         pb.kv_source = offsets + 4 * n_batch
+        pb.ld_out = d_v
+        pb.ld_scores = n_keys
         set_packing(&pb)
         status = run_any(&pb, kern, threads, out, scores)
     finally:

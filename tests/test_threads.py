@@ -1,6 +1,7 @@
 """Threading: results are bitwise independent of the thread count; config API."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -149,6 +150,22 @@ def test_show_config(capsys):
     assert ca.__version__ in out
     assert "OpenMP" in out
     assert "SIMD" in out
+
+
+def test_show_config_reports_runtime_and_threads(capsys):
+    ca.set_num_threads(3)
+    ca.show_config()
+    out = capsys.readouterr().out
+    assert re.search(r"threads: 3\b", out), out
+    runtime = re.search(r"runtime: +(.*)", out).group(1).strip()
+    if not ca._attention.openmp_enabled():
+        assert runtime == "none"
+        return
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    # threadpoolctl finds the OpenMP libraries loaded in the process on its own
+    loaded = [os.path.realpath(info["filepath"])
+              for info in threadpoolctl.threadpool_info() if info["user_api"] == "openmp"]
+    assert os.path.realpath(runtime) in loaded, (runtime, loaded)
 
 
 def test_show_config_reports_active_simd_level(capsys, simd):

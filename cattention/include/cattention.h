@@ -1,0 +1,23 @@
+/* Constants of cattention's C-level API (cattention/_attention.pxd).
+ *
+ * Cython code that cimports the API compiles against this header:
+ * include_dirs=[cattention.get_include()]. The functions themselves are
+ * reached through the cimport (the extension's function-pointer table), so
+ * nothing is linked against.
+ */
+#ifndef CATTENTION_H
+#define CATTENTION_H
+
+/* flags */
+#define CATTENTION_CAUSAL 1            /* query i sees keys j <= i + (n_keys - n_queries) */
+
+/* status codes returned by attention_f32 / attention_f64 */
+#define CATTENTION_OK 0
+#define CATTENTION_ERR_SIZE 1          /* a size is negative */
+#define CATTENTION_ERR_POINTER 2       /* a required pointer is NULL */
+#define CATTENTION_ERR_STRIDE 3        /* an output row stride is below its row length */
+#define CATTENTION_ERR_SCALE 4         /* scale is NaN or infinite */
+#define CATTENTION_ERR_FLAGS 5         /* unknown flag bits */
+#define CATTENTION_ERR_NO_MEMORY 6     /* scratch memory could not be allocated */
+
+#endif

@@ -1,0 +1,76 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""A downstream extension using cattention's C-level API: heads of a
+(T, heads, d) layout in a prange, one call per head."""
+
+from cython.parallel cimport prange
+
+from cattention._attention cimport (
+    CATTENTION_CAUSAL, CATTENTION_OK, attention_f32, attention_f64)
+
+
+def heads_f32(const float[:, :, ::1] q, const float[:, :, ::1] k,
+              const float[:, :, ::1] v, float[:, :, ::1] out, float[:, ::1] lse,
+              double scale, bint causal, int n_threads):
+    """out[:, h] = attention(q[:, h], k[:, h], v[:, h]); returns failed calls."""
+    cdef Py_ssize_t n_heads = q.shape[1], h
+    cdef Py_ssize_t d_k = q.shape[2], d_v = v.shape[2]
+    cdef int flags = CATTENTION_CAUSAL if causal else 0
+    cdef int failures = 0
+    for h in prange(n_heads, nogil=True, num_threads=n_threads, schedule="static"):
+        if attention_f32(q.shape[0], k.shape[0], d_k, d_v,
+                         &q[0, h, 0], n_heads * d_k, &k[0, h, 0], n_heads * d_k,
+                         &v[0, h, 0], n_heads * d_v, scale, flags,
+                         &out[0, h, 0], n_heads * d_v, NULL, 0,
+                         &lse[h, 0], 1) != CATTENTION_OK:
+            failures += 1
+    return failures
+
+
+def heads_f64(const double[:, :, ::1] q, const double[:, :, ::1] k,
+              const double[:, :, ::1] v, double[:, :, ::1] out,
+              double[:, :, ::1] scores, double scale, bint causal, int n_threads):
+    """As heads_f32 in float64, also writing each head's weights to scores[h]."""
+    cdef Py_ssize_t n_heads = q.shape[1], h
+    cdef Py_ssize_t d_k = q.shape[2], d_v = v.shape[2]
+    cdef int flags = CATTENTION_CAUSAL if causal else 0
+    cdef int failures = 0
+    for h in prange(n_heads, nogil=True, num_threads=n_threads, schedule="static"):
+        if attention_f64(q.shape[0], k.shape[0], d_k, d_v,
+                         &q[0, h, 0], n_heads * d_k, &k[0, h, 0], n_heads * d_k,
+                         &v[0, h, 0], n_heads * d_v, scale, flags,
+                         &out[0, h, 0], n_heads * d_v, &scores[h, 0, 0], scores.shape[2],
+                         NULL, 1) != CATTENTION_OK:
+            failures += 1
+    return failures
+
+
+CASES = ["ok", "negative size", "null query", "no output", "short output stride",
+         "short scores stride", "nan scale", "unknown flag"]
+
+
+def status_of(str case):
+    """The status code of a call that is wrong in the named way."""
+    cdef float q[4]
+    cdef float out[4]
+    cdef float nan = float("nan")
+    cdef int which = CASES.index(case), status = -1, i
+    for i in range(4):
+        q[i] = 1
+    with nogil:
+        if which == 0:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, NULL, 0, NULL, 1)
+        elif which == 1:
+            status = attention_f32(-1, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, NULL, 0, NULL, 1)
+        elif which == 2:
+            status = attention_f32(2, 2, 2, 2, NULL, 2, q, 2, q, 2, 1.0, 0, out, 2, NULL, 0, NULL, 1)
+        elif which == 3:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, NULL, 2, NULL, 0, NULL, 1)
+        elif which == 4:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 1, NULL, 0, NULL, 1)
+        elif which == 5:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, out, 1, NULL, 1)
+        elif which == 6:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, nan, 0, out, 2, NULL, 0, NULL, 1)
+        else:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 4, out, 2, NULL, 0, NULL, 1)
+    return status
