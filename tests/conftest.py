@@ -4,6 +4,8 @@ Helpers that are plain functions (reference implementation, tolerance rule,
 bitwise comparison) live in ``reference.py``; this file only holds fixtures.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -22,12 +24,20 @@ def _simd_levels():
     return levels or [NO_SIMD_API]
 
 
+def pytest_configure(config):
+    # registered here as well as in pyproject.toml, so the suite runs the same
+    # from a copy outside the source tree (against an installed wheel)
+    config.addinivalue_line(
+        "markers", "slow: long-running stress and fuzz profiles (make reliability)")
+
+
 def pytest_report_header(config):
     try:
         import cattention
     except Exception as exc:  # pragma: no cover - only when unbuilt
         return f"cattention: not importable ({exc!r})"
-    return (f"cattention {getattr(cattention, '__version__', '?')}, "
+    return (f"cattention {getattr(cattention, '__version__', '?')} "
+            f"from {os.path.dirname(cattention.__file__)}, "
             f"SIMD levels under test: {_simd_levels()}")
 
 
