@@ -2,6 +2,7 @@
 
     attn = cattention.attention(q, k, v, causal=True)
     attn, scores = cattention.attention(q, k, v, return_scores=True)
+    cattention.plot_scores(scores[0, 0])    # heatmap of one head (needs matplotlib)
 
 See ``attention`` for the conventions (bottom-right causal alignment, True
 in a bool mask means "may attend", zero rows for rows that see no key).
@@ -14,6 +15,7 @@ import numpy as np
 from . import _attention
 from ._api import attention, attention_scores, get_num_threads, merge, set_num_threads
 from ._kvcache import attention_with_kvcache
+from ._plot import plot_scores
 from ._version import __version__
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "get_include",
     "get_num_threads",
     "merge",
+    "plot_scores",
     "set_num_threads",
     "show_config",
 ]

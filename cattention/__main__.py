@@ -2,6 +2,9 @@
 
 ``demo`` (the default) computes attention on a built-in workload, checks it
 against a float64 NumPy reference and prints timings beside NumPy.
+``demo --plot PATH`` instead runs attention over a built-in sentence, prints
+which token each token attends to most and writes a heatmap of the weights
+(needs matplotlib).
 ``bench`` times cattention beside NumPy and PyTorch on a grid of shapes
 (see ``cattention._bench``).
 """
@@ -12,7 +15,8 @@ import time
 
 import numpy as np
 
-from . import __version__, _bench, attention, get_num_threads, show_config
+from . import __version__, _bench, attention, get_num_threads, plot_scores, show_config
+from ._plot import load_demo_sentence
 
 
 def _numpy_attention(q, k, v, causal, scale):
@@ -74,6 +78,43 @@ def demo(batch, heads, n_queries, n_keys, dim, repeats):
     return 0 if ok else 1
 
 
+def sentence_demo(path, causal):
+    """Attention over the built-in sentence: print each token's strongest
+    key and write the heatmap to ``path``. Returns the exit status."""
+    sentence = load_demo_sentence()
+    tokens = sentence.tokens
+    _, scores = attention(sentence.q, sentence.k, sentence.v, causal=causal,
+                          return_scores=True)
+    # Drawn and saved before anything is printed, so an error (no matplotlib,
+    # an unwritable path) is the only output instead of trailing a table.
+    try:
+        ax = plot_scores(scores, query_labels=tokens, key_labels=tokens)
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ax.set_title(f"attention weights ({'causal' if causal else 'not causal'})")
+    try:
+        ax.figure.savefig(path, dpi=150)
+    except (OSError, ValueError) as exc:
+        print(f"error: could not write {path}: {exc}", file=sys.stderr)
+        return 1
+    seen = ("each token sees itself and the tokens before it" if causal
+            else "each token sees the whole sentence")
+    print(f"sentence: {' '.join(tokens)}")
+    print(f"causal={causal}: {seen}; one head, d = {sentence.q.shape[-1]}, float32")
+    print()
+    width = max(len(token) for token in tokens) + 6
+    header = f"{'query':{width}}{'attends most to':{width + 4}}{'weight':>6}"
+    print(header)
+    print("-" * len(header))
+    for token, row in zip(tokens, scores):
+        top = int(np.argmax(row))
+        print(f"{token:{width}}{f'{tokens[top]} (key {top})':{width + 4}}{row[top]:6.2f}")
+    print()
+    print(f"heatmap written to {path}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m cattention",
@@ -87,6 +128,12 @@ def main(argv=None):
     run.add_argument("--keys", type=int, default=1024)
     run.add_argument("--dim", type=int, default=64)
     run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--plot", metavar="PATH",
+                     help="instead of the timing demo: attention over a built-in sentence, "
+                          "a heatmap of the weights written to PATH (PNG, or .svg/.pdf; "
+                          "needs matplotlib)")
+    run.add_argument("--causal", action="store_true",
+                     help="with --plot: each token sees only itself and earlier tokens")
     bench = sub.add_parser(
         "bench", help="time cattention beside NumPy and PyTorch on a grid of shapes",
         description="Time cattention beside NumPy and PyTorch on a grid of attention "
@@ -97,6 +144,10 @@ def main(argv=None):
         return _bench.main(args)
     if args.command is None:
         args = run.parse_args([], namespace=args)
+    if args.plot is not None:
+        return sentence_demo(args.plot, args.causal)
+    if args.causal:
+        run.error("--causal applies to --plot (the timing demo runs both variants)")
     return demo(args.batch, args.heads, args.queries, args.keys, args.dim, args.repeats)
 
 
