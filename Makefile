@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(VPY) -m pip install "setuptools>=77" wheel "Cython>=3.1" "numpy>=2" \
-		"pytest>=7" "hypothesis>=6" "threadpoolctl>=3" "matplotlib>=3.5"
+		"pytest>=7" "hypothesis>=6" "threadpoolctl>=3" "matplotlib>=3.5" "mypy>=1.10"
 	touch $(STAMP)
 
 # Editable install: the extension is built in place, so tests and

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def get_include():
+def get_include() -> str:
     """Directory of the C header that Cython code cimporting cattention's
     C-level API (``cattention/_attention.pxd``) compiles against.
 
@@ -50,10 +50,31 @@ def get_include():
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
-def show_config():
-    """Print the build and run-time configuration: version, compiler, OpenMP
-    with the runtime library it loaded and the thread count a call would use,
-    and the SIMD kernels in use."""
+def show_config() -> None:
+    """Print the build and run-time configuration, e.g. for a bug report.
+
+    One line each: the cattention version; the compiler that built the
+    extension; whether it was built with OpenMP (and which version) and the
+    thread count a call would use (:func:`get_num_threads`); the OpenMP
+    runtime library loaded (libgomp, libomp, or the copy inside a wheel); the
+    SIMD kernel table in use and those this CPU can run; the NumPy version.
+
+    Returns
+    -------
+    None
+        The report goes to standard output.
+
+    Examples
+    --------
+    >>> import cattention as ca
+    >>> ca.show_config()  # doctest: +ELLIPSIS
+    cattention ...
+      compiler: ...
+      OpenMP:   ... threads: ...
+      runtime:  ...
+      SIMD:     ... (available: ...)
+      NumPy:    ...
+    """
     openmp = (f"yes (OpenMP {_attention.openmp_version()}), "
               f"threads: {get_num_threads()}"
               if _attention.openmp_enabled()

@@ -6,11 +6,16 @@ their strides to the Cython driver, which reads any layout (transposed,
 negative or zero strides) without copying.
 """
 
+from __future__ import annotations
+
 import math
 import numbers
 import operator
+from collections.abc import Iterable
+from typing import Any, Literal, SupportsIndex, cast, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from . import _attention
 
@@ -27,30 +32,78 @@ _SUPPORTED_DTYPES = (
 )
 
 # Thread count set by set_num_threads(); None follows OpenMP's current setting.
-_thread_limit = None
+_thread_limit: int | None = None
+
+_FloatArray = NDArray[np.floating[Any]]
 
 
-def set_num_threads(n):
+def set_num_threads(n: SupportsIndex | None) -> None:
     """Set the number of threads used by calls that pass ``num_threads=None``.
+
+    The setting is process-wide; a call's own ``num_threads`` overrides it.
+    Results are bitwise the same for any thread count, so it changes speed
+    only.
 
     Parameters
     ----------
     n : int or None
         A positive thread count, or None to follow OpenMP's current setting
         again (``OMP_NUM_THREADS``, ``threadpoolctl`` limits).
+
+    Raises
+    ------
+    ValueError
+        If ``n`` is neither None nor a positive integer (a bool is refused).
+
+    See Also
+    --------
+    get_num_threads
+
+    Examples
+    --------
+    >>> import cattention as ca
+    >>> ca.set_num_threads(2)
+    >>> ca.get_num_threads()
+    2
+    >>> ca.set_num_threads(None)  # follow OpenMP again
     """
     global _thread_limit
     _thread_limit = None if n is None else _check_num_threads(n)
 
 
-def get_num_threads():
-    """Number of threads a call with ``num_threads=None`` would use (at most)."""
+def get_num_threads() -> int:
+    """Number of threads a call with ``num_threads=None`` would use (at most).
+
+    A small problem may use fewer.
+
+    Returns
+    -------
+    int
+        The count given to :func:`set_num_threads`; without one, OpenMP's
+        current maximum for a parallel region started by the calling thread
+        (``OMP_NUM_THREADS``, ``threadpoolctl`` limits, else the number of
+        cores), which is 1 for a build without OpenMP.
+
+    See Also
+    --------
+    set_num_threads
+
+    Examples
+    --------
+    >>> import cattention as ca
+    >>> ca.get_num_threads() >= 1
+    True
+    >>> ca.set_num_threads(3)
+    >>> ca.get_num_threads()
+    3
+    >>> ca.set_num_threads(None)
+    """
     if _thread_limit is not None:
         return _thread_limit
     return max(1, _attention.max_threads())
 
 
-def _check_num_threads(n):
+def _check_num_threads(n: Any) -> int:
     if isinstance(n, (bool, np.bool_)):
         raise ValueError(f"num_threads must be a positive integer, got {n!r}")
     try:
@@ -62,7 +115,7 @@ def _check_num_threads(n):
     return value
 
 
-def _as_input(x, name):
+def _as_input(x: ArrayLike, name: str) -> NDArray[Any]:
     arr = np.asarray(x)
     if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
         raise TypeError(
@@ -74,7 +127,7 @@ def _as_input(x, name):
     return arr
 
 
-def _compute_dtype(*arrays):
+def _compute_dtype(*arrays: NDArray[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(compute dtype, result dtype) for the inputs, by np.result_type."""
     common = np.result_type(*arrays)
     if common.kind in "iub":
@@ -84,7 +137,7 @@ def _compute_dtype(*arrays):
     return common, common
 
 
-def _to_compute(arr, dtype):
+def _to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
     """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
     if arr.dtype != dtype:
         return arr.astype(dtype)
@@ -94,7 +147,8 @@ def _to_compute(arr, dtype):
     return arr
 
 
-def _prepare_mask(mask, n_queries, n_keys, dtype):
+def _prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
+                  dtype: np.dtype[Any]) -> NDArray[Any]:
     arr = np.asarray(mask)
     given_shape = arr.shape
     if arr.dtype == np.bool_:
@@ -117,7 +171,7 @@ def _prepare_mask(mask, n_queries, n_keys, dtype):
     return arr
 
 
-def _resolve_scale(scale, d_k):
+def _resolve_scale(scale: object, d_k: int) -> float:
     if scale is None:
         if d_k == 0:
             raise ValueError(
@@ -132,7 +186,8 @@ def _resolve_scale(scale, d_k):
     return value
 
 
-def _split_head_axis(arr, n_heads, n_kv_heads, what, q_batch):
+def _split_head_axis(arr: ArrayLike | None, n_heads: int, n_kv_heads: int, what: str,
+                     q_batch: tuple[int, ...]) -> NDArray[Any] | None:
     """An array broadcast against q's leading dimensions (heads last), with
     its head axis split to (H_kv, G) or, if 1, widened to (1, 1)."""
     if arr is None:
@@ -149,7 +204,11 @@ def _split_head_axis(arr, n_heads, n_kv_heads, what, q_batch):
         f"{q_batch} of q")
 
 
-def _group_query_heads(q, k, v, mask, kv_lengths, alibi_slopes=None):
+def _group_query_heads(
+        q: NDArray[Any], k: NDArray[Any], v: NDArray[Any] | None, mask: ArrayLike | None,
+        kv_lengths: ArrayLike | None, alibi_slopes: ArrayLike | None = None,
+) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any] | None, NDArray[Any] | None,
+           NDArray[Any] | None, NDArray[Any] | None, int]:
     """Views for grouped-query attention: q (..., H, T, d) becomes
     (..., H_kv, G, T, d) and k, v (..., H_kv, S, d) become (..., H_kv, 1, S, d),
     so ordinary batch broadcasting pairs query head h with key/value head
@@ -192,7 +251,7 @@ def _group_query_heads(q, k, v, mask, kv_lengths, alibi_slopes=None):
     return q, k, v, mask, kv_lengths, alibi_slopes, n_heads
 
 
-def _check_window(window, causal):
+def _check_window(window: Any, causal: bool) -> tuple[int, int]:
     """(left, right) as ints, -1 for an unbounded side; causal forces right 0."""
     if window is None:
         return -1, -1
@@ -219,7 +278,7 @@ def _check_window(window, causal):
     return bounds[0], bounds[1]
 
 
-def _check_softcap(softcap):
+def _check_softcap(softcap: object) -> float:
     if softcap is None:
         return 0.0
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
@@ -230,7 +289,8 @@ def _check_softcap(softcap):
     return value
 
 
-def _per_batch_entry(values, batch_shape, name, kinds, kind_text, dtype, hint):
+def _per_batch_entry(values: ArrayLike, batch_shape: tuple[int, ...], name: str, kinds: str,
+                     kind_text: str, dtype: DTypeLike, hint: str) -> NDArray[Any]:
     """values broadcast to the batch shape: one per batch entry, C-contiguous."""
     arr = np.asarray(values)
     if arr.dtype.kind not in kinds:
@@ -244,7 +304,7 @@ def _per_batch_entry(values, batch_shape, name, kinds, kind_text, dtype, hint):
     return np.ascontiguousarray(full, dtype=dtype).reshape(-1)
 
 
-def _prepare_alibi(alibi_slopes, batch_shape):
+def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
     """One float64 slope per batch entry."""
     full = _per_batch_entry(alibi_slopes, batch_shape, "alibi_slopes", "fiu",
                             "real numbers", np.float64, "expected (H,) or (B, H)")
@@ -253,7 +313,8 @@ def _prepare_alibi(alibi_slopes, batch_shape):
     return full
 
 
-def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
+def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
+                        n_keys: int) -> NDArray[np.intp]:
     """Valid key counts, one intp per batch entry."""
     full = _per_batch_entry(kv_lengths, batch_shape, "kv_lengths", "iu", "integers",
                             np.intp, "the dimensions before T")
@@ -264,9 +325,13 @@ def _prepare_kv_lengths(kv_lengths, batch_shape, n_keys):
     return full
 
 
-def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
-         want_lse=False, enable_gqa=False, kv_lengths=None, query_period=0,
-         window=None, softcap=None, alibi_slopes=None):
+def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
+         mask: ArrayLike | None, scale: float | None, want_out: bool, want_scores: bool,
+         num_threads: SupportsIndex | None, want_lse: bool = False, enable_gqa: bool = False,
+         kv_lengths: ArrayLike | None = None, query_period: int = 0,
+         window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+         softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+) -> tuple[_FloatArray | None, _FloatArray | None, _FloatArray | None]:
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
@@ -291,7 +356,7 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
                                     query_period=n_queries, window=window,
                                     softcap=softcap)
 
-            def split_rows(arr, trailing):
+            def split_rows(arr: _FloatArray | None, trailing: int) -> _FloatArray | None:
                 # (..., H_kv, G * T, *rest) -> (..., H, T, *rest), a view
                 if arr is None:
                     return None
@@ -304,7 +369,7 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
                                 num_threads, want_lse, kv_lengths=kv_lengths,
                                 window=window, softcap=softcap, alibi_slopes=alibi_slopes)
 
-        def merge_heads(arr, trailing):
+        def merge_heads(arr: _FloatArray | None, trailing: int) -> _FloatArray | None:
             # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
             if arr is None:
                 return None
@@ -376,10 +441,76 @@ def _run(q, k, v, causal, mask, scale, want_out, want_scores, num_threads,
     return out, scores, lse
 
 
-def attention(q, k, v, *, causal=False, mask=None, scale=None,
-              return_scores=False, return_lse=False, enable_gqa=False,
-              kv_lengths=None, window=None, softcap=None, alibi_slopes=None,
-              num_threads=None):
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: ArrayLike | None = None, scale: float | None = None,
+    return_scores: Literal[False] = False, return_lse: Literal[False] = False,
+    enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> NDArray[np.floating[Any]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: ArrayLike | None = None, scale: float | None = None,
+    return_scores: Literal[True], return_lse: Literal[False] = False,
+    enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: ArrayLike | None = None, scale: float | None = None,
+    return_scores: Literal[False] = False, return_lse: Literal[True],
+    enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: ArrayLike | None = None, scale: float | None = None,
+    return_scores: Literal[True], return_lse: Literal[True],
+    enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
+           NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: ArrayLike | None = None, scale: float | None = None,
+    return_scores: bool = False, return_lse: bool = False,
+    enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
+
+
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: ArrayLike | None = None, scale: float | None = None,
+    return_scores: bool = False, return_lse: bool = False,
+    enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Scaled dot-product attention.
 
     Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
@@ -389,11 +520,12 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     Parameters
     ----------
     q : array_like, shape (..., T, d_k)
-        Queries.
+        Queries: float16, float32 or float64, or integer or bool (computed
+        as float64); see Notes for mixed dtypes.
     k : array_like, shape (..., S, d_k)
-        Keys.
+        Keys, of the same kinds of dtype.
     v : array_like, shape (..., S, d_v)
-        Values; d_v may differ from d_k.
+        Values, likewise; d_v may differ from d_k.
     causal : bool, default False
         Query ``i`` sees key ``j`` only if ``j <= i + (S - T)``: the queries
         are the *last* T positions of the key sequence ("bottom-right"
@@ -443,14 +575,35 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     Returns
     -------
     attn : ndarray, shape (..., T, d_v)
+        float32, float64 or float16, by the dtype rules in the Notes.
     scores : ndarray, shape (..., T, S)
-        Only with ``return_scores=True``.
+        Only with ``return_scores=True``; the dtype of ``attn``. Each row
+        sums to 1, or is all zero if the row sees no key.
     lse : ndarray, shape (..., T)
         Only with ``return_lse=True``; float32 for float32 (and float16)
         inputs, float64 for float64.
 
     The result is ``attn``, ``(attn, scores)``, ``(attn, lse)`` or
     ``(attn, scores, lse)``.
+
+    Raises
+    ------
+    TypeError
+        An input of unsupported dtype (complex, object, string, wider than
+        64 bits), a mask neither bool nor float, or an option of the wrong
+        type (``scale`` or ``softcap`` not a real number, ``window`` not a
+        pair of integers or None, ``kv_lengths`` not integers,
+        ``alibi_slopes`` not real).
+    ValueError
+        Shapes that do not match or broadcast (d_k of q and k, S of k and v,
+        the batch dimensions, the mask, the heads under ``enable_gqa``, the
+        batch shape for ``kv_lengths`` or ``alibi_slopes``), an input of
+        fewer than 2 dimensions, an option out of range (non-finite
+        ``scale``, ``num_threads`` not a positive integer, a negative window
+        side, ``kv_lengths`` outside [0, S], ``softcap`` <= 0, non-finite
+        ``alibi_slopes``), or d_k == 0 with no ``scale``.
+    MemoryError
+        If per-thread scratch memory cannot be allocated.
 
     Notes
     -----
@@ -490,22 +643,29 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
     """
     if (mask is None and not return_lse and not enable_gqa and kv_lengths is None
             and window is None and softcap is None and alibi_slopes is None):
-        result = _attention.attention_fast(
+        fast = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
-        if result is not None:
-            return result
+        if fast is not None:
+            return fast
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
                             num_threads, bool(return_lse), bool(enable_gqa), kv_lengths,
                             window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
-    return result if len(result) > 1 else out
+    # _run fills every array it is asked for
+    return cast("NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]",
+                result if len(result) > 1 else out)
 
 
-def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=False,
-                     kv_lengths=None, window=None, softcap=None, alibi_slopes=None,
-                     num_threads=None):
+def attention_scores(
+    q: ArrayLike, k: ArrayLike, *, causal: bool = False, mask: ArrayLike | None = None,
+    scale: float | None = None, enable_gqa: bool = False,
+    kv_lengths: ArrayLike | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
+) -> NDArray[np.floating[Any]]:
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
     Same conventions as :func:`attention` (causal alignment, mask meaning,
@@ -515,13 +675,20 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=Fa
     ----------
     q : array_like, shape (..., T, d_k)
     k : array_like, shape (..., S, d_k)
+        Queries and keys, of the dtypes :func:`attention` accepts.
     causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, num_threads
         As in :func:`attention`.
 
     Returns
     -------
     scores : ndarray, shape (..., T, S)
-        Each row sums to 1, or is all zero if the row sees no key.
+        Each row sums to 1, or is all zero if the row sees no key. float32,
+        float64 or float16, by the dtype rules of :func:`attention`.
+
+    Raises
+    ------
+    TypeError, ValueError, MemoryError
+        As in :func:`attention`.
 
     Examples
     --------
@@ -535,10 +702,12 @@ def attention_scores(q, k, *, causal=False, mask=None, scale=None, enable_gqa=Fa
     _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads,
                         enable_gqa=bool(enable_gqa), kv_lengths=kv_lengths,
                         window=window, softcap=softcap, alibi_slopes=alibi_slopes)
-    return scores
+    return cast("NDArray[np.floating[Any]]", scores)
 
 
-def merge(outs, lses):
+def merge(
+    outs: Iterable[ArrayLike], lses: Iterable[ArrayLike],
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]:
     """Combine attention computed over disjoint key chunks into the result
     over all keys.
 
@@ -551,7 +720,8 @@ def merge(outs, lses):
     Parameters
     ----------
     outs : sequence of array_like, each of shape (..., T, d_v)
-        ``attention(q, k_i, v_i, return_lse=True)[0]`` for each chunk i.
+        ``attention(q, k_i, v_i, return_lse=True)[0]`` for each chunk i;
+        floating point.
     lses : sequence of array_like, each of shape (..., T)
         The matching log-sum-exp values.
 
@@ -559,6 +729,16 @@ def merge(outs, lses):
     -------
     out : ndarray, shape (..., T, d_v)
     lse : ndarray, shape (..., T)
+        Both of ``np.result_type(*outs, *lses)``.
+
+    Raises
+    ------
+    ValueError
+        If there are no chunks, a different number of outputs and lse
+        arrays, outputs of different shapes, or an lse whose shape is not
+        its output's without the last axis.
+    TypeError
+        If the arrays are not all floating point.
 
     Examples
     --------
@@ -572,25 +752,25 @@ def merge(outs, lses):
     >>> bool(np.allclose(out, ca.attention(q, k, v)))
     True
     """
-    outs = [np.asarray(o) for o in outs]
-    lses = [np.asarray(x) for x in lses]
-    if len(outs) == 0 or len(outs) != len(lses):
+    chunk_outs = [np.asarray(o) for o in outs]
+    chunk_lses = [np.asarray(x) for x in lses]
+    if len(chunk_outs) == 0 or len(chunk_outs) != len(chunk_lses):
         raise ValueError(
             f"merge needs one lse per output and at least one of each; got "
-            f"{len(outs)} outputs and {len(lses)} lse arrays")
-    for i, (o, x) in enumerate(zip(outs, lses)):
+            f"{len(chunk_outs)} outputs and {len(chunk_lses)} lse arrays")
+    for i, (o, x) in enumerate(zip(chunk_outs, chunk_lses)):
         if o.ndim < 2 or x.shape != o.shape[:-1]:
             raise ValueError(
                 f"chunk {i}: lse of shape {x.shape} does not match output of shape "
                 f"{o.shape} (expected lse shape {o.shape[:-1]})")
-        if o.shape != outs[0].shape:
+        if o.shape != chunk_outs[0].shape:
             raise ValueError(
                 f"chunk {i}: output of shape {o.shape} differs from chunk 0's "
-                f"{outs[0].shape}")
-    dtype = np.result_type(*outs, *lses)
+                f"{chunk_outs[0].shape}")
+    dtype = np.result_type(*chunk_outs, *chunk_lses)
     if dtype.kind != "f":
         raise TypeError(f"merge needs floating-point arrays, got {dtype}")
-    stacked_lse = np.stack(lses).astype(dtype, copy=False)
+    stacked_lse = np.stack(chunk_lses).astype(dtype, copy=False)
     with np.errstate(invalid="ignore", over="ignore"):
         top = np.max(stacked_lse, axis=0)
         # chunks that saw no key weigh 0; rows where none did stay -inf
@@ -599,8 +779,8 @@ def merge(outs, lses):
         total = np.sum(weights, axis=0)
         lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1)), top)
         scale = np.where(total > 0, weights / np.where(total > 0, total, 1), 0)
-        out = np.zeros(outs[0].shape, dtype=dtype)
-        for o, w in zip(outs, scale):
+        out = np.zeros(chunk_outs[0].shape, dtype=dtype)
+        for o, w in zip(chunk_outs, scale):
             # keys of weight 0 take no part, even where their output is NaN
             out += np.where(w[..., None] != 0, o * w[..., None], 0)
     return out, lse

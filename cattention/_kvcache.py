@@ -1,14 +1,51 @@
 """Decoding against a preallocated key/value cache owned by the caller."""
 
+from __future__ import annotations
+
+from typing import Any, Literal, SupportsIndex, cast, overload
+
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from ._api import attention
 
 __all__ = ["attention_with_kvcache"]
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new=None, *,
-                           causal=True, scale=None, return_lse=False, num_threads=None):
+@overload
+def attention_with_kvcache(
+    q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    return_lse: Literal[False] = False, num_threads: SupportsIndex | None = None,
+) -> NDArray[np.floating[Any]]: ...
+
+
+@overload
+def attention_with_kvcache(
+    q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    return_lse: Literal[True], num_threads: SupportsIndex | None = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention_with_kvcache(
+    q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    return_lse: bool = False, num_threads: SupportsIndex | None = None,
+) -> (NDArray[np.floating[Any]]
+      | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
+
+
+def attention_with_kvcache(
+    q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    return_lse: bool = False, num_threads: SupportsIndex | None = None,
+) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
 
     For each sequence b, ``k_new[b]`` and ``v_new[b]`` are written into the
@@ -41,14 +78,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new
     Returns
     -------
     attn : ndarray, shape (B, H, T, d_v)
-        (and the log-sum-exp, shape (B, H, T), with ``return_lse=True``)
+    lse : ndarray, shape (B, H, T)
+        Only with ``return_lse=True``; the result is then ``(attn, lse)``.
 
     Raises
     ------
     ValueError
-        On any shape mismatch, or if some ``cache_lengths[b] + T_new``
-        exceeds S_max; checked before anything is written, so a failed call
-        leaves caches and lengths as they were.
+        On any shape mismatch (including caches that are not 4-D ndarrays
+        and ``cache_lengths`` that is not an integer ndarray of shape (B,)),
+        if only one of ``k_new`` and ``v_new`` is given, if an array to be
+        updated is read-only, or if some ``cache_lengths[b] + T_new``
+        exceeds S_max.
+    TypeError
+        If the caches are not float16, float32 or float64 or differ in
+        dtype, if q is wider than the cache (it would be converted whole),
+        or if ``k_new`` or ``v_new`` cannot be cast to the cache dtype.
+
+    Every check runs before anything is written, so a failed call leaves
+    caches and lengths as they were.
 
     Examples
     --------
@@ -123,9 +170,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_lengths, k_new=None, v_new
 
     # every check has passed: nothing below can fail half-way on bad input
     if n_new > 0:
+        # n_new > 0 only when both were given and made arrays above
+        k_add, v_add = cast("NDArray[Any]", k_new), cast("NDArray[Any]", v_new)
         for b, start in enumerate(cache_lengths.tolist()):
-            k_cache[b, :, start:start + n_new] = k_new[b]
-            v_cache[b, :, start:start + n_new] = v_new[b]
+            k_cache[b, :, start:start + n_new] = k_add[b]
+            v_cache[b, :, start:start + n_new] = v_add[b]
         cache_lengths += n_new
     return attention(q, k_cache, v_cache, causal=causal, scale=scale,
                      return_lse=return_lse, enable_gqa=True,

@@ -1,15 +1,20 @@
-"""The examples in the public docstrings run and print what they show."""
+"""The examples in the public docstrings run and print what they show, and
+every public function documents its parameters or result with an example."""
 
 import doctest
+import inspect
+import re
 
 import pytest
 
+import cattention
 import cattention._api
 import cattention._kvcache
 import cattention._plot
 
 
-@pytest.mark.parametrize("module", [cattention._api, cattention._kvcache, cattention._plot],
+@pytest.mark.parametrize("module", [cattention, cattention._api, cattention._kvcache,
+                                    cattention._plot],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     if module is cattention._plot:
@@ -17,3 +22,27 @@ def test_docstring_examples(module):
     result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def has_section(doc, title):
+    """A NumPy-style section: the title, then a line of dashes under it."""
+    return re.search(rf"^\s*{title}\n\s*-{{{len(title)}}}\s*$", doc, re.MULTILINE) is not None
+
+
+PUBLIC_FUNCTIONS = [name for name in cattention.__all__
+                    if inspect.isfunction(getattr(cattention, name))]
+
+
+def test_all_functions_are_checked():
+    # __version__ is the only public name that is not a function
+    assert set(cattention.__all__) - set(PUBLIC_FUNCTIONS) == {"__version__"}
+
+
+@pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
+def test_public_function_docstring(name):
+    doc = inspect.getdoc(getattr(cattention, name))
+    assert doc, f"{name} has no docstring"
+    assert has_section(doc, "Parameters") or has_section(doc, "Returns"), (
+        f"{name}: no Parameters or Returns section")
+    assert has_section(doc, "Examples"), f"{name}: no Examples section"
+    assert ">>> " in doc.split("Examples", 1)[1], f"{name}: Examples has no doctest"

@@ -1,0 +1,80 @@
+"""Types of the compiled driver (``_attention.pyx``).
+
+Private to the package: ``_api`` validates and normalises every argument
+before calling in, so the signatures state the preconditions the driver
+relies on rather than everything a caller of ``cattention.attention`` may pass.
+"""
+
+from typing import Any, Literal, overload
+
+import numpy as np
+from numpy.typing import NDArray
+
+DIRECT_QUERY_ROWS: int
+
+def get_simd() -> str: ...
+def available_simd() -> list[str]: ...
+def set_simd(name: str) -> None: ...
+def compiler() -> str: ...
+def openmp_enabled() -> bool: ...
+def openmp_version() -> int: ...
+def openmp_runtime() -> str: ...
+def max_threads() -> int: ...
+def attention_into(
+    q: NDArray[np.floating[Any]],
+    k: NDArray[np.floating[Any]],
+    v: NDArray[np.floating[Any]] | None,
+    mask: NDArray[np.bool_] | NDArray[np.floating[Any]] | None,
+    batch_shape: tuple[int, ...],
+    causal: bool,
+    scale: float,
+    out: NDArray[np.floating[Any]] | None,
+    scores: NDArray[np.floating[Any]] | None,
+    num_threads: int,
+    lse: NDArray[np.floating[Any]] | None = None,
+    kv_lengths: NDArray[np.intp] | None = None,
+    query_period: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0,
+    alibi_slopes: NDArray[np.float64] | None = None,
+) -> None: ...
+
+# None: the call is not the common case and goes to the general path.
+@overload
+def attention_fast(
+    q: object,
+    k: object,
+    v: object,
+    causal: bool,
+    scale: object,
+    num_threads: object,
+    return_scores: Literal[False],
+    thread_limit: int | None,
+) -> NDArray[np.floating[Any]] | None: ...
+@overload
+def attention_fast(
+    q: object,
+    k: object,
+    v: object,
+    causal: bool,
+    scale: object,
+    num_threads: object,
+    return_scores: Literal[True],
+    thread_limit: int | None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]] | None: ...
+@overload
+def attention_fast(
+    q: object,
+    k: object,
+    v: object,
+    causal: bool,
+    scale: object,
+    num_threads: object,
+    return_scores: bool,
+    thread_limit: int | None,
+) -> (
+    NDArray[np.floating[Any]]
+    | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]
+    | None
+): ...
