@@ -6,11 +6,15 @@ Figures are made with ``matplotlib.figure.Figure`` rather than pyplot, so no
 GUI backend is chosen and no global figure state is touched.
 """
 
+from __future__ import annotations
+
 import json
-from collections import namedtuple
+from collections.abc import Sequence
 from importlib import resources
+from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 __all__ = ["plot_scores", "load_demo_sentence"]
 
@@ -24,10 +28,14 @@ _MAX_LABELLED_TICKS = 40
 # (a thin diagonal breaks up); antialiasing averages them into view instead.
 _NEAREST_MAX_CELLS = 256
 
-DemoSentence = namedtuple("DemoSentence", ["tokens", "q", "k", "v"])
+class DemoSentence(NamedTuple):
+    tokens: list[str]
+    q: NDArray[np.floating[Any]]
+    k: NDArray[np.floating[Any]]
+    v: NDArray[np.floating[Any]]
 
 
-def _as_weights(scores):
+def _as_weights(scores: ArrayLike) -> NDArray[Any]:
     arr = np.asarray(scores)
     if arr.dtype.kind not in "biuf":
         raise TypeError(
@@ -49,31 +57,33 @@ def _as_weights(scores):
     return arr
 
 
-def _as_labels(labels, name, expected, axis_name, shape):
+def _as_labels(labels: Sequence[object] | None, name: str, expected: int,
+               axis_name: str, shape: tuple[int, ...]) -> list[str] | None:
     if labels is None:
         return None
     if isinstance(labels, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of labels, one per {axis_name}; "
                         f"got a single string {labels!r}")
     try:
-        labels = [str(label) for label in labels]
+        text = [str(label) for label in labels]
     except TypeError:
         raise TypeError(f"{name} must be a sequence of labels, one per {axis_name}; "
                         f"got {type(labels).__name__}") from None
-    if len(labels) != expected:
+    if len(text) != expected:
         raise ValueError(
-            f"{name} has {len(labels)} labels but scores has {expected} "
+            f"{name} has {len(text)} labels but scores has {expected} "
             f"{axis_name}s (shape {shape})")
-    return labels
+    return text
 
 
-def _tick_positions(count):
+def _tick_positions(count: int) -> NDArray[np.intp]:
     if count <= _MAX_LABELLED_TICKS:
         return np.arange(count)
     return np.unique(np.linspace(0, count - 1, _MAX_LABELLED_TICKS).round().astype(int))
 
 
-def plot_scores(scores, query_labels=None, key_labels=None, ax=None):
+def plot_scores(scores: ArrayLike, query_labels: Sequence[object] | None = None,
+                key_labels: Sequence[object] | None = None, ax: Any = None) -> Any:
     """Draw attention weights as a heatmap: queries down, keys across.
 
     Parameters
@@ -181,7 +191,7 @@ def plot_scores(scores, query_labels=None, key_labels=None, ax=None):
     return ax
 
 
-def load_demo_sentence(dtype=np.float32):
+def load_demo_sentence(dtype: DTypeLike = np.float32) -> DemoSentence:
     """The built-in example: a short sentence with small fixed embeddings.
 
     The embeddings (``cattention/data/demo_sentence.json``) are hand-built so
