@@ -72,6 +72,12 @@ cdef extern from "kernels.h" nogil:
                                  Py_ssize_t n_rows, Py_ssize_t n_cols, float *dst,
                                  Py_ssize_t ld_dst) noexcept nogil
         void (*softcap_f32)(float *x, Py_ssize_t n, float cap) noexcept nogil
+        void (*pack_kt_f32)(const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                            Py_ssize_t d_k, float *kt,
+                            Py_ssize_t kt_panel_stride) noexcept nogil
+        int (*pack_v_f32)(const float *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                          Py_ssize_t d_v, float *v_packed,
+                          Py_ssize_t v_panel_stride) noexcept nogil
         void (*pv_direct_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                               const double *v, Py_ssize_t ldv, Py_ssize_t n_keys,
                               Py_ssize_t d_v, double *acc, Py_ssize_t ldacc,
@@ -132,6 +138,9 @@ cdef enum:
     # Fewer floating-point operations than this per thread and another thread
     # costs more to start and join than it saves (a few microseconds).
     MIN_FLOPS_PER_THREAD = 1 << 18
+    # At most this many query blocks per batch entry for a work item to be a
+    # whole batch entry (see run_packed).
+    PER_ENTRY_MAX_BLOCKS = 4
 
 cdef enum MaskKind:
     MASK_NONE = 0
@@ -204,6 +213,12 @@ cdef struct Workspace:
     Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
     # direct path only: K and V rows copied when their features are strided
     Py_ssize_t off_k_rows, off_v_rows
+    # when a work item is a whole batch entry (run_entry): this thread's own
+    # packed K^T and V blocks of the entry and their non-finite flags, which
+    # stay in cache between packing and use; NULL: the problem's shared ones
+    void *own_k
+    void *own_v
+    uint8_t *own_nonfinite
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
@@ -241,6 +256,9 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
     if memory == NULL:
         return NULL
     ws.base = memory + header_bytes
+    ws.own_k = NULL
+    ws.own_v = NULL
+    ws.own_nonfinite = NULL
     ws.row_lo = <intp_t *>(<char *>ws.base + n * itemsize)
     ws.row_hi = ws.row_lo + n_rows
     (<Workspace *>memory)[0] = header
@@ -248,7 +266,27 @@ cdef Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil
 
 
 cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
+    if ws != NULL and ws.own_k != NULL:
+        ca_scratch_release(CA_SCRATCH_PACKED, ws.own_k)
     ca_scratch_release(CA_SCRATCH_WORKSPACE, ws)
+
+
+cdef Workspace *workspace_new_per_entry(const Problem *pb, size_t itemsize) noexcept nogil:
+    """A workspace with room for the packed K/V blocks of one batch entry."""
+    cdef Workspace *ws = workspace_new(pb, itemsize)
+    cdef size_t k_bytes = round_up(pb.n_key_blocks * pb.ld_k * pb.block_keys * itemsize, 64)
+    cdef size_t v_bytes = round_up(pb.n_key_blocks * pb.block_keys * pb.ld_v * itemsize, 64)
+    cdef char *own
+    if ws == NULL:
+        return NULL
+    own = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + pb.n_key_blocks)
+    if own == NULL:
+        workspace_delete(ws)
+        return NULL
+    ws.own_k = own
+    ws.own_v = own + k_bytes
+    ws.own_nonfinite = <uint8_t *>(own + k_bytes + v_bytes)
+    return ws
 
 
 cdef void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
@@ -284,6 +322,10 @@ cdef void pack_keys_transposed(const Problem *pb, const floating *k, Py_ssize_t 
     cdef Py_ssize_t j, c
     cdef const floating *k_row
     cdef floating *panel
+    if floating is float:
+        if col_stride == 1 or d_k <= 1:
+            pb.kern.pack_kt_f32(k, row_stride, n_keys, d_k, kt, panel_size)
+            return
     for j in range(n_keys):
         k_row = k + j * row_stride
         panel = kt + (j // P) * panel_size + j % P
@@ -322,6 +364,12 @@ cdef bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_strid
     # NaN exactly when some value is not finite; one per lane of a panel so
     # they vectorise (a branch or a single running sum would not)
     cdef floating probe[16]
+    if floating is float:
+        if col_stride == 1 or d_v <= 1:
+            if pb.kern.pack_v_f32(v, row_stride, n_keys, d_v, v_packed, panel_stride):
+                zero_nonfinite(pb, n_keys, v_packed)
+                return True
+            return False
     for l in range(16):
         probe[l] = 0
     for j in range(n_keys):
@@ -352,24 +400,45 @@ cdef bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_strid
         x += probe[l]
     if x == x:
         return False
-    # rare: zero every NaN/Inf in place
-    for j in range(n_keys):
-        for c in range(ld_v):
-            dst = v_packed + (c // P) * panel_stride + j * P + c % P
-            if (dst[0] - dst[0]) != 0:
-                dst[0] = 0
+    zero_nonfinite(pb, n_keys, v_packed)
     return True
 
 
-cdef inline const floating *packed_keys(const Problem *pb, Py_ssize_t block,
-                                        floating *dtype_tag) noexcept nogil:
+cdef void zero_nonfinite(const Problem *pb, Py_ssize_t n_keys,
+                         floating *v_packed) noexcept nogil:
+    """Every NaN or Inf of a packed V block set to 0 (rare)."""
+    cdef Py_ssize_t P = panel_width(v_packed)
+    cdef Py_ssize_t panel_stride = pb.block_keys * P
+    cdef Py_ssize_t j, c
+    cdef floating *dst
+    for j in range(n_keys):
+        for c in range(pb.ld_v):
+            dst = v_packed + (c // P) * panel_stride + j * P + c % P
+            if (dst[0] - dst[0]) != 0:
+                dst[0] = 0
+
+
+cdef inline floating *packed_keys(const Problem *pb, const Workspace *ws,
+                                  Py_ssize_t block, floating *dtype_tag) noexcept nogil:
     """K^T of packed block ``block`` (= kv * n_key_blocks + key block)."""
-    return <const floating *>pb.packed_k + block * pb.ld_k * pb.block_keys
+    if ws.own_k != NULL:
+        return <floating *>ws.own_k + (block % pb.n_key_blocks) * pb.ld_k * pb.block_keys
+    return <floating *>pb.packed_k + block * pb.ld_k * pb.block_keys
 
 
-cdef inline const floating *packed_values(const Problem *pb, Py_ssize_t block,
-                                          floating *dtype_tag) noexcept nogil:
-    return <const floating *>pb.packed_v + block * pb.block_keys * pb.ld_v
+cdef inline floating *packed_values(const Problem *pb, const Workspace *ws,
+                                    Py_ssize_t block, floating *dtype_tag) noexcept nogil:
+    if ws.own_v != NULL:
+        return <floating *>ws.own_v + (block % pb.n_key_blocks) * pb.block_keys * pb.ld_v
+    return <floating *>pb.packed_v + block * pb.block_keys * pb.ld_v
+
+
+cdef inline uint8_t *nonfinite_flag(const Problem *pb, const Workspace *ws,
+                                    Py_ssize_t block) noexcept nogil:
+    """Whether packed V block ``block`` held NaN or Inf."""
+    if ws.own_nonfinite != NULL:
+        return ws.own_nonfinite + block % pb.n_key_blocks
+    return pb.value_nonfinite + block
 
 
 cdef void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
@@ -384,16 +453,16 @@ cdef void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
                                                 <floating *>ws.base + ws.off_k_rows,
                                                 pb.ld_k, &ld_k_rows, True)
     pack_keys_transposed(pb, k_rows, ld_k_rows, 1 if pb.kv_half else pb.k.col_stride,
-                         n_keys, <floating *>pb.packed_k + block * pb.ld_k * pb.block_keys)
+                         n_keys, packed_keys(pb, ws, block, dtype_tag))
     cdef const floating *v_rows
     if pb.d_v > 0:
         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
                                <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, True)
-        pb.value_nonfinite[block] = pack_values(
+        nonfinite_flag(pb, ws, block)[0] = pack_values(
             pb, v_rows, ld_v_rows, 1 if pb.kv_half else pb.v.col_stride, n_keys,
-            <floating *>pb.packed_v + block * pb.block_keys * pb.ld_v)
+            packed_values(pb, ws, block, dtype_tag))
     else:
-        pb.value_nonfinite[block] = 0
+        nonfinite_flag(pb, ws, block)[0] = 0
 
 
 cdef void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,
@@ -703,8 +772,8 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             if n_keys > last_key - key0:
                 n_keys = last_key - key0
             block = first_packed + key0 // K_BLOCK
-            kt = packed_keys(pb, block, s)
-            v_packed = packed_values(pb, block, s)
+            kt = packed_keys(pb, ws, block, s)
+            v_packed = packed_values(pb, ws, block, s)
             # keys each group of rows can see in this block: on the causal
             # diagonal the upper rows skip the panels only lower rows see
             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
@@ -743,7 +812,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
                                   pb.block_keys * P, group_keys[i], pb.ld_v,
                                   acc + group0 * pb.ld_v, pb.ld_v)
-            if pb.value_nonfinite[block]:
+            if nonfinite_flag(pb, ws, block)[0]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
     finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.ld_out, pb.ld_out,
@@ -974,7 +1043,7 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
             kernel_score_direct(kern, q_packed, pb.ld_k, n_rows, k_rows, ld_rows, n_keys,
                                 pb.d_k, pb.scale, s, K_BLOCK, NULL, 0, 0)
         else:
-            kt = packed_keys(pb, first_packed + key0 // K_BLOCK, q_packed)
+            kt = packed_keys(pb, ws, first_packed + key0 // K_BLOCK, q_packed)
             kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
                          round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
@@ -1016,10 +1085,10 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
             kernel_pv_direct(kern, scores_block + key0, ld_scores, n_rows, v_rows,
                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
         else:
-            v_packed = packed_values(pb, first_packed + key0 // K_BLOCK, q_packed)
+            v_packed = packed_values(pb, ws, first_packed + key0 // K_BLOCK, q_packed)
             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
-            if pb.value_nonfinite[first_packed + key0 // K_BLOCK]:
+            if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
                                      n_rows, acc, pb.ld_v)
         key0 += K_BLOCK
@@ -1043,6 +1112,18 @@ cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *
         attend_item_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
     else:
         attend_item(pb, kern, ws, b, row0, n_rows, out)
+
+
+cdef void run_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
+                    Py_ssize_t b, Py_ssize_t n_blocks, floating *out,
+                    floating *scores) noexcept nogil:
+    """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
+    all its query blocks, in the order run_item gives them."""
+    cdef Py_ssize_t kv_block, block
+    for kv_block in range(pb.n_key_blocks):
+        pack_block(pb, ws, pb.kv_of_batch[b] * pb.n_key_blocks + kv_block, out)
+    for block in range(n_blocks):
+        run_item(pb, kern, ws, block * pb.n_batch + b, n_blocks, out, scores)
 
 
 cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
@@ -1134,7 +1215,7 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
     cdef Py_ssize_t n_items = n_blocks * pb.n_batch
     # with few query rows K and V are read in place, not packed
     cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks
-    cdef Py_ssize_t item, block
+    cdef Py_ssize_t item, block, b
     cdef Workspace *ws = NULL
     cdef int status = 0
     cdef int *status_ptr = &status
@@ -1144,15 +1225,35 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
         return 0
     if n_workers > n_items:
         n_workers = <int>n_items
+    # Few query blocks per batch entry, each with its own K/V (many short
+    # sequences, as in a BERT batch): a work item is a whole batch entry,
+    # which packs its K/V and at once computes its query blocks while the
+    # packed blocks are still in cache. Otherwise everything is packed
+    # first, then query blocks are spread over the threads.
+    cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch
+                           and n_blocks <= PER_ENTRY_MAX_BLOCKS
+                           and pb.n_batch >= 4 * n_workers)
+    if per_entry:
+        # each thread packs into its own blocks (run_entry)
+        n_packed = 0
     cdef size_t k_bytes = round_up(n_packed * pb.ld_k * pb.block_keys * itemsize, 64)
     cdef size_t v_bytes = round_up(n_packed * pb.block_keys * pb.ld_v * itemsize, 64)
-    cdef char *packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED,
-                                                   k_bytes + v_bytes + n_packed)
+    cdef char *packed = NULL
+    if not per_entry:
+        packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
+        if packed == NULL:
+            return -1
     pb.packed_k = packed
     pb.packed_v = packed + k_bytes
     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
-    if packed == NULL:
-        status = -1
+    if per_entry and n_workers <= 1:
+        ws = workspace_new_per_entry(pb, itemsize)
+        if ws == NULL:
+            status = -1
+        else:
+            for b in range(pb.n_batch):
+                run_entry(pb, kern, ws, b, n_blocks, out, scores)
+            workspace_delete(ws)
     elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
         if ws == NULL:
@@ -1162,6 +1263,16 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
                 pack_block(pb, ws, block, out)
             for item in range(n_items):
                 run_item(pb, kern, ws, item, n_blocks, out, scores)
+            workspace_delete(ws)
+    elif per_entry:
+        ca_note_parallel_region()
+        with parallel(num_threads=n_workers):
+            ws = workspace_new_per_entry(pb, itemsize)
+            if ws == NULL:
+                status_ptr[0] = -1
+            for b in prange(pb.n_batch, schedule='dynamic'):
+                if ws != NULL:
+                    run_entry(pb, kern, ws, b, n_blocks, out, scores)
             workspace_delete(ws)
     else:
         ca_note_parallel_region()

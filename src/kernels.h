@@ -107,6 +107,20 @@ typedef struct ca_kernels {
     /* x[j] = cap * tanh(x[j] / cap) in place (logit soft-capping; float64
        uses ca_softcap_f64). */
     void (*softcap_f32)(float *x, ptrdiff_t n, float cap);
+
+    /* Packing of one key block into the layouts above, from rows with
+       contiguous features (float32; float64 and strided features are packed
+       by the driver). With S = 128 the packing costs as much as a sixth of
+       the call when done element by element.
+       kt: key j, feature c at kt[(j / 16) * kt_panel_stride + c * 16 + j % 16];
+       keys n_keys.. up to the next multiple of 16 are 0. */
+    void (*pack_kt_f32)(const float *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
+                        float *kt, ptrdiff_t kt_panel_stride);
+    /* v: key j, column c at v_packed[(c / 16) * v_panel_stride + j * 16 + c % 16],
+       columns d_v.. up to the next multiple of 16 are 0. Returns nonzero if
+       any value copied is NaN or infinite (the driver then zeroes them). */
+    int (*pack_v_f32)(const float *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v,
+                      float *v_packed, ptrdiff_t v_panel_stride);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */

@@ -690,6 +690,82 @@ CA_AVX2 static void softcap_f32(float *x, ptrdiff_t n, float cap)
         ca_kernels_baseline.softcap_f32(x + j, n - j, cap);
 }
 
+/* ---- packing of a key block (float32) -------------------------------- */
+
+/* rows r[0..8) of an 8 x 8 block become its columns */
+CA_TILE void transpose8_f32(__m256 r[8])
+{
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+CA_AVX2 static void pack_kt_f32(const float *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                                ptrdiff_t d_k, float *kt, ptrdiff_t kt_panel_stride)
+{
+    /* 8 keys x 8 features at a time, transposed in registers; keys past
+       n_keys read as 0, features past d_k are neither read nor written */
+    for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_PANEL_F32) {
+        float *panel = kt + (j0 / CA_PANEL_F32) * kt_panel_stride;
+        for (ptrdiff_t c0 = 0; c0 < d_k; c0 += 8) {
+            const ptrdiff_t n_c = d_k - c0 < 8 ? d_k - c0 : 8;
+            const __m256i lanes = lane_mask_f32(n_c);
+            for (int half = 0; half < 2; ++half) {
+                __m256 r[8];
+                for (int l = 0; l < 8; ++l) {
+                    const ptrdiff_t j = j0 + 8 * half + l;
+                    if (j >= n_keys)
+                        r[l] = _mm256_setzero_ps();
+                    else if (n_c == 8)
+                        r[l] = _mm256_loadu_ps(k + j * ldk + c0);
+                    else
+                        r[l] = _mm256_maskload_ps(k + j * ldk + c0, lanes);
+                }
+                transpose8_f32(r);
+                for (ptrdiff_t c = 0; c < n_c; ++c)
+                    _mm256_storeu_ps(panel + (c0 + c) * CA_PANEL_F32 + 8 * half, r[c]);
+            }
+        }
+    }
+}
+
+CA_AVX2 static int pack_v_f32(const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                              ptrdiff_t d_v, float *v_packed, ptrdiff_t v_panel_stride)
+{
+    /* x - x is 0 for finite x and NaN otherwise */
+    __m256 probe = _mm256_setzero_ps();
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        const float *v_row = v + j * ldv;
+        for (ptrdiff_t c0 = 0; c0 < d_v; c0 += 8) {
+            float *dst = v_packed + (c0 / CA_PANEL_F32) * v_panel_stride
+                         + j * CA_PANEL_F32 + c0 % CA_PANEL_F32;
+            const __m256 x = d_v - c0 >= 8 ? _mm256_loadu_ps(v_row + c0)
+                                           : _mm256_maskload_ps(v_row + c0,
+                                                                lane_mask_f32(d_v - c0));
+            probe = _mm256_add_ps(probe, _mm256_sub_ps(x, x));
+            _mm256_storeu_ps(dst, x);
+        }
+        if (d_v % CA_PANEL_F32 != 0 && d_v % CA_PANEL_F32 <= 8)
+            /* the upper half of the last panel lies past d_v */
+            _mm256_storeu_ps(v_packed + (d_v / CA_PANEL_F32) * v_panel_stride
+                             + j * CA_PANEL_F32 + 8, _mm256_setzero_ps());
+    }
+    return _mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q)) != 0;
+}
+
 const ca_kernels ca_kernels_avx2 = {
     "avx2",
     score_f32, score_f64,
@@ -700,6 +776,8 @@ const ca_kernels ca_kernels_avx2 = {
     pv_direct_f32, pv_direct_f64,
     half_rows_to_f32,
     softcap_f32,
+    pack_kt_f32,
+    pack_v_f32,
 };
 
 #endif /* CA_HAVE_X86_KERNELS */

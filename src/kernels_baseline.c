@@ -192,6 +192,42 @@ static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t s
             dst[r * ld_dst + c] = ca_half_to_float(src[r * src_row + c * src_col]);
 }
 
+static void pack_kt_f32(const float *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
+                        float *kt, ptrdiff_t kt_panel_stride)
+{
+    const ptrdiff_t P = CA_PANEL_F32;
+    for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += P) {
+        float *panel = kt + (j0 / P) * kt_panel_stride;
+        for (ptrdiff_t c = 0; c < d_k; ++c)
+            for (ptrdiff_t l = 0; l < P; ++l)
+                panel[c * P + l] = j0 + l < n_keys ? k[(j0 + l) * ldk + c] : 0.0f;
+    }
+}
+
+static int pack_v_f32(const float *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v,
+                      float *v_packed, ptrdiff_t v_panel_stride)
+{
+    const ptrdiff_t P = CA_PANEL_F32;
+    /* x - x is 0 for finite x and NaN otherwise: one sum per lane, so the
+       check vectorises where a branch would not */
+    float probe[CA_PANEL_F32] = {0};
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        const float *v_row = v + j * ldv;
+        for (ptrdiff_t c0 = 0; c0 < d_v; c0 += P) {
+            float *dst = v_packed + (c0 / P) * v_panel_stride + j * P;
+            for (ptrdiff_t l = 0; l < P; ++l) {
+                const float x = c0 + l < d_v ? v_row[c0 + l] : 0.0f;
+                probe[l] += x - x;
+                dst[l] = x;
+            }
+        }
+    }
+    float total = 0;
+    for (ptrdiff_t l = 0; l < P; ++l)
+        total += probe[l];
+    return total != total;
+}
+
 CA_DEFINE_PORTABLE_KERNELS(float, f32, ca_expf_scalar, CA_PANEL_F32)
 CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, f32)
@@ -207,4 +243,6 @@ const ca_kernels ca_kernels_baseline = {
     pv_direct_f32, pv_direct_f64,
     half_rows_to_f32,
     softcap_f32,
+    pack_kt_f32,
+    pack_v_f32,
 };

@@ -106,6 +106,27 @@ def test_accuracy_batched_broadcasting(simd, dtype, q_shape, k_shape, v_shape,
     assert scores.shape == batch + (T, S)
 
 
+# Many short sequences, each with its own K/V (a BERT-like batch): the driver
+# then packs and computes one batch entry at a time on each thread. Keys cross
+# a key block in the second case, d_v is not a multiple of the panel width.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(6, 5, 130, 97, 40, 24), (2, 9, 33, 300, 64, 17)],
+                         ids=str)
+def test_many_short_sequences(simd, dtype, shape, causal):
+    B, H, T, S, d_k, d_v = shape
+    q, k, v = make_qkv(8, (B, H, T, d_k), (B, H, S, d_k), (B, H, S, d_v), dtype)
+    mask = np.ones((T, S), dtype=bool)
+    mask[:, 3] = False
+    check_against_reference(q, k, v, causal=causal, mask=mask)
+    one = ca.attention(q, k, v, causal=causal, mask=mask, num_threads=1)
+    for n_threads in (2, 3):
+        assert_bitwise_equal(ca.attention(q, k, v, causal=causal, mask=mask,
+                                          num_threads=n_threads), one)
+    # a NaN in a value that no row attends to changes nothing
+    v[1, 2, 3, 5] = np.nan
+    assert_bitwise_equal(ca.attention(q, k, v, causal=causal, mask=mask), one)
+
+
 H, T_M, S_M, D_M, DV_M = 3, 17, 29, 16, 11
 MASK_SHAPES = [
     # mask shape, batch shape of the output (q is (H, T, d))
