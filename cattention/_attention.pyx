@@ -37,16 +37,20 @@ cdef extern from "kernels.h" nogil:
         const char *name
         void (*score_f32)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
                           const float *kt, Py_ssize_t kt_panel_stride, Py_ssize_t n_cols,
-                          Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds) noexcept nogil
+                          Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds,
+                          const void *ahead, Py_ssize_t ahead_bytes) noexcept nogil
         void (*score_f64)(const double *q, Py_ssize_t ldq, Py_ssize_t n_rows,
                           const double *kt, Py_ssize_t kt_panel_stride, Py_ssize_t n_cols,
-                          Py_ssize_t d_k, double factor, double *s, Py_ssize_t lds) noexcept nogil
+                          Py_ssize_t d_k, double factor, double *s, Py_ssize_t lds,
+                          const void *ahead, Py_ssize_t ahead_bytes) noexcept nogil
         void (*pv_f32)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                        const float *v, Py_ssize_t v_panel_stride, Py_ssize_t n_keys,
-                       Py_ssize_t n_vcols, float *acc, Py_ssize_t ldacc) noexcept nogil
+                       Py_ssize_t n_vcols, float *acc, Py_ssize_t ldacc,
+                       const void *ahead, Py_ssize_t ahead_bytes) noexcept nogil
         void (*pv_f64)(const double *p, Py_ssize_t ldp, Py_ssize_t n_rows,
                        const double *v, Py_ssize_t v_panel_stride, Py_ssize_t n_keys,
-                       Py_ssize_t n_vcols, double *acc, Py_ssize_t ldacc) noexcept nogil
+                       Py_ssize_t n_vcols, double *acc, Py_ssize_t ldacc,
+                       const void *ahead, Py_ssize_t ahead_bytes) noexcept nogil
         float (*row_max_f32)(const float *x, Py_ssize_t n) noexcept nogil
         double (*row_max_f64)(const double *x, Py_ssize_t n) noexcept nogil
         float (*exp_sum_f32)(float *x, Py_ssize_t n, float shift) noexcept nogil
@@ -598,21 +602,27 @@ cdef inline void kernel_softcap(const ca_kernels *kern, floating *x, Py_ssize_t 
 cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,
                               Py_ssize_t n_rows, const floating *kt, Py_ssize_t kt_panel_stride,
                               Py_ssize_t n_cols, Py_ssize_t d_k, double factor,
-                              floating *s, Py_ssize_t lds) noexcept nogil:
+                              floating *s, Py_ssize_t lds, const void *ahead=NULL,
+                              Py_ssize_t ahead_bytes=0) noexcept nogil:
     if floating is float:
-        kern.score_f32(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, <float>factor, s, lds)
+        kern.score_f32(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, <float>factor, s, lds,
+                       ahead, ahead_bytes)
     else:
-        kern.score_f64(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, factor, s, lds)
+        kern.score_f64(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, factor, s, lds,
+                       ahead, ahead_bytes)
 
 
 cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,
                            Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v,
                            Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
-                           floating *acc, Py_ssize_t ldacc) noexcept nogil:
+                           floating *acc, Py_ssize_t ldacc, const void *ahead=NULL,
+                           Py_ssize_t ahead_bytes=0) noexcept nogil:
     if floating is float:
-        kern.pv_f32(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc)
+        kern.pv_f32(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc,
+                    ahead, ahead_bytes)
     else:
-        kern.pv_f64(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc)
+        kern.pv_f64(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc,
+                    ahead, ahead_bytes)
 
 
 cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,
@@ -761,6 +771,10 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
     cdef Py_ssize_t n_groups, group
     cdef const floating *kt
     cdef const floating *v_packed
+    cdef const floating *next_kt
+    cdef const floating *next_v
+    cdef Py_ssize_t k_block_bytes = pb.ld_k * pb.block_keys * sizeof(floating)
+    cdef Py_ssize_t v_block_bytes = pb.block_keys * pb.ld_v * sizeof(floating)
 
     begin_rows(pb, ws, b, row0, n_rows, q_packed, &first_key, &last_key)
     if last_key > first_key:
@@ -774,6 +788,12 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             block = first_packed + key0 // K_BLOCK
             kt = packed_keys(pb, ws, block, s)
             v_packed = packed_values(pb, ws, block, s)
+            # the next block's K^T and V are fetched into L2 during this one
+            next_kt = NULL
+            next_v = NULL
+            if key0 + K_BLOCK < last_key:
+                next_kt = packed_keys(pb, ws, block + 1, s)
+                next_v = packed_values(pb, ws, block + 1, s)
             # keys each group of rows can see in this block: on the causal
             # diagonal the upper rows skip the panels only lower rows see
             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
@@ -788,7 +808,8 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             if group_keys[0] == n_keys:
                 # the first rows see the whole block, so all do: one call
                 kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
-                             round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
+                             round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK,
+                             next_kt, k_block_bytes)
             else:
                 for i in range(n_groups):
                     group0 = i * ROW_GROUP
@@ -803,7 +824,7 @@ cdef void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
             if group_keys[0] == n_keys:
                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
-                          pb.ld_v, acc, pb.ld_v)
+                          pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
             else:
                 for i in range(n_groups):
                     group0 = i * ROW_GROUP

@@ -23,6 +23,36 @@
 
 #define MR 6
 
+/* Prefetch into L2 of the block the next call reads (see kernels.h), a
+   share of it before each register tile so that the requests spread over
+   the call instead of queueing at its start. */
+typedef struct {
+    const char *next;
+    ptrdiff_t left;         /* bytes still to prefetch */
+    ptrdiff_t per_tile;     /* bytes before each tile, whole cache lines */
+} ca_ahead;
+
+CA_TILE ca_ahead ahead_start(const void *ahead, ptrdiff_t ahead_bytes, ptrdiff_t n_tiles)
+{
+    ca_ahead a = {(const char *)ahead, ahead == NULL ? 0 : ahead_bytes, 0};
+    if (a.left > 0 && n_tiles > 0)
+        a.per_tile = ((a.left + n_tiles - 1) / n_tiles + 63) & ~(ptrdiff_t)63;
+    else
+        a.left = 0;
+    return a;
+}
+
+CA_TILE void ahead_step(ca_ahead *a)
+{
+    if (a->left <= 0)
+        return;
+    const ptrdiff_t n = a->per_tile < a->left ? a->per_tile : a->left;
+    for (ptrdiff_t b = 0; b < n; b += 64)
+        _mm_prefetch(a->next + b, _MM_HINT_T1);
+    a->next += n;
+    a->left -= n;
+}
+
 /* ---- float32 -------------------------------------------------------- */
 
 /* s[0..R) x [0..16) = q[0..R) . kt[:, 0..16) */
@@ -53,12 +83,15 @@ CA_TILE void score_tile_f32(const float *q, ptrdiff_t ldq, const float *kt,
 
 CA_AVX2 static void score_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                               const float *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
-                              ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds)
+                              ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
+                              const void *ahead, ptrdiff_t ahead_bytes)
 {
+    ca_ahead next = ahead_start(ahead, ahead_bytes,
+                                (n_cols / CA_PANEL_F32) * ((n_rows + MR - 1) / MR));
     for (ptrdiff_t j = 0; j < n_cols; j += CA_PANEL_F32) {
         const float *panel = kt + (j / CA_PANEL_F32) * kt_panel_stride;
         ptrdiff_t i = 0;
-        for (; i + MR <= n_rows; i += MR)
+        for (; i + MR <= n_rows; i += MR, ahead_step(&next))
             score_tile_f32(q + i * ldq, ldq, panel, CA_PANEL_F32, d_k, factor, s + i * lds + j, lds, MR);
         const float *q_tail = q + i * ldq;
         float *s_tail = s + i * lds + j;
@@ -104,12 +137,15 @@ CA_TILE void pv_tile_f32(const float *p, ptrdiff_t ldp, const float *v,
 
 CA_AVX2 static void pv_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                            const float *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys,
-                           ptrdiff_t n_vcols, float *acc, ptrdiff_t ldacc)
+                           ptrdiff_t n_vcols, float *acc, ptrdiff_t ldacc,
+                           const void *ahead, ptrdiff_t ahead_bytes)
 {
+    ca_ahead next = ahead_start(ahead, ahead_bytes,
+                                (n_vcols / CA_PANEL_F32) * ((n_rows + MR - 1) / MR));
     for (ptrdiff_t c = 0; c < n_vcols; c += CA_PANEL_F32) {
         const float *panel = v + (c / CA_PANEL_F32) * v_panel_stride;
         ptrdiff_t i = 0;
-        for (; i + MR <= n_rows; i += MR)
+        for (; i + MR <= n_rows; i += MR, ahead_step(&next))
             pv_tile_f32(p + i * ldp, ldp, panel, CA_PANEL_F32, n_keys, acc + i * ldacc + c, ldacc, MR);
         const float *p_tail = p + i * ldp;
         float *acc_tail = acc + i * ldacc + c;
@@ -226,12 +262,15 @@ CA_TILE void score_tile_f64(const double *q, ptrdiff_t ldq, const double *kt,
 
 CA_AVX2 static void score_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                               const double *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
-                              ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds)
+                              ptrdiff_t d_k, double factor, double *s, ptrdiff_t lds,
+                              const void *ahead, ptrdiff_t ahead_bytes)
 {
+    ca_ahead next = ahead_start(ahead, ahead_bytes,
+                                (n_cols / CA_PANEL_F64) * ((n_rows + MR - 1) / MR));
     for (ptrdiff_t j = 0; j < n_cols; j += CA_PANEL_F64) {
         const double *panel = kt + (j / CA_PANEL_F64) * kt_panel_stride;
         ptrdiff_t i = 0;
-        for (; i + MR <= n_rows; i += MR)
+        for (; i + MR <= n_rows; i += MR, ahead_step(&next))
             score_tile_f64(q + i * ldq, ldq, panel, CA_PANEL_F64, d_k, factor, s + i * lds + j, lds, MR);
         const double *q_tail = q + i * ldq;
         double *s_tail = s + i * lds + j;
@@ -276,12 +315,15 @@ CA_TILE void pv_tile_f64(const double *p, ptrdiff_t ldp, const double *v,
 
 CA_AVX2 static void pv_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                            const double *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys,
-                           ptrdiff_t n_vcols, double *acc, ptrdiff_t ldacc)
+                           ptrdiff_t n_vcols, double *acc, ptrdiff_t ldacc,
+                           const void *ahead, ptrdiff_t ahead_bytes)
 {
+    ca_ahead next = ahead_start(ahead, ahead_bytes,
+                                (n_vcols / CA_PANEL_F64) * ((n_rows + MR - 1) / MR));
     for (ptrdiff_t c = 0; c < n_vcols; c += CA_PANEL_F64) {
         const double *panel = v + (c / CA_PANEL_F64) * v_panel_stride;
         ptrdiff_t i = 0;
-        for (; i + MR <= n_rows; i += MR)
+        for (; i + MR <= n_rows; i += MR, ahead_step(&next))
             pv_tile_f64(p + i * ldp, ldp, panel, CA_PANEL_F64, n_keys, acc + i * ldacc + c, ldacc, MR);
         const double *p_tail = p + i * ldp;
         double *acc_tail = acc + i * ldacc + c;

@@ -13,8 +13,10 @@
 static void score_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,         \
                            const T *kt, ptrdiff_t kt_panel_stride,              \
                            ptrdiff_t n_cols, ptrdiff_t d_k, T factor, T *s,     \
-                           ptrdiff_t lds)                                       \
+                           ptrdiff_t lds, const void *ahead,                    \
+                           ptrdiff_t ahead_bytes)                               \
 {                                                                               \
+    (void)ahead; (void)ahead_bytes; /* prefetching is left to the hardware */  \
     for (ptrdiff_t i = 0; i < n_rows; ++i) {                                    \
         for (ptrdiff_t j0 = 0; j0 < n_cols; j0 += PANEL) {                      \
             const T *panel = kt + (j0 / PANEL) * kt_panel_stride;               \
@@ -34,8 +36,10 @@ static void score_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,         
                                                                                 \
 static void pv_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,            \
                         const T *v, ptrdiff_t v_panel_stride, ptrdiff_t n_keys, \
-                        ptrdiff_t n_vcols, T *acc, ptrdiff_t ldacc)             \
+                        ptrdiff_t n_vcols, T *acc, ptrdiff_t ldacc,             \
+                        const void *ahead, ptrdiff_t ahead_bytes)               \
 {                                                                               \
+    (void)ahead; (void)ahead_bytes;                                             \
     /* the block is summed from zero, then added once (as the SIMD kernels) */ \
     for (ptrdiff_t i = 0; i < n_rows; ++i) {                                    \
         for (ptrdiff_t c0 = 0; c0 < n_vcols; c0 += PANEL) {                     \
