@@ -1020,7 +1020,9 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
     cdef floating *scores_block = scores + (b * pb.n_queries + row0) * ld_scores
     cdef const floating *k_rows
     cdef const floating *v_rows
-    cdef Py_ssize_t ld_rows
+    cdef Py_ssize_t ld_rows, ld_tile
+    cdef floating *tile
+    cdef bint in_place
 
     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key = n_keys_total
@@ -1056,23 +1058,33 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
         if key0 + n_keys > last_key:
             n_keys = last_key - key0
+        # logits go straight into SCORES, unless the kernel would write
+        # past the block (a last block whose keys are not whole panels)
+        in_place = pb.direct or n_keys % P == 0
+        if in_place:
+            tile = scores_block + key0
+            ld_tile = ld_scores
+        else:
+            tile = s
+            ld_tile = K_BLOCK
         if pb.direct:
             # few rows: keys read in place, as on the direct path
             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
                                    <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows,
                                    False)
             kernel_score_direct(kern, q_packed, pb.ld_k, n_rows, k_rows, ld_rows, n_keys,
-                                pb.d_k, pb.scale, s, K_BLOCK, NULL, 0, 0)
+                                pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
         else:
             kt = packed_keys(pb, ws, first_packed + key0 // K_BLOCK, q_packed)
             kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
-                         round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK)
-        mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
+                         round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+        mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
         for i in range(n_rows):
-            s_row = s + i * K_BLOCK
-            scores_row = scores_block + i * ld_scores + key0
-            for j in range(n_keys):
-                scores_row[j] = s_row[j]
+            s_row = tile + i * ld_tile
+            if not in_place:
+                scores_row = scores_block + i * ld_scores + key0
+                for j in range(n_keys):
+                    scores_row[j] = s_row[j]
             tile_max = kernel_row_max(kern, s_row, n_keys)
             if tile_max > row_max[i] or tile_max != tile_max:
                 row_max[i] = tile_max
