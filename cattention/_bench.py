@@ -52,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 
@@ -340,9 +341,11 @@ RETURNS_WEIGHTS = (CATTENTION_SCORES, NUMPY, TORCH_EXPLICIT)
 # Measurement
 # ---------------------------------------------------------------------------
 
-#: After a settle pause the core has idled: spin this long before the next
-#: timed call so that it does not pay for waking up (tens of microseconds,
-#: the whole of a tiny call).
+#: After a settle pause the cores have idled: keep every core the next call
+#: uses busy for this long before it is timed, so that it does not pay for
+#: waking up. One core costs tens of microseconds (the whole of a tiny call);
+#: on a virtual machine an idle second core took 5-10 ms to join a parallel
+#: region, more than a whole decode step.
 WAKE_SECONDS = 0.005
 
 
@@ -352,14 +355,35 @@ def _busy_wait(seconds):
         pass
 
 
-def time_round_robin(impls, rounds, settle=None, repeats=1):
+def _wake_cores(n_cores, seconds=WAKE_SECONDS):
+    """Keep ``n_cores`` cores busy for ``seconds``: this thread spins, and
+    n_cores - 1 others run NumPy additions, which release the GIL, so each
+    keeps a core of its own busy whatever library runs next."""
+    end = time.perf_counter() + seconds
+
+    def spin():
+        a = np.ones(1 << 16, dtype=np.float32)
+        b = np.empty_like(a)
+        while time.perf_counter() < end:
+            np.add(a, a, out=b)
+
+    helpers = [threading.Thread(target=spin) for _ in range(n_cores - 1)]
+    for helper in helpers:
+        helper.start()
+    _busy_wait(seconds)
+    for helper in helpers:
+        helper.join()
+
+
+def time_round_robin(impls, rounds, settle=None, repeats=1, threads=1):
     """{name: [seconds]}: in every round each implementation runs once
     (``repeats`` calls back to back, timed together, for calls too short to
     time one by one).
 
     The starting implementation rotates from round to round. Freeing a
     result is not timed. ``settle`` maps names to an untimed pause after
-    each of their calls (see :data:`BLAS_SETTLE_SECONDS`).
+    each of their calls (see :data:`BLAS_SETTLE_SECONDS`), after which
+    ``threads`` cores are woken (:func:`_wake_cores`).
     """
     settle = settle or {}
     names = list(impls)
@@ -374,7 +398,7 @@ def time_round_robin(impls, rounds, settle=None, repeats=1):
             del result
             if name in settle:
                 time.sleep(settle[name])
-                _busy_wait(WAKE_SECONDS)
+                _wake_cores(threads)
     return times
 
 
@@ -474,12 +498,14 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
         if reference is not None:
             errors[name] = float(np.max(np.abs(out - reference), initial=0.0))
         del out
-    time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)  # after NumPy and the reference
+    if threads > 1:  # after NumPy and the reference
+        time.sleep(BLAS_SETTLE_SECONDS)
+        _wake_cores(threads)
     counters, t0 = _cpu_counters(), time.perf_counter()
     # microsecond calls are timed in runs: one call alone measures the timer
     # and whatever the previous implementation left in the caches
     repeats = TINY_REPEATS if case.score_elements <= TINY_ELEMENTS else 1
-    times = time_round_robin(impls, rounds, settle, repeats)
+    times = time_round_robin(impls, rounds, settle, repeats, threads)
     background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     records = []
