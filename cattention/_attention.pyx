@@ -365,8 +365,8 @@ cdef bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_strid
     cdef floating *dst
     cdef floating x
     # x - x is 0 for finite x and NaN for NaN or +-Inf, so these sums turn
-    # NaN exactly when some value is not finite; one per lane of a panel so
-    # they vectorise (a branch or a single running sum would not)
+    # NaN exactly when some value is not finite; one per lane of a panel,
+    # which leaves the compiler free to vectorise (a branch would not)
     cdef floating probe[16]
     if floating is float:
         if col_stride == 1 or d_v <= 1:

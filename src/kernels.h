@@ -43,9 +43,10 @@ typedef struct ca_kernels {
        out of every logit.
        Both packed kernels also prefetch into L2, spread over their tiles,
        the ahead_bytes at ahead (may be NULL): the packed block the next call
-       reads. Packed blocks are read from L3 once per block of query rows,
-       and the hardware prefetcher, which stops at page boundaries, left
-       them to stall the tiles (about a fifth of the P.V time). */
+       reads. Packed blocks come from L3 once per block of query rows; the
+       hardware prefetcher stops at page boundaries, and a P.V kernel
+       streaming its V block from L3 ran about a fifth slower than on one in
+       L2 (measured alone; in the driver the prefetch gains 1-5%). */
     void (*score_f32)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                       const float *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
                       ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
