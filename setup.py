@@ -5,8 +5,8 @@ extension is built serial with a loud warning (CATTENTION_REQUIRE_OPENMP=1
 makes that an error, for wheel builds). The default build targets the
 baseline instruction set of the platform: faster kernels are compiled with
 per-function target attributes and chosen at run time, so the build never
-targets the build machine's CPU, and no fast-math option relaxes IEEE
-semantics (masked logits are -inf and NaN must propagate).
+targets the build machine's CPU, and no option relaxes IEEE semantics
+(masked logits are -inf and NaN must propagate).
 """
 
 import os
