@@ -45,8 +45,8 @@ def heads_first(x):
     return np.swapaxes(x, 0, 1)
 
 
-SHAPES = [(37, 300, 4, 16, 24), (1, 513, 3, 64, 64), (5, 5, 2, 8, 8),
-          (300, 37, 3, 17, 9), (97, 1025, 2, 32, 40)]
+SHAPES = [(37, 300, 4, 16, 24), (1, 513, 3, 64, 64), (1, 4096, 3, 64, 64),
+          (4, 2048, 2, 32, 16), (5, 5, 2, 8, 8), (300, 37, 3, 17, 9), (97, 1025, 2, 32, 40)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -61,10 +61,12 @@ def test_float32_heads_in_prange(downstream, shape, causal):
     qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
     assert_matches_reference(heads_first(out), None, qh, kh, vh, causal=causal)
     np.testing.assert_allclose(lse, reference_lse(qh, kh, causal), rtol=0, atol=2e-5)
-    # the same driver as the Python API: the same bits
-    expected, expected_lse = ca.attention(qh, kh, vh, causal=causal, return_lse=True)
-    assert_bitwise_equal(heads_first(out), expected)
-    assert_bitwise_equal(lse, expected_lse)
+    # the same driver as the Python API on each head alone: the same bits
+    for h in range(n_heads):
+        expected, expected_lse = ca.attention(qh[h], kh[h], vh[h], causal=causal,
+                                              return_lse=True)
+        assert_bitwise_equal(out[:, h], expected)
+        assert_bitwise_equal(lse[h], expected_lse)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -85,13 +87,17 @@ def test_float64_with_scores(downstream, causal):
     assert_bitwise_equal(scores, expected_scores)
 
 
-def test_thread_counts_give_the_same_bits(downstream):
-    q, k, v = interleaved(3, 200, 700, 4, 32, 32, np.float32)
+@pytest.mark.parametrize("shape", [(200, 700, 4, 32, 32), (1, 4096, 2, 64, 64)], ids=str)
+def test_thread_counts_give_the_same_bits(downstream, shape):
+    n_queries, n_keys, n_heads, d_k, d_v = shape
+    q, k, v = interleaved(3, n_queries, n_keys, n_heads, d_k, d_v, np.float32)
     results = []
-    for n_threads in (1, 2, 3):
-        out = np.empty((200, 4, 32), np.float32)
-        lse = np.empty((4, 200), np.float32)
-        assert downstream.heads_f32(q, k, v, out, lse, 0.2, True, n_threads) == 0
+    # threads of the caller's prange, and threads of each call
+    for prange_threads, call_threads in ((1, 1), (2, 1), (3, 1), (1, 2), (1, 3)):
+        out = np.empty((n_queries, n_heads, d_v), np.float32)
+        lse = np.empty((n_heads, n_queries), np.float32)
+        assert downstream.heads_f32(q, k, v, out, lse, 0.2, True, prange_threads,
+                                    call_threads) == 0
         results.append(out)
     for out in results[1:]:
         assert_bitwise_equal(out, results[0])
@@ -99,8 +105,11 @@ def test_thread_counts_give_the_same_bits(downstream):
 
 @pytest.mark.parametrize("case, status", [
     ("ok", "CATTENTION_OK"),
+    ("scores only", "CATTENTION_OK"),
     ("negative size", "CATTENTION_ERR_SIZE"),
     ("null query", "CATTENTION_ERR_POINTER"),
+    ("null key", "CATTENTION_ERR_POINTER"),
+    ("null value", "CATTENTION_ERR_POINTER"),
     ("no output", "CATTENTION_ERR_POINTER"),
     ("short output stride", "CATTENTION_ERR_STRIDE"),
     ("short scores stride", "CATTENTION_ERR_STRIDE"),
@@ -112,7 +121,10 @@ def test_status_codes(downstream, case, status):
     codes = {line.split()[1]: int(line.split()[2]) for line in header.splitlines()
              if line.startswith("#define CATTENTION_") and len(line.split()) >= 3
              and line.split()[2].isdigit()}
-    assert downstream.status_of(case) == codes[status]
+    code, untouched = downstream.status_of(case)
+    assert code == codes[status]
+    # a rejected call writes nothing; an accepted one writes its outputs
+    assert untouched == (status != "CATTENTION_OK")
 
 
 def test_pxd_and_header_ship_with_the_package():

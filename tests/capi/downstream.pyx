@@ -10,8 +10,9 @@ from cattention._attention cimport (
 
 def heads_f32(const float[:, :, ::1] q, const float[:, :, ::1] k,
               const float[:, :, ::1] v, float[:, :, ::1] out, float[:, ::1] lse,
-              double scale, bint causal, int n_threads):
-    """out[:, h] = attention(q[:, h], k[:, h], v[:, h]); returns failed calls."""
+              double scale, bint causal, int n_threads, int call_threads=1):
+    """out[:, h] = attention(q[:, h], k[:, h], v[:, h]) over a prange of
+    n_threads, each call with call_threads; returns the failed calls."""
     cdef Py_ssize_t n_heads = q.shape[1], h
     cdef Py_ssize_t d_k = q.shape[2], d_v = v.shape[2]
     cdef int flags = CATTENTION_CAUSAL if causal else 0
@@ -21,7 +22,7 @@ def heads_f32(const float[:, :, ::1] q, const float[:, :, ::1] k,
                          &q[0, h, 0], n_heads * d_k, &k[0, h, 0], n_heads * d_k,
                          &v[0, h, 0], n_heads * d_v, scale, flags,
                          &out[0, h, 0], n_heads * d_v, NULL, 0,
-                         &lse[h, 0], 1) != CATTENTION_OK:
+                         &lse[h, 0], call_threads) != CATTENTION_OK:
             failures += 1
     return failures
 
@@ -44,33 +45,47 @@ def heads_f64(const double[:, :, ::1] q, const double[:, :, ::1] k,
     return failures
 
 
-CASES = ["ok", "negative size", "null query", "no output", "short output stride",
-         "short scores stride", "nan scale", "unknown flag"]
+CASES = ["ok", "negative size", "null query", "null key", "null value",
+         "no output", "short output stride", "short scores stride", "nan scale",
+         "unknown flag", "scores only"]
 
 
 def status_of(str case):
-    """The status code of a call that is wrong in the named way."""
+    """(status code, whether OUT and SCORES kept their contents) of a 2 x 2
+    call that is wrong in the named way ("ok" and "scores only" are not)."""
     cdef float q[4]
     cdef float out[4]
+    cdef float scores[4]
     cdef float nan = float("nan")
     cdef int which = CASES.index(case), status = -1, i
+    cdef bint untouched = True
     for i in range(4):
         q[i] = 1
+        out[i] = -7
+        scores[i] = -7
     with nogil:
         if which == 0:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, NULL, 0, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
         elif which == 1:
-            status = attention_f32(-1, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, NULL, 0, NULL, 1)
+            status = attention_f32(-1, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
         elif which == 2:
-            status = attention_f32(2, 2, 2, 2, NULL, 2, q, 2, q, 2, 1.0, 0, out, 2, NULL, 0, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, NULL, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
         elif which == 3:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, NULL, 2, NULL, 0, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, NULL, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
         elif which == 4:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 1, NULL, 0, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
         elif which == 5:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, out, 1, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, NULL, 2, NULL, 0, NULL, 1)
         elif which == 6:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, nan, 0, out, 2, NULL, 0, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 1, scores, 2, NULL, 1)
+        elif which == 7:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 1, NULL, 1)
+        elif which == 8:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, nan, 0, out, 2, scores, 2, NULL, 1)
+        elif which == 9:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 4, out, 2, scores, 2, NULL, 1)
         else:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 4, out, 2, NULL, 0, NULL, 1)
-    return status
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 0, 1.0, 0, NULL, 0, scores, 2, NULL, 1)
+    for i in range(4):
+        untouched = untouched and out[i] == -7 and scores[i] == -7
+    return status, untouched
