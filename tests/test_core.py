@@ -119,12 +119,22 @@ def test_many_short_sequences(simd, dtype, shape, causal):
     mask[:, 3] = False
     check_against_reference(q, k, v, causal=causal, mask=mask)
     one = ca.attention(q, k, v, causal=causal, mask=mask, num_threads=1)
-    for n_threads in (2, 3):
+    # up to 3 threads each take whole batch entries; 8 threads are too many
+    # for that (fewer than 4 entries each) and share K/V packed up front
+    for n_threads in (2, 3, 8):
         assert_bitwise_equal(ca.attention(q, k, v, causal=causal, mask=mask,
                                           num_threads=n_threads), one)
     # a NaN in a value that no row attends to changes nothing
     v[1, 2, 3, 5] = np.nan
     assert_bitwise_equal(ca.attention(q, k, v, causal=causal, mask=mask), one)
+    # one that rows do attend to reaches exactly those rows, in that column
+    v[1, 2, 7, 5] = np.nan
+    seen = ca.attention(q, k, v, causal=causal, mask=mask, num_threads=1)
+    assert_bitwise_equal(ca.attention(q, k, v, causal=causal, mask=mask, num_threads=8),
+                         seen)
+    sees_key = visible_positions(T, S, causal, mask)[:, 7]
+    assert np.array_equal(np.isnan(seen[1, 2, :, 5]), sees_key)
+    assert not np.isnan(np.delete(seen[1, 2], 5, axis=-1)).any()
 
 
 H, T_M, S_M, D_M, DV_M = 3, 17, 29, 16, 11
