@@ -399,6 +399,12 @@ cdef bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_strid
                     dst[l] = x
                 else:
                     dst[l] = 0
+            # double panels are 8 wide and ld_v a multiple of 16: a panel
+            # wholly past d_v is zero too (the P.V kernel reads it)
+            for c in range(n_full + 1, ld_v // P):
+                dst = v_packed + c * panel_stride + j * P
+                for l in range(P):
+                    dst[l] = 0
     x = 0
     for l in range(P):
         x += probe[l]

@@ -103,6 +103,8 @@ CA_AVX2 static void score_f32(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
         case 1: score_tile_f32(q_tail, ldq, panel, CA_PANEL_F32, d_k, factor, s_tail, lds, 1); break;
         default: break;
         }
+        if (i < n_rows)
+            ahead_step(&next);
     }
 }
 
@@ -157,6 +159,8 @@ CA_AVX2 static void pv_f32(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
         case 1: pv_tile_f32(p_tail, ldp, panel, CA_PANEL_F32, n_keys, acc_tail, ldacc, 1); break;
         default: break;
         }
+        if (i < n_rows)
+            ahead_step(&next);
     }
 }
 
@@ -282,6 +286,8 @@ CA_AVX2 static void score_f64(const double *q, ptrdiff_t ldq, ptrdiff_t n_rows,
         case 1: score_tile_f64(q_tail, ldq, panel, CA_PANEL_F64, d_k, factor, s_tail, lds, 1); break;
         default: break;
         }
+        if (i < n_rows)
+            ahead_step(&next);
     }
 }
 
@@ -335,6 +341,8 @@ CA_AVX2 static void pv_f64(const double *p, ptrdiff_t ldp, ptrdiff_t n_rows,
         case 1: pv_tile_f64(p_tail, ldp, panel, CA_PANEL_F64, n_keys, acc_tail, ldacc, 1); break;
         default: break;
         }
+        if (i < n_rows)
+            ahead_step(&next);
     }
 }
 
