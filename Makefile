@@ -56,8 +56,9 @@ bench-quick: bench-deps
 # The test suite under AddressSanitizer and UndefinedBehaviorSanitizer: the
 # extension is rebuilt instrumented (any report aborts the run), then rebuilt
 # normally. Python itself is not instrumented, hence LD_PRELOAD and no leak
-# check (CPython keeps memory until exit by design).
-asan: $(STAMP)
+# check (CPython keeps memory until exit by design). The editable install
+# lets tests that run Python in other directories import this build.
+asan: install
 	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
 	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -69,7 +70,7 @@ asan: $(STAMP)
 # for FUZZ_SECONDS under AddressSanitizer + UBSan; the test suite runs a
 # bounded, uninstrumented pass of the same harness.
 FUZZ_SECONDS ?= 300
-fuzz: $(STAMP)
+fuzz: install
 	$(VPY) -m pip install -q atheris
 	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
 	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
