@@ -275,11 +275,23 @@ cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
     ca_scratch_release(CA_SCRATCH_WORKSPACE, ws)
 
 
+cdef inline size_t packed_k_bytes(const Problem *pb, Py_ssize_t n_blocks,
+                                  size_t itemsize) noexcept nogil:
+    """Bytes of n_blocks packed K^T blocks, rounded to a cache line (the
+    V blocks follow them, then a flag per block)."""
+    return round_up(n_blocks * pb.ld_k * pb.block_keys * itemsize, 64)
+
+
+cdef inline size_t packed_v_bytes(const Problem *pb, Py_ssize_t n_blocks,
+                                  size_t itemsize) noexcept nogil:
+    return round_up(n_blocks * pb.block_keys * pb.ld_v * itemsize, 64)
+
+
 cdef Workspace *workspace_new_per_entry(const Problem *pb, size_t itemsize) noexcept nogil:
     """A workspace with room for the packed K/V blocks of one batch entry."""
     cdef Workspace *ws = workspace_new(pb, itemsize)
-    cdef size_t k_bytes = round_up(pb.n_key_blocks * pb.ld_k * pb.block_keys * itemsize, 64)
-    cdef size_t v_bytes = round_up(pb.n_key_blocks * pb.block_keys * pb.ld_v * itemsize, 64)
+    cdef size_t k_bytes = packed_k_bytes(pb, pb.n_key_blocks, itemsize)
+    cdef size_t v_bytes = packed_v_bytes(pb, pb.n_key_blocks, itemsize)
     cdef char *own
     if ws == NULL:
         return NULL
@@ -1275,8 +1287,8 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
     if per_entry:
         # each thread packs into its own blocks (run_entry)
         n_packed = 0
-    cdef size_t k_bytes = round_up(n_packed * pb.ld_k * pb.block_keys * itemsize, 64)
-    cdef size_t v_bytes = round_up(n_packed * pb.block_keys * pb.ld_v * itemsize, 64)
+    cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
+    cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
     cdef char *packed = NULL
     if not per_entry:
         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
