@@ -1152,10 +1152,10 @@ cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *
                           Py_ssize_t item, Py_ssize_t n_blocks, floating *out,
                           floating *scores) noexcept nogil:
     # One batch entry's query blocks follow each other, so the entry's
-    # packed K/V stay in cache from one to the next (2-9% faster, at 1 or 2
-    # threads, than taking the entries in turn). Within an entry the last
-    # query blocks, which see the most keys under a causal mask, come first,
-    # so the dynamic schedule ends with cheap ones.
+    # packed K/V stay in cache from one to the next (up to 9% faster, at 1
+    # or 2 threads, than taking the entries in turn). Within an entry the
+    # last query blocks, which see the most keys under a causal mask, come
+    # first, so the dynamic schedule ends with cheap ones.
     cdef Py_ssize_t block = n_blocks - 1 - item % n_blocks
     cdef Py_ssize_t b = item // n_blocks
     cdef Py_ssize_t row0 = block * Q_BLOCK
