@@ -8,12 +8,15 @@ See ``attention`` for the conventions (bottom-right causal alignment, True
 in a bool mask means "may attend", zero rows for rows that see no key).
 """
 
-import os
+import os as _os
 
-import numpy as np
+import numpy as _np
 
-from . import _attention
-from ._api import attention, attention_scores, get_num_threads, merge, set_num_threads
+# first: the extension is loaded with the OpenMP wait policy of _runtime
+from ._runtime import wait_policy as _wait_policy
+from . import _attention  # noqa: E402 (loaded above)
+from ._api import (attention, attention_scores, get_num_threads, limit_threads, merge,
+                   set_num_threads)
 from ._kvcache import attention_with_kvcache
 from ._plot import plot_scores
 from ._version import __version__
@@ -25,6 +28,7 @@ __all__ = [
     "attention_with_kvcache",
     "get_include",
     "get_num_threads",
+    "limit_threads",
     "merge",
     "plot_scores",
     "set_num_threads",
@@ -47,7 +51,7 @@ def get_include() -> str:
     >>> os.path.isfile(os.path.join(cattention.get_include(), "cattention.h"))
     True
     """
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+    return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
 
 
 def show_config() -> None:
@@ -56,8 +60,9 @@ def show_config() -> None:
     One line each: the cattention version; the compiler that built the
     extension; whether it was built with OpenMP (and which version) and the
     thread count a call would use (:func:`get_num_threads`); the OpenMP
-    runtime library loaded (libgomp, libomp, or the copy inside a wheel); the
-    SIMD kernel table in use and those this CPU can run; the NumPy version.
+    runtime library loaded (libgomp, libomp, or the copy inside a wheel); how
+    its idle threads wait (see "Threads" in the README); the SIMD kernel table
+    in use and those this CPU can run; the NumPy version.
 
     Returns
     -------
@@ -72,22 +77,27 @@ def show_config() -> None:
       compiler: ...
       OpenMP:   ... threads: ...
       runtime:  ...
+      waiting:  ...
       SIMD:     ... (available: ...)
       NumPy:    ...
     """
-    openmp = (f"yes (OpenMP {_attention.openmp_version()}), "
-              f"threads: {get_num_threads()}"
-              if _attention.openmp_enabled()
-              else "no (serial build), threads: 1")
+    if not _attention.openmp_enabled():
+        openmp = "no (serial build), threads: 1"
+    elif _attention.forked_after_parallel():
+        openmp = (f"yes (OpenMP {_attention.openmp_version()}), threads: 1 (a child "
+                  "forked after a parallel region: calls run serially)")
+    else:
+        openmp = f"yes (OpenMP {_attention.openmp_version()}), threads: {get_num_threads()}"
     runtime = _attention.openmp_runtime() or "none"
     lines = [
         f"cattention {__version__}",
         f"  compiler: {_attention.compiler()}",
         f"  OpenMP:   {openmp}",
         f"  runtime:  {runtime}",
+        f"  waiting:  {_wait_policy}",
         f"  SIMD:     {_attention.get_simd()} "
         f"(available: {', '.join(_attention.available_simd())}; "
         "CATTENTION_SIMD selects one)",
-        f"  NumPy:    {np.__version__}",
+        f"  NumPy:    {_np.__version__}",
     ]
     print("\n".join(lines))

@@ -115,6 +115,17 @@ def sentence_demo(path, causal):
     return 0
 
 
+def _positive_int(text):
+    """argparse type: an integer >= 1 (sizes and counts of the demo)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m cattention",
@@ -122,12 +133,12 @@ def main(argv=None):
     parser.add_argument("--version", action="version", version=f"cattention {__version__}")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("demo", help="attention on a default workload, checked and timed (default)")
-    run.add_argument("--batch", type=int, default=1)
-    run.add_argument("--heads", type=int, default=8)
-    run.add_argument("--queries", type=int, default=1024)
-    run.add_argument("--keys", type=int, default=1024)
-    run.add_argument("--dim", type=int, default=64)
-    run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--batch", type=_positive_int, default=1)
+    run.add_argument("--heads", type=_positive_int, default=8)
+    run.add_argument("--queries", type=_positive_int, default=1024)
+    run.add_argument("--keys", type=_positive_int, default=1024)
+    run.add_argument("--dim", type=_positive_int, default=64)
+    run.add_argument("--repeats", type=_positive_int, default=5)
     run.add_argument("--plot", metavar="PATH",
                      help="instead of the timing demo: attention over a built-in sentence, "
                           "a heatmap of the weights written to PATH (PNG, or .svg/.pdf; "

@@ -8,10 +8,12 @@ negative or zero strides) without copying.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal, SupportsIndex, cast, overload
 
 import numpy as np
@@ -23,6 +25,7 @@ __all__ = [
     "attention",
     "attention_scores",
     "get_num_threads",
+    "limit_threads",
     "merge",
     "set_num_threads",
 ]
@@ -33,6 +36,16 @@ _SUPPORTED_DTYPES = (
 
 # Thread count set by set_num_threads(); None follows OpenMP's current setting.
 _thread_limit: int | None = None
+
+# Thread count of calls from one Python thread, set by limit_threads().
+_local = threading.local()
+
+
+def _current_limit() -> int | None:
+    """The thread count that applies to a call from this Python thread with
+    num_threads=None: limit_threads(), else set_num_threads(), else None."""
+    limit: int | None = getattr(_local, "limit", None)
+    return _thread_limit if limit is None else limit
 
 _FloatArray = NDArray[np.floating[Any]]
 
@@ -98,9 +111,67 @@ def get_num_threads() -> int:
     3
     >>> ca.set_num_threads(None)
     """
-    if _thread_limit is not None:
-        return _thread_limit
+    limit = _current_limit()
+    if limit is not None:
+        return 1 if _attention.forked_after_parallel() else limit
     return max(1, _attention.max_threads())
+
+
+@contextlib.contextmanager
+def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
+    """Set the thread count of calls made by the current Python thread, for
+    the duration of a ``with`` block.
+
+    A service that calls cattention from many Python threads (a thread pool,
+    a web server's workers) should run each call on one OpenMP thread, or on
+    a share of the cores: otherwise every caller starts a team of
+    :func:`get_num_threads` threads and they compete for the same cores. The
+    setting is local to the calling Python thread, overrides
+    :func:`set_num_threads`, and is overridden by a call's own
+    ``num_threads``. Blocks nest; the previous setting is restored on exit.
+
+    Parameters
+    ----------
+    n : int or None
+        A positive thread count, or None for no thread-local setting inside
+        the block.
+
+    Raises
+    ------
+    ValueError
+        If ``n`` is neither None nor a positive integer.
+
+    See Also
+    --------
+    set_num_threads, get_num_threads
+
+    Examples
+    --------
+    >>> import cattention as ca
+    >>> with ca.limit_threads(1):
+    ...     ca.get_num_threads()
+    1
+
+    In a thread pool, each task runs under the limit:
+
+    >>> from concurrent.futures import ThreadPoolExecutor
+    >>> import numpy as np
+    >>> q = np.ones((4, 16, 8), np.float32)
+    >>> def task(x):
+    ...     with ca.limit_threads(1):
+    ...         return ca.attention(x, x, x)
+    >>> with ThreadPoolExecutor(4) as pool:
+    ...     results = list(pool.map(task, [q] * 8))
+    >>> len(results)
+    8
+    """
+    value = None if n is None else _check_num_threads(n)
+    previous = getattr(_local, "limit", None)
+    _local.limit = value
+    try:
+        yield
+    finally:
+        _local.limit = previous
 
 
 def _check_num_threads(n: Any) -> int:
@@ -112,14 +183,40 @@ def _check_num_threads(n: Any) -> int:
         raise ValueError(f"num_threads must be a positive integer, got {n!r}") from None
     if value < 1:
         raise ValueError(f"num_threads must be a positive integer, got {value}")
+    if value > _attention.MAX_NUM_THREADS:
+        raise ValueError(f"num_threads must be at most {_attention.MAX_NUM_THREADS} "
+                         f"(OpenMP's limit), got {value}")
     return value
 
 
+def _check_flag(value: object, name: str) -> bool:
+    """A bool option: a string or an array is refused, not read as its truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    return bool(value)
+
+
+def _native(arr: NDArray[Any]) -> NDArray[Any]:
+    """arr in the machine's byte order: a big-endian array (np.load of a
+    ">f4" file, FITS, HDF5, np.frombuffer) is converted, so the kernels
+    never read swapped bytes as numbers."""
+    if arr.dtype.isnative:
+        return arr
+    return arr.astype(arr.dtype.newbyteorder("="))
+
+
 def _as_input(x: ArrayLike, name: str) -> NDArray[Any]:
-    arr = np.asarray(x)
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        arr = np.asarray(x)
+    except ValueError as exc:
+        # e.g. a ragged nested list: NumPy's message does not say which argument
+        raise ValueError(f"{name} is not a regular array: {exc}") from None
     if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; cattention supports {_SUPPORTED_DTYPES}")
+    arr = _native(arr)
     if arr.ndim < 2:
         raise ValueError(
             f"{name} must have at least 2 dimensions (..., rows, features); "
@@ -149,7 +246,7 @@ def _to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
 
 def _prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
                   dtype: np.dtype[Any]) -> NDArray[Any]:
-    arr = np.asarray(mask)
+    arr = _native(np.asarray(mask))
     given_shape = arr.shape
     if arr.dtype == np.bool_:
         pass
@@ -184,6 +281,17 @@ def _resolve_scale(scale: object, d_k: int) -> float:
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
     return value
+
+
+def _check_scale_fits(scale: float, compute: np.dtype[Any]) -> None:
+    """The kernels multiply in the compute dtype: a scale it cannot hold
+    would turn every logit into inf (then NaN) or 0."""
+    info = np.finfo(compute)
+    if scale != 0 and not (float(info.smallest_subnormal) <= abs(scale) <= float(info.max)):
+        raise ValueError(
+            f"scale {scale!r} is not representable in {compute} (the compute dtype of "
+            f"these inputs): |scale| must be 0 or lie in [{info.smallest_subnormal}, "
+            f"{info.max}]")
 
 
 def _split_head_axis(arr: ArrayLike | None, n_heads: int, n_kv_heads: int, what: str,
@@ -325,6 +433,57 @@ def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
     return full
 
 
+def _lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any],
+                          v: NDArray[Any] | None) -> NDArray[Any]:
+    """kv_lengths with a 1-D array of length B taken as one length per
+    sequence (the first batch axis), as ``cache_lengths`` is, whatever the
+    other batch dimensions are: with inputs (B, H, T, d) and B == H a bare
+    trailing-axis broadcast would silently read it per head."""
+    arr = _native(np.asarray(kv_lengths))
+    operands = (q, k) if v is None else (q, k, v)
+    try:
+        batch_shape = np.broadcast_shapes(*(a.shape[:-2] for a in operands))
+    except ValueError:
+        # grouped heads (H != H_kv) or a mismatch, reported later
+        batch_shape = q.shape[:-2]
+    if arr.ndim != 1 or len(batch_shape) < 2 or arr.shape[0] == 1:
+        return arr
+    if arr.shape[0] != batch_shape[0]:
+        raise ValueError(
+            f"kv_lengths of shape {arr.shape} is ambiguous for batch dimensions "
+            f"{batch_shape}: a 1-D kv_lengths holds one length per sequence and must "
+            f"have length B = {batch_shape[0]}; for other layouts pass an array that "
+            f"broadcasts to {batch_shape}, e.g. shape {batch_shape[:1] + batch_shape[1:]} "
+            f"or {(1,) + batch_shape[1:]}")
+    return arr.reshape(arr.shape + (1,) * (len(batch_shape) - 1))
+
+
+def _gqa_hint(q: NDArray[Any], k: NDArray[Any]) -> str:
+    """A hint when q has a multiple of k's heads but enable_gqa was not given."""
+    if q.ndim >= 3 and k.ndim >= 3:
+        n_heads, n_kv_heads = q.shape[-3], k.shape[-3]
+        if 1 < n_kv_heads < n_heads and n_heads % n_kv_heads == 0:
+            return (f"; q has {n_heads} heads and k {n_kv_heads} (axis -3): pass "
+                    "enable_gqa=True for grouped-query attention")
+    return ""
+
+
+def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: bool,
+                  scale: float | None, window: Any, softcap: float | None,
+                  alibi_slopes: ArrayLike | None,
+                  num_threads: SupportsIndex | None) -> None:
+    """Raise as :func:`attention` would on these options, computing nothing:
+    for callers that must refuse a call before they write (a KV cache)."""
+    compute, _ = _compute_dtype(q, k, v)
+    _check_scale_fits(_resolve_scale(scale, q.shape[-1]), compute)
+    _check_window(window, causal)
+    _check_softcap(softcap)
+    if num_threads is not None:
+        _check_num_threads(num_threads)
+    if alibi_slopes is not None:
+        _prepare_alibi(alibi_slopes, q.shape[:-2])
+
+
 def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
          mask: ArrayLike | None, scale: float | None, want_out: bool, want_scores: bool,
          num_threads: SupportsIndex | None, want_lse: bool = False, enable_gqa: bool = False,
@@ -336,6 +495,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
     k = _as_input(k, "k")
     if v is not None:
         v = _as_input(v, "v")
+    if kv_lengths is not None and query_period == 0:
+        kv_lengths = _lengths_per_sequence(kv_lengths, q, k, v)
     if enable_gqa:
         q, k, v, mask, kv_lengths, alibi_slopes, n_heads = _group_query_heads(
             q, k, v, mask, kv_lengths, alibi_slopes)
@@ -404,9 +565,11 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
             for name, arr in zip(names, list(operands) + ([mask] if mask is not None else [])))
         raise ValueError(
             f"batch dimensions do not broadcast: {described} "
-            f"(leading shapes {', '.join(str(s) for s in leading)})") from None
+            f"(leading shapes {', '.join(str(s) for s in leading)})"
+            f"{_gqa_hint(q, k)}") from None
 
     scale = _resolve_scale(scale, d_k)
+    _check_scale_fits(scale, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
     if kv_lengths is not None:
         kv_lengths = _prepare_kv_lengths(kv_lengths, batch_shape, n_keys)
@@ -538,8 +701,11 @@ def attention(
         (``-inf`` masks). Combines with ``causal``. Its leading dimensions
         take part in batch broadcasting.
     scale : float, optional
-        Multiplies ``Q K^T``; default ``1 / sqrt(d_k)``. Any finite value,
-        including 0 and negatives.
+        Multiplies ``Q K^T``; default ``1 / sqrt(d_k)``. Any finite value
+        the compute dtype holds (for float32, 0 or a magnitude between
+        1.4e-45 and 3.4e38), including 0 and negatives. The scaled logits
+        must be finite in the compute dtype: a row with a logit beyond its
+        range (float32: 3.4e38) is NaN.
     return_scores : bool, default False
         Also return SCORES.
     return_lse : bool, default False
@@ -552,9 +718,13 @@ def attention(
         key/value head ``h // (H // H_kv)`` (PyTorch's ``enable_gqa``). K and
         V are never copied or repeated. A mask's head axis may be H or 1.
     kv_lengths : array_like of int, optional
-        Broadcastable to the batch shape (the dimensions before T, e.g.
-        ``(B, 1)`` or ``(B, H)`` for ``(B, H, T, d)`` inputs, or a scalar):
-        batch entry b has only its first ``kv_lengths[b]`` keys (right
+        Valid key counts: a scalar; a 1-D array of length B, one length per
+        sequence (the first batch axis: for ``(B, H, T, d)`` inputs it
+        applies to every head of sequence b, as ``cache_lengths`` does; any
+        other 1-D length is an error when there are several batch
+        dimensions); or an array broadcastable to the batch shape (the
+        dimensions before T, e.g. ``(B, H)`` for one length per head).
+        Batch entry b has only its first ``kv_lengths[b]`` keys (right
         padding, as in a batched KV cache); the others take no part. With
         ``causal=True`` the alignment uses the valid length: key j is visible
         to query i iff ``j <= i + (kv_lengths[b] - T)``. Values in [0, S].
@@ -570,7 +740,8 @@ def attention(
         Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
         convention), the slope of each query head.
     num_threads : int, optional
-        Threads for this call; default ``get_num_threads()``.
+        Threads for this call; default ``get_num_threads()`` (which
+        :func:`limit_threads` sets for the calling Python thread).
 
     Returns
     -------
@@ -589,17 +760,20 @@ def attention(
     Raises
     ------
     TypeError
-        An input of unsupported dtype (complex, object, string, wider than
-        64 bits), a mask neither bool nor float, or an option of the wrong
-        type (``scale`` or ``softcap`` not a real number, ``window`` not a
-        pair of integers or None, ``kv_lengths`` not integers,
-        ``alibi_slopes`` not real).
+        An input that is None or of unsupported dtype (complex, object,
+        string, wider than 64 bits), a mask neither bool nor float, or an
+        option of the wrong type (``causal``, ``return_scores``,
+        ``return_lse`` or ``enable_gqa`` not a bool, ``scale`` or
+        ``softcap`` not a real number, ``window`` not a pair of integers or
+        None, ``kv_lengths`` not integers, ``alibi_slopes`` not real).
     ValueError
         Shapes that do not match or broadcast (d_k of q and k, S of k and v,
         the batch dimensions, the mask, the heads under ``enable_gqa``, the
-        batch shape for ``kv_lengths`` or ``alibi_slopes``), an input of
-        fewer than 2 dimensions, an option out of range (non-finite
-        ``scale``, ``num_threads`` not a positive integer, a negative window
+        batch shape for ``kv_lengths`` or ``alibi_slopes``, a 1-D
+        ``kv_lengths`` whose length is not B), an input of fewer than 2
+        dimensions or not a regular array (a ragged list), an option out of
+        range (``scale`` non-finite or beyond the compute dtype,
+        ``num_threads`` not an integer in [1, 2**31 - 1], a negative window
         side, ``kv_lengths`` outside [0, S], ``softcap`` <= 0, non-finite
         ``alibi_slopes``), or d_k == 0 with no ``scale``.
     MemoryError
@@ -609,9 +783,11 @@ def attention(
     -----
     Leading (batch) dimensions of q, k, v and mask broadcast by NumPy's
     rules; a K/V with leading dimensions of size 1 is shared, not copied.
-    Any strides are accepted (transposed, negative, zero, read-only) and give
-    bitwise the same result as a contiguous copy; results are also bitwise
-    the same for any thread count. The GIL is released while computing.
+    Any strides are accepted (transposed, negative, zero, read-only), and
+    so is either byte order (a big-endian array from a file is converted);
+    each gives bitwise the same result as a native contiguous copy. Results
+    are also bitwise the same for any thread count. The GIL is released
+    while computing.
 
     dtypes: float32 and float64 are computed in their own precision; mixed
     inputs follow ``np.result_type``; integer and bool inputs are computed as
@@ -641,12 +817,17 @@ def attention(
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    if (mask is None and not return_lse and not enable_gqa and kv_lengths is None
-            and window is None and softcap is None and alibi_slopes is None):
+    if (mask is None and return_lse is False and enable_gqa is False and kv_lengths is None
+            and window is None and softcap is None and alibi_slopes is None
+            and type(causal) is bool and type(return_scores) is bool):
         fast = _attention.attention_fast(
-            q, k, v, causal, scale, num_threads, return_scores, _thread_limit)
+            q, k, v, causal, scale, num_threads, return_scores, _current_limit())
         if fast is not None:
             return fast
+    causal = _check_flag(causal, "causal")
+    return_scores = _check_flag(return_scores, "return_scores")
+    return_lse = _check_flag(return_lse, "return_lse")
+    enable_gqa = _check_flag(enable_gqa, "enable_gqa")
     if v is None:
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
@@ -699,8 +880,9 @@ def attention_scores(
     array([[1. , 0. ],
            [0.5, 0.5]])
     """
-    _, scores, _ = _run(q, k, None, causal, mask, scale, False, True, num_threads,
-                        enable_gqa=bool(enable_gqa), kv_lengths=kv_lengths,
+    _, scores, _ = _run(q, k, None, _check_flag(causal, "causal"), mask, scale, False,
+                        True, num_threads, enable_gqa=_check_flag(enable_gqa, "enable_gqa"),
+                        kv_lengths=kv_lengths,
                         window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     return cast("NDArray[np.floating[Any]]", scores)
 

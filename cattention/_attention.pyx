@@ -22,7 +22,8 @@ import numpy as np
 cimport numpy as cnp
 from cython cimport floating
 from cython.parallel cimport parallel, prange
-from libc.math cimport INFINITY, exp, isfinite, log, sqrt
+from libc.float cimport FLT_MAX
+from libc.math cimport INFINITY, exp, fabs, isfinite, log, sqrt
 from libc.stdint cimport uint8_t, uint16_t
 from libc.stdlib cimport free, labs, malloc
 from libc.string cimport memset
@@ -105,6 +106,10 @@ cdef extern from "kernels.h" nogil:
     void ca_scratch_release(int slot, void *ptr)
 
 
+cdef extern from "<float.h>" nogil:
+    const float FLT_TRUE_MIN   # C11: the smallest positive (subnormal) float
+
+
 cdef extern from "openmp_shim.h" nogil:
     int omp_get_max_threads()
     int CA_HAVE_OPENMP
@@ -145,6 +150,8 @@ cdef enum:
     # At most this many query blocks per batch entry for a work item to be a
     # whole batch entry (see run_packed).
     PER_ENTRY_MAX_BLOCKS = 4
+    # The largest thread count a call accepts (OpenMP's num_threads is an int).
+    MAX_THREADS = 2147483647
 
 cdef enum MaskKind:
     MASK_NONE = 0
@@ -1457,6 +1464,7 @@ cdef const ca_kernels *_kernels = ca_default_kernels()
 # Query rows up to which K and V are read in place rather than packed; the
 # Python layer stacks grouped-query heads as rows within this many.
 DIRECT_QUERY_ROWS = DIRECT_ROWS
+MAX_NUM_THREADS = MAX_THREADS
 
 
 def get_simd():
@@ -1505,8 +1513,16 @@ def openmp_runtime():
 
 
 def max_threads():
-    """OpenMP's current maximum for a parallel region started by this thread."""
+    """OpenMP's current maximum for a parallel region started by this thread,
+    or 1 in a child forked after a parallel region (calls run serially there)."""
+    if ca_forked_after_parallel():
+        return 1
     return omp_get_max_threads()
+
+
+def forked_after_parallel():
+    """True in a child process forked after a parallel region had run."""
+    return bool(ca_forked_after_parallel())
 
 
 cdef void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
@@ -1713,10 +1729,12 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
 
 
 cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
-    """Aligned, of type_num, every stride a multiple of the itemsize."""
+    """Aligned, in native byte order, of type_num, every stride a multiple
+    of the itemsize."""
     cdef int d
     cdef Py_ssize_t itemsize
-    if cnp.PyArray_TYPE(arr) != type_num or not cnp.PyArray_ISALIGNED(arr):
+    if (cnp.PyArray_TYPE(arr) != type_num or not cnp.PyArray_ISALIGNED(arr)
+            or not cnp.PyArray_ISNOTSWAPPED(arr)):
         return False
     itemsize = cnp.PyArray_ITEMSIZE(arr)
     for d in range(cnp.PyArray_NDIM(arr)):
@@ -1769,15 +1787,19 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         if d_k == 0:
             return None
         scale_value = 1.0 / sqrt(<double>d_k)
-    elif isinstance(scale, float):
+    elif type(scale) is float:
         scale_value = scale
         if not isfinite(scale_value):
+            return None
+        # a scale float32 cannot hold is refused on the general path
+        if type_num == cnp.NPY_FLOAT32 and scale_value != 0 and not (
+                FLT_TRUE_MIN <= fabs(scale_value) <= FLT_MAX):
             return None
     else:
         return None
     if num_threads is None:
         threads = thread_limit if thread_limit is not None else omp_get_max_threads()
-    elif type(num_threads) is int and num_threads >= 1:
+    elif type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:
         threads = num_threads
     else:
         return None

@@ -7,7 +7,7 @@ from typing import Any, Literal, SupportsIndex, cast, overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._api import attention
+from ._api import _check_flag, _native, attention, check_options
 
 __all__ = ["attention_with_kvcache"]
 
@@ -17,6 +17,9 @@ def attention_with_kvcache(
     q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
     cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
     v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    enable_gqa: bool | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
     return_lse: Literal[False] = False, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]: ...
 
@@ -26,6 +29,9 @@ def attention_with_kvcache(
     q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
     cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
     v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    enable_gqa: bool | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
     return_lse: Literal[True], num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -35,6 +41,9 @@ def attention_with_kvcache(
     q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
     cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
     v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    enable_gqa: bool | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
     return_lse: bool = False, num_threads: SupportsIndex | None = None,
 ) -> (NDArray[np.floating[Any]]
       | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
@@ -44,6 +53,9 @@ def attention_with_kvcache(
     q: ArrayLike, k_cache: NDArray[np.floating[Any]], v_cache: NDArray[np.floating[Any]],
     cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
     v_new: ArrayLike | None = None, *, causal: bool = True, scale: float | None = None,
+    enable_gqa: bool | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
     return_lse: bool = False, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
@@ -67,13 +79,21 @@ def attention_with_kvcache(
         step) and the result is float32 (float16 for a float16 q).
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence; a writable integer array, updated
-        in place.
+        in place. Its dtype must hold S_max (``int32`` or ``int64`` always
+        do; ``uint8`` holds at most 255, ``int16`` 32767) so that advancing
+        it cannot wrap around.
     k_new : array_like, shape (B, H_kv, T_new, d_k), optional
     v_new : array_like, shape (B, H_kv, T_new, d_v), optional
         Keys and values to append (both or neither), cast to the cache dtype.
     causal : bool, default True
-    scale, return_lse, num_threads
-        As in :func:`cattention.attention`.
+    scale, window, softcap, alibi_slopes, return_lse, num_threads
+        As in :func:`cattention.attention` (a sliding window, Mistral's, and
+        a softcap, Gemma 2's, apply in decoding too); the window and ALiBi
+        distances count from the last filled position.
+    enable_gqa : bool, optional
+        None (the default) infers grouped-query attention from the head
+        counts (H a multiple of H_kv); True requires it; False requires
+        H == H_kv.
 
     Returns
     -------
@@ -87,12 +107,16 @@ def attention_with_kvcache(
         On any shape mismatch (including caches that are not 4-D ndarrays
         and ``cache_lengths`` that is not an integer ndarray of shape (B,)),
         if only one of ``k_new`` and ``v_new`` is given, if an array to be
-        updated is read-only, or if some ``cache_lengths[b] + T_new``
-        exceeds S_max.
+        updated is read-only, if a length is negative, if some
+        ``cache_lengths[b] + T_new`` exceeds S_max, ``enable_gqa=False``
+        with H != H_kv, or an option out of range (as in
+        :func:`cattention.attention`).
     TypeError
-        If the caches are not float16, float32 or float64 or differ in
-        dtype, if q is wider than the cache (it would be converted whole),
-        or if ``k_new`` or ``v_new`` cannot be cast to the cache dtype.
+        If the caches are not float16, float32 or float64, differ in dtype
+        or are not in native byte order (reading them would copy them), if
+        q is wider than the cache (it would be converted whole), if
+        ``k_new`` or ``v_new`` cannot be cast to the cache dtype, or if the
+        dtype of ``cache_lengths`` cannot hold S_max.
 
     Every check runs before anything is written, so a failed call leaves
     caches and lengths as they were.
@@ -113,9 +137,14 @@ def attention_with_kvcache(
         if not isinstance(cache, np.ndarray) or cache.ndim != 4:
             raise ValueError(f"{name} must be a 4-D ndarray (B, H_kv, S_max, d); got "
                              f"{getattr(cache, 'shape', type(cache).__name__)}")
-        if cache.dtype not in (np.float16, np.float32, np.float64):
+        if cache.dtype.kind != "f" or cache.dtype.itemsize not in (2, 4, 8):
             raise TypeError(f"{name} has dtype {cache.dtype}; KV caches must be float16, "
                             "float32 or float64")
+        if not cache.dtype.isnative:
+            raise TypeError(
+                f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
+                "copy the whole cache on every call; convert it once, e.g. "
+                f"{name} = {name}.astype({name}.dtype.newbyteorder('='))")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must "
                         "share one dtype")
@@ -123,7 +152,10 @@ def attention_with_kvcache(
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must share "
                          "(B, H_kv, S_max)")
     n_batch, n_kv_heads, max_keys, d_k = k_cache.shape
-    q = np.asarray(q)
+    d_v = v_cache.shape[3]
+    if q is None:
+        raise TypeError("q must be an array, got None")
+    q = _native(np.asarray(q))
     if q.ndim != 4 or q.shape[0] != n_batch or q.shape[3] != d_k:
         raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_batch}, H, T, {d_k}) "
                          f"to match k_cache {k_cache.shape}; got {q.shape}")
@@ -134,14 +166,18 @@ def attention_with_kvcache(
     if not half_cache and np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype:
         raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "
                         "convert (copy) the cache; pass q in the cache's dtype")
-    if n_kv_heads == 0 or q.shape[1] % n_kv_heads != 0:
+    n_heads = q.shape[1]
+    if enable_gqa is not None:
+        enable_gqa = _check_flag(enable_gqa, "enable_gqa")
+    if enable_gqa is False and n_heads != n_kv_heads:
+        raise ValueError(f"enable_gqa=False needs as many query heads as key/value heads: "
+                         f"q {q.shape} has {n_heads}, k_cache {k_cache.shape} has "
+                         f"{n_kv_heads}; pass enable_gqa=True (or None) for grouped-query "
+                         "attention")
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
         raise ValueError(f"the query heads of q {q.shape} must be a multiple of the "
                          f"key/value heads of k_cache {k_cache.shape}")
-    if (not isinstance(cache_lengths, np.ndarray) or cache_lengths.dtype.kind not in "iu"
-            or cache_lengths.shape != (n_batch,)):
-        raise ValueError(f"cache_lengths must be an integer ndarray of shape ({n_batch},); "
-                         f"got {getattr(cache_lengths, 'shape', type(cache_lengths).__name__)}"
-                         f"{'' if not isinstance(cache_lengths, np.ndarray) else ' ' + str(cache_lengths.dtype)}")
+    _check_cache_lengths(cache_lengths, n_batch, max_keys)
 
     n_new = 0
     if (k_new is None) != (v_new is None):
@@ -149,9 +185,14 @@ def attention_with_kvcache(
     if k_new is not None:
         k_new = np.asarray(k_new)
         v_new = np.asarray(v_new)
-        n_new = k_new.shape[2] if k_new.ndim == 4 else -1
+        for name, new, d in (("k_new", k_new, d_k), ("v_new", v_new, d_v)):
+            if new.ndim != 4:
+                raise ValueError(
+                    f"{name} must be 4-D (B, H_kv, T_new, d) = ({n_batch}, {n_kv_heads}, "
+                    f"T_new, {d}); got shape {new.shape}")
+        n_new = k_new.shape[2]
         expected_k = (n_batch, n_kv_heads, n_new, d_k)
-        expected_v = (n_batch, n_kv_heads, n_new, v_cache.shape[3])
+        expected_v = (n_batch, n_kv_heads, n_new, d_v)
         if k_new.shape != expected_k or v_new.shape != expected_v:
             raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must have shapes "
                              f"{expected_k} and {expected_v} to match the caches")
@@ -162,11 +203,16 @@ def attention_with_kvcache(
         if not (k_cache.flags.writeable and v_cache.flags.writeable
                 and cache_lengths.flags.writeable):
             raise ValueError("k_cache, v_cache and cache_lengths must be writable to append")
-    if cache_lengths.size and (cache_lengths.min() < 0
-                               or cache_lengths.max() + n_new > max_keys):
+    # in Python ints: in the array's own dtype the sum could wrap around
+    if cache_lengths.size and int(cache_lengths.max()) + n_new > max_keys:
         raise ValueError(
             f"cache overflow: cache_lengths {cache_lengths.tolist()} + {n_new} new "
             f"positions must stay within S_max = {max_keys}")
+    # the attention options are checked before anything is written, too
+    causal = _check_flag(causal, "causal")
+    return_lse = _check_flag(return_lse, "return_lse")
+    check_options(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
+                  softcap=softcap, alibi_slopes=alibi_slopes, num_threads=num_threads)
 
     # every check has passed: nothing below can fail half-way on bad input
     if n_new > 0:
@@ -176,6 +222,23 @@ def attention_with_kvcache(
             k_cache[b, :, start:start + n_new] = k_add[b]
             v_cache[b, :, start:start + n_new] = v_add[b]
         cache_lengths += n_new
-    return attention(q, k_cache, v_cache, causal=causal, scale=scale,
-                     return_lse=return_lse, enable_gqa=True,
-                     kv_lengths=cache_lengths[:, None], num_threads=num_threads)
+    return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
+                     softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
+                     enable_gqa=True, kv_lengths=cache_lengths, num_threads=num_threads)
+
+
+def _check_cache_lengths(cache_lengths: object, n_batch: int, max_keys: int) -> None:
+    if (not isinstance(cache_lengths, np.ndarray) or cache_lengths.dtype.kind not in "iu"
+            or cache_lengths.shape != (n_batch,)):
+        raise ValueError(f"cache_lengths must be an integer ndarray of shape ({n_batch},); "
+                         f"got {getattr(cache_lengths, 'shape', type(cache_lengths).__name__)}"
+                         f"{'' if not isinstance(cache_lengths, np.ndarray) else ' ' + str(cache_lengths.dtype)}")
+    if np.iinfo(cache_lengths.dtype).max < max_keys:
+        holding = [name for name in ("int16", "uint16", "int32", "uint32", "int64", "uint64")
+                   if np.iinfo(name).max >= max_keys]
+        raise TypeError(
+            f"cache_lengths of dtype {cache_lengths.dtype} cannot hold S_max = {max_keys} "
+            f"(at most {np.iinfo(cache_lengths.dtype).max}), so advancing it could wrap "
+            f"around; use one of {', '.join(holding)}")
+    if cache_lengths.size and cache_lengths.min() < 0:
+        raise ValueError(f"cache_lengths must be >= 0; got {cache_lengths.tolist()}")

@@ -46,3 +46,10 @@ def test_public_function_docstring(name):
         f"{name}: no Parameters or Returns section")
     assert has_section(doc, "Examples"), f"{name}: no Examples section"
     assert ">>> " in doc.split("Examples", 1)[1], f"{name}: Examples has no doctest"
+
+
+def test_namespace_holds_only_the_public_api():
+    import cattention as ca
+    public = {name for name in vars(ca) if not name.startswith("_")}
+    assert public == set(ca.__all__) - {"__version__"}
+    assert not hasattr(ca, "np") and not hasattr(ca, "os")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cattention as ca
-from reference import make_qkv, shapes_regex
+from reference import assert_matches_reference, make_qkv, shapes_regex
 
 SUPPORTED_DTYPES_RE = r"(?s)(?=.*float32)(?=.*float64)"
 
@@ -163,3 +163,94 @@ def test_unknown_keyword():
     q, k, v = _qkv((3, 4), (5, 4), (5, 2))
     with pytest.raises(TypeError, match=r"(?i)keyword|argument|casual"):
         ca.attention(q, k, v, casual=True)
+
+
+# ---------------------------------------------------------------------------
+# Arguments that are not arrays, options of the wrong kind
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_none_operand_names_it(which):
+    arrays = dict(zip("qkv", _qkv((3, 4), (5, 4), (5, 2))))
+    arrays[which] = None
+    with pytest.raises((TypeError, ValueError), match=rf"^{which} must be an array, got None"
+                       if which != "v" else r"v is required"):
+        ca.attention(arrays["q"], arrays["k"], arrays["v"])
+    if which != "v":
+        with pytest.raises(TypeError, match=rf"^{which} must be an array, got None"):
+            ca.attention_scores(arrays["q"], arrays["k"])
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_ragged_list_names_the_argument(which):
+    arrays = dict(zip("qkv", _qkv((3, 4), (5, 4), (5, 2))))
+    arrays[which] = [[1.0, 2.0], [3.0]]
+    with pytest.raises(ValueError, match=rf"^{which} is not a regular array"):
+        ca.attention(arrays["q"], arrays["k"], arrays["v"])
+
+
+@pytest.mark.parametrize("value", [np.array([True, False]), "no", "", 1, 0, None, 1.0],
+                         ids=["array", "str-no", "str-empty", "int1", "int0", "None",
+                              "float"])
+@pytest.mark.parametrize("flag", ["causal", "return_scores", "return_lse", "enable_gqa"])
+def test_flags_must_be_bools(flag, value):
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+        ca.attention(q, k, v, **{flag: value})
+    if flag in ("causal", "enable_gqa"):
+        with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+            ca.attention_scores(q, k, **{flag: value})
+
+
+def test_numpy_bools_are_bools():
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    assert_equal = np.testing.assert_array_equal
+    assert_equal(ca.attention(q, k, v, causal=np.True_), ca.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("n", [2**31, 2**63, 10**30])
+def test_huge_num_threads_names_the_argument(n):
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    with pytest.raises(ValueError, match=r"^num_threads must be at most 2147483647"):
+        ca.attention(q, k, v, num_threads=n)
+    with pytest.raises(ValueError, match=r"^num_threads must be at most"):
+        ca.set_num_threads(n)
+    with pytest.raises(ValueError, match=r"^num_threads must be at most"):
+        with ca.limit_threads(n):
+            pass
+
+
+@pytest.mark.parametrize("scale", [1e300, -1e39, 1e-50, 3.5e38])
+def test_scale_float32_cannot_hold_is_refused(scale):
+    q, k, v = _qkv((3, 4), (5, 4), (5, 2))
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    with pytest.raises(ValueError, match=r"scale .* not representable in float32"):
+        ca.attention(q32, k32, v32, scale=scale)
+    with pytest.raises(ValueError, match=r"scale .* not representable in float32"):
+        ca.attention_scores(q32, k32, scale=scale)
+    # float64 inputs hold it, and give a number where the docs promise one
+    out = ca.attention(q, k, v, scale=1e-50 if scale == 1e-50 else 1e30)
+    assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, 3.0e38, -3.0e38, 1.5e-45, -2.0])
+def test_scale_at_float32_limits_is_accepted(scale):
+    q, k, v = (x.astype(np.float32) for x in _qkv((3, 4), (5, 4), (5, 2)))
+    if abs(scale) > 1:
+        # logits must stay finite in float32 (documented): zero queries keep them 0
+        q = np.zeros_like(q)
+    out = ca.attention(q, k, v, scale=scale)
+    assert_matches_reference(out, None, q, k, v, scale=scale)
+
+
+def test_fewer_kv_heads_without_enable_gqa_hints_at_it():
+    q, k, v = _qkv((2, 8, 3, 4), (2, 2, 5, 4), (2, 2, 5, 3))
+    with pytest.raises(ValueError, match=r"batch dimensions.*pass enable_gqa=True"):
+        ca.attention(q, k, v)
+    with pytest.raises(ValueError, match=r"pass enable_gqa=True"):
+        ca.attention_scores(q, k)
+    # a real mismatch gets no hint
+    q, k, v = _qkv((2, 8, 3, 4), (2, 3, 5, 4), (2, 3, 5, 3))
+    with pytest.raises(ValueError, match=r"batch dimensions") as info:
+        ca.attention(q, k, v)
+    assert "enable_gqa" not in str(info.value)

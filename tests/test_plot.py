@@ -267,3 +267,15 @@ def test_causal_without_plot_is_a_usage_error(capsys):
         cli_main(["demo", "--causal"])
     assert info.value.code == 2
     assert "--causal applies to --plot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--queries", "0"], ["--dim", "-1"], ["--keys", "x"],
+                                  ["--repeats", "0"], ["--heads", "1.5"]])
+def test_demo_sizes_must_be_positive_integers(args, capsys):
+    from cattention.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {args[0]}: expected a positive integer" in err
+    assert "Traceback" not in err

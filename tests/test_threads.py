@@ -253,3 +253,147 @@ def _loop_rate(event, seconds=0.05):
             if not event.is_set():
                 break
     return ticks / (time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------
+# limit_threads: a thread count per calling Python thread
+# ---------------------------------------------------------------------------
+
+def test_limit_threads_is_local_to_the_calling_thread():
+    ca.set_num_threads(2)
+    seen = {}
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other():
+        inside.wait()
+        seen["other"] = ca.get_num_threads()
+        release.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with ca.limit_threads(1):
+        assert ca.get_num_threads() == 1
+        inside.set()
+        release.wait(10)
+        with ca.limit_threads(3):
+            assert ca.get_num_threads() == 3
+        assert ca.get_num_threads() == 1
+        with ca.limit_threads(None):
+            assert ca.get_num_threads() == 2
+    worker.join()
+    assert seen["other"] == 2
+    assert ca.get_num_threads() == 2
+
+
+def test_limit_threads_restores_after_an_error():
+    before = ca.get_num_threads()
+    with pytest.raises(RuntimeError):
+        with ca.limit_threads(1):
+            raise RuntimeError("in the block")
+    assert ca.get_num_threads() == before
+
+
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (-1, ValueError),
+                                       (True, ValueError), ("2", ValueError)])
+def test_limit_threads_refuses_bad_counts(value, exc):
+    with pytest.raises(exc, match="num_threads"):
+        with ca.limit_threads(value):
+            pass
+
+
+def test_limit_threads_results_are_bitwise_the_same(dtype):
+    q, k, v = make_qkv(77, (4, T, D_K), (4, S, D_K), (4, S, D_V), dtype)
+    expected = ca.attention(q, k, v, causal=True, num_threads=2)
+    with ca.limit_threads(1):
+        assert_bitwise_equal(ca.attention(q, k, v, causal=True), expected)
+        # a call's own num_threads still wins
+        assert_bitwise_equal(ca.attention(q, k, v, causal=True, num_threads=2), expected)
+
+
+def test_limit_threads_in_a_thread_pool_gives_the_serial_results():
+    from concurrent.futures import ThreadPoolExecutor
+    inputs = [make_qkv(80 + i, (2, 40, 16), (2, 70, 16), (2, 70, 8), np.float32)
+              for i in range(8)]
+    expected = [ca.attention(*qkv, causal=True) for qkv in inputs]
+    limits = []
+
+    def task(qkv):
+        with ca.limit_threads(1):
+            limits.append(ca.get_num_threads())
+            return ca.attention(*qkv, causal=True)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(task, inputs * 5))
+    assert limits == [1] * 40
+    for got, want in zip(results, expected * 5):
+        assert_bitwise_equal(got, want)
+
+
+# ---------------------------------------------------------------------------
+# How idle OpenMP threads wait (cattention/_runtime.py)
+# ---------------------------------------------------------------------------
+
+def _import_in_child(env, code="ca.show_config()"):
+    script = ("import os, cattention as ca; "
+              "print('spincount-left:', os.environ.get('GOMP_SPINCOUNT')); " + code)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_short_spin_is_set_for_the_import_only():
+    if not ca._attention.openmp_enabled():
+        pytest.skip("serial build")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = _import_in_child(env)
+    # the environment is as it was after the import: children and other runtimes see it
+    assert "spincount-left: None" in out
+    if "libgomp" in ca._attention.openmp_runtime():
+        assert re.search(r"waiting: +GOMP_SPINCOUNT=1000, then sleep \(set by cattention\)",
+                         out), out
+
+
+@pytest.mark.parametrize("setting", ["OMP_WAIT_POLICY=active", "GOMP_SPINCOUNT=5"])
+def test_a_user_wait_policy_is_kept(setting):
+    if not ca._attention.openmp_enabled():
+        pytest.skip("serial build")
+    name, value = setting.split("=")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env[name] = value
+    out = _import_in_child(env)
+    assert re.search(rf"waiting: +{re.escape(setting)} \(from the environment\)", out), out
+    if name == "GOMP_SPINCOUNT":
+        assert "spincount-left: 5" in out
+
+
+def test_forked_child_reports_the_one_thread_it_uses():
+    if not ca._attention.openmp_enabled():
+        pytest.skip("serial build")
+    code = """
+import os, sys, io, contextlib
+import numpy as np, cattention as ca
+x = np.ones((2, 64, 16), np.float32)
+ca.attention(x, x, x, num_threads=2)           # a parallel region in the parent
+ca.set_num_threads(2)
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        ca.show_config()
+    os.write(w, f"{ca.get_num_threads()}|{buf.getvalue()}".encode())
+    os._exit(0)
+os.close(w)
+data = os.read(r, 65536).decode()
+os.waitpid(pid, 0)
+print(ca.get_num_threads(), data)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    parent, child = out.split(" ", 1)
+    assert parent == "2"
+    child_threads, config = child.split("|", 1)
+    assert child_threads == "1"
+    assert re.search(r"threads: 1 \(a child forked after a parallel region", config), config

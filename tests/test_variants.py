@@ -446,3 +446,156 @@ def test_option_errors():
         ca.attention(q, k, v, alibi_slopes=np.full(4, np.nan))
     with pytest.raises(TypeError, match="alibi_slopes"):
         ca.attention(q, k, v, alibi_slopes=np.ones(4, dtype=complex))
+
+
+# ---- one length per sequence; cache lengths that cannot wrap -----------------
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_1d_kv_lengths_are_per_sequence_even_when_B_equals_H(dtype, T, kv_heads):
+    B = H = 4
+    S = 12
+    q, k, v = make_qkv(200, (B, H, T, 8), (B, kv_heads, S, 8), (B, kv_heads, S, 5), dtype)
+    lengths = np.array([10, 6, 3, 1])
+    gqa = kv_heads != H
+    attn, scores = ca.attention(q, k, v, causal=True, kv_lengths=lengths,
+                                enable_gqa=gqa, return_scores=True)
+    group = H // kv_heads
+    ref = dense_reference(q, repeat_kv(k, group), repeat_kv(v, group), causal=True,
+                          kv_lengths=lengths[:, None])
+    assert_close_to_dense((attn, scores), ref[:2], dtype)
+    # the same as the explicit (B, 1) layout, bit for bit
+    explicit = ca.attention(q, k, v, causal=True, enable_gqa=gqa, return_scores=True,
+                            kv_lengths=lengths[:, None])
+    assert_bitwise_equal(attn, explicit[0])
+    assert_bitwise_equal(scores, explicit[1])
+
+
+def test_1d_kv_lengths_of_another_length_is_an_error_naming_the_shapes():
+    q, k, v = np.ones((2, 3, 4, 8)), np.ones((2, 3, 5, 8)), np.ones((2, 3, 5, 2))
+    with pytest.raises(ValueError, match=r"kv_lengths of shape \(3,\) is ambiguous.*"
+                                         r"one length per sequence.*B = 2.*\(2, 3\)"):
+        ca.attention(q, k, v, kv_lengths=np.array([1, 2, 3]))
+    # one length for all, and 3-D inputs (no head axis), are unchanged
+    assert_bitwise_equal(ca.attention(q, k, v, kv_lengths=np.array([4])),
+                         ca.attention(q, k, v, kv_lengths=4))
+    q3, k3, v3 = make_qkv(201, (3, 4, 8), (3, 5, 8), (3, 5, 2))
+    out = ca.attention(q3, k3, v3, kv_lengths=np.array([5, 2, 1]))
+    for b, n in enumerate([5, 2, 1]):
+        assert_matches_reference(out[b], None, q3[b], k3[b, :n], v3[b, :n])
+
+
+def _small_cache(max_keys, length_dtype, lengths):
+    k_cache = np.zeros((2, 1, max_keys, 4), np.float32)
+    v_cache = np.zeros((2, 1, max_keys, 4), np.float32)
+    return k_cache, v_cache, np.array(lengths, dtype=length_dtype)
+
+
+@pytest.mark.parametrize("length_dtype,max_keys", [(np.uint8, 300), (np.int8, 200),
+                                                   (np.int16, 40000)])
+def test_cache_lengths_dtype_must_hold_s_max(length_dtype, max_keys):
+    k_cache, v_cache, lengths = _small_cache(max_keys, length_dtype, [100, 120])
+    q = np.ones((2, 1, 1, 4), np.float32)
+    new = np.ones((2, 1, 10, 4), np.float32)
+    with pytest.raises(TypeError, match=rf"cache_lengths of dtype {np.dtype(length_dtype)} "
+                                        rf"cannot hold S_max = {max_keys}.*int32"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new)
+    assert lengths.tolist() == [100, 120] and not k_cache.any()
+
+
+def test_narrow_cache_lengths_that_hold_s_max_are_accepted_and_cannot_wrap():
+    k_cache, v_cache, lengths = _small_cache(255, np.uint8, [240, 245])
+    q = np.ones((2, 1, 1, 4), np.float32)
+    new = np.ones((2, 1, 10, 4), np.float32)
+    ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new)
+    assert lengths.dtype == np.uint8 and lengths.tolist() == [250, 255]
+    with pytest.raises(ValueError, match=r"cache overflow"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new)
+    assert lengths.tolist() == [250, 255]
+
+
+def test_negative_cache_lengths_have_their_own_message():
+    k_cache, v_cache, lengths = _small_cache(16, np.int64, [3, -1])
+    q = np.ones((2, 1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"cache_lengths must be >= 0; got \[3, -1\]"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths)
+    with pytest.raises(ValueError, match=r"cache_lengths must be >= 0"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, np.ones((2, 1, 1, 4)),
+                                  np.ones((2, 1, 1, 4)))
+
+
+def test_3d_k_new_reports_the_expected_4d_shape():
+    k_cache, v_cache, lengths = _small_cache(16, np.int64, [3, 1])
+    q = np.ones((2, 1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"k_new must be 4-D \(B, H_kv, T_new, d\) = "
+                                         r"\(2, 1, T_new, 4\); got shape \(2, 1, 4\)"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, np.ones((2, 1, 4)),
+                                  np.ones((2, 1, 1, 4)))
+    with pytest.raises(ValueError, match=r"v_new must be 4-D"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, np.ones((2, 1, 1, 4)),
+                                  np.ones((1, 4)))
+
+
+# ---- decoding options: enable_gqa, window, softcap, ALiBi --------------------
+
+KVCACHE_OPTIONS = {
+    "window": dict(window=(5, None)),
+    "softcap": dict(softcap=1.5),
+    "alibi": dict(alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05])),
+    "all": dict(window=(9, 0), softcap=2.0, alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05])),
+}
+
+
+@pytest.mark.parametrize("option", list(KVCACHE_OPTIONS))
+@pytest.mark.parametrize("T_new", [1, 3])
+@pytest.mark.parametrize("enable_gqa", [None, True])
+def test_kvcache_options_match_the_dense_reference(dtype, option, T_new, enable_gqa):
+    rng = np.random.default_rng(210)
+    B, H, H_kv, S_max, d = 2, 4, 2, 40, 8
+    k_cache = rng.standard_normal((B, H_kv, S_max, d)).astype(dtype)
+    v_cache = rng.standard_normal((B, H_kv, S_max, 6)).astype(dtype)
+    lengths = np.array([17, 30])
+    q = rng.standard_normal((B, H, T_new, d)).astype(dtype)
+    k_new = rng.standard_normal((B, H_kv, T_new, d)).astype(dtype)
+    v_new = rng.standard_normal((B, H_kv, T_new, 6)).astype(dtype)
+    kwargs = KVCACHE_OPTIONS[option]
+    attn, lse = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new,
+                                          enable_gqa=enable_gqa, return_lse=True, **kwargs)
+    assert lengths.tolist() == [17 + T_new, 30 + T_new]
+    ref = dense_reference(q, repeat_kv(k_cache, 2), repeat_kv(v_cache, 2), causal=True,
+                          window=kwargs.get("window"), softcap=kwargs.get("softcap"),
+                          alibi=kwargs.get("alibi_slopes"), kv_lengths=lengths[:, None])
+    assert_close_to_dense((attn, lse), (ref[0], ref[2]), dtype)
+
+
+def test_kvcache_enable_gqa_false_needs_equal_heads_and_writes_nothing():
+    k_cache, v_cache, lengths = _small_cache(16, np.int64, [3, 1])
+    new = np.ones((2, 1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"enable_gqa=False.*\(2, 2, 1, 4\).*2.*1"):
+        ca.attention_with_kvcache(np.ones((2, 2, 1, 4), np.float32), k_cache, v_cache,
+                                  lengths, new, new, enable_gqa=False)
+    assert lengths.tolist() == [3, 1] and not k_cache.any()
+    out = ca.attention_with_kvcache(np.ones((2, 1, 1, 4), np.float32), k_cache, v_cache,
+                                    lengths, new, new, enable_gqa=False)
+    assert out.shape == (2, 1, 1, 4) and lengths.tolist() == [4, 2]
+    with pytest.raises(TypeError, match=r"enable_gqa must be a bool"):
+        ca.attention_with_kvcache(np.ones((2, 1, 1, 4), np.float32), k_cache, v_cache,
+                                  lengths, enable_gqa="yes")
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(window=(-1, 0)), ValueError, r"window left must be >= 0"),
+    (dict(softcap=0.0), ValueError, r"softcap must be a positive"),
+    (dict(alibi_slopes=np.array([1.0, 2.0, 3.0])), ValueError, r"alibi_slopes of shape \(3,\)"),
+    (dict(alibi_slopes=np.array([np.nan, 1.0])), ValueError, r"alibi_slopes must be finite"),
+    (dict(scale=1e300), ValueError, r"not representable in float32"),
+    (dict(num_threads=0), ValueError, r"num_threads"),
+    (dict(causal="yes"), TypeError, r"causal must be a bool"),
+])
+def test_kvcache_option_errors_write_nothing(kwargs, error, match):
+    k_cache, v_cache, lengths = _small_cache(16, np.int64, [3, 1])
+    q = np.ones((2, 2, 1, 4), np.float32)
+    new = np.ones((2, 1, 1, 4), np.float32)
+    with pytest.raises(error, match=match):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new, **kwargs)
+    assert lengths.tolist() == [3, 1] and not k_cache.any() and not v_cache.any()
