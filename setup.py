@@ -101,6 +101,7 @@ extensions = [
             "src/kernels_baseline.c",
             "src/kernels_avx2.c",
             "src/scratch.c",
+            "src/team.c",
         ],
         include_dirs=["src", "cattention/include", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -110,6 +110,13 @@ cdef extern from "<float.h>" nogil:
     const float FLT_TRUE_MIN   # C11: the smallest positive (subnormal) float
 
 
+cdef extern from "team.h" nogil:
+    double CA_TEAM_FLOPS_PER_NS
+    double CA_TEAM_BYTES_PER_NS
+    int ca_team_size(int n_threads, double serial_ns)
+    void ca_team_call_ended()
+
+
 cdef extern from "openmp_shim.h" nogil:
     int omp_get_max_threads()
     int CA_HAVE_OPENMP
@@ -1203,9 +1210,22 @@ cdef int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
     pb.kern = kern
     # the path depends on the shape alone, never on the layout or threads
     pb.direct = pb.n_queries <= DIRECT_ROWS
+    cdef double kv_bytes = 0
+    cdef int status
+    if n_threads > 1:
+        if pb.direct:
+            # a decode step streams its K and V from memory
+            kv_bytes = (<double>pb.n_kv * pb.n_keys * (pb.d_k + pb.d_v)
+                        * (2 if pb.kv_half else sizeof(floating)))
+        n_threads = ca_team_size(
+            n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
+            + kv_bytes / CA_TEAM_BYTES_PER_NS)
     if scores == NULL and pb.direct:
-        return run_direct(pb, kern, n_threads, out)
-    return run_packed(pb, kern, n_threads, out, scores)
+        status = run_direct(pb, kern, n_threads, out)
+    else:
+        status = run_packed(pb, kern, n_threads, out, scores)
+    ca_team_call_ended()
+    return status
 
 
 cdef int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
@@ -1518,6 +1538,12 @@ def max_threads():
     if ca_forked_after_parallel():
         return 1
     return omp_get_max_threads()
+
+
+def team_size(int n_threads, double serial_ns):
+    """Threads a call of estimated one-thread time serial_ns (in ns) allowed
+    n_threads would start now (src/team.h); for tests."""
+    return ca_team_size(n_threads, serial_ns)
 
 
 def forked_after_parallel():

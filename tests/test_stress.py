@@ -87,6 +87,10 @@ def test_call_in_a_forked_child(threads):
     cattention runs on one thread in such a child (documented)."""
     q, k, v = make_qkv(210, (2, 300, 32), (2, 400, 32), (2, 400, 32), np.float32)
     expected = ca.attention(q, k, v, causal=True, num_threads=2).tobytes()
+    # a call large enough to run a parallel region even when it is not
+    # back to back with another (cattention/_runtime.py, src/team.h)
+    big = np.ones((8, 512, 64), np.float32)
+    ca.attention(big, big, big, num_threads=2)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_child_attention, args=(queue, threads), daemon=True)

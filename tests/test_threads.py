@@ -374,8 +374,9 @@ def test_forked_child_reports_the_one_thread_it_uses():
     code = """
 import os, sys, io, contextlib
 import numpy as np, cattention as ca
-x = np.ones((2, 64, 16), np.float32)
-ca.attention(x, x, x, num_threads=2)           # a parallel region in the parent
+x = np.ones((8, 512, 64), np.float32)
+ca.attention(x, x, x, num_threads=2)           # a parallel region in the parent (large
+                                               # enough to use both threads at once)
 ca.set_num_threads(2)
 r, w = os.pipe()
 pid = os.fork()
@@ -397,3 +398,30 @@ print(ca.get_num_threads(), data)
     child_threads, config = child.split("|", 1)
     assert child_threads == "1"
     assert re.search(r"threads: 1 \(a child forked after a parallel region", config), config
+
+
+# ---------------------------------------------------------------------------
+# Team size between other libraries' calls (src/team.h)
+# ---------------------------------------------------------------------------
+
+def test_small_calls_after_a_pause_run_on_one_thread_and_large_ones_in_parallel():
+    team_size = ca._attention.team_size
+    x = np.ones((2, 8, 8), np.float32)
+    ca.attention(x, x, x)
+    # back to back with a call: the workers are still awake
+    assert team_size(2, 1e3) == 2
+    time.sleep(0.01)
+    # after a pause (another library's call): one thread, unless the work is large
+    assert team_size(2, 1e3) == 1
+    assert team_size(2, 1e5) == 1
+    assert team_size(2, 1e7) == 2
+    assert team_size(1, 1e7) == 1
+
+
+def test_calls_after_a_pause_give_the_same_bits(dtype):
+    q, k, v = make_qkv(90, (8, 1, 64), (8, 1024, 64), (8, 1024, 64), dtype)
+    expected = ca.attention(q, k, v, num_threads=1)
+    for _ in range(3):
+        time.sleep(0.005)
+        assert_bitwise_equal(ca.attention(q, k, v, num_threads=2), expected)
+        assert_bitwise_equal(ca.attention(q, k, v, num_threads=2), expected)
