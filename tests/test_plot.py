@@ -178,7 +178,7 @@ def test_rejects_a_string_or_a_number_as_labels():
 
 
 def test_missing_matplotlib_is_a_clear_import_error(no_matplotlib):
-    with pytest.raises(ImportError, match=r'needs matplotlib: pip install "cattention\[plot\]"') \
+    with pytest.raises(ImportError, match=r'needs matplotlib: pip install matplotlib \(from a cattention source tree: pip install "\.\[plot\]"\)') \
             as info:
         ca.plot_scores(np.eye(3))
     assert isinstance(info.value.__cause__, ImportError)
@@ -249,7 +249,7 @@ def test_demo_plot_without_matplotlib_exits_2(tmp_path, no_matplotlib, capsys):
     assert cli_main(["demo", "--plot", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert 'needs matplotlib: pip install "cattention[plot]"' in captured.err
+    assert 'needs matplotlib: pip install matplotlib (from a cattention source tree: pip install ".[plot]")' in captured.err
     assert "Traceback" not in captured.err
     assert not path.exists()
 
