@@ -1,0 +1,180 @@
+"""Fingerprints of cattention's results, to prove that a refactor changed no bit.
+
+    python tools/fingerprints.py record tools/fingerprints.json
+    python tools/fingerprints.py check tools/fingerprints.json
+
+Each case is one call on seeded inputs; its fingerprint is the sha256 of the
+bytes of every array it returns. The cases cover every option of every entry
+point, both dtypes, float16 K/V, SCORES, LSE, grouped heads, the decode
+(direct) path with and without split keys, the packed and per-entry paths,
+and every kernel table this CPU runs. ``check`` compares the tables both
+runs have and exits 1 on any difference.
+"""
+
+import hashlib
+import json
+import sys
+
+import numpy as np
+
+import cattention as ca
+from cattention import _attention
+
+#: (T, S): decode (direct path, split keys at S >= 1024), tails, packed paths
+SHAPES = [(1, 1), (1, 300), (1, 2048), (5, 7), (8, 1025), (9, 300), (97, 300),
+          (300, 97), (260, 300), (130, 129)]
+
+OPTIONS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "bool-mask": dict(mask="bool"),
+    "additive-mask": dict(mask="additive", causal=True),
+    "kv-lengths": dict(kv_lengths=True, causal=True),
+    "window": dict(window=(7, 3)),
+    "window-causal": dict(window=(20, None), causal=True),
+    "softcap": dict(softcap=2.5),
+    "alibi": dict(alibi_slopes=True, causal=True),
+    "scale": dict(scale=-0.3),
+    "gqa": dict(enable_gqa=True, causal=True),
+    "combined": dict(enable_gqa=True, window=(37, 5), softcap=1.5, alibi_slopes=True,
+                     kv_lengths=True, causal=True),
+}
+
+
+def digest(*arrays):
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str(a.dtype).encode() + str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:32]
+
+
+def attention_cases(dtype, kv_dtype):
+    for T, S in SHAPES:
+        for name, option in OPTIONS.items():
+            seed = (T * 7919 + S * 104729 + len(name)) % 2**31
+            rng = np.random.default_rng(seed)
+            heads = 4
+            kv_heads = 2 if option.get("enable_gqa") else heads
+            q = rng.standard_normal((2, heads, T, 16)).astype(dtype)
+            k = rng.standard_normal((2, kv_heads, S, 16)).astype(kv_dtype)
+            v = rng.standard_normal((2, kv_heads, S, 12)).astype(kv_dtype)
+            kwargs = dict(option)
+            if kwargs.get("mask") == "bool":
+                kwargs["mask"] = rng.random((T, S)) > 0.3
+            elif kwargs.get("mask") == "additive":
+                kwargs["mask"] = np.where(rng.random((heads, T, S)) > 0.2,
+                                          rng.standard_normal((heads, T, S)), -np.inf)
+            if kwargs.get("kv_lengths"):
+                kwargs["kv_lengths"] = np.array([S, max(0, S // 3)])
+            if kwargs.get("alibi_slopes"):
+                kwargs["alibi_slopes"] = np.linspace(0.05, 0.4, heads)
+            key = f"{np.dtype(dtype).name}/{np.dtype(kv_dtype).name}/{T}x{S}/{name}"
+            yield key + "/attn", lambda q=q, k=k, v=v, kw=kwargs: (ca.attention(q, k, v, **kw),)
+            yield key + "/lse", lambda q=q, k=k, v=v, kw=kwargs: ca.attention(
+                q, k, v, return_lse=True, **kw)
+            if T * S <= 40000:
+                yield key + "/scores+lse", lambda q=q, k=k, v=v, kw=kwargs: ca.attention(
+                    q, k, v, return_scores=True, return_lse=True, **kw)
+                yield key + "/scores-only", lambda q=q, k=k, kw=kwargs: (ca.attention_scores(
+                    q, k, **kw),)
+
+
+def layout_cases(dtype):
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 40, 16)).astype(dtype)
+    k = rng.standard_normal((3, 70, 16)).astype(dtype)
+    v = rng.standard_normal((3, 70, 8)).astype(dtype)
+    name = np.dtype(dtype).name
+    yield f"{name}/layout/transposed", lambda: (ca.attention(
+        np.asfortranarray(q), k[:, ::-1][:, ::-1], v, causal=True),)
+    yield f"{name}/layout/broadcast-kv", lambda: (ca.attention(q, k[:1], v[:1]),)
+    yield f"{name}/layout/2d", lambda: (ca.attention(q[0], k[0], v[0], causal=True),)
+
+
+def kvcache_cases(dtype, cache_dtype):
+    for T_new in (1, 4, 40):
+        for option in ({}, dict(window=(9, 0), softcap=2.0,
+                                alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05]))):
+            def run(T_new=T_new, option=option):
+                rng = np.random.default_rng(T_new)
+                k_cache = rng.standard_normal((2, 2, 96, 16)).astype(cache_dtype)
+                v_cache = rng.standard_normal((2, 2, 96, 8)).astype(cache_dtype)
+                lengths = np.array([10, 50])
+                q = rng.standard_normal((2, 4, T_new, 16)).astype(dtype)
+                new_k = rng.standard_normal((2, 2, T_new, 16)).astype(cache_dtype)
+                new_v = rng.standard_normal((2, 2, T_new, 8)).astype(cache_dtype)
+                out, lse = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new_k,
+                                                     new_v, return_lse=True, **option)
+                return out, lse, k_cache, v_cache, lengths
+            yield (f"{np.dtype(dtype).name}/{np.dtype(cache_dtype).name}/kvcache/{T_new}/"
+                   f"{'options' if option else 'plain'}"), run
+
+
+def merge_cases(dtype):
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 5, 8)).astype(dtype)
+    k = rng.standard_normal((2, 30, 8)).astype(dtype)
+    v = rng.standard_normal((2, 30, 4)).astype(dtype)
+
+    def run():
+        parts = [ca.attention(q, k[:, a:b], v[:, a:b], return_lse=True)
+                 for a, b in ((0, 11), (11, 30))]
+        return ca.merge([p[0] for p in parts], [p[1] for p in parts])
+    yield f"{np.dtype(dtype).name}/merge", run
+
+
+def all_cases():
+    for dtype in (np.float32, np.float64):
+        yield from attention_cases(dtype, dtype)
+        yield from layout_cases(dtype)
+        yield from kvcache_cases(dtype, dtype)
+        yield from merge_cases(dtype)
+    yield from attention_cases(np.float32, np.float16)
+    yield from kvcache_cases(np.float32, np.float16)
+
+
+def fingerprints():
+    tables = {}
+    previous = _attention.get_simd()
+    try:
+        for table in _attention.available_simd():
+            _attention.set_simd(table)
+            tables[table] = {key: digest(*run()) for key, run in all_cases()}
+    finally:
+        _attention.set_simd(previous)
+    return tables
+
+
+def main(argv):
+    if len(argv) != 2 or argv[0] not in ("record", "check"):
+        print(__doc__)
+        return 2
+    mode, path = argv
+    current = fingerprints()
+    if mode == "record":
+        with open(path, "w") as f:
+            json.dump(current, f, indent=0, sort_keys=True)
+        print(f"recorded {sum(map(len, current.values()))} fingerprints "
+              f"({', '.join(current)}) in {path}")
+        return 0
+    with open(path) as f:
+        recorded = json.load(f)
+    differences = 0
+    compared = 0
+    for table in sorted(set(recorded) & set(current)):
+        for key, value in recorded[table].items():
+            compared += 1
+            if current[table].get(key) != value:
+                differences += 1
+                print(f"differs: {table} {key}")
+    missing = sorted(set(recorded) ^ set(current))
+    print(f"{compared} fingerprints compared over tables "
+          f"{', '.join(sorted(set(recorded) & set(current)))}: {differences} differ"
+          + (f"; tables in one run only: {', '.join(missing)}" if missing else ""))
+    return 1 if differences or compared == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
