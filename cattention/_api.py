@@ -37,14 +37,20 @@ _SUPPORTED_DTYPES = (
 # Thread count set by set_num_threads(); None follows OpenMP's current setting.
 _thread_limit: int | None = None
 
-# Thread count of calls from one Python thread, set by limit_threads().
-_local = threading.local()
+class _ThreadLocalLimit(threading.local):
+    """Thread count of calls from one Python thread, set by limit_threads()."""
+
+    # a class attribute: reading an unset one costs no AttributeError
+    limit: int | None = None
+
+
+_local = _ThreadLocalLimit()
 
 
 def _current_limit() -> int | None:
     """The thread count that applies to a call from this Python thread with
     num_threads=None: limit_threads(), else set_num_threads(), else None."""
-    limit: int | None = getattr(_local, "limit", None)
+    limit = _local.limit
     return _thread_limit if limit is None else limit
 
 _FloatArray = NDArray[np.floating[Any]]
@@ -166,7 +172,7 @@ def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
     8
     """
     value = None if n is None else _check_num_threads(n)
-    previous = getattr(_local, "limit", None)
+    previous = _local.limit
     _local.limit = value
     try:
         yield

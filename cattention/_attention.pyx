@@ -1374,6 +1374,40 @@ cdef int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
     return status
 
 
+# ------------------------------------------------------- the Problem builder
+
+cdef void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_queries,
+                       Py_ssize_t n_keys, Py_ssize_t d_k, Py_ssize_t d_v,
+                       bint causal, double scale) noexcept nogil:
+    """The one way a Problem starts: every field zero, then the defaults of
+    an unmasked problem (no lengths, no window, no softcap, no ALiBi, no LSE,
+    contiguous ATTN and SCORES rows). Callers then set operands and options
+    and call problem_finish."""
+    memset(pb, 0, sizeof(Problem))
+    pb.n_batch = n_batch
+    pb.n_queries = n_queries
+    pb.n_keys = n_keys
+    pb.d_k = d_k
+    pb.d_v = d_v
+    pb.causal = causal
+    pb.scale = scale
+    pb.mask_kind = MASK_NONE
+    pb.query_period = n_queries
+    pb.window_left = -1
+    pb.window_right = -1
+    pb.ld_out = d_v
+    pb.ld_scores = n_keys
+    pb.n_kv = n_batch
+
+
+cdef void problem_finish(Problem *pb) noexcept nogil:
+    """Derived sizes: the packed K/V layout."""
+    pb.ld_k = pb.d_k if pb.d_k > 0 else 1
+    pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
+    pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
+    pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)
+
+
 # ------------------------------------------------ C-level API (_attention.pxd)
 
 cdef inline bint missing(const void *data, Py_ssize_t n_rows,
@@ -1410,37 +1444,20 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
     if n_queries == 0:
         return CATTENTION_OK
     zero[0] = 0
-    pb.n_batch = 1
-    pb.n_queries = n_queries
-    pb.n_keys = n_keys
-    pb.d_k = d_k
-    pb.d_v = d_v if out != NULL else 0
-    pb.q.data = <const char *>q
-    pb.q.row_stride = q_row_stride
-    pb.k.data = <const char *>k
-    pb.k.row_stride = k_row_stride
-    pb.v.data = <const char *>(v if out != NULL else k)
-    pb.v.row_stride = v_row_stride if out != NULL else k_row_stride
-    pb.q.batch_offset = pb.k.batch_offset = pb.v.batch_offset = zero
-    pb.q.col_stride = pb.k.col_stride = pb.v.col_stride = 1
-    pb.mask = pb.q
-    pb.mask_kind = MASK_NONE
-    pb.causal = (flags & CATTENTION_CAUSAL) != 0
-    pb.scale = scale
-    pb.kv_length = NULL
-    pb.query_period = n_queries
-    pb.window_left = -1
-    pb.window_right = -1
-    pb.softcap = 0
-    pb.alibi_slope = NULL
+    problem_init(&pb, 1, n_queries, n_keys, d_k, d_v if out != NULL else 0,
+                 (flags & CATTENTION_CAUSAL) != 0, scale)
+    set_operand(&pb.q, q, zero, q_row_stride, 1)
+    set_operand(&pb.k, k, zero, k_row_stride, 1)
+    if out != NULL:
+        set_operand(&pb.v, v, zero, v_row_stride, 1)
+    else:
+        pb.v = pb.k
     pb.lse = lse
     pb.ld_out = out_row_stride
     pb.ld_scores = scores_row_stride
-    pb.n_kv = 1
     pb.kv_of_batch = zero
     pb.kv_source = zero
-    pb.kv_half = False
-    set_packing(&pb)
+    problem_finish(&pb)
     if n_threads < 1:
         n_threads = 1
     if run_problem(&pb, _kernels, n_threads, out, scores) != 0:
@@ -1551,26 +1568,52 @@ def forked_after_parallel():
     return bool(ca_forked_after_parallel())
 
 
+
+
+# ------------------------------------------- from NumPy arrays to a Problem
+
+cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,
+                             Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
+    op.data = <const char *>data
+    op.batch_offset = batch_offset
+    op.row_stride = row_stride
+    op.col_stride = col_stride
+
+
+cdef void set_array_operand(Operand *op, cnp.ndarray arr, const intp_t *offsets):
+    """An operand of the last two axes of arr, in elements; a size-1 axis
+    steps by 0, as broadcasting does."""
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(arr)
+    cdef int ndim = cnp.PyArray_NDIM(arr)
+    set_operand(op, cnp.PyArray_DATA(arr), offsets,
+                cnp.PyArray_STRIDE(arr, ndim - 2) // itemsize
+                if cnp.PyArray_DIM(arr, ndim - 2) != 1 else 0,
+                cnp.PyArray_STRIDE(arr, ndim - 1) // itemsize
+                if cnp.PyArray_DIM(arr, ndim - 1) != 1 else 0)
+
+
+cdef inline Py_ssize_t batch_stride(cnp.ndarray arr, Py_ssize_t d, Py_ssize_t n_batch_dims):
+    """Element stride of arr along batch dimension d of the broadcast batch
+    (aligned on the right), 0 where arr lacks it or has size 1."""
+    cdef Py_ssize_t a = d - (n_batch_dims - (cnp.PyArray_NDIM(arr) - 2))
+    if a < 0 or cnp.PyArray_DIM(arr, a) == 1:
+        return 0
+    return cnp.PyArray_STRIDE(arr, a) // cnp.PyArray_ITEMSIZE(arr)
+
+
 cdef void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
                              const Py_ssize_t *batch_shape, intp_t *out):
     """Element offset of each entry of the broadcast batch, in C order.
 
-    ``arr``'s leading dimensions broadcast against ``batch_shape`` (aligned on
-    the right); a dimension of size 1 or a missing one advances by 0, so
-    shared K/V are never copied."""
-    cdef Py_ssize_t arr_batch_dims = cnp.PyArray_NDIM(arr) - 2
-    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(arr)
+    A dimension arr lacks or has of size 1 advances by 0, so shared K/V are
+    never copied."""
     cdef Py_ssize_t n_batch = 1
-    cdef Py_ssize_t d, a, i, offset
+    cdef Py_ssize_t d, i, offset
     cdef Py_ssize_t stride[64]
     cdef Py_ssize_t index[64]
     for d in range(n_batch_dims):
         n_batch *= batch_shape[d]
-        a = d - (n_batch_dims - arr_batch_dims)
-        if a >= 0 and cnp.PyArray_DIM(arr, a) != 1:
-            stride[d] = cnp.PyArray_STRIDE(arr, a) // itemsize
-        else:
-            stride[d] = 0
+        stride[d] = batch_stride(arr, d, n_batch_dims)
         index[d] = 0
     offset = 0
     for i in range(n_batch):
@@ -1587,50 +1630,94 @@ cdef void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
             d -= 1
 
 
-cdef cnp.ndarray batch_offsets(cnp.ndarray arr, tuple batch_shape):
-    cdef Py_ssize_t n_batch_dims = len(batch_shape)
-    cdef Py_ssize_t shape[64]
-    cdef Py_ssize_t d
-    for d in range(n_batch_dims):
-        shape[d] = batch_shape[d]
-    cdef cnp.ndarray result = np.empty(math.prod(batch_shape), dtype=np.intp)
-    fill_batch_offsets(arr, n_batch_dims, shape, <intp_t *>cnp.PyArray_DATA(result))
-    return result
-
-
-cdef tuple distinct_kv(cnp.ndarray k_off, cnp.ndarray v_off):
-    """(kv index of each batch entry, a batch entry of each kv index): batch
-    entries reading the same K and V share one packed copy."""
-    cdef Py_ssize_t n_batch = k_off.shape[0]
-    cdef const intp_t *k_at = <const intp_t *>cnp.PyArray_DATA(k_off)
-    cdef const intp_t *v_at = NULL
-    cdef cnp.ndarray kv_of_batch = np.empty(n_batch, dtype=np.intp)
-    cdef intp_t *kv_of = <intp_t *>cnp.PyArray_DATA(kv_of_batch)
-    cdef Py_ssize_t b
-    cdef dict seen = {}
-    cdef list sources = []
-    if v_off is not None:
-        v_at = <const intp_t *>cnp.PyArray_DATA(v_off)
+cdef Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, Py_ssize_t n_batch_dims,
+                               const Py_ssize_t *batch_shape, intp_t *kv_of_batch,
+                               intp_t *kv_source):
+    """Batch entries that read the same K and V (a K/V broadcast over heads)
+    share one packed copy: kv_of_batch[b] is entry b's packed index, numbered
+    in order of first appearance, kv_source[i] the first entry of index i
+    (kv_source must hold -1 on entry). Returns the number of packed copies.
+    A batch dimension along which neither K nor V advances is shared; v may
+    be None (SCORES alone)."""
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t n_kv = 1
+    cdef Py_ssize_t d, b, kv
+    cdef Py_ssize_t kv_stride[64]   # packed-index stride of each batch dimension
+    cdef Py_ssize_t index[64]
+    for d in range(n_batch_dims - 1, -1, -1):
+        n_batch *= batch_shape[d]
+        if batch_stride(k, d, n_batch_dims) == 0 and (
+                v is None or batch_stride(v, d, n_batch_dims) == 0):
+            kv_stride[d] = 0
+        else:
+            kv_stride[d] = n_kv
+            n_kv *= batch_shape[d]
+        index[d] = 0
+    kv = 0
     for b in range(n_batch):
-        key = (k_at[b], v_at[b] if v_at != NULL else 0)
-        index = seen.get(key)
-        if index is None:
-            index = len(sources)
-            seen[key] = index
-            sources.append(b)
-        kv_of[b] = index
-    return kv_of_batch, np.array(sources, dtype=np.intp)
+        kv_of_batch[b] = kv
+        if kv_source[kv] < 0:
+            kv_source[kv] = b
+        d = n_batch_dims - 1
+        while d >= 0:
+            index[d] += 1
+            kv += kv_stride[d]
+            if index[d] < batch_shape[d]:
+                break
+            kv -= kv_stride[d] * batch_shape[d]
+            index[d] = 0
+            d -= 1
+    return n_kv
 
 
-cdef void fill_operand(Operand *op, cnp.ndarray arr, cnp.ndarray offsets):
-    fill_operand_at(op, arr, <const intp_t *>cnp.PyArray_DATA(offsets))
-
-
-cdef void set_packing(Problem *pb) noexcept nogil:
-    pb.ld_k = pb.d_k if pb.d_k > 0 else 1
-    pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
-    pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
-    pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)
+cdef intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                                 cnp.ndarray mask, Py_ssize_t n_batch_dims,
+                                 const Py_ssize_t *batch_shape, bint causal,
+                                 double scale) except? NULL:
+    """problem_init and the operands of arrays whose leading dimensions
+    broadcast to batch_shape (v and mask may be None). Returns the batch
+    index the Problem points into (offsets of every operand, the shared K/V
+    numbering), for the caller to free() after the call."""
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t d, b
+    for d in range(n_batch_dims):
+        n_batch *= batch_shape[d]
+    problem_init(pb, n_batch, cnp.PyArray_DIM(q, q.ndim - 2), cnp.PyArray_DIM(k, k.ndim - 2),
+                 cnp.PyArray_DIM(q, q.ndim - 1),
+                 cnp.PyArray_DIM(v, v.ndim - 1) if v is not None else 0, causal, scale)
+    # q, k, v, mask offsets; kv_of_batch; kv_source (n_kv <= n_batch)
+    cdef intp_t *index = <intp_t *>malloc(6 * max(n_batch, 1) * sizeof(intp_t))
+    if index == NULL:
+        raise MemoryError()
+    cdef intp_t *kv_of_batch = index + 4 * n_batch
+    cdef intp_t *kv_source = index + 5 * n_batch
+    fill_batch_offsets(q, n_batch_dims, batch_shape, index)
+    set_array_operand(&pb.q, q, index)
+    fill_batch_offsets(k, n_batch_dims, batch_shape, index + n_batch)
+    set_array_operand(&pb.k, k, index + n_batch)
+    if v is not None:
+        fill_batch_offsets(v, n_batch_dims, batch_shape, index + 2 * n_batch)
+        set_array_operand(&pb.v, v, index + 2 * n_batch)
+    else:
+        pb.v = pb.k
+    if mask is not None:
+        fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
+        set_array_operand(&pb.mask, mask, index + 3 * n_batch)
+        if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
+            pb.mask_kind = MASK_BOOL
+        elif cnp.PyArray_TYPE(mask) == cnp.NPY_FLOAT32:
+            pb.mask_kind = MASK_F32
+        else:
+            pb.mask_kind = MASK_F64
+    # float16 K and V (with float32 q): read and converted block by block
+    pb.kv_half = cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT16
+    for b in range(n_batch):
+        kv_source[b] = -1
+    pb.n_kv = fill_shared_kv(k, v, n_batch_dims, batch_shape, kv_of_batch, kv_source)
+    pb.kv_of_batch = kv_of_batch
+    pb.kv_source = kv_source
+    problem_finish(pb)
+    return index
 
 
 cdef int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
@@ -1660,15 +1747,6 @@ cdef int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
     return status
 
 
-cdef void fill_operand_at(Operand *op, cnp.ndarray arr, const intp_t *offsets):
-    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(arr)
-    cdef int ndim = cnp.PyArray_NDIM(arr)
-    op.data = <const char *>cnp.PyArray_DATA(arr)
-    op.batch_offset = offsets
-    op.row_stride = cnp.PyArray_STRIDE(arr, ndim - 2) // itemsize if cnp.PyArray_DIM(arr, ndim - 2) != 1 else 0
-    op.col_stride = cnp.PyArray_STRIDE(arr, ndim - 1) // itemsize if cnp.PyArray_DIM(arr, ndim - 1) != 1 else 0
-
-
 def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
                    cnp.ndarray out, cnp.ndarray scores, int num_threads,
@@ -1680,37 +1758,31 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
     Preconditions (checked by the caller): q, k, v share the compute dtype
-    (or k and v are both float16 with a float32 q),
-    are aligned, their strides are multiples of the itemsize, their leading
-    dimensions broadcast to ``batch_shape``; ``mask`` is None or an aligned
-    bool/float32/float64 array of ndim >= 2 broadcastable to batch + (T, S).
-    ``v`` may be None when ``out`` is None. ``lse``, if given, is a
-    C-contiguous (n_batch, T) array of the compute dtype for the rows'
-    log-sum-exp. ``kv_lengths``, if given, is a C-contiguous intp array of
-    n_batch valid key counts in [0, S]. ``query_period`` > 0 says the T rows
-    of q are ``T // query_period`` stacked groups of query_period positions
-    (grouped-query heads), for causal alignment. ``window_left`` /
+    (or k and v are both float16 with a float32 q), are in native byte
+    order, aligned, their strides are multiples of the itemsize, their
+    leading dimensions broadcast to ``batch_shape``; ``mask`` is None or an
+    aligned native bool/float32/float64 array of ndim >= 2 broadcastable to
+    batch + (T, S). ``v`` may be None when ``out`` is None. ``lse``, if
+    given, is a C-contiguous (n_batch, T) array of the compute dtype for the
+    rows' log-sum-exp. ``kv_lengths``, if given, is a C-contiguous intp array
+    of n_batch valid key counts in [0, S]. ``query_period`` > 0 says the T
+    rows of q are ``T // query_period`` stacked groups of query_period
+    positions (grouped-query heads), for causal alignment. ``window_left`` /
     ``window_right`` bound a sliding window (-1: unbounded), ``softcap`` > 0
     caps logits, ``alibi_slopes`` is a C-contiguous float64 array of n_batch
     slopes."""
     cdef Problem pb
-    cdef cnp.ndarray q_off = batch_offsets(q, batch_shape)
-    cdef cnp.ndarray kv_of_batch, kv_source
-    cdef cnp.ndarray k_off = batch_offsets(k, batch_shape)
-    cdef cnp.ndarray v_off = None
-    cdef cnp.ndarray mask_off = None
-    cdef cnp.ndarray mask_arr
+    cdef Py_ssize_t n_batch_dims = len(batch_shape)
+    cdef Py_ssize_t shape[64]
+    cdef Py_ssize_t d
+    for d in range(n_batch_dims):
+        shape[d] = batch_shape[d]
+    cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, n_batch_dims, shape,
+                                             causal, scale)
     cdef int status
-    cdef const ca_kernels *kern = _kernels
-
-    pb.n_batch = q_off.shape[0]
-    pb.n_queries = cnp.PyArray_DIM(q, q.ndim - 2)
-    pb.d_k = cnp.PyArray_DIM(q, q.ndim - 1)
-    pb.n_keys = cnp.PyArray_DIM(k, k.ndim - 2)
-    pb.causal = causal
-    pb.scale = scale
     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
-    pb.query_period = query_period if query_period > 0 else pb.n_queries
+    if query_period > 0:
+        pb.query_period = query_period
     pb.window_left = window_left
     pb.window_right = window_right
     pb.softcap = softcap
@@ -1718,38 +1790,10 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                       if alibi_slopes is not None else NULL)
     pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
                     if kv_lengths is not None else NULL)
-    # float16 K and V (with float32 q): read and converted block by block
-    pb.kv_half = k.dtype == np.float16
-    fill_operand(&pb.q, q, q_off)
-    fill_operand(&pb.k, k, k_off)
-    if v is not None:
-        v_off = batch_offsets(v, batch_shape)
-        fill_operand(&pb.v, v, v_off)
-        pb.d_v = cnp.PyArray_DIM(v, v.ndim - 1)
-    else:
-        pb.v = pb.k
-        pb.d_v = 0
-    pb.ld_out = pb.d_v
-    pb.ld_scores = pb.n_keys
-    set_packing(&pb)
-    kv_of_batch, kv_source = distinct_kv(k_off, v_off)
-    pb.n_kv = kv_source.shape[0]
-    pb.kv_of_batch = <const intp_t *>cnp.PyArray_DATA(kv_of_batch)
-    pb.kv_source = <const intp_t *>cnp.PyArray_DATA(kv_source)
-    pb.mask_kind = MASK_NONE
-    pb.mask = pb.q
-    if mask is not None:
-        mask_arr = <cnp.ndarray>mask
-        mask_off = batch_offsets(mask_arr, batch_shape)
-        fill_operand(&pb.mask, mask_arr, mask_off)
-        if mask_arr.dtype == np.bool_:
-            pb.mask_kind = MASK_BOOL
-        elif mask_arr.dtype == np.float32:
-            pb.mask_kind = MASK_F32
-        else:
-            pb.mask_kind = MASK_F64
-
-    status = run_any(&pb, kern, num_threads, out, scores)
+    try:
+        status = run_any(&pb, _kernels, num_threads, out, scores)
+    finally:
+        free(index)
     if status != 0:
         raise MemoryError("cattention: could not allocate scratch memory")
 
@@ -1775,9 +1819,10 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     None when the general path (``_api._run``) must handle the call.
 
     Common: q, k, v are ndarrays of one dtype (float32 or float64) and one
-    ndim, with equal leading dimensions, aligned, element-multiple strides,
-    nonempty, no mask, and scale/num_threads of plain types. Anything else,
-    including every error, goes to the general path."""
+    ndim, with equal leading dimensions, in native byte order, aligned,
+    element-multiple strides, nonempty, no mask, and scale/num_threads of
+    plain types. Anything else, including every error, goes to the general
+    path. The Problem is built by the same problem_from_arrays."""
     if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
         return None
     cdef cnp.ndarray qa = <cnp.ndarray>q
@@ -1839,52 +1884,14 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     if return_scores:
         shape[ndim - 1] = n_keys
         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
-
-    cdef intp_t *offsets = <intp_t *>malloc(5 * n_batch * sizeof(intp_t))
-    if offsets == NULL:
-        raise MemoryError()
     cdef Problem pb
-    cdef Py_ssize_t b
     cdef int status
-    cdef const ca_kernels *kern = _kernels
+    cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, ndim - 2, shape,
+                                             causal, scale_value)
     try:
-        fill_batch_offsets(qa, ndim - 2, shape, offsets)
-        fill_batch_offsets(ka, ndim - 2, shape, offsets + n_batch)
-        fill_batch_offsets(va, ndim - 2, shape, offsets + 2 * n_batch)
-        # every batch entry packs its own K/V (shared ones are found on the
-        # general path; packing a duplicate changes no result)
-        for b in range(n_batch):
-            offsets[3 * n_batch + b] = b
-            offsets[4 * n_batch + b] = b
-        pb.n_batch = n_batch
-        pb.n_queries = n_queries
-        pb.n_keys = n_keys
-        pb.d_k = d_k
-        pb.d_v = d_v
-        pb.causal = causal
-        pb.scale = scale_value
-        pb.lse = NULL
-        pb.kv_length = NULL
-        pb.kv_half = False
-        pb.query_period = n_queries
-        pb.window_left = -1
-        pb.window_right = -1
-        pb.softcap = 0
-        pb.alibi_slope = NULL
-        fill_operand_at(&pb.q, qa, offsets)
-        fill_operand_at(&pb.k, ka, offsets + n_batch)
-        fill_operand_at(&pb.v, va, offsets + 2 * n_batch)
-        pb.mask_kind = MASK_NONE
-        pb.mask = pb.q
-        pb.n_kv = n_batch
-        pb.kv_of_batch = offsets + 3 * n_batch
-        pb.kv_source = offsets + 4 * n_batch
-        pb.ld_out = d_v
-        pb.ld_scores = n_keys
-        set_packing(&pb)
-        status = run_any(&pb, kern, threads, out, scores)
+        status = run_any(&pb, _kernels, threads, out, scores)
     finally:
-        free(offsets)
+        free(index)
     if status != 0:
         raise MemoryError("cattention: could not allocate scratch memory")
     if return_scores:
