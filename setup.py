@@ -107,7 +107,15 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=["-fsanitize=address,undefined"] if SANITIZE else [],
-    )
+    ),
+    # the public cimport contract (cython_attention.pxd), forwarding to the driver
+    Extension(
+        "cattention.cython_attention",
+        sources=["cattention/cython_attention.pyx"],
+        include_dirs=["cattention/include"],
+        extra_compile_args=extra_compile_args,
+        extra_link_args=["-fsanitize=address,undefined"] if SANITIZE else [],
+    ),
 ]
 
 setup(

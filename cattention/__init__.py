@@ -38,7 +38,7 @@ __all__ = [
 
 def get_include() -> str:
     """Directory of the C header that Cython code cimporting cattention's
-    C-level API (``cattention/_attention.pxd``) compiles against.
+    C-level API (``cattention/cython_attention.pxd``) compiles against.
 
     Returns
     -------

@@ -1,32 +1,7 @@
 # cython: language_level=3
-"""C-level API of cattention, for other Cython code (SciPy's cython_blas is the
-model): the kernels on raw pointers, without the GIL or Python overhead.
-
-    from cattention._attention cimport attention_f32, CATTENTION_OK, CATTENTION_CAUSAL
-
-Compile the cimporting extension with ``include_dirs=[cattention.get_include()]``.
-
-One call computes one head: Q is n_queries x d_k, K is n_keys x d_k, V is
-n_keys x d_v, each with contiguous features and the given row stride in
-elements (any value, so a (T, heads, d) layout is a row stride of heads * d).
-OUT (n_queries x d_v) and, if not NULL, SCORES (n_queries x n_keys) are
-written with their row strides, which must be at least the row length. OUT
-may be NULL when SCORES is not (the weights alone; V is then not read and
-may be NULL too). LSE, if not NULL, receives each row's log-sum-exp (-inf
-for a row that sees no key).
-``scale`` multiplies Q.K (pass 1 / sqrt(d_k) for the usual attention);
-``flags`` is 0 or CATTENTION_CAUSAL (bottom-right aligned, as in
-``cattention.attention``). Rows that see no key give zeros.
-
-``n_threads`` threads work on the call (capped by its size); inside a prange
-over heads pass 1. Results are bitwise the same for any thread count and are
-those of ``cattention.attention`` on the same head alone (a call on many
-heads at once may split the keys of a decode step differently, which rounds
-differently). The return value is
-CATTENTION_OK or one of the CATTENTION_ERR_* codes of cattention.h. A call
-with invalid arguments writes nothing; after CATTENTION_ERR_NO_MEMORY the
-outputs are undefined.
-"""
+"""The driver's C-level entry points, cimported by cattention/cython_attention.pyx,
+which is what other Cython code uses (see cattention/cython_attention.pxd for
+the contract: arguments, strides, status codes)."""
 
 cdef extern from "cattention.h":
     enum:

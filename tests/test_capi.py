@@ -1,4 +1,4 @@
-"""The C-level API (cattention/_attention.pxd) from a downstream Cython
+"""The C-level API (cattention/cython_attention.pxd) from a downstream Cython
 extension: tests/capi/downstream.pyx is built in a temporary directory
 against the installed cattention and called from a prange over heads."""
 
@@ -129,6 +129,7 @@ def test_status_codes(downstream, case, status):
 
 def test_pxd_and_header_ship_with_the_package():
     package = Path(ca.__file__).parent
-    assert (package / "_attention.pxd").is_file()
+    assert (package / "cython_attention.pxd").is_file()
+    assert (package / "_attention.pxd").is_file()  # the driver contract it cimports
     assert Path(ca.get_include()).is_absolute()
     assert (Path(ca.get_include()) / "cattention.h").is_file()

@@ -4,7 +4,7 @@
 
 from cython.parallel cimport prange
 
-from cattention._attention cimport (
+from cattention.cython_attention cimport (
     CATTENTION_CAUSAL, CATTENTION_OK, attention_f32, attention_f64)
 
 

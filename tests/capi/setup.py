@@ -7,7 +7,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 # the directory holding the installed package, where Cython finds
-# cattention/_attention.pxd (an editable install is not on sys.path as such)
+# cattention/cython_attention.pxd (an editable install is not on sys.path as such)
 site = os.path.dirname(os.path.dirname(os.path.abspath(cattention.__file__)))
 
 setup(

@@ -1,0 +1,35 @@
+# cython: language_level=3
+"""The public C-level API (cython_attention.pxd): each function forwards to
+the driver in cattention._attention, which computes through the same path
+as cattention.attention."""
+
+from cattention._attention cimport attention_f32 as driver_f32
+from cattention._attention cimport attention_f64 as driver_f64
+
+
+cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                       Py_ssize_t d_v,
+                       const float *q, Py_ssize_t q_row_stride,
+                       const float *k, Py_ssize_t k_row_stride,
+                       const float *v, Py_ssize_t v_row_stride,
+                       double scale, int flags,
+                       float *out, Py_ssize_t out_row_stride,
+                       float *scores, Py_ssize_t scores_row_stride,
+                       float *lse, int n_threads) noexcept nogil:
+    return driver_f32(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+                      v, v_row_stride, scale, flags, out, out_row_stride,
+                      scores, scores_row_stride, lse, n_threads)
+
+
+cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                       Py_ssize_t d_v,
+                       const double *q, Py_ssize_t q_row_stride,
+                       const double *k, Py_ssize_t k_row_stride,
+                       const double *v, Py_ssize_t v_row_stride,
+                       double scale, int flags,
+                       double *out, Py_ssize_t out_row_stride,
+                       double *scores, Py_ssize_t scores_row_stride,
+                       double *lse, int n_threads) noexcept nogil:
+    return driver_f64(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+                      v, v_row_stride, scale, flags, out, out_row_stride,
+                      scores, scores_row_stride, lse, n_threads)
