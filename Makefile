@@ -76,10 +76,10 @@ bench-deps: $(BUILT)
 	-$(PIP) -r $(VENV)/bench-requirements.txt
 
 bench: bench-deps
-	$(VPY) -m cattention bench
+	$(VPY) benchmarks/attention.py
 
 bench-quick: bench-deps
-	$(VPY) -m cattention bench --quick
+	$(VPY) benchmarks/attention.py --quick
 
 # cattention between NumPy BLAS calls and in a threaded service
 # (benchmarks/pipeline.py), in the default environment.

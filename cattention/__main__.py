@@ -1,25 +1,31 @@
-"""Command line: ``python -m cattention [demo | bench] | --version``.
+"""Command line: ``python -m cattention [demo] | --version``.
 
 ``demo`` (the default) computes attention on a built-in workload, checks it
 against a float64 NumPy reference and prints timings beside NumPy.
 ``demo --plot PATH`` instead runs attention over a built-in sentence, prints
 which token each token attends to most and writes a heatmap of the weights
 (needs matplotlib).
-``bench`` times cattention beside NumPy and PyTorch on a grid of shapes
-(see ``cattention._bench``).
+The benchmarks beside the peers live outside the package, in
+``benchmarks/`` of the source tree (``make bench``).
 """
+
+from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from . import __version__, _bench, attention, get_num_threads, plot_scores, show_config
+from . import __version__, attention, get_num_threads, plot_scores, show_config
 from ._plot import load_demo_sentence
 
 
-def _numpy_attention(q, k, v, causal, scale):
+def _numpy_attention(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], causal: bool,
+                     scale: float) -> NDArray[Any]:
     """Plain NumPy attention in the inputs' dtype (materialises T x S)."""
     logits = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)
     n_queries, n_keys = logits.shape[-2:]
@@ -29,10 +35,11 @@ def _numpy_attention(q, k, v, causal, scale):
     logits = logits - logits.max(axis=-1, keepdims=True)
     weights = np.exp(logits)
     weights /= weights.sum(axis=-1, keepdims=True)
-    return weights @ v
+    result: NDArray[Any] = weights @ v
+    return result
 
 
-def _median_seconds(fn, repeats):
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -42,7 +49,7 @@ def _median_seconds(fn, repeats):
     return float(np.median(times))
 
 
-def demo(batch, heads, n_queries, n_keys, dim, repeats):
+def demo(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, repeats: int) -> int:
     show_config()
     print()
     rng = np.random.default_rng(0)
@@ -78,7 +85,7 @@ def demo(batch, heads, n_queries, n_keys, dim, repeats):
     return 0 if ok else 1
 
 
-def sentence_demo(path, causal):
+def sentence_demo(path: str, causal: bool) -> int:
     """Attention over the built-in sentence: print each token's strongest
     key and write the heatmap to ``path``. Returns the exit status."""
     sentence = load_demo_sentence()
@@ -115,7 +122,7 @@ def sentence_demo(path, causal):
     return 0
 
 
-def _positive_int(text):
+def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (sizes and counts of the demo)."""
     try:
         value = int(text)
@@ -126,7 +133,7 @@ def _positive_int(text):
     return value
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cattention",
         description="cattention: fast, exact scaled dot-product attention for the CPU")
@@ -145,14 +152,7 @@ def main(argv=None):
                           "needs matplotlib)")
     run.add_argument("--causal", action="store_true",
                      help="with --plot: each token sees only itself and earlier tokens")
-    bench = sub.add_parser(
-        "bench", help="time cattention beside NumPy and PyTorch on a grid of shapes",
-        description="Time cattention beside NumPy and PyTorch on a grid of attention "
-                    "shapes, round-robin in one process (method: cattention/_bench.py).")
-    _bench.add_arguments(bench)
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        return _bench.main(args)
     if args.command is None:
         args = run.parse_args([], namespace=args)
     if args.plot is not None:

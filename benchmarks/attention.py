@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m cattention bench``.
+"""Benchmark of attention alone: ``python benchmarks/attention.py`` (``make bench``).
 
 Times cattention beside its peers on a fixed grid of attention shapes, in one
 process, and prints one table row per (case, thread count, implementation).
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import attention, show_config
+from cattention import attention, show_config
 
 __all__ = ["Case", "DEFAULT_CASES", "add_arguments", "main", "run_benchmark"]
 
@@ -782,7 +782,7 @@ def measure_generation(threads, shape=GENERATION_SHAPE, kv_dtype="float32"):
     the NumPy baseline keeps its cache as arrays it concatenates every step
     and repeats the K/V heads for its query heads, as plain NumPy code must.
     """
-    from . import attention_with_kvcache
+    from cattention import attention_with_kvcache
 
     heads, kv_heads, dim, cached, steps = shape
     group = heads // kv_heads
@@ -904,8 +904,16 @@ def add_arguments(parser):
     return parser
 
 
-def main(args):
-    """Run the benchmark described by parsed ``args``; returns an exit code."""
+def main(args=None):
+    """Run the benchmark described by parsed ``args`` (default: the command
+    line); returns an exit code."""
+    if args is None or isinstance(args, list):
+        import argparse
+        parser = argparse.ArgumentParser(
+            prog="python benchmarks/attention.py",
+            description="Time cattention beside NumPy and PyTorch on a grid of attention "
+                        "shapes, round-robin in one process.")
+        args = add_arguments(parser).parse_args(args)
     started = time.perf_counter()
     patterns = [p.strip() for p in args.cases.split(",")] if args.cases else []
     cases = [c for c in DEFAULT_CASES if (c.quick or not args.quick) and c.matches(patterns)]
@@ -976,3 +984,7 @@ def main(args):
         plot_results(records, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
