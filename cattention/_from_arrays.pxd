@@ -1,0 +1,180 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""From NumPy arrays to a Problem: batch offsets of broadcast operands,
+shared K/V found from the broadcast strides, and the run on float32 or
+float64 outputs with the GIL released."""
+
+cimport numpy as cnp
+from libc.stdlib cimport malloc
+from cattention._kernel_table cimport ca_kernels, intp_t
+from cattention._problem cimport (
+    MASK_BOOL, MASK_F32, MASK_F64, Operand, Problem, problem_finish, problem_init,
+    set_operand)
+from cattention._schedule cimport run_problem
+
+
+cdef inline void set_array_operand(Operand *op, cnp.ndarray arr, const intp_t *offsets):
+    """An operand of the last two axes of arr, in elements; a size-1 axis
+    steps by 0, as broadcasting does."""
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(arr)
+    cdef int ndim = cnp.PyArray_NDIM(arr)
+    set_operand(op, cnp.PyArray_DATA(arr), offsets,
+                cnp.PyArray_STRIDE(arr, ndim - 2) // itemsize
+                if cnp.PyArray_DIM(arr, ndim - 2) != 1 else 0,
+                cnp.PyArray_STRIDE(arr, ndim - 1) // itemsize
+                if cnp.PyArray_DIM(arr, ndim - 1) != 1 else 0)
+
+
+cdef inline Py_ssize_t batch_stride(cnp.ndarray arr, Py_ssize_t d, Py_ssize_t n_batch_dims):
+    """Element stride of arr along batch dimension d of the broadcast batch
+    (aligned on the right), 0 where arr lacks it or has size 1."""
+    cdef Py_ssize_t a = d - (n_batch_dims - (cnp.PyArray_NDIM(arr) - 2))
+    if a < 0 or cnp.PyArray_DIM(arr, a) == 1:
+        return 0
+    return cnp.PyArray_STRIDE(arr, a) // cnp.PyArray_ITEMSIZE(arr)
+
+
+cdef inline void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
+                                    const Py_ssize_t *batch_shape, intp_t *out):
+    """Element offset of each entry of the broadcast batch, in C order.
+
+    A dimension arr lacks or has of size 1 advances by 0, so shared K/V are
+    never copied."""
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t d, i, offset
+    cdef Py_ssize_t stride[64]
+    cdef Py_ssize_t index[64]
+    for d in range(n_batch_dims):
+        n_batch *= batch_shape[d]
+        stride[d] = batch_stride(arr, d, n_batch_dims)
+        index[d] = 0
+    offset = 0
+    for i in range(n_batch):
+        out[i] = offset
+        # odometer step over the batch index, last dimension fastest
+        d = n_batch_dims - 1
+        while d >= 0:
+            index[d] += 1
+            offset += stride[d]
+            if index[d] < batch_shape[d]:
+                break
+            offset -= stride[d] * batch_shape[d]
+            index[d] = 0
+            d -= 1
+
+
+cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, Py_ssize_t n_batch_dims,
+                                      const Py_ssize_t *batch_shape, intp_t *kv_of_batch,
+                                      intp_t *kv_source):
+    """Batch entries that read the same K and V (a K/V broadcast over heads)
+    share one packed copy: kv_of_batch[b] is entry b's packed index, numbered
+    in order of first appearance, kv_source[i] the first entry of index i
+    (kv_source must hold -1 on entry). Returns the number of packed copies.
+    A batch dimension along which neither K nor V advances is shared; v may
+    be None (SCORES alone)."""
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t n_kv = 1
+    cdef Py_ssize_t d, b, kv
+    cdef Py_ssize_t kv_stride[64]   # packed-index stride of each batch dimension
+    cdef Py_ssize_t index[64]
+    for d in range(n_batch_dims - 1, -1, -1):
+        n_batch *= batch_shape[d]
+        if batch_stride(k, d, n_batch_dims) == 0 and (
+                v is None or batch_stride(v, d, n_batch_dims) == 0):
+            kv_stride[d] = 0
+        else:
+            kv_stride[d] = n_kv
+            n_kv *= batch_shape[d]
+        index[d] = 0
+    kv = 0
+    for b in range(n_batch):
+        kv_of_batch[b] = kv
+        if kv_source[kv] < 0:
+            kv_source[kv] = b
+        d = n_batch_dims - 1
+        while d >= 0:
+            index[d] += 1
+            kv += kv_stride[d]
+            if index[d] < batch_shape[d]:
+                break
+            kv -= kv_stride[d] * batch_shape[d]
+            index[d] = 0
+            d -= 1
+    return n_kv
+
+
+cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                                        cnp.ndarray mask, Py_ssize_t n_batch_dims,
+                                        const Py_ssize_t *batch_shape, bint causal,
+                                        double scale) except? NULL:
+    """problem_init and the operands of arrays whose leading dimensions
+    broadcast to batch_shape (v and mask may be None). Returns the batch
+    index the Problem points into (offsets of every operand, the shared K/V
+    numbering), for the caller to free() after the call."""
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t d, b
+    for d in range(n_batch_dims):
+        n_batch *= batch_shape[d]
+    problem_init(pb, n_batch, cnp.PyArray_DIM(q, q.ndim - 2), cnp.PyArray_DIM(k, k.ndim - 2),
+                 cnp.PyArray_DIM(q, q.ndim - 1),
+                 cnp.PyArray_DIM(v, v.ndim - 1) if v is not None else 0, causal, scale)
+    # q, k, v, mask offsets; kv_of_batch; kv_source (n_kv <= n_batch)
+    cdef intp_t *index = <intp_t *>malloc(6 * max(n_batch, 1) * sizeof(intp_t))
+    if index == NULL:
+        raise MemoryError()
+    cdef intp_t *kv_of_batch = index + 4 * n_batch
+    cdef intp_t *kv_source = index + 5 * n_batch
+    fill_batch_offsets(q, n_batch_dims, batch_shape, index)
+    set_array_operand(&pb.q, q, index)
+    fill_batch_offsets(k, n_batch_dims, batch_shape, index + n_batch)
+    set_array_operand(&pb.k, k, index + n_batch)
+    if v is not None:
+        fill_batch_offsets(v, n_batch_dims, batch_shape, index + 2 * n_batch)
+        set_array_operand(&pb.v, v, index + 2 * n_batch)
+    else:
+        pb.v = pb.k
+    if mask is not None:
+        fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
+        set_array_operand(&pb.mask, mask, index + 3 * n_batch)
+        if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
+            pb.mask_kind = MASK_BOOL
+        elif cnp.PyArray_TYPE(mask) == cnp.NPY_FLOAT32:
+            pb.mask_kind = MASK_F32
+        else:
+            pb.mask_kind = MASK_F64
+    # float16 K and V (with float32 q): read and converted block by block
+    pb.kv_half = cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT16
+    for b in range(n_batch):
+        kv_source[b] = -1
+    pb.n_kv = fill_shared_kv(k, v, n_batch_dims, batch_shape, kv_of_batch, kv_source)
+    pb.kv_of_batch = kv_of_batch
+    pb.kv_source = kv_source
+    problem_finish(pb)
+    return index
+
+
+cdef inline int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
+                        cnp.ndarray out, cnp.ndarray scores):
+    """Run with the GIL released on float or double outputs (either may be None)."""
+    cdef int status
+    cdef int threads = <int>n_threads if n_threads < 1 << 30 else 1 << 30
+    cdef float *out_f32 = NULL
+    cdef float *scores_f32 = NULL
+    cdef double *out_f64 = NULL
+    cdef double *scores_f64 = NULL
+    cdef cnp.ndarray any_output = out if out is not None else scores
+    if cnp.PyArray_TYPE(any_output) == cnp.NPY_FLOAT64:
+        if out is not None:
+            out_f64 = <double *>cnp.PyArray_DATA(out)
+        if scores is not None:
+            scores_f64 = <double *>cnp.PyArray_DATA(scores)
+        with nogil:
+            status = run_problem(pb, kern, threads, out_f64, scores_f64)
+    else:
+        if out is not None:
+            out_f32 = <float *>cnp.PyArray_DATA(out)
+        if scores is not None:
+            scores_f32 = <float *>cnp.PyArray_DATA(scores)
+        with nogil:
+            status = run_problem(pb, kern, threads, out_f32, scores_f32)
+    return status

@@ -1,0 +1,82 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Work items of the direct (decode) path: up to DIRECT_ROWS query rows
+against one chunk of keys, reading K and V where they are (copied only when
+their features are strided or float16)."""
+
+from cython cimport floating
+from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
+from cattention._problem cimport DIRECT_KEYS, K_BLOCK, Problem
+from cattention._operands cimport contiguous_rows, kv_itemsize, rows_in_place
+from cattention._workspace cimport Workspace
+from cattention._packing cimport pack_queries
+from cattention._visibility cimport mask_scores
+from cattention._softmax cimport begin_rows, finish_rows, softmax_block
+
+
+cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                               Py_ssize_t b, Py_ssize_t split, floating *out,
+                               floating *partial) noexcept nogil:
+    """ATTN of all (few) query rows of batch entry b over key chunk ``split``,
+    K and V read in place. With one chunk the result goes to out; otherwise
+    the chunk's row maximum, sum and accumulator go to ``partial`` for
+    merge_splits."""
+    cdef floating *q_rows = <floating *>ws.base + ws.off_q
+    cdef floating *s = <floating *>ws.base + ws.off_s
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t n_rows = pb.n_queries
+    cdef Py_ssize_t chunk_lo = split * pb.split_keys
+    cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
+    cdef Py_ssize_t key0, n_keys, first_key, last_key, ld_k_rows, ld_v_rows, i, c
+    cdef Py_ssize_t next_keys
+    cdef const floating *k_rows
+    cdef const floating *v_rows
+    cdef floating *state
+
+    begin_rows(pb, ws, b, 0, n_rows, s, &first_key, &last_key)
+    if first_key < chunk_lo:
+        first_key = chunk_lo
+    if last_key > chunk_hi:
+        last_key = chunk_hi
+    if last_key > first_key:
+        pack_queries(pb, b, 0, n_rows, q_rows, pb.ld_k)
+        key0 = (first_key // DIRECT_KEYS) * DIRECT_KEYS
+        while key0 < last_key:
+            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < DIRECT_KEYS else DIRECT_KEYS
+            k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+                                   False)
+            # while one kernel streams its operand, it prefetches the block the
+            # other reads next (contiguous rows only), keeping two streams busy
+            next_keys = last_key - key0 - DIRECT_KEYS
+            if next_keys > DIRECT_KEYS:
+                next_keys = DIRECT_KEYS
+            kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
+                                pb.d_k, pb.scale, s, K_BLOCK,
+                                contiguous_rows(pb, &pb.v, b, key0, pb.d_v),
+                                pb.v.row_stride * kv_itemsize(pb), pb.d_v * kv_itemsize(pb))
+            mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
+            softmax_block(pb, kern, ws, n_rows, n_keys, s)
+            v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
+                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
+                                   False)
+            # (x86 drops a prefetch past the end of K without a fault)
+            kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
+                             acc, pb.ld_v,
+                             contiguous_rows(pb, &pb.k, b, key0 + DIRECT_KEYS, pb.d_k)
+                             if next_keys > 0 else NULL,
+                             pb.k.row_stride * kv_itemsize(pb), pb.d_k * kv_itemsize(pb))
+            key0 += DIRECT_KEYS
+    if pb.n_splits == 1:
+        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.ld_out, pb.ld_out, b * n_rows)
+        return
+    # per row: maximum, sum, then the unnormalised accumulator
+    state = partial + (b * pb.n_splits + split) * n_rows * (pb.d_v + 2)
+    for i in range(n_rows):
+        state[0] = row_max[i]
+        state[1] = row_sum[i]
+        for c in range(pb.d_v):
+            state[2 + c] = acc[i * pb.ld_v + c]
+        state += pb.d_v + 2

@@ -1,0 +1,154 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""The problem description every path reads: tuning constants, how an
+operand's rows are reached (Operand), the Problem, and its builder
+(problem_init zero-initialises and sets the defaults, problem_finish derives
+the packed K/V layout). The Python entry, the fast path and the C-level API
+all build a Problem this way."""
+
+from libc.stdint cimport uint8_t
+from libc.string cimport memset
+from cattention._kernel_table cimport ca_kernels, intp_t
+
+
+cdef enum:
+    # Rows per work item: a multiple of the 6-row register tile, small enough
+    # that T = 1024 with a few heads still gives both threads many items.
+    Q_BLOCK = 96
+    # Keys per streamed block: K^T, V and the score tile of one block stay in L2.
+    K_BLOCK = 256
+    # Rows per score/P.V call on a block that some rows see only in part
+    # (the causal diagonal): each group computes only the key panels its
+    # last row sees. A multiple of the 6-row register tile.
+    ROW_GROUP = 24
+    # Row padding of packed V and accumulators: a multiple of both panel
+    # widths, so one workspace layout serves float and double.
+    PAD = 16
+    # At most this many query rows (decode, speculative decode) take the
+    # direct path: K and V are read where they are, not packed, and the keys
+    # may be split across threads.
+    DIRECT_ROWS = 8
+    # The direct path steps through keys this many at a time: score, softmax
+    # and P.V of one step touch K and V rows close together, so both stream
+    # from memory at once (steps of a whole K_BLOCK read 128 KiB of K, then
+    # of V, and ran 20-30% slower on a memory-bound decode). Divides K_BLOCK,
+    # which split chunks are multiples of.
+    DIRECT_KEYS = 32
+    # The direct path splits the keys until there are this many work items...
+    SPLIT_TARGET_ITEMS = 16
+    # ...but never into chunks below this many keys (a multiple of K_BLOCK).
+    SPLIT_MIN_KEYS = 512
+    # Fewer floating-point operations than this per thread and another thread
+    # costs more to start and join than it saves (a few microseconds).
+    MIN_FLOPS_PER_THREAD = 1 << 18
+    # At most this many query blocks per batch entry for a work item to be a
+    # whole batch entry (see run_packed).
+    PER_ENTRY_MAX_BLOCKS = 4
+    # The largest thread count a call accepts (OpenMP's num_threads is an int).
+    MAX_THREADS = 2147483647
+
+cdef enum MaskKind:
+    MASK_NONE = 0
+    MASK_BOOL = 1
+    MASK_F32 = 2
+    MASK_F64 = 3
+
+cdef struct Operand:
+    const char *data
+    const intp_t *batch_offset   # element offset of each flattened batch entry
+    Py_ssize_t row_stride        # elements
+    Py_ssize_t col_stride        # elements
+
+
+cdef struct Problem:
+    Py_ssize_t n_batch
+    Py_ssize_t n_queries
+    Py_ssize_t n_keys
+    Py_ssize_t d_k
+    Py_ssize_t d_v
+    Operand q
+    Operand k
+    Operand v
+    Operand mask
+    int mask_kind
+    bint causal
+    double scale                 # multiplies q.k
+    const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
+    Py_ssize_t query_period      # query rows are positions 0..period-1 repeated
+                                 # (grouped-query heads stacked as rows); = T
+    Py_ssize_t window_left       # sliding window: keys at most this far before
+    Py_ssize_t window_right      # / after the query's position; -1: unbounded
+    double softcap               # logits -> softcap * tanh(logits / softcap); 0: off
+    const double *alibi_slope    # per batch entry: -slope * |position - j| added
+                                 # to the logits, or NULL
+    void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
+    # row strides (elements) of ATTN (n_batch, T, d_v) and SCORES (n_batch, T,
+    # S): d_v and S from Python, any row stride through the C-level API
+    Py_ssize_t ld_out
+    Py_ssize_t ld_scores
+    # K^T and V are packed once per distinct K/V batch entry, shared by every
+    # query block that reads them (a K/V broadcast over heads is packed once)
+    Py_ssize_t n_kv              # distinct K/V batch entries
+    const intp_t *kv_of_batch    # batch entry -> packed index
+    const intp_t *kv_source      # packed index -> a batch entry holding it
+    Py_ssize_t n_key_blocks
+    Py_ssize_t block_keys        # key capacity of a packed block: K_BLOCK, or
+                                 # S rounded up to PAD when S is smaller
+    Py_ssize_t ld_k              # rows of a packed K^T block: max(d_k, 1)
+    Py_ssize_t ld_v              # length of a packed V row: d_v padded to PAD
+    void *packed_k               # blocks of ld_k x K_BLOCK, (kv, key block) order
+    void *packed_v               # K_BLOCK rows of ld_v per (kv, key block)
+    uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
+    bint direct                  # few query rows: K and V read in place
+    Py_ssize_t itemsize          # of the compute dtype
+    bint kv_half                 # K and V are float16 (computed in float32),
+                                 # converted block by block as they are read
+    const ca_kernels *kern       # for the float16 conversion while packing
+    # direct path: keys split into chunks of split_keys (a multiple of
+    # K_BLOCK), fixed by the shape alone so results do not depend on threads
+    Py_ssize_t n_splits
+    Py_ssize_t split_keys
+
+
+cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
+    return ((n + m - 1) // m) * m
+
+
+cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_queries,
+                              Py_ssize_t n_keys, Py_ssize_t d_k, Py_ssize_t d_v,
+                              bint causal, double scale) noexcept nogil:
+    """The one way a Problem starts: every field zero, then the defaults of
+    an unmasked problem (no lengths, no window, no softcap, no ALiBi, no LSE,
+    contiguous ATTN and SCORES rows). Callers then set operands and options
+    and call problem_finish."""
+    memset(pb, 0, sizeof(Problem))
+    pb.n_batch = n_batch
+    pb.n_queries = n_queries
+    pb.n_keys = n_keys
+    pb.d_k = d_k
+    pb.d_v = d_v
+    pb.causal = causal
+    pb.scale = scale
+    pb.mask_kind = MASK_NONE
+    pb.query_period = n_queries
+    pb.window_left = -1
+    pb.window_right = -1
+    pb.ld_out = d_v
+    pb.ld_scores = n_keys
+    pb.n_kv = n_batch
+
+
+cdef inline void problem_finish(Problem *pb) noexcept nogil:
+    """Derived sizes: the packed K/V layout."""
+    pb.ld_k = pb.d_k if pb.d_k > 0 else 1
+    pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
+    pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
+    pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)
+
+
+cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,
+                             Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
+    op.data = <const char *>data
+    op.batch_offset = batch_offset
+    op.row_stride = row_stride
+    op.col_stride = col_stride

@@ -1,0 +1,249 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Schedulers: how work items are spread over OpenMP threads (prange), for
+the packed path (pack everything, then query blocks; or one batch entry per
+item for many short sequences) and the direct path (batch entry x key
+chunk, then the merge), and the thread count of a call (src/team.h)."""
+
+from cython cimport floating
+from cython.parallel cimport parallel, prange
+from libc.stdint cimport uint8_t
+from cattention._kernel_table cimport (
+    CA_SCRATCH_PACKED, CA_SCRATCH_PARTIAL, ca_forked_after_parallel, ca_kernels,
+    ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release)
+from cattention._problem cimport (
+    DIRECT_ROWS, K_BLOCK, MIN_FLOPS_PER_THREAD, PER_ENTRY_MAX_BLOCKS, Problem, Q_BLOCK,
+    SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, round_up)
+from cattention._workspace cimport (
+    Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
+    workspace_new_per_entry)
+from cattention._packing cimport pack_block
+from cattention._softmax cimport merge_splits
+from cattention._item_packed cimport attend_item, attend_item_with_scores
+from cattention._item_direct cimport attend_direct
+
+
+cdef extern from "team.h" nogil:
+    double CA_TEAM_FLOPS_PER_NS
+    double CA_TEAM_BYTES_PER_NS
+    int ca_team_size(int n_threads, double serial_ns)
+    void ca_team_call_ended()
+
+
+cdef extern from "openmp_shim.h" nogil:
+    int omp_get_max_threads()
+    int CA_HAVE_OPENMP
+    int CA_OPENMP_VERSION
+    const char *ca_openmp_runtime()
+
+
+cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                          Py_ssize_t item, Py_ssize_t n_blocks, floating *out,
+                          floating *scores) noexcept nogil:
+    # One batch entry's query blocks follow each other, so the entry's
+    # packed K/V stay in cache from one to the next (up to 9% faster, at 1
+    # or 2 threads, than taking the entries in turn). Within an entry the
+    # last query blocks, which see the most keys under a causal mask, come
+    # first, so the dynamic schedule ends with cheap ones.
+    cdef Py_ssize_t block = n_blocks - 1 - item % n_blocks
+    cdef Py_ssize_t b = item // n_blocks
+    cdef Py_ssize_t row0 = block * Q_BLOCK
+    cdef Py_ssize_t n_rows = pb.n_queries - row0
+    if n_rows > Q_BLOCK:
+        n_rows = Q_BLOCK
+    if scores != NULL:
+        attend_item_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
+    else:
+        attend_item(pb, kern, ws, b, row0, n_rows, out)
+
+
+cdef inline void run_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
+                           Py_ssize_t b, Py_ssize_t n_blocks, floating *out,
+                           floating *scores) noexcept nogil:
+    """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
+    all its query blocks, in the order run_item gives them."""
+    cdef Py_ssize_t kv_block, item
+    for kv_block in range(pb.n_key_blocks):
+        pack_block(pb, ws, pb.kv_of_batch[b] * pb.n_key_blocks + kv_block, out)
+    for item in range(b * n_blocks, (b + 1) * n_blocks):
+        run_item(pb, kern, ws, item, n_blocks, out, scores)
+
+
+cdef inline int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
+                            floating *out, floating *scores) noexcept nogil:
+    """Returns 0, or -1 if memory ran out."""
+    cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
+                         * (pb.d_k + pb.d_v + 1))
+    if ca_forked_after_parallel():
+        # GNU OpenMP would wait forever for the parent's threads (see kernels.h)
+        n_threads = 1
+    if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
+        n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
+        if n_threads < 1:
+            n_threads = 1
+    pb.itemsize = sizeof(floating)
+    pb.kern = kern
+    # the path depends on the shape alone, never on the layout or threads
+    pb.direct = pb.n_queries <= DIRECT_ROWS
+    cdef double kv_bytes = 0
+    cdef int status
+    if n_threads > 1:
+        if pb.direct:
+            # a decode step streams its K and V from memory
+            kv_bytes = (<double>pb.n_kv * pb.n_keys * (pb.d_k + pb.d_v)
+                        * (2 if pb.kv_half else sizeof(floating)))
+        n_threads = ca_team_size(
+            n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
+            + kv_bytes / CA_TEAM_BYTES_PER_NS)
+    if scores == NULL and pb.direct:
+        status = run_direct(pb, kern, n_threads, out)
+    else:
+        status = run_packed(pb, kern, n_threads, out, scores)
+    ca_team_call_ended()
+    return status
+
+
+cdef inline int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
+                           floating *out) noexcept nogil:
+    """Few query rows: items are (batch entry, key chunk), K/V read in place."""
+    cdef Py_ssize_t n_splits = 1
+    cdef Py_ssize_t n_items, item, b
+    cdef Workspace *ws = NULL
+    cdef floating *partial = NULL
+    cdef int status = 0
+    cdef int *status_ptr = &status
+    cdef int n_workers = n_threads
+    if pb.n_batch < SPLIT_TARGET_ITEMS:
+        n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
+        if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
+            n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
+        if n_splits < 1:
+            n_splits = 1
+    pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
+    if pb.split_keys == 0:
+        pb.split_keys = K_BLOCK
+    pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
+    if pb.n_splits < 1:
+        pb.n_splits = 1
+    n_items = pb.n_batch * pb.n_splits
+    if n_workers > n_items:
+        n_workers = <int>n_items
+    if pb.n_splits > 1:
+        partial = <floating *>ca_scratch_acquire(
+            CA_SCRATCH_PARTIAL, n_items * pb.n_queries * (pb.d_v + 2) * sizeof(floating))
+        if partial == NULL:
+            return -1
+    if n_workers <= 1:
+        ws = workspace_new(pb, sizeof(floating))
+        if ws == NULL:
+            status = -1
+        else:
+            for item in range(n_items):
+                attend_direct(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
+                              out, partial)
+            workspace_delete(ws)
+        if status == 0 and pb.n_splits > 1:
+            for b in range(pb.n_batch):
+                merge_splits(pb, b, partial, out)
+    else:
+        ca_note_parallel_region()
+        with parallel(num_threads=n_workers):
+            ws = workspace_new(pb, sizeof(floating))
+            if ws == NULL:
+                status_ptr[0] = -1
+            for item in prange(n_items, schedule='dynamic'):
+                if ws != NULL:
+                    attend_direct(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
+                                  out, partial)
+            workspace_delete(ws)
+            if pb.n_splits > 1:
+                for b in prange(pb.n_batch, schedule='static'):
+                    if status_ptr[0] == 0:
+                        merge_splits(pb, b, partial, out)
+    ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
+    return status
+
+
+cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
+                           floating *out, floating *scores) noexcept nogil:
+    """Pack K/V once, then blocks of query rows across threads."""
+    cdef Py_ssize_t n_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
+    cdef Py_ssize_t n_items = n_blocks * pb.n_batch
+    # with few query rows K and V are read in place, not packed
+    cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks
+    cdef Py_ssize_t item, block, b
+    cdef Workspace *ws = NULL
+    cdef int status = 0
+    cdef int *status_ptr = &status
+    cdef size_t itemsize = sizeof(floating)
+    cdef int n_workers = n_threads
+    if n_items == 0:
+        return 0
+    if n_workers > n_items:
+        n_workers = <int>n_items
+    # Few query blocks per batch entry, each with its own K/V (many short
+    # sequences, as in a BERT batch): a work item is a whole batch entry,
+    # which packs its K/V and at once computes its query blocks while the
+    # packed blocks are still in cache. Otherwise everything is packed
+    # first, then query blocks are spread over the threads.
+    cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch
+                           and n_blocks <= PER_ENTRY_MAX_BLOCKS
+                           and pb.n_batch >= 4 * n_workers)
+    if per_entry:
+        # each thread packs into its own blocks (run_entry)
+        n_packed = 0
+    cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
+    cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
+    cdef char *packed = NULL
+    if not per_entry:
+        packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
+        if packed == NULL:
+            return -1
+    pb.packed_k = packed
+    pb.packed_v = packed + k_bytes
+    pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
+    if per_entry and n_workers <= 1:
+        ws = workspace_new_per_entry(pb, itemsize)
+        if ws == NULL:
+            status = -1
+        else:
+            for b in range(pb.n_batch):
+                run_entry(pb, kern, ws, b, n_blocks, out, scores)
+            workspace_delete(ws)
+    elif n_workers <= 1:
+        ws = workspace_new(pb, itemsize)
+        if ws == NULL:
+            status = -1
+        else:
+            for block in range(n_packed):
+                pack_block(pb, ws, block, out)
+            for item in range(n_items):
+                run_item(pb, kern, ws, item, n_blocks, out, scores)
+            workspace_delete(ws)
+    elif per_entry:
+        ca_note_parallel_region()
+        with parallel(num_threads=n_workers):
+            ws = workspace_new_per_entry(pb, itemsize)
+            if ws == NULL:
+                status_ptr[0] = -1
+            for b in prange(pb.n_batch, schedule='dynamic'):
+                if ws != NULL:
+                    run_entry(pb, kern, ws, b, n_blocks, out, scores)
+            workspace_delete(ws)
+    else:
+        ca_note_parallel_region()
+        with parallel(num_threads=n_workers):
+            # assigned inside the parallel block, so private to each thread
+            ws = workspace_new(pb, itemsize)
+            if ws == NULL:
+                status_ptr[0] = -1
+            for block in prange(n_packed, schedule='static'):
+                if ws != NULL:
+                    pack_block(pb, ws, block, out)
+            # (the end of a prange is a barrier: every block is packed here)
+            for item in prange(n_items, schedule='dynamic'):
+                if ws != NULL:
+                    run_item(pb, kern, ws, item, n_blocks, out, scores)
+            workspace_delete(ws)
+    ca_scratch_release(CA_SCRATCH_PACKED, packed)
+    return status

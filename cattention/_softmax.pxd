@@ -1,0 +1,144 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Online-softmax state of a work item: begin (running maximum -inf, sum 0),
+fold in one key block (rescaling the accumulator when the maximum grows),
+finish (divide by the sum, store the log-sum-exp); and the merge of the
+partial results of a decode step split over key chunks (the log-sum-exp
+rule, in a fixed order)."""
+
+from cython cimport floating
+from libc.math cimport INFINITY, exp, log
+from libc.string cimport memset
+from cattention._kernel_table cimport ca_kernels, kernel_exp_sum, kernel_row_max
+from cattention._problem cimport K_BLOCK, Problem
+from cattention._workspace cimport Workspace
+from cattention._visibility cimport visible_ranges
+
+
+cdef inline void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t row0,
+                            Py_ssize_t n_rows, floating *dtype_tag, Py_ssize_t *first_key,
+                            Py_ssize_t *last_key) noexcept nogil:
+    """Visible key ranges of the rows, the range over all of them, and a
+    fresh online-softmax state (row maximum -inf, sum 0, accumulator 0)."""
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t i
+    visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
+    first_key[0] = pb.n_keys
+    last_key[0] = 0
+    for i in range(n_rows):
+        if ws.row_hi[i] > ws.row_lo[i]:
+            if ws.row_lo[i] < first_key[0]:
+                first_key[0] = ws.row_lo[i]
+            if ws.row_hi[i] > last_key[0]:
+                last_key[0] = ws.row_hi[i]
+        row_max[i] = -INFINITY
+        row_sum[i] = 0
+    memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
+
+
+cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                               Py_ssize_t n_rows, Py_ssize_t n_keys,
+                               floating *s) noexcept nogil:
+    """Online softmax over one key block of masked logits s (rows K_BLOCK
+    apart): update each row's maximum and sum, rescale its accumulator when
+    the maximum grows, and leave the block's weights e^(s - max) in s."""
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t i, c
+    cdef floating tile_max, alpha
+    cdef floating *s_row
+    cdef floating *acc_row
+    for i in range(n_rows):
+        s_row = s + i * K_BLOCK
+        tile_max = kernel_row_max(kern, s_row, n_keys)
+        if tile_max == -INFINITY:
+            # nothing visible in this block: weights exactly zero
+            memset(s_row, 0, n_keys * sizeof(floating))
+            continue
+        if tile_max != tile_max:
+            # a NaN logit where a key is visible: the row is NaN, as in the
+            # reference (and stays NaN through later blocks)
+            row_max[i] = tile_max
+        elif tile_max > row_max[i]:
+            if row_max[i] != -INFINITY:
+                alpha = <floating>exp(row_max[i] - tile_max)
+                row_sum[i] *= alpha
+                acc_row = acc + i * pb.ld_v
+                for c in range(pb.d_v):
+                    acc_row[c] *= alpha
+            row_max[i] = tile_max
+        row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
+
+
+cdef inline void store_lse(const Problem *pb, Py_ssize_t row, floating row_max,
+                           floating row_sum) noexcept nogil:
+    """log-sum-exp of a row's scaled, masked logits (-inf when it sees no key)."""
+    cdef floating *lse = <floating *>pb.lse
+    if lse != NULL:
+        lse[row] = row_max if row_max == -INFINITY else row_max + <floating>log(row_sum)
+
+
+cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
+                             floating *out, Py_ssize_t ld_out, Py_ssize_t first_row) noexcept nogil:
+    """out[i, :d_v] = acc[i] / sum[i]; zeros for a row that sees no key.
+    Also the rows' log-sum-exp when asked, at first_row (= b * T + row0)."""
+    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    cdef floating *row_max = <floating *>ws.base + ws.off_max
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef Py_ssize_t i, c
+    cdef floating *out_row
+    cdef floating *acc_row
+    for i in range(n_rows):
+        store_lse(pb, first_row + i, row_max[i], row_sum[i])
+        out_row = out + i * ld_out
+        if row_max[i] == -INFINITY:
+            # a row that sees no key gives zeros, not 0/0
+            memset(out_row, 0, pb.d_v * sizeof(floating))
+        else:
+            acc_row = acc + i * pb.ld_v
+            for c in range(pb.d_v):
+                out_row[c] = acc_row[c] / row_sum[i]
+
+
+cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *partial,
+                              floating *out) noexcept nogil:
+    """Combine the key chunks of batch entry b in chunk order (so the result
+    does not depend on which thread did which chunk):
+    max = max_i max_i, sum = sum_i sum_i e^(max_i - max),
+    out = sum_i acc_i e^(max_i - max) / sum."""
+    cdef Py_ssize_t n_rows = pb.n_queries
+    cdef Py_ssize_t stride = n_rows * (pb.d_v + 2)
+    cdef const floating *first = partial + b * pb.n_splits * stride
+    cdef const floating *state
+    cdef floating *out_row
+    cdef Py_ssize_t i, split, c
+    cdef floating total_max, total_sum, weight
+    for i in range(n_rows):
+        out_row = out + (b * n_rows + i) * pb.ld_out
+        total_max = -INFINITY
+        for split in range(pb.n_splits):
+            state = first + split * stride + i * (pb.d_v + 2)
+            if state[0] > total_max or state[0] != state[0]:
+                total_max = state[0]
+                if total_max != total_max:
+                    break
+        if total_max == -INFINITY:
+            store_lse(pb, b * n_rows + i, total_max, 0)
+            memset(out_row, 0, pb.d_v * sizeof(floating))
+            continue
+        memset(out_row, 0, pb.d_v * sizeof(floating))
+        total_sum = 0
+        for split in range(pb.n_splits):
+            state = first + split * stride + i * (pb.d_v + 2)
+            if state[0] == -INFINITY:
+                continue
+            weight = <floating>exp(state[0] - total_max)
+            total_sum += state[1] * weight
+            for c in range(pb.d_v):
+                out_row[c] += state[2 + c] * weight
+        for c in range(pb.d_v):
+            out_row[c] = out_row[c] / total_sum
+        store_lse(pb, b * n_rows + i, total_max, total_sum)

@@ -1,0 +1,103 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Per-thread scratch of a work item (Workspace: packed query rows, score
+tile, accumulators, running row maximum and sum) and the byte sizes of the
+packed K^T and V blocks."""
+
+from libc.stdint cimport uint8_t
+from cattention._kernel_table cimport (
+    CA_SCRATCH_PACKED, CA_SCRATCH_WORKSPACE, ca_scratch_acquire, ca_scratch_release,
+    intp_t)
+from cattention._problem cimport DIRECT_ROWS, K_BLOCK, Problem, Q_BLOCK, round_up
+
+
+cdef struct Workspace:
+    void *base
+    intp_t *row_lo               # first visible key of each row in the item
+    intp_t *row_hi               # one past the last visible key
+    # typed pointers are cast from these offsets for float or double
+    Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
+    # direct path only: K and V rows copied when their features are strided
+    Py_ssize_t off_k_rows, off_v_rows
+    # when a work item is a whole batch entry (run_entry): this thread's own
+    # packed K^T and V blocks of the entry and their non-finite flags, which
+    # stay in cache between packing and use; NULL: the problem's shared ones
+    void *own_k
+    void *own_v
+    uint8_t *own_nonfinite
+
+
+cdef inline Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil:
+    """Lay out and allocate one thread's scratch; NULL if there is no memory."""
+    cdef Py_ssize_t n_rows = Q_BLOCK if pb.n_queries > Q_BLOCK else pb.n_queries
+    cdef Py_ssize_t n = 0
+    cdef Workspace header
+    cdef Workspace *ws = &header
+    # each region starts on a 64-byte boundary (8 doubles / 16 floats)
+    ws.off_q = n
+    n += round_up(n_rows * pb.ld_k, 16)
+    ws.off_s = n
+    n += round_up(n_rows * K_BLOCK, 16)
+    ws.off_acc = n
+    n += round_up(n_rows * pb.ld_v, 16)
+    ws.off_max = n
+    n += round_up(n_rows, 16)
+    ws.off_sum = n
+    n += round_up(n_rows, 16)
+    ws.off_k_rows = n
+    ws.off_v_rows = n
+    if n_rows <= DIRECT_ROWS or pb.kv_half:
+        n += round_up(K_BLOCK * pb.ld_k, 16)
+        ws.off_v_rows = n
+        n += round_up(K_BLOCK * pb.ld_v, 16)
+    # one buffer: the Workspace itself, then the regions from the next
+    # 64-byte boundary
+    cdef size_t header_bytes = round_up(sizeof(Workspace), 64)
+    cdef char *memory = <char *>ca_scratch_acquire(
+        CA_SCRATCH_WORKSPACE, header_bytes + n * itemsize + 2 * n_rows * sizeof(intp_t))
+    if memory == NULL:
+        return NULL
+    ws.base = memory + header_bytes
+    ws.own_k = NULL
+    ws.own_v = NULL
+    ws.own_nonfinite = NULL
+    ws.row_lo = <intp_t *>(<char *>ws.base + n * itemsize)
+    ws.row_hi = ws.row_lo + n_rows
+    (<Workspace *>memory)[0] = header
+    return <Workspace *>memory
+
+
+cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
+    if ws != NULL and ws.own_k != NULL:
+        ca_scratch_release(CA_SCRATCH_PACKED, ws.own_k)
+    ca_scratch_release(CA_SCRATCH_WORKSPACE, ws)
+
+
+cdef inline size_t packed_k_bytes(const Problem *pb, Py_ssize_t n_blocks,
+                                  size_t itemsize) noexcept nogil:
+    """Bytes of n_blocks packed K^T blocks, rounded to a cache line (the
+    V blocks follow them, then a flag per block)."""
+    return round_up(n_blocks * pb.ld_k * pb.block_keys * itemsize, 64)
+
+
+cdef inline size_t packed_v_bytes(const Problem *pb, Py_ssize_t n_blocks,
+                                  size_t itemsize) noexcept nogil:
+    return round_up(n_blocks * pb.block_keys * pb.ld_v * itemsize, 64)
+
+
+cdef inline Workspace *workspace_new_per_entry(const Problem *pb, size_t itemsize) noexcept nogil:
+    """A workspace with room for the packed K/V blocks of one batch entry."""
+    cdef Workspace *ws = workspace_new(pb, itemsize)
+    cdef size_t k_bytes = packed_k_bytes(pb, pb.n_key_blocks, itemsize)
+    cdef size_t v_bytes = packed_v_bytes(pb, pb.n_key_blocks, itemsize)
+    cdef char *own
+    if ws == NULL:
+        return NULL
+    own = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + pb.n_key_blocks)
+    if own == NULL:
+        workspace_delete(ws)
+        return NULL
+    ws.own_k = own
+    ws.own_v = own + k_bytes
+    ws.own_nonfinite = <uint8_t *>(own + k_bytes + v_bytes)
+    return ws

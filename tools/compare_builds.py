@@ -1,0 +1,133 @@
+"""Time two builds of cattention against each other in one run.
+
+    python tools/compare_builds.py BEFORE_TREE AFTER_TREE [--threads 1 2] [--rounds 15]
+
+Each tree is a source checkout with its extension built in place. One worker
+process per tree imports that tree's cattention; every case is timed
+round-robin (before, after, before, ...), one worker computing at a time, so
+both see the same machine state. Prints the median per case and the ratio
+after / before (below 1: the after build is faster). Nothing is asserted.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+#: (B, H, T, S, d, causal, dtype, kv_heads, kv_dtype, window): the cases of
+#: benchmarks/attention.py
+CASES = [
+    (1, 8, 1024, 1024, 64, False, "float32", 0, "", 0),
+    (1, 8, 1024, 1024, 64, True, "float32", 0, "", 0),
+    (1, 8, 2048, 2048, 64, False, "float32", 0, "", 0),
+    (1, 8, 2048, 2048, 64, True, "float32", 0, "", 0),
+    (1, 4, 4096, 4096, 64, True, "float32", 0, "", 0),
+    (1, 8, 1024, 1024, 128, True, "float32", 0, "", 0),
+    (8, 12, 128, 128, 64, False, "float32", 0, "", 0),
+    (1, 32, 1, 4096, 128, False, "float32", 0, "", 0),
+    (1, 32, 1, 1024, 128, False, "float32", 0, "", 0),
+    (1, 32, 1, 4096, 128, False, "float32", 8, "", 0),
+    (1, 32, 1, 4096, 128, False, "float32", 8, "float16", 0),
+    (1, 1, 8, 8, 8, False, "float32", 0, "", 0),
+    (1, 2, 8192, 8192, 64, True, "float32", 0, "", 1024),
+    (1, 8, 1024, 1024, 64, False, "float64", 0, "", 0),
+    (1, 8, 1024, 1024, 64, True, "float64", 0, "", 0),
+]
+
+WORKER = r"""
+import json, sys, time
+import numpy as np
+import cattention as ca
+inputs = {}
+for line in sys.stdin:
+    request = json.loads(line)
+    B, H, T, S, d, causal, dtype, kv_heads, kv_dtype, window = request["case"]
+    key = tuple(request["case"])
+    if key not in inputs:
+        rng = np.random.default_rng(0)
+        kvh = kv_heads or H
+        q = rng.standard_normal((B, H, T, d)).astype(dtype)
+        k = rng.standard_normal((B, kvh, S, d)).astype(kv_dtype or dtype)
+        v = rng.standard_normal((B, kvh, S, d)).astype(kv_dtype or dtype)
+        options = dict(causal=causal, enable_gqa=bool(kv_heads))
+        if window:
+            options["window"] = (window, 0)
+        inputs = {key: (q, k, v, options)}
+    q, k, v, options = inputs[key]
+    calls = request["calls"]
+    ca.attention(q, k, v, num_threads=request["threads"], **options)
+    start = time.perf_counter()
+    for _ in range(calls):
+        ca.attention(q, k, v, num_threads=request["threads"], **options)
+    print(json.dumps((time.perf_counter() - start) / calls), flush=True)
+"""
+
+
+def label_of(case):
+    B, H, T, S, d, causal, dtype, kv_heads, kv_dtype, window = case
+    return (f"{B}x{H}x{T}x{S}x{d} {'causal' if causal else 'full'} {dtype}"
+            + (f" gqa{H}/{kv_heads}" if kv_heads else "")
+            + (f" kv-{kv_dtype}" if kv_dtype else "")
+            + (f" window{window}" if window else ""))
+
+
+def start_worker(tree, threads):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(threads))
+    return subprocess.Popen([sys.executable, "-c", WORKER], cwd=os.path.abspath(tree), env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def ask(worker, case, threads, calls):
+    worker.stdin.write(json.dumps({"case": case, "threads": threads, "calls": calls}) + "\n")
+    worker.stdin.flush()
+    return json.loads(worker.stdout.readline())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before")
+    parser.add_argument("after")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--cases", metavar="SUBSTR", nargs="+",
+                        help="only the cases whose label contains one of these")
+    args = parser.parse_args(argv)
+    rows = []
+    print(f"{'case (B, H, T, S, d)':44} {'thr':>3} {'before ms':>10} {'after ms':>10} "
+          f"{'after/before':>12}")
+    for threads in args.threads:
+        workers = [start_worker(args.before, threads), start_worker(args.after, threads)]
+        try:
+            for case in CASES:
+                if args.cases and not any(p in label_of(case) for p in args.cases):
+                    continue
+                probe = ask(workers[0], case, threads, 1)
+                calls = max(1, min(2000, int(0.02 / max(probe, 1e-7))))
+                times = ([], [])
+                for r in range(args.rounds):
+                    for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                        times[i].append(ask(workers[i], case, threads, calls))
+                before, after = (statistics.median(t) for t in times)
+                label = label_of(case)
+                rows.append({"case": label, "threads": threads, "before_ms": before * 1e3,
+                             "after_ms": after * 1e3, "ratio": after / before})
+                print(f"{label:44} {threads:3} {before * 1e3:10.4g} {after * 1e3:10.4g} "
+                      f"{after / before:12.3f}", flush=True)
+        finally:
+            for w in workers:
+                w.stdin.close()
+                w.wait()
+    ratios = [r["ratio"] for r in rows]
+    print(f"median after/before {statistics.median(ratios):.3f}, "
+          f"range {min(ratios):.3f}-{max(ratios):.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
