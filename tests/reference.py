@@ -18,6 +18,7 @@ import numpy as np
 
 __all__ = [
     "reference_attention",
+    "reference_attention_lse",
     "reference_lse",
     "numpy_attention_f32",
     "visible_positions",
@@ -122,7 +123,47 @@ def visible_positions(T, S, causal=False, mask=None):
     return visible
 
 
-def _attention(q, k, v, causal, mask, scale, dtype):
+def _positions(batch, T, S, kv_lengths):
+    """(n_valid, pos): the valid key count of every batch entry, shape batch +
+    (1, 1), and the key position of every query row, shape batch + (T, 1):
+    bottom-right alignment, the queries are the last T of the valid keys."""
+    n_valid = np.broadcast_to(S if kv_lengths is None else np.asarray(kv_lengths),
+                              batch).astype(np.int64)[..., None, None]
+    pos = np.arange(T)[:, None] + (n_valid - T)
+    return n_valid, pos
+
+
+def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slopes):
+    """Visibility (batch + (T, S) bool) and the additive ALiBi term (float64
+    or None), written out explicitly for every option."""
+    n_valid, pos = _positions(batch, T, S, kv_lengths)
+    j = np.arange(S)[None, :]
+    visible = np.broadcast_to(j < n_valid, batch + (T, S))
+    if causal:
+        visible = visible & (j <= pos)
+    if window is not None:
+        left, right = window
+        if causal:
+            right = 0
+        if left is not None:
+            visible = visible & (j >= pos - left)
+        if right is not None:
+            visible = visible & (j <= pos + right)
+    if mask is not None:
+        mask = np.asarray(mask)
+        visible = visible & (mask if mask.dtype == np.bool_ else mask != -np.inf)
+    alibi = None
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), batch)
+        alibi = -slopes[..., None, None] * np.abs(pos - j).astype(np.float64)
+    return np.broadcast_to(visible, batch + (T, S)), alibi
+
+
+def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None,
+               softcap=None, alibi_slopes=None):
+    """(attn, scores, lse) in dtype. Per logit: scale * q.k, softcap, + ALiBi,
+    + additive mask; keys outside causal / window / kv_lengths / bool mask
+    take no part; a row that sees no key is zero (lse -inf)."""
     q = _as_compute_dtype(q, dtype)
     k = _as_compute_dtype(k, dtype)
     v = _as_compute_dtype(v, dtype)
@@ -140,17 +181,25 @@ def _attention(q, k, v, causal, mask, scale, dtype):
     scale = dtype(scale)
 
     batch = _batch_shape(q, k, v, mask)
+    for option in (kv_lengths, alibi_slopes):
+        if option is not None:
+            batch = np.broadcast_shapes(batch, np.shape(option))
     q = np.broadcast_to(q, batch + (T, d_k))
     k = np.broadcast_to(k, batch + (S, d_k))
     v = np.broadcast_to(v, batch + (S, d_v))
 
-    visible = np.broadcast_to(visible_positions(T, S, causal, mask), batch + (T, S))
+    visible, alibi = _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window,
+                                       alibi_slopes)
     additive = None
     if mask is not None and np.asarray(mask).dtype != np.bool_:
         additive = np.asarray(mask).astype(dtype)
 
     with np.errstate(all="ignore"):
         logits = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+        if softcap is not None:
+            logits = dtype(softcap) * np.tanh(logits / dtype(softcap))
+        if alibi is not None:
+            logits = logits + alibi.astype(dtype)
         if additive is not None:
             logits = logits + additive
         # Explicit -inf masking: also wipes NaN/Inf coming from masked keys.
@@ -161,6 +210,8 @@ def _attention(q, k, v, causal, mask, scale, dtype):
         row_max = np.where(row_any, row_max, dtype(0))
         e = np.where(visible, np.exp(logits - row_max), dtype(0))
         denom = e.sum(axis=-1, keepdims=True, dtype=dtype)
+        lse = np.where(row_any, row_max + np.log(np.where(row_any, denom, 1)),
+                       -np.inf)[..., 0].astype(dtype)
         denom = np.where(row_any, denom, dtype(1))
         scores = np.where(row_any, e / denom, dtype(0)).astype(dtype)
 
@@ -174,38 +225,35 @@ def _attention(q, k, v, causal, mask, scale, dtype):
                 for t in range(T):
                     sel = visible[idx + (t,)]
                     attn[idx + (t,)] = scores[idx + (t,)][sel] @ v[idx][sel]
-    return attn.astype(dtype), scores
+    return attn.astype(dtype), scores, lse
 
 
-def reference_lse(q, k, causal=False, mask=None, scale=None):
+def reference_lse(q, k, causal=False, mask=None, scale=None, **options):
     """float64 log-sum-exp of each row's scaled, masked logits (-inf for a
-    row that sees no key)."""
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    T, d_k = q.shape[-2:]
-    S = k.shape[-2]
-    if scale is None:
-        scale = 1.0 / np.sqrt(d_k)
-    logits = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if mask is not None and np.asarray(mask).dtype != np.bool_:
-        with np.errstate(invalid="ignore"):
-            logits = logits + np.asarray(mask, dtype=np.float64)
-    visible = visible_positions(T, S, causal, mask)
-    logits = np.where(visible, logits, -np.inf)
-    top = logits.max(axis=-1, keepdims=True, initial=-np.inf)
-    shift = np.where(np.isneginf(top), 0.0, top)
-    with np.errstate(divide="ignore"):
-        return (shift + np.log(np.exp(logits - shift).sum(axis=-1, keepdims=True)))[..., 0]
+    row that sees no key); options as for :func:`reference_attention`."""
+    q = np.asarray(q)
+    v = np.zeros(np.shape(k)[:-1] + (1,))
+    return _attention(q, k, v, causal, mask, scale, np.float64, **options)[2]
 
 
-def reference_attention(q, k, v, causal=False, mask=None, scale=None):
-    """float64 ground truth.  Returns ``(attn, scores)``, both float64."""
-    return _attention(q, k, v, causal, mask, scale, np.float64)
+def reference_attention(q, k, v, causal=False, mask=None, scale=None, **options):
+    """float64 ground truth.  Returns ``(attn, scores)``, both float64.
+
+    ``options``: ``kv_lengths`` (broadcastable to the batch shape),
+    ``window`` ((left, right), None for unbounded), ``softcap``,
+    ``alibi_slopes`` (broadcastable to the batch shape), with the semantics
+    of ``cattention.attention``."""
+    return _attention(q, k, v, causal, mask, scale, np.float64, **options)[:2]
 
 
-def numpy_attention_f32(q, k, v, causal=False, mask=None, scale=None):
+def reference_attention_lse(q, k, v, causal=False, mask=None, scale=None, **options):
+    """float64 ``(attn, scores, lse)``."""
+    return _attention(q, k, v, causal, mask, scale, np.float64, **options)
+
+
+def numpy_attention_f32(q, k, v, causal=False, mask=None, scale=None, **options):
     """The same formula done plainly in float32.  Returns ``(attn, scores)``."""
-    return _attention(q, k, v, causal, mask, scale, np.float32)
+    return _attention(q, k, v, causal, mask, scale, np.float32, **options)[:2]
 
 
 # ---------------------------------------------------------------------------
@@ -224,23 +272,34 @@ def max_abs_err(a, b):
 
 def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
                              scale=None, f32_abs_cap=F32_ABS_CAP,
-                             f64_abs_tol=F64_ABS_TOL):
-    """Apply the tolerance rule to ATTN and to SCORES (``scores`` may be None).
+                             f64_abs_tol=F64_ABS_TOL, lse=None, **options):
+    """Apply the tolerance rule to ATTN, to SCORES and to LSE (``scores`` and
+    ``lse`` may be None), for any option of :func:`reference_attention`.
 
     float32: RMS error ``<= 2 *`` that of plain float32 NumPy, max error
     ``<= 4 *`` NumPy's, each ``+ float32_ulp_atol(ref)``; and max error
     ``<= f32_abs_cap``
     (pass ``f32_abs_cap=None`` for data that is deliberately not unit scale).
-    float64: ``err <= f64_abs_tol``.
+    float64: ``err <= f64_abs_tol``. LSE: ``-inf`` exactly where the
+    reference's is, the rule on the finite entries.
     """
-    ref_attn, ref_scores = reference_attention(q, k, v, causal, mask, scale)
+    ref_attn, ref_scores, ref_lse = _attention(q, k, v, causal, mask, scale, np.float64,
+                                               **options)
     pairs = [("ATTN", attn, ref_attn, 0)]
     if scores is not None:
         pairs.append(("SCORES", scores, ref_scores, 1))
+    if lse is not None:
+        lse = np.asarray(lse)
+        assert lse.shape == ref_lse.shape, f"LSE shape {lse.shape} != {ref_lse.shape}"
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+        finite = np.isfinite(ref_lse)
+        pairs.append(("LSE", lse[finite], ref_lse[finite], 2))
 
     dtype = np.asarray(attn).dtype
     if dtype == np.float32:
-        np32 = numpy_attention_f32(q, k, v, causal, mask, scale)
+        np32 = _attention(q, k, v, causal, mask, scale, np.float32, **options)
+        if lse is not None:
+            np32 = (np32[0], np32[1], np32[2][np.isfinite(ref_lse)])
     for name, got, ref, i in pairs:
         got = np.asarray(got)
         assert got.dtype == dtype, f"{name} dtype {got.dtype} != ATTN dtype {dtype}"

@@ -1,4 +1,5 @@
-"""Attention variants: grouped-query attention (enable_gqa)."""
+"""Attention variants against the float64 reference: grouped-query attention,
+kv_lengths, the KV cache, float16 K/V, windows, softcap and ALiBi."""
 
 import numpy as np
 import pytest
@@ -299,67 +300,6 @@ def test_kvcache_with_float16_caches():
 
 # ---- sliding windows, softcap, ALiBi -------------------------------------------
 
-def dense_reference(q, k, v, causal=False, window=None, softcap=None, alibi=None,
-                    kv_lengths=None, mask=None):
-    """float64 (ATTN, SCORES, LSE) from an explicit dense bias and visibility
-    matrix: logits = scale * q.k, softcap, + ALiBi, + additive mask; visible
-    keys by causal / window / kv_lengths / bool mask (q, k, v: (B, H, T|S, d))."""
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    B, H, T, d = q.shape
-    S = k.shape[-2]
-    logits = q @ np.swapaxes(k, -1, -2) / np.sqrt(d)
-    if softcap is not None:
-        logits = softcap * np.tanh(logits / softcap)
-    lengths = np.broadcast_to(S if kv_lengths is None else np.asarray(kv_lengths), (B, H))
-    i = np.arange(T)[:, None]
-    j = np.arange(S)[None, :]
-    visible = np.zeros((B, H, T, S), dtype=bool)
-    bias = np.zeros((B, H, T, S))
-    for b in range(B):
-        for h in range(H):
-            n = lengths[b, h]
-            pos = i + n - T
-            vis = np.broadcast_to(j < n, (T, S)).copy()
-            if causal:
-                vis &= j <= pos
-            if window is not None:
-                left, right = window
-                if left is not None:
-                    vis &= j >= pos - left
-                if right is not None:
-                    vis &= j <= pos + right
-            visible[b, h] = vis
-            if alibi is not None:
-                slope = np.broadcast_to(np.asarray(alibi, dtype=np.float64), (B, H))[b, h]
-                bias[b, h] = -slope * np.abs(pos - j)
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype == np.bool_:
-            visible &= mask
-        else:
-            visible &= mask != -np.inf
-            bias = bias + np.where(mask == -np.inf, 0.0, mask)
-    logits = np.where(visible, logits + bias, -np.inf)
-    top = logits.max(axis=-1, keepdims=True, initial=-np.inf)
-    shift = np.where(np.isneginf(top), 0.0, top)
-    e = np.exp(logits - shift)
-    total = e.sum(axis=-1, keepdims=True)
-    scores = np.where(total > 0, e / np.where(total > 0, total, 1), 0.0)
-    with np.errstate(divide="ignore"):
-        lse = (shift + np.log(total))[..., 0]
-    return scores @ v, scores, lse
-
-
-def assert_close_to_dense(result, ref, dtype):
-    """float32 within the 1e-5 ceiling of unit-scale data, float64 1e-12."""
-    tol = 1e-5 if dtype == np.float32 else 1e-12
-    for got, want in zip(result, ref):
-        got = np.asarray(got, dtype=np.float64)
-        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
-        finite = np.isfinite(want)
-        assert np.max(np.abs(got[finite] - want[finite]), initial=0) <= tol
-
-
 OPTION_CASES = {
     "window": dict(window=(7, 3)),
     "window-left-only": dict(window=(20, None)),
@@ -375,22 +315,20 @@ OPTION_CASES = {
 @pytest.mark.parametrize("option", list(OPTION_CASES))
 @pytest.mark.parametrize("T,S", [(1, 300), (6, 300), (97, 300), (300, 97), (260, 300)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_options_against_dense_reference(dtype, option, T, S, causal):
+def test_options_match_the_reference(dtype, option, T, S, causal):
     kwargs = dict(OPTION_CASES[option])
     if "kv_lengths" in kwargs and S < 300:
         kwargs["kv_lengths"] = np.minimum(kwargs["kv_lengths"], S)
     q, k, v = make_qkv(90, (2, 4, T, 16), (2, 4, S, 16), (2, 4, S, 5), dtype)
-    ref = dense_reference(q, k, v, causal=causal, window=kwargs.get("window"),
-                          softcap=kwargs.get("softcap"), alibi=kwargs.get("alibi"),
-                          kv_lengths=kwargs.get("kv_lengths"))
     api = dict(window=kwargs.get("window"), softcap=kwargs.get("softcap"),
                alibi_slopes=kwargs.get("alibi"), kv_lengths=kwargs.get("kv_lengths"))
     with_scores = ca.attention(q, k, v, causal=causal, return_scores=True, return_lse=True,
                                **api)
-    assert_close_to_dense(with_scores, ref, dtype)
+    assert_matches_reference(with_scores[0], with_scores[1], q, k, v, causal,
+                             lse=with_scores[2], **api)
     # the path without SCORES has the same semantics
     attn, lse = ca.attention(q, k, v, causal=causal, return_lse=True, **api)
-    assert_close_to_dense((attn, lse), (ref[0], ref[2]), dtype)
+    assert_matches_reference(attn, None, q, k, v, causal, lse=lse, **api)
     assert_bitwise_equal(ca.attention_scores(q, k, causal=causal, **api), with_scores[1])
 
 
@@ -402,18 +340,15 @@ def test_combined_options_with_gqa_and_mask(dtype):
                   kv_lengths=np.array([[70], [41]]))
     got = ca.attention(q, k, v, causal=True, mask=mask, enable_gqa=True, return_scores=True,
                        return_lse=True, **kwargs)
-    ref = dense_reference(q, repeat_kv(k, 2), repeat_kv(v, 2), causal=True,
-                          window=kwargs["window"], softcap=3.0, alibi=kwargs["alibi_slopes"],
-                          kv_lengths=kwargs["kv_lengths"], mask=mask)
-    assert_close_to_dense(got, ref, dtype)
+    assert_matches_reference(got[0], got[1], q, repeat_kv(k, 2), repeat_kv(v, 2), True,
+                             mask, lse=got[2], **kwargs)
 
 
 def test_softcap_applies_before_the_additive_mask():
     q, k, v = make_qkv(92, (1, 1, 3, 8), (1, 1, 6, 8), (1, 1, 6, 4), np.float64)
     bias = np.array([0.0, -1.0, 2.0, -np.inf, 0.5, -3.0])
     got = ca.attention(q, k, v, mask=bias, softcap=0.7, return_scores=True)
-    ref = dense_reference(q, k, v, softcap=0.7, mask=bias)
-    assert_close_to_dense(got, ref[:2], np.float64)
+    assert_matches_reference(got[0], got[1], q, k, v, mask=bias, softcap=0.7)
 
 
 def test_window_skips_invisible_key_blocks():
@@ -461,9 +396,8 @@ def test_1d_kv_lengths_are_per_sequence_even_when_B_equals_H(dtype, T, kv_heads)
     attn, scores = ca.attention(q, k, v, causal=True, kv_lengths=lengths,
                                 enable_gqa=gqa, return_scores=True)
     group = H // kv_heads
-    ref = dense_reference(q, repeat_kv(k, group), repeat_kv(v, group), causal=True,
-                          kv_lengths=lengths[:, None])
-    assert_close_to_dense((attn, scores), ref[:2], dtype)
+    assert_matches_reference(attn, scores, q, repeat_kv(k, group), repeat_kv(v, group),
+                             True, kv_lengths=lengths[:, None])
     # the same as the explicit (B, 1) layout, bit for bit
     explicit = ca.attention(q, k, v, causal=True, enable_gqa=gqa, return_scores=True,
                             kv_lengths=lengths[:, None])
@@ -549,7 +483,7 @@ KVCACHE_OPTIONS = {
 @pytest.mark.parametrize("option", list(KVCACHE_OPTIONS))
 @pytest.mark.parametrize("T_new", [1, 3])
 @pytest.mark.parametrize("enable_gqa", [None, True])
-def test_kvcache_options_match_the_dense_reference(dtype, option, T_new, enable_gqa):
+def test_kvcache_options_match_the_reference(dtype, option, T_new, enable_gqa):
     rng = np.random.default_rng(210)
     B, H, H_kv, S_max, d = 2, 4, 2, 40, 8
     k_cache = rng.standard_normal((B, H_kv, S_max, d)).astype(dtype)
@@ -562,10 +496,8 @@ def test_kvcache_options_match_the_dense_reference(dtype, option, T_new, enable_
     attn, lse = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new,
                                           enable_gqa=enable_gqa, return_lse=True, **kwargs)
     assert lengths.tolist() == [17 + T_new, 30 + T_new]
-    ref = dense_reference(q, repeat_kv(k_cache, 2), repeat_kv(v_cache, 2), causal=True,
-                          window=kwargs.get("window"), softcap=kwargs.get("softcap"),
-                          alibi=kwargs.get("alibi_slopes"), kv_lengths=lengths[:, None])
-    assert_close_to_dense((attn, lse), (ref[0], ref[2]), dtype)
+    assert_matches_reference(attn, None, q, repeat_kv(k_cache, 2), repeat_kv(v_cache, 2),
+                             True, lse=lse, kv_lengths=lengths[:, None], **kwargs)
 
 
 def test_kvcache_enable_gqa_false_needs_equal_heads_and_writes_nothing():
