@@ -321,8 +321,9 @@ def _split_head_axis(arr: ArrayLike | None, n_heads: int, n_kv_heads: int, what:
 def _group_query_heads(
         q: NDArray[Any], k: NDArray[Any], v: NDArray[Any] | None, mask: ArrayLike | None,
         kv_lengths: ArrayLike | None, alibi_slopes: ArrayLike | None = None,
+        sinks: ArrayLike | None = None,
 ) -> tuple[NDArray[Any], NDArray[Any], NDArray[Any] | None, NDArray[Any] | None,
-           NDArray[Any] | None, NDArray[Any] | None, int]:
+           NDArray[Any] | None, NDArray[Any] | None, NDArray[Any] | None, int]:
     """Views for grouped-query attention: q (..., H, T, d) becomes
     (..., H_kv, G, T, d) and k, v (..., H_kv, S, d) become (..., H_kv, 1, S, d),
     so ordinary batch broadcasting pairs query head h with key/value head
@@ -362,7 +363,8 @@ def _group_query_heads(
     kv_lengths = _split_head_axis(kv_lengths, n_heads, n_kv_heads, "kv_lengths", q_batch)
     alibi_slopes = _split_head_axis(alibi_slopes, n_heads, n_kv_heads, "alibi_slopes",
                                     q_batch)
-    return q, k, v, mask, kv_lengths, alibi_slopes, n_heads
+    sinks = _split_head_axis(sinks, n_heads, n_kv_heads, "sinks", q_batch)
+    return q, k, v, mask, kv_lengths, alibi_slopes, sinks, n_heads
 
 
 def _check_window(window: Any, causal: bool) -> tuple[int, int]:
@@ -416,6 +418,15 @@ def _per_batch_entry(values: ArrayLike, batch_shape: tuple[int, ...], name: str,
             f"{name} of shape {arr.shape} does not broadcast to the batch "
             f"shape {batch_shape} ({hint})") from None
     return np.ascontiguousarray(full, dtype=dtype).reshape(-1)
+
+
+def _prepare_sinks(sinks: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
+    """One float64 sink logit per batch entry; -inf is no sink."""
+    full = _per_batch_entry(_native(np.asarray(sinks)), batch_shape, "sinks", "fiu",
+                            "real numbers", np.float64, "expected (H,) or (B, H)")
+    if np.any(np.isnan(full)) or np.any(full == np.inf):
+        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    return full
 
 
 def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
@@ -477,7 +488,7 @@ def _gqa_hint(q: NDArray[Any], k: NDArray[Any]) -> str:
 def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: bool,
                   scale: float | None, window: Any, softcap: float | None,
                   alibi_slopes: ArrayLike | None,
-                  num_threads: SupportsIndex | None) -> None:
+                  num_threads: SupportsIndex | None, sinks: ArrayLike | None = None) -> None:
     """Raise as :func:`attention` would on these options, computing nothing:
     for callers that must refuse a call before they write (a KV cache)."""
     compute, _ = _compute_dtype(q, k, v)
@@ -488,6 +499,8 @@ def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: 
         _check_num_threads(num_threads)
     if alibi_slopes is not None:
         _prepare_alibi(alibi_slopes, q.shape[:-2])
+    if sinks is not None:
+        _prepare_sinks(sinks, q.shape[:-2])
 
 
 def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
@@ -496,6 +509,7 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
          kv_lengths: ArrayLike | None = None, query_period: int = 0,
          window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
          softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+         sinks: ArrayLike | None = None, sink_rows: NDArray[np.float64] | None = None,
 ) -> tuple[_FloatArray | None, _FloatArray | None, _FloatArray | None]:
     q = _as_input(q, "q")
     k = _as_input(k, "k")
@@ -504,8 +518,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
     if kv_lengths is not None and query_period == 0:
         kv_lengths = _lengths_per_sequence(kv_lengths, q, k, v)
     if enable_gqa:
-        q, k, v, mask, kv_lengths, alibi_slopes, n_heads = _group_query_heads(
-            q, k, v, mask, kv_lengths, alibi_slopes)
+        q, k, v, mask, kv_lengths, alibi_slopes, sinks, n_heads = _group_query_heads(
+            q, k, v, mask, kv_lengths, alibi_slopes, sinks)
         group, n_queries = q.shape[-3], q.shape[-2]
         lengths_per_kv_head = kv_lengths is None or np.ndim(kv_lengths) == 0 or (
             np.shape(kv_lengths)[-1] == 1)
@@ -518,10 +532,20 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
             v = v[..., 0, :, :] if v is not None else None
             if kv_lengths is not None and np.ndim(kv_lengths) > 0:
                 kv_lengths = np.asarray(kv_lengths)[..., 0]
+            stacked_sinks = None
+            if sinks is not None:
+                # one sink per stacked group of n_queries rows: (batch entry, g)
+                stacked_leading = [a.shape[:-2] for a in (q, k, v) if a is not None]
+                try:
+                    stacked_batch = np.broadcast_shapes(*stacked_leading)
+                except ValueError:
+                    stacked_batch = None  # reported by the call below
+                if stacked_batch is not None:
+                    stacked_sinks = _prepare_sinks(sinks, stacked_batch + (group,))
             out, scores, lse = _run(q, k, v, causal, None, scale, want_out, want_scores,
                                     num_threads, want_lse, kv_lengths=kv_lengths,
                                     query_period=n_queries, window=window,
-                                    softcap=softcap)
+                                    softcap=softcap, sink_rows=stacked_sinks)
 
             def split_rows(arr: _FloatArray | None, trailing: int) -> _FloatArray | None:
                 # (..., H_kv, G * T, *rest) -> (..., H, T, *rest), a view
@@ -534,7 +558,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
             return split_rows(out, 1), split_rows(scores, 1), split_rows(lse, 0)
         out, scores, lse = _run(q, k, v, causal, mask, scale, want_out, want_scores,
                                 num_threads, want_lse, kv_lengths=kv_lengths,
-                                window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                                window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                sinks=sinks)
 
         def merge_heads(arr: _FloatArray | None, trailing: int) -> _FloatArray | None:
             # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
@@ -583,6 +608,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
     softcap = _check_softcap(softcap)
     if alibi_slopes is not None:
         alibi_slopes = _prepare_alibi(alibi_slopes, batch_shape)
+    if sink_rows is None and sinks is not None:
+        sink_rows = _prepare_sinks(sinks, batch_shape)
 
     # float16 K and V (a halved KV cache) are read as they are and converted
     # block by block in the kernels, never copied to float32 whole
@@ -602,7 +629,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
     if n_queries > 0 and math.prod(batch_shape) > 0:
         _attention.attention_into(
             q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse,
-            kv_lengths, query_period, window_left, window_right, softcap, alibi_slopes)
+            kv_lengths, query_period, window_left, window_right, softcap, alibi_slopes,
+            sink_rows)
     if result != compute:
         # float16 in: outputs back to float16, the log-sum-exp stays float32
         out = out.astype(result) if out is not None else None
@@ -618,7 +646,7 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]: ...
 
 
@@ -630,7 +658,7 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -642,7 +670,7 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -654,7 +682,7 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
            NDArray[np.floating[Any]]]: ...
 
@@ -667,7 +695,7 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
 
 
@@ -678,7 +706,7 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Scaled dot-product attention.
 
@@ -745,6 +773,15 @@ def attention(
     alibi_slopes : array_like, shape (H,) or (B, H), optional
         Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
         convention), the slope of each query head.
+    sinks : array_like, shape (H,) or (B, H), optional
+        Attention sinks (gpt-oss): one logit per query head that joins each
+        row's softmax with no value, ``p_j = e^(s_j - m) / (e^(sink - m) +
+        sum_i e^(s_i - m))`` with m the maximum over the row's visible
+        logits and the sink, so SCORES rows sum to ``1 - p_sink``. Broadcast
+        like ``alibi_slopes``; ``-inf`` is no sink (bitwise). A row that
+        sees no key is zero. The log-sum-exp includes the sink, so chunks
+        combine with :func:`merge` when exactly one chunk is given the
+        sinks.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()`` (which
         :func:`limit_threads` sets for the calling Python thread).
@@ -824,7 +861,7 @@ def attention(
     True
     """
     if (mask is None and return_lse is False and enable_gqa is False and kv_lengths is None
-            and window is None and softcap is None and alibi_slopes is None
+            and window is None and softcap is None and alibi_slopes is None and sinks is None
             and type(causal) is bool and type(return_scores) is bool):
         fast = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _current_limit())
@@ -838,7 +875,8 @@ def attention(
         raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
                             num_threads, bool(return_lse), bool(enable_gqa), kv_lengths,
-                            window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                            window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks)
     result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     # _run fills every array it is asked for
     return cast("NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]",
@@ -851,7 +889,7 @@ def attention_scores(
     kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]:
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
@@ -863,7 +901,8 @@ def attention_scores(
     q : array_like, shape (..., T, d_k)
     k : array_like, shape (..., S, d_k)
         Queries and keys, of the dtypes :func:`attention` accepts.
-    causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, num_threads
+    causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, sinks
+    num_threads
         As in :func:`attention`.
 
     Returns
@@ -889,7 +928,8 @@ def attention_scores(
     _, scores, _ = _run(q, k, None, _check_flag(causal, "causal"), mask, scale, False,
                         True, num_threads, enable_gqa=_check_flag(enable_gqa, "enable_gqa"),
                         kv_lengths=kv_lengths,
-                        window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+                        window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                        sinks=sinks)
     return cast("NDArray[np.floating[Any]]", scores)
 
 
@@ -903,7 +943,10 @@ def merge(
     ``out = sum_i outs[i] * exp(lses[i] - lse)``: exactly attention over the
     union of the chunks, up to rounding. Chunks that see no key
     (``lse_i = -inf``) contribute nothing; if no chunk sees a key the row is
-    zero with ``lse = -inf``, as from :func:`attention`.
+    zero with ``lse = -inf``, as from :func:`attention`. With attention
+    sinks, pass ``sinks=`` to exactly one chunk's call: its log-sum-exp then
+    carries the sink (even if that chunk sees no key), and the merge equals
+    attention with the sinks over all keys.
 
     Parameters
     ----------

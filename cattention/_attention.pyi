@@ -41,6 +41,7 @@ def attention_into(
     window_right: int = -1,
     softcap: float = 0,
     alibi_slopes: NDArray[np.float64] | None = None,
+    sinks: NDArray[np.float64] | None = None,
 ) -> None: ...
 
 # None: the call is not the common case and goes to the general path.

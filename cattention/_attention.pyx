@@ -223,7 +223,7 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    cnp.ndarray lse=None, cnp.ndarray kv_lengths=None,
                    Py_ssize_t query_period=0, Py_ssize_t window_left=-1,
                    Py_ssize_t window_right=-1, double softcap=0,
-                   cnp.ndarray alibi_slopes=None):
+                   cnp.ndarray alibi_slopes=None, cnp.ndarray sinks=None):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
@@ -240,7 +240,9 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     positions (grouped-query heads), for causal alignment. ``window_left`` /
     ``window_right`` bound a sliding window (-1: unbounded), ``softcap`` > 0
     caps logits, ``alibi_slopes`` is a C-contiguous float64 array of n_batch
-    slopes."""
+    slopes. ``sinks``, if given, is a C-contiguous float64 array of the sink
+    logit of each group of query_period rows (n_batch * T // query_period
+    values), -inf for none."""
     cdef Problem pb
     cdef Py_ssize_t n_batch_dims = len(batch_shape)
     cdef Py_ssize_t shape[64]
@@ -258,6 +260,7 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.softcap = softcap
     pb.alibi_slope = (<const double *>cnp.PyArray_DATA(alibi_slopes)
                       if alibi_slopes is not None else NULL)
+    pb.sink = <const double *>cnp.PyArray_DATA(sinks) if sinks is not None else NULL
     pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
                     if kv_lengths is not None else NULL)
     try:

@@ -17,7 +17,9 @@ from cattention._packing cimport (
     add_nonfinite_values, nonfinite_flag, pack_queries, packed_keys, packed_values,
     panel_width)
 from cattention._visibility cimport mask_scores, visible_ranges
-from cattention._softmax cimport begin_rows, finish_rows, softmax_block, store_lse
+from cattention._softmax cimport (
+    begin_rows, finish_rows, fold_sink, row_sink, softmax_block, store_lse,
+    store_lse_of_empty_row)
 
 
 cdef inline void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -123,7 +125,8 @@ cdef inline void attend_item_with_scores(const Problem *pb, const ca_kernels *ke
     cdef Py_ssize_t n_keys_total = pb.n_keys
     cdef Py_ssize_t ld_scores = pb.ld_scores
     cdef Py_ssize_t i, j, c, key0, n_keys, first_key, last_key, first_block
-    cdef floating tile_max, row_total
+    cdef floating tile_max, row_total, weight
+    cdef double sink
     cdef floating *s_row
     cdef floating *scores_row
     cdef floating *scores_block = scores + (b * pb.n_queries + row0) * ld_scores
@@ -146,7 +149,7 @@ cdef inline void attend_item_with_scores(const Problem *pb, const ca_kernels *ke
 
     if last_key <= first_key:
         for i in range(n_rows):
-            store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], 0)
+            store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
         for i in range(n_rows):
             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
             if out != NULL:
@@ -203,11 +206,18 @@ cdef inline void attend_item_with_scores(const Problem *pb, const ca_kernels *ke
     for i in range(n_rows):
         scores_row = scores_block + i * ld_scores
         if row_max[i] == -INFINITY:
-            store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], 0)
+            store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
             continue
         row_total = kernel_exp_sum(kern, scores_row + first_block,
                                     last_key - first_block, row_max[i])
+        if row_sink(pb, b * pb.n_queries + row0 + i, &sink):
+            # the weights, and so ATTN = SCORES . V, include the sink
+            weight = fold_sink(&row_max[i], &row_total, sink) / row_total
+            store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
+            for j in range(first_block, last_key):
+                scores_row[j] = scores_row[j] * weight
+            continue
         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
         for j in range(first_block, last_key):
             scores_row[j] = scores_row[j] / row_total

@@ -20,6 +20,7 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_lse: Literal[False] = False, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]: ...
 
@@ -32,6 +33,7 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_lse: Literal[True], num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -44,6 +46,7 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_lse: bool = False, num_threads: SupportsIndex | None = None,
 ) -> (NDArray[np.floating[Any]]
       | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
@@ -56,6 +59,7 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     return_lse: bool = False, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
@@ -86,10 +90,11 @@ def attention_with_kvcache(
     v_new : array_like, shape (B, H_kv, T_new, d_v), optional
         Keys and values to append (both or neither), cast to the cache dtype.
     causal : bool, default True
-    scale, window, softcap, alibi_slopes, return_lse, num_threads
-        As in :func:`cattention.attention` (a sliding window, Mistral's, and
-        a softcap, Gemma 2's, apply in decoding too); the window and ALiBi
-        distances count from the last filled position.
+    scale, window, softcap, alibi_slopes, sinks, return_lse, num_threads
+        As in :func:`cattention.attention` (a sliding window, Mistral's, a
+        softcap, Gemma 2's, and attention sinks, gpt-oss's, apply in
+        decoding too); the window and ALiBi distances count from the last
+        filled position.
     enable_gqa : bool, optional
         None (the default) infers grouped-query attention from the head
         counts (H a multiple of H_kv); True requires it; False requires
@@ -212,7 +217,8 @@ def attention_with_kvcache(
     causal = _check_flag(causal, "causal")
     return_lse = _check_flag(return_lse, "return_lse")
     check_options(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
-                  softcap=softcap, alibi_slopes=alibi_slopes, num_threads=num_threads)
+                  softcap=softcap, alibi_slopes=alibi_slopes, num_threads=num_threads,
+                  sinks=sinks)
 
     # every check has passed: nothing below can fail half-way on bad input
     if n_new > 0:
@@ -223,7 +229,8 @@ def attention_with_kvcache(
             v_cache[b, :, start:start + n_new] = v_add[b]
         cache_lengths += n_new
     return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
+                     softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                     return_lse=return_lse,
                      enable_gqa=True, kv_lengths=cache_lengths, num_threads=num_threads)
 
 

@@ -79,6 +79,9 @@ cdef struct Problem:
     Py_ssize_t window_left       # sliding window: keys at most this far before
     Py_ssize_t window_right      # / after the query's position; -1: unbounded
     double softcap               # logits -> softcap * tanh(logits / softcap); 0: off
+    const double *sink           # attention sinks: one logit with no value in each
+                                 # row's softmax, of query head row // query_period
+                                 # (rows counted b * T + r), -inf: none; NULL: none
     const double *alibi_slope    # per batch entry: -slope * |position - j| added
                                  # to the logits, or NULL
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL

@@ -2,9 +2,9 @@
 # cython: cdivision=True, initializedcheck=False
 """Online-softmax state of a work item: begin (running maximum -inf, sum 0),
 fold in one key block (rescaling the accumulator when the maximum grows),
-finish (divide by the sum, store the log-sum-exp); and the merge of the
-partial results of a decode step split over key chunks (the log-sum-exp
-rule, in a fixed order)."""
+finish (fold in the row's attention sink, divide by the sum, store the
+log-sum-exp); and the merge of the partial results of a decode step split
+over key chunks (the log-sum-exp rule, in a fixed order)."""
 
 from cython cimport floating
 from libc.math cimport INFINITY, exp, log
@@ -73,12 +73,53 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
 
 
+cdef inline bint row_sink(const Problem *pb, Py_ssize_t row, double *sink) noexcept nogil:
+    """True, with the sink logit of global row ``row`` (b * T + r) in sink, if
+    that row has one: a sink of -inf is no sink, and takes the path without
+    sinks, so that its results are bitwise those of no sink."""
+    if pb.sink == NULL:
+        return False
+    sink[0] = pb.sink[row // pb.query_period]
+    return sink[0] != -INFINITY
+
+
+cdef inline floating fold_sink(floating *row_max, floating *row_sum,
+                               double sink) noexcept nogil:
+    """The sink joins the row's softmax as one more logit with no value:
+    (max, sum) become those over the visible logits and the sink, so that
+    p_j = e^(s_j - max) / sum and the LSE includes the sink. Returns the
+    factor e^(old max - new max) that rescales the row's accumulator (0 for
+    a row that sees no key: its output stays zero)."""
+    cdef floating z = <floating>sink
+    cdef floating top, factor
+    if row_max[0] == -INFINITY:
+        row_max[0] = z
+        row_sum[0] = 1
+        return 0
+    top = row_max[0] if row_max[0] >= z else z
+    factor = <floating>exp(row_max[0] - top)
+    row_sum[0] = row_sum[0] * factor + <floating>exp(z - top)
+    row_max[0] = top
+    return factor
+
+
 cdef inline void store_lse(const Problem *pb, Py_ssize_t row, floating row_max,
                            floating row_sum) noexcept nogil:
     """log-sum-exp of a row's scaled, masked logits (-inf when it sees no key)."""
     cdef floating *lse = <floating *>pb.lse
     if lse != NULL:
         lse[row] = row_max if row_max == -INFINITY else row_max + <floating>log(row_sum)
+
+
+cdef inline void store_lse_of_empty_row(const Problem *pb, Py_ssize_t row,
+                                        floating row_max) noexcept nogil:
+    """The LSE of a row that sees no key (row_max: its -inf, of the row's
+    dtype): -inf, or its sink alone."""
+    cdef floating row_sum = 0
+    cdef double sink
+    if row_sink(pb, row, &sink):
+        fold_sink(&row_max, &row_sum, sink)
+    store_lse(pb, row, row_max, row_sum)
 
 
 cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
@@ -91,9 +132,23 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
     cdef Py_ssize_t i, c
     cdef floating *out_row
     cdef floating *acc_row
+    cdef floating factor
+    cdef double sink
     for i in range(n_rows):
-        store_lse(pb, first_row + i, row_max[i], row_sum[i])
         out_row = out + i * ld_out
+        if row_sink(pb, first_row + i, &sink):
+            factor = fold_sink(&row_max[i], &row_sum[i], sink)
+            store_lse(pb, first_row + i, row_max[i], row_sum[i])
+            if factor == 0:
+                # no visible key, or every key's weight is exactly 0
+                memset(out_row, 0, pb.d_v * sizeof(floating))
+            else:
+                factor = factor / row_sum[i]
+                acc_row = acc + i * pb.ld_v
+                for c in range(pb.d_v):
+                    out_row[c] = acc_row[c] * factor
+            continue
+        store_lse(pb, first_row + i, row_max[i], row_sum[i])
         if row_max[i] == -INFINITY:
             # a row that sees no key gives zeros, not 0/0
             memset(out_row, 0, pb.d_v * sizeof(floating))
@@ -116,6 +171,8 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
     cdef floating *out_row
     cdef Py_ssize_t i, split, c
     cdef floating total_max, total_sum, weight
+    cdef double sink
+    cdef bint has_sink
     for i in range(n_rows):
         out_row = out + (b * n_rows + i) * pb.ld_out
         total_max = -INFINITY
@@ -125,8 +182,13 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
                 total_max = state[0]
                 if total_max != total_max:
                     break
+        has_sink = row_sink(pb, b * n_rows + i, &sink)
         if total_max == -INFINITY:
-            store_lse(pb, b * n_rows + i, total_max, 0)
+            # no key: zeros, and the LSE of the sink alone if there is one
+            total_sum = 0
+            if has_sink:
+                fold_sink(&total_max, &total_sum, sink)
+            store_lse(pb, b * n_rows + i, total_max, total_sum)
             memset(out_row, 0, pb.d_v * sizeof(floating))
             continue
         memset(out_row, 0, pb.d_v * sizeof(floating))
@@ -139,6 +201,11 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
             total_sum += state[1] * weight
             for c in range(pb.d_v):
                 out_row[c] += state[2 + c] * weight
-        for c in range(pb.d_v):
-            out_row[c] = out_row[c] / total_sum
+        if has_sink:
+            weight = fold_sink(&total_max, &total_sum, sink) / total_sum
+            for c in range(pb.d_v):
+                out_row[c] = out_row[c] * weight
+        else:
+            for c in range(pb.d_v):
+                out_row[c] = out_row[c] / total_sum
         store_lse(pb, b * n_rows + i, total_max, total_sum)

@@ -160,10 +160,11 @@ def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slope
 
 
 def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None,
-               softcap=None, alibi_slopes=None):
+               softcap=None, alibi_slopes=None, sinks=None):
     """(attn, scores, lse) in dtype. Per logit: scale * q.k, softcap, + ALiBi,
     + additive mask; keys outside causal / window / kv_lengths / bool mask
-    take no part; a row that sees no key is zero (lse -inf)."""
+    take no part; a sink joins each row's softmax as one more logit with no
+    value; a row that sees no key is zero (lse -inf, or the sink)."""
     q = _as_compute_dtype(q, dtype)
     k = _as_compute_dtype(k, dtype)
     v = _as_compute_dtype(v, dtype)
@@ -181,7 +182,7 @@ def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None
     scale = dtype(scale)
 
     batch = _batch_shape(q, k, v, mask)
-    for option in (kv_lengths, alibi_slopes):
+    for option in (kv_lengths, alibi_slopes, sinks):
         if option is not None:
             batch = np.broadcast_shapes(batch, np.shape(option))
     q = np.broadcast_to(q, batch + (T, d_k))
@@ -207,10 +208,20 @@ def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None
 
         row_any = visible.any(axis=-1, keepdims=True)
         row_max = logits.max(axis=-1, keepdims=True, initial=-np.inf)
-        row_max = np.where(row_any, row_max, dtype(0))
+        sink = None
+        if sinks is not None:
+            sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64),
+                                   batch)[..., None, None].astype(dtype)
+            sink = np.broadcast_to(sink, row_max.shape)
+            row_max = np.maximum(row_max, sink)
+        # the row's (finite) shift, 0 where it has nothing at all
+        has_any = row_any if sink is None else row_any | (sink != -np.inf)
+        row_max = np.where(has_any, row_max, dtype(0))
         e = np.where(visible, np.exp(logits - row_max), dtype(0))
         denom = e.sum(axis=-1, keepdims=True, dtype=dtype)
-        lse = np.where(row_any, row_max + np.log(np.where(row_any, denom, 1)),
+        if sink is not None:
+            denom = denom + np.exp(sink - row_max)
+        lse = np.where(has_any, row_max + np.log(np.where(has_any, denom, 1)),
                        -np.inf)[..., 0].astype(dtype)
         denom = np.where(row_any, denom, dtype(1))
         scores = np.where(row_any, e / denom, dtype(0)).astype(dtype)
@@ -241,8 +252,8 @@ def reference_attention(q, k, v, causal=False, mask=None, scale=None, **options)
 
     ``options``: ``kv_lengths`` (broadcastable to the batch shape),
     ``window`` ((left, right), None for unbounded), ``softcap``,
-    ``alibi_slopes`` (broadcastable to the batch shape), with the semantics
-    of ``cattention.attention``."""
+    ``alibi_slopes`` and ``sinks`` (broadcastable to the batch shape), with
+    the semantics of ``cattention.attention``."""
     return _attention(q, k, v, causal, mask, scale, np.float64, **options)[:2]
 
 
