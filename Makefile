@@ -14,7 +14,7 @@ TEST_DEPS := $(VENV)/.test-deps
 BUILT := build/.cattention-built
 SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd src/*.c src/*.h)
 
-.PHONY: install build run test typecheck wheel wheel-test bench bench-deps bench-quick \
+.PHONY: install build run test typecheck lint annotate wheel wheel-test bench bench-deps bench-quick \
 	bench-pipeline asan fuzz reliability clean distclean
 
 $(VPY):
@@ -50,6 +50,26 @@ test: $(BUILT) $(TEST_DEPS)
 
 typecheck: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m mypy
+
+LINT_DEPS := $(VENV)/.lint-deps
+$(LINT_DEPS): pyproject.toml tools/requirements.py | $(VPY)
+	$(REQUIREMENTS) lint > $(VENV)/lint-requirements.txt
+	$(PIP) -r $(VENV)/lint-requirements.txt
+	touch $@
+
+# ruff (Python) and cython-lint (Cython), configured in pyproject.toml
+lint: $(LINT_DEPS)
+	$(VENV)/bin/ruff check cattention tests benchmarks tools
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/cython-lint \
+		cattention/*.pyx cattention/*.pxd tests/capi/*.pyx
+
+# Cython's annotated HTML of the driver (build/annotate/): a yellow line in
+# a kernel is a Python interaction inside the nogil code.
+annotate: $(BUILD_DEPS)
+	mkdir -p build/annotate
+	$(VPY) -m cython -3 -a -I cattention -I . -o build/annotate/_attention.c \
+		cattention/_attention.pyx
+	@echo "open build/annotate/_attention.html"
 
 # A portable wheel: the sdist, then a wheel built from it in an isolated
 # environment (PEP 517), repaired by auditwheel so the OpenMP runtime travels

@@ -319,8 +319,10 @@ def _torch_implementations(case, q, k, v, scale, torch):
 
     def explicit():
         with torch.no_grad():
-            k_full = to_q_dtype(tk).repeat_interleave(group, dim=-3) if group > 1 else to_q_dtype(tk)
-            v_full = to_q_dtype(tv).repeat_interleave(group, dim=-3) if group > 1 else to_q_dtype(tv)
+            k_full, v_full = to_q_dtype(tk), to_q_dtype(tv)
+            if group > 1:
+                k_full = k_full.repeat_interleave(group, dim=-3)
+                v_full = v_full.repeat_interleave(group, dim=-3)
             logits = torch.matmul(tq, k_full.transpose(-1, -2)) * scale
             if hidden is not None:
                 logits.masked_fill_(hidden, float("-inf"))

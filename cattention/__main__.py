@@ -57,7 +57,8 @@ def demo(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, repeats:
     shape_kv = (batch, heads, n_keys, dim)
     print(f"workload: q {shape_q}, k/v {shape_kv}, median of {repeats} runs, "
           f"{get_num_threads()} threads")
-    header = f"{'dtype':8} {'causal':6} {'cattention ms':>14} {'NumPy ms':>10} {'speedup':>8} {'GFLOP/s':>8} {'max err vs f64':>15}"
+    header = (f"{'dtype':8} {'causal':6} {'cattention ms':>14} {'NumPy ms':>10} "
+              f"{'speedup':>8} {'GFLOP/s':>8} {'max err vs f64':>15}")
     print(header)
     print("-" * len(header))
     worst = 0.0
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         description="cattention: fast, exact scaled dot-product attention for the CPU")
     parser.add_argument("--version", action="version", version=f"cattention {__version__}")
     sub = parser.add_subparsers(dest="command")
-    run = sub.add_parser("demo", help="attention on a default workload, checked and timed (default)")
+    run = sub.add_parser("demo",
+                         help="attention on a default workload, checked and timed (default)")
     run.add_argument("--batch", type=_positive_int, default=1)
     run.add_argument("--heads", type=_positive_int, default=8)
     run.add_argument("--queries", type=_positive_int, default=1024)

@@ -565,7 +565,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
             # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
             if arr is None:
                 return None
-            return arr.reshape(arr.shape[:-2 - trailing] + (n_heads,) + arr.shape[arr.ndim - trailing:])
+            rest = arr.shape[arr.ndim - trailing:]
+            return arr.reshape(arr.shape[:-2 - trailing] + (n_heads,) + rest)
 
         return merge_heads(out, 2), merge_heads(scores, 2), merge_heads(lse, 1)
     n_queries, d_k = q.shape[-2:]

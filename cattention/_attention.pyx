@@ -87,8 +87,8 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
     if (missing(q, n_queries, d_k) or missing(k, n_keys, d_k)
             or (out != NULL and (missing(v, n_keys, d_v) or missing(out, n_queries, d_v)))):
         return CATTENTION_ERR_POINTER
-    if (out != NULL and out_row_stride < d_v) or (scores != NULL
-                                                   and scores_row_stride < n_keys):
+    if ((out != NULL and out_row_stride < d_v)
+            or (scores != NULL and scores_row_stride < n_keys)):
         return CATTENTION_ERR_STRIDE
     if n_queries == 0:
         return CATTENTION_OK

@@ -210,7 +210,7 @@ cdef inline void attend_item_with_scores(const Problem *pb, const ca_kernels *ke
             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
             continue
         row_total = kernel_exp_sum(kern, scores_row + first_block,
-                                    last_key - first_block, row_max[i])
+                                   last_key - first_block, row_max[i])
         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):
             # the weights, and so ATTN = SCORES . V, include the sink
             weight = fold_sink(&row_max[i], &row_total, sink) / row_total

@@ -155,7 +155,7 @@ cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,
 
 
 cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssize_t n,
-                                     floating shift) noexcept nogil:
+                                    floating shift) noexcept nogil:
     if floating is float:
         return kern.exp_sum_f32(x, n, shift)
     else:

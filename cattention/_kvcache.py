@@ -237,9 +237,11 @@ def attention_with_kvcache(
 def _check_cache_lengths(cache_lengths: object, n_batch: int, max_keys: int) -> None:
     if (not isinstance(cache_lengths, np.ndarray) or cache_lengths.dtype.kind not in "iu"
             or cache_lengths.shape != (n_batch,)):
+        given = getattr(cache_lengths, "shape", type(cache_lengths).__name__)
+        if isinstance(cache_lengths, np.ndarray):
+            given = f"{given} {cache_lengths.dtype}"
         raise ValueError(f"cache_lengths must be an integer ndarray of shape ({n_batch},); "
-                         f"got {getattr(cache_lengths, 'shape', type(cache_lengths).__name__)}"
-                         f"{'' if not isinstance(cache_lengths, np.ndarray) else ' ' + str(cache_lengths.dtype)}")
+                         f"got {given}")
     if np.iinfo(cache_lengths.dtype).max < max_keys:
         holding = [name for name in ("int16", "uint16", "int32", "uint32", "int64", "uint64")
                    if np.iinfo(name).max >= max_keys]

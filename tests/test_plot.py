@@ -18,6 +18,10 @@ import cattention as ca
 from cattention import _plot
 from cattention.__main__ import main as cli_main
 
+# how plot_scores says that matplotlib is missing, and how to install it
+MISSING_MATPLOTLIB_RE = (r'needs matplotlib: pip install matplotlib '
+                         r'\(from a cattention source tree: pip install "\.\[plot\]"\)')
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MATPLOTLIB_MODULES = ("matplotlib", "matplotlib.figure", "matplotlib.ticker")
 
@@ -178,8 +182,7 @@ def test_rejects_a_string_or_a_number_as_labels():
 
 
 def test_missing_matplotlib_is_a_clear_import_error(no_matplotlib):
-    with pytest.raises(ImportError, match=r'needs matplotlib: pip install matplotlib \(from a cattention source tree: pip install "\.\[plot\]"\)') \
-            as info:
+    with pytest.raises(ImportError, match=MISSING_MATPLOTLIB_RE) as info:
         ca.plot_scores(np.eye(3))
     assert isinstance(info.value.__cause__, ImportError)
 
@@ -249,7 +252,7 @@ def test_demo_plot_without_matplotlib_exits_2(tmp_path, no_matplotlib, capsys):
     assert cli_main(["demo", "--plot", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert 'needs matplotlib: pip install matplotlib (from a cattention source tree: pip install ".[plot]")' in captured.err
+    assert re.search(MISSING_MATPLOTLIB_RE, captured.err)
     assert "Traceback" not in captured.err
     assert not path.exists()
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cattention as ca
-from reference import assert_bitwise_equal, make_qkv
+from reference import make_qkv
 
 
 def _rss_kib():

@@ -67,13 +67,13 @@ def status_of(str case):
         if which == 0:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
         elif which == 1:
-            status = attention_f32(-1, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
+            status = attention_f32(-1, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
         elif which == 2:
-            status = attention_f32(2, 2, 2, 2, NULL, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, NULL, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
         elif which == 3:
-            status = attention_f32(2, 2, 2, 2, q, 2, NULL, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, NULL, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
         elif which == 4:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
         elif which == 5:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, NULL, 2, NULL, 0, NULL, 1)
         elif which == 6:
@@ -85,7 +85,7 @@ def status_of(str case):
         elif which == 9:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 4, out, 2, scores, 2, NULL, 1)
         else:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 0, 1.0, 0, NULL, 0, scores, 2, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 0, 1.0, 0, NULL, 0, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
     for i in range(4):
         untouched = untouched and out[i] == -7 and scores[i] == -7
     return status, untouched
