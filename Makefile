@@ -61,7 +61,7 @@ $(LINT_DEPS): pyproject.toml tools/requirements.py | $(VPY)
 lint: $(LINT_DEPS)
 	$(VENV)/bin/ruff check cattention tests benchmarks tools
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/cython-lint \
-		cattention/*.pyx cattention/*.pxd tests/capi/*.pyx
+		cattention/*.pyx cattention/*.pxd tools/capi/*.pyx
 
 # Cython's annotated HTML of the driver (build/annotate/): a yellow line in
 # a kernel is a Python interaction inside the nogil code.
@@ -119,7 +119,7 @@ asan: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pytest -q -p no:cacheprovider tests; status=$$?; \
 	$(VPY) setup.py -q build_ext --inplace --force; exit $$status
 
-# Coverage-guided fuzzing of the public API (tests/fuzz_attention.py, atheris)
+# Coverage-guided fuzzing of the public API (tools/fuzz_attention.py, atheris)
 # for FUZZ_SECONDS under AddressSanitizer + UBSan; the test suite runs a
 # bounded, uninstrumented pass of the same harness.
 FUZZ_SECONDS ?= 300
@@ -129,7 +129,7 @@ fuzz: $(BUILT) $(TEST_DEPS)
 	CATTENTION_SANITIZED=1 ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	$(VPY) tests/fuzz_attention.py -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1; \
+	$(VPY) tools/fuzz_attention.py -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1; \
 	status=$$?; $(VPY) setup.py -q build_ext --inplace --force; exit $$status
 
 # The long profile, ending in one table: thousands of examples per property,
@@ -138,7 +138,7 @@ fuzz: $(BUILT) $(TEST_DEPS)
 RELIABILITY_FUZZ_SECONDS ?= 120
 reliability: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pip install -q atheris
-	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) tests/reliability_report.py \
+	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) tools/reliability_report.py \
 		--fuzz-seconds $(RELIABILITY_FUZZ_SECONDS)
 
 clean:

@@ -1,5 +1,5 @@
 """The C-level API (cattention/cython_attention.pxd) from a downstream Cython
-extension: tests/capi/downstream.pyx is built in a temporary directory
+extension: tools/capi/downstream.pyx is built in a temporary directory
 against the installed cattention and called from a prange over heads."""
 
 import importlib.util
@@ -15,7 +15,7 @@ import cattention as ca
 from reference import assert_bitwise_equal, assert_matches_reference, make_qkv, reference_lse
 
 pytest.importorskip("Cython")
-CAPI_SOURCES = Path(__file__).parent / "capi"
+CAPI_SOURCES = Path(__file__).resolve().parent.parent / "tools" / "capi"
 
 
 @pytest.fixture(scope="module")

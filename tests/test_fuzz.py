@@ -1,10 +1,15 @@
-"""A bounded run of the fuzz harness (tests/fuzz_attention.py) on
+"""A bounded run of the fuzz harness (tools/fuzz_attention.py) on
 pseudo-random inputs; `make fuzz` runs it coverage-guided under the
 sanitizers."""
 
 import numpy as np
 
-from fuzz_attention import check_input
+import sys
+from pathlib import Path
+
+# the harness is a tool beside the tests (tools/fuzz_attention.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from fuzz_attention import check_input  # noqa: E402
 
 
 def test_fuzz_harness_bounded_run():

@@ -1,4 +1,4 @@
-"""Types: mypy --strict accepts a typed caller (tests/typed_example.py) and
+"""Types: mypy --strict accepts a typed caller (tools/typed_example.py) and
 rejects misuse, and the stub of the compiled module names exactly what the
 module defines."""
 
@@ -17,7 +17,7 @@ from cattention import _attention
 # the repository root, or wherever the suite was copied to run against an
 # installed wheel; the package itself is always the imported one
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = Path(__file__).resolve().parent / "typed_example.py"
+EXAMPLE = Path(__file__).resolve().parent.parent / "tools" / "typed_example.py"
 PACKAGE = Path(cattention.__file__).resolve().parent
 
 

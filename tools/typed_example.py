@@ -2,7 +2,7 @@
 
 ``mypy --strict`` accepts it as it is (tests/test_typing.py), so the stubs and
 annotations give a typical caller precise types without casts or ignores;
-``python tests/typed_example.py`` runs it and checks the results.
+``python tools/typed_example.py`` runs it and checks the results.
 """
 
 from __future__ import annotations

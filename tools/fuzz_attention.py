@@ -6,7 +6,7 @@ reference (where the inputs allow one), or raise ValueError, TypeError or
 MemoryError. Anything else (another exception, a crash under the sanitizers,
 a hang) is a bug.
 
-    python tests/fuzz_attention.py -max_total_time=60     # coverage-guided (atheris)
+    python tools/fuzz_attention.py -max_total_time=60     # coverage-guided (atheris)
     make fuzz                                             # the same under ASan + UBSan
 
 ``check_input(data)`` is importable without atheris; the test suite runs it on
@@ -18,7 +18,9 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the float64 reference lives with the tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
 
 import cattention as ca  # noqa: E402
 from reference import reference_attention  # noqa: E402

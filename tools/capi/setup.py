@@ -1,4 +1,4 @@
-"""Builds tests/capi/downstream.pyx against the installed cattention."""
+"""Builds tools/capi/downstream.pyx against the installed cattention."""
 
 import os
 

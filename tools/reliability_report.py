@@ -11,7 +11,7 @@ Runs, in this order, and prints one table at the end:
 * the test suite under AddressSanitizer + UBSan (`make asan`): reports;
 * the fuzz harness under the sanitizers (`make fuzz`): executions, crashes.
 
-Usage: python tests/reliability_report.py [--fuzz-seconds N] [--skip-sanitizers]
+Usage: python tools/reliability_report.py [--fuzz-seconds N] [--skip-sanitizers]
 """
 
 import argparse
@@ -21,8 +21,8 @@ import subprocess
 import sys
 
 os.environ.setdefault("CATTENTION_HYPOTHESIS_PROFILE", "long")
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "tests")   # the properties and stress checks it runs
 sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
