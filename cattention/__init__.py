@@ -19,6 +19,7 @@ from ._api import (attention, attention_scores, get_num_threads, limit_threads, 
                    set_num_threads)
 from ._kvcache import attention_with_kvcache
 from ._plot import plot_scores
+from ._quantize import quantize_kv
 from ._version import __version__
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "limit_threads",
     "merge",
     "plot_scores",
+    "quantize_kv",
     "set_num_threads",
     "show_config",
 ]

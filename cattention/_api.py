@@ -20,6 +20,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from . import _attention
+from ._quantize import int8_scale
 
 __all__ = [
     "attention",
@@ -510,16 +511,31 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
          window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
          softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
          sinks: ArrayLike | None = None, sink_rows: NDArray[np.float64] | None = None,
+         k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
+         scales_ready: bool = False,
 ) -> tuple[_FloatArray | None, _FloatArray | None, _FloatArray | None]:
     q = _as_input(q, "q")
     k = _as_input(k, "k")
     if v is not None:
         v = _as_input(v, "v")
+    if not scales_ready:
+        # int8 K/V: the row scales as arrays of k's and v's shape with a
+        # features axis of 1, so every view taken of k or v applies to them
+        k_scale = int8_scale(k, k_scale, "k", q.dtype)
+        if v is not None:
+            v_scale = int8_scale(v, v_scale, "v", q.dtype)
+        elif v_scale is not None:
+            raise ValueError("v_scale is given without v")
+    ks = cast("NDArray[np.float32] | None", k_scale)
+    vs = cast("NDArray[np.float32] | None", v_scale)
     if kv_lengths is not None and query_period == 0:
         kv_lengths = _lengths_per_sequence(kv_lengths, q, k, v)
     if enable_gqa:
         q, k, v, mask, kv_lengths, alibi_slopes, sinks, n_heads = _group_query_heads(
             q, k, v, mask, kv_lengths, alibi_slopes, sinks)
+        # the same views of the scales: (..., H_kv, 1, S, 1)
+        ks = ks[..., None, :, :] if ks is not None else None
+        vs = vs[..., None, :, :] if vs is not None else None
         group, n_queries = q.shape[-3], q.shape[-2]
         lengths_per_kv_head = kv_lengths is None or np.ndim(kv_lengths) == 0 or (
             np.shape(kv_lengths)[-1] == 1)
@@ -530,6 +546,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
             q = q.reshape(q.shape[:-3] + (group * n_queries, q.shape[-1]))
             k = k[..., 0, :, :]
             v = v[..., 0, :, :] if v is not None else None
+            ks = ks[..., 0, :, :] if ks is not None else None
+            vs = vs[..., 0, :, :] if vs is not None else None
             if kv_lengths is not None and np.ndim(kv_lengths) > 0:
                 kv_lengths = np.asarray(kv_lengths)[..., 0]
             stacked_sinks = None
@@ -545,7 +563,8 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
             out, scores, lse = _run(q, k, v, causal, None, scale, want_out, want_scores,
                                     num_threads, want_lse, kv_lengths=kv_lengths,
                                     query_period=n_queries, window=window,
-                                    softcap=softcap, sink_rows=stacked_sinks)
+                                    softcap=softcap, sink_rows=stacked_sinks,
+                                    k_scale=ks, v_scale=vs, scales_ready=True)
 
             def split_rows(arr: _FloatArray | None, trailing: int) -> _FloatArray | None:
                 # (..., H_kv, G * T, *rest) -> (..., H, T, *rest), a view
@@ -559,7 +578,7 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
         out, scores, lse = _run(q, k, v, causal, mask, scale, want_out, want_scores,
                                 num_threads, want_lse, kv_lengths=kv_lengths,
                                 window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                                sinks=sinks)
+                                sinks=sinks, k_scale=ks, v_scale=vs, scales_ready=True)
 
         def merge_heads(arr: _FloatArray | None, trailing: int) -> _FloatArray | None:
             # (..., H_kv, G, *trailing) -> (..., H, *trailing); C-contiguous, a view
@@ -582,6 +601,11 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
 
     operands = (q, k) if v is None else (q, k, v)
     compute, result = _compute_dtype(*operands)
+    if compute != np.float32 and (ks is not None or vs is not None):
+        raise TypeError(f"int8 K/V are computed in float32, but these inputs compute in "
+                        f"{compute} (q {q.dtype}, k {k.dtype}"
+                        f"{f', v {v.dtype}' if v is not None else ''}); pass float32 q and "
+                        "float32 (or float16, or int8) k and v")
 
     if mask is not None:
         mask = _prepare_mask(mask, n_queries, n_keys, compute)
@@ -612,15 +636,17 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
     if sink_rows is None and sinks is not None:
         sink_rows = _prepare_sinks(sinks, batch_shape)
 
-    # float16 K and V (a halved KV cache) are read as they are and converted
-    # block by block in the kernels, never copied to float32 whole
+    # float16 K and V (a halved KV cache) and int8 K or V (with row scales)
+    # are read as they are and converted block by block in the kernels,
+    # never copied to float32 whole
+    floats = [a for a, s in ((k, ks), (v, vs)) if a is not None and s is None]
     kv_dtype = compute
-    if compute == np.float32 and all(a.dtype == np.float16 for a in operands[1:]):
+    if compute == np.float32 and all(a.dtype == np.float16 for a in floats):
         kv_dtype = np.dtype(np.float16)
     q = _to_compute(q, compute)
-    k = _to_compute(k, kv_dtype)
+    k = k if ks is not None else _to_compute(k, kv_dtype)
     if v is not None:
-        v = _to_compute(v, kv_dtype)
+        v = v if vs is not None else _to_compute(v, kv_dtype)
     d_v = v.shape[-1] if v is not None else 0
 
     out = np.empty(batch_shape + (n_queries, d_v), dtype=compute) if want_out else None
@@ -631,7 +657,7 @@ def _run(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, causal: bool,
         _attention.attention_into(
             q, k, v, mask, batch_shape, bool(causal), scale, out, scores, threads, lse,
             kv_lengths, query_period, window_left, window_right, softcap, alibi_slopes,
-            sink_rows)
+            sink_rows, ks, vs)
     if result != compute:
         # float16 in: outputs back to float16, the log-sum-exp stays float32
         out = out.astype(result) if out is not None else None
@@ -647,7 +673,8 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]: ...
 
 
@@ -659,7 +686,8 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -671,7 +699,8 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -683,7 +712,8 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
            NDArray[np.floating[Any]]]: ...
 
@@ -696,7 +726,8 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
 
 
@@ -707,7 +738,8 @@ def attention(
     enable_gqa: bool = False, kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Scaled dot-product attention.
 
@@ -774,6 +806,14 @@ def attention(
     alibi_slopes : array_like, shape (H,) or (B, H), optional
         Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
         convention), the slope of each query head.
+    k_scale, v_scale : array_like, optional
+        With an int8 k or v (a quantized cache, see :func:`quantize_kv`):
+        the float32 scale of each row, of shape ``k.shape[:-1]`` /
+        ``v.shape[:-1]``. The result is attention over ``k * k_scale[...,
+        None]`` (and likewise v), computed in float32 as the rows are read,
+        never from a float copy. int8 K/V need a float32 (or float16) q;
+        with a float q an int8 K or V without its scale is an error (with an
+        integer q and no scales, integer inputs are computed as float64).
     sinks : array_like, shape (H,) or (B, H), optional
         Attention sinks (gpt-oss): one logit per query head that joins each
         row's softmax with no value, ``p_j = e^(s_j - m) / (e^(sink - m) +
@@ -863,6 +903,7 @@ def attention(
     """
     if (mask is None and return_lse is False and enable_gqa is False and kv_lengths is None
             and window is None and softcap is None and alibi_slopes is None and sinks is None
+            and k_scale is None and v_scale is None
             and type(causal) is bool and type(return_scores) is bool):
         fast = _attention.attention_fast(
             q, k, v, causal, scale, num_threads, return_scores, _current_limit())
@@ -877,7 +918,7 @@ def attention(
     out, scores, lse = _run(q, k, v, causal, mask, scale, True, bool(return_scores),
                             num_threads, bool(return_lse), bool(enable_gqa), kv_lengths,
                             window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                            sinks=sinks)
+                            sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     # _run fills every array it is asked for
     return cast("NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]",
@@ -890,7 +931,8 @@ def attention_scores(
     kv_lengths: ArrayLike | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None, num_threads: SupportsIndex | None = None,
+    sinks: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+    num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]:
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
@@ -903,7 +945,7 @@ def attention_scores(
     k : array_like, shape (..., S, d_k)
         Queries and keys, of the dtypes :func:`attention` accepts.
     causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, sinks
-    num_threads
+    k_scale, num_threads
         As in :func:`attention`.
 
     Returns
@@ -930,7 +972,7 @@ def attention_scores(
                         True, num_threads, enable_gqa=_check_flag(enable_gqa, "enable_gqa"),
                         kv_lengths=kv_lengths,
                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                        sinks=sinks)
+                        sinks=sinks, k_scale=k_scale)
     return cast("NDArray[np.floating[Any]]", scores)
 
 

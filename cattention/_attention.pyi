@@ -42,6 +42,8 @@ def attention_into(
     softcap: float = 0,
     alibi_slopes: NDArray[np.float64] | None = None,
     sinks: NDArray[np.float64] | None = None,
+    k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None,
 ) -> None: ...
 
 # None: the call is not the common case and goes to the general path.

@@ -223,7 +223,8 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    cnp.ndarray lse=None, cnp.ndarray kv_lengths=None,
                    Py_ssize_t query_period=0, Py_ssize_t window_left=-1,
                    Py_ssize_t window_right=-1, double softcap=0,
-                   cnp.ndarray alibi_slopes=None, cnp.ndarray sinks=None):
+                   cnp.ndarray alibi_slopes=None, cnp.ndarray sinks=None,
+                   cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
 
@@ -242,14 +243,17 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     caps logits, ``alibi_slopes`` is a C-contiguous float64 array of n_batch
     slopes. ``sinks``, if given, is a C-contiguous float64 array of the sink
     logit of each group of query_period rows (n_batch * T // query_period
-    values), -inf for none."""
+    values), -inf for none. ``k_scale`` / ``v_scale`` are the float32 row
+    scales of int8 ``k`` / ``v``, of their shape with a last axis of size 1,
+    aligned."""
     cdef Problem pb
     cdef Py_ssize_t n_batch_dims = len(batch_shape)
     cdef Py_ssize_t shape[64]
     cdef Py_ssize_t d
     for d in range(n_batch_dims):
         shape[d] = batch_shape[d]
-    cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, n_batch_dims, shape,
+    cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
+                                             n_batch_dims, shape,
                                              causal, scale)
     cdef int status
     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
@@ -359,7 +363,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
     cdef Problem pb
     cdef int status
-    cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, ndim - 2, shape,
+    cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2, shape,
                                              causal, scale_value)
     try:
         status = run_any(&pb, _kernels, threads, out, scores)

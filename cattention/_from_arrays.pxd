@@ -8,8 +8,8 @@ cimport numpy as cnp
 from libc.stdlib cimport malloc
 from cattention._kernel_table cimport ca_kernels, intp_t
 from cattention._problem cimport (
-    MASK_BOOL, MASK_F32, MASK_F64, Operand, Problem, problem_finish, problem_init,
-    set_operand)
+    MASK_BOOL, MASK_F32, MASK_F64, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem,
+    problem_finish, problem_init, set_operand)
 from cattention._schedule cimport run_problem
 
 
@@ -63,15 +63,20 @@ cdef inline void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
             d -= 1
 
 
-cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, Py_ssize_t n_batch_dims,
+cdef inline bint advances(cnp.ndarray arr, Py_ssize_t d, Py_ssize_t n_batch_dims):
+    return arr is not None and batch_stride(arr, d, n_batch_dims) != 0
+
+
+cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, cnp.ndarray k_scale,
+                                      cnp.ndarray v_scale, Py_ssize_t n_batch_dims,
                                       const Py_ssize_t *batch_shape, intp_t *kv_of_batch,
                                       intp_t *kv_source):
     """Batch entries that read the same K and V (a K/V broadcast over heads)
     share one packed copy: kv_of_batch[b] is entry b's packed index, numbered
     in order of first appearance, kv_source[i] the first entry of index i
     (kv_source must hold -1 on entry). Returns the number of packed copies.
-    A batch dimension along which neither K nor V advances is shared; v may
-    be None (SCORES alone)."""
+    A batch dimension along which neither K nor V (nor their int8 scales)
+    advances is shared; v and the scales may be None."""
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t n_kv = 1
     cdef Py_ssize_t d, b, kv
@@ -79,8 +84,8 @@ cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, Py_ssize_t n
     cdef Py_ssize_t index[64]
     for d in range(n_batch_dims - 1, -1, -1):
         n_batch *= batch_shape[d]
-        if batch_stride(k, d, n_batch_dims) == 0 and (
-                v is None or batch_stride(v, d, n_batch_dims) == 0):
+        if not (advances(k, d, n_batch_dims) or advances(v, d, n_batch_dims)
+                or advances(k_scale, d, n_batch_dims) or advances(v_scale, d, n_batch_dims)):
             kv_stride[d] = 0
         else:
             kv_stride[d] = n_kv
@@ -103,14 +108,38 @@ cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, Py_ssize_t n
     return n_kv
 
 
+cdef inline void set_storage(Operand *op, cnp.ndarray arr, cnp.ndarray scale,
+                             intp_t *scale_offsets, Py_ssize_t n_batch_dims,
+                             const Py_ssize_t *batch_shape):
+    """How K or V is stored: the compute dtype, float16, or int8 with its row
+    scales (an array of arr's shape with the features axis of size 1)."""
+    cdef int type_num = cnp.PyArray_TYPE(arr)
+    cdef int ndim
+    if type_num == cnp.NPY_FLOAT16:
+        op.storage = STORE_F16
+    elif type_num == cnp.NPY_INT8:
+        op.storage = STORE_I8
+        ndim = cnp.PyArray_NDIM(scale)
+        fill_batch_offsets(scale, n_batch_dims, batch_shape, scale_offsets)
+        op.scale = <const float *>cnp.PyArray_DATA(scale)
+        op.scale_offset = scale_offsets
+        op.scale_stride = (cnp.PyArray_STRIDE(scale, ndim - 2) // cnp.PyArray_ITEMSIZE(scale)
+                           if cnp.PyArray_DIM(scale, ndim - 2) != 1 else 0)
+    else:
+        op.storage = STORE_COMPUTE
+
+
 cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
-                                        cnp.ndarray mask, Py_ssize_t n_batch_dims,
+                                        cnp.ndarray mask, cnp.ndarray k_scale,
+                                        cnp.ndarray v_scale, Py_ssize_t n_batch_dims,
                                         const Py_ssize_t *batch_shape, bint causal,
                                         double scale) except? NULL:
     """problem_init and the operands of arrays whose leading dimensions
-    broadcast to batch_shape (v and mask may be None). Returns the batch
-    index the Problem points into (offsets of every operand, the shared K/V
-    numbering), for the caller to free() after the call."""
+    broadcast to batch_shape (v, mask and the int8 scales may be None; a
+    scale array has its K or V's shape with a features axis of size 1).
+    Returns the batch index the Problem points into (offsets of every
+    operand, the shared K/V numbering), for the caller to free() after the
+    call."""
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t d, b
     for d in range(n_batch_dims):
@@ -118,19 +147,23 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
     problem_init(pb, n_batch, cnp.PyArray_DIM(q, q.ndim - 2), cnp.PyArray_DIM(k, k.ndim - 2),
                  cnp.PyArray_DIM(q, q.ndim - 1),
                  cnp.PyArray_DIM(v, v.ndim - 1) if v is not None else 0, causal, scale)
-    # q, k, v, mask offsets; kv_of_batch; kv_source (n_kv <= n_batch)
-    cdef intp_t *index = <intp_t *>malloc(6 * max(n_batch, 1) * sizeof(intp_t))
+    # offsets of q, k, v, mask, k_scale, v_scale; kv_of_batch; kv_source
+    # (n_kv <= n_batch)
+    cdef intp_t *index = <intp_t *>malloc(8 * max(n_batch, 1) * sizeof(intp_t))
     if index == NULL:
         raise MemoryError()
-    cdef intp_t *kv_of_batch = index + 4 * n_batch
-    cdef intp_t *kv_source = index + 5 * n_batch
+    cdef intp_t *kv_of_batch = index + 6 * n_batch
+    cdef intp_t *kv_source = index + 7 * n_batch
     fill_batch_offsets(q, n_batch_dims, batch_shape, index)
     set_array_operand(&pb.q, q, index)
     fill_batch_offsets(k, n_batch_dims, batch_shape, index + n_batch)
     set_array_operand(&pb.k, k, index + n_batch)
+    # float16 and int8 K and V (with float32 q): converted block by block
+    set_storage(&pb.k, k, k_scale, index + 4 * n_batch, n_batch_dims, batch_shape)
     if v is not None:
         fill_batch_offsets(v, n_batch_dims, batch_shape, index + 2 * n_batch)
         set_array_operand(&pb.v, v, index + 2 * n_batch)
+        set_storage(&pb.v, v, v_scale, index + 5 * n_batch, n_batch_dims, batch_shape)
     else:
         pb.v = pb.k
     if mask is not None:
@@ -142,11 +175,10 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
             pb.mask_kind = MASK_F32
         else:
             pb.mask_kind = MASK_F64
-    # float16 K and V (with float32 q): read and converted block by block
-    pb.kv_half = cnp.PyArray_TYPE(k) == cnp.NPY_FLOAT16
     for b in range(n_batch):
         kv_source[b] = -1
-    pb.n_kv = fill_shared_kv(k, v, n_batch_dims, batch_shape, kv_of_batch, kv_source)
+    pb.n_kv = fill_shared_kv(k, v, k_scale, v_scale, n_batch_dims, batch_shape, kv_of_batch,
+                             kv_source)
     pb.kv_of_batch = kv_of_batch
     pb.kv_source = kv_source
     problem_finish(pb)

@@ -7,7 +7,7 @@ their features are strided or float16)."""
 from cython cimport floating
 from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
 from cattention._problem cimport DIRECT_KEYS, K_BLOCK, Problem
-from cattention._operands cimport contiguous_rows, kv_itemsize, rows_in_place
+from cattention._operands cimport contiguous_rows, operand_itemsize, rows_in_place
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
@@ -56,7 +56,8 @@ cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Worksp
             kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
                                 pb.d_k, pb.scale, s, K_BLOCK,
                                 contiguous_rows(pb, &pb.v, b, key0, pb.d_v),
-                                pb.v.row_stride * kv_itemsize(pb), pb.d_v * kv_itemsize(pb))
+                                pb.v.row_stride * operand_itemsize(pb, &pb.v),
+                                pb.d_v * operand_itemsize(pb, &pb.v))
             mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
@@ -67,7 +68,8 @@ cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Worksp
                              acc, pb.ld_v,
                              contiguous_rows(pb, &pb.k, b, key0 + DIRECT_KEYS, pb.d_k)
                              if next_keys > 0 else NULL,
-                             pb.k.row_stride * kv_itemsize(pb), pb.d_k * kv_itemsize(pb))
+                             pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                             pb.d_k * operand_itemsize(pb, &pb.k))
             key0 += DIRECT_KEYS
     if pb.n_splits == 1:
         finish_rows(pb, ws, n_rows, out + b * n_rows * pb.ld_out, pb.ld_out, b * n_rows)

@@ -7,7 +7,7 @@ trampolines that call a table's float32 or float64 entry."""
 
 cimport numpy as cnp
 from cython cimport floating
-from libc.stdint cimport uint16_t
+from libc.stdint cimport int8_t, uint16_t
 
 ctypedef cnp.intp_t intp_t
 
@@ -56,6 +56,10 @@ cdef extern from "kernels.h" nogil:
                                  Py_ssize_t n_rows, Py_ssize_t n_cols, float *dst,
                                  Py_ssize_t ld_dst) noexcept nogil
         void (*softcap_f32)(float *x, Py_ssize_t n, float cap) noexcept nogil
+        void (*int8_rows_to_f32)(const int8_t *src, Py_ssize_t src_row, Py_ssize_t src_col,
+                                 Py_ssize_t n_rows, Py_ssize_t n_cols, const float *scale,
+                                 Py_ssize_t scale_stride, float *dst,
+                                 Py_ssize_t ld_dst) noexcept nogil
         void (*pack_kt_f32)(const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                             Py_ssize_t d_k, float *kt,
                             Py_ssize_t kt_panel_stride) noexcept nogil

@@ -8,6 +8,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from ._api import _check_flag, _native, attention, check_options
+from ._quantize import quantize_kv
 
 __all__ = ["attention_with_kvcache"]
 
@@ -20,7 +21,8 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None,
     return_lse: Literal[False] = False, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]]: ...
 
@@ -33,7 +35,8 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None,
     return_lse: Literal[True], num_threads: SupportsIndex | None = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -46,7 +49,8 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None,
     return_lse: bool = False, num_threads: SupportsIndex | None = None,
 ) -> (NDArray[np.floating[Any]]
       | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
@@ -59,7 +63,8 @@ def attention_with_kvcache(
     enable_gqa: bool | None = None,
     window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
     softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None,
     return_lse: bool = False, num_threads: SupportsIndex | None = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
@@ -78,9 +83,10 @@ def attention_with_kvcache(
     k_cache : ndarray, shape (B, H_kv, S_max, d_k)
     v_cache : ndarray, shape (B, H_kv, S_max, d_v)
         Writable arrays of one dtype, owned by the caller: float32, float64,
-        or float16 with a float32 (or float16) q, in which case the cache is
-        converted block by block as it is read (half the bytes per decode
-        step) and the result is float32 (float16 for a float16 q).
+        or float16 or int8 with a float32 (or float16) q, in which case the
+        cache is converted block by block as it is read (a half or a quarter
+        of the bytes per decode step) and the result is float32 (float16
+        for a float16 q).
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence; a writable integer array, updated
         in place. Its dtype must hold S_max (``int32`` or ``int64`` always
@@ -95,6 +101,11 @@ def attention_with_kvcache(
         softcap, Gemma 2's, and attention sinks, gpt-oss's, apply in
         decoding too); the window and ALiBi distances count from the last
         filled position.
+    k_scale, v_scale : ndarray of float32, shape (B, H_kv, S_max), optional
+        With int8 caches (and only then): the scale of each cached row,
+        read in place and written as rows are appended; ``k_new`` and
+        ``v_new`` are then float and quantized on append
+        (:func:`cattention.quantize_kv`).
     enable_gqa : bool, optional
         None (the default) infers grouped-query attention from the head
         counts (H a multiple of H_kv); True requires it; False requires
@@ -142,9 +153,10 @@ def attention_with_kvcache(
         if not isinstance(cache, np.ndarray) or cache.ndim != 4:
             raise ValueError(f"{name} must be a 4-D ndarray (B, H_kv, S_max, d); got "
                              f"{getattr(cache, 'shape', type(cache).__name__)}")
-        if cache.dtype.kind != "f" or cache.dtype.itemsize not in (2, 4, 8):
+        if cache.dtype != np.int8 and (cache.dtype.kind != "f"
+                                       or cache.dtype.itemsize not in (2, 4, 8)):
             raise TypeError(f"{name} has dtype {cache.dtype}; KV caches must be float16, "
-                            "float32 or float64")
+                            "float32, float64 or int8 (with scales)")
         if not cache.dtype.isnative:
             raise TypeError(
                 f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
@@ -168,7 +180,13 @@ def attention_with_kvcache(
     # in float32) with a float16 or float32 q; otherwise q must not be wider
     # than the cache, or the cache would be converted whole
     half_cache = k_cache.dtype == np.float16 and q.dtype in (np.float16, np.float32)
-    if not half_cache and np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype:
+    int8_cache = k_cache.dtype == np.int8
+    if int8_cache:
+        _check_scale_caches(k_cache, v_cache, k_scale, v_scale, q.dtype)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with int8 caches; these are {k_cache.dtype}")
+    if (not half_cache and not int8_cache
+            and np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype):
         raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "
                         "convert (copy) the cache; pass q in the cache's dtype")
     n_heads = q.shape[1]
@@ -202,12 +220,20 @@ def attention_with_kvcache(
             raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must have shapes "
                              f"{expected_k} and {expected_v} to match the caches")
         for name, new in (("k_new", k_new), ("v_new", v_new)):
+            if int8_cache:
+                if new.dtype.kind not in "fiu" or new.dtype == np.int8:
+                    raise TypeError(f"{name} of dtype {new.dtype} for an int8 cache: pass "
+                                    "float values, which are quantized as they are appended")
+                continue
             if not np.can_cast(new.dtype, k_cache.dtype, casting="same_kind"):
                 raise TypeError(f"{name} of dtype {new.dtype} cannot be written into a "
                                 f"{k_cache.dtype} cache")
         if not (k_cache.flags.writeable and v_cache.flags.writeable
                 and cache_lengths.flags.writeable):
             raise ValueError("k_cache, v_cache and cache_lengths must be writable to append")
+        if int8_cache and not (cast("NDArray[Any]", k_scale).flags.writeable
+                               and cast("NDArray[Any]", v_scale).flags.writeable):
+            raise ValueError("k_scale and v_scale must be writable to append")
     # in Python ints: in the array's own dtype the sum could wrap around
     if cache_lengths.size and int(cache_lengths.max()) + n_new > max_keys:
         raise ValueError(
@@ -224,14 +250,41 @@ def attention_with_kvcache(
     if n_new > 0:
         # n_new > 0 only when both were given and made arrays above
         k_add, v_add = cast("NDArray[Any]", k_new), cast("NDArray[Any]", v_new)
+        if int8_cache:
+            # quantized as they are appended: int8 rows and their scales
+            (k_add, k_row_scale), (v_add, v_row_scale) = quantize_kv(k_add), quantize_kv(v_add)
         for b, start in enumerate(cache_lengths.tolist()):
             k_cache[b, :, start:start + n_new] = k_add[b]
             v_cache[b, :, start:start + n_new] = v_add[b]
+            if int8_cache:
+                cast("NDArray[Any]", k_scale)[b, :, start:start + n_new] = k_row_scale[b]
+                cast("NDArray[Any]", v_scale)[b, :, start:start + n_new] = v_row_scale[b]
         cache_lengths += n_new
     return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
                      softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                     return_lse=return_lse,
+                     k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
                      enable_gqa=True, kv_lengths=cache_lengths, num_threads=num_threads)
+
+
+def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: object,
+                        v_scale: object, q_dtype: np.dtype[Any]) -> None:
+    """int8 caches come with float32 scale caches of shape (B, H_kv, S_max),
+    read and written in place."""
+    if v_cache.dtype != np.int8:
+        raise TypeError(f"k_cache is int8 but v_cache is {v_cache.dtype}: both or neither")
+    if q_dtype not in (np.float32, np.float16):
+        raise TypeError(f"int8 caches need a float32 (or float16) q, got {q_dtype}")
+    for name, cache, scale in (("k_scale", k_cache, k_scale), ("v_scale", v_cache, v_scale)):
+        if scale is None:
+            raise ValueError(f"int8 caches need {name}: a float32 array of shape "
+                             f"{cache.shape[:3]} (B, H_kv, S_max), written as keys are "
+                             "appended")
+        if (not isinstance(scale, np.ndarray) or scale.dtype != np.float32
+                or not scale.dtype.isnative or scale.shape != cache.shape[:3]):
+            got = (f"{scale.shape} {scale.dtype}" if isinstance(scale, np.ndarray)
+                   else type(scale).__name__)
+            raise ValueError(f"{name} must be a native float32 ndarray of shape "
+                             f"{cache.shape[:3]} (B, H_kv, S_max); got {got}")
 
 
 def _check_cache_lengths(cache_lengths: object, n_batch: int, max_keys: int) -> None:

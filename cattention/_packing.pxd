@@ -8,7 +8,7 @@ the SIMD P.V tile and added exactly where its weight is nonzero)."""
 from cython cimport floating
 from libc.stdint cimport uint8_t, uint16_t
 from cattention._kernel_table cimport CA_PANEL_F32, CA_PANEL_F64, ca_half_to_float
-from cattention._problem cimport K_BLOCK, Problem, round_up
+from cattention._problem cimport K_BLOCK, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, round_up
 from cattention._operands cimport rows_in_place
 from cattention._workspace cimport Workspace
 
@@ -182,14 +182,16 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
                                                 <floating *>ws.base + ws.off_k_rows,
                                                 pb.ld_k, &ld_k_rows, True)
-    pack_keys_transposed(pb, k_rows, ld_k_rows, 1 if pb.kv_half else pb.k.col_stride,
+    pack_keys_transposed(pb, k_rows, ld_k_rows,
+                         1 if pb.k.storage != STORE_COMPUTE else pb.k.col_stride,
                          n_keys, packed_keys(pb, ws, block, dtype_tag))
     cdef const floating *v_rows
     if pb.d_v > 0:
         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
                                <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, True)
         nonfinite_flag(pb, ws, block)[0] = pack_values(
-            pb, v_rows, ld_v_rows, 1 if pb.kv_half else pb.v.col_stride, n_keys,
+            pb, v_rows, ld_v_rows, 1 if pb.v.storage != STORE_COMPUTE else pb.v.col_stride,
+            n_keys,
             packed_values(pb, ws, block, dtype_tag))
     else:
         nonfinite_flag(pb, ws, block)[0] = 0
@@ -208,7 +210,9 @@ cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_
     for j in range(n_keys):
         for c in range(pb.d_v):
             at = (key0 + j) * pb.v.row_stride + c * pb.v.col_stride
-            x = <floating>ca_half_to_float(v_half[at]) if pb.kv_half else v[at]
+            if pb.v.storage == STORE_I8:
+                continue  # int8 times a finite scale is finite
+            x = <floating>ca_half_to_float(v_half[at]) if pb.v.storage == STORE_F16 else v[at]
             if (x - x) == 0:
                 continue
             for i in range(n_rows):

@@ -53,11 +53,20 @@ cdef enum MaskKind:
     MASK_F32 = 2
     MASK_F64 = 3
 
+cdef enum Storage:
+    STORE_COMPUTE = 0            # the compute dtype, read in place
+    STORE_F16 = 1                # float16 (with float32 q), converted block by block
+    STORE_I8 = 2                 # int8 times one float32 scale per row, likewise
+
 cdef struct Operand:
     const char *data
     const intp_t *batch_offset   # element offset of each flattened batch entry
     Py_ssize_t row_stride        # elements
     Py_ssize_t col_stride        # elements
+    int storage                  # Storage of K and V (q and the mask: STORE_COMPUTE)
+    const float *scale           # STORE_I8: the scale of each row, at
+    const intp_t *scale_offset   # scale + scale_offset[b] + row * scale_stride
+    Py_ssize_t scale_stride
 
 
 cdef struct Problem:
@@ -104,9 +113,7 @@ cdef struct Problem:
     uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
     bint direct                  # few query rows: K and V read in place
     Py_ssize_t itemsize          # of the compute dtype
-    bint kv_half                 # K and V are float16 (computed in float32),
-                                 # converted block by block as they are read
-    const ca_kernels *kern       # for the float16 conversion while packing
+    const ca_kernels *kern       # for the float16 and int8 conversion while packing
     # direct path: keys split into chunks of split_keys (a multiple of
     # K_BLOCK), fixed by the shape alone so results do not depend on threads
     Py_ssize_t n_splits

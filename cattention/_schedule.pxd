@@ -14,6 +14,7 @@ from cattention._kernel_table cimport (
 from cattention._problem cimport (
     DIRECT_ROWS, K_BLOCK, MIN_FLOPS_PER_THREAD, PER_ENTRY_MAX_BLOCKS, Problem, Q_BLOCK,
     SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, round_up)
+from cattention._operands cimport operand_itemsize
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
     workspace_new_per_entry)
@@ -90,8 +91,9 @@ cdef inline int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
     if n_threads > 1:
         if pb.direct:
             # a decode step streams its K and V from memory
-            kv_bytes = (<double>pb.n_kv * pb.n_keys * (pb.d_k + pb.d_v)
-                        * (2 if pb.kv_half else sizeof(floating)))
+            kv_bytes = (<double>pb.n_kv * pb.n_keys
+                        * (pb.d_k * operand_itemsize(pb, &pb.k)
+                           + pb.d_v * operand_itemsize(pb, &pb.v)))
         n_threads = ca_team_size(
             n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
             + kv_bytes / CA_TEAM_BYTES_PER_NS)

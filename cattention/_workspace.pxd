@@ -8,7 +8,8 @@ from libc.stdint cimport uint8_t
 from cattention._kernel_table cimport (
     CA_SCRATCH_PACKED, CA_SCRATCH_WORKSPACE, ca_scratch_acquire, ca_scratch_release,
     intp_t)
-from cattention._problem cimport DIRECT_ROWS, K_BLOCK, Problem, Q_BLOCK, round_up
+from cattention._problem cimport (
+    DIRECT_ROWS, K_BLOCK, STORE_COMPUTE, Problem, Q_BLOCK, round_up)
 
 
 cdef struct Workspace:
@@ -46,7 +47,8 @@ cdef inline Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcep
     n += round_up(n_rows, 16)
     ws.off_k_rows = n
     ws.off_v_rows = n
-    if n_rows <= DIRECT_ROWS or pb.kv_half:
+    if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE
+            or pb.v.storage != STORE_COMPUTE):
         n += round_up(K_BLOCK * pb.ld_k, 16)
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)

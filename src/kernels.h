@@ -131,6 +131,14 @@ typedef struct ca_kernels {
        any value copied is NaN or infinite (the driver then zeroes them). */
     int (*pack_v_f32)(const float *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v,
                       float *v_packed, ptrdiff_t v_panel_stride);
+
+    /* int8 K/V (quantized caches) with one float32 scale per row, converted
+       block by block as they are read: dst[r * ld_dst + c] =
+       (float)src[r * src_row + c * src_col] * scale[r * scale_stride], one
+       rounding, as NumPy's k_int8 * k_scale[..., None] in float32. */
+    void (*int8_rows_to_f32)(const int8_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                             ptrdiff_t n_rows, ptrdiff_t n_cols, const float *scale,
+                             ptrdiff_t scale_stride, float *dst, ptrdiff_t ld_dst);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */

@@ -711,6 +711,33 @@ CA_AVX2 static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row,
     }
 }
 
+/* int8 rows times their scale: 8 lanes sign-extended, converted and
+   multiplied (exact conversion, one rounding, as the portable loop) */
+CA_AVX2 static void int8_rows_to_f32(const int8_t *src, ptrdiff_t src_row,
+                                     ptrdiff_t src_col, ptrdiff_t n_rows, ptrdiff_t n_cols,
+                                     const float *scale, ptrdiff_t scale_stride,
+                                     float *dst, ptrdiff_t ld_dst)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const int8_t *row = src + r * src_row;
+        float *out = dst + r * ld_dst;
+        const float row_scale = scale[r * scale_stride];
+        const __m256 scale8 = _mm256_set1_ps(row_scale);
+        ptrdiff_t c = 0;
+        if (src_col == 1) {
+            if (r + PREFETCH_KEYS < n_rows)
+                prefetch_row(src + (r + PREFETCH_KEYS) * src_row, n_cols);
+            for (; c + 8 <= n_cols; c += 8) {
+                const __m128i bytes = _mm_loadl_epi64((const __m128i *)(row + c));
+                const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                _mm256_storeu_ps(out + c, _mm256_mul_ps(x, scale8));
+            }
+        }
+        for (; c < n_cols; ++c)
+            out[c] = (float)row[c * src_col] * row_scale;
+    }
+}
+
 /* cap * tanh(x / cap), the steps of the portable softcap lane by lane */
 CA_AVX2 static void softcap_f32(float *x, ptrdiff_t n, float cap)
 {
@@ -837,6 +864,7 @@ const ca_kernels ca_kernels_avx2 = {
     softcap_f32,
     pack_kt_f32,
     pack_v_f32,
+    int8_rows_to_f32,
 };
 
 #endif /* CA_HAVE_X86_KERNELS */

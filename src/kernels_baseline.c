@@ -187,6 +187,17 @@ float ca_half_to_float(uint16_t h)
     return ca_f32_from_bits(bits);
 }
 
+static void int8_rows_to_f32(const int8_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                             ptrdiff_t n_rows, ptrdiff_t n_cols, const float *scale,
+                             ptrdiff_t scale_stride, float *dst, ptrdiff_t ld_dst)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const float row_scale = scale[r * scale_stride];
+        for (ptrdiff_t c = 0; c < n_cols; ++c)
+            dst[r * ld_dst + c] = (float)src[r * src_row + c * src_col] * row_scale;
+    }
+}
+
 static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
                              ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
                              ptrdiff_t ld_dst)
@@ -249,4 +260,5 @@ const ca_kernels ca_kernels_baseline = {
     softcap_f32,
     pack_kt_f32,
     pack_v_f32,
+    int8_rows_to_f32,
 };

@@ -1,0 +1,117 @@
+"""int8 K/V: symmetric per-row quantization, and the checks of int8 operands.
+
+A KV cache stored as int8 with one float32 scale per row (per position and
+head) has a quarter of the bytes of float32: decode, which reads the whole
+cache every step, gets faster by what it no longer reads. The kernels
+convert the rows to float32 block by block as they read them; no float copy
+of the cache is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = ["quantize_kv"]
+
+#: The largest magnitude of a quantized value (symmetric: -127..127).
+INT8_LEVELS = 127
+
+
+def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
+    """Quantize keys or values to int8, symmetrically per row (the last axis).
+
+    ``scale = max|x_row| / 127`` (float32, of shape ``x.shape[:-1]``) and
+    ``x_int8 = round(x / scale)`` clipped to [-127, 127]; an all-zero row has
+    scale 0 and zeros. Dequantized, ``x_int8 * scale[..., None]`` differs
+    from ``x`` by at most ``scale / 2`` per element (half a step), plus the
+    float32 rounding of the product: relative to the row's largest
+    magnitude, at most ``1 / 254`` (0.39%).
+
+    Parameters
+    ----------
+    x : array_like, shape (..., d)
+        Real values, e.g. K or V of shape (B, H_kv, S, d).
+
+    Returns
+    -------
+    x_int8 : ndarray of int8, shape (..., d)
+    scale : ndarray of float32, shape (...)
+        For :func:`cattention.attention` (``k_scale``, ``v_scale``) and
+        :func:`cattention.attention_with_kvcache`.
+
+    Raises
+    ------
+    TypeError
+        If x is not real (complex, object, string).
+    ValueError
+        If x has no axis, or a row holds NaN or an infinity.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> x_int8, scale = ca.quantize_kv(np.array([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0]]))
+    >>> x_int8
+    array([[ 127,  -64,   32],
+           [   0,    0,    0]], dtype=int8)
+    >>> scale.dtype, float(scale[0]) == np.float32(1 / 127), float(scale[1])
+    (dtype('float32'), True, 0.0)
+    """
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(f"quantize_kv needs real values, got dtype {arr.dtype}")
+    if arr.ndim < 1:
+        raise ValueError(f"quantize_kv needs rows (an array with a last axis), got shape "
+                         f"{arr.shape}")
+    values = arr.astype(np.float32)
+    if not np.all(np.isfinite(values)):
+        bad = np.argwhere(~np.all(np.isfinite(values), axis=-1))
+        raise ValueError(f"quantize_kv: rows hold NaN or infinite values (first at row index "
+                         f"{tuple(int(i) for i in bad[0])}); they cannot be quantized")
+    peak = np.max(np.abs(values), axis=-1, initial=0)
+    scale = (peak / np.float32(INT8_LEVELS)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    with np.errstate(over="ignore", invalid="ignore"):
+        levels = np.rint(values / safe[..., None])
+    levels = np.clip(np.where(scale[..., None] > 0, levels, 0), -INT8_LEVELS, INT8_LEVELS)
+    return levels.astype(np.int8), scale
+
+
+def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
+               q_dtype: np.dtype[Any]) -> NDArray[np.float32] | None:
+    """The row scales of an int8 K or V as an aligned float32 array of the
+    operand's shape with a features axis of size 1 (so that every view taken
+    of the operand can be taken of it), or None for an operand that is not a
+    quantized one (float K/V; int8 K/V with an integer q and no scale, which
+    are integers computed as float64 as before)."""
+    scale_name = f"{name}_scale"
+    if operand.dtype != np.int8 or (scale is None and q_dtype.kind in "iub"):
+        # all-integer inputs without scales keep the integer rule: computed
+        # as float64 (int8 K/V beside a float q are a quantized cache)
+        if scale is not None:
+            raise ValueError(f"{scale_name} is given but {name} has dtype {operand.dtype}; "
+                             f"{scale_name} goes with an int8 {name}")
+        return None
+    if scale is None:
+        raise ValueError(f"{name} is int8 but {scale_name} is missing: pass the float32 "
+                         f"scale of each row, shape {operand.shape[:-1]} "
+                         "(cattention.quantize_kv returns it)")
+    if q_dtype not in (np.float32, np.float16):
+        raise TypeError(f"int8 {name} needs a float32 (or float16) q, got q of dtype "
+                        f"{q_dtype}; int8 caches are computed in float32")
+    arr = np.asarray(scale)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{scale_name} must be real numbers, got dtype {arr.dtype}")
+    if arr.shape != operand.shape[:-1]:
+        raise ValueError(f"{scale_name} of shape {arr.shape} does not match {name} of shape "
+                         f"{operand.shape}: it needs one scale per row, shape "
+                         f"{operand.shape[:-1]}")
+    arr = arr.astype(np.float32, copy=False)
+    if not arr.dtype.isnative or not arr.flags.aligned:
+        arr = np.array(arr, dtype=np.float32)
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"{scale_name} must be finite and >= 0")
+    return arr[..., None]

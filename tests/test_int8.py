@@ -1,0 +1,228 @@
+"""int8 K/V: quantize_kv, attention over int8 K/V with row scales on every path
+(the float64 reference on the dequantized values), int8 KV caches quantized
+on append, and the errors."""
+
+import numpy as np
+import pytest
+
+import cattention as ca
+from reference import assert_bitwise_equal, assert_matches_reference, make_qkv
+
+
+def dequantize(x_int8, scale):
+    """The values int8 K/V stand for, as the docs define them (float32)."""
+    return x_int8.astype(np.float32) * scale[..., None]
+
+
+def repeat_kv(x, group):
+    return np.repeat(x, group, axis=-3)
+
+
+# ---- quantize_kv ---------------------------------------------------------------
+
+def test_quantize_kv_rule():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 16)) * np.array([1, 10, 0.01])[:, None, None]
+    x[1, 2] = 0.0                                    # an all-zero row
+    x_int8, scale = ca.quantize_kv(x)
+    assert x_int8.dtype == np.int8 and scale.dtype == np.float32
+    assert x_int8.shape == x.shape and scale.shape == x.shape[:-1]
+    expected_scale = (np.max(np.abs(x.astype(np.float32)), axis=-1) / np.float32(127))
+    np.testing.assert_array_equal(scale, expected_scale.astype(np.float32))
+    assert scale[1, 2] == 0 and not x_int8[1, 2].any()
+    safe = np.where(scale > 0, scale, 1)[..., None]
+    expected = np.clip(np.rint(x.astype(np.float32) / safe), -127, 127)
+    np.testing.assert_array_equal(x_int8, np.where(scale[..., None] > 0, expected, 0))
+    # every row reaches +-127 at its largest magnitude
+    nonzero = scale > 0
+    assert np.all(np.max(np.abs(x_int8.astype(int)), axis=-1)[nonzero] == 127)
+
+
+def test_quantize_kv_error_bound():
+    """|x - x_int8 * scale| <= scale / 2 (half a step), up to float32 rounding."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_t(3, size=(4, 8, 200, 64))).astype(np.float32)
+    x_int8, scale = ca.quantize_kv(x)
+    err = np.abs(x.astype(np.float64) - dequantize(x_int8, scale).astype(np.float64))
+    bound = scale.astype(np.float64)[..., None] / 2 + np.abs(x) * 2 * np.finfo(np.float32).eps
+    assert np.all(err <= bound)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantize_kv_refuses_non_finite_rows(bad):
+    x = np.ones((2, 3, 4), np.float32)
+    x[1, 2, 3] = bad
+    with pytest.raises(ValueError, match=r"NaN or infinite values \(first at row index "
+                                         r"\(1, 2\)\)"):
+        ca.quantize_kv(x)
+
+
+def test_quantize_kv_errors():
+    with pytest.raises(TypeError, match="real values"):
+        ca.quantize_kv(np.ones(3, complex))
+    with pytest.raises(ValueError, match="last axis"):
+        ca.quantize_kv(1.0)
+
+
+# ---- attention over int8 K/V ----------------------------------------------------
+
+def quantized(seed, q_shape, k_shape, v_shape):
+    q, k, v = make_qkv(seed, q_shape, k_shape, v_shape, np.float32)
+    (k8, ks), (v8, vs) = ca.quantize_kv(k), ca.quantize_kv(v)
+    return q, k8, ks, v8, vs
+
+
+# T = 1: direct path (S = 2048 over 2 heads splits the keys); 40, 130: packed
+@pytest.mark.parametrize("T,S", [(1, 300), (1, 2048), (5, 77), (40, 300), (130, 129)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("which", ["kv", "k", "v"])
+def test_int8_matches_the_reference_of_the_dequantized_values(T, S, causal, which):
+    q, k8, ks, v8, vs = quantized(400 + T, (1, 2, T, 32), (1, 2, S, 32), (1, 2, S, 24))
+    k = k8 if "k" in which else dequantize(k8, ks)
+    v = v8 if "v" in which else dequantize(v8, vs)
+    scales = dict(k_scale=ks if "k" in which else None, v_scale=vs if "v" in which else None)
+    kd, vd = dequantize(k8, ks), dequantize(v8, vs)
+    attn, lse = ca.attention(q, k, v, causal=causal, return_lse=True, **scales)
+    assert attn.dtype == np.float32
+    assert_matches_reference(attn, None, q, kd, vd, causal, lse=lse)
+    # read block by block, the int8 rows give exactly what float32 rows give
+    for got, want in zip((attn, lse), ca.attention(q, kd, vd, causal=causal,
+                                                   return_lse=True)):
+        assert_bitwise_equal(got, want)
+    if T * S <= 40000:
+        attn, scores = ca.attention(q, k, v, causal=causal, return_scores=True, **scales)
+        assert_matches_reference(attn, scores, q, kd, vd, causal)
+        assert_bitwise_equal(ca.attention_scores(q, k, causal=causal, k_scale=scales["k_scale"]),
+                             scores)
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])
+def test_int8_with_grouped_heads_windows_and_lengths(T):
+    q, k8, ks, v8, vs = quantized(410 + T, (2, 8, T, 16), (2, 2, 1200, 16), (2, 2, 1200, 8))
+    options = dict(window=(300, 0), kv_lengths=np.array([[1200], [517]]))
+    attn, lse = ca.attention(q, k8, v8, k_scale=ks, v_scale=vs, causal=True, enable_gqa=True,
+                             return_lse=True, **options)
+    kd, vd = dequantize(k8, ks), dequantize(v8, vs)
+    assert_matches_reference(attn, None, q, repeat_kv(kd, 4), repeat_kv(vd, 4), True, lse=lse,
+                             **options)
+
+
+def test_int8_with_a_float16_q_and_strided_rows():
+    q, k8, ks, v8, vs = quantized(420, (1, 2, 7, 16), (1, 2, 90, 16), (1, 2, 90, 8))
+    wide = np.zeros((1, 2, 90, 32), np.int8)
+    wide[..., ::2] = k8                                  # strided features
+    attn = ca.attention(q.astype(np.float16), wide[..., ::2], v8[:, ::-1][:, ::-1],
+                        k_scale=ks[:, ::-1][:, ::-1], v_scale=vs)
+    assert attn.dtype == np.float16
+    expected = ca.attention(q.astype(np.float16).astype(np.float32), dequantize(k8, ks),
+                            dequantize(v8, vs))
+    assert_bitwise_equal(attn, expected.astype(np.float16))
+
+
+def test_int8_end_to_end_error_against_unquantized_keys():
+    """The error the quantization itself brings on unit-normal K and V: a
+    fraction of a percent of the outputs' scale. (Heavy-tailed keys, whose
+    outliers set each row's scale, lose more: figures in BENCHMARKS.md.)"""
+    rng = np.random.default_rng(430)
+    q = rng.standard_normal((1, 4, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 4, 512, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 4, 512, 64)).astype(np.float32)
+    (k8, ks), (v8, vs) = ca.quantize_kv(k), ca.quantize_kv(v)
+    exact = ca.attention(q, k, v)
+    approx = ca.attention(q, k8, v8, k_scale=ks, v_scale=vs)
+    assert np.max(np.abs(approx - exact)) < 0.02 * np.max(np.abs(exact))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(k="int8"), ValueError, r"k is int8 but k_scale is missing.*shape \(1, 2, 9\)"),
+    (dict(k="int8", k_scale=np.ones((1, 2, 8), np.float32)), ValueError,
+     r"k_scale of shape \(1, 2, 8\) does not match k of shape \(1, 2, 9, 4\)"),
+    (dict(k="int8", k_scale="ones", q="float64"), TypeError,
+     r"int8 k needs a float32 \(or float16\) q"),
+    (dict(k_scale="ones"), ValueError, r"k_scale is given but k has dtype float32"),
+    (dict(v="int8", v_scale=-np.ones((1, 2, 9), np.float32)), ValueError,
+     r"v_scale must be finite and >= 0"),
+    (dict(v="int8", v_scale=np.full((1, 2, 9), np.nan, np.float32)), ValueError,
+     r"v_scale must be finite"),
+    (dict(k="int8", k_scale="ones", v="float64"), TypeError,
+     r"int8 K/V are computed in float32"),
+])
+def test_int8_errors(kwargs, error, match):
+    q, k, v = make_qkv(440, (1, 2, 3, 4), (1, 2, 9, 4), (1, 2, 9, 3), np.float32)
+    args = dict(q=q, k=k, v=v)
+    for name in ("q", "k", "v"):
+        if isinstance(kwargs.get(name), str) and kwargs[name] == "int8":
+            args[name] = ca.quantize_kv(args[name])[0]
+        elif isinstance(kwargs.get(name), str) and kwargs[name] == "float64":
+            args[name] = args[name].astype(np.float64)
+    scales = {name: (np.ones((1, 2, 9), np.float32) if isinstance(kwargs[name], str)
+                     else kwargs[name])
+              for name in ("k_scale", "v_scale") if name in kwargs}
+    with pytest.raises(error, match=match):
+        ca.attention(args["q"], args["k"], args["v"], **scales)
+
+
+# ---- int8 KV caches --------------------------------------------------------------
+
+def int8_cache(B=2, H_kv=2, S_max=64, d=16):
+    return (np.zeros((B, H_kv, S_max, d), np.int8), np.zeros((B, H_kv, S_max, d), np.int8),
+            np.zeros((B, H_kv, S_max), np.float32), np.zeros((B, H_kv, S_max), np.float32))
+
+
+@pytest.mark.parametrize("T_new", [1, 5])
+def test_int8_cache_is_quantized_on_append_and_read_in_place(T_new):
+    rng = np.random.default_rng(450)
+    k_cache, v_cache, k_scale, v_scale = int8_cache()
+    lengths = np.array([0, 0])
+    dequantized_k, dequantized_v = [], []
+    for step in range(3):
+        q = rng.standard_normal((2, 4, T_new, 16)).astype(np.float32)
+        k_new = rng.standard_normal((2, 2, T_new, 16)).astype(np.float32)
+        v_new = rng.standard_normal((2, 2, T_new, 16)).astype(np.float32)
+        attn = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new,
+                                         k_scale=k_scale, v_scale=v_scale, sinks=0.5)
+        (k8, ks), (v8, vs) = ca.quantize_kv(k_new), ca.quantize_kv(v_new)
+        start = step * T_new
+        np.testing.assert_array_equal(k_cache[:, :, start:start + T_new], k8)
+        np.testing.assert_array_equal(v_scale[:, :, start:start + T_new], vs)
+        dequantized_k.append(dequantize(k8, ks))
+        dequantized_v.append(dequantize(v8, vs))
+        kd = repeat_kv(np.concatenate(dequantized_k, axis=2), 2)
+        vd = repeat_kv(np.concatenate(dequantized_v, axis=2), 2)
+        assert_matches_reference(attn, None, q, kd, vd, True, sinks=0.5)
+    assert lengths.tolist() == [3 * T_new, 3 * T_new]
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(k_scale=None), ValueError, r"int8 caches need k_scale.*\(2, 2, 64\)"),
+    (dict(v_scale=np.zeros((2, 2, 63), np.float32)), ValueError,
+     r"v_scale must be a native float32 ndarray of shape \(2, 2, 64\)"),
+    (dict(k_scale=np.zeros((2, 2, 64))), ValueError, r"k_scale must be a native float32"),
+    (dict(k_new="int8"), TypeError, r"k_new of dtype int8 for an int8 cache"),
+    (dict(q="float64"), TypeError, r"int8 caches need a float32 \(or float16\) q"),
+    (dict(v_cache="float32"), TypeError, r"k_cache \(int8\) and v_cache \(float32\)"),
+])
+def test_int8_cache_errors_write_nothing(change, error, match):
+    k_cache, v_cache, k_scale, v_scale = int8_cache()
+    lengths = np.array([3, 1])
+    args = dict(q=np.ones((2, 4, 1, 16), np.float32), k_cache=k_cache, v_cache=v_cache,
+                k_new=np.ones((2, 2, 1, 16), np.float32), v_new=np.ones((2, 2, 1, 16), np.float32),
+                k_scale=k_scale, v_scale=v_scale)
+    for name, value in change.items():
+        if isinstance(value, str):
+            args[name] = args[name].astype(value)
+        else:
+            args[name] = value
+    with pytest.raises(error, match=match):
+        ca.attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], lengths,
+                                  args["k_new"], args["v_new"], k_scale=args["k_scale"],
+                                  v_scale=args["v_scale"])
+    assert lengths.tolist() == [3, 1]
+    assert not k_cache.any() and not v_cache.any() and not k_scale.any() and not v_scale.any()
+
+
+def test_float_caches_refuse_scales():
+    k_cache = np.zeros((1, 1, 8, 4), np.float32)
+    with pytest.raises(ValueError, match="k_scale and v_scale go with int8 caches"):
+        ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache, k_cache.copy(),
+                                  np.array([2]), k_scale=np.ones((1, 1, 8), np.float32))
