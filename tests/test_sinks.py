@@ -25,7 +25,7 @@ def repeat_kv(x, group):
 @pytest.mark.parametrize("T,S", [(1, 300), (1, 2048), (5, 77), (40, 300), (130, 129)])
 @pytest.mark.parametrize("sinks", [SINKS_H, SINKS_BH], ids=["H", "BH"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sinks_match_the_reference(dtype, T, S, sinks, causal):
+def test_sinks_match_the_reference(dtype, T, S, sinks, causal, simd):
     q, k, v = make_qkv(300 + T, (2, 4, T, 16), (2, 4, S, 16), (2, 4, S, 6), dtype)
     attn, lse = ca.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
     assert_matches_reference(attn, None, q, k, v, causal, lse=lse, sinks=sinks)
