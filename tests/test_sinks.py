@@ -108,7 +108,7 @@ def test_sinks_in_the_kv_cache(dtype, T_new):
 
 @pytest.mark.parametrize("T,S,gqa", [(1, 300, False), (1, 2048, False), (40, 300, False),
                                      (1, 300, True), (3, 1500, True), (40, 300, True)])
-def test_minus_infinity_is_no_sink_bitwise(dtype, T, S, gqa):
+def test_minus_infinity_is_no_sink_bitwise(dtype, T, S, gqa, simd):
     q, k, v = make_qkv(350, (2, 4, T, 16), (2, 2 if gqa else 4, S, 16),
                        (2, 2 if gqa else 4, S, 6), dtype)
     options = dict(causal=True, enable_gqa=gqa, return_lse=True)
