@@ -7,7 +7,8 @@ their features are strided or float16)."""
 from cython cimport floating
 from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
 from cattention._problem cimport DIRECT_KEYS, K_BLOCK, Problem
-from cattention._operands cimport contiguous_rows, operand_itemsize, rows_in_place
+from cattention._operands cimport (
+    contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales, rows_in_place)
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
@@ -45,31 +46,44 @@ cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Worksp
         key0 = (first_key // DIRECT_KEYS) * DIRECT_KEYS
         while key0 < last_key:
             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < DIRECT_KEYS else DIRECT_KEYS
-            k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
-                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
-                                   False)
             # while one kernel streams its operand, it prefetches the block the
             # other reads next (contiguous rows only), keeping two streams busy
             next_keys = last_key - key0 - DIRECT_KEYS
             if next_keys > DIRECT_KEYS:
                 next_keys = DIRECT_KEYS
-            kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
-                                pb.d_k, pb.scale, s, K_BLOCK,
-                                contiguous_rows(pb, &pb.v, b, key0, pb.d_v),
-                                pb.v.row_stride * operand_itemsize(pb, &pb.v),
-                                pb.d_v * operand_itemsize(pb, &pb.v))
+            if floating is float and int8_in_place(&pb.k, pb.d_k):
+                # int8 keys with their scales, read where they are
+                kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0),
+                                     pb.k.row_stride, n_keys, pb.d_k, <float>pb.scale,
+                                     row_scales(&pb.k, b, key0), pb.k.scale_stride,
+                                     s, K_BLOCK)
+            else:
+                k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+                                       <floating *>ws.base + ws.off_k_rows, pb.ld_k,
+                                       &ld_k_rows, False)
+                kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
+                                    pb.d_k, pb.scale, s, K_BLOCK,
+                                    contiguous_rows(pb, &pb.v, b, key0, pb.d_v),
+                                    pb.v.row_stride * operand_itemsize(pb, &pb.v),
+                                    pb.d_v * operand_itemsize(pb, &pb.v))
             mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
-            v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
-                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
-                                   False)
-            # (x86 drops a prefetch past the end of K without a fault)
-            kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
-                             acc, pb.ld_v,
-                             contiguous_rows(pb, &pb.k, b, key0 + DIRECT_KEYS, pb.d_k)
-                             if next_keys > 0 else NULL,
-                             pb.k.row_stride * operand_itemsize(pb, &pb.k),
-                             pb.d_k * operand_itemsize(pb, &pb.k))
+            if floating is float and int8_in_place(&pb.v, pb.d_v):
+                kern.pv_direct_i8(s, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0),
+                                  pb.v.row_stride, n_keys, pb.d_v,
+                                  row_scales(&pb.v, b, key0), pb.v.scale_stride,
+                                  acc, pb.ld_v)
+            else:
+                v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
+                                       <floating *>ws.base + ws.off_v_rows, pb.ld_v,
+                                       &ld_v_rows, False)
+                # (x86 drops a prefetch past the end of K without a fault)
+                kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
+                                 acc, pb.ld_v,
+                                 contiguous_rows(pb, &pb.k, b, key0 + DIRECT_KEYS, pb.d_k)
+                                 if next_keys > 0 else NULL,
+                                 pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                                 pb.d_k * operand_itemsize(pb, &pb.k))
             key0 += DIRECT_KEYS
     if pb.n_splits == 1:
         finish_rows(pb, ws, n_rows, out + b * n_rows * pb.ld_out, pb.ld_out, b * n_rows)

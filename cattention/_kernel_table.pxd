@@ -60,6 +60,15 @@ cdef extern from "kernels.h" nogil:
                                  Py_ssize_t n_rows, Py_ssize_t n_cols, const float *scale,
                                  Py_ssize_t scale_stride, float *dst,
                                  Py_ssize_t ld_dst) noexcept nogil
+        void (*score_direct_i8)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                                const int8_t *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                                Py_ssize_t d_k, float factor, const float *scale,
+                                Py_ssize_t scale_stride, float *s,
+                                Py_ssize_t lds) noexcept nogil
+        void (*pv_direct_i8)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
+                             const int8_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                             Py_ssize_t d_v, const float *scale, Py_ssize_t scale_stride,
+                             float *acc, Py_ssize_t ldacc) noexcept nogil
         void (*pack_kt_f32)(const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                             Py_ssize_t d_k, float *kt,
                             Py_ssize_t kt_panel_stride) noexcept nogil

@@ -69,3 +69,18 @@ cdef inline Py_ssize_t operand_itemsize(const Problem *pb, const Operand *op) no
     if op.storage == STORE_I8:
         return 1
     return pb.itemsize
+
+
+cdef inline bint int8_in_place(const Operand *op, Py_ssize_t n_features) noexcept nogil:
+    """int8 rows the direct kernels read where they are (contiguous features)."""
+    return op.storage == STORE_I8 and (op.col_stride == 1 or n_features <= 1)
+
+
+cdef inline const int8_t *int8_rows(const Operand *op, Py_ssize_t b,
+                                    Py_ssize_t key0) noexcept nogil:
+    return <const int8_t *>op.data + op.batch_offset[b] + key0 * op.row_stride
+
+
+cdef inline const float *row_scales(const Operand *op, Py_ssize_t b,
+                                    Py_ssize_t key0) noexcept nogil:
+    return op.scale + op.scale_offset[b] + key0 * op.scale_stride

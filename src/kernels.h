@@ -139,6 +139,22 @@ typedef struct ca_kernels {
     void (*int8_rows_to_f32)(const int8_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
                              ptrdiff_t n_rows, ptrdiff_t n_cols, const float *scale,
                              ptrdiff_t scale_stride, float *dst, ptrdiff_t ld_dst);
+
+    /* The direct (decode) path on int8 K and V read where they are (rows
+       with contiguous features), the row scales applied on the fly:
+       s[r * lds + j] = factor * scale[j * scale_stride]
+                        * sum_c q[r * ldq + c] * k[j * ldk + c], and
+       acc[r * ldacc + c] += sum_j (p[r * ldp + j] * scale[j * scale_stride])
+                             * v[j * ldv + c].
+       Decode is memory-bound: reading a quarter of float32's bytes and
+       converting in registers, with no row copy, is what makes int8 pay. */
+    void (*score_direct_i8)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                            const int8_t *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
+                            float factor, const float *scale, ptrdiff_t scale_stride,
+                            float *s, ptrdiff_t lds);
+    void (*pv_direct_i8)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const int8_t *v,
+                         ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v, const float *scale,
+                         ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc);
 } ca_kernels;
 
 /* Tables, one per instruction set compiled in. */

@@ -738,6 +738,93 @@ CA_AVX2 static void int8_rows_to_f32(const int8_t *src, ptrdiff_t src_row,
     }
 }
 
+/* 8 int8 features as float32 lanes */
+CA_TILE __m256 load_i8_f32x8(const int8_t *x)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x)));
+}
+
+/* int8 keys read in place: four keys share one horizontal reduction, as in
+   score_direct_f32; the row scale multiplies each dot product */
+CA_AVX2 static void score_direct_i8(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                    const int8_t *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                                    ptrdiff_t d_k, float factor, const float *scale,
+                                    ptrdiff_t scale_stride, float *s, ptrdiff_t lds)
+{
+    const ptrdiff_t d_main = d_k & ~(ptrdiff_t)7;
+    for (ptrdiff_t j = 0; j < n_keys; j += 4) {
+        const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
+        const int8_t *k0 = k + j * ldk;
+        const int8_t *k1 = k0 + (n_group > 1 ? ldk : 0);
+        const int8_t *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
+        const int8_t *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
+        if (j + PREFETCH_KEYS + 4 <= n_keys)
+            for (int l = 0; l < 4; ++l)
+                prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k);
+        for (ptrdiff_t r = 0; r < n_rows; ++r) {
+            const float *q_r = q + r * ldq;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (ptrdiff_t c = 0; c < d_main; c += 8) {
+                const __m256 q8 = _mm256_loadu_ps(q_r + c);
+                a0 = _mm256_fmadd_ps(q8, load_i8_f32x8(k0 + c), a0);
+                a1 = _mm256_fmadd_ps(q8, load_i8_f32x8(k1 + c), a1);
+                a2 = _mm256_fmadd_ps(q8, load_i8_f32x8(k2 + c), a2);
+                a3 = _mm256_fmadd_ps(q8, load_i8_f32x8(k3 + c), a3);
+            }
+            float dots[4];
+            _mm_storeu_ps(dots, hsum4_f32(a0, a1, a2, a3));
+            const int8_t *rows[4] = {k0, k1, k2, k3};
+            for (ptrdiff_t l = 0; l < n_group; ++l) {
+                float dot = dots[l];
+                for (ptrdiff_t c = d_main; c < d_k; ++c)
+                    dot += q_r[c] * (float)rows[l][c];
+                s[r * lds + j + l] = factor * (scale[(j + l) * scale_stride] * dot);
+            }
+        }
+    }
+}
+
+/* int8 values read in place: each key's weight times its row scale, then
+   up to 64 columns of eight float32 accumulators per pass */
+CA_AVX2 static void pv_direct_i8(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                 const int8_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                                 ptrdiff_t d_v, const float *scale, ptrdiff_t scale_stride,
+                                 float *acc, ptrdiff_t ldacc)
+{
+    const ptrdiff_t d_main = d_v & ~(ptrdiff_t)7;
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const float *p_r = p + r * ldp;
+        float *acc_r = acc + r * ldacc;
+        for (ptrdiff_t c = 0; c < d_main; c += 64) {
+            const int n_vec = (int)((d_main - c) / 8 < 8 ? (d_main - c) / 8 : 8);
+            __m256 sum[8];
+            for (int t = 0; t < n_vec; ++t)
+                sum[t] = _mm256_loadu_ps(acc_r + c + 8 * t);
+            for (ptrdiff_t j = 0; j < n_keys; ++j) {
+                const float weight = p_r[j] * scale[j * scale_stride];
+                if (weight == 0)
+                    continue;
+                const __m256 w8 = _mm256_set1_ps(weight);
+                const int8_t *v_j = v + j * ldv + c;
+                if (r == 0 && j + PREFETCH_KEYS < n_keys)
+                    prefetch_row(v + (j + PREFETCH_KEYS) * ldv + c, 8 * n_vec);
+                for (int t = 0; t < n_vec; ++t)
+                    sum[t] = _mm256_fmadd_ps(w8, load_i8_f32x8(v_j + 8 * t), sum[t]);
+            }
+            for (int t = 0; t < n_vec; ++t)
+                _mm256_storeu_ps(acc_r + c + 8 * t, sum[t]);
+        }
+        for (ptrdiff_t j = 0; d_main < d_v && j < n_keys; ++j) {
+            const float weight = p_r[j] * scale[j * scale_stride];
+            if (weight == 0)
+                continue;
+            for (ptrdiff_t c = d_main; c < d_v; ++c)
+                acc_r[c] += weight * (float)v[j * ldv + c];
+        }
+    }
+}
+
 /* cap * tanh(x / cap), the steps of the portable softcap lane by lane */
 CA_AVX2 static void softcap_f32(float *x, ptrdiff_t n, float cap)
 {
@@ -865,6 +952,8 @@ const ca_kernels ca_kernels_avx2 = {
     pack_kt_f32,
     pack_v_f32,
     int8_rows_to_f32,
+    score_direct_i8,
+    pv_direct_i8,
 };
 
 #endif /* CA_HAVE_X86_KERNELS */

@@ -198,6 +198,34 @@ static void int8_rows_to_f32(const int8_t *src, ptrdiff_t src_row, ptrdiff_t src
     }
 }
 
+static void score_direct_i8(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                            const int8_t *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
+                            float factor, const float *scale, ptrdiff_t scale_stride,
+                            float *s, ptrdiff_t lds)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r)
+        for (ptrdiff_t j = 0; j < n_keys; ++j) {
+            float dot = 0;
+            for (ptrdiff_t c = 0; c < d_k; ++c)
+                dot += q[r * ldq + c] * (float)k[j * ldk + c];
+            s[r * lds + j] = factor * (scale[j * scale_stride] * dot);
+        }
+}
+
+static void pv_direct_i8(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const int8_t *v,
+                         ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v, const float *scale,
+                         ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r)
+        for (ptrdiff_t j = 0; j < n_keys; ++j) {
+            const float weight = p[r * ldp + j] * scale[j * scale_stride];
+            if (weight == 0)
+                continue;
+            for (ptrdiff_t c = 0; c < d_v; ++c)
+                acc[r * ldacc + c] += weight * (float)v[j * ldv + c];
+        }
+}
+
 static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
                              ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
                              ptrdiff_t ld_dst)
@@ -261,4 +289,6 @@ const ca_kernels ca_kernels_baseline = {
     pack_kt_f32,
     pack_v_f32,
     int8_rows_to_f32,
+    score_direct_i8,
+    pv_direct_i8,
 };
