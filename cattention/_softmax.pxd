@@ -137,6 +137,7 @@ cdef inline void fold_sinks(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
     cdef Py_ssize_t head = first_row // pb.query_period
     cdef Py_ssize_t position = first_row - head * pb.query_period
     cdef floating z, top
+    cdef bint any_rescaled = False
     for i in range(n_rows):
         z = <floating>pb.sink[head]
         row_sink_logit[i] = z
@@ -153,9 +154,15 @@ cdef inline void fold_sinks(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
             top = z
         sink_term[i] = z - top
         factor[i] = row_max[i] - top              # -inf for a row with no key
+        any_rescaled = any_rescaled or factor[i] != 0
         row_max[i] = top
     kernel_exp_sum(pb.kern, sink_term, n_rows, 0)
-    kernel_exp_sum(pb.kern, factor, n_rows, 0)
+    if any_rescaled:
+        kernel_exp_sum(pb.kern, factor, n_rows, 0)
+    else:
+        # every row's maximum stays (the common case): e^0 is 1
+        for i in range(n_rows):
+            factor[i] = 1
     for i in range(n_rows):
         if row_sink_logit[i] != -INFINITY:
             row_sum[i] = row_sum[i] * factor[i] + sink_term[i]
