@@ -7,7 +7,9 @@ from typing import Any, Literal, SupportsIndex, cast, overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from ._api import _check_flag, _native, attention, check_options
+from ._api import attention
+from ._call import check_options
+from ._checks import _check_flag, _native
 from ._quantize import quantize_kv
 
 __all__ = ["attention_with_kvcache"]

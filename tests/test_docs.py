@@ -11,10 +11,13 @@ import cattention
 import cattention._api
 import cattention._kvcache
 import cattention._plot
+import cattention._quantize
+import cattention._threads
 
 
 @pytest.mark.parametrize("module", [cattention, cattention._api, cattention._kvcache,
-                                    cattention._plot],
+                                    cattention._plot, cattention._quantize,
+                                    cattention._threads],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     if module is cattention._plot:

@@ -1,0 +1,244 @@
+"""Checks and normalisation of a call's arrays and options, each raising a
+ValueError or TypeError that names the argument, its shape or dtype.
+
+Nothing here computes attention: the functions bring inputs to a compute
+dtype and native byte order (copying only what the kernels cannot read),
+and options to the plain values the driver takes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+_SUPPORTED_DTYPES = (
+    "float16, float32 and float64 (integer and bool inputs are computed as float64)"
+)
+
+
+def _check_flag(value: object, name: str) -> bool:
+    """A bool option: a string or an array is refused, not read as its truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    return bool(value)
+
+
+def _native(arr: NDArray[Any]) -> NDArray[Any]:
+    """arr in the machine's byte order: a big-endian array (np.load of a
+    ">f4" file, FITS, HDF5, np.frombuffer) is converted, so the kernels
+    never read swapped bytes as numbers."""
+    if arr.dtype.isnative:
+        return arr
+    return arr.astype(arr.dtype.newbyteorder("="))
+
+
+def _as_input(x: ArrayLike, name: str) -> NDArray[Any]:
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    try:
+        arr = np.asarray(x)
+    except ValueError as exc:
+        # e.g. a ragged nested list: NumPy's message does not say which argument
+        raise ValueError(f"{name} is not a regular array: {exc}") from None
+    if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
+        raise TypeError(
+            f"{name} has dtype {arr.dtype}; cattention supports {_SUPPORTED_DTYPES}")
+    arr = _native(arr)
+    if arr.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions (..., rows, features); "
+            f"got shape {arr.shape}")
+    return arr
+
+
+def _compute_dtype(*arrays: NDArray[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """(compute dtype, result dtype) for the inputs, by np.result_type."""
+    common = np.result_type(*arrays)
+    if common.kind in "iub":
+        return np.dtype(np.float64), np.dtype(np.float64)
+    if common == np.float16:
+        return np.dtype(np.float32), np.dtype(np.float16)
+    return common, common
+
+
+def _to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
+    """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
+    if arr.dtype != dtype:
+        return arr.astype(dtype)
+    if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
+        # same bits, aligned and element-strided, so results are unchanged
+        return np.array(arr, order="C")
+    return arr
+
+
+def _prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
+                  dtype: np.dtype[Any]) -> NDArray[Any]:
+    arr = _native(np.asarray(mask))
+    given_shape = arr.shape
+    if arr.dtype == np.bool_:
+        pass
+    elif arr.dtype.kind == "f":
+        if arr.dtype not in (np.float32, np.float64):
+            arr = arr.astype(dtype)
+    else:
+        raise TypeError(
+            f"mask has dtype {arr.dtype}; it must be bool (True = may attend) or "
+            "float (added to the scaled logits, -inf masks)")
+    if arr.ndim < 2:
+        arr = arr.reshape((1,) * (2 - arr.ndim) + arr.shape)
+    if arr.shape[-2] not in (1, n_queries) or arr.shape[-1] not in (1, n_keys):
+        raise ValueError(
+            f"mask of shape {given_shape} does not broadcast to (..., T, S) = "
+            f"(..., {n_queries}, {n_keys})")
+    if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
+        arr = np.array(arr, order="C")
+    return arr
+
+
+def _resolve_scale(scale: object, d_k: int) -> float:
+    if scale is None:
+        if d_k == 0:
+            raise ValueError(
+                "d_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the "
+                "default scale 1/sqrt(d_k) is undefined; pass scale explicitly")
+        return 1.0 / math.sqrt(d_k)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
+    return value
+
+
+def _check_scale_fits(scale: float, compute: np.dtype[Any]) -> None:
+    """The kernels multiply in the compute dtype: a scale it cannot hold
+    would turn every logit into inf (then NaN) or 0."""
+    info = np.finfo(compute)
+    if scale != 0 and not (float(info.smallest_subnormal) <= abs(scale) <= float(info.max)):
+        raise ValueError(
+            f"scale {scale!r} is not representable in {compute} (the compute dtype of "
+            f"these inputs): |scale| must be 0 or lie in [{info.smallest_subnormal}, "
+            f"{info.max}]")
+
+
+def _check_window(window: Any, causal: bool) -> tuple[int, int]:
+    """(left, right) as ints, -1 for an unbounded side; causal forces right 0."""
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be None or a (left, right) pair, got {window!r}") from None
+    bounds = []
+    for name, side in (("left", left), ("right", right)):
+        if side is None:
+            bounds.append(-1)
+            continue
+        if isinstance(side, (bool, np.bool_)):
+            raise TypeError(f"window {name} must be an integer or None, got {side!r}")
+        try:
+            value = operator.index(side)
+        except TypeError:
+            raise TypeError(f"window {name} must be an integer or None, got {side!r}") from None
+        if value < 0:
+            raise ValueError(f"window {name} must be >= 0 (or None), got {value}")
+        bounds.append(value)
+    if causal:
+        bounds[1] = 0
+    return bounds[0], bounds[1]
+
+
+def _check_softcap(softcap: object) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be None or a positive number, got {softcap!r}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softcap must be a positive finite number, got {value}")
+    return value
+
+
+def _per_batch_entry(values: ArrayLike, batch_shape: tuple[int, ...], name: str, kinds: str,
+                     kind_text: str, dtype: DTypeLike, hint: str) -> NDArray[Any]:
+    """values broadcast to the batch shape: one per batch entry, C-contiguous."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in kinds:
+        raise TypeError(f"{name} must be {kind_text}, got dtype {arr.dtype}")
+    try:
+        full = np.broadcast_to(arr, batch_shape)
+    except ValueError:
+        raise ValueError(
+            f"{name} of shape {arr.shape} does not broadcast to the batch "
+            f"shape {batch_shape} ({hint})") from None
+    return np.ascontiguousarray(full, dtype=dtype).reshape(-1)
+
+
+def _prepare_sinks(sinks: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
+    """One float64 sink logit per batch entry; -inf is no sink."""
+    full = _per_batch_entry(_native(np.asarray(sinks)), batch_shape, "sinks", "fiu",
+                            "real numbers", np.float64, "expected (H,) or (B, H)")
+    if np.any(np.isnan(full)) or np.any(full == np.inf):
+        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    return full
+
+
+def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
+    """One float64 slope per batch entry."""
+    full = _per_batch_entry(alibi_slopes, batch_shape, "alibi_slopes", "fiu",
+                            "real numbers", np.float64, "expected (H,) or (B, H)")
+    if not np.all(np.isfinite(full)):
+        raise ValueError("alibi_slopes must be finite")
+    return full
+
+
+def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
+                        n_keys: int) -> NDArray[np.intp]:
+    """Valid key counts, one intp per batch entry."""
+    full = _per_batch_entry(kv_lengths, batch_shape, "kv_lengths", "iu", "integers",
+                            np.intp, "the dimensions before T")
+    if full.size and (full.min() < 0 or full.max() > n_keys):
+        raise ValueError(
+            f"kv_lengths must lie in [0, S] = [0, {n_keys}]; got values from "
+            f"{full.min()} to {full.max()}")
+    return full
+
+
+def _lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any],
+                          v: NDArray[Any] | None) -> NDArray[Any]:
+    """kv_lengths with a 1-D array of length B taken as one length per
+    sequence (the first batch axis), as ``cache_lengths`` is, whatever the
+    other batch dimensions are: with inputs (B, H, T, d) and B == H a bare
+    trailing-axis broadcast would silently read it per head."""
+    arr = _native(np.asarray(kv_lengths))
+    operands = (q, k) if v is None else (q, k, v)
+    try:
+        batch_shape = np.broadcast_shapes(*(a.shape[:-2] for a in operands))
+    except ValueError:
+        # grouped heads (H != H_kv) or a mismatch, reported later
+        batch_shape = q.shape[:-2]
+    if arr.ndim != 1 or len(batch_shape) < 2 or arr.shape[0] == 1:
+        return arr
+    if arr.shape[0] != batch_shape[0]:
+        raise ValueError(
+            f"kv_lengths of shape {arr.shape} is ambiguous for batch dimensions "
+            f"{batch_shape}: a 1-D kv_lengths holds one length per sequence and must "
+            f"have length B = {batch_shape[0]}; for other layouts pass an array that "
+            f"broadcasts to {batch_shape}, e.g. shape {batch_shape[:1] + batch_shape[1:]} "
+            f"or {(1,) + batch_shape[1:]}")
+    return arr.reshape(arr.shape + (1,) * (len(batch_shape) - 1))
+
+
+def _gqa_hint(q: NDArray[Any], k: NDArray[Any]) -> str:
+    """A hint when q has a multiple of k's heads but enable_gqa was not given."""
+    if q.ndim >= 3 and k.ndim >= 3:
+        n_heads, n_kv_heads = q.shape[-3], k.shape[-3]
+        if 1 < n_kv_heads < n_heads and n_heads % n_kv_heads == 0:
+            return (f"; q has {n_heads} heads and k {n_kv_heads} (axis -3): pass "
+                    "enable_gqa=True for grouped-query attention")
+    return ""
