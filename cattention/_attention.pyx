@@ -220,10 +220,10 @@ def forked_after_parallel():
 def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
                    cnp.ndarray out, cnp.ndarray scores, int num_threads,
-                   cnp.ndarray lse=None, cnp.ndarray kv_lengths=None,
+                   cnp.ndarray lse=None, const intp_t[::1] kv_lengths=None,
                    Py_ssize_t query_period=0, Py_ssize_t window_left=-1,
                    Py_ssize_t window_right=-1, double softcap=0,
-                   cnp.ndarray alibi_slopes=None, cnp.ndarray sinks=None,
+                   const double[::1] alibi_slopes=None, const double[::1] sinks=None,
                    cnp.ndarray k_scale=None, cnp.ndarray v_scale=None):
     """Compute into preallocated C-contiguous ``out`` (n_batch, T, d_v) and/or
     ``scores`` (n_batch, T, S) of the compute dtype; either may be None.
@@ -245,7 +245,12 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     logit of each group of query_period rows (n_batch * T // query_period
     values), -inf for none. ``k_scale`` / ``v_scale`` are the float32 row
     scales of int8 ``k`` / ``v``, of their shape with a last axis of size 1,
-    aligned."""
+    aligned.
+
+    The per-batch-entry options, whose layout is fixed, arrive as typed
+    memoryviews; the operands stay ndarrays because they may be broadcast
+    (stride 0), strided, transposed, float16 or int8, and are reached per
+    batch entry through offset tables (see _from_arrays.pxd)."""
     cdef Problem pb
     cdef Py_ssize_t n_batch_dims = len(batch_shape)
     cdef Py_ssize_t shape[64]
@@ -262,11 +267,12 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     pb.window_left = window_left
     pb.window_right = window_right
     pb.softcap = softcap
-    pb.alibi_slope = (<const double *>cnp.PyArray_DATA(alibi_slopes)
-                      if alibi_slopes is not None else NULL)
-    pb.sink = <const double *>cnp.PyArray_DATA(sinks) if sinks is not None else NULL
-    pb.kv_length = (<const intp_t *>cnp.PyArray_DATA(kv_lengths)
-                    if kv_lengths is not None else NULL)
+    if alibi_slopes is not None and alibi_slopes.shape[0] > 0:
+        pb.alibi_slope = &alibi_slopes[0]
+    if sinks is not None and sinks.shape[0] > 0:
+        pb.sink = &sinks[0]
+    if kv_lengths is not None and kv_lengths.shape[0] > 0:
+        pb.kv_length = &kv_lengths[0]
     try:
         status = run_any(&pb, _kernels, num_threads, out, scores)
     finally:
