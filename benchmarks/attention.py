@@ -10,6 +10,8 @@ Implementations
                         dtype; materialises T x S
     ``torch-sdpa``      ``torch.nn.functional.scaled_dot_product_attention``
     ``torch-explicit``  torch matmul + softmax + matmul, also returns weights
+    ``onnxruntime``     the ONNX Attention operator (opset 23) in onnxruntime
+    ``openvino``        OpenVINO's ScaledDotProductAttention (opset 13), f32
 
 The peers that materialise T x S (``cattention+S``, ``numpy``,
 ``torch-explicit``) are run only where B*H*T*S is moderate; the torch peers
@@ -92,6 +94,8 @@ CATTENTION_SCORES = "cattention+S"
 NUMPY = "numpy"
 TORCH_SDPA = "torch-sdpa"
 TORCH_EXPLICIT = "torch-explicit"
+ONNXRUNTIME = "onnxruntime"
+OPENVINO = "openvino"
 PROBE = "np.dot"
 
 
@@ -288,7 +292,93 @@ def build_implementations(case, q, k, v, threads, torch):
                                                causal, scale)[0]
     if torch is not None:
         impls.update(_torch_implementations(case, q, k, v, scale, torch))
+    impls.update(_runtime_implementations(case, q, k, v, scale, threads))
     return impls
+
+
+def _runtime_implementations(case, q, k, v, scale, threads):
+    """onnxruntime's Attention operator (ONNX opset 23) and OpenVINO's
+    ScaledDotProductAttention (opset 13), each a one-operator graph compiled
+    for ``threads`` threads, where installed and where they express the case:
+    both align a causal mask top-left, so causal cases need T == S; sliding
+    windows are left out (neither has them without a full mask). A float16
+    cache is cast to float32 inside the graph, as their users do. OpenVINO's
+    CPU plugin has no float64 precision, so float64 cases leave it out."""
+    impls = {}
+    if case.window or (case.causal and case.n_queries != case.n_keys):
+        return impls
+    try:
+        impls[ONNXRUNTIME] = _onnxruntime_attention(case, q, k, v, scale, threads)
+    except ImportError:
+        pass
+    if case.dtype != "float64":  # OpenVINO's CPU plugin computes in f32 at most
+        try:
+            impls[OPENVINO] = _openvino_attention(case, q, k, v, scale, threads)
+        except ImportError:
+            pass
+    return impls
+
+
+def _onnxruntime_attention(case, q, k, v, scale, threads):
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    types = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE,
+             "float16": TensorProto.FLOAT16}
+    nodes, key, value = [], "k", "v"
+    if case.kv_type != case.dtype:
+        nodes += [helper.make_node("Cast", ["k"], ["k_q"], to=types[case.dtype]),
+                  helper.make_node("Cast", ["v"], ["v_q"], to=types[case.dtype])]
+        key, value = "k_q", "v_q"
+    nodes.append(helper.make_node("Attention", ["q", key, value], ["out"], scale=scale,
+                                  is_causal=int(case.causal)))
+    graph = helper.make_graph(
+        nodes, "attention",
+        [helper.make_tensor_value_info("q", types[case.dtype], q.shape),
+         helper.make_tensor_value_info("k", types[case.kv_type], k.shape),
+         helper.make_tensor_value_info("v", types[case.kv_type], v.shape)],
+        [helper.make_tensor_value_info("out", types[case.dtype], None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    feeds = {"q": q, "k": k, "v": v}
+    del onnx
+    return lambda: session.run(None, feeds)[0]
+
+
+def _openvino_attention(case, q, k, v, scale, threads):
+    import openvino as ov
+    from openvino import opset13
+
+    types = {"float32": ov.Type.f32, "float64": ov.Type.f64, "float16": ov.Type.f16}
+    group = case.heads // case.n_kv_heads
+    q_in = opset13.parameter(list(q.shape), types[case.dtype], name="q")
+    k_in = opset13.parameter(list(k.shape), types[case.kv_type], name="k")
+    v_in = opset13.parameter(list(v.shape), types[case.kv_type], name="v")
+    query, key, value = q_in, k_in, v_in
+    if case.kv_type != case.dtype:
+        key = opset13.convert(key, types[case.dtype])
+        value = opset13.convert(value, types[case.dtype])
+    if group > 1:  # grouped heads by broadcasting: (B, H_kv, G, T, d) against (B, H_kv, 1, S, d)
+        b, h, t, d = q.shape
+        query = opset13.reshape(query, [b, case.n_kv_heads, group, t, d], False)
+        key = opset13.unsqueeze(key, 2)
+        value = opset13.unsqueeze(value, 2)
+    out = opset13.scaled_dot_product_attention(
+        query, key, value, scale=opset13.constant(np.array(scale, dtype=q.dtype)),
+        causal=case.causal)
+    if group > 1:
+        out = opset13.reshape(out, list(q.shape[:-1]) + [v.shape[-1]], False)
+    model = ov.Model([out], [q_in, k_in, v_in], "attention")
+    # f32 precision, not the bf16/f16 an AVX-512 or AMX CPU would pick
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads,
+                                                      "INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+    return lambda: request.infer([q, k, v])[0]
 
 
 def _torch_implementations(case, q, k, v, scale, torch):
@@ -492,7 +582,8 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
     impls = build_implementations(case, q, k, v, threads, torch)
     # with several threads, pause after the peers whose idle workers spin
     # (OpenBLAS, PyTorch's OpenMP) so they do not slow whatever runs next
-    settle = ({name: BLAS_SETTLE_SECONDS for name in (NUMPY, TORCH_SDPA, TORCH_EXPLICIT)
+    settle = ({name: BLAS_SETTLE_SECONDS
+               for name in (NUMPY, TORCH_SDPA, TORCH_EXPLICIT, ONNXRUNTIME, OPENVINO)
                if name in impls} if threads > 1 else {})
     errors = {}
     for name, fn in impls.items():  # warm-up, and the output for the error

@@ -35,6 +35,8 @@ RECORD_KEYS = {"case", "kind", "shape", "causal", "dtype", "threads", "impl", "m
 @pytest.fixture
 def no_torch(monkeypatch):
     monkeypatch.setattr(_bench, "_import_torch", lambda: None)
+    # and no onnxruntime or OpenVINO either, installed or not
+    monkeypatch.setattr(_bench, "_runtime_implementations", lambda *args: {})
 
 
 def test_run_benchmark_records(no_torch):
