@@ -6,7 +6,7 @@ their features are strided or float16)."""
 
 from cython cimport floating
 from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
-from cattention._problem cimport DIRECT_KEYS, K_BLOCK, Problem
+from cattention._problem cimport DIRECT_KEYS, K_BLOCK, STORE_I8, Problem
 from cattention._operands cimport (
     contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales, rows_in_place)
 from cattention._workspace cimport Workspace
@@ -31,7 +31,7 @@ cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Worksp
     cdef Py_ssize_t chunk_lo = split * pb.split_keys
     cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
     cdef Py_ssize_t key0, n_keys, first_key, last_key, ld_k_rows, ld_v_rows, i, c
-    cdef Py_ssize_t next_keys
+    cdef Py_ssize_t next_keys, key_step
     cdef const floating *k_rows
     cdef const floating *v_rows
     cdef floating *state
@@ -43,14 +43,20 @@ cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Worksp
         last_key = chunk_hi
     if last_key > first_key:
         pack_queries(pb, b, 0, n_rows, q_rows, pb.ld_k)
-        key0 = (first_key // DIRECT_KEYS) * DIRECT_KEYS
+        # int8 rows are a quarter of float32's: twice the keys per step keep
+        # the step's K and V in L1 and halve the per-step bookkeeping (the
+        # float paths keep DIRECT_KEYS, and so their results)
+        key_step = DIRECT_KEYS
+        if pb.k.storage == STORE_I8 and pb.v.storage == STORE_I8:
+            key_step = 2 * DIRECT_KEYS
+        key0 = (first_key // key_step) * key_step
         while key0 < last_key:
-            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < DIRECT_KEYS else DIRECT_KEYS
+            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < key_step else key_step
             # while one kernel streams its operand, it prefetches the block the
             # other reads next (contiguous rows only), keeping two streams busy
-            next_keys = last_key - key0 - DIRECT_KEYS
-            if next_keys > DIRECT_KEYS:
-                next_keys = DIRECT_KEYS
+            next_keys = last_key - key0 - key_step
+            if next_keys > key_step:
+                next_keys = key_step
             if floating is float and int8_in_place(&pb.k, pb.d_k):
                 # int8 keys with their scales, read where they are
                 kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0),
@@ -80,11 +86,11 @@ cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Worksp
                 # (x86 drops a prefetch past the end of K without a fault)
                 kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
                                  acc, pb.ld_v,
-                                 contiguous_rows(pb, &pb.k, b, key0 + DIRECT_KEYS, pb.d_k)
+                                 contiguous_rows(pb, &pb.k, b, key0 + key_step, pb.d_k)
                                  if next_keys > 0 else NULL,
                                  pb.k.row_stride * operand_itemsize(pb, &pb.k),
                                  pb.d_k * operand_itemsize(pb, &pb.k))
-            key0 += DIRECT_KEYS
+            key0 += key_step
     if pb.n_splits == 1:
         finish_rows(pb, ws, n_rows, out + b * n_rows * pb.ld_out, pb.ld_out, b * n_rows)
         return
