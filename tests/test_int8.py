@@ -231,3 +231,15 @@ def test_float_caches_refuse_scales():
     with pytest.raises(ValueError, match="k_scale and v_scale go with int8 caches"):
         ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache, k_cache.copy(),
                                   np.array([2]), k_scale=np.ones((1, 1, 8), np.float32))
+
+
+def test_int8_scales_in_other_byte_order_and_strides():
+    q, k8, ks, v8, vs = quantized(460, (1, 2, 3, 16), (1, 2, 80, 16), (1, 2, 80, 8))
+    want = ca.attention(q, k8, v8, k_scale=ks, v_scale=vs)
+    big_ks = ks.astype(ks.dtype.newbyteorder("S"))
+    wide = np.zeros(vs.shape[:-1] + (2 * vs.shape[-1],), np.float32)
+    wide[..., ::2] = vs                                   # strided scales
+    assert_bitwise_equal(ca.attention(q, k8, v8, k_scale=big_ks, v_scale=wide[..., ::2]), want)
+    # float64 scales are taken as float32, the dtype quantize_kv gives
+    assert_bitwise_equal(ca.attention(q, k8, v8, k_scale=ks.astype(np.float64), v_scale=vs),
+                         want)
