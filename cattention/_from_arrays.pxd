@@ -34,24 +34,18 @@ cdef inline Py_ssize_t batch_stride(cnp.ndarray arr, Py_ssize_t d, Py_ssize_t n_
     return cnp.PyArray_STRIDE(arr, a) // cnp.PyArray_ITEMSIZE(arr)
 
 
-cdef inline void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
-                                    const Py_ssize_t *batch_shape, intp_t *out):
-    """Element offset of each entry of the broadcast batch, in C order.
-
-    A dimension arr lacks or has of size 1 advances by 0, so shared K/V are
-    never copied."""
+cdef inline void fill_strided(Py_ssize_t n_batch_dims, const Py_ssize_t *batch_shape,
+                              const Py_ssize_t *stride, intp_t *out) noexcept:
+    """out[i] = sum_d index_d(i) * stride[d] for every entry i of the batch in
+    C order: an odometer over the batch index, last dimension fastest."""
     cdef Py_ssize_t n_batch = 1
-    cdef Py_ssize_t d, i, offset
-    cdef Py_ssize_t stride[64]
+    cdef Py_ssize_t d, i, offset = 0
     cdef Py_ssize_t index[64]
     for d in range(n_batch_dims):
         n_batch *= batch_shape[d]
-        stride[d] = batch_stride(arr, d, n_batch_dims)
         index[d] = 0
-    offset = 0
     for i in range(n_batch):
         out[i] = offset
-        # odometer step over the batch index, last dimension fastest
         d = n_batch_dims - 1
         while d >= 0:
             index[d] += 1
@@ -61,6 +55,19 @@ cdef inline void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
             offset -= stride[d] * batch_shape[d]
             index[d] = 0
             d -= 1
+
+
+cdef inline void fill_batch_offsets(cnp.ndarray arr, Py_ssize_t n_batch_dims,
+                                    const Py_ssize_t *batch_shape, intp_t *out):
+    """Element offset of each entry of the broadcast batch, in C order.
+
+    A dimension arr lacks or has of size 1 advances by 0, so shared K/V are
+    never copied."""
+    cdef Py_ssize_t d
+    cdef Py_ssize_t stride[64]
+    for d in range(n_batch_dims):
+        stride[d] = batch_stride(arr, d, n_batch_dims)
+    fill_strided(n_batch_dims, batch_shape, stride, out)
 
 
 cdef inline bint advances(cnp.ndarray arr, Py_ssize_t d, Py_ssize_t n_batch_dims):
@@ -79,9 +86,8 @@ cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, cnp.ndarray 
     advances is shared; v and the scales may be None."""
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t n_kv = 1
-    cdef Py_ssize_t d, b, kv
+    cdef Py_ssize_t d, b
     cdef Py_ssize_t kv_stride[64]   # packed-index stride of each batch dimension
-    cdef Py_ssize_t index[64]
     for d in range(n_batch_dims - 1, -1, -1):
         n_batch *= batch_shape[d]
         if not (advances(k, d, n_batch_dims) or advances(v, d, n_batch_dims)
@@ -90,21 +96,11 @@ cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, cnp.ndarray 
         else:
             kv_stride[d] = n_kv
             n_kv *= batch_shape[d]
-        index[d] = 0
-    kv = 0
+    # the packed index is the C-order index over the dimensions not shared
+    fill_strided(n_batch_dims, batch_shape, kv_stride, kv_of_batch)
     for b in range(n_batch):
-        kv_of_batch[b] = kv
-        if kv_source[kv] < 0:
-            kv_source[kv] = b
-        d = n_batch_dims - 1
-        while d >= 0:
-            index[d] += 1
-            kv += kv_stride[d]
-            if index[d] < batch_shape[d]:
-                break
-            kv -= kv_stride[d] * batch_shape[d]
-            index[d] = 0
-            d -= 1
+        if kv_source[kv_of_batch[b]] < 0:
+            kv_source[kv_of_batch[b]] = b
     return n_kv
 
 
