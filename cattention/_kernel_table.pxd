@@ -1,9 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
-"""The C kernel library (src/kernels.h) as the driver sees it: the table of
-micro-kernels one instruction set provides, the helpers beside it (scratch
-memory, fork safety, float16 conversion, table selection), and the fused
-trampolines that call a table's float32 or float64 entry."""
+"""The C library as the driver sees it: the table of micro-kernels one
+instruction set provides and its selection (src/kernels.h), the scalar
+helpers (src/scalar.h), scratch memory and fork safety (src/runtime.h), and
+the fused trampolines that call a table's float32 or float64 entry."""
 
 cimport numpy as cnp
 from cython cimport floating
@@ -83,14 +83,20 @@ cdef extern from "kernels.h" nogil:
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
-    float ca_half_to_float(uint16_t h)
-    void ca_note_parallel_region()
-    int ca_forked_after_parallel()
-    void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)
+
+
+cdef extern from "scalar.h" nogil:
+    float ca_half_to_float(uint16_t h)
+    void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
+
+
+cdef extern from "runtime.h" nogil:
     const char *ca_compiler_version()
+    void ca_note_parallel_region()
+    int ca_forked_after_parallel()
     enum: CA_SCRATCH_WORKSPACE
     enum: CA_SCRATCH_PACKED
     enum: CA_SCRATCH_PARTIAL

@@ -76,7 +76,7 @@ cdef inline int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
                          * (pb.d_k + pb.d_v + 1))
     if ca_forked_after_parallel():
-        # GNU OpenMP would wait forever for the parent's threads (see kernels.h)
+        # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
         n_threads = 1
     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)

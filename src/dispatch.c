@@ -97,39 +97,3 @@ const ca_kernels *ca_default_kernels(void)
 #endif
     return &ca_kernels_baseline;
 }
-
-const char *ca_compiler_version(void)
-{
-#if defined(__clang__)
-    return "Clang " __clang_version__;
-#elif defined(__GNUC__)
-    return "GCC " __VERSION__;
-#elif defined(_MSC_VER)
-    return "MSVC";
-#else
-    return "unknown";
-#endif
-}
-
-void *ca_aligned_alloc(size_t n_bytes)
-{
-    void *ptr = NULL;
-    if (n_bytes == 0)
-        n_bytes = 64;
-#if defined(_MSC_VER)
-    ptr = _aligned_malloc(n_bytes, 64);
-#else
-    if (posix_memalign(&ptr, 64, n_bytes) != 0)
-        ptr = NULL;
-#endif
-    return ptr;
-}
-
-void ca_aligned_free(void *ptr)
-{
-#if defined(_MSC_VER)
-    _aligned_free(ptr);
-#else
-    free(ptr);
-#endif
-}

@@ -28,6 +28,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "scalar.h"
+
 /* panel width: one 64-byte cache line of floats or doubles */
 #define CA_PANEL_F32 16
 #define CA_PANEL_F64 8
@@ -172,37 +174,6 @@ const ca_kernels *ca_default_kernels(void);
 const ca_kernels *ca_kernels_by_name(const char *name);
 /* Names of the tables this CPU runs, best last; returns how many. */
 int ca_available_kernels(const char **names, int capacity);
-/* Compiler that built the extension, e.g. "GCC 12.2.0". */
-const char *ca_compiler_version(void);
-
-/* Fork safety. GNU OpenMP cannot start a parallel region in a child forked
-   after the parent ran one (the child inherits a thread pool whose threads
-   do not exist, and waits for them forever). ca_note_parallel_region() is
-   called before every parallel region; in a child forked after one,
-   ca_forked_after_parallel() is nonzero and calls run on one thread. */
-void ca_note_parallel_region(void);
-int ca_forked_after_parallel(void);
-
-/* x[j] = cap * tanh(x[j] / cap) in place, float64 (libm). */
-void ca_softcap_f64(double *x, ptrdiff_t n, double cap);
-
-/* IEEE binary16 to binary32, exact (subnormals, infinities and NaN kept). */
-float ca_half_to_float(uint16_t h);
-
-/* Per-thread scratch kept between calls (scratch.c): a 64-byte aligned
-   buffer of at least n_bytes for this thread's use of the slot, NULL on
-   failure; hand it back with ca_scratch_release(slot, ptr). */
-#define CA_SCRATCH_SLOTS 4
-#define CA_SCRATCH_WORKSPACE 0   /* each thread's tiles and accumulators */
-#define CA_SCRATCH_PACKED 1      /* the calling thread's packed K and V */
-#define CA_SCRATCH_PARTIAL 2     /* the calling thread's split-key partials */
-void *ca_scratch_acquire(int slot, size_t n_bytes);
-void ca_scratch_release(int slot, void *ptr);
-
-/* 64-byte aligned memory; NULL on failure. */
-void *ca_aligned_alloc(size_t n_bytes);
-void ca_aligned_free(void *ptr);
-
 #ifdef __cplusplus
 }
 #endif

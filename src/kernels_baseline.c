@@ -157,35 +157,6 @@ static void softcap_f32(float *x, ptrdiff_t n, float cap)
         x[j] = cap * tanh_f32(x[j] / cap);
 }
 
-void ca_softcap_f64(double *x, ptrdiff_t n, double cap)
-{
-    for (ptrdiff_t j = 0; j < n; ++j)
-        x[j] = cap * tanh(x[j] / cap);
-}
-
-float ca_half_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu;
-    uint32_t mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0x1fu) {
-        bits = sign | 0x7f800000u | (mantissa << 13);      /* inf, NaN */
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;                                        /* +-0 */
-    } else {
-        /* subnormal half: normalise (its value is mantissa * 2^-24) */
-        uint32_t shift = 0;
-        while ((mantissa & 0x400u) == 0) {
-            mantissa <<= 1;
-            ++shift;
-        }
-        bits = sign | ((113u - shift) << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-    return ca_f32_from_bits(bits);
-}
 
 static void int8_rows_to_f32(const int8_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
                              ptrdiff_t n_rows, ptrdiff_t n_cols, const float *scale,
@@ -276,19 +247,26 @@ CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, f32)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, f64)
 
+/* designated, so that a field added to the table cannot shift the others */
 const ca_kernels ca_kernels_baseline = {
-    "baseline",
-    score_f32, score_f64,
-    pv_f32, pv_f64,
-    row_max_f32, row_max_f64,
-    exp_sum_f32, exp_sum_f64,
-    score_direct_f32, score_direct_f64,
-    pv_direct_f32, pv_direct_f64,
-    half_rows_to_f32,
-    softcap_f32,
-    pack_kt_f32,
-    pack_v_f32,
-    int8_rows_to_f32,
-    score_direct_i8,
-    pv_direct_i8,
+    .name = "baseline",
+    .score_f32 = score_f32,
+    .score_f64 = score_f64,
+    .pv_f32 = pv_f32,
+    .pv_f64 = pv_f64,
+    .row_max_f32 = row_max_f32,
+    .row_max_f64 = row_max_f64,
+    .exp_sum_f32 = exp_sum_f32,
+    .exp_sum_f64 = exp_sum_f64,
+    .score_direct_f32 = score_direct_f32,
+    .score_direct_f64 = score_direct_f64,
+    .pv_direct_f32 = pv_direct_f32,
+    .pv_direct_f64 = pv_direct_f64,
+    .half_rows_to_f32 = half_rows_to_f32,
+    .softcap_f32 = softcap_f32,
+    .pack_kt_f32 = pack_kt_f32,
+    .pack_v_f32 = pack_v_f32,
+    .int8_rows_to_f32 = int8_rows_to_f32,
+    .score_direct_i8 = score_direct_i8,
+    .pv_direct_i8 = pv_direct_i8,
 };

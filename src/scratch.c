@@ -11,43 +11,9 @@
  */
 #include <stdlib.h>
 
-#include "kernels.h"
+#include "runtime.h"
 
 #define CA_SCRATCH_KEEP_BYTES ((size_t)64 << 20)
-
-/* ---- fork safety (see kernels.h) ---------------------------------------- */
-
-static volatile int parallel_used = 0;
-static volatile int forked_after_parallel = 0;
-
-#if !defined(_WIN32)
-#include <pthread.h>
-
-static void mark_forked_child(void)
-{
-    forked_after_parallel = parallel_used;
-}
-
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static void register_atfork(void)
-{
-    pthread_atfork(NULL, NULL, mark_forked_child);
-}
-#endif
-
-void ca_note_parallel_region(void)
-{
-#if !defined(_WIN32)
-    pthread_once(&atfork_once, register_atfork);
-#endif
-    parallel_used = 1;
-}
-
-int ca_forked_after_parallel(void)
-{
-    return forked_after_parallel;
-}
 
 typedef struct {
     void *ptr[CA_SCRATCH_SLOTS];   /* buffer owned by the slot, or NULL */
@@ -140,3 +106,28 @@ void ca_scratch_release(int slot, void *ptr)
     }
 }
 #endif
+
+/* ---- 64-byte aligned memory ---------------------------------------------- */
+
+void *ca_aligned_alloc(size_t n_bytes)
+{
+    void *ptr = NULL;
+    if (n_bytes == 0)
+        n_bytes = 64;
+#if defined(_MSC_VER)
+    ptr = _aligned_malloc(n_bytes, 64);
+#else
+    if (posix_memalign(&ptr, 64, n_bytes) != 0)
+        ptr = NULL;
+#endif
+    return ptr;
+}
+
+void ca_aligned_free(void *ptr)
+{
+#if defined(_MSC_VER)
+    _aligned_free(ptr);
+#else
+    free(ptr);
+#endif
+}

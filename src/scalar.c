@@ -1,0 +1,36 @@
+/* The scalar helpers of scalar.h. */
+#include <math.h>
+#include <string.h>
+
+#include "exp_poly.h"
+#include "scalar.h"
+
+void ca_softcap_f64(double *x, ptrdiff_t n, double cap)
+{
+    for (ptrdiff_t j = 0; j < n; ++j)
+        x[j] = cap * tanh(x[j] / cap);
+}
+
+float ca_half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+        bits = sign | 0x7f800000u | (mantissa << 13);      /* inf, NaN */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;                                        /* +-0 */
+    } else {
+        /* subnormal half: normalise (its value is mantissa * 2^-24) */
+        uint32_t shift = 0;
+        while ((mantissa & 0x400u) == 0) {
+            mantissa <<= 1;
+            ++shift;
+        }
+        bits = sign | ((113u - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+    }
+    return ca_f32_from_bits(bits);
+}

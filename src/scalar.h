@@ -1,0 +1,24 @@
+/*
+ * Scalar helpers shared by every kernel table and the driver.
+ */
+#ifndef CATTENTION_SCALAR_H
+#define CATTENTION_SCALAR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* x[j] = cap * tanh(x[j] / cap) in place, float64 (libm). */
+void ca_softcap_f64(double *x, ptrdiff_t n, double cap);
+
+/* IEEE binary16 to binary32, exact (subnormals, infinities and NaN kept). */
+float ca_half_to_float(uint16_t h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CATTENTION_SCALAR_H */
