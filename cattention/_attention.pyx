@@ -47,8 +47,8 @@ from cattention._problem cimport (
     DIRECT_ROWS, MAX_THREADS, Problem, problem_finish, problem_init, set_operand)
 from cattention._schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size,
-    omp_get_max_threads, run_problem)
-from cattention._from_arrays cimport problem_from_arrays, run_any
+    omp_get_max_threads, compute_problem)
+from cattention._from_arrays cimport problem_from_arrays, run_on_outputs
 
 cnp.import_array()
 
@@ -109,7 +109,7 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
     problem_finish(&pb)
     if n_threads < 1:
         n_threads = 1
-    if run_problem(&pb, _kernels, n_threads, out, scores) != 0:
+    if compute_problem(&pb, _kernels, n_threads, out, scores) != 0:
         return CATTENTION_ERR_NO_MEMORY
     return CATTENTION_OK
 
@@ -274,7 +274,7 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     if kv_lengths is not None and kv_lengths.shape[0] > 0:
         pb.kv_length = &kv_lengths[0]
     try:
-        status = run_any(&pb, _kernels, num_threads, out, scores)
+        status = run_on_outputs(&pb, _kernels, num_threads, out, scores)
     finally:
         free(index)
     if status != 0:
@@ -372,7 +372,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2, shape,
                                              causal, scale_value)
     try:
-        status = run_any(&pb, _kernels, threads, out, scores)
+        status = run_on_outputs(&pb, _kernels, threads, out, scores)
     finally:
         free(index)
     if status != 0:

@@ -10,7 +10,7 @@ from cattention._kernel_table cimport ca_kernels, intp_t
 from cattention._problem cimport (
     MASK_BOOL, MASK_F32, MASK_F64, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem,
     problem_finish, problem_init, set_operand)
-from cattention._schedule cimport run_problem
+from cattention._schedule cimport compute_problem
 
 
 cdef inline void set_array_operand(Operand *op, cnp.ndarray arr, const intp_t *offsets):
@@ -181,8 +181,8 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
     return index
 
 
-cdef inline int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
-                        cnp.ndarray out, cnp.ndarray scores):
+cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
+                               cnp.ndarray out, cnp.ndarray scores):
     """Run with the GIL released on float or double outputs (either may be None)."""
     cdef int status
     cdef int threads = <int>n_threads if n_threads < 1 << 30 else 1 << 30
@@ -197,12 +197,12 @@ cdef inline int run_any(Problem *pb, const ca_kernels *kern, Py_ssize_t n_thread
         if scores is not None:
             scores_f64 = <double *>cnp.PyArray_DATA(scores)
         with nogil:
-            status = run_problem(pb, kern, threads, out_f64, scores_f64)
+            status = compute_problem(pb, kern, threads, out_f64, scores_f64)
     else:
         if out is not None:
             out_f32 = <float *>cnp.PyArray_DATA(out)
         if scores is not None:
             scores_f32 = <float *>cnp.PyArray_DATA(scores)
         with nogil:
-            status = run_problem(pb, kern, threads, out_f32, scores_f32)
+            status = compute_problem(pb, kern, threads, out_f32, scores_f32)
     return status

@@ -15,9 +15,9 @@ from cattention._visibility cimport mask_scores
 from cattention._softmax cimport begin_rows, finish_rows, softmax_block
 
 
-cdef inline void attend_direct(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                               Py_ssize_t b, Py_ssize_t split, floating *out,
-                               floating *partial) noexcept nogil:
+cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                                  Py_ssize_t b, Py_ssize_t split, floating *out,
+                                  floating *partial) noexcept nogil:
     """ATTN of all (few) query rows of batch entry b over key chunk ``split``,
     K and V read in place. With one chunk the result goes to out; otherwise
     the chunk's row maximum, sum and accumulator go to ``partial`` for

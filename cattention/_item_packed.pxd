@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
 """Work items of the packed path: one batch entry's block of up to Q_BLOCK
-query rows against its packed K/V blocks, without SCORES (attend_item) or
-writing the SCORES rows as it goes (attend_item_with_scores)."""
+query rows against its packed K/V blocks, without SCORES (attend_query_block) or
+writing the SCORES rows as it goes (attend_query_block_with_scores)."""
 
 from cython cimport floating
 from libc.math cimport INFINITY
@@ -22,9 +22,9 @@ from cattention._softmax cimport (
     store_lse_of_empty_row)
 
 
-cdef inline void attend_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                             Py_ssize_t b, Py_ssize_t row0, Py_ssize_t n_rows,
-                             floating *out) noexcept nogil:
+cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                                    Py_ssize_t b, Py_ssize_t row0, Py_ssize_t n_rows,
+                                    floating *out) noexcept nogil:
     """ATTN for one block of query rows, streaming packed key blocks."""
     cdef floating *q_packed = <floating *>ws.base + ws.off_q
     cdef floating *s = <floating *>ws.base + ws.off_s
@@ -106,10 +106,10 @@ cdef inline void attend_item(const Problem *pb, const ca_kernels *kern, Workspac
                 b * pb.n_queries + row0)
 
 
-cdef inline void attend_item_with_scores(const Problem *pb, const ca_kernels *kern,
-                                         Workspace *ws, Py_ssize_t b, Py_ssize_t row0,
-                                         Py_ssize_t n_rows, floating *out,
-                                         floating *scores) noexcept nogil:
+cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kernels *kern,
+                                                Workspace *ws, Py_ssize_t b, Py_ssize_t row0,
+                                                Py_ssize_t n_rows, floating *out,
+                                                floating *scores) noexcept nogil:
     """SCORES and (if out is not NULL) ATTN for one block of query rows.
 
     The rows of the caller's SCORES array are the scratch: logits are written

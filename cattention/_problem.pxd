@@ -42,7 +42,7 @@ cdef enum:
     # costs more to start and join than it saves (a few microseconds).
     MIN_FLOPS_PER_THREAD = 1 << 18
     # At most this many query blocks per batch entry for a work item to be a
-    # whole batch entry (see run_packed).
+    # whole batch entry (see schedule_packed).
     PER_ENTRY_MAX_BLOCKS = 4
     # The largest thread count a call accepts (OpenMP's num_threads is an int).
     MAX_THREADS = 2147483647

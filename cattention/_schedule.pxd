@@ -3,7 +3,13 @@
 """Schedulers: how work items are spread over OpenMP threads (prange), for
 the packed path (pack everything, then query blocks; or one batch entry per
 item for many short sequences) and the direct path (batch entry x key
-chunk, then the merge), and the thread count of a call (src/team.h)."""
+chunk, then the merge), and the thread count of a call (src/team.h).
+
+The verbs, from the call down: compute_problem (a call: its thread count
+and path) -> schedule_packed / schedule_decode (work items over threads) ->
+compute_whole_entry / compute_query_block (one batch entry, one query
+block) -> attend_query_block[_with_scores] / attend_key_chunk (the
+attention of one work item, in _item_packed and _item_direct)."""
 
 from cython cimport floating
 from cython.parallel cimport parallel, prange
@@ -20,8 +26,8 @@ from cattention._workspace cimport (
     workspace_new_per_entry)
 from cattention._packing cimport pack_block
 from cattention._softmax cimport merge_splits
-from cattention._item_packed cimport attend_item, attend_item_with_scores
-from cattention._item_direct cimport attend_direct
+from cattention._item_packed cimport attend_query_block, attend_query_block_with_scores
+from cattention._item_direct cimport attend_key_chunk
 
 
 cdef extern from "team.h" nogil:
@@ -38,9 +44,9 @@ cdef extern from "openmp_shim.h" nogil:
     const char *ca_openmp_runtime()
 
 
-cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                          Py_ssize_t item, Py_ssize_t n_blocks, floating *out,
-                          floating *scores) noexcept nogil:
+cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                                     Py_ssize_t item, Py_ssize_t n_blocks, floating *out,
+                                     floating *scores) noexcept nogil:
     # One batch entry's query blocks follow each other, so the entry's
     # packed K/V stay in cache from one to the next (up to 9% faster, at 1
     # or 2 threads, than taking the entries in turn). Within an entry the
@@ -53,25 +59,25 @@ cdef inline void run_item(const Problem *pb, const ca_kernels *kern, Workspace *
     if n_rows > Q_BLOCK:
         n_rows = Q_BLOCK
     if scores != NULL:
-        attend_item_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
+        attend_query_block_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
     else:
-        attend_item(pb, kern, ws, b, row0, n_rows, out)
+        attend_query_block(pb, kern, ws, b, row0, n_rows, out)
 
 
-cdef inline void run_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
-                           Py_ssize_t b, Py_ssize_t n_blocks, floating *out,
-                           floating *scores) noexcept nogil:
+cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
+                                     Py_ssize_t b, Py_ssize_t n_blocks, floating *out,
+                                     floating *scores) noexcept nogil:
     """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
-    all its query blocks, in the order run_item gives them."""
+    all its query blocks, in the order compute_query_block gives them."""
     cdef Py_ssize_t kv_block, item
     for kv_block in range(pb.n_key_blocks):
         pack_block(pb, ws, pb.kv_of_batch[b] * pb.n_key_blocks + kv_block, out)
     for item in range(b * n_blocks, (b + 1) * n_blocks):
-        run_item(pb, kern, ws, item, n_blocks, out, scores)
+        compute_query_block(pb, kern, ws, item, n_blocks, out, scores)
 
 
-cdef inline int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
-                            floating *out, floating *scores) noexcept nogil:
+cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,
+                                floating *out, floating *scores) noexcept nogil:
     """Returns 0, or -1 if memory ran out."""
     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
                          * (pb.d_k + pb.d_v + 1))
@@ -98,15 +104,15 @@ cdef inline int run_problem(Problem *pb, const ca_kernels *kern, int n_threads,
             n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
             + kv_bytes / CA_TEAM_BYTES_PER_NS)
     if scores == NULL and pb.direct:
-        status = run_direct(pb, kern, n_threads, out)
+        status = schedule_decode(pb, kern, n_threads, out)
     else:
-        status = run_packed(pb, kern, n_threads, out, scores)
+        status = schedule_packed(pb, kern, n_threads, out, scores)
     ca_team_call_ended()
     return status
 
 
-cdef inline int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
-                           floating *out) noexcept nogil:
+cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threads,
+                                floating *out) noexcept nogil:
     """Few query rows: items are (batch entry, key chunk), K/V read in place."""
     cdef Py_ssize_t n_splits = 1
     cdef Py_ssize_t n_items, item, b
@@ -141,8 +147,8 @@ cdef inline int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
             status = -1
         else:
             for item in range(n_items):
-                attend_direct(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
-                              out, partial)
+                attend_key_chunk(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
+                                 out, partial)
             workspace_delete(ws)
         if status == 0 and pb.n_splits > 1:
             for b in range(pb.n_batch):
@@ -155,8 +161,8 @@ cdef inline int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
                 status_ptr[0] = -1
             for item in prange(n_items, schedule='dynamic'):
                 if ws != NULL:
-                    attend_direct(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
-                                  out, partial)
+                    attend_key_chunk(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
+                                     out, partial)
             workspace_delete(ws)
             if pb.n_splits > 1:
                 for b in prange(pb.n_batch, schedule='static'):
@@ -166,8 +172,8 @@ cdef inline int run_direct(Problem *pb, const ca_kernels *kern, int n_threads,
     return status
 
 
-cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
-                           floating *out, floating *scores) noexcept nogil:
+cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threads,
+                                floating *out, floating *scores) noexcept nogil:
     """Pack K/V once, then blocks of query rows across threads."""
     cdef Py_ssize_t n_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
     cdef Py_ssize_t n_items = n_blocks * pb.n_batch
@@ -192,7 +198,7 @@ cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
                            and n_blocks <= PER_ENTRY_MAX_BLOCKS
                            and pb.n_batch >= 4 * n_workers)
     if per_entry:
-        # each thread packs into its own blocks (run_entry)
+        # each thread packs into its own blocks (compute_whole_entry)
         n_packed = 0
     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
@@ -210,7 +216,7 @@ cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
             status = -1
         else:
             for b in range(pb.n_batch):
-                run_entry(pb, kern, ws, b, n_blocks, out, scores)
+                compute_whole_entry(pb, kern, ws, b, n_blocks, out, scores)
             workspace_delete(ws)
     elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
@@ -220,7 +226,7 @@ cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
             for block in range(n_packed):
                 pack_block(pb, ws, block, out)
             for item in range(n_items):
-                run_item(pb, kern, ws, item, n_blocks, out, scores)
+                compute_query_block(pb, kern, ws, item, n_blocks, out, scores)
             workspace_delete(ws)
     elif per_entry:
         ca_note_parallel_region()
@@ -230,7 +236,7 @@ cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
                 status_ptr[0] = -1
             for b in prange(pb.n_batch, schedule='dynamic'):
                 if ws != NULL:
-                    run_entry(pb, kern, ws, b, n_blocks, out, scores)
+                    compute_whole_entry(pb, kern, ws, b, n_blocks, out, scores)
             workspace_delete(ws)
     else:
         ca_note_parallel_region()
@@ -245,7 +251,7 @@ cdef inline int run_packed(Problem *pb, const ca_kernels *kern, int n_threads,
             # (the end of a prange is a barrier: every block is packed here)
             for item in prange(n_items, schedule='dynamic'):
                 if ws != NULL:
-                    run_item(pb, kern, ws, item, n_blocks, out, scores)
+                    compute_query_block(pb, kern, ws, item, n_blocks, out, scores)
             workspace_delete(ws)
     ca_scratch_release(CA_SCRATCH_PACKED, packed)
     return status

@@ -20,7 +20,7 @@ cdef struct Workspace:
     Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
     # direct path only: K and V rows copied when their features are strided
     Py_ssize_t off_k_rows, off_v_rows
-    # when a work item is a whole batch entry (run_entry): this thread's own
+    # when a work item is a whole batch entry (compute_whole_entry): this thread's own
     # packed K^T and V blocks of the entry and their non-finite flags, which
     # stay in cache between packing and use; NULL: the problem's shared ones
     void *own_k
