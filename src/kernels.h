@@ -159,6 +159,33 @@ typedef struct ca_kernels {
                          ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc);
 } ca_kernels;
 
+/* The table of one instruction set, from the file that defines a static
+   function of each entry's name: every table lists the same entries, so
+   a new entry is added here once (designated, so none can shift). */
+#define CA_DEFINE_KERNEL_TABLE(table, label) \
+    const ca_kernels table = { \
+        .name = label, \
+        .score_f32 = score_f32, \
+        .score_f64 = score_f64, \
+        .pv_f32 = pv_f32, \
+        .pv_f64 = pv_f64, \
+        .row_max_f32 = row_max_f32, \
+        .row_max_f64 = row_max_f64, \
+        .exp_sum_f32 = exp_sum_f32, \
+        .exp_sum_f64 = exp_sum_f64, \
+        .score_direct_f32 = score_direct_f32, \
+        .score_direct_f64 = score_direct_f64, \
+        .pv_direct_f32 = pv_direct_f32, \
+        .pv_direct_f64 = pv_direct_f64, \
+        .half_rows_to_f32 = half_rows_to_f32, \
+        .softcap_f32 = softcap_f32, \
+        .pack_kt_f32 = pack_kt_f32, \
+        .pack_v_f32 = pack_v_f32, \
+        .int8_rows_to_f32 = int8_rows_to_f32, \
+        .score_direct_i8 = score_direct_i8, \
+        .pv_direct_i8 = pv_direct_i8, \
+    }
+
 /* Tables, one per instruction set compiled in. */
 extern const ca_kernels ca_kernels_baseline;
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)

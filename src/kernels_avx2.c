@@ -939,28 +939,6 @@ CA_AVX2 static int pack_v_f32(const float *v, ptrdiff_t ldv, ptrdiff_t n_keys,
     return _mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q)) != 0;
 }
 
-/* designated, so that a field added to the table cannot shift the others */
-const ca_kernels ca_kernels_avx2 = {
-    .name = "avx2",
-    .score_f32 = score_f32,
-    .score_f64 = score_f64,
-    .pv_f32 = pv_f32,
-    .pv_f64 = pv_f64,
-    .row_max_f32 = row_max_f32,
-    .row_max_f64 = row_max_f64,
-    .exp_sum_f32 = exp_sum_f32,
-    .exp_sum_f64 = exp_sum_f64,
-    .score_direct_f32 = score_direct_f32,
-    .score_direct_f64 = score_direct_f64,
-    .pv_direct_f32 = pv_direct_f32,
-    .pv_direct_f64 = pv_direct_f64,
-    .half_rows_to_f32 = half_rows_to_f32,
-    .softcap_f32 = softcap_f32,
-    .pack_kt_f32 = pack_kt_f32,
-    .pack_v_f32 = pack_v_f32,
-    .int8_rows_to_f32 = int8_rows_to_f32,
-    .score_direct_i8 = score_direct_i8,
-    .pv_direct_i8 = pv_direct_i8,
-};
+CA_DEFINE_KERNEL_TABLE(ca_kernels_avx2, "avx2");
 
 #endif /* CA_HAVE_X86_KERNELS */

@@ -247,26 +247,4 @@ CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, f32)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, f64)
 
-/* designated, so that a field added to the table cannot shift the others */
-const ca_kernels ca_kernels_baseline = {
-    .name = "baseline",
-    .score_f32 = score_f32,
-    .score_f64 = score_f64,
-    .pv_f32 = pv_f32,
-    .pv_f64 = pv_f64,
-    .row_max_f32 = row_max_f32,
-    .row_max_f64 = row_max_f64,
-    .exp_sum_f32 = exp_sum_f32,
-    .exp_sum_f64 = exp_sum_f64,
-    .score_direct_f32 = score_direct_f32,
-    .score_direct_f64 = score_direct_f64,
-    .pv_direct_f32 = pv_direct_f32,
-    .pv_direct_f64 = pv_direct_f64,
-    .half_rows_to_f32 = half_rows_to_f32,
-    .softcap_f32 = softcap_f32,
-    .pack_kt_f32 = pack_kt_f32,
-    .pack_v_f32 = pack_v_f32,
-    .int8_rows_to_f32 = int8_rows_to_f32,
-    .score_direct_i8 = score_direct_i8,
-    .pv_direct_i8 = pv_direct_i8,
-};
+CA_DEFINE_KERNEL_TABLE(ca_kernels_baseline, "baseline");
