@@ -21,6 +21,17 @@ _SUPPORTED_DTYPES = (
 )
 
 
+def _as_integer(value: object) -> int | None:
+    """value as a Python int if it is an integer (NumPy's too), else None; a
+    bool is not taken for an integer."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def _check_flag(value: object, name: str) -> bool:
     """A bool option: a string or an array is refused, not read as its truth value."""
     if not isinstance(value, (bool, np.bool_)):
@@ -139,12 +150,9 @@ def _check_window(window: Any, causal: bool) -> tuple[int, int]:
         if side is None:
             bounds.append(-1)
             continue
-        if isinstance(side, (bool, np.bool_)):
+        value = _as_integer(side)
+        if value is None:
             raise TypeError(f"window {name} must be an integer or None, got {side!r}")
-        try:
-            value = operator.index(side)
-        except TypeError:
-            raise TypeError(f"window {name} must be an integer or None, got {side!r}") from None
         if value < 0:
             raise ValueError(f"window {name} must be >= 0 (or None), got {value}")
         bounds.append(value)

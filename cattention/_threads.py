@@ -8,14 +8,12 @@ Python thread, else :func:`set_num_threads`, else OpenMP's current maximum.
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 from collections.abc import Iterator
 from typing import Any, SupportsIndex
 
-import numpy as np
-
 from . import _attention
+from ._checks import _as_integer
 
 __all__ = ["get_num_threads", "limit_threads", "set_num_threads"]
 
@@ -165,12 +163,9 @@ def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
 
 
 def _check_num_threads(n: Any) -> int:
-    if isinstance(n, (bool, np.bool_)):
+    value = _as_integer(n)
+    if value is None:
         raise ValueError(f"num_threads must be a positive integer, got {n!r}")
-    try:
-        value = operator.index(n)
-    except TypeError:
-        raise ValueError(f"num_threads must be a positive integer, got {n!r}") from None
     if value < 1:
         raise ValueError(f"num_threads must be a positive integer, got {value}")
     if value > _attention.MAX_NUM_THREADS:
