@@ -18,6 +18,8 @@ from . import _attention  # noqa: E402 (loaded above)
 from ._api import (attention, attention_scores, get_num_threads, limit_threads, merge,
                    set_num_threads)
 from ._kvcache import attention_with_kvcache
+from ._paged import attention_with_paged_kvcache
+from ._varlen import attention_varlen
 from ._plot import plot_scores
 from ._quantize import quantize_kv
 from ._version import __version__
@@ -26,7 +28,9 @@ __all__ = [
     "__version__",
     "attention",
     "attention_scores",
+    "attention_varlen",
     "attention_with_kvcache",
+    "attention_with_paged_kvcache",
     "get_include",
     "get_num_threads",
     "limit_threads",

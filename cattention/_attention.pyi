@@ -46,6 +46,21 @@ def attention_into(
     v_scale: NDArray[np.float32] | None = None,
 ) -> None: ...
 
+def attention_entries_into(
+    q: Any,
+    k: Any,
+    v: Any,
+    entries: Any,
+    causal: bool,
+    scale: float,
+    out: NDArray[np.floating[Any]],
+    lse: NDArray[np.floating[Any]] | None,
+    num_threads: int,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0,
+) -> None: ...
+
 # None: the call is not the common case and goes to the general path.
 @overload
 def attention_fast(

@@ -2,8 +2,9 @@
 # cython: cdivision=True, initializedcheck=False
 """The driver's entry points: the C-level API (``_attention.pxd``, exported
 through ``cython_attention``), run-time introspection (kernel tables,
-OpenMP), and the Python entry ``attention_into`` with its fast shortcut
-``attention_fast``.
+OpenMP), and the Python entries ``attention_into`` with its fast shortcut
+``attention_fast``, and ``attention_entries_into`` for entries of their own
+lengths (packed variable-length sequences, paged caches).
 
 The algorithm lives in the headers this module cimports, read in order:
 
@@ -18,6 +19,7 @@ The algorithm lives in the headers this module cimports, read in order:
     _item_direct.pxd    direct-path (decode) work items
     _schedule.pxd       work items over OpenMP threads, the thread count
     _from_arrays.pxd    NumPy arrays to a Problem, the run without the GIL
+    _from_entries.pxd   an entry table (varlen sequences, paged caches) to a Problem
 
 Each work item is one (batch entry, block of up to ``Q_BLOCK`` query rows) and
 is computed by exactly one thread with block boundaries that depend only on
@@ -49,6 +51,7 @@ from cattention._schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size,
     omp_get_max_threads, compute_problem)
 from cattention._from_arrays cimport problem_from_arrays, run_on_outputs
+from cattention._from_entries cimport problem_from_entries
 
 cnp.import_array()
 
@@ -275,6 +278,42 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
         pb.kv_length = &kv_lengths[0]
     try:
         status = run_on_outputs(&pb, _kernels, num_threads, out, scores)
+    finally:
+        free(index)
+    if status != 0:
+        raise MemoryError("cattention: could not allocate scratch memory")
+
+
+def attention_entries_into(object q, object k, object v, object entries, bint causal,
+                           double scale, cnp.ndarray out, cnp.ndarray lse, int num_threads,
+                           Py_ssize_t window_left=-1, Py_ssize_t window_right=-1,
+                           double softcap=0):
+    """Compute the entries of an ``_entries.Entries`` table (batch entries of
+    their own lengths: packed variable-length sequences, paged caches) into
+    ``out`` (and ``lse``, or None), arrays of the compute dtype that the
+    table's output offsets index.
+
+    Preconditions (checked by ``_entries``): q, k, v (``_entries.Rows``)
+    hold arrays of the compute dtype (or float16 / int8 k and v with a
+    float32 q) in native byte order, aligned; every offset, length and page
+    id of the table lies within them; ``entries.alibi`` (float64 per entry)
+    and ``entries.sinks`` (float64 per group of query_period rows) are None
+    or C-contiguous."""
+    cdef Problem pb
+    cdef int status
+    cdef const double[::1] alibi = entries.alibi
+    cdef const double[::1] sinks = entries.sinks
+    cdef intp_t *index = problem_from_entries(&pb, q, k, v, entries, causal, scale)
+    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    pb.window_left = window_left
+    pb.window_right = window_right
+    pb.softcap = softcap
+    if alibi is not None:
+        pb.alibi_slope = &alibi[0]
+    if sinks is not None:
+        pb.sink = &sinks[0]
+    try:
+        status = run_on_outputs(&pb, _kernels, num_threads, out, None)
     finally:
         free(index)
     if status != 0:

@@ -2,13 +2,15 @@
 # cython: cdivision=True, initializedcheck=False
 """Work items of the direct (decode) path: up to DIRECT_ROWS query rows
 against one chunk of keys, reading K and V where they are (copied only when
-their features are strided or float16)."""
+their features are strided or float16; a paged cache page by page)."""
 
 from cython cimport floating
 from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
-from cattention._problem cimport DIRECT_KEYS, K_BLOCK, STORE_I8, Problem
+from cattention._problem cimport (
+    DIRECT_KEYS, K_BLOCK, STORE_I8, Problem, entry_rows, out_row_offset)
 from cattention._operands cimport (
-    contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales, rows_in_place)
+    contiguous_run, contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales,
+    rows_in_place)
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
@@ -27,15 +29,17 @@ cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Wor
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
-    cdef Py_ssize_t n_rows = pb.n_queries
+    cdef Py_ssize_t n_rows = entry_rows(pb, b)
     cdef Py_ssize_t chunk_lo = split * pb.split_keys
     cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
     cdef Py_ssize_t key0, n_keys, first_key, last_key, ld_k_rows, ld_v_rows, i, c
-    cdef Py_ssize_t next_keys, key_step
+    cdef Py_ssize_t next_keys, key_step, j, run
     cdef const floating *k_rows
     cdef const floating *v_rows
     cdef floating *state
 
+    if n_rows == 0:
+        return
     begin_rows(pb, ws, b, 0, n_rows, s, &first_key, &last_key)
     if first_key < chunk_lo:
         first_key = chunk_lo
@@ -52,50 +56,67 @@ cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Wor
         key0 = (first_key // key_step) * key_step
         while key0 < last_key:
             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < key_step else key_step
+            if pb.kv_extent != NULL and n_keys > last_key - key0:
+                # entries of their own lengths: the keys past the last one
+                # visible may not exist (a paged cache, the last sequence)
+                n_keys = last_key - key0
             # while one kernel streams its operand, it prefetches the block the
             # other reads next (contiguous rows only), keeping two streams busy
             next_keys = last_key - key0 - key_step
             if next_keys > key_step:
                 next_keys = key_step
-            if floating is float and int8_in_place(&pb.k, pb.d_k):
-                # int8 keys with their scales, read where they are
-                kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0),
-                                     pb.k.row_stride, n_keys, pb.d_k, <float>pb.scale,
-                                     row_scales(&pb.k, b, key0), pb.k.scale_stride,
-                                     s, K_BLOCK)
-            else:
-                k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
-                                       <floating *>ws.base + ws.off_k_rows, pb.ld_k,
-                                       &ld_k_rows, False)
-                kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, n_keys,
-                                    pb.d_k, pb.scale, s, K_BLOCK,
-                                    contiguous_rows(pb, &pb.v, b, key0, pb.d_v),
-                                    pb.v.row_stride * operand_itemsize(pb, &pb.v),
-                                    pb.d_v * operand_itemsize(pb, &pb.v))
+            # a paged K or V is read page by page (one run otherwise)
+            j = 0
+            while j < n_keys:
+                run = contiguous_run(&pb.k, key0 + j, n_keys - j)
+                if floating is float and int8_in_place(&pb.k, pb.d_k):
+                    # int8 keys with their scales, read where they are
+                    kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0 + j),
+                                         pb.k.row_stride, run, pb.d_k, <float>pb.scale,
+                                         row_scales(&pb.k, b, key0 + j), pb.k.scale_stride,
+                                         s + j, K_BLOCK)
+                else:
+                    k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
+                                           <floating *>ws.base + ws.off_k_rows, pb.ld_k,
+                                           &ld_k_rows, False)
+                    kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
+                                        pb.d_k, pb.scale, s + j, K_BLOCK,
+                                        contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
+                                        pb.v.row_stride * operand_itemsize(pb, &pb.v),
+                                        pb.d_v * operand_itemsize(pb, &pb.v))
+                j += run
             mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
-            if floating is float and int8_in_place(&pb.v, pb.d_v):
-                kern.pv_direct_i8(s, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0),
-                                  pb.v.row_stride, n_keys, pb.d_v,
-                                  row_scales(&pb.v, b, key0), pb.v.scale_stride,
-                                  acc, pb.ld_v)
-            else:
-                v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
-                                       <floating *>ws.base + ws.off_v_rows, pb.ld_v,
-                                       &ld_v_rows, False)
-                # (x86 drops a prefetch past the end of K without a fault)
-                kernel_pv_direct(kern, s, K_BLOCK, n_rows, v_rows, ld_v_rows, n_keys, pb.d_v,
-                                 acc, pb.ld_v,
-                                 contiguous_rows(pb, &pb.k, b, key0 + key_step, pb.d_k)
-                                 if next_keys > 0 else NULL,
-                                 pb.k.row_stride * operand_itemsize(pb, &pb.k),
-                                 pb.d_k * operand_itemsize(pb, &pb.k))
+            j = 0
+            while j < n_keys:
+                run = contiguous_run(&pb.v, key0 + j, n_keys - j)
+                if floating is float and int8_in_place(&pb.v, pb.d_v):
+                    kern.pv_direct_i8(s + j, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0 + j),
+                                      pb.v.row_stride, run, pb.d_v,
+                                      row_scales(&pb.v, b, key0 + j), pb.v.scale_stride,
+                                      acc, pb.ld_v)
+                else:
+                    v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
+                                           <floating *>ws.base + ws.off_v_rows, pb.ld_v,
+                                           &ld_v_rows, False)
+                    # (x86 drops a prefetch past the end of K without a fault;
+                    # a page table is read only where the sequence has pages)
+                    kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run,
+                                     pb.d_v, acc, pb.ld_v,
+                                     contiguous_rows(pb, &pb.k, b, key0 + key_step + j, run,
+                                                     pb.d_k)
+                                     if (next_keys > j if pb.k.page_ids == NULL
+                                         else next_keys >= j + run) else NULL,
+                                     pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                                     pb.d_k * operand_itemsize(pb, &pb.k))
+                j += run
             key0 += key_step
     if pb.n_splits == 1:
-        finish_rows(pb, ws, n_rows, out + b * n_rows * pb.ld_out, pb.ld_out, b * n_rows)
+        finish_rows(pb, ws, n_rows, out + out_row_offset(pb, b, 0), pb.ld_out,
+                    b * pb.n_queries)
         return
     # per row: maximum, sum, then the unnormalised accumulator
-    state = partial + (b * pb.n_splits + split) * n_rows * (pb.d_v + 2)
+    state = partial + (b * pb.n_splits + split) * pb.n_queries * (pb.d_v + 2)
     for i in range(n_rows):
         state[0] = row_max[i]
         state[1] = row_sum[i]

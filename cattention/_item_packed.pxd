@@ -10,7 +10,7 @@ from libc.string cimport memset
 from cattention._kernel_table cimport (
     ca_kernels, kernel_exp_sum, kernel_pv, kernel_pv_direct, kernel_row_max, kernel_score,
     kernel_score_direct)
-from cattention._problem cimport K_BLOCK, Problem, ROW_GROUP, round_up
+from cattention._problem cimport K_BLOCK, Problem, ROW_GROUP, out_row_offset, round_up
 from cattention._operands cimport rows_in_place
 from cattention._workspace cimport Workspace
 from cattention._packing cimport (
@@ -102,7 +102,7 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
             if nonfinite_flag(pb, ws, block)[0]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
-    finish_rows(pb, ws, n_rows, out + (b * pb.n_queries + row0) * pb.ld_out, pb.ld_out,
+    finish_rows(pb, ws, n_rows, out + out_row_offset(pb, b, row0), pb.ld_out,
                 b * pb.n_queries + row0)
 
 
@@ -153,7 +153,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         for i in range(n_rows):
             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
             if out != NULL:
-                memset(out + (b * pb.n_queries + row0 + i) * pb.ld_out, 0,
+                memset(out + out_row_offset(pb, b, row0 + i), 0,
                        pb.d_v * sizeof(floating))
         return
 
@@ -246,4 +246,4 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         key0 += K_BLOCK
     for i in range(n_rows):
         for c in range(pb.d_v):
-            out[(b * pb.n_queries + row0 + i) * pb.ld_out + c] = acc[i * pb.ld_v + c]
+            out[out_row_offset(pb, b, row0 + i) + c] = acc[i * pb.ld_v + c]

@@ -1,13 +1,45 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
-"""How the rows of an operand are reached: in place when its features are
-contiguous and its dtype is the compute dtype, else copied (strided
-features) or converted (float16 K/V, int8 K/V times their row scales) into
-scratch rows, a block at a time."""
+"""How the rows of an operand are reached: through its batch offsets, or a
+page table for a paged K/V cache (rows contiguous within a page); in place
+when its features are contiguous and its dtype is the compute dtype, else
+copied (strided features, rows of several pages) or converted (float16 K/V,
+int8 K/V times their row scales) into scratch rows, a block at a time."""
 
 from cython cimport floating
 from libc.stdint cimport int8_t, uint16_t
-from cattention._problem cimport STORE_F16, STORE_I8, Operand, Problem
+from cattention._problem cimport STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem
+
+
+cdef inline Py_ssize_t row_offset(const Operand *op, Py_ssize_t b,
+                                  Py_ssize_t row) noexcept nogil:
+    """Element offset from op.data of row ``row`` of batch entry b."""
+    if op.page_ids == NULL:
+        return op.batch_offset[b] + row * op.row_stride
+    return (op.batch_offset[b]
+            + op.page_ids[op.page_first[b] + row // op.page_size] * op.page_stride
+            + (row % op.page_size) * op.row_stride)
+
+
+cdef inline Py_ssize_t scale_row_offset(const Operand *op, Py_ssize_t b,
+                                        Py_ssize_t row) noexcept nogil:
+    """Offset from op.scale of the int8 scale of row ``row`` of entry b."""
+    if op.page_ids == NULL:
+        return op.scale_offset[b] + row * op.scale_stride
+    return (op.scale_offset[b]
+            + op.page_ids[op.page_first[b] + row // op.page_size] * op.scale_page_stride
+            + (row % op.page_size) * op.scale_stride)
+
+
+cdef inline Py_ssize_t contiguous_run(const Operand *op, Py_ssize_t row,
+                                      Py_ssize_t n_rows) noexcept nogil:
+    """How many of the n_rows rows from ``row`` are row_stride apart: all,
+    unless the operand is paged (then up to the end of row's page)."""
+    cdef Py_ssize_t left
+    if op.page_ids == NULL:
+        return n_rows
+    left = op.page_size - row % op.page_size
+    return left if left < n_rows else n_rows
 
 
 cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, Py_ssize_t b,
@@ -17,48 +49,65 @@ cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, 
                                           bint strided_ok) noexcept nogil:
     """Rows key0.. of K or V as compute-dtype values with contiguous features
     (row stride in *ld): where the caller keeps them, or copied into ``copy``
-    when they are float16 or int8 (converted) or, unless strided_ok,
-    strided. The kernels see the same values either way, so every layout
-    gives the same bits."""
-    cdef const floating *base = <const floating *>op.data + op.batch_offset[b]
-    cdef const floating *row
-    cdef Py_ssize_t j, c
-    if op.storage == STORE_F16:
-        if floating is float:
-            pb.kern.half_rows_to_f32(<const uint16_t *>op.data + op.batch_offset[b]
-                                     + key0 * op.row_stride, op.row_stride,
-                                     op.col_stride, n_keys, n_features, copy, ld_copy)
+    when they are float16 or int8 (converted), span pages (gathered) or,
+    unless strided_ok, are strided. The kernels see the same values either
+    way, so every layout gives the same bits."""
+    cdef Py_ssize_t j, run
+    if contiguous_run(op, key0, n_keys) < n_keys:
+        # a paged operand, rows from several pages: page by page into copy
+        j = 0
+        while j < n_keys:
+            run = contiguous_run(op, key0 + j, n_keys - j)
+            copy_rows(pb, op, b, key0 + j, run, n_features, copy + j * ld_copy, ld_copy)
+            j += run
         ld[0] = ld_copy
         return copy
-    if op.storage == STORE_I8:
-        if floating is float:
-            pb.kern.int8_rows_to_f32(<const int8_t *>op.data + op.batch_offset[b]
-                                     + key0 * op.row_stride, op.row_stride,
-                                     op.col_stride, n_keys, n_features,
-                                     op.scale + op.scale_offset[b] + key0 * op.scale_stride,
-                                     op.scale_stride, copy, ld_copy)
-        ld[0] = ld_copy
-        return copy
-    if strided_ok or op.col_stride == 1 or n_features <= 1:
+    if op.storage == STORE_COMPUTE and (strided_ok or op.col_stride == 1 or n_features <= 1):
         ld[0] = op.row_stride
-        return base + key0 * op.row_stride
-    for j in range(n_keys):
-        row = base + (key0 + j) * op.row_stride
-        for c in range(n_features):
-            copy[j * ld_copy + c] = row[c * op.col_stride]
+        return <const floating *>op.data + row_offset(op, b, key0)
+    copy_rows(pb, op, b, key0, n_keys, n_features, copy, ld_copy)
     ld[0] = ld_copy
     return copy
 
 
+cdef inline void copy_rows(const Problem *pb, const Operand *op, Py_ssize_t b,
+                           Py_ssize_t key0, Py_ssize_t n_keys, Py_ssize_t n_features,
+                           floating *copy, Py_ssize_t ld_copy) noexcept nogil:
+    """Rows key0.. (row_stride apart) as compute-dtype values into copy."""
+    cdef Py_ssize_t at = row_offset(op, b, key0)
+    cdef const floating *row
+    cdef Py_ssize_t j, c
+    if op.storage == STORE_F16:
+        if floating is float:
+            pb.kern.half_rows_to_f32(<const uint16_t *>op.data + at, op.row_stride,
+                                     op.col_stride, n_keys, n_features, copy, ld_copy)
+        return
+    if op.storage == STORE_I8:
+        if floating is float:
+            pb.kern.int8_rows_to_f32(<const int8_t *>op.data + at, op.row_stride,
+                                     op.col_stride, n_keys, n_features,
+                                     op.scale + scale_row_offset(op, b, key0),
+                                     op.scale_stride, copy, ld_copy)
+        return
+    for j in range(n_keys):
+        row = <const floating *>op.data + at + j * op.row_stride
+        if op.col_stride == 1:
+            for c in range(n_features):
+                copy[j * ld_copy + c] = row[c]
+        else:
+            for c in range(n_features):
+                copy[j * ld_copy + c] = row[c * op.col_stride]
+
+
 cdef inline const char *contiguous_rows(const Problem *pb, const Operand *op,
-                                        Py_ssize_t b, Py_ssize_t key0,
+                                        Py_ssize_t b, Py_ssize_t key0, Py_ssize_t n_keys,
                                         Py_ssize_t n_features) noexcept nogil:
-    """Address of row key0 of K or V when its features are contiguous, else
-    NULL (for prefetching: rows are operand_itemsize * row_stride bytes
-    apart)."""
-    if op.col_stride == 1 or n_features <= 1:
-        return (<const char *>op.data
-                + (op.batch_offset[b] + key0 * op.row_stride) * operand_itemsize(pb, op))
+    """Address of row key0 of K or V when its features are contiguous and
+    its rows key0..key0 + n_keys lie row_stride apart (within one page of a
+    paged operand), else NULL (for prefetching: rows are operand_itemsize *
+    row_stride bytes apart)."""
+    if (op.col_stride == 1 or n_features <= 1) and contiguous_run(op, key0, n_keys) == n_keys:
+        return (<const char *>op.data + row_offset(op, b, key0) * operand_itemsize(pb, op))
     return NULL
 
 
@@ -78,9 +127,9 @@ cdef inline bint int8_in_place(const Operand *op, Py_ssize_t n_features) noexcep
 
 cdef inline const int8_t *int8_rows(const Operand *op, Py_ssize_t b,
                                     Py_ssize_t key0) noexcept nogil:
-    return <const int8_t *>op.data + op.batch_offset[b] + key0 * op.row_stride
+    return <const int8_t *>op.data + row_offset(op, b, key0)
 
 
 cdef inline const float *row_scales(const Operand *op, Py_ssize_t b,
                                     Py_ssize_t key0) noexcept nogil:
-    return op.scale + op.scale_offset[b] + key0 * op.scale_stride
+    return op.scale + scale_row_offset(op, b, key0)

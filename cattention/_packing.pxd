@@ -8,8 +8,9 @@ the SIMD P.V tile and added exactly where its weight is nonzero)."""
 from cython cimport floating
 from libc.stdint cimport uint8_t, uint16_t
 from cattention._kernel_table cimport CA_PANEL_F32, CA_PANEL_F64, ca_half_to_float
-from cattention._problem cimport K_BLOCK, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, round_up
-from cattention._operands cimport rows_in_place
+from cattention._problem cimport (
+    K_BLOCK, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, key_extent, round_up)
+from cattention._operands cimport row_offset, rows_in_place
 from cattention._workspace cimport Workspace
 
 
@@ -177,8 +178,15 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     cdef Py_ssize_t kv = block // pb.n_key_blocks
     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK
     cdef Py_ssize_t b = pb.kv_source[kv]
-    cdef Py_ssize_t n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
+    # keys past the extent may not exist (a paged cache, the last packed
+    # sequence): they are never read, and their columns never seen
+    cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0
     cdef Py_ssize_t ld_k_rows, ld_v_rows
+    if n_keys > K_BLOCK:
+        n_keys = K_BLOCK
+    if n_keys <= 0:
+        nonfinite_flag(pb, ws, block)[0] = 0
+        return
     cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
                                                 <floating *>ws.base + ws.off_k_rows,
                                                 pb.ld_k, &ld_k_rows, True)
@@ -203,13 +211,13 @@ cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_
                                       Py_ssize_t ldacc) noexcept nogil:
     """acc[i, c] += p[i, j] * V[key0 + j, c] for the NaN/Inf entries of V that
     pack_values zeroed, in rows where key j has a nonzero weight."""
-    cdef const floating *v = <const floating *>pb.v.data + pb.v.batch_offset[b]
-    cdef const uint16_t *v_half = <const uint16_t *>pb.v.data + pb.v.batch_offset[b]
+    cdef const floating *v = <const floating *>pb.v.data
+    cdef const uint16_t *v_half = <const uint16_t *>pb.v.data
     cdef Py_ssize_t i, j, c, at
     cdef floating x
     for j in range(n_keys):
         for c in range(pb.d_v):
-            at = (key0 + j) * pb.v.row_stride + c * pb.v.col_stride
+            at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
             if pb.v.storage == STORE_I8:
                 continue  # int8 times a finite scale is finite
             x = <floating>ca_half_to_float(v_half[at]) if pb.v.storage == STORE_F16 else v[at]

@@ -67,6 +67,15 @@ cdef struct Operand:
     const float *scale           # STORE_I8: the scale of each row, at
     const intp_t *scale_offset   # scale + scale_offset[b] + row * scale_stride
     Py_ssize_t scale_stride
+    # A paged K or V (NULL page_ids: rows at batch_offset[b] + row * row_stride):
+    # row p of entry b lies in page page_ids[page_first[b] + p // page_size],
+    # at batch_offset[b] + page * page_stride + (p % page_size) * row_stride,
+    # and its int8 scale at the same place with scale_page_stride, scale_stride
+    const intp_t *page_ids
+    const intp_t *page_first
+    Py_ssize_t page_size
+    Py_ssize_t page_stride
+    Py_ssize_t scale_page_stride
 
 
 cdef struct Problem:
@@ -94,6 +103,16 @@ cdef struct Problem:
     const double *alibi_slope    # per batch entry: -slope * |position - j| added
                                  # to the logits, or NULL
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
+    # Entries of their own lengths (packed variable-length sequences, paged
+    # caches; NULL: every entry has T rows, at b * T * ld_out in ATTN and
+    # b * T in LSE): entry b has q_length[b] <= T query rows, its ATTN row r
+    # at out_offset[b] + r * ld_out, its LSE at lse_offset[b] + r * ld_lse,
+    # and only its first kv_extent[kv] keys are ever read (packed or direct)
+    const intp_t *q_length
+    const intp_t *out_offset
+    const intp_t *lse_offset
+    Py_ssize_t ld_lse
+    const intp_t *kv_extent
     # row strides (elements) of ATTN (n_batch, T, d_v) and SCORES (n_batch, T,
     # S): d_v and S from Python, any row stride through the C-level API
     Py_ssize_t ld_out
@@ -145,6 +164,7 @@ cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_quer
     pb.window_right = -1
     pb.ld_out = d_v
     pb.ld_scores = n_keys
+    pb.ld_lse = 1
     pb.n_kv = n_batch
 
 
@@ -162,3 +182,27 @@ cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_
     op.batch_offset = batch_offset
     op.row_stride = row_stride
     op.col_stride = col_stride
+
+
+cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:
+    """Query rows of batch entry b."""
+    return pb.q_length[b] if pb.q_length != NULL else pb.n_queries
+
+
+cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept nogil:
+    """Positions of entry b's query rows before they repeat (stacked heads):
+    its own row count for entries of their own lengths."""
+    return pb.q_length[b] if pb.q_length != NULL else pb.query_period
+
+
+cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,
+                                      Py_ssize_t row) noexcept nogil:
+    """Element offset of ATTN row ``row`` of batch entry b."""
+    if pb.out_offset != NULL:
+        return pb.out_offset[b] + row * pb.ld_out
+    return (b * pb.n_queries + row) * pb.ld_out
+
+
+cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:
+    """Keys of packed K/V entry kv that may be read (the rest may not exist)."""
+    return pb.kv_extent[kv] if pb.kv_extent != NULL else pb.n_keys

@@ -19,7 +19,7 @@ from cattention._kernel_table cimport (
     ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release)
 from cattention._problem cimport (
     DIRECT_ROWS, K_BLOCK, MIN_FLOPS_PER_THREAD, PER_ENTRY_MAX_BLOCKS, Problem, Q_BLOCK,
-    SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, round_up)
+    SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, round_up)
 from cattention._operands cimport operand_itemsize
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
@@ -55,9 +55,12 @@ cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, 
     cdef Py_ssize_t block = n_blocks - 1 - item % n_blocks
     cdef Py_ssize_t b = item // n_blocks
     cdef Py_ssize_t row0 = block * Q_BLOCK
-    cdef Py_ssize_t n_rows = pb.n_queries - row0
+    cdef Py_ssize_t n_rows = entry_rows(pb, b) - row0
     if n_rows > Q_BLOCK:
         n_rows = Q_BLOCK
+    if n_rows <= 0:
+        # past the rows of an entry shorter than the longest
+        return
     if scores != NULL:
         attend_query_block_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
     else:

@@ -10,7 +10,7 @@ from cython cimport floating
 from libc.math cimport INFINITY, exp, log
 from libc.string cimport memset
 from cattention._kernel_table cimport ca_kernels, kernel_exp_sum, kernel_row_max
-from cattention._problem cimport K_BLOCK, Problem
+from cattention._problem cimport K_BLOCK, Problem, entry_rows, out_row_offset
 from cattention._workspace cimport Workspace
 from cattention._visibility cimport visible_ranges
 
@@ -107,8 +107,14 @@ cdef inline void store_lse(const Problem *pb, Py_ssize_t row, floating row_max,
                            floating row_sum) noexcept nogil:
     """log-sum-exp of a row's scaled, masked logits (-inf when it sees no key)."""
     cdef floating *lse = <floating *>pb.lse
-    if lse != NULL:
-        lse[row] = row_max if row_max == -INFINITY else row_max + <floating>log(row_sum)
+    if lse == NULL:
+        return
+    if pb.lse_offset != NULL:
+        # row = b * T + r of an entry of its own length
+        lse = lse + pb.lse_offset[row // pb.n_queries] + (row % pb.n_queries) * pb.ld_lse
+    else:
+        lse = lse + row
+    lse[0] = row_max if row_max == -INFINITY else row_max + <floating>log(row_sum)
 
 
 cdef inline void store_lse_of_empty_row(const Problem *pb, Py_ssize_t row,
@@ -213,8 +219,9 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
     does not depend on which thread did which chunk):
     max = max_i max_i, sum = sum_i sum_i e^(max_i - max),
     out = sum_i acc_i e^(max_i - max) / sum."""
-    cdef Py_ssize_t n_rows = pb.n_queries
-    cdef Py_ssize_t stride = n_rows * (pb.d_v + 2)
+    cdef Py_ssize_t n_rows = entry_rows(pb, b)
+    cdef Py_ssize_t stride = pb.n_queries * (pb.d_v + 2)
+    cdef Py_ssize_t first_row = b * pb.n_queries
     cdef const floating *first = partial + b * pb.n_splits * stride
     cdef const floating *state
     cdef floating *out_row
@@ -223,7 +230,7 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
     cdef double sink
     cdef bint has_sink
     for i in range(n_rows):
-        out_row = out + (b * n_rows + i) * pb.ld_out
+        out_row = out + out_row_offset(pb, b, i)
         total_max = -INFINITY
         for split in range(pb.n_splits):
             state = first + split * stride + i * (pb.d_v + 2)
@@ -231,13 +238,13 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
                 total_max = state[0]
                 if total_max != total_max:
                     break
-        has_sink = row_sink(pb, b * n_rows + i, &sink)
+        has_sink = row_sink(pb, first_row + i, &sink)
         if total_max == -INFINITY:
             # no key: zeros, and the LSE of the sink alone if there is one
             total_sum = 0
             if has_sink:
                 fold_sink(&total_max, &total_sum, sink)
-            store_lse(pb, b * n_rows + i, total_max, total_sum)
+            store_lse(pb, first_row + i, total_max, total_sum)
             memset(out_row, 0, pb.d_v * sizeof(floating))
             continue
         memset(out_row, 0, pb.d_v * sizeof(floating))
@@ -257,4 +264,4 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
         else:
             for c in range(pb.d_v):
                 out_row[c] = out_row[c] / total_sum
-        store_lse(pb, b * n_rows + i, total_max, total_sum)
+        store_lse(pb, first_row + i, total_max, total_sum)

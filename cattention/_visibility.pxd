@@ -9,7 +9,7 @@ from libc.math cimport INFINITY
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport labs
 from cattention._kernel_table cimport intp_t, kernel_softcap
-from cattention._problem cimport MASK_BOOL, MASK_F32, MASK_NONE, Problem
+from cattention._problem cimport MASK_BOOL, MASK_F32, MASK_NONE, Problem, query_period_of
 
 
 cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
@@ -19,11 +19,12 @@ cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0
     given (right padding, as in a batched KV cache)."""
     cdef Py_ssize_t i, lo, hi, position
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+    cdef Py_ssize_t period = query_period_of(pb, b)
     # alignment is bottom-right: the queries are the last T positions of the
     # valid keys, so query row r sits at key position r + (n_valid - T)
-    cdef Py_ssize_t offset = n_valid - pb.query_period
+    cdef Py_ssize_t offset = n_valid - period
     for i in range(n_rows):
-        position = (row0 + i) % pb.query_period + offset
+        position = (row0 + i) % period + offset
         lo = 0
         hi = n_valid
         if pb.causal and position + 1 < hi:
@@ -83,8 +84,9 @@ cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
         if pb.alibi_slope != NULL:
             slope = pb.alibi_slope[b]
-            position = (row0 + i) % pb.query_period + (
-                (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys) - pb.query_period)
+            position = (row0 + i) % query_period_of(pb, b) + (
+                (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
+                - query_period_of(pb, b))
             for j in range(lo, hi):
                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
         if pb.mask_kind == MASK_NONE:

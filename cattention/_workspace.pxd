@@ -18,7 +18,8 @@ cdef struct Workspace:
     intp_t *row_hi               # one past the last visible key
     # typed pointers are cast from these offsets for float or double
     Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
-    # direct path only: K and V rows copied when their features are strided
+    # K and V rows copied when their features are strided (direct path),
+    # converted (float16, int8) or gathered from pages
     Py_ssize_t off_k_rows, off_v_rows
     # when a work item is a whole batch entry (compute_whole_entry): this thread's own
     # packed K^T and V blocks of the entry and their non-finite flags, which
@@ -48,7 +49,8 @@ cdef inline Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcep
     ws.off_k_rows = n
     ws.off_v_rows = n
     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE
-            or pb.v.storage != STORE_COMPUTE):
+            or pb.v.storage != STORE_COMPUTE
+            or pb.k.page_ids != NULL or pb.v.page_ids != NULL):
         n += round_up(K_BLOCK * pb.ld_k, 16)
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)

@@ -1,0 +1,387 @@
+"""Paged KV caches: keys and values in fixed-size pages owned by the caller,
+addressed through a block table (vLLM's PagedAttention layout), appended to
+in place and read where they are; with packed queries, one call serves a
+continuous-batching step (prompt chunks being prefilled beside sequences
+being decoded)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, SupportsIndex, cast, overload
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from . import _entries
+from ._call import check_options
+from ._checks import _check_flag, _check_softcap, _check_window, _native, _resolve_scale
+from ._kvcache import _check_cache_lengths
+from ._quantize import quantize_kv
+from ._threads import _check_num_threads, get_num_threads
+from ._varlen import cu_seqlens, per_head, place, rows_of
+
+__all__ = ["attention_with_paged_kvcache"]
+
+_Float = NDArray[np.floating[Any]]
+
+
+def _check_pages(k_pages: object, v_pages: object) -> tuple[NDArray[Any], NDArray[Any]]:
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(pages, np.ndarray) or pages.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D ndarray (n_pages, H_kv, page_size, d); "
+                             f"got {getattr(pages, 'shape', type(pages).__name__)}")
+        if pages.dtype != np.int8 and (pages.dtype.kind != "f"
+                                       or pages.dtype.itemsize not in (2, 4, 8)):
+            raise TypeError(f"{name} has dtype {pages.dtype}; pages must be float16, "
+                            "float32, float64 or int8 (with scales)")
+        if not pages.dtype.isnative:
+            raise TypeError(f"{name} has non-native byte order ({pages.dtype.str}): reading "
+                            "it would copy every page on every call; convert it once")
+        if not pages.flags.aligned or any(s % pages.itemsize for s in pages.strides):
+            raise ValueError(f"{name} must be aligned with strides that are multiples of "
+                             "its itemsize (reading it otherwise would copy it)")
+    k_pages = cast("NDArray[Any]", k_pages)
+    v_pages = cast("NDArray[Any]", v_pages)
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must "
+                        "share one dtype")
+    if k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must share "
+                         "(n_pages, H_kv, page_size)")
+    if k_pages.shape[2] < 1:
+        raise ValueError(f"page_size (axis 2 of k_pages {k_pages.shape}) must be >= 1")
+    return k_pages, v_pages
+
+
+def _check_scale_pages(k_pages: NDArray[Any], k_scale: object, v_scale: object,
+                       q_dtype: np.dtype[Any]) -> None:
+    if q_dtype not in (np.float32, np.float16):
+        raise TypeError(f"int8 pages need a float32 (or float16) q, got {q_dtype}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if (not isinstance(scale, np.ndarray) or scale.dtype != np.float32
+                or not scale.dtype.isnative or scale.shape != k_pages.shape[:3]
+                or not scale.flags.aligned or any(s % 4 for s in scale.strides)):
+            got = (f"{scale.shape} {scale.dtype}" if isinstance(scale, np.ndarray)
+                   else type(scale).__name__)
+            raise ValueError(f"int8 pages need {name}: a native float32 ndarray of shape "
+                             f"{k_pages.shape[:3]} (n_pages, H_kv, page_size), the scale of "
+                             f"each row; got {got}")
+
+
+@overload
+def attention_with_paged_kvcache(
+    q: ArrayLike, k_pages: NDArray[Any], v_pages: NDArray[Any], block_table: ArrayLike,
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, cu_seqlens_q: ArrayLike | None = None,
+    causal: bool = True, scale: float | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None, return_lse: Literal[False] = False,
+    num_threads: SupportsIndex | None = None,
+) -> _Float: ...
+
+
+@overload
+def attention_with_paged_kvcache(
+    q: ArrayLike, k_pages: NDArray[Any], v_pages: NDArray[Any], block_table: ArrayLike,
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, cu_seqlens_q: ArrayLike | None = None,
+    causal: bool = True, scale: float | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None, return_lse: Literal[True],
+    num_threads: SupportsIndex | None = None,
+) -> tuple[_Float, _Float]: ...
+
+
+@overload
+def attention_with_paged_kvcache(
+    q: ArrayLike, k_pages: NDArray[Any], v_pages: NDArray[Any], block_table: ArrayLike,
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, cu_seqlens_q: ArrayLike | None = None,
+    causal: bool = True, scale: float | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None, return_lse: bool = False,
+    num_threads: SupportsIndex | None = None,
+) -> _Float | tuple[_Float, _Float]: ...
+
+
+def attention_with_paged_kvcache(
+    q: ArrayLike, k_pages: NDArray[Any], v_pages: NDArray[Any], block_table: ArrayLike,
+    cache_lengths: NDArray[np.integer[Any]], k_new: ArrayLike | None = None,
+    v_new: ArrayLike | None = None, *, cu_seqlens_q: ArrayLike | None = None,
+    causal: bool = True, scale: float | None = None,
+    window: tuple[SupportsIndex | None, SupportsIndex | None] | None = None,
+    softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+    v_scale: NDArray[np.float32] | None = None, return_lse: bool = False,
+    num_threads: SupportsIndex | None = None,
+) -> _Float | tuple[_Float, _Float]:
+    """Append to a paged KV cache in place, then attend to it.
+
+    Keys and values live in pages owned by the caller; sequence b's
+    position p is row ``p % page_size`` of page ``block_table[b, p //
+    page_size]`` (for every K/V head). The new rows are written there at
+    positions ``cache_lengths[b]`` onwards, ``cache_lengths`` is advanced
+    **in place**, then each sequence's queries attend to its valid
+    positions with bottom-right causal alignment (its new tokens are the
+    last of them). Pages are read where they are, never gathered.
+
+    Parameters
+    ----------
+    q : array_like, shape (B, H, T, d_k), or (total_q, H, d_k) with cu_seqlens_q
+        Queries; H may be a multiple of H_kv (grouped-query attention).
+    k_pages : ndarray, shape (n_pages, H_kv, page_size, d_k)
+    v_pages : ndarray, shape (n_pages, H_kv, page_size, d_v)
+        Writable pages of one dtype: float32 or float64 (with a q of that
+        dtype), float16 (read block by block as float32, with a float16 or
+        float32 q), or int8 with ``k_scale``/``v_scale``. Any page_size >= 1.
+    block_table : array_like of int, shape (B, max_pages)
+        Page ids of each sequence; entries past a sequence's pages are
+        ignored (they may hold anything, e.g. -1).
+    cache_lengths : ndarray of int, shape (B,)
+        Filled positions of each sequence, updated in place; its dtype must
+        hold max_pages * page_size.
+    k_new : array_like, shape (B, H_kv, T, d_k), or (total_q, H_kv, d_k)
+    v_new : array_like, shape (B, H_kv, T, d_v), or (total_q, H_kv, d_v)
+        Rows to append (both or neither), in q's layout.
+    cu_seqlens_q : array_like of int, shape (B + 1,), optional
+        Continuous batching: q, k_new and v_new are packed along the token
+        axis, sequence b bringing ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``
+        tokens (a prompt chunk, 1 for a decoding sequence, or 0).
+    causal, scale, window, softcap, return_lse, num_threads
+        As in :func:`cattention.attention`.
+    alibi_slopes, sinks : array_like, shape (H,), optional
+        One ALiBi slope, or one sink logit (-inf: none), per query head.
+    k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
+        With int8 pages (and only then): each row's scale, written as rows
+        are appended (k_new and v_new are then float, quantized on append).
+
+    Returns
+    -------
+    attn : ndarray, shape of q with d_v last
+    lse : ndarray, shape of q without its last axis; only with return_lse
+
+    Raises
+    ------
+    ValueError
+        On any shape mismatch; a sequence that would need a page the table
+        does not give or a page id outside [0, n_pages); two new rows that
+        would land on one page row; read-only arrays to be written; negative
+        lengths; an option out of range.
+    TypeError
+        On pages that differ in dtype or are not in native byte order, a q
+        wider than the pages, new rows that cannot be cast to the pages'
+        dtype, a cache_lengths dtype that cannot hold the positions.
+
+    Every check runs before anything is written, so a failed call leaves
+    pages and lengths as they were.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> k_pages = np.zeros((8, 2, 4, 16), np.float32)    # 8 pages of 4 positions
+    >>> v_pages = np.zeros((8, 2, 4, 16), np.float32)
+    >>> table = np.array([[5, 2, 7], [0, 1, 3]])           # 2 sequences
+    >>> lengths = np.array([0, 6])
+    >>> x = np.ones((2, 2, 3, 16), np.float32)            # 3 new tokens each
+    >>> ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths, x, x).shape
+    (2, 2, 3, 16)
+    >>> lengths
+    array([3, 9])
+    """
+    k_pages, v_pages = _check_pages(k_pages, v_pages)
+    n_pages, n_kv_heads, page_size, d_k = k_pages.shape
+    d_v = v_pages.shape[3]
+    if q is None:
+        raise TypeError("q must be an array, got None")
+    q = _native(np.asarray(q))
+    table = np.asarray(block_table)
+    if table.dtype.kind not in "iu" or table.ndim != 2:
+        raise ValueError(f"block_table must be a 2-D integer array (B, max_pages); got "
+                         f"shape {table.shape}, dtype {table.dtype}")
+    n_seq, max_pages = table.shape
+    packed = cu_seqlens_q is not None
+    if packed:
+        if q.ndim != 3 or q.shape[2] != d_k:
+            raise ValueError(f"with cu_seqlens_q, q must be packed (total_q, H, d_k) = "
+                             f"(total_q, H, {d_k}); got {q.shape}")
+        cu_q = cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "total_q (q.shape[0])")
+        if cu_q.size != n_seq + 1:
+            raise ValueError(f"cu_seqlens_q describes {cu_q.size - 1} sequences, "
+                             f"block_table {table.shape} {n_seq}")
+        q_lengths = np.diff(cu_q)
+        n_heads = q.shape[1]
+    else:
+        if q.ndim != 4 or q.shape[0] != n_seq or q.shape[3] != d_k:
+            raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_seq}, H, T, {d_k}) "
+                             f"to match block_table {table.shape} and k_pages "
+                             f"{k_pages.shape} (or be packed, with cu_seqlens_q); got "
+                             f"{q.shape}")
+        q_lengths = np.full(n_seq, q.shape[2], dtype=np.intp)
+        n_heads = q.shape[1]
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(f"the query heads of q {q.shape} must be a multiple of the "
+                         f"key/value heads of k_pages {k_pages.shape}")
+    half = k_pages.dtype == np.float16 and q.dtype in (np.float16, np.float32)
+    int8 = k_pages.dtype == np.int8
+    if int8:
+        _check_scale_pages(k_pages, k_scale, v_scale, q.dtype)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with int8 pages; these are {k_pages.dtype}")
+    if not half and not int8 and np.result_type(q.dtype, k_pages.dtype) != k_pages.dtype:
+        raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
+                        "(copy) every page; pass q in the pages' dtype")
+    _check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
+
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    new_rows: list[NDArray[Any]] = []
+    if k_new is not None:
+        for name, new, d in (("k_new", k_new, d_k), ("v_new", v_new, d_v)):
+            new = np.asarray(new)
+            want = ((q.shape[0], n_kv_heads, d) if packed
+                    else (n_seq, n_kv_heads, q.shape[2], d))
+            if new.shape != want:
+                raise ValueError(f"{name} must have shape {want} to match q {q.shape} and "
+                                 f"the pages; got {new.shape}")
+            if int8:
+                if new.dtype.kind not in "fiu" or new.dtype == np.int8:
+                    raise TypeError(f"{name} of dtype {new.dtype} for int8 pages: pass "
+                                    "float values, which are quantized as they are appended")
+            elif not np.can_cast(new.dtype, k_pages.dtype, casting="same_kind"):
+                raise TypeError(f"{name} of dtype {new.dtype} cannot be written into "
+                                f"{k_pages.dtype} pages")
+            # (tokens, H_kv, d) in sequence order
+            new_rows.append(new if packed else np.swapaxes(new, 1, 2).reshape(-1, n_kv_heads, d))
+        writable = [k_pages, v_pages, cache_lengths] + (
+            [cast("NDArray[Any]", k_scale), cast("NDArray[Any]", v_scale)] if int8 else [])
+        if not all(a.flags.writeable for a in writable):
+            raise ValueError("k_pages, v_pages, cache_lengths (and k_scale, v_scale) must "
+                             "be writable to append")
+    old_lengths = cache_lengths.astype(np.int64)
+    n_new = q_lengths if new_rows else np.zeros(n_seq, dtype=np.intp)
+    lengths = old_lengths + n_new
+    if lengths.size and int(lengths.max()) > max_pages * page_size:
+        worst = int(np.argmax(lengths))
+        raise ValueError(
+            f"sequence {worst} needs {int(lengths[worst])} positions (cache_lengths "
+            f"{int(old_lengths[worst])} + {int(n_new[worst])} new) but block_table "
+            f"{table.shape} gives at most {max_pages} pages of {page_size}")
+    # every page a sequence reads must exist
+    used_pages = -(-lengths // page_size)
+    in_use = np.arange(max_pages) < used_pages[:, None]
+    bad = in_use & ((table < 0) | (table >= n_pages))
+    if bad.any():
+        b, slot = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {slot}] = {int(table[b, slot])} is not a page id "
+                         f"in [0, {n_pages}) (k_pages has {n_pages} pages), and sequence "
+                         f"{b} uses it")
+    causal = _check_flag(causal, "causal")
+    return_lse = _check_flag(return_lse, "return_lse")
+    check_options(q, k_pages, v_pages, causal=causal, scale=scale, window=window,
+                  softcap=softcap, alibi_slopes=None, num_threads=num_threads)
+    alibi = per_head(alibi_slopes, n_heads, "alibi_slopes")
+    if alibi is not None and not np.all(np.isfinite(alibi)):
+        raise ValueError("alibi_slopes must be finite")
+    sink_logits = per_head(sinks, n_heads, "sinks")
+    if sink_logits is not None and (np.any(np.isnan(sink_logits))
+                                    or np.any(sink_logits == np.inf)):
+        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
+    table = np.ascontiguousarray(table, dtype=np.intp)
+    if new_rows:
+        seq_of_row = np.repeat(np.arange(n_seq), n_new)
+        first_row = np.repeat(np.cumsum(n_new) - n_new, n_new)
+        position = old_lengths[seq_of_row] + np.arange(seq_of_row.size) - first_row
+        page = table[seq_of_row, position // page_size]
+        row = position % page_size
+        slots = page * page_size + row
+        if np.unique(slots).size != slots.size:
+            raise ValueError("two new rows would be written to one page row: the block "
+                             "table gives two sequences the same page where both append")
+
+    # every check has passed: nothing below can fail half-way on bad input
+    if new_rows:
+        k_add, v_add = new_rows
+        if int8:
+            (k_add, k_row_scale), (v_add, v_row_scale) = quantize_kv(k_add), quantize_kv(v_add)
+            cast("NDArray[Any]", k_scale)[page, :, row] = k_row_scale
+            cast("NDArray[Any]", v_scale)[page, :, row] = v_row_scale
+        k_pages[page, :, row] = k_add
+        v_pages[page, :, row] = v_add
+        cache_lengths += n_new.astype(cache_lengths.dtype)
+    return _attend(q, k_pages, v_pages, table, q_lengths, lengths,
+                   cu_q if packed else None, n_heads, causal=causal, scale=scale,
+                   window=window, softcap=softcap, alibi=alibi, sinks=sink_logits,
+                   k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, threads=threads)
+
+
+def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
+            table: NDArray[np.intp], q_lengths: NDArray[Any], lengths: NDArray[Any],
+            cu_q: NDArray[np.intp] | None, n_heads: int, *, causal: bool,
+            scale: float | None, window: Any, softcap: float | None,
+            alibi: NDArray[np.float64] | None, sinks: NDArray[np.float64] | None,
+            k_scale: NDArray[np.float32] | None, v_scale: NDArray[np.float32] | None,
+            return_lse: bool, threads: int) -> _Float | tuple[_Float, _Float]:
+    """The attention of each sequence's queries to its valid positions."""
+    n_seq, max_pages = table.shape
+    n_pages, n_kv_heads, page_size, d_k = k_pages.shape
+    d_v = v_pages.shape[3]
+    compute = np.dtype(np.float32) if k_pages.dtype in (np.float16, np.int8) else k_pages.dtype
+    # a float16 q with float16 or int8 pages gives float16, as attention would
+    result = (np.dtype(np.float16) if q.dtype == np.float16 and compute == np.float32
+              and k_pages.dtype != np.float32 else compute)
+    q = q.astype(compute) if q.dtype != compute else q
+    if not q.flags.aligned or any(s % q.itemsize for s in q.strides):
+        q = np.array(q, order="C")
+    item = q.itemsize
+    if cu_q is not None:
+        out = np.empty((q.shape[0], n_heads, d_v), dtype=compute)
+        lse = np.empty((q.shape[0], n_heads), dtype=compute) if return_lse else None
+        starts = cu_q[:-1]
+        q_place = place(q, starts * (q.strides[0] // item), 0, 1)
+        out_place = place(out, starts * n_heads * d_v, 0, 1)
+        lse_place = place(lse, starts * n_heads, 0, 1) if lse is not None else None
+    else:
+        n_queries = q.shape[2]
+        out = np.empty((n_seq, n_heads, n_queries, d_v), dtype=compute)
+        lse = np.empty((n_seq, n_heads, n_queries), dtype=compute) if return_lse else None
+        seqs = np.arange(n_seq, dtype=np.intp)
+        q_place = place(q, seqs * (q.strides[0] // item), 2, 1)
+        out_place = place(out, seqs * n_heads * n_queries * d_v, 2, 1)
+        lse_place = place(lse, seqs * n_heads * n_queries, 2, 1) if lse is not None else None
+    zeros = np.zeros(n_seq, dtype=np.intp)
+
+    def paged(pages: NDArray[Any], scales: NDArray[np.float32] | None,
+              ) -> tuple[_entries.Place, _entries.Rows, _entries.Place | None]:
+        step = pages.itemsize
+        rows = _entries.Rows(pages, pages.strides[2] // step, pages.strides[3] // step,
+                             page_stride=pages.strides[0] // step)
+        scale_place = None
+        if scales is not None:
+            rows.scale = scales
+            rows.scale_stride = scales.strides[2] // 4
+            rows.scale_page_stride = scales.strides[0] // 4
+            scale_place = _entries.Place(scales, zeros, 0, scales.strides[1] // 4)
+        return _entries.Place(pages, zeros, 0, pages.strides[1] // step), rows, scale_place
+
+    k_place, k_rows, k_scale_place = paged(k_pages, k_scale)
+    v_place, v_rows, v_scale_place = paged(v_pages, v_scale)
+    if out.size:
+        tables = _entries.plan(
+            q_place, k_place, v_place, out_place, lse_place, q_lengths,
+            np.asarray(lengths, dtype=np.intp), n_heads, n_kv_heads, alibi=alibi,
+            sinks=sinks, pages=(table.reshape(-1), max_pages, page_size),
+            k_scale=k_scale_place, v_scale=v_scale_place)
+        _entries.run(tables, rows_of(q), k_rows, v_rows, out, lse, causal=causal,
+                     scale=_resolve_scale(scale, d_k), threads=threads,
+                     window=_check_window(window, causal), softcap=_check_softcap(softcap))
+    result_out = out.astype(result) if result != compute else out
+    if return_lse:
+        return result_out, cast("_Float", lse)
+    return result_out

@@ -1,0 +1,260 @@
+"""Paged KV caches (attention_with_paged_kvcache) against the float64
+reference on each sequence's contiguous keys, and a continuous-batching
+loop against full causal attention recomputed for each sequence."""
+
+import numpy as np
+import pytest
+
+import cattention as ca
+from reference import assert_bitwise_equal, assert_matches_reference
+
+
+def _cache(rng, n_seq, n_kv_heads, page_size, max_pages, d_k, d_v, dtype, spare=3):
+    """Pages in shuffled order (with unused ones between), a block table of
+    non-contiguous ids with -1 past each sequence's pages."""
+    n_pages = n_seq * max_pages + spare
+    ids = rng.permutation(n_pages)[: n_seq * max_pages].reshape(n_seq, max_pages)
+    k_pages = rng.standard_normal((n_pages, n_kv_heads, page_size, d_k)).astype(dtype)
+    v_pages = rng.standard_normal((n_pages, n_kv_heads, page_size, d_v)).astype(dtype)
+    return k_pages, v_pages, ids
+
+
+def _contiguous(pages, table, b, length):
+    """Sequence b's first `length` positions, (H_kv, length, d), gathered for
+    the reference."""
+    page_size = pages.shape[2]
+    positions = np.arange(length)
+    rows = pages[table[b, positions // page_size], :, positions % page_size]
+    return np.swapaxes(rows, 0, 1)
+
+
+def _check(attn, lse, q, k_pages, v_pages, table, lengths, group, cu_q=None, **options):
+    for b in range(table.shape[0]):
+        if cu_q is None:
+            q_b, attn_b = q[b], attn[b]
+            lse_b = None if lse is None else lse[b]
+        else:
+            rows = slice(cu_q[b], cu_q[b + 1])
+            q_b, attn_b = np.swapaxes(q[rows], 0, 1), np.swapaxes(attn[rows], 0, 1)
+            lse_b = None if lse is None else np.swapaxes(lse[rows], 0, 1)
+        k_b = np.repeat(_contiguous(k_pages, table, b, lengths[b]), group, axis=0)
+        v_b = np.repeat(_contiguous(v_pages, table, b, lengths[b]), group, axis=0)
+        assert_matches_reference(attn_b, None, q_b, k_b.astype(np.float64),
+                                 v_b.astype(np.float64), lse=lse_b, **options)
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=str)
+@pytest.mark.parametrize("n_queries", [1, 3, 40])
+def test_paged_matches_reference(simd, dtype, page_size, heads, n_queries):
+    n_heads, n_kv_heads = heads
+    rng = np.random.default_rng(page_size * 10 + n_queries)
+    max_pages = -(-300 // page_size)
+    k_pages, v_pages, table = _cache(rng, 4, n_kv_heads, page_size, max_pages, 16, 8, dtype)
+    old = np.array([0, 1, 150, 300 - n_queries])
+    lengths = old.copy()
+    q = rng.standard_normal((4, n_heads, n_queries, 16)).astype(dtype)
+    k_new = rng.standard_normal((4, n_kv_heads, n_queries, 16)).astype(dtype)
+    v_new = rng.standard_normal((4, n_kv_heads, n_queries, 8)).astype(dtype)
+    attn, lse = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, k_new,
+                                                v_new, return_lse=True)
+    assert attn.shape == (4, n_heads, n_queries, 8) and attn.dtype == dtype
+    np.testing.assert_array_equal(lengths, old + n_queries)
+    for b in range(4):
+        # the new rows are where the table says
+        np.testing.assert_array_equal(
+            _contiguous(k_pages, table, b, lengths[b])[:, old[b]:], k_new[b])
+    _check(attn, lse, q, k_pages, v_pages, table, lengths, n_heads // n_kv_heads,
+           causal=True)
+
+
+@pytest.mark.parametrize("option", ["window", "softcap", "alibi", "sinks", "no_causal"])
+def test_paged_options(simd, dtype, option):
+    rng = np.random.default_rng(1)
+    k_pages, v_pages, table = _cache(rng, 3, 2, 7, 40, 8, 8, dtype)
+    lengths = np.array([5, 90, 250])
+    q = rng.standard_normal((3, 8, 2, 8)).astype(dtype)
+    kwargs = {
+        "window": {"window": (17, 0)},
+        "softcap": {"softcap": 1.5},
+        "alibi": {"alibi_slopes": rng.uniform(0.01, 0.3, 8)},
+        "sinks": {"sinks": np.where(np.arange(8) % 2 == 0, -np.inf, 1.0)},
+        "no_causal": {"causal": False},
+    }[option]
+    attn, lse = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths,
+                                                return_lse=True,
+                                                **{"causal": True, **kwargs})
+    _check(attn, lse, q, k_pages, v_pages, table, lengths, 4, **{"causal": True, **kwargs})
+
+
+def test_paged_float16_pages(simd):
+    rng = np.random.default_rng(2)
+    k_pages, v_pages, table = _cache(rng, 3, 2, 16, 20, 16, 16, np.float16)
+    lengths = np.array([0, 17, 300])
+    q = rng.standard_normal((3, 8, 1, 16)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 1, 16)).astype(np.float32)
+    attn = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, new, new)
+    assert attn.dtype == np.float32
+    _check(attn, None, q, k_pages.astype(np.float32), v_pages.astype(np.float32), table,
+           lengths, 4, causal=True)
+
+
+def test_paged_int8_pages(simd):
+    rng = np.random.default_rng(4)
+    k_float, v_float, table = _cache(rng, 3, 2, 16, 20, 16, 16, np.float32)
+    (k_pages, k_scale), (v_pages, v_scale) = ca.quantize_kv(k_float), ca.quantize_kv(v_float)
+    lengths = np.array([3, 17, 290])
+    q = rng.standard_normal((3, 8, 2, 16)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 2, 16)).astype(np.float32)
+    attn, lse = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, new,
+                                                new, k_scale=k_scale, v_scale=v_scale,
+                                                return_lse=True)
+    # the reference sees exactly the values the int8 pages and scales hold
+    k_values = k_pages.astype(np.float32) * k_scale[..., None]
+    v_values = v_pages.astype(np.float32) * v_scale[..., None]
+    _check(attn, lse, q, k_values, v_values, table, lengths, 4, causal=True)
+
+
+def test_paged_bitwise_contiguous_cache_and_threads(dtype):
+    """Pages that hold whole decode steps (32 keys, 64 for int8) give the
+    bits of the same step on contiguous caches, at every thread count."""
+    rng = np.random.default_rng(9)
+    n_seq, page_size, max_pages = 3, 64, 16
+    k_pages, v_pages, table = _cache(rng, n_seq, 2, page_size, max_pages, 32, 32, dtype)
+    lengths = np.array([1000, 37, 640])
+    q = rng.standard_normal((n_seq, 8, 1, 32)).astype(dtype)
+    k_cache = np.stack([_contiguous(k_pages, table, b, max_pages * page_size)
+                        for b in range(n_seq)])
+    v_cache = np.stack([_contiguous(v_pages, table, b, max_pages * page_size)
+                        for b in range(n_seq)])
+    want = ca.attention_with_kvcache(q, k_cache, v_cache, lengths.copy(), num_threads=1)
+    for threads in (1, 2, 5):
+        got = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths.copy(),
+                                              num_threads=threads)
+        assert_bitwise_equal(got, want)
+
+
+def test_continuous_batching_loop(simd):
+    """64 steps of a serving loop: requests join and leave, prompts are
+    prefilled in chunks while others decode, all in one call per step;
+    every output row matches full causal attention recomputed over the
+    sequence so far."""
+    rng = np.random.default_rng(64)
+    n_heads, n_kv_heads, d, page_size, chunk = 4, 2, 16, 7, 24
+    n_slots, max_pages = 4, 40
+    n_pages = n_slots * max_pages
+    k_pages = np.full((n_pages, n_kv_heads, page_size, d), np.nan, np.float32)
+    v_pages = np.full((n_pages, n_kv_heads, page_size, d), np.nan, np.float32)
+    free_pages = list(rng.permutation(n_pages))
+    table = np.full((n_slots, max_pages), -1, dtype=np.int64)
+    lengths = np.zeros(n_slots, dtype=np.int64)
+    # per slot: the request's whole token stream (q, k, v) and how far it is
+    streams = [None] * n_slots
+    done = 0
+    for step in range(64):
+        for slot in range(n_slots):
+            if streams[slot] is None and rng.random() < 0.5:
+                total = int(rng.integers(1, 70))
+                prompt = int(rng.integers(1, total + 1))
+                streams[slot] = {
+                    "q": rng.standard_normal((total, n_heads, d)).astype(np.float32),
+                    "k": rng.standard_normal((total, n_kv_heads, d)).astype(np.float32),
+                    "v": rng.standard_normal((total, n_kv_heads, d)).astype(np.float32),
+                    "prompt": prompt, "total": total}
+                lengths[slot] = 0
+        counts = np.zeros(n_slots, dtype=np.int64)
+        for slot, stream in enumerate(streams):
+            if stream is None:
+                continue
+            at = int(lengths[slot])
+            counts[slot] = min(chunk, stream["prompt"] - at) if at < stream["prompt"] else 1
+            # pages for the positions this step fills
+            for page in range(-(-at // page_size), -(-(at + counts[slot]) // page_size)):
+                table[slot, page] = free_pages.pop()
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        pieces = [(slot, int(lengths[slot]), int(counts[slot]))
+                  for slot in range(n_slots) if counts[slot]]
+        q = np.zeros((cu[-1], n_heads, d), np.float32)
+        k_new = np.zeros((cu[-1], n_kv_heads, d), np.float32)
+        v_new = np.zeros((cu[-1], n_kv_heads, d), np.float32)
+        for slot, at, count in pieces:
+            rows = slice(cu[slot], cu[slot] + count)
+            for name, arr in (("q", q), ("k", k_new), ("v", v_new)):
+                arr[rows] = streams[slot][name][at:at + count]
+        attn = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, k_new,
+                                               v_new, cu_seqlens_q=cu, causal=True)
+        np.testing.assert_array_equal(lengths[counts > 0], [a + c for _, a, c in pieces])
+        for slot, at, count in pieces:
+            stream = streams[slot]
+            end = at + count
+            k_full = np.repeat(np.swapaxes(stream["k"][:end], 0, 1), 2, axis=0)
+            v_full = np.repeat(np.swapaxes(stream["v"][:end], 0, 1), 2, axis=0)
+            assert_matches_reference(
+                np.swapaxes(attn[cu[slot]:cu[slot] + count], 0, 1), None,
+                np.swapaxes(stream["q"][at:end], 0, 1), k_full, v_full, causal=True)
+            if end == stream["total"]:
+                # the request leaves: its pages go back
+                free_pages.extend(int(p) for p in table[slot] if p >= 0)
+                table[slot] = -1
+                lengths[slot] = 0
+                streams[slot] = None
+                done += 1
+    assert done >= 3
+
+
+def _small_call():
+    k_pages = np.zeros((6, 2, 4, 8), np.float32)
+    v_pages = np.zeros((6, 2, 4, 8), np.float32)
+    table = np.array([[0, 1, -1], [2, 3, 4]])
+    lengths = np.array([3, 8])
+    x = np.ones((2, 2, 2, 8), np.float32)
+    return k_pages, v_pages, table, lengths, x
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.update(table=np.array([[0, -1, -1], [2, 3, 4]])),
+     r"block_table\[0, 1\] = -1 is not a page id in \[0, 6\)"),
+    (lambda a: a.update(table=np.array([[0, 9, -1], [2, 3, 4]])),
+     r"block_table\[0, 1\] = 9 is not a page id"),
+    (lambda a: a.update(lengths=np.array([3, 11])),
+     r"sequence 1 needs 13 positions .* at most 3 pages of 4"),
+    (lambda a: a.update(table=np.array([[0, 1, -1], [2, 3, 1]])),
+     "two new rows would be written to one page row"),
+    (lambda a: a.update(k_new=np.ones((2, 2, 3, 8), np.float32)),
+     r"k_new must have shape \(2, 2, 2, 8\)"),
+    (lambda a: a.update(v_new=None), "k_new and v_new must be given together"),
+    (lambda a: a.update(lengths=np.array([3.0, 8.0])),
+     r"cache_lengths must be an integer ndarray of shape \(2,\)"),
+    (lambda a: a.update(lengths=np.array([-1, 8])), "cache_lengths must be >= 0"),
+    (lambda a: a.update(q=np.ones((2, 3, 2, 8), np.float32)), "multiple of the key/value"),
+    (lambda a: a.update(v_pages=np.zeros((6, 2, 4, 8), np.float64)), "share one dtype"),
+    (lambda a: a.update(q=np.ones((2, 2, 2, 8))), "would convert"),
+    (lambda a: a.update(table=np.zeros((2, 3))), "block_table must be a 2-D integer"),
+    (lambda a: a.update(softcap=-1.0), "softcap"),
+])
+def test_paged_errors_write_nothing(change, match):
+    k_pages, v_pages, table, lengths, x = _small_call()
+    args = {"q": x, "table": table, "lengths": lengths, "k_new": x, "v_new": x,
+            "v_pages": v_pages, "softcap": None}
+    change(args)
+    before = (k_pages.copy(), args["v_pages"].copy(), args["lengths"].copy())
+    with pytest.raises((ValueError, TypeError), match=match):
+        ca.attention_with_paged_kvcache(args["q"], k_pages, args["v_pages"], args["table"],
+                                        args["lengths"], args["k_new"], args["v_new"],
+                                        softcap=args["softcap"])
+    assert_bitwise_equal(k_pages, before[0])
+    assert_bitwise_equal(args["v_pages"], before[1])
+    assert_bitwise_equal(args["lengths"], before[2])
+
+
+def test_paged_packed_queries_shape_errors():
+    k_pages, v_pages, table, lengths, x = _small_call()
+    q = np.ones((4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="cu_seqlens_q describes 1 sequences"):
+        ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths,
+                                        cu_seqlens_q=[0, 4])
+    with pytest.raises(ValueError, match=r"q must have shape \(B, H, T, d_k\)"):
+        ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths)
+    with pytest.raises(ValueError, match=r"k_new must have shape \(4, 2, 8\)"):
+        ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, x, x,
+                                        cu_seqlens_q=[0, 1, 4])
