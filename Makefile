@@ -15,7 +15,7 @@ BUILT := build/.cattention-built
 SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd src/*.c src/*.h)
 
 .PHONY: install build run test typecheck lint annotate wheel wheel-test bench bench-deps bench-quick \
-	bench-pipeline asan fuzz reliability clean distclean
+	bench-pipeline bench-serving asan fuzz reliability clean distclean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,10 @@ bench-quick: bench-deps
 # (benchmarks/pipeline.py), in the default environment.
 bench-pipeline: $(BUILT)
 	$(VPY) benchmarks/pipeline.py --settings
+
+# packed variable-length prefill, a paged decode step, a continuous-batching loop
+bench-serving: bench-deps
+	$(VPY) benchmarks/serving.py
 
 # The test suite under AddressSanitizer and UndefinedBehaviorSanitizer: the
 # extension is rebuilt instrumented (any report aborts the run), then rebuilt

@@ -10,14 +10,17 @@ import pytest
 import cattention
 import cattention._api
 import cattention._kvcache
+import cattention._paged
 import cattention._plot
 import cattention._quantize
 import cattention._threads
+import cattention._varlen
 
 
 @pytest.mark.parametrize("module", [cattention, cattention._api, cattention._kvcache,
-                                    cattention._plot, cattention._quantize,
-                                    cattention._threads],
+                                    cattention._paged, cattention._plot,
+                                    cattention._quantize, cattention._threads,
+                                    cattention._varlen],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     if module is cattention._plot:
