@@ -41,9 +41,16 @@ cdef enum:
     # Fewer floating-point operations than this per thread and another thread
     # costs more to start and join than it saves (a few microseconds).
     MIN_FLOPS_PER_THREAD = 1 << 18
-    # At most this many query blocks per batch entry for a work item to be a
-    # whole batch entry (see schedule_packed).
+    # A work item is a whole batch entry (see schedule_packed) when entries
+    # have at most this many query blocks (and 4 entries per thread)...
     PER_ENTRY_MAX_BLOCKS = 4
+    # ...or, whatever their length, when there are this many entries per
+    # thread: the dynamic schedule's last item is then at most a sixteenth of
+    # a thread's work, and packing entry by entry keeps each entry's K/V in
+    # cache instead of a packed copy of every entry (64 MiB for (4, 32, 512,
+    # 512, 128), which went to memory and back, and its pages were faulted
+    # in afresh on every call).
+    PER_ENTRY_MIN_ENTRIES = 16
     # The largest thread count a call accepts (OpenMP's num_threads is an int).
     MAX_THREADS = 2147483647
 

@@ -18,7 +18,8 @@ from cattention._kernel_table cimport (
     CA_SCRATCH_PACKED, CA_SCRATCH_PARTIAL, ca_forked_after_parallel, ca_kernels,
     ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release)
 from cattention._problem cimport (
-    DIRECT_ROWS, K_BLOCK, MIN_FLOPS_PER_THREAD, PER_ENTRY_MAX_BLOCKS, Problem, Q_BLOCK,
+    DIRECT_ROWS, K_BLOCK, MIN_FLOPS_PER_THREAD, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES,
+    Problem, Q_BLOCK,
     SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, round_up)
 from cattention._operands cimport operand_itemsize
 from cattention._workspace cimport (
@@ -192,14 +193,15 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
         return 0
     if n_workers > n_items:
         n_workers = <int>n_items
-    # Few query blocks per batch entry, each with its own K/V (many short
-    # sequences, as in a BERT batch): a work item is a whole batch entry,
+    # Few query blocks per batch entry, or many entries per thread, each
+    # with its own K/V (many short sequences, as in a BERT batch, or many
+    # heads): a work item is a whole batch entry,
     # which packs its K/V and at once computes its query blocks while the
     # packed blocks are still in cache. Otherwise everything is packed
     # first, then query blocks are spread over the threads.
-    cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch
-                           and n_blocks <= PER_ENTRY_MAX_BLOCKS
-                           and pb.n_batch >= 4 * n_workers)
+    cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch and (
+        (n_blocks <= PER_ENTRY_MAX_BLOCKS and pb.n_batch >= 4 * n_workers)
+        or pb.n_batch >= PER_ENTRY_MIN_ENTRIES * n_workers))
     if per_entry:
         # each thread packs into its own blocks (compute_whole_entry)
         n_packed = 0
