@@ -40,7 +40,7 @@ cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Wor
 
     if n_rows == 0:
         return
-    begin_rows(pb, ws, b, 0, n_rows, s, &first_key, &last_key)
+    begin_rows(pb, ws, b, 0, n_rows, acc, &first_key, &last_key)
     if first_key < chunk_lo:
         first_key = chunk_lo
     if last_key > chunk_hi:

@@ -42,7 +42,7 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
     cdef Py_ssize_t k_block_bytes = pb.ld_k * pb.block_keys * sizeof(floating)
     cdef Py_ssize_t v_block_bytes = pb.block_keys * pb.ld_v * sizeof(floating)
 
-    begin_rows(pb, ws, b, row0, n_rows, q_packed, &first_key, &last_key)
+    begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
     if last_key > first_key:
         pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
@@ -52,14 +52,14 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
             if n_keys > last_key - key0:
                 n_keys = last_key - key0
             block = first_packed + key0 // K_BLOCK
-            kt = packed_keys(pb, ws, block, s)
-            v_packed = packed_values(pb, ws, block, s)
+            kt = <const floating *>packed_keys(pb, ws, block)
+            v_packed = <const floating *>packed_values(pb, ws, block)
             # the next block's K^T and V are fetched into L2 during this one
             next_kt = NULL
             next_v = NULL
             if key0 + K_BLOCK < last_key:
-                next_kt = packed_keys(pb, ws, block + 1, s)
-                next_v = packed_values(pb, ws, block + 1, s)
+                next_kt = <const floating *>packed_keys(pb, ws, block + 1)
+                next_v = <const floating *>packed_values(pb, ws, block + 1)
             # keys each group of rows can see in this block: on the causal
             # diagonal the upper rows skip the panels only lower rows see
             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
@@ -187,7 +187,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
             kernel_score_direct(kern, q_packed, pb.ld_k, n_rows, k_rows, ld_rows, n_keys,
                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
         else:
-            kt = packed_keys(pb, ws, first_packed + key0 // K_BLOCK, q_packed)
+            kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)
             kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
@@ -237,7 +237,8 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
             kernel_pv_direct(kern, scores_block + key0, ld_scores, n_rows, v_rows,
                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
         else:
-            v_packed = packed_values(pb, ws, first_packed + key0 // K_BLOCK, q_packed)
+            v_packed = <const floating *>packed_values(pb, ws,
+                                                       first_packed + key0 // K_BLOCK)
             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:

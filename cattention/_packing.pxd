@@ -26,7 +26,9 @@ cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
             q_packed[i * ld + c] = q_row[c * pb.q.col_stride]
 
 
-cdef inline Py_ssize_t panel_width(floating *dtype_tag) noexcept nogil:
+cdef inline Py_ssize_t panel_width(const floating *values) noexcept nogil:
+    """Values per panel row for the dtype of ``values`` (a packed block, or
+    the rows packed into one)."""
     if floating is float:
         return CA_PANEL_F32
     else:
@@ -149,19 +151,23 @@ cdef inline void zero_nonfinite(const Problem *pb, Py_ssize_t n_keys,
                 dst[0] = 0
 
 
-cdef inline floating *packed_keys(const Problem *pb, const Workspace *ws,
-                                  Py_ssize_t block, floating *dtype_tag) noexcept nogil:
-    """K^T of packed block ``block`` (= kv * n_key_blocks + key block)."""
+cdef inline void *packed_keys(const Problem *pb, const Workspace *ws,
+                              Py_ssize_t block) noexcept nogil:
+    """K^T of packed block ``block`` (= kv * n_key_blocks + key block), in
+    the compute dtype (pb.itemsize bytes per value)."""
     if ws.own_k != NULL:
-        return <floating *>ws.own_k + (block % pb.n_key_blocks) * pb.ld_k * pb.block_keys
-    return <floating *>pb.packed_k + block * pb.ld_k * pb.block_keys
+        return (<char *>ws.own_k
+                + (block % pb.n_key_blocks) * pb.ld_k * pb.block_keys * pb.itemsize)
+    return <char *>pb.packed_k + block * pb.ld_k * pb.block_keys * pb.itemsize
 
 
-cdef inline floating *packed_values(const Problem *pb, const Workspace *ws,
-                                    Py_ssize_t block, floating *dtype_tag) noexcept nogil:
+cdef inline void *packed_values(const Problem *pb, const Workspace *ws,
+                                Py_ssize_t block) noexcept nogil:
+    """V of packed block ``block``, likewise."""
     if ws.own_v != NULL:
-        return <floating *>ws.own_v + (block % pb.n_key_blocks) * pb.block_keys * pb.ld_v
-    return <floating *>pb.packed_v + block * pb.block_keys * pb.ld_v
+        return (<char *>ws.own_v
+                + (block % pb.n_key_blocks) * pb.block_keys * pb.ld_v * pb.itemsize)
+    return <char *>pb.packed_v + block * pb.block_keys * pb.ld_v * pb.itemsize
 
 
 cdef inline uint8_t *nonfinite_flag(const Problem *pb, const Workspace *ws,
@@ -173,8 +179,9 @@ cdef inline uint8_t *nonfinite_flag(const Problem *pb, const Workspace *ws,
 
 
 cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
-                            floating *dtype_tag) noexcept nogil:
-    """Pack K^T and V of one (kv, key block) from the caller's arrays."""
+                            floating *kt) noexcept nogil:
+    """Pack K^T (into kt: packed_keys of the block) and V of one (kv, key
+    block) from the caller's arrays."""
     cdef Py_ssize_t kv = block // pb.n_key_blocks
     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK
     cdef Py_ssize_t b = pb.kv_source[kv]
@@ -192,7 +199,7 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
                                                 pb.ld_k, &ld_k_rows, True)
     pack_keys_transposed(pb, k_rows, ld_k_rows,
                          1 if pb.k.storage != STORE_COMPUTE else pb.k.col_stride,
-                         n_keys, packed_keys(pb, ws, block, dtype_tag))
+                         n_keys, kt)
     cdef const floating *v_rows
     if pb.d_v > 0:
         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
@@ -200,7 +207,7 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
         nonfinite_flag(pb, ws, block)[0] = pack_values(
             pb, v_rows, ld_v_rows, 1 if pb.v.storage != STORE_COMPUTE else pb.v.col_stride,
             n_keys,
-            packed_values(pb, ws, block, dtype_tag))
+            <floating *>packed_values(pb, ws, block))
     else:
         nonfinite_flag(pb, ws, block)[0] = 0
 

@@ -25,7 +25,7 @@ from cattention._operands cimport operand_itemsize
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
     workspace_new_per_entry)
-from cattention._packing cimport pack_block
+from cattention._packing cimport pack_block, packed_keys
 from cattention._softmax cimport merge_splits
 from cattention._item_packed cimport attend_query_block, attend_query_block_with_scores
 from cattention._item_direct cimport attend_key_chunk
@@ -46,16 +46,16 @@ cdef extern from "openmp_shim.h" nogil:
 
 
 cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                                     Py_ssize_t item, Py_ssize_t n_blocks, floating *out,
+                                     Py_ssize_t item, Py_ssize_t n_query_blocks, floating *out,
                                      floating *scores) noexcept nogil:
     # One batch entry's query blocks follow each other, so the entry's
     # packed K/V stay in cache from one to the next (up to 9% faster, at 1
     # or 2 threads, than taking the entries in turn). Within an entry the
     # last query blocks, which see the most keys under a causal mask, come
     # first, so the dynamic schedule ends with cheap ones.
-    cdef Py_ssize_t block = n_blocks - 1 - item % n_blocks
-    cdef Py_ssize_t b = item // n_blocks
-    cdef Py_ssize_t row0 = block * Q_BLOCK
+    cdef Py_ssize_t query_block = n_query_blocks - 1 - item % n_query_blocks
+    cdef Py_ssize_t b = item // n_query_blocks
+    cdef Py_ssize_t row0 = query_block * Q_BLOCK
     cdef Py_ssize_t n_rows = entry_rows(pb, b) - row0
     if n_rows > Q_BLOCK:
         n_rows = Q_BLOCK
@@ -69,15 +69,16 @@ cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, 
 
 
 cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
-                                     Py_ssize_t b, Py_ssize_t n_blocks, floating *out,
+                                     Py_ssize_t b, Py_ssize_t n_query_blocks, floating *out,
                                      floating *scores) noexcept nogil:
     """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
     all its query blocks, in the order compute_query_block gives them."""
-    cdef Py_ssize_t kv_block, item
-    for kv_block in range(pb.n_key_blocks):
-        pack_block(pb, ws, pb.kv_of_batch[b] * pb.n_key_blocks + kv_block, out)
-    for item in range(b * n_blocks, (b + 1) * n_blocks):
-        compute_query_block(pb, kern, ws, item, n_blocks, out, scores)
+    cdef Py_ssize_t key_block, item, packed_block
+    for key_block in range(pb.n_key_blocks):
+        packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
+        pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
+    for item in range(b * n_query_blocks, (b + 1) * n_query_blocks):
+        compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
 
 
 cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,
@@ -179,11 +180,11 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
 cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threads,
                                 floating *out, floating *scores) noexcept nogil:
     """Pack K/V once, then blocks of query rows across threads."""
-    cdef Py_ssize_t n_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
-    cdef Py_ssize_t n_items = n_blocks * pb.n_batch
+    cdef Py_ssize_t n_query_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
+    cdef Py_ssize_t n_items = n_query_blocks * pb.n_batch
     # with few query rows K and V are read in place, not packed
     cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks
-    cdef Py_ssize_t item, block, b
+    cdef Py_ssize_t item, packed_block, b
     cdef Workspace *ws = NULL
     cdef int status = 0
     cdef int *status_ptr = &status
@@ -200,7 +201,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
     # packed blocks are still in cache. Otherwise everything is packed
     # first, then query blocks are spread over the threads.
     cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch and (
-        (n_blocks <= PER_ENTRY_MAX_BLOCKS and pb.n_batch >= 4 * n_workers)
+        (n_query_blocks <= PER_ENTRY_MAX_BLOCKS and pb.n_batch >= 4 * n_workers)
         or pb.n_batch >= PER_ENTRY_MIN_ENTRIES * n_workers))
     if per_entry:
         # each thread packs into its own blocks (compute_whole_entry)
@@ -221,17 +222,17 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
             status = -1
         else:
             for b in range(pb.n_batch):
-                compute_whole_entry(pb, kern, ws, b, n_blocks, out, scores)
+                compute_whole_entry(pb, kern, ws, b, n_query_blocks, out, scores)
             workspace_delete(ws)
     elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
         if ws == NULL:
             status = -1
         else:
-            for block in range(n_packed):
-                pack_block(pb, ws, block, out)
+            for packed_block in range(n_packed):
+                pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
             for item in range(n_items):
-                compute_query_block(pb, kern, ws, item, n_blocks, out, scores)
+                compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
             workspace_delete(ws)
     elif per_entry:
         ca_note_parallel_region()
@@ -241,7 +242,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
                 status_ptr[0] = -1
             for b in prange(pb.n_batch, schedule='dynamic'):
                 if ws != NULL:
-                    compute_whole_entry(pb, kern, ws, b, n_blocks, out, scores)
+                    compute_whole_entry(pb, kern, ws, b, n_query_blocks, out, scores)
             workspace_delete(ws)
     else:
         ca_note_parallel_region()
@@ -250,13 +251,14 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
             ws = workspace_new(pb, itemsize)
             if ws == NULL:
                 status_ptr[0] = -1
-            for block in prange(n_packed, schedule='static'):
+            for packed_block in prange(n_packed, schedule='static'):
                 if ws != NULL:
-                    pack_block(pb, ws, block, out)
+                    pack_block(pb, ws, packed_block,
+                               <floating *>packed_keys(pb, ws, packed_block))
             # (the end of a prange is a barrier: every block is packed here)
             for item in prange(n_items, schedule='dynamic'):
                 if ws != NULL:
-                    compute_query_block(pb, kern, ws, item, n_blocks, out, scores)
+                    compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
             workspace_delete(ws)
     ca_scratch_release(CA_SCRATCH_PACKED, packed)
     return status

@@ -16,11 +16,11 @@ from cattention._visibility cimport visible_ranges
 
 
 cdef inline void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t row0,
-                            Py_ssize_t n_rows, floating *dtype_tag, Py_ssize_t *first_key,
+                            Py_ssize_t n_rows, floating *acc, Py_ssize_t *first_key,
                             Py_ssize_t *last_key) noexcept nogil:
     """Visible key ranges of the rows, the range over all of them, and a
-    fresh online-softmax state (row maximum -inf, sum 0, accumulator 0)."""
-    cdef floating *acc = <floating *>ws.base + ws.off_acc
+    fresh online-softmax state (row maximum -inf, sum 0, accumulator ``acc``,
+    the workspace's, 0)."""
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef Py_ssize_t i
