@@ -258,3 +258,32 @@ def test_paged_packed_queries_shape_errors():
     with pytest.raises(ValueError, match=r"k_new must have shape \(4, 2, 8\)"):
         ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, x, x,
                                         cu_seqlens_q=[0, 1, 4])
+
+
+def test_distinct_caches_from_many_threads_give_the_serial_results():
+    """A thread pool of serving loops, each with its own paged cache: every
+    step's output and cache is bitwise what the same steps give serially."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def serve(seed):
+        rng = np.random.default_rng(seed)
+        k_pages, v_pages, table = _cache(rng, 2, 2, 16, 8, 16, 16, np.float32)
+        k_pages[:] = 0
+        v_pages[:] = 0
+        lengths = np.zeros(2, dtype=np.int64)
+        outputs = []
+        for n_new in (20, 1, 1, 7, 1):
+            q = rng.standard_normal((2 * n_new, 4, 16)).astype(np.float32)
+            kv = rng.standard_normal((2 * n_new, 2, 16)).astype(np.float32)
+            outputs.append(ca.attention_with_paged_kvcache(
+                q, k_pages, v_pages, table, lengths, kv, kv,
+                cu_seqlens_q=[0, n_new, 2 * n_new], num_threads=2))
+        return outputs, k_pages
+
+    serial = [serve(seed) for seed in range(6)]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        threaded = list(pool.map(serve, range(6)))
+    for (outs, pages), (want_outs, want_pages) in zip(threaded, serial):
+        assert_bitwise_equal(pages, want_pages)
+        for out, want in zip(outs, want_outs):
+            assert_bitwise_equal(out, want)
