@@ -99,6 +99,7 @@ extensions = [
             "cattention/_attention.pyx",
             "src/dispatch.c",
             "src/kernels_baseline.c",
+            # one line per instruction set (each file is empty elsewhere)
             "src/kernels_avx2.c",
             "src/scalar.c",
             "src/scratch.c",

@@ -30,9 +30,17 @@
 
 #include "scalar.h"
 
-/* panel width: one 64-byte cache line of floats or doubles */
+/* Panel width of the packed layout every table reads (and the driver
+   writes): one 64-byte cache line of floats or doubles. A table whose
+   vectors hold a whole panel tiles two panels side by side. */
 #define CA_PANEL_F32 16
 #define CA_PANEL_F64 8
+
+/* Every table's register tile has a number of rows that divides this; the
+   driver's blocks of query rows (Q_BLOCK = 96 and ROW_GROUP = 24 in
+   cattention/_problem.pxd) are multiples of it, so only the last rows of a
+   call take a smaller tail tile. */
+#define CA_ROW_QUANTUM 24
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,6 +48,12 @@ extern "C" {
 
 typedef struct ca_kernels {
     const char *name;
+    /* The register tile of score and P.V: rows of q, and columns (keys or
+       value columns) of float32 / float64 (the driver's row blocks are
+       multiples of the rows, see CA_ROW_QUANTUM). */
+    int tile_rows;
+    int tile_cols_f32;
+    int tile_cols_f64;
     /* s = factor * (q . kt)  (overwrites s); factor is the softmax scale.
        Scaling the finished dot product rather than q keeps one rounding
        out of every logit.
@@ -160,11 +174,16 @@ typedef struct ca_kernels {
 } ca_kernels;
 
 /* The table of one instruction set, from the file that defines a static
-   function of each entry's name: every table lists the same entries, so
-   a new entry is added here once (designated, so none can shift). */
+   function of each entry's name and its register tile (CA_TILE_ROWS rows
+   of CA_TILE_VECS vectors of CA_LANES_F32 / CA_LANES_F64 lanes): every
+   table lists the same entries, so a new entry is added here once
+   (designated, so none can shift). */
 #define CA_DEFINE_KERNEL_TABLE(table, label) \
     const ca_kernels table = { \
         .name = label, \
+        .tile_rows = CA_TILE_ROWS, \
+        .tile_cols_f32 = CA_TILE_VECS * CA_LANES_F32, \
+        .tile_cols_f64 = CA_TILE_VECS * CA_LANES_F64, \
         .score_f32 = score_f32, \
         .score_f64 = score_f64, \
         .pv_f32 = pv_f32, \
