@@ -205,7 +205,7 @@ typedef struct ca_kernels {
         .pv_direct_i8 = pv_direct_i8, \
     }
 
-/* Tables, one per instruction set compiled in. */
+/* Tables, one per instruction set compiled in (listed in dispatch.c). */
 extern const ca_kernels ca_kernels_baseline;
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define CA_HAVE_X86_KERNELS 1
@@ -220,6 +220,8 @@ const ca_kernels *ca_default_kernels(void);
 const ca_kernels *ca_kernels_by_name(const char *name);
 /* Names of the tables this CPU runs, best last; returns how many. */
 int ca_available_kernels(const char **names, int capacity);
+/* Names of every table compiled in, runnable here or not, best last. */
+int ca_compiled_kernels(const char **names, int capacity);
 #ifdef __cplusplus
 }
 #endif
