@@ -101,6 +101,7 @@ extensions = [
             "src/kernels_baseline.c",
             # one line per instruction set (each file is empty elsewhere)
             "src/kernels_avx2.c",
+            "src/kernels_avx512.c",
             "src/scalar.c",
             "src/scratch.c",
             "src/fork_safety.c",

@@ -46,6 +46,7 @@ static unsigned long long xgetbv0(void)
 
 /* XCR0: the register state the OS saves, so that a thread may use it */
 #define XCR0_XMM_YMM 0x6ull         /* bits 1-2: SSE, AVX */
+#define XCR0_ZMM 0xe0ull            /* bits 5-7: opmask, ZMM_Hi256, Hi16_ZMM */
 
 static int cpu_has_avx2_fma(void) /* and F16C, which every AVX2 CPU has */
 {
@@ -65,6 +66,21 @@ static int cpu_has_avx2_fma(void) /* and F16C, which every AVX2 CPU has */
     cpuid_count(7, 0, regs);
     return (regs[1] >> 5) & 1; /* EBX bit 5: AVX2 */
 }
+
+/* AVX-512 F, DQ, BW and VL (Skylake-SP and later, Zen 4 and later), on
+   top of AVX2, with the opmask and ZMM state enabled by the OS */
+static int cpu_has_avx512(void)
+{
+    if (!cpu_has_avx2_fma())
+        return 0;
+    if ((xgetbv0() & (XCR0_XMM_YMM | XCR0_ZMM)) != (XCR0_XMM_YMM | XCR0_ZMM))
+        return 0;
+    unsigned regs[4];
+    cpuid_count(7, 0, regs);
+    /* EBX bits 16 F, 17 DQ, 30 BW, 31 VL */
+    const unsigned needed = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
+    return (regs[1] & needed) == needed;
+}
 #endif
 
 static int runs_everywhere(void) { return 1; }
@@ -77,6 +93,7 @@ static const struct {
     {&ca_kernels_baseline, runs_everywhere},
 #if CA_HAVE_X86_KERNELS
     {&ca_kernels_avx2, cpu_has_avx2_fma},
+    {&ca_kernels_avx512, cpu_has_avx512},
 #endif
 };
 

@@ -210,6 +210,7 @@ extern const ca_kernels ca_kernels_baseline;
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define CA_HAVE_X86_KERNELS 1
 extern const ca_kernels ca_kernels_avx2;
+extern const ca_kernels ca_kernels_avx512;
 #else
 #define CA_HAVE_X86_KERNELS 0
 #endif
