@@ -102,6 +102,7 @@ extensions = [
             # one line per instruction set (each file is empty elsewhere)
             "src/kernels_avx2.c",
             "src/kernels_avx512.c",
+            "src/kernels_neon.c",
             "src/scalar.c",
             "src/scratch.c",
             "src/fork_safety.c",

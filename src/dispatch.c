@@ -1,7 +1,8 @@
 /*
  * Runtime choice of the kernel table: CPUID says what the CPU decodes, XGETBV
  * says whether the OS saves the wider registers on a context switch; both must
- * hold before a SIMD table is used. CATTENTION_SIMD=<name> asks for a table by
+ * hold before a SIMD table is used (on aarch64, NEON is part of the base
+ * instruction set). CATTENTION_SIMD=<name> asks for a table by
  * name (an unknown or unsupported name falls back to the best one; the Python
  * layer reports which table is in use).
  *
@@ -94,6 +95,9 @@ static const struct {
 #if CA_HAVE_X86_KERNELS
     {&ca_kernels_avx2, cpu_has_avx2_fma},
     {&ca_kernels_avx512, cpu_has_avx512},
+#endif
+#if CA_HAVE_NEON_KERNELS
+    {&ca_kernels_neon, runs_everywhere},    /* NEON is part of aarch64 */
 #endif
 };
 

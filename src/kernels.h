@@ -214,6 +214,12 @@ extern const ca_kernels ca_kernels_avx512;
 #else
 #define CA_HAVE_X86_KERNELS 0
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define CA_HAVE_NEON_KERNELS 1
+extern const ca_kernels ca_kernels_neon;
+#else
+#define CA_HAVE_NEON_KERNELS 0
+#endif
 
 /* The best table this CPU supports, or the one CATTENTION_SIMD names. */
 const ca_kernels *ca_default_kernels(void);
