@@ -107,6 +107,8 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 
 /* ---- the kernels of both element types ----------------------------- */
 
+/* the parameters of kernels_simd_typed.h (which undefines them at its end) */
+
 #define CA_T float
 #define CA_NAME(x) x##_f32
 #define CA_V(op) vf32_##op
@@ -125,23 +127,6 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_EXP_COEF ca_expf_coef
 #define CA_EXP_DEGREE 6
 #include "kernels_simd_typed.h"
-#undef CA_T
-#undef CA_NAME
-#undef CA_V
-#undef CA_P
-#undef CA_VEC
-#undef CA_MASK
-#undef CA_PRED
-#undef CA_LANES
-#undef CA_PANEL
-#undef CA_ROUND_MAGIC
-#undef CA_EXP_MIN
-#undef CA_EXP_MAX
-#undef CA_LOG2E
-#undef CA_LN2_HI
-#undef CA_LN2_LO
-#undef CA_EXP_COEF
-#undef CA_EXP_DEGREE
 
 #define CA_T double
 #define CA_NAME(x) x##_f64
@@ -161,23 +146,6 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_EXP_COEF ca_expd_coef
 #define CA_EXP_DEGREE 13
 #include "kernels_simd_typed.h"
-#undef CA_T
-#undef CA_NAME
-#undef CA_V
-#undef CA_P
-#undef CA_VEC
-#undef CA_MASK
-#undef CA_PRED
-#undef CA_LANES
-#undef CA_PANEL
-#undef CA_ROUND_MAGIC
-#undef CA_EXP_MIN
-#undef CA_EXP_MAX
-#undef CA_LOG2E
-#undef CA_LN2_HI
-#undef CA_LN2_LO
-#undef CA_EXP_COEF
-#undef CA_EXP_DEGREE
 
 /* ---- float32 only: conversions, soft-capping, packing ---------------- */
 

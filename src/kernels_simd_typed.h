@@ -5,7 +5,8 @@
  *   CA_NAME(x)  x with the type's suffix (score -> score_f32)
  *   CA_V(op)    the mapping's operation on that type (load -> vf32_load)
  *   CA_VEC, CA_MASK, CA_PRED, CA_LANES, CA_PANEL, and the e^x constants
- * defined, and the mapping (simd_<isa>.h) already included.
+ * defined, and the mapping (simd_<isa>.h) already included; it undefines
+ * them at its end, ready for the next type.
  */
 
 /* vectors of a register tile that share one panel of the packed layout;
@@ -356,3 +357,20 @@ CA_SIMD_TARGET static void CA_NAME(pv_direct)(const CA_T *p, ptrdiff_t ldp, ptrd
 }
 
 #undef CA_VECS_PER_PANEL
+#undef CA_T
+#undef CA_NAME
+#undef CA_V
+#undef CA_P
+#undef CA_VEC
+#undef CA_MASK
+#undef CA_PRED
+#undef CA_LANES
+#undef CA_PANEL
+#undef CA_ROUND_MAGIC
+#undef CA_EXP_MIN
+#undef CA_EXP_MAX
+#undef CA_LOG2E
+#undef CA_LN2_HI
+#undef CA_LN2_LO
+#undef CA_EXP_COEF
+#undef CA_EXP_DEGREE

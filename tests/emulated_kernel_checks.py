@@ -9,9 +9,11 @@ that are split across lanes differ with the lane count and are held to a
 rounding bound instead.
 
 Run as a program (a fresh process: one emulator per process) it prints one
-JSON object: {"checks": {name: [failure, ...]}, "counts": {...}}; the test
-module tests/test_avx512_emulated.py reads it. The counts are emulated
-instructions per floating-point operation of the score and P.V kernels.
+JSON object: {"checks": {name: [failure, ...]}, "counts": {...},
+"dispatch": {...}}; the test module tests/test_avx512_emulated.py reads it.
+The counts are emulated instructions per floating-point operation of the
+score and P.V kernels; "dispatch" is what dispatch.c chooses on the
+emulated CPU with and without the OS saving the ZMM state.
 """
 
 import json
@@ -461,6 +463,25 @@ class Checks:
         return list(self.failures)
 
 
+def dispatch_choices(machine):
+    """What dispatch.c chooses on the emulated Skylake-X, with the OS saving
+    the ZMM state (XCR0 = 0xE7) and without it (0x07, AVX only): the tables
+    it calls runnable and the default one."""
+    choices = {}
+    for label, xcr0 in (("zmm_enabled", 0xE7), ("zmm_disabled", 0x07)):
+        machine.reset_arena()
+        names_at, _ = machine.empty((8,), np.uint64)
+        n = machine.call(machine.symbols["ca_available_kernels"], [("i", names_at), ("i", 8)],
+                         returns="i", xcr0=xcr0)
+        pointers = machine.read(names_at, np.uint64, n)
+        default = machine.call(machine.symbols["ca_default_kernels"], [], returns="p", xcr0=xcr0)
+        by_address = {machine.symbols[symbol]: name
+                      for name, symbol in x86_emulator.TABLES.items()}
+        choices[label] = {"available": [machine.read_string(int(p)) for p in pointers],
+                          "default": by_address.get(default, hex(default))}
+    return choices
+
+
 def instruction_counts(machine, rows=48, cols=128, depth=64):
     """Emulated instructions per floating-point operation of one score and
     one P.V call of rows x cols x depth, per table and dtype."""
@@ -495,13 +516,14 @@ def instruction_counts(machine, rows=48, cols=128, depth=64):
 def main():
     machine = x86_emulator.Machine()
     checks = Checks(machine)
-    report = {"checks": {}, "counts": {}}
+    report = {"checks": {}, "counts": {}, "dispatch": {}}
     for name in CHECKS:
         try:
             report["checks"][name] = checks.run(name)
         except x86_emulator.EmulationError as exc:
             report["checks"][name] = [f"emulation failed: {exc}"]
     report["counts"] = instruction_counts(machine)
+    report["dispatch"] = dispatch_choices(machine)
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -53,6 +53,13 @@ def test_avx512_tiles_need_fewer_instructions(report, kernel):
         f"{kernel}: {avx512:.4f} instructions per flop on AVX-512, {avx2:.4f} on AVX2")
 
 
+def test_dispatch_picks_avx512_only_with_zmm_state(report):
+    """CPUID of the emulated Skylake-X reports AVX-512; XGETBV decides."""
+    enabled, disabled = report["dispatch"]["zmm_enabled"], report["dispatch"]["zmm_disabled"]
+    assert enabled == {"available": ["baseline", "avx2", "avx512"], "default": "avx512"}
+    assert disabled == {"available": ["baseline", "avx2"], "default": "avx2"}
+
+
 def test_avx512_table_is_compiled_in():
     from cattention import _attention
     assert "avx512" in list(_attention.compiled_simd())

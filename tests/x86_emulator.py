@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 HERE = Path(__file__).resolve().parent / "emulated"
 
-#: the files of the image: every x86 kernel table and what they call
+#: the files of the image: every x86 kernel table, what they call, and the
+#: table registry with its CPUID / XGETBV checks
 IMAGE_SOURCES = [SRC / "kernels_baseline.c", SRC / "kernels_avx2.c", SRC / "kernels_avx512.c",
-                 SRC / "scalar.c", HERE / "image_support.c"]
+                 SRC / "scalar.c", SRC / "dispatch.c", HERE / "image_support.c"]
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-pic", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fcf-protection=none",
           "-fno-tree-loop-distribute-patterns", "-ffunction-sections", "-fdata-sections",
@@ -70,7 +71,8 @@ def build_image(workdir):
                        check=True, capture_output=True, text=True)
         objects.append(str(obj))
     elf = workdir / "image.elf"
-    roots = [f"-u{name}" for name in (*TABLES.values(), "ca_image_fields")]
+    roots = [f"-u{name}" for name in (*TABLES.values(), "ca_image_fields",
+                                      "ca_available_kernels", "ca_default_kernels")]
     subprocess.run(["ld", "-static", "-nostdlib", "--gc-sections", "-T", str(HERE / "image.ld"),
                     *roots, *objects, "-o", str(elf)], check=True, capture_output=True, text=True)
     flat = workdir / "image.bin"
@@ -202,14 +204,14 @@ class Machine:
         for i in range(RAM_BYTES >> 21):
             entries[1024 + i] = (i << 21) | 0x83           # present, writable, 2 MiB
 
-    def _state(self):
+    def _state(self, xcr0):
         b = self._bochscpu
         state = b.State()
         state.cr0 = 0x80010033      # PE MP ET NE WP PG
         state.cr3 = PAGE_TABLES
         state.cr4 = 0x40620         # PAE OSFXSR OSXMMEXCPT OSXSAVE
         state.efer = 0xD00          # LME LMA NXE
-        state.xcr0 = 0xE7           # x87 SSE AVX opmask ZMM_Hi256 Hi16_ZMM
+        state.xcr0 = xcr0
         state.mxcsr = 0x1F80
         state.rflags = 0x2
         cs = b.Segment()
@@ -258,14 +260,22 @@ class Machine:
     def read(self, address, dtype, count):
         return self.view(address, dtype, (count,)).copy()
 
+    def read_string(self, address):
+        end = address
+        while self.ram[end] != 0:
+            end += 1
+        return bytes(self.ram[address:end]).decode()
+
     # ---- calls ----
 
-    def call(self, address, args, returns=None, count=False):
+    def call(self, address, args, returns=None, count=False, xcr0=0xE7):
         """Call the function at address with args, a list of ("i", int),
         ("f", float) or ("d", float). Returns the result (returns: None,
-        "i", "f" or "d") and, if count, the number of instructions run."""
+        "i", "f", "d", or "p" for a pointer) and, if count, the number of
+        instructions run. xcr0 is the register state the "OS" enabled (by
+        default x87, SSE, AVX, opmask, ZMM_Hi256 and Hi16_ZMM)."""
         integer_regs = ["rdi", "rsi", "rdx", "rcx", "r8", "r9"]
-        state = self._state()
+        state = self._state(xcr0)
         ints = [int(v) for kind, v in args if kind == "i"]
         floats = [(kind, v) for kind, v in args if kind != "i"]
         if len(floats) > 8:
@@ -302,7 +312,9 @@ class Machine:
         if final.rip != HALT + 1:
             raise EmulationError(f"stopped at rip {final.rip:#x}, not at the return hlt")
         result = None
-        if returns == "i":
+        if returns == "p":
+            result = final.rax
+        elif returns == "i":
             result = final.rax & 0xFFFFFFFF
             result = result - (1 << 32) if result >> 31 else result
         elif returns == "f":

@@ -1,8 +1,9 @@
 /*
- * What the freestanding kernel image needs beside the kernels
- * (tests/x86_emulator.py): the memory functions the compiler may call, and
- * where each entry of a kernel table lies, so that the harness finds them
- * without knowing the struct's layout.
+ * What the kernel image needs beside the kernels (tests/x86_emulator.py):
+ * the C library functions the compiler or dispatch.c may call (the guest
+ * has no environment, so getenv finds nothing), and where each entry of a
+ * kernel table lies, so that the harness finds them without knowing the
+ * struct's layout.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -37,6 +38,19 @@ void *memset(void *dst, int value, size_t n)
     while (n--)
         *d++ = (unsigned char)value;
     return dst;
+}
+
+int strcmp(const char *a, const char *b)
+{
+    while (*a && *a == *b)
+        ++a, ++b;
+    return (unsigned char)*a - (unsigned char)*b;
+}
+
+char *getenv(const char *name)
+{
+    (void)name;
+    return NULL;
 }
 
 /* byte offsets of the entries, in the order of x86_emulator.FIELDS */
