@@ -14,7 +14,7 @@ TEST_DEPS := $(VENV)/.test-deps
 BUILT := build/.cattention-built
 SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd src/*.c src/*.h)
 
-.PHONY: install build run test test-arm typecheck lint annotate wheel wheel-test bench bench-deps bench-quick \
+.PHONY: install build run test typecheck lint annotate wheel wheel-test bench bench-deps bench-quick \
 	bench-pipeline asan fuzz reliability clean distclean
 
 $(VPY):
@@ -58,6 +58,7 @@ ARM_RUN ?= qemu-aarch64
 ARM_BUILD := build/arm
 ARM_CFLAGS := -O3 -fno-math-errno -Wall -Wextra -Wno-unused-function -Isrc -Icattention/include
 ARM_KERNELS := src/kernels_neon.c src/kernels_baseline.c src/scalar.c src/dispatch.c
+.PHONY: test-arm
 test-arm:
 	@command -v $(ARM_CC) >/dev/null && command -v $(ARM_RUN) >/dev/null || { \
 		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
