@@ -516,7 +516,7 @@ def instruction_counts(machine, rows=48, cols=128, depth=64):
 def main():
     machine = x86_emulator.Machine()
     checks = Checks(machine)
-    report = {"checks": {}, "counts": {}, "dispatch": {}}
+    report = {"checks": {}, "counts": {}, "dispatch": {}, "cpuid7_ecx": None}
     for name in CHECKS:
         try:
             report["checks"][name] = checks.run(name)
@@ -524,6 +524,7 @@ def main():
             report["checks"][name] = [f"emulation failed: {exc}"]
     report["counts"] = instruction_counts(machine)
     report["dispatch"] = dispatch_choices(machine)
+    report["cpuid7_ecx"] = machine.call(machine.symbols["ca_image_cpuid7_ecx"], [], returns="i")
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -32,11 +32,19 @@ def report():
     except ImportError as exc:
         if "__isoc23" not in str(exc):      # the old-glibc case is handled in the worker
             pytest.fail(f"bochscpu-python==0.4.0 (a test requirement) is needed: {exc}")
+    # the timeout stops a kernel that never returns (the emulator cannot be
+    # interrupted from another thread); the checks take a few seconds
     run = subprocess.run([sys.executable, emulated_kernel_checks.__file__],
                          capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
         pytest.fail(f"the emulated checks did not run:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_emulated_cpu_is_skylake_x(report):
+    """The model without AVX512_VBMI (CPUID.7.0:ECX bit 1), so that a kernel
+    using more than F, CD, BW, DQ and VL would fault."""
+    assert report["cpuid7_ecx"] & (1 << 1) == 0
 
 
 @pytest.mark.parametrize("kernel", emulated_kernel_checks.CHECKS)

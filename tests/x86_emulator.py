@@ -72,7 +72,8 @@ def build_image(workdir):
         objects.append(str(obj))
     elf = workdir / "image.elf"
     roots = [f"-u{name}" for name in (*TABLES.values(), "ca_image_fields",
-                                      "ca_available_kernels", "ca_default_kernels")]
+                                      "ca_available_kernels", "ca_default_kernels",
+                                      "ca_image_cpuid7_ecx")]
     subprocess.run(["ld", "-static", "-nostdlib", "--gc-sections", "-T", str(HERE / "image.ld"),
                     *roots, *objects, "-o", str(elf)], check=True, capture_output=True, text=True)
     flat = workdir / "image.bin"
