@@ -6,6 +6,9 @@
  * OpenMP; these functions know nothing of Python, of masks or of threads.
  * Every instruction set provides the same table (ca_kernels); one is chosen at
  * import after a CPUID/XGETBV check and may be forced with CATTENTION_SIMD.
+ * The portable table is plain C (kernels_baseline.c); the SIMD tables are one
+ * source (kernels_simd.h) compiled over each instruction set's vocabulary
+ * (simd_<isa>.h) by its kernels_<isa>.c, and listed in dispatch.c.
  *
  * Layouts (allocated and packed by the driver):
  *   q   n_rows x d_k, row-major, leading dimension ldq
