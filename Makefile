@@ -48,6 +48,30 @@ run: $(BUILT)
 test: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pytest -q tests
 
+# The NEON table against the portable one on an emulated aarch64 CPU: the
+# kernels cross-compiled with Debian's gcc-aarch64-linux-gnu into a static
+# test program (tests/arm/neon_kernels.c) run under qemu-aarch64 (package
+# qemu-user); both are installed with apt-get when missing. Every C file of
+# src/ must also compile for aarch64 (the sdist builds there).
+ARM_CC ?= aarch64-linux-gnu-gcc
+ARM_RUN ?= qemu-aarch64
+ARM_BUILD := build/arm
+ARM_CFLAGS := -O3 -fno-math-errno -Wall -Wextra -Wno-unused-function -Isrc -Icattention/include
+ARM_KERNELS := src/kernels_neon.c src/kernels_baseline.c src/scalar.c src/dispatch.c
+.PHONY: test-arm
+test-arm:
+	@command -v $(ARM_CC) >/dev/null && command -v $(ARM_RUN) >/dev/null || { \
+		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update && \
+		$$sudo apt-get install -y gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; }
+	@mkdir -p $(ARM_BUILD)
+	@for f in src/*.c; do \
+		$(ARM_CC) $(ARM_CFLAGS) -fopenmp -c $$f -o $(ARM_BUILD)/$$(basename $$f .c).o || exit 1; \
+	done; echo "src/*.c compiled for aarch64"
+	$(ARM_CC) $(ARM_CFLAGS) -static tests/arm/neon_kernels.c $(ARM_KERNELS) -lm \
+		-o $(ARM_BUILD)/neon_kernels
+	$(ARM_RUN) $(ARM_BUILD)/neon_kernels
+
 typecheck: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m mypy
 

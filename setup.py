@@ -99,7 +99,10 @@ extensions = [
             "cattention/_attention.pyx",
             "src/dispatch.c",
             "src/kernels_baseline.c",
+            # one line per instruction set (each file is empty elsewhere)
             "src/kernels_avx2.c",
+            "src/kernels_avx512.c",
+            "src/kernels_neon.c",
             "src/scalar.c",
             "src/scratch.c",
             "src/fork_safety.c",

@@ -68,7 +68,7 @@ def show_config() -> None:
     thread count a call would use (:func:`get_num_threads`); the OpenMP
     runtime library loaded (libgomp, libomp, or the copy inside a wheel); how
     its idle threads wait (see "Threads" in the README); the SIMD kernel table
-    in use and those this CPU can run; the NumPy version.
+    in use, those compiled in and those this CPU can run; the NumPy version.
 
     Returns
     -------
@@ -84,7 +84,7 @@ def show_config() -> None:
       OpenMP:   ... threads: ...
       runtime:  ...
       waiting:  ...
-      SIMD:     ... (available: ...)
+      SIMD:     ... (compiled: ...; available: ...)
       NumPy:    ...
     """
     if not _attention.openmp_enabled():
@@ -102,7 +102,8 @@ def show_config() -> None:
         f"  runtime:  {runtime}",
         f"  waiting:  {_wait_policy}",
         f"  SIMD:     {_attention.get_simd()} "
-        f"(available: {', '.join(_attention.available_simd())}; "
+        f"(compiled: {', '.join(_attention.compiled_simd())}; "
+        f"available: {', '.join(_attention.available_simd())}; "
         "CATTENTION_SIMD selects one)",
         f"  NumPy:    {_np.__version__}",
     ]

@@ -45,6 +45,17 @@ from libc.stdlib cimport free
 from cattention._kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels,
     ca_forked_after_parallel, ca_kernels, ca_kernels_by_name, intp_t)
+# The table's register tile and the list of tables compiled in: only this
+# module's introspection reads them, so they are declared here rather than
+# in _kernel_table.pxd (ca_kernel_tile is ca_kernels seen through these
+# fields alone).
+cdef extern from "kernels.h" nogil:
+    int ca_compiled_kernels(const char **names, int capacity)
+    ctypedef struct ca_kernel_tile "ca_kernels":
+        int tile_rows
+        int tile_cols_f32
+        int tile_cols_f64
+
 from cattention._problem cimport (
     DIRECT_ROWS, MAX_THREADS, Problem, problem_finish, problem_init, set_operand)
 from cattention._schedule cimport (
@@ -166,6 +177,21 @@ def available_simd():
     cdef const char *names[8]
     cdef int n = ca_available_kernels(names, 8)
     return [(<bytes>names[i]).decode() for i in range(n)]
+
+
+def compiled_simd():
+    """Names of the kernel tables compiled in, whether this CPU runs them or
+    not, best last."""
+    cdef const char *names[8]
+    cdef int n = ca_compiled_kernels(names, 8)
+    return [(<bytes>names[i]).decode() for i in range(n)]
+
+
+def simd_tile():
+    """The register tile of the table in use: (rows, float32 columns,
+    float64 columns)."""
+    cdef const ca_kernel_tile *tile = <const ca_kernel_tile *>_kernels
+    return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)
 
 
 def set_simd(name):

@@ -1,9 +1,14 @@
 /*
  * Runtime choice of the kernel table: CPUID says what the CPU decodes, XGETBV
  * says whether the OS saves the wider registers on a context switch; both must
- * hold before a SIMD table is used. CATTENTION_SIMD=<name> asks for a table by
+ * hold before a SIMD table is used (on aarch64, NEON is part of the base
+ * instruction set). CATTENTION_SIMD=<name> asks for a table by
  * name (an unknown or unsupported name falls back to the best one; the Python
  * layer reports which table is in use).
+ *
+ * All tables compiled in are listed once, in `registry`, each with the check
+ * that says whether this CPU runs it; adding an instruction set adds a line
+ * there.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +45,10 @@ static unsigned long long xgetbv0(void)
 #endif
 }
 
+/* XCR0: the register state the OS saves, so that a thread may use it */
+#define XCR0_XMM_YMM 0x6ull         /* bits 1-2: SSE, AVX */
+#define XCR0_ZMM 0xe0ull            /* bits 5-7: opmask, ZMM_Hi256, Hi16_ZMM */
+
 static int cpu_has_avx2_fma(void) /* and F16C, which every AVX2 CPU has */
 {
     unsigned regs[4];
@@ -53,36 +62,71 @@ static int cpu_has_avx2_fma(void) /* and F16C, which every AVX2 CPU has */
     const int has_f16c = (regs[2] >> 29) & 1;
     if (!(has_fma && has_osxsave && has_avx && has_f16c))
         return 0;
-    /* XMM (bit 1) and YMM (bit 2) state enabled by the OS */
-    if ((xgetbv0() & 0x6) != 0x6)
+    if ((xgetbv0() & XCR0_XMM_YMM) != XCR0_XMM_YMM)
         return 0;
     cpuid_count(7, 0, regs);
     return (regs[1] >> 5) & 1; /* EBX bit 5: AVX2 */
 }
+
+/* AVX-512 F, DQ, BW and VL (Skylake-SP and later, Zen 4 and later), on
+   top of AVX2, with the opmask and ZMM state enabled by the OS */
+static int cpu_has_avx512(void)
+{
+    if (!cpu_has_avx2_fma())
+        return 0;
+    if ((xgetbv0() & (XCR0_XMM_YMM | XCR0_ZMM)) != (XCR0_XMM_YMM | XCR0_ZMM))
+        return 0;
+    unsigned regs[4];
+    cpuid_count(7, 0, regs);
+    /* EBX bits 16 F, 17 DQ, 30 BW, 31 VL */
+    const unsigned needed = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
+    return (regs[1] & needed) == needed;
+}
 #endif
+
+static int runs_everywhere(void) { return 1; }
+
+/* Every table compiled in, best last, with the check that this CPU runs it. */
+static const struct {
+    const ca_kernels *table;
+    int (*runs_here)(void);
+} registry[] = {
+    {&ca_kernels_baseline, runs_everywhere},
+#if CA_HAVE_X86_KERNELS
+    {&ca_kernels_avx2, cpu_has_avx2_fma},
+    {&ca_kernels_avx512, cpu_has_avx512},
+#endif
+#if CA_HAVE_NEON_KERNELS
+    {&ca_kernels_neon, runs_everywhere},    /* NEON is part of aarch64 */
+#endif
+};
+
+#define N_TABLES ((int)(sizeof registry / sizeof registry[0]))
 
 const ca_kernels *ca_kernels_by_name(const char *name)
 {
     if (name == NULL)
         return NULL;
-    if (strcmp(name, "baseline") == 0)
-        return &ca_kernels_baseline;
-#if CA_HAVE_X86_KERNELS
-    if (strcmp(name, "avx2") == 0 && cpu_has_avx2_fma())
-        return &ca_kernels_avx2;
-#endif
+    for (int i = 0; i < N_TABLES; ++i)
+        if (strcmp(name, registry[i].table->name) == 0)
+            return registry[i].runs_here() ? registry[i].table : NULL;
     return NULL;
 }
 
 int ca_available_kernels(const char **names, int capacity)
 {
     int n = 0;
-    if (n < capacity)
-        names[n++] = ca_kernels_baseline.name;
-#if CA_HAVE_X86_KERNELS
-    if (n < capacity && cpu_has_avx2_fma())
-        names[n++] = ca_kernels_avx2.name;
-#endif
+    for (int i = 0; i < N_TABLES && n < capacity; ++i)
+        if (registry[i].runs_here())
+            names[n++] = registry[i].table->name;
+    return n;
+}
+
+int ca_compiled_kernels(const char **names, int capacity)
+{
+    int n = 0;
+    for (int i = 0; i < N_TABLES && n < capacity; ++i)
+        names[n++] = registry[i].table->name;
     return n;
 }
 
@@ -91,9 +135,8 @@ const ca_kernels *ca_default_kernels(void)
     const ca_kernels *forced = ca_kernels_by_name(getenv("CATTENTION_SIMD"));
     if (forced != NULL)
         return forced;
-#if CA_HAVE_X86_KERNELS
-    if (cpu_has_avx2_fma())
-        return &ca_kernels_avx2;
-#endif
+    for (int i = N_TABLES - 1; i > 0; --i)
+        if (registry[i].runs_here())
+            return registry[i].table;
     return &ca_kernels_baseline;
 }

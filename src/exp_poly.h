@@ -44,6 +44,11 @@
 #define CA_EXPD_MAX (709.0)
 #define CA_ROUND_MAGIC_F64 6755399441055744.0 /* 1.5 * 2^52 */
 
+/* The float polynomial by degree, for the vector forms (Horner from the top) */
+static const float ca_expf_coef[7] = {
+    1.0f, 1.0f, CA_EXPF_C2, CA_EXPF_C3, CA_EXPF_C4, CA_EXPF_C5, CA_EXPF_C6,
+};
+
 /* 1 / k!, k = 0..13 */
 static const double ca_expd_coef[14] = {
     1.0,

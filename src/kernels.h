@@ -6,6 +6,9 @@
  * OpenMP; these functions know nothing of Python, of masks or of threads.
  * Every instruction set provides the same table (ca_kernels); one is chosen at
  * import after a CPUID/XGETBV check and may be forced with CATTENTION_SIMD.
+ * The portable table is plain C (kernels_baseline.c); the SIMD tables are one
+ * source (kernels_simd.h) compiled over each instruction set's vocabulary
+ * (simd_<isa>.h) by its kernels_<isa>.c, and listed in dispatch.c.
  *
  * Layouts (allocated and packed by the driver):
  *   q   n_rows x d_k, row-major, leading dimension ldq
@@ -30,9 +33,17 @@
 
 #include "scalar.h"
 
-/* panel width: one 64-byte cache line of floats or doubles */
+/* Panel width of the packed layout every table reads (and the driver
+   writes): one 64-byte cache line of floats or doubles. A table whose
+   vectors hold a whole panel tiles two panels side by side. */
 #define CA_PANEL_F32 16
 #define CA_PANEL_F64 8
+
+/* Every table's register tile has a number of rows that divides this; the
+   driver's blocks of query rows (Q_BLOCK = 96 and ROW_GROUP = 24 in
+   cattention/_problem.pxd) are multiples of it, so only the last rows of a
+   call take a smaller tail tile. */
+#define CA_ROW_QUANTUM 24
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,6 +51,12 @@ extern "C" {
 
 typedef struct ca_kernels {
     const char *name;
+    /* The register tile of score and P.V: rows of q, and columns (keys or
+       value columns) of float32 / float64 (the driver's row blocks are
+       multiples of the rows, see CA_ROW_QUANTUM). */
+    int tile_rows;
+    int tile_cols_f32;
+    int tile_cols_f64;
     /* s = factor * (q . kt)  (overwrites s); factor is the softmax scale.
        Scaling the finished dot product rather than q keeps one rounding
        out of every logit.
@@ -160,11 +177,16 @@ typedef struct ca_kernels {
 } ca_kernels;
 
 /* The table of one instruction set, from the file that defines a static
-   function of each entry's name: every table lists the same entries, so
-   a new entry is added here once (designated, so none can shift). */
+   function of each entry's name and its register tile (CA_TILE_ROWS rows
+   of CA_TILE_VECS vectors of CA_LANES_F32 / CA_LANES_F64 lanes): every
+   table lists the same entries, so a new entry is added here once
+   (designated, so none can shift). */
 #define CA_DEFINE_KERNEL_TABLE(table, label) \
     const ca_kernels table = { \
         .name = label, \
+        .tile_rows = CA_TILE_ROWS, \
+        .tile_cols_f32 = CA_TILE_VECS * CA_LANES_F32, \
+        .tile_cols_f64 = CA_TILE_VECS * CA_LANES_F64, \
         .score_f32 = score_f32, \
         .score_f64 = score_f64, \
         .pv_f32 = pv_f32, \
@@ -186,13 +208,20 @@ typedef struct ca_kernels {
         .pv_direct_i8 = pv_direct_i8, \
     }
 
-/* Tables, one per instruction set compiled in. */
+/* Tables, one per instruction set compiled in (listed in dispatch.c). */
 extern const ca_kernels ca_kernels_baseline;
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #define CA_HAVE_X86_KERNELS 1
 extern const ca_kernels ca_kernels_avx2;
+extern const ca_kernels ca_kernels_avx512;
 #else
 #define CA_HAVE_X86_KERNELS 0
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define CA_HAVE_NEON_KERNELS 1
+extern const ca_kernels ca_kernels_neon;
+#else
+#define CA_HAVE_NEON_KERNELS 0
 #endif
 
 /* The best table this CPU supports, or the one CATTENTION_SIMD names. */
@@ -201,6 +230,8 @@ const ca_kernels *ca_default_kernels(void);
 const ca_kernels *ca_kernels_by_name(const char *name);
 /* Names of the tables this CPU runs, best last; returns how many. */
 int ca_available_kernels(const char **names, int capacity);
+/* Names of every table compiled in, runnable here or not, best last. */
+int ca_compiled_kernels(const char **names, int capacity);
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,12 @@
 #include "kernels.h"
 #include "exp_poly.h"
 
+/* the loops below compute one row of one panel at a time */
+#define CA_TILE_ROWS 1
+#define CA_TILE_VECS 1
+#define CA_LANES_F32 CA_PANEL_F32
+#define CA_LANES_F64 CA_PANEL_F64
+
 #define CA_DEFINE_PORTABLE_KERNELS(T, SUFFIX, EXP, PANEL)                     \
 static void score_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,         \
                            const T *kt, ptrdiff_t kt_panel_stride,              \

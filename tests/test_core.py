@@ -568,6 +568,24 @@ def test_private_simd_api():
     assert _attention.get_simd() in levels
 
 
+def test_compiled_tables_list_the_runnable_ones():
+    from cattention import _attention
+    compiled = list(_attention.compiled_simd())
+    assert compiled[0] == "baseline"
+    assert set(_attention.available_simd()) <= set(compiled)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert "avx2" in compiled
+
+
+def test_register_tile_fits_the_row_blocks(simd):
+    """The driver's row blocks (Q_BLOCK = 96, ROW_GROUP = 24) are whole tiles
+    of every table, and a tile is whole panels (16 floats, 8 doubles) wide."""
+    from cattention import _attention
+    rows, cols_f32, cols_f64 = _attention.simd_tile()
+    assert 24 % rows == 0 and 96 % rows == 0
+    assert cols_f32 % 16 == 0 and cols_f64 % 8 == 0
+
+
 def _cpu_has_avx2():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -605,7 +623,7 @@ def test_simd_paths_agree_closely(dtype):
         np.testing.assert_allclose(scores, base[1], rtol=0, atol=tol, err_msg=name)
 
 
-@pytest.mark.parametrize("level", ["baseline", "avx2"])
+@pytest.mark.parametrize("level", ["baseline", "avx2", "avx512", "neon"])
 def test_env_var_selects_simd_path(level):
     from cattention import _attention
     if level not in list(_attention.available_simd()):

@@ -1,0 +1,376 @@
+/*
+ * The SIMD kernels that exist for both float32 and float64, written once
+ * for one element type. kernels_simd.h includes this file twice, with
+ *   CA_T        the element type (float, double)
+ *   CA_NAME(x)  x with the type's suffix (score -> score_f32)
+ *   CA_V(op)    the mapping's operation on that type (load -> vf32_load)
+ *   CA_VEC, CA_MASK, CA_PRED, CA_LANES, CA_PANEL, and the e^x constants
+ * defined, and the mapping (simd_<isa>.h) already included; it undefines
+ * them at its end, ready for the next type.
+ */
+
+/* vectors of a register tile that share one panel of the packed layout;
+   a tile spans one panel or two side by side (two when the vector holds a
+   whole panel, so that a row of the tile is still two vectors wide) */
+#define CA_VECS_PER_PANEL (CA_PANEL / CA_LANES)
+_Static_assert(CA_PANEL % CA_LANES == 0, "a panel holds whole vectors");
+_Static_assert(CA_TILE_VECS == CA_VECS_PER_PANEL || CA_TILE_VECS == 2 * CA_VECS_PER_PANEL,
+               "a register tile spans one or two panels");
+
+/* ---- score and P.V tiles (packed operands) ------------------------- */
+
+/* s[0..R) x [0..NV lanes) = factor * (q[0..R) . kt[:, 0..NV lanes)); vector
+   x of a row lies in panel x / CA_VECS_PER_PANEL */
+CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T *kt,
+                                        ptrdiff_t kt_panel_stride, ptrdiff_t d_k,
+                                        CA_T factor, CA_T *s, ptrdiff_t lds,
+                                        const int R, const int NV)
+{
+    CA_VEC acc[CA_TILE_ROWS][CA_TILE_VECS];
+    for (int r = 0; r < R; ++r)
+        for (int x = 0; x < NV; ++x)
+            acc[r][x] = CA_V(zero)();
+    for (ptrdiff_t c = 0; c < d_k; ++c) {
+        CA_VEC k_c[CA_TILE_VECS];
+        for (int x = 0; x < NV; ++x)
+            k_c[x] = CA_V(load)(kt + (x / CA_VECS_PER_PANEL) * kt_panel_stride
+                                + c * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
+        for (int r = 0; r < R; ++r) {
+            const CA_VEC q_rc = CA_V(broadcast)(q + r * ldq + c);
+            for (int x = 0; x < NV; ++x)
+                acc[r][x] = CA_V(fmadd)(q_rc, k_c[x], acc[r][x]);
+        }
+    }
+    const CA_VEC factor_v = CA_V(set1)(factor);
+    for (int r = 0; r < R; ++r)
+        for (int x = 0; x < NV; ++x)
+            CA_V(store)(s + r * lds + x * CA_LANES, CA_V(mul)(acc[r][x], factor_v));
+}
+
+/* the score tiles of every row for the NV vectors of columns at kt */
+CA_SIMD_INLINE void CA_NAME(score_columns)(const CA_T *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                           const CA_T *kt, ptrdiff_t kt_panel_stride,
+                                           ptrdiff_t d_k, CA_T factor, CA_T *s, ptrdiff_t lds,
+                                           ca_ahead *next, const int NV)
+{
+    ptrdiff_t i = 0;
+    for (; i + CA_TILE_ROWS <= n_rows; i += CA_TILE_ROWS, ahead_step(next))
+        CA_NAME(score_tile)(q + i * ldq, ldq, kt, kt_panel_stride, d_k, factor,
+                            s + i * lds, lds, CA_TILE_ROWS, NV);
+    const CA_T *q_tail = q + i * ldq;
+    CA_T *s_tail = s + i * lds;
+#define CA_SCORE_TAIL(R) \
+    CA_NAME(score_tile)(q_tail, ldq, kt, kt_panel_stride, d_k, factor, s_tail, lds, R, NV)
+    CA_SWITCH_TAIL_ROWS(n_rows - i, CA_SCORE_TAIL)
+#undef CA_SCORE_TAIL
+    if (i < n_rows)
+        ahead_step(next);
+}
+
+CA_SIMD_TARGET static void CA_NAME(score)(const CA_T *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                          const CA_T *kt, ptrdiff_t kt_panel_stride,
+                                          ptrdiff_t n_cols, ptrdiff_t d_k, CA_T factor,
+                                          CA_T *s, ptrdiff_t lds, const void *ahead,
+                                          ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t tile_cols = CA_TILE_VECS * CA_LANES;
+    ca_ahead next = ahead_start(ahead, ahead_bytes,
+                                ((n_cols + tile_cols - 1) / tile_cols)
+                                * ((n_rows + CA_TILE_ROWS - 1) / CA_TILE_ROWS));
+    for (ptrdiff_t j = 0; j < n_cols; j += tile_cols) {
+        const CA_T *panel = kt + (j / CA_PANEL) * kt_panel_stride;
+        /* n_cols is a multiple of the panel: a tile of two panels may find
+           only one left */
+        if (CA_TILE_VECS == CA_VECS_PER_PANEL || n_cols - j >= tile_cols)
+            CA_NAME(score_columns)(q, ldq, n_rows, panel, kt_panel_stride, d_k, factor,
+                                   s + j, lds, &next, CA_TILE_VECS);
+        else
+            CA_NAME(score_columns)(q, ldq, n_rows, panel, kt_panel_stride, d_k, factor,
+                                   s + j, lds, &next, CA_VECS_PER_PANEL);
+    }
+}
+
+/* acc[0..R) x [0..NV lanes) += p[0..R) x [0..n_keys) . v[0..n_keys) x [0..NV lanes) */
+CA_SIMD_INLINE void CA_NAME(pv_tile)(const CA_T *p, ptrdiff_t ldp, const CA_T *v,
+                                     ptrdiff_t v_panel_stride, ptrdiff_t n_keys, CA_T *acc,
+                                     ptrdiff_t ldacc, const int R, const int NV)
+{
+    /* sum this block of keys from zero and add it to acc once: chains of
+       at most one block of terms instead of all S keep float32 near NumPy */
+    CA_VEC block_sum[CA_TILE_ROWS][CA_TILE_VECS];
+    for (int r = 0; r < R; ++r)
+        for (int x = 0; x < NV; ++x)
+            block_sum[r][x] = CA_V(zero)();
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        CA_VEC v_j[CA_TILE_VECS];
+        for (int x = 0; x < NV; ++x)
+            v_j[x] = CA_V(load)(v + (x / CA_VECS_PER_PANEL) * v_panel_stride
+                                + j * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
+        for (int r = 0; r < R; ++r) {
+            const CA_VEC p_rj = CA_V(broadcast)(p + r * ldp + j);
+            for (int x = 0; x < NV; ++x)
+                block_sum[r][x] = CA_V(fmadd)(p_rj, v_j[x], block_sum[r][x]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int x = 0; x < NV; ++x) {
+            CA_T *acc_rx = acc + r * ldacc + x * CA_LANES;
+            CA_V(store)(acc_rx, CA_V(add)(CA_V(load)(acc_rx), block_sum[r][x]));
+        }
+}
+
+CA_SIMD_INLINE void CA_NAME(pv_columns)(const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                        const CA_T *v, ptrdiff_t v_panel_stride,
+                                        ptrdiff_t n_keys, CA_T *acc, ptrdiff_t ldacc,
+                                        ca_ahead *next, const int NV)
+{
+    ptrdiff_t i = 0;
+    for (; i + CA_TILE_ROWS <= n_rows; i += CA_TILE_ROWS, ahead_step(next))
+        CA_NAME(pv_tile)(p + i * ldp, ldp, v, v_panel_stride, n_keys, acc + i * ldacc, ldacc,
+                         CA_TILE_ROWS, NV);
+    const CA_T *p_tail = p + i * ldp;
+    CA_T *acc_tail = acc + i * ldacc;
+#define CA_PV_TAIL(R) \
+    CA_NAME(pv_tile)(p_tail, ldp, v, v_panel_stride, n_keys, acc_tail, ldacc, R, NV)
+    CA_SWITCH_TAIL_ROWS(n_rows - i, CA_PV_TAIL)
+#undef CA_PV_TAIL
+    if (i < n_rows)
+        ahead_step(next);
+}
+
+CA_SIMD_TARGET static void CA_NAME(pv)(const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                       const CA_T *v, ptrdiff_t v_panel_stride,
+                                       ptrdiff_t n_keys, ptrdiff_t n_vcols, CA_T *acc,
+                                       ptrdiff_t ldacc, const void *ahead,
+                                       ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t tile_cols = CA_TILE_VECS * CA_LANES;
+    ca_ahead next = ahead_start(ahead, ahead_bytes,
+                                ((n_vcols + tile_cols - 1) / tile_cols)
+                                * ((n_rows + CA_TILE_ROWS - 1) / CA_TILE_ROWS));
+    for (ptrdiff_t c = 0; c < n_vcols; c += tile_cols) {
+        const CA_T *panel = v + (c / CA_PANEL) * v_panel_stride;
+        if (CA_TILE_VECS == CA_VECS_PER_PANEL || n_vcols - c >= tile_cols)
+            CA_NAME(pv_columns)(p, ldp, n_rows, panel, v_panel_stride, n_keys, acc + c, ldacc,
+                                &next, CA_TILE_VECS);
+        else
+            CA_NAME(pv_columns)(p, ldp, n_rows, panel, v_panel_stride, n_keys, acc + c, ldacc,
+                                &next, CA_VECS_PER_PANEL);
+    }
+}
+
+/* ---- softmax pieces ------------------------------------------------- */
+
+CA_SIMD_TARGET static CA_T CA_NAME(row_max)(const CA_T *x, ptrdiff_t n)
+{
+    CA_VEC max_v = CA_V(set1)(-INFINITY);
+    CA_PRED nan_v = CA_P(none)();
+    ptrdiff_t j = 0;
+    for (; j + CA_LANES <= n; j += CA_LANES) {
+        const CA_VEC x_v = CA_V(load)(x + j);
+        max_v = CA_V(max)(x_v, max_v);
+        nan_v = CA_P(or)(nan_v, CA_V(unordered)(x_v, x_v));
+    }
+    CA_T lanes[CA_LANES];
+    CA_V(store)(lanes, max_v);
+    CA_T m = -INFINITY;
+    int has_nan = CA_P(any)(nan_v);
+    for (int l = 0; l < CA_LANES; ++l)
+        m = lanes[l] > m ? lanes[l] : m;
+    for (; j < n; ++j) {
+        m = x[j] > m ? x[j] : m;
+        has_nan |= x[j] != x[j];
+    }
+    return has_nan ? (CA_T)NAN : m;
+}
+
+/* e^x lane by lane, the steps of exp_poly.h's scalar form */
+CA_SIMD_INLINE CA_VEC CA_NAME(exp_vec)(CA_VEC x)
+{
+    const CA_VEC magic = CA_V(set1)(CA_ROUND_MAGIC);
+    /* operand order makes NaN pass through the clamps */
+    x = CA_V(max)(CA_V(set1)(CA_EXP_MIN), x);
+    x = CA_V(min)(CA_V(set1)(CA_EXP_MAX), x);
+    const CA_VEC t = CA_V(fmadd)(x, CA_V(set1)(CA_LOG2E), magic);
+    const CA_VEC n = CA_V(sub)(t, magic);
+    CA_VEC r = CA_V(fnmadd)(n, CA_V(set1)(CA_LN2_HI), x);
+    r = CA_V(fnmadd)(n, CA_V(set1)(CA_LN2_LO), r);
+    CA_VEC p = CA_V(set1)(CA_EXP_COEF[CA_EXP_DEGREE]);
+    for (int k = CA_EXP_DEGREE - 1; k >= 0; --k)
+        p = CA_V(fmadd)(p, r, CA_V(set1)(CA_EXP_COEF[k]));
+    return CA_V(mul)(p, CA_V(pow2_rounded)(t));
+}
+
+/* the lanes of x summed as a pairwise tree: ((x0 + x1) + (x2 + x3)) + ... */
+CA_SIMD_INLINE CA_T CA_NAME(sum_lanes)(CA_VEC x)
+{
+    CA_T lanes[CA_LANES];
+    CA_V(store)(lanes, x);
+    for (int width = CA_LANES; width > 1; width /= 2)
+        for (int l = 0; l < width / 2; ++l)
+            lanes[l] = lanes[2 * l] + lanes[2 * l + 1];
+    return lanes[0];
+}
+
+CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
+{
+    const CA_VEC shift_v = CA_V(set1)(shift);
+    CA_VEC sum_v = CA_V(zero)();
+    ptrdiff_t j = 0;
+    for (; j + CA_LANES <= n; j += CA_LANES) {
+        const CA_VEC e = CA_NAME(exp_vec)(CA_V(sub)(CA_V(load)(x + j), shift_v));
+        CA_V(store)(x + j, e);
+        sum_v = CA_V(add)(sum_v, e);
+    }
+    if (j < n) {
+        /* the tail goes through the same vector code on a padded copy */
+        CA_T tail[CA_LANES];
+        const ptrdiff_t n_tail = n - j;
+        for (int l = 0; l < CA_LANES; ++l)
+            tail[l] = l < n_tail ? x[j + l] : -INFINITY;
+        const CA_VEC e = CA_NAME(exp_vec)(CA_V(sub)(CA_V(load)(tail), shift_v));
+        CA_V(store)(tail, e);
+        for (ptrdiff_t l = 0; l < n_tail; ++l)
+            x[j + l] = tail[l];
+        sum_v = CA_V(add)(sum_v, e);
+    }
+    return CA_NAME(sum_lanes)(sum_v);
+}
+
+/* ---- few query rows, K and V read in place (decode) ------------------ */
+
+CA_SIMD_TARGET static void CA_NAME(score_direct)(const CA_T *q, ptrdiff_t ldq,
+                                                 ptrdiff_t n_rows, const CA_T *k,
+                                                 ptrdiff_t ldk, ptrdiff_t n_keys,
+                                                 ptrdiff_t d_k, CA_T factor, CA_T *s,
+                                                 ptrdiff_t lds, const void *ahead,
+                                                 ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t d_main = d_k & ~(ptrdiff_t)(CA_LANES - 1);
+    const CA_MASK tail = CA_V(lanes)(d_k - d_main);
+    for (ptrdiff_t j = 0; j < n_keys; j += 4) {
+        /* four keys at a time share one horizontal reduction */
+        const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
+        const CA_T *k0 = k + j * ldk;
+        const CA_T *k1 = k0 + (n_group > 1 ? ldk : 0);
+        const CA_T *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
+        const CA_T *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
+        if (j + PREFETCH_KEYS + 4 <= n_keys)
+            for (int l = 0; l < 4; ++l)
+                prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k * (ptrdiff_t)sizeof(CA_T));
+        for (ptrdiff_t l = 0; l < n_group; ++l)
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
+        for (ptrdiff_t r = 0; r < n_rows; ++r) {
+            const CA_T *q_r = q + r * ldq;
+            CA_VEC a0 = CA_V(zero)(), a1 = CA_V(zero)();
+            CA_VEC a2 = CA_V(zero)(), a3 = CA_V(zero)();
+            ptrdiff_t c = 0;
+            for (; c < d_main; c += CA_LANES) {
+                const CA_VEC q_c = CA_V(load)(q_r + c);
+                a0 = CA_V(fmadd)(q_c, CA_V(load)(k0 + c), a0);
+                a1 = CA_V(fmadd)(q_c, CA_V(load)(k1 + c), a1);
+                a2 = CA_V(fmadd)(q_c, CA_V(load)(k2 + c), a2);
+                a3 = CA_V(fmadd)(q_c, CA_V(load)(k3 + c), a3);
+            }
+            if (c < d_k) {
+                const CA_VEC q_c = CA_V(load_lanes)(q_r + c, tail);
+                a0 = CA_V(fmadd)(q_c, CA_V(load_lanes)(k0 + c, tail), a0);
+                a1 = CA_V(fmadd)(q_c, CA_V(load_lanes)(k1 + c, tail), a1);
+                a2 = CA_V(fmadd)(q_c, CA_V(load_lanes)(k2 + c, tail), a2);
+                a3 = CA_V(fmadd)(q_c, CA_V(load_lanes)(k3 + c, tail), a3);
+            }
+            CA_T dots[4];
+            CA_V(sum4)(a0, a1, a2, a3, dots);
+            for (ptrdiff_t l = 0; l < n_group; ++l)
+                s[r * lds + j + l] = dots[l] * factor;
+        }
+    }
+}
+
+/* acc[0..NV vectors) += sum_j p[j] v_j[...], the last vector masked by tail */
+CA_SIMD_INLINE void CA_NAME(pv_direct_cols)(const CA_T *p, const CA_T *v, ptrdiff_t ldv,
+                                            ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
+                                            int prefetch, const void *ahead,
+                                            ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes,
+                                            CA_MASK tail, CA_T *acc, const int NV)
+{
+    /* runs of SUM_KEYS keys are summed from zero and then added to acc:
+       rounding chains of SUM_KEYS terms, not of every key in the split */
+    CA_VEC run[DIRECT_VECS];
+    for (int x = 0; x < NV; ++x)
+        run[x] = CA_V(zero)();
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (j % SUM_KEYS == 0) {
+            if (j > 0)
+                for (int x = 0; x < NV; ++x) {
+                    CA_T *acc_x = acc + CA_LANES * x;
+                    CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[x]));
+                }
+            for (int x = 0; x < NV; ++x)
+                run[x] = CA_V(zero)();
+        }
+        if (prefetch) {
+            if (j + PREFETCH_KEYS < n_keys)
+                prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j);
+        }
+        if (p[j] == 0)
+            continue;
+        const CA_VEC p_j = CA_V(set1)(p[j]);
+        const CA_T *v_j = v + j * ldv;
+        for (int x = 0; x < NV - 1; ++x)
+            run[x] = CA_V(fmadd)(p_j, CA_V(load)(v_j + CA_LANES * x), run[x]);
+        run[NV - 1] = CA_V(fmadd)(p_j, CA_V(load_lanes)(v_j + CA_LANES * (NV - 1), tail),
+                                  run[NV - 1]);
+    }
+    if (n_keys > 0)
+        for (int x = 0; x < NV; ++x) {
+            CA_T *acc_x = acc + CA_LANES * x;
+            CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[x]));
+        }
+}
+
+CA_SIMD_TARGET static void CA_NAME(pv_direct)(const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                              const CA_T *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                                              ptrdiff_t d_v, CA_T *acc, ptrdiff_t ldacc,
+                                              const void *ahead, ptrdiff_t ahead_stride,
+                                              ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t pass_cols = DIRECT_VECS * CA_LANES;
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        /* up to DIRECT_VECS vectors of columns per pass */
+        for (ptrdiff_t c = 0; c < d_v; c += pass_cols) {
+            const ptrdiff_t width = d_v - c < pass_cols ? d_v - c : pass_cols;
+            const int n_vec = (int)((width + CA_LANES - 1) / CA_LANES);
+            const CA_MASK tail = CA_V(lanes)(width - CA_LANES * (n_vec - 1));
+            /* the first pass over V brings its rows in for the others */
+            const int prefetch = r == 0 && c == 0;
+            const CA_T *p_r = p + r * ldp;
+            CA_T *acc_rc = acc + r * ldacc + c;
+#define CA_PV_DIRECT_PASS(NV) \
+            CA_NAME(pv_direct_cols)(p_r, v + c, ldv, n_keys, d_v * (ptrdiff_t)sizeof(CA_T), \
+                                    prefetch, ahead, ahead_stride, ahead_bytes, tail, acc_rc, NV)
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_DIRECT_PASS)
+#undef CA_PV_DIRECT_PASS
+        }
+    }
+}
+
+#undef CA_VECS_PER_PANEL
+#undef CA_T
+#undef CA_NAME
+#undef CA_V
+#undef CA_P
+#undef CA_VEC
+#undef CA_MASK
+#undef CA_PRED
+#undef CA_LANES
+#undef CA_PANEL
+#undef CA_ROUND_MAGIC
+#undef CA_EXP_MIN
+#undef CA_EXP_MAX
+#undef CA_LOG2E
+#undef CA_LN2_HI
+#undef CA_LN2_LO
+#undef CA_EXP_COEF
+#undef CA_EXP_DEGREE

@@ -1,0 +1,183 @@
+/*
+ * The SIMD vocabulary of AVX2 + FMA + F16C (Haswell and later, Zen and
+ * later), read by the kernels in kernels_simd.h.
+ *
+ * Every instruction set defines the same names (simd_avx512.h, simd_neon.h):
+ *   vf32 / vf64    a vector of CA_LANES_F32 floats / CA_LANES_F64 doubles
+ *   mf32 / mf64    which leading lanes a partial load reads (vf32_lanes(n))
+ *   pf32 / pf64    a per-lane truth value from a comparison
+ * and the same operations on them, each with the meaning written beside the
+ * AVX2 form below. Where the other sets differ in corner cases (NaN and
+ * signed zero in max/min), their mappings follow the meaning given here, so
+ * that every table computes the same numbers.
+ *
+ * The functions carry a target attribute instead of the file being built
+ * with -mavx2, so the extension as a whole still runs on any x86-64 and the
+ * table is only used after dispatch.c has checked CPUID and XGETBV.
+ */
+#ifndef CATTENTION_SIMD_AVX2_H
+#define CATTENTION_SIMD_AVX2_H
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "exp_poly.h"
+
+#define CA_SIMD_TARGET __attribute__((target("avx2,fma,f16c")))
+
+/* Register tile of the score and P.V kernels: CA_TILE_ROWS query rows times
+   CA_TILE_VECS vectors. 6 x 2 accumulators, two operand vectors and one
+   broadcast fill 15 of the 16 registers. */
+#define CA_TILE_ROWS 6
+#define CA_TILE_VECS 2
+
+#define CA_LANES_F32 8
+#define CA_LANES_F64 4
+
+typedef __m256 vf32;
+typedef __m256i mf32;
+typedef __m256 pf32;
+typedef __m256d vf64;
+typedef __m256i mf64;
+typedef __m256d pf64;
+
+#define CA_SIMD_INLINE static inline __attribute__((always_inline)) CA_SIMD_TARGET
+
+/* ---- float32 ---- */
+
+CA_SIMD_INLINE vf32 vf32_zero(void) { return _mm256_setzero_ps(); }
+CA_SIMD_INLINE vf32 vf32_set1(float x) { return _mm256_set1_ps(x); }
+/* unaligned load and store of all lanes */
+CA_SIMD_INLINE vf32 vf32_load(const float *p) { return _mm256_loadu_ps(p); }
+CA_SIMD_INLINE void vf32_store(float *p, vf32 x) { _mm256_storeu_ps(p, x); }
+/* *p in every lane */
+CA_SIMD_INLINE vf32 vf32_broadcast(const float *p) { return _mm256_broadcast_ss(p); }
+/* the first n lanes (0 <= n <= CA_LANES_F32); a load under it reads no
+   element past them and sets the other lanes to 0 */
+CA_SIMD_INLINE mf32 vf32_lanes(ptrdiff_t n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+CA_SIMD_INLINE vf32 vf32_load_lanes(const float *p, mf32 m) { return _mm256_maskload_ps(p, m); }
+
+CA_SIMD_INLINE vf32 vf32_add(vf32 a, vf32 b) { return _mm256_add_ps(a, b); }
+CA_SIMD_INLINE vf32 vf32_sub(vf32 a, vf32 b) { return _mm256_sub_ps(a, b); }
+CA_SIMD_INLINE vf32 vf32_mul(vf32 a, vf32 b) { return _mm256_mul_ps(a, b); }
+CA_SIMD_INLINE vf32 vf32_div(vf32 a, vf32 b) { return _mm256_div_ps(a, b); }
+/* a * b + c and c - a * b, one rounding */
+CA_SIMD_INLINE vf32 vf32_fmadd(vf32 a, vf32 b, vf32 c) { return _mm256_fmadd_ps(a, b, c); }
+CA_SIMD_INLINE vf32 vf32_fnmadd(vf32 a, vf32 b, vf32 c) { return _mm256_fnmadd_ps(a, b, c); }
+/* a > b ? a : b and a < b ? a : b lane by lane: b when either is NaN */
+CA_SIMD_INLINE vf32 vf32_max(vf32 a, vf32 b) { return _mm256_max_ps(a, b); }
+CA_SIMD_INLINE vf32 vf32_min(vf32 a, vf32 b) { return _mm256_min_ps(a, b); }
+/* |x|, and x with the sign bit of y or-ed in */
+CA_SIMD_INLINE vf32 vf32_abs(vf32 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+CA_SIMD_INLINE vf32 vf32_or_sign(vf32 x, vf32 y)
+{
+    return _mm256_or_ps(x, _mm256_and_ps(_mm256_set1_ps(-0.0f), y));
+}
+/* 2^n, where t = n + CA_ROUND_MAGIC_F32 holds the integer n in its low
+   mantissa bits (see exp_poly.h) */
+CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
+{
+    __m256i e = _mm256_sub_epi32(_mm256_castps_si256(t),
+                                 _mm256_castps_si256(_mm256_set1_ps(CA_ROUND_MAGIC_F32)));
+    e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+    return _mm256_castsi256_ps(e);
+}
+
+CA_SIMD_INLINE pf32 pf32_none(void) { return _mm256_setzero_ps(); }
+CA_SIMD_INLINE pf32 vf32_unordered(vf32 a, vf32 b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
+CA_SIMD_INLINE pf32 vf32_less(vf32 a, vf32 b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+CA_SIMD_INLINE pf32 pf32_or(pf32 a, pf32 b) { return _mm256_or_ps(a, b); }
+CA_SIMD_INLINE int pf32_any(pf32 p) { return _mm256_movemask_ps(p) != 0; }
+/* p ? if_true : if_false lane by lane */
+CA_SIMD_INLINE vf32 vf32_select(pf32 p, vf32 if_true, vf32 if_false)
+{
+    return _mm256_blendv_ps(if_false, if_true, p);
+}
+
+/* dots[l] = the sum of the lanes of a_l, each as the pairwise tree
+   ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) */
+CA_SIMD_INLINE void vf32_sum4(vf32 a0, vf32 a1, vf32 a2, vf32 a3, float dots[4])
+{
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+
+/* CA_LANES_F32 float16 or int8 values, exactly as float32 lanes */
+CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* rows r[0..8) of an 8 x 8 block become its columns */
+CA_SIMD_INLINE void vf32_transpose(vf32 r[8])
+{
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* ---- float64: the same operations ---- */
+
+CA_SIMD_INLINE vf64 vf64_zero(void) { return _mm256_setzero_pd(); }
+CA_SIMD_INLINE vf64 vf64_set1(double x) { return _mm256_set1_pd(x); }
+CA_SIMD_INLINE vf64 vf64_load(const double *p) { return _mm256_loadu_pd(p); }
+CA_SIMD_INLINE void vf64_store(double *p, vf64 x) { _mm256_storeu_pd(p, x); }
+CA_SIMD_INLINE vf64 vf64_broadcast(const double *p) { return _mm256_broadcast_sd(p); }
+CA_SIMD_INLINE mf64 vf64_lanes(ptrdiff_t n)
+{
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+}
+CA_SIMD_INLINE vf64 vf64_load_lanes(const double *p, mf64 m) { return _mm256_maskload_pd(p, m); }
+
+CA_SIMD_INLINE vf64 vf64_add(vf64 a, vf64 b) { return _mm256_add_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_sub(vf64 a, vf64 b) { return _mm256_sub_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_mul(vf64 a, vf64 b) { return _mm256_mul_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return _mm256_fmadd_pd(a, b, c); }
+CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return _mm256_fnmadd_pd(a, b, c); }
+CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm256_max_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return _mm256_min_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
+{
+    __m256i e = _mm256_sub_epi64(_mm256_castpd_si256(t),
+                                 _mm256_castpd_si256(_mm256_set1_pd(CA_ROUND_MAGIC_F64)));
+    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_castsi256_pd(e);
+}
+
+CA_SIMD_INLINE pf64 pf64_none(void) { return _mm256_setzero_pd(); }
+CA_SIMD_INLINE pf64 vf64_unordered(vf64 a, vf64 b) { return _mm256_cmp_pd(a, b, _CMP_UNORD_Q); }
+CA_SIMD_INLINE pf64 pf64_or(pf64 a, pf64 b) { return _mm256_or_pd(a, b); }
+CA_SIMD_INLINE int pf64_any(pf64 p) { return _mm256_movemask_pd(p) != 0; }
+
+/* pairwise (x0 + x1) + (x2 + x3) of each a_l */
+CA_SIMD_INLINE void vf64_sum4(vf64 a0, vf64 a1, vf64 a2, vf64 a3, double dots[4])
+{
+    const __m256d t0 = _mm256_hadd_pd(a0, a1);
+    const __m256d t1 = _mm256_hadd_pd(a2, a3);
+    _mm256_storeu_pd(dots, _mm256_add_pd(_mm256_permute2f128_pd(t0, t1, 0x20),
+                                         _mm256_permute2f128_pd(t0, t1, 0x31)));
+}
+
+#endif /* CATTENTION_SIMD_AVX2_H */

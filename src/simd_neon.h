@@ -1,0 +1,166 @@
+/*
+ * The SIMD vocabulary of aarch64 Advanced SIMD (NEON), read by the kernels
+ * in kernels_simd.h. NEON is part of the aarch64 base instruction set, so
+ * no target attribute is needed. The names and their meaning are those of
+ * simd_avx2.h; where NEON's instructions mean something else (FMAX/FMIN on
+ * NaN and signed zero), the mapping spells out the x86 meaning so that
+ * every table computes the same numbers. NEON has no masked loads: a
+ * partial vector is gathered lane by lane (only at row tails).
+ */
+#ifndef CATTENTION_SIMD_NEON_H
+#define CATTENTION_SIMD_NEON_H
+
+#include <arm_neon.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "exp_poly.h"
+
+#define CA_SIMD_TARGET
+
+/* 32 registers of 4 floats: 6 rows times one panel (4 vectors) keeps 24
+   accumulators, the panel's 4 vectors and a broadcast in registers. */
+#define CA_TILE_ROWS 6
+#define CA_TILE_VECS 4
+
+#define CA_LANES_F32 4
+#define CA_LANES_F64 2
+
+typedef float32x4_t vf32;
+typedef ptrdiff_t mf32;         /* how many leading lanes */
+typedef uint32x4_t pf32;
+typedef float64x2_t vf64;
+typedef ptrdiff_t mf64;
+typedef uint64x2_t pf64;
+
+#define CA_SIMD_INLINE static inline __attribute__((always_inline))
+
+/* ---- float32 ---- */
+
+CA_SIMD_INLINE vf32 vf32_zero(void) { return vdupq_n_f32(0.0f); }
+CA_SIMD_INLINE vf32 vf32_set1(float x) { return vdupq_n_f32(x); }
+CA_SIMD_INLINE vf32 vf32_load(const float *p) { return vld1q_f32(p); }
+CA_SIMD_INLINE void vf32_store(float *p, vf32 x) { vst1q_f32(p, x); }
+CA_SIMD_INLINE vf32 vf32_broadcast(const float *p) { return vld1q_dup_f32(p); }
+CA_SIMD_INLINE mf32 vf32_lanes(ptrdiff_t n) { return n; }
+CA_SIMD_INLINE vf32 vf32_load_lanes(const float *p, mf32 n)
+{
+    float lanes[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (ptrdiff_t l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return vld1q_f32(lanes);
+}
+
+CA_SIMD_INLINE vf32 vf32_add(vf32 a, vf32 b) { return vaddq_f32(a, b); }
+CA_SIMD_INLINE vf32 vf32_sub(vf32 a, vf32 b) { return vsubq_f32(a, b); }
+CA_SIMD_INLINE vf32 vf32_mul(vf32 a, vf32 b) { return vmulq_f32(a, b); }
+CA_SIMD_INLINE vf32 vf32_div(vf32 a, vf32 b) { return vdivq_f32(a, b); }
+CA_SIMD_INLINE vf32 vf32_fmadd(vf32 a, vf32 b, vf32 c) { return vfmaq_f32(c, a, b); }
+CA_SIMD_INLINE vf32 vf32_fnmadd(vf32 a, vf32 b, vf32 c) { return vfmsq_f32(c, a, b); }
+/* a > b ? a : b (FMAX would return NaN for a NaN b, and +0 for (-0, +0)) */
+CA_SIMD_INLINE vf32 vf32_max(vf32 a, vf32 b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+CA_SIMD_INLINE vf32 vf32_min(vf32 a, vf32 b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+CA_SIMD_INLINE vf32 vf32_abs(vf32 x) { return vabsq_f32(x); }
+CA_SIMD_INLINE vf32 vf32_or_sign(vf32 x, vf32 y)
+{
+    const uint32x4_t sign = vandq_u32(vreinterpretq_u32_f32(y), vdupq_n_u32(0x80000000u));
+    return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(x), sign));
+}
+CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
+{
+    uint32x4_t e = vsubq_u32(vreinterpretq_u32_f32(t), vdupq_n_u32(ca_f32_bits(CA_ROUND_MAGIC_F32)));
+    e = vshlq_n_u32(vaddq_u32(e, vdupq_n_u32(127)), 23);
+    return vreinterpretq_f32_u32(e);
+}
+
+CA_SIMD_INLINE pf32 pf32_none(void) { return vdupq_n_u32(0); }
+CA_SIMD_INLINE pf32 vf32_unordered(vf32 a, vf32 b)
+{
+    return vmvnq_u32(vandq_u32(vceqq_f32(a, a), vceqq_f32(b, b)));
+}
+CA_SIMD_INLINE pf32 vf32_less(vf32 a, vf32 b) { return vcltq_f32(a, b); }
+CA_SIMD_INLINE pf32 pf32_or(pf32 a, pf32 b) { return vorrq_u32(a, b); }
+CA_SIMD_INLINE int pf32_any(pf32 p) { return vmaxvq_u32(p) != 0; }
+CA_SIMD_INLINE vf32 vf32_select(pf32 p, vf32 if_true, vf32 if_false)
+{
+    return vbslq_f32(p, if_true, if_false);
+}
+
+/* pairwise adds are the tree (x0 + x1) + (x2 + x3) */
+CA_SIMD_INLINE void vf32_sum4(vf32 a0, vf32 a1, vf32 a2, vf32 a3, float dots[4])
+{
+    vst1q_f32(dots, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
+}
+
+CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
+{
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
+{
+    int32_t word;
+    memcpy(&word, p, 4);
+    const int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(word)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide)));
+}
+
+/* rows r[0..4) of a 4 x 4 block become its columns */
+CA_SIMD_INLINE void vf32_transpose(vf32 r[4])
+{
+    const float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(r[0], r[1]));
+    const float64x2_t t1 = vreinterpretq_f64_f32(vtrn2q_f32(r[0], r[1]));
+    const float64x2_t t2 = vreinterpretq_f64_f32(vtrn1q_f32(r[2], r[3]));
+    const float64x2_t t3 = vreinterpretq_f64_f32(vtrn2q_f32(r[2], r[3]));
+    r[0] = vreinterpretq_f32_f64(vtrn1q_f64(t0, t2));
+    r[1] = vreinterpretq_f32_f64(vtrn1q_f64(t1, t3));
+    r[2] = vreinterpretq_f32_f64(vtrn2q_f64(t0, t2));
+    r[3] = vreinterpretq_f32_f64(vtrn2q_f64(t1, t3));
+}
+
+/* ---- float64 ---- */
+
+CA_SIMD_INLINE vf64 vf64_zero(void) { return vdupq_n_f64(0.0); }
+CA_SIMD_INLINE vf64 vf64_set1(double x) { return vdupq_n_f64(x); }
+CA_SIMD_INLINE vf64 vf64_load(const double *p) { return vld1q_f64(p); }
+CA_SIMD_INLINE void vf64_store(double *p, vf64 x) { vst1q_f64(p, x); }
+CA_SIMD_INLINE vf64 vf64_broadcast(const double *p) { return vld1q_dup_f64(p); }
+CA_SIMD_INLINE mf64 vf64_lanes(ptrdiff_t n) { return n; }
+CA_SIMD_INLINE vf64 vf64_load_lanes(const double *p, mf64 n)
+{
+    double lanes[2] = {0.0, 0.0};
+    for (ptrdiff_t l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return vld1q_f64(lanes);
+}
+
+CA_SIMD_INLINE vf64 vf64_add(vf64 a, vf64 b) { return vaddq_f64(a, b); }
+CA_SIMD_INLINE vf64 vf64_sub(vf64 a, vf64 b) { return vsubq_f64(a, b); }
+CA_SIMD_INLINE vf64 vf64_mul(vf64 a, vf64 b) { return vmulq_f64(a, b); }
+CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return vfmaq_f64(c, a, b); }
+CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return vfmsq_f64(c, a, b); }
+CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return vbslq_f64(vcgtq_f64(a, b), a, b); }
+CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return vbslq_f64(vcltq_f64(a, b), a, b); }
+CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
+{
+    uint64x2_t e = vsubq_u64(vreinterpretq_u64_f64(t), vdupq_n_u64(ca_f64_bits(CA_ROUND_MAGIC_F64)));
+    e = vshlq_n_u64(vaddq_u64(e, vdupq_n_u64(1023)), 52);
+    return vreinterpretq_f64_u64(e);
+}
+
+CA_SIMD_INLINE pf64 pf64_none(void) { return vdupq_n_u64(0); }
+CA_SIMD_INLINE pf64 vf64_unordered(vf64 a, vf64 b)
+{
+    const uint64x2_t ordered = vandq_u64(vceqq_f64(a, a), vceqq_f64(b, b));
+    return veorq_u64(ordered, vdupq_n_u64(~(uint64_t)0));
+}
+CA_SIMD_INLINE pf64 pf64_or(pf64 a, pf64 b) { return vorrq_u64(a, b); }
+CA_SIMD_INLINE int pf64_any(pf64 p) { return vmaxvq_u32(vreinterpretq_u32_u64(p)) != 0; }
+
+CA_SIMD_INLINE void vf64_sum4(vf64 a0, vf64 a1, vf64 a2, vf64 a3, double dots[4])
+{
+    vst1q_f64(dots, vpaddq_f64(a0, a1));
+    vst1q_f64(dots + 2, vpaddq_f64(a2, a3));
+}
+
+#endif /* CATTENTION_SIMD_NEON_H */

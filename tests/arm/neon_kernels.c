@@ -1,0 +1,491 @@
+/*
+ * The NEON kernel table against the portable one, as a static aarch64
+ * program run under qemu-aarch64 (`make test-arm`): every kernel on random
+ * inputs, every tail length, -inf, NaN, every float16 and int8 value. Exact
+ * kernels (conversions, packing, row max) must match bit for bit; the
+ * others within a rounding bound of the terms' magnitudes. Also checks that
+ * dispatch picks NEON by default on aarch64.
+ *
+ * Prints one line per failure (at most a few per kernel) and a summary;
+ * exits 1 on any failure.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if !CA_HAVE_NEON_KERNELS
+#error "build for aarch64 with NEON"
+#endif
+
+static const ca_kernels *REF = &ca_kernels_baseline;
+static const ca_kernels *NEON = &ca_kernels_neon;
+
+static const char *current;
+static int failures, failures_here, checks;
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        ++checks;                                                          \
+        if (!(cond)) {                                                     \
+            ++failures;                                                    \
+            if (failures_here++ < 5) {                                     \
+                printf("FAIL %s: ", current);                              \
+                printf(__VA_ARGS__);                                       \
+                printf("\n");                                              \
+            }                                                              \
+        }                                                                  \
+    } while (0)
+
+static void begin(const char *name)
+{
+    current = name;
+    failures_here = 0;
+}
+
+/* ---- random numbers and comparisons ---- */
+
+static uint64_t rng = 0x243F6A8885A308D3u;
+
+static double uniform(void) /* [0, 1) */
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) * 0x1.0p-53;
+}
+
+static double normal(void) /* about N(0, 1) */
+{
+    return (uniform() + uniform() + uniform() + uniform() - 2.0) * 1.7320508;
+}
+
+static void *alloc(size_t n_bytes)
+{
+    void *p = calloc(1, n_bytes + 64);
+    if (p == NULL) {
+        printf("out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+/* equal bit for bit, any NaN equal to any NaN */
+static int same_f64(double a, double b)
+{
+    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+static int same_f32(float a, float b)
+{
+    return (isnan(a) && isnan(b)) || memcmp(&a, &b, sizeof a) == 0;
+}
+
+/* |a - b| <= bound, or the same non-finite value */
+static int close_to(double a, double b, double bound)
+{
+    if (isnan(a) || isnan(b))
+        return isnan(a) && isnan(b);
+    if (isinf(a) || isinf(b))
+        return a == b;
+    return fabs(a - b) <= bound;
+}
+
+/* ---- the kernels of both element types ---- */
+
+#define DEFINE_TYPED_CHECKS(T, SFX, PANEL, EPS)                                          \
+static void check_score_##SFX(void)                                                       \
+{                                                                                         \
+    begin("score_" #SFX);                                                                 \
+    const int depths[] = {1, 5, 17};                                                      \
+    for (int di = 0; di < 3; ++di)                                                        \
+        for (int n_cols = PANEL; n_cols <= 3 * PANEL; n_cols += PANEL)                    \
+            for (int n_rows = 1; n_rows <= 25; n_rows += n_rows < 13 ? 1 : 11) {          \
+                const int d_k = depths[di], ldq = d_k + 3, lds = n_cols + 5;              \
+                const ptrdiff_t stride = (ptrdiff_t)d_k * PANEL + 16;                     \
+                T *q = alloc(sizeof(T) * n_rows * ldq);                                   \
+                T *k = alloc(sizeof(T) * n_cols * d_k);                                   \
+                T *kt = alloc(sizeof(T) * (n_cols / PANEL) * stride);                     \
+                T *s_ref = alloc(sizeof(T) * n_rows * lds);                               \
+                T *s_neon = alloc(sizeof(T) * n_rows * lds);                              \
+                for (int i = 0; i < n_rows * ldq; ++i)                                    \
+                    q[i] = (T)normal();                                                   \
+                if (n_rows == 7)                                                          \
+                    q[3 * ldq] = NAN;                                                     \
+                for (int j = 0; j < n_cols; ++j)                                          \
+                    for (int c = 0; c < d_k; ++c) {                                       \
+                        k[j * d_k + c] = (T)normal();                                     \
+                        kt[(j / PANEL) * stride + c * PANEL + j % PANEL] = k[j * d_k + c]; \
+                    }                                                                     \
+                for (int i = 0; i < n_rows * lds; ++i)                                    \
+                    s_ref[i] = s_neon[i] = (T)-7;                                         \
+                const T factor = (T)0.37;                                                 \
+                REF->score_##SFX(q, ldq, n_rows, kt, stride, n_cols, d_k, factor, s_ref,  \
+                                 lds, kt, 256);                                           \
+                NEON->score_##SFX(q, ldq, n_rows, kt, stride, n_cols, d_k, factor,        \
+                                  s_neon, lds, kt, 256);                                  \
+                for (int i = 0; i < n_rows; ++i)                                          \
+                    for (int j = 0; j < lds; ++j) {                                       \
+                        double magnitude = 0;                                             \
+                        for (int c = 0; j < n_cols && c < d_k; ++c)                       \
+                            magnitude += fabs((double)q[i * ldq + c] * k[j * d_k + c]);   \
+                        CHECK(close_to(s_neon[i * lds + j], s_ref[i * lds + j],           \
+                                       2 * (d_k + 1) * EPS * magnitude * factor),         \
+                              "d_k=%d n_cols=%d n_rows=%d at (%d, %d): %g vs %g", d_k,    \
+                              n_cols, n_rows, i, j, (double)s_neon[i * lds + j],          \
+                              (double)s_ref[i * lds + j]);                                \
+                    }                                                                     \
+                free(q); free(k); free(kt); free(s_ref); free(s_neon);                    \
+            }                                                                             \
+}                                                                                         \
+                                                                                          \
+static void check_pv_##SFX(void)                                                          \
+{                                                                                         \
+    begin("pv_" #SFX);                                                                    \
+    const int key_counts[] = {1, 7, 33};                                                  \
+    for (int ki = 0; ki < 3; ++ki)                                                        \
+        for (int n_vcols = PANEL; n_vcols <= 3 * PANEL; n_vcols += PANEL)                 \
+            for (int n_rows = 1; n_rows <= 25; n_rows += n_rows < 13 ? 1 : 11) {          \
+                const int n_keys = key_counts[ki], ldp = n_keys + 2, ldacc = n_vcols + 3; \
+                const ptrdiff_t stride = (ptrdiff_t)n_keys * PANEL + 8;                   \
+                T *p = alloc(sizeof(T) * n_rows * ldp);                                   \
+                T *v = alloc(sizeof(T) * n_keys * n_vcols);                               \
+                T *vp = alloc(sizeof(T) * (n_vcols / PANEL) * stride);                    \
+                T *acc_ref = alloc(sizeof(T) * n_rows * ldacc);                           \
+                T *acc_neon = alloc(sizeof(T) * n_rows * ldacc);                          \
+                for (int i = 0; i < n_rows * ldp; ++i) {                                  \
+                    const double x = uniform();                                           \
+                    p[i] = (T)(x < 0.2 ? 0 : x);                                          \
+                }                                                                         \
+                for (int j = 0; j < n_keys; ++j)                                          \
+                    for (int c = 0; c < n_vcols; ++c) {                                   \
+                        v[j * n_vcols + c] = (T)normal();                                 \
+                        vp[(c / PANEL) * stride + j * PANEL + c % PANEL] = v[j * n_vcols + c]; \
+                    }                                                                     \
+                for (int i = 0; i < n_rows * ldacc; ++i)                                  \
+                    acc_ref[i] = acc_neon[i] = (T)normal();                               \
+                REF->pv_##SFX(p, ldp, n_rows, vp, stride, n_keys, n_vcols, acc_ref, ldacc, \
+                              NULL, 0);                                                   \
+                NEON->pv_##SFX(p, ldp, n_rows, vp, stride, n_keys, n_vcols, acc_neon,     \
+                               ldacc, NULL, 0);                                           \
+                for (int i = 0; i < n_rows; ++i)                                          \
+                    for (int c = 0; c < ldacc; ++c) {                                     \
+                        double magnitude = fabs((double)acc_ref[i * ldacc + c]);          \
+                        for (int j = 0; c < n_vcols && j < n_keys; ++j)                   \
+                            magnitude += fabs((double)p[i * ldp + j] * v[j * n_vcols + c]); \
+                        CHECK(close_to(acc_neon[i * ldacc + c], acc_ref[i * ldacc + c],   \
+                                       2 * (n_keys + 2) * EPS * magnitude),               \
+                              "n_keys=%d n_vcols=%d n_rows=%d at (%d, %d)", n_keys,       \
+                              n_vcols, n_rows, i, c);                                     \
+                    }                                                                     \
+                free(p); free(v); free(vp); free(acc_ref); free(acc_neon);                \
+            }                                                                             \
+}                                                                                         \
+                                                                                          \
+/* a row of n: variant 0 plain, 1 with -inf entries, 2 all -inf, 3 with a NaN */          \
+static void fill_row_##SFX(T *x, int n, int variant)                                      \
+{                                                                                         \
+    for (int j = 0; j < n; ++j) {                                                         \
+        x[j] = (T)(4 * normal());                                                         \
+        if ((variant == 1 && uniform() < 0.4) || variant == 2)                            \
+            x[j] = -INFINITY;                                                             \
+    }                                                                                     \
+    if (variant == 3 && n > 0)                                                            \
+        x[(int)(uniform() * n)] = NAN;                                                    \
+}                                                                                         \
+                                                                                          \
+static void check_row_max_exp_sum_##SFX(void)                                             \
+{                                                                                         \
+    begin("row_max_" #SFX " / exp_sum_" #SFX);                                            \
+    for (int n = 0; n <= 40; ++n)                                                         \
+        for (int variant = 0; variant < 4; ++variant) {                                   \
+            T *x = alloc(sizeof(T) * (n + 1)), *y_ref = alloc(sizeof(T) * (n + 1));      \
+            T *y_neon = alloc(sizeof(T) * (n + 1));                                       \
+            fill_row_##SFX(x, n, variant);                                                \
+            const T max_ref = REF->row_max_##SFX(x, n);                                   \
+            const T max_neon = NEON->row_max_##SFX(x, n);                                 \
+            CHECK(same_f64(max_neon, max_ref), "row max n=%d variant=%d: %g vs %g", n,    \
+                  variant, (double)max_neon, (double)max_ref);                            \
+            const T shifts[2] = {isinf(max_ref) ? 0 : max_ref, (T)NAN};                   \
+            for (int si = 0; si < 2; ++si) {                                              \
+                memcpy(y_ref, x, sizeof(T) * n);                                          \
+                memcpy(y_neon, x, sizeof(T) * n);                                         \
+                const T sum_ref = REF->exp_sum_##SFX(y_ref, n, shifts[si]);               \
+                const T sum_neon = NEON->exp_sum_##SFX(y_neon, n, shifts[si]);            \
+                double magnitude = 0;                                                     \
+                for (int j = 0; j < n; ++j) {                                             \
+                    CHECK(close_to(y_neon[j], y_ref[j], 4 * EPS * fabs((double)y_ref[j])), \
+                          "exp n=%d variant=%d at %d: %g vs %g", n, variant, j,           \
+                          (double)y_neon[j], (double)y_ref[j]);                           \
+                    magnitude += isnan(y_ref[j]) ? 0 : fabs((double)y_ref[j]);            \
+                }                                                                         \
+                CHECK(close_to(sum_neon, sum_ref, (n + 4) * 4 * EPS * magnitude),         \
+                      "sum n=%d variant=%d: %g vs %g", n, variant, (double)sum_neon,      \
+                      (double)sum_ref);                                                   \
+            }                                                                             \
+            free(x); free(y_ref); free(y_neon);                                           \
+        }                                                                                 \
+}                                                                                         \
+                                                                                          \
+static void check_direct_##SFX(void)                                                      \
+{                                                                                         \
+    begin("score_direct_" #SFX " / pv_direct_" #SFX);                                     \
+    const int key_counts[] = {1, 2, 3, 4, 5, 9, 70};                                      \
+    for (int width = 1; width <= 135; width += width < 35 ? 1 : 31)                       \
+        for (int ki = 0; ki < 7; ++ki) {                                                  \
+            const int n_keys = key_counts[ki], n_rows = 3, ld = width + 3;                \
+            const int lds = n_keys + 2, ldacc = (width + 15) / 16 * 16 + 16;             \
+            T *q = alloc(sizeof(T) * n_rows * ld), *k = alloc(sizeof(T) * n_keys * ld);   \
+            T *s_ref = alloc(sizeof(T) * n_rows * lds), *s_neon = alloc(sizeof(T) * n_rows * lds); \
+            T *acc_ref = alloc(sizeof(T) * n_rows * ldacc);                               \
+            T *acc_neon = alloc(sizeof(T) * n_rows * ldacc);                              \
+            for (int i = 0; i < n_rows * ld; ++i)                                         \
+                q[i] = (T)normal();                                                       \
+            for (int i = 0; i < n_keys * ld; ++i)                                         \
+                k[i] = (T)normal();                                                       \
+            const T factor = (T)-0.61;                                                    \
+            REF->score_direct_##SFX(q, ld, n_rows, k, ld, n_keys, width, factor, s_ref, lds, \
+                                    k, ld * (ptrdiff_t)sizeof(T), 64);                    \
+            NEON->score_direct_##SFX(q, ld, n_rows, k, ld, n_keys, width, factor, s_neon, \
+                                     lds, k, ld * (ptrdiff_t)sizeof(T), 64);              \
+            for (int r = 0; r < n_rows; ++r)                                              \
+                for (int j = 0; j < n_keys; ++j) {                                        \
+                    double magnitude = 0;                                                 \
+                    for (int c = 0; c < width; ++c)                                       \
+                        magnitude += fabs((double)q[r * ld + c] * k[j * ld + c]);         \
+                    CHECK(close_to(s_neon[r * lds + j], s_ref[r * lds + j],               \
+                                   2 * (width + 2) * EPS * magnitude * 0.61),             \
+                          "score d_k=%d n_keys=%d at (%d, %d)", width, n_keys, r, j);     \
+                }                                                                         \
+            /* P.V: q as the weights (with zeros), k as the values; a value row         \
+               whose weights are all 0 takes no part, NaN or not */                      \
+            T *p = alloc(sizeof(T) * n_rows * n_keys);                                    \
+            for (int i = 0; i < n_rows * n_keys; ++i) {                                   \
+                const double x = uniform();                                               \
+                p[i] = (T)(x < 0.25 || i % n_keys == 0 ? 0 : x);                          \
+            }                                                                             \
+            for (int c = 0; c < ld; ++c)                                                  \
+                k[c] = NAN;                                                               \
+            for (int i = 0; i < n_rows * ldacc; ++i)                                      \
+                acc_ref[i] = acc_neon[i] = (T)normal();                                   \
+            REF->pv_direct_##SFX(p, n_keys, n_rows, k, ld, n_keys, width, acc_ref, ldacc, \
+                                 NULL, 0, 0);                                             \
+            NEON->pv_direct_##SFX(p, n_keys, n_rows, k, ld, n_keys, width, acc_neon,      \
+                                  ldacc, k, ld * (ptrdiff_t)sizeof(T), 64);               \
+            for (int r = 0; r < n_rows; ++r)                                              \
+                for (int c = 0; c < ldacc; ++c) {                                         \
+                    if (c >= width && c < (width + 15) / 16 * 16)                         \
+                        continue; /* may be rewritten with its own value */               \
+                    double magnitude = fabs((double)acc_ref[r * ldacc + c]);              \
+                    for (int j = 1; c < width && j < n_keys; ++j)                         \
+                        magnitude += fabs((double)p[r * n_keys + j] * k[j * ld + c]);     \
+                    CHECK(close_to(acc_neon[r * ldacc + c], acc_ref[r * ldacc + c],       \
+                                   2 * (n_keys + 2) * EPS * magnitude),                   \
+                          "pv d_v=%d n_keys=%d at (%d, %d): %g vs %g", width, n_keys, r, c, \
+                          (double)acc_neon[r * ldacc + c], (double)acc_ref[r * ldacc + c]); \
+                }                                                                         \
+            free(q); free(k); free(s_ref); free(s_neon); free(acc_ref); free(acc_neon);   \
+            free(p);                                                                      \
+        }                                                                                 \
+}
+
+DEFINE_TYPED_CHECKS(float, f32, CA_PANEL_F32, 0x1.0p-23)
+DEFINE_TYPED_CHECKS(double, f64, CA_PANEL_F64, 0x1.0p-52)
+
+/* ---- float32 only ---- */
+
+static void check_half_rows(void)
+{
+    begin("half_rows_to_f32");
+    /* every half value, in rows of 32, then random rows, contiguous and strided */
+    uint16_t *every = alloc(sizeof(uint16_t) * 65536);
+    float *dst_ref = alloc(sizeof(float) * 65536 * 2), *dst_neon = alloc(sizeof(float) * 65536 * 2);
+    for (int i = 0; i < 65536; ++i)
+        every[i] = (uint16_t)i;
+    REF->half_rows_to_f32(every, 32, 1, 2048, 32, dst_ref, 32);
+    NEON->half_rows_to_f32(every, 32, 1, 2048, 32, dst_neon, 32);
+    for (int i = 0; i < 65536; ++i)
+        CHECK(same_f32(dst_neon[i], dst_ref[i]), "half %#06x: %g vs %g", i,
+              (double)dst_neon[i], (double)dst_ref[i]);
+    for (int n_cols = 1; n_cols <= 40; ++n_cols)
+        for (int src_col = 1; src_col <= 2; ++src_col) {
+            const int n_rows = 3, src_row = 2 * n_cols + 1, ld = n_cols + 1;
+            for (int i = 0; i < n_rows * src_row; ++i)
+                every[i] = (uint16_t)(uniform() * 65536);
+            for (int i = 0; i < n_rows * ld; ++i)
+                dst_ref[i] = dst_neon[i] = 9.0f;
+            REF->half_rows_to_f32(every, src_row, src_col, n_rows, n_cols, dst_ref, ld);
+            NEON->half_rows_to_f32(every, src_row, src_col, n_rows, n_cols, dst_neon, ld);
+            for (int i = 0; i < n_rows * ld; ++i)
+                CHECK(same_f32(dst_neon[i], dst_ref[i]), "n_cols=%d src_col=%d at %d", n_cols,
+                      src_col, i);
+        }
+    free(every); free(dst_ref); free(dst_neon);
+}
+
+static void check_int8(void)
+{
+    begin("int8_rows_to_f32 / score_direct_i8 / pv_direct_i8");
+    static const float scales[8] = {0.0371f, -2.5f, 0.0f, 1e-30f, 3e36f, 1.0f, 0.5f, 7.0f};
+    for (int n_cols = 1; n_cols <= 40; ++n_cols)
+        for (int src_col = 1; src_col <= 2; ++src_col) {
+            const int n_rows = 8, src_row = 2 * n_cols + 1;
+            int8_t *src = alloc((size_t)n_rows * src_row);
+            float *dst_ref = alloc(sizeof(float) * n_rows * n_cols);
+            float *dst_neon = alloc(sizeof(float) * n_rows * n_cols);
+            for (int i = 0; i < n_rows * src_row; ++i)
+                src[i] = (int8_t)(i % 256 - 128);
+            REF->int8_rows_to_f32(src, src_row, src_col, n_rows, n_cols, scales, 1, dst_ref, n_cols);
+            NEON->int8_rows_to_f32(src, src_row, src_col, n_rows, n_cols, scales, 1, dst_neon,
+                                   n_cols);
+            for (int i = 0; i < n_rows * n_cols; ++i)
+                CHECK(same_f32(dst_neon[i], dst_ref[i]), "rows n_cols=%d at %d", n_cols, i);
+            free(src); free(dst_ref); free(dst_neon);
+        }
+    for (int width = 1; width <= 135; width += width < 35 ? 1 : 31)
+        for (int n_keys = 1; n_keys <= 9; n_keys += 4) {
+            const int n_rows = 2;
+            float *q = alloc(sizeof(float) * n_rows * width);
+            int8_t *k = alloc((size_t)n_keys * width);
+            float *scale = alloc(sizeof(float) * n_keys);
+            float *s_ref = alloc(sizeof(float) * n_rows * n_keys);
+            float *s_neon = alloc(sizeof(float) * n_rows * n_keys);
+            float *acc_ref = alloc(sizeof(float) * n_rows * width);
+            float *acc_neon = alloc(sizeof(float) * n_rows * width);
+            for (int i = 0; i < n_rows * width; ++i) {
+                q[i] = (float)normal();
+                acc_ref[i] = acc_neon[i] = (float)normal();
+            }
+            for (int i = 0; i < n_keys * width; ++i)
+                k[i] = (int8_t)(uniform() * 256 - 128);
+            for (int j = 0; j < n_keys; ++j)
+                scale[j] = (float)(uniform() * 0.05);
+            REF->score_direct_i8(q, width, n_rows, k, width, n_keys, width, 0.7f, scale, 1,
+                                 s_ref, n_keys);
+            NEON->score_direct_i8(q, width, n_rows, k, width, n_keys, width, 0.7f, scale, 1,
+                                  s_neon, n_keys);
+            for (int r = 0; r < n_rows; ++r)
+                for (int j = 0; j < n_keys; ++j) {
+                    double magnitude = 0;
+                    for (int c = 0; c < width; ++c)
+                        magnitude += fabs((double)q[r * width + c] * k[j * width + c]);
+                    CHECK(close_to(s_neon[r * n_keys + j], s_ref[r * n_keys + j],
+                                   2 * (width + 3) * 0x1.0p-23 * magnitude * scale[j]),
+                          "score d_k=%d n_keys=%d", width, n_keys);
+                }
+            /* weights: the first n_keys entries of q, made non-negative */
+            for (int i = 0; i < n_rows * n_keys; ++i)
+                q[i] = fabsf(q[i]) < 0.3f ? 0.0f : fabsf(q[i]);
+            REF->pv_direct_i8(q, n_keys, n_rows, k, width, n_keys, width, scale, 1, acc_ref, width);
+            NEON->pv_direct_i8(q, n_keys, n_rows, k, width, n_keys, width, scale, 1, acc_neon,
+                               width);
+            for (int r = 0; r < n_rows; ++r)
+                for (int c = 0; c < width; ++c) {
+                    double magnitude = fabs((double)acc_ref[r * width + c]);
+                    for (int j = 0; j < n_keys; ++j)
+                        magnitude += fabs((double)q[r * n_keys + j] * scale[j] * k[j * width + c]);
+                    CHECK(close_to(acc_neon[r * width + c], acc_ref[r * width + c],
+                                   2 * (n_keys + 3) * 0x1.0p-23 * magnitude),
+                          "pv d_v=%d n_keys=%d", width, n_keys);
+                }
+            free(q); free(k); free(scale); free(s_ref); free(s_neon); free(acc_ref);
+            free(acc_neon);
+        }
+}
+
+static void check_softcap(void)
+{
+    begin("softcap_f32");
+    static const float edges[] = {0.0f, -0.0f, 0.3f, -0.49f, 0.5f, -0.51f, 1e-30f, INFINITY,
+                                  -INFINITY, NAN, 80.0f, -80.0f, 3e38f};
+    for (int n = 0; n <= 40; ++n)
+        for (int ci = 0; ci < 2; ++ci) {
+            const float cap = ci ? 30.0f : 2.5f;
+            float *x_ref = alloc(sizeof(float) * (n + 1)), *x_neon = alloc(sizeof(float) * (n + 1));
+            for (int j = 0; j < n; ++j)
+                x_ref[j] = x_neon[j] = j < 13 && (n + j) % 3 == 0 ? edges[j]
+                                                                  : (float)(6 * normal());
+            REF->softcap_f32(x_ref, n, cap);
+            NEON->softcap_f32(x_neon, n, cap);
+            for (int j = 0; j < n; ++j)
+                CHECK(close_to(x_neon[j], x_ref[j], 8 * 0x1.0p-23 * cap),
+                      "n=%d cap=%g at %d: %g vs %g", n, (double)cap, j, (double)x_neon[j],
+                      (double)x_ref[j]);
+            free(x_ref); free(x_neon);
+        }
+}
+
+static void check_packing(void)
+{
+    begin("pack_kt_f32 / pack_v_f32");
+    for (int n_keys = 1; n_keys <= 40; ++n_keys)
+        for (int width = 1; width <= 40; ++width) {
+            const int ld = width + 2;
+            float *k = alloc(sizeof(float) * n_keys * ld);
+            for (int i = 0; i < n_keys * ld; ++i)
+                k[i] = (float)normal();
+            const ptrdiff_t kt_stride = (ptrdiff_t)width * 16 + 4;
+            const size_t kt_size = (size_t)((n_keys + 15) / 16) * kt_stride;
+            float *kt_ref = alloc(sizeof(float) * kt_size), *kt_neon = alloc(sizeof(float) * kt_size);
+            for (size_t i = 0; i < kt_size; ++i)
+                kt_ref[i] = kt_neon[i] = -3.0f;
+            REF->pack_kt_f32(k, ld, n_keys, width, kt_ref, kt_stride);
+            NEON->pack_kt_f32(k, ld, n_keys, width, kt_neon, kt_stride);
+            CHECK(memcmp(kt_ref, kt_neon, sizeof(float) * kt_size) == 0,
+                  "pack_kt n_keys=%d d_k=%d", n_keys, width);
+            if ((n_keys + width) % 5 == 0)
+                k[(int)(uniform() * n_keys) * ld + (int)(uniform() * width)] =
+                    width % 3 == 0 ? NAN : width % 3 == 1 ? INFINITY : -INFINITY;
+            if (width % 7 == 0)
+                for (int j = 0; j < n_keys; ++j)
+                    k[j * ld + width] = NAN;    /* past d_v: never read */
+            const ptrdiff_t v_stride = (ptrdiff_t)n_keys * 16 + 4;
+            const size_t v_size = (size_t)((width + 15) / 16) * v_stride;
+            float *v_ref = alloc(sizeof(float) * v_size), *v_neon = alloc(sizeof(float) * v_size);
+            for (size_t i = 0; i < v_size; ++i)
+                v_ref[i] = v_neon[i] = -3.0f;
+            const int flag_ref = REF->pack_v_f32(k, ld, n_keys, width, v_ref, v_stride);
+            const int flag_neon = NEON->pack_v_f32(k, ld, n_keys, width, v_neon, v_stride);
+            int same = 1;
+            for (size_t i = 0; i < v_size; ++i)
+                same &= same_f32(v_ref[i], v_neon[i]);
+            CHECK(same, "pack_v n_keys=%d d_v=%d", n_keys, width);
+            CHECK(!flag_ref == !flag_neon, "pack_v flag n_keys=%d d_v=%d: %d vs %d", n_keys,
+                  width, flag_neon, flag_ref);
+            free(k); free(kt_ref); free(kt_neon); free(v_ref); free(v_neon);
+        }
+}
+
+static void check_dispatch(void)
+{
+    begin("dispatch");
+    const char *names[8];
+    const int n = ca_available_kernels(names, 8);
+    CHECK(n >= 2 && strcmp(names[n - 1], "neon") == 0, "neon is not the best available table");
+    CHECK(ca_kernels_by_name("neon") == NEON, "CATTENTION_SIMD=neon would not select it");
+    if (getenv("CATTENTION_SIMD") == NULL)
+        CHECK(ca_default_kernels() == NEON, "the default table is %s", ca_default_kernels()->name);
+    CHECK(NEON->tile_rows > 0 && CA_ROW_QUANTUM % NEON->tile_rows == 0,
+          "tile rows %d do not divide %d", NEON->tile_rows, CA_ROW_QUANTUM);
+}
+
+int main(void)
+{
+    check_score_f32();
+    check_score_f64();
+    check_pv_f32();
+    check_pv_f64();
+    check_row_max_exp_sum_f32();
+    check_row_max_exp_sum_f64();
+    check_direct_f32();
+    check_direct_f64();
+    check_half_rows();
+    check_int8();
+    check_softcap();
+    check_packing();
+    check_dispatch();
+    printf("neon against baseline: %d checks, %d failed\n", checks, failures);
+    return failures != 0;
+}
