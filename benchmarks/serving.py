@@ -56,12 +56,14 @@ def varlen(threads, rounds):
     cu = np.concatenate([[0], np.cumsum(lengths)])
     q, k, v = (rng.standard_normal((total, H, d)).astype(np.float32) for _ in range(3))
     longest = int(lengths.max())
+    # the padded batch as attention takes it: keys first with kv_lengths,
+    # queries last (causal alignment is bottom-right, so a sequence's queries
+    # are the last rows; the padding rows above them see no key)
     padded = np.zeros((3, len(lengths), H, longest, d), np.float32)
     for i, n in enumerate(lengths):
-        for j, x in enumerate((q, k, v)):
+        padded[0, i, :, longest - n:] = np.swapaxes(q[cu[i]:cu[i + 1]], 0, 1)
+        for j, x in ((1, k), (2, v)):
             padded[j, i, :, :n] = np.swapaxes(x[cu[i]:cu[i + 1]], 0, 1)
-    # the padded batch puts each sequence's tokens first: its real queries
-    # see its real keys (kv_lengths), and the padding rows are extra work
     pq, pk, pv = padded
     kv_lengths = lengths.astype(np.intp)
     real_flops = 4 * H * d * float(np.sum(lengths * (lengths + 1) / 2))
@@ -77,11 +79,10 @@ def varlen(threads, rounds):
     }
     if torch is not None:
         torch.set_num_threads(threads)
-        positions = np.arange(longest)
-        valid = positions[None, :] < lengths[:, None]
-        mask = torch.from_numpy(
-            (positions[None, :, None] >= positions[None, None, :])
-            & valid[:, None, :] & valid[:, :, None])[:, None]
+        # query row r of sequence i is position r - (longest - n_i)
+        rows = np.arange(longest)[None, :, None] - (longest - lengths)[:, None, None]
+        keys = np.arange(longest)[None, None, :]
+        mask = torch.from_numpy((keys <= rows) & (keys < lengths[:, None, None]))[:, None]
         tq, tk, tv = (torch.from_numpy(x) for x in padded)
         cases["torch SDPA, padded + mask"] = lambda: F.scaled_dot_product_attention(
             tq, tk, tv, attn_mask=mask)
