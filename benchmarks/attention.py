@@ -193,6 +193,12 @@ DEFAULT_CASES = (
     Case(1, 8, 2048, 2048, 64, causal=True),
     Case(1, 4, 4096, 4096, 64, causal=True),
     Case(1, 8, 1024, 1024, 128, causal=True),
+    # 512-token prefill chunks of 7B-class models, and longer heads
+    Case(1, 8, 2048, 2048, 128, causal=False),
+    Case(4, 32, 512, 512, 128, causal=False),
+    Case(4, 32, 512, 512, 128, causal=True),
+    Case(8, 12, 512, 512, 64, causal=False),
+    Case(1, 32, 2048, 2048, 128, causal=True),
     Case(8, 12, 128, 128, 64, causal=False, quick=True),
     Case(1, 32, 1, 4096, 128),
     Case(1, 32, 1, 1024, 128, quick=True),
