@@ -198,7 +198,26 @@ def test_threadpoolctl_openmp_limit_is_honoured():
         assert ca.get_num_threads() == 2
 
 
-def test_gil_is_released_during_the_computation():
+def _long_calls(q, k, v):
+    """A long call of each entry point on float64 inputs (8, 1024, 64)."""
+    packed = [np.ascontiguousarray(np.swapaxes(x, 0, 1)) for x in (q, k, v)]   # (1024, 8, 64)
+    cu = np.array([0, 400, 1024])
+    page_size = 16
+    pages = [np.ascontiguousarray(x.reshape(8, 64, page_size, 64).swapaxes(0, 1))
+             for x in (k, v)]                                # (64 pages, 8 heads, 16, 64)
+    table = np.arange(64).reshape(1, 64)
+    return {
+        "attention": lambda: ca.attention(q, k, v, num_threads=1),
+        "attention_varlen": lambda: ca.attention_varlen(*packed, cu, cu, num_threads=1),
+        "attention_with_paged_kvcache": lambda: ca.attention_with_paged_kvcache(
+            q[None], pages[0], pages[1], table, np.array([1024]), causal=False,
+            num_threads=1),
+    }
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_varlen",
+                                   "attention_with_paged_kvcache"])
+def test_gil_is_released_during_the_computation(entry):
     """Another Python thread keeps running while a long call is in C.
 
     The main thread counts loop iterations while the worker is inside the
@@ -213,10 +232,12 @@ def test_gil_is_released_during_the_computation():
     done = threading.Event()
     span = {}
 
+    call = _long_calls(q, k, v)[entry]
+
     def work():
         in_call.set()
         start = time.perf_counter()
-        ca.attention(q, k, v, num_threads=1)
+        call()
         span["seconds"] = time.perf_counter() - start
         done.set()
 
