@@ -191,18 +191,26 @@ def _prepare_sinks(sinks: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np
     """One float64 sink logit per batch entry; -inf is no sink."""
     full = _per_batch_entry(_native(np.asarray(sinks)), batch_shape, "sinks", "fiu",
                             "real numbers", np.float64, "expected (H,) or (B, H)")
-    if np.any(np.isnan(full)) or np.any(full == np.inf):
-        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    _check_sink_values(full)
     return full
+
+
+def _check_sink_values(sinks: NDArray[np.float64]) -> None:
+    if np.any(np.isnan(sinks)) or np.any(sinks == np.inf):
+        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
 
 
 def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
     """One float64 slope per batch entry."""
     full = _per_batch_entry(alibi_slopes, batch_shape, "alibi_slopes", "fiu",
                             "real numbers", np.float64, "expected (H,) or (B, H)")
-    if not np.all(np.isfinite(full)):
-        raise ValueError("alibi_slopes must be finite")
+    _check_alibi_values(full)
     return full
+
+
+def _check_alibi_values(slopes: NDArray[np.float64]) -> None:
+    if not np.all(np.isfinite(slopes)):
+        raise ValueError("alibi_slopes must be finite")
 
 
 def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],

@@ -12,12 +12,19 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from . import _entries
-from ._call import check_options
-from ._checks import _check_flag, _check_softcap, _check_window, _native, _resolve_scale
+from ._checks import (
+    _check_flag,
+    _check_scale_fits,
+    _check_softcap,
+    _check_window,
+    _native,
+    _resolve_scale,
+    _to_compute,
+)
 from ._kvcache import _check_cache_lengths
 from ._quantize import quantize_kv
 from ._threads import _check_num_threads, get_num_threads
-from ._varlen import cu_seqlens, per_head, place, rows_of
+from ._varlen import cu_seqlens, head_options, place, rows_of
 
 __all__ = ["attention_with_paged_kvcache"]
 
@@ -283,15 +290,13 @@ def attention_with_paged_kvcache(
                          f"{b} uses it")
     causal = _check_flag(causal, "causal")
     return_lse = _check_flag(return_lse, "return_lse")
-    check_options(q, k_pages, v_pages, causal=causal, scale=scale, window=window,
-                  softcap=softcap, alibi_slopes=None, num_threads=num_threads)
-    alibi = per_head(alibi_slopes, n_heads, "alibi_slopes")
-    if alibi is not None and not np.all(np.isfinite(alibi)):
-        raise ValueError("alibi_slopes must be finite")
-    sink_logits = per_head(sinks, n_heads, "sinks")
-    if sink_logits is not None and (np.any(np.isnan(sink_logits))
-                                    or np.any(sink_logits == np.inf)):
-        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    # float16 and int8 pages are computed in float32
+    compute = np.dtype(np.float32) if k_pages.dtype in (np.float16, np.int8) else k_pages.dtype
+    scale_value = _resolve_scale(scale, d_k)
+    _check_scale_fits(scale_value, compute)
+    window_sides = _check_window(window, causal)
+    softcap_value = _check_softcap(softcap)
+    alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
     table = np.ascontiguousarray(table, dtype=np.intp)
     if new_rows:
@@ -316,29 +321,28 @@ def attention_with_paged_kvcache(
         v_pages[page, :, row] = v_add
         cache_lengths += n_new.astype(cache_lengths.dtype)
     return _attend(q, k_pages, v_pages, table, q_lengths, lengths,
-                   cu_q if packed else None, n_heads, causal=causal, scale=scale,
-                   window=window, softcap=softcap, alibi=alibi, sinks=sink_logits,
-                   k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, threads=threads)
+                   cu_q if packed else None, n_heads, compute, causal=causal,
+                   scale=scale_value, window=window_sides, softcap=softcap_value,
+                   alibi=alibi, sinks=sink_logits, k_scale=k_scale, v_scale=v_scale,
+                   return_lse=return_lse, threads=threads)
 
 
 def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
             table: NDArray[np.intp], q_lengths: NDArray[Any], lengths: NDArray[Any],
-            cu_q: NDArray[np.intp] | None, n_heads: int, *, causal: bool,
-            scale: float | None, window: Any, softcap: float | None,
+            cu_q: NDArray[np.intp] | None, n_heads: int, compute: np.dtype[Any], *,
+            causal: bool, scale: float, window: tuple[int, int], softcap: float,
             alibi: NDArray[np.float64] | None, sinks: NDArray[np.float64] | None,
             k_scale: NDArray[np.float32] | None, v_scale: NDArray[np.float32] | None,
             return_lse: bool, threads: int) -> _Float | tuple[_Float, _Float]:
-    """The attention of each sequence's queries to its valid positions."""
+    """The attention of each sequence's queries to its valid positions (the
+    options checked, scale resolved, computed in ``compute``)."""
     n_seq, max_pages = table.shape
     n_pages, n_kv_heads, page_size, d_k = k_pages.shape
     d_v = v_pages.shape[3]
-    compute = np.dtype(np.float32) if k_pages.dtype in (np.float16, np.int8) else k_pages.dtype
     # a float16 q with float16 or int8 pages gives float16, as attention would
     result = (np.dtype(np.float16) if q.dtype == np.float16 and compute == np.float32
               and k_pages.dtype != np.float32 else compute)
-    q = q.astype(compute) if q.dtype != compute else q
-    if not q.flags.aligned or any(s % q.itemsize for s in q.strides):
-        q = np.array(q, order="C")
+    q = _to_compute(q, compute)
     item = q.itemsize
     if cu_q is not None:
         out = np.empty((q.shape[0], n_heads, d_v), dtype=compute)
@@ -379,8 +383,7 @@ def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
             sinks=sinks, pages=(table.reshape(-1), max_pages, page_size),
             k_scale=k_scale_place, v_scale=v_scale_place)
         _entries.run(tables, rows_of(q), k_rows, v_rows, out, lse, causal=causal,
-                     scale=_resolve_scale(scale, d_k), threads=threads,
-                     window=_check_window(window, causal), softcap=_check_softcap(softcap))
+                     scale=scale, threads=threads, window=window, softcap=softcap)
     result_out = out.astype(result) if result != compute else out
     if return_lse:
         return result_out, cast("_Float", lse)

@@ -12,8 +12,10 @@ from numpy.typing import ArrayLike, NDArray
 from . import _entries
 from ._checks import (
     _as_input,
+    _check_alibi_values,
     _check_flag,
     _check_scale_fits,
+    _check_sink_values,
     _check_softcap,
     _check_window,
     _compute_dtype,
@@ -55,6 +57,19 @@ def per_head(values: ArrayLike | None, n_heads: int, name: str) -> NDArray[np.fl
         raise ValueError(f"{name} must hold one real number per query head, shape "
                          f"({n_heads},); got shape {arr.shape}, dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.float64)
+
+
+def head_options(alibi_slopes: ArrayLike | None, sinks: ArrayLike | None, n_heads: int
+                 ) -> tuple[NDArray[np.float64] | None, NDArray[np.float64] | None]:
+    """ALiBi slopes and sink logits per query head, checked as attention
+    checks them."""
+    alibi = per_head(alibi_slopes, n_heads, "alibi_slopes")
+    if alibi is not None:
+        _check_alibi_values(alibi)
+    sink_logits = per_head(sinks, n_heads, "sinks")
+    if sink_logits is not None:
+        _check_sink_values(sink_logits)
+    return alibi, sink_logits
 
 
 def rows_of(arr: NDArray[Any]) -> _entries.Rows:
@@ -197,13 +212,7 @@ def attention_varlen(
     _check_scale_fits(scale_value, compute)
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
-    alibi = per_head(alibi_slopes, n_heads, "alibi_slopes")
-    if alibi is not None and not np.all(np.isfinite(alibi)):
-        raise ValueError("alibi_slopes must be finite")
-    sink_logits = per_head(sinks, n_heads, "sinks")
-    if sink_logits is not None and (np.any(np.isnan(sink_logits))
-                                    or np.any(sink_logits == np.inf)):
-        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
 
     kv_dtype = compute
