@@ -246,6 +246,30 @@ def forked_after_parallel():
     return bool(ca_forked_after_parallel())
 
 
+cdef inline void set_row_options(Problem *pb, cnp.ndarray lse, Py_ssize_t window_left,
+                                 Py_ssize_t window_right, double softcap):
+    """The options both Python entries pass the same way: where the rows'
+    log-sum-exp goes (None: nowhere), the sliding window, the softcap."""
+    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    pb.window_left = window_left
+    pb.window_right = window_right
+    pb.softcap = softcap
+
+
+cdef inline int run_then_free(Problem *pb, intp_t *index, Py_ssize_t num_threads,
+                              cnp.ndarray out, cnp.ndarray scores) except -1:
+    """Run the Problem without the GIL, then free the batch index its builder
+    returned; MemoryError if the scratch could not be allocated."""
+    cdef int status
+    try:
+        status = run_on_outputs(pb, _kernels, num_threads, out, scores)
+    finally:
+        free(index)
+    if status != 0:
+        raise MemoryError("cattention: could not allocate scratch memory")
+    return 0
+
+
 def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
                    tuple batch_shape, bint causal, double scale,
                    cnp.ndarray out, cnp.ndarray scores, int num_threads,
@@ -289,25 +313,16 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
                                              n_batch_dims, shape,
                                              causal, scale)
-    cdef int status
-    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    set_row_options(&pb, lse, window_left, window_right, softcap)
     if query_period > 0:
         pb.query_period = query_period
-    pb.window_left = window_left
-    pb.window_right = window_right
-    pb.softcap = softcap
     if alibi_slopes is not None and alibi_slopes.shape[0] > 0:
         pb.alibi_slope = &alibi_slopes[0]
     if sinks is not None and sinks.shape[0] > 0:
         pb.sink = &sinks[0]
     if kv_lengths is not None and kv_lengths.shape[0] > 0:
         pb.kv_length = &kv_lengths[0]
-    try:
-        status = run_on_outputs(&pb, _kernels, num_threads, out, scores)
-    finally:
-        free(index)
-    if status != 0:
-        raise MemoryError("cattention: could not allocate scratch memory")
+    run_then_free(&pb, index, num_threads, out, scores)
 
 
 def attention_entries_into(object q, object k, object v, object entries, bint causal,
@@ -326,24 +341,15 @@ def attention_entries_into(object q, object k, object v, object entries, bint ca
     and ``entries.sinks`` (float64 per group of query_period rows) are None
     or C-contiguous."""
     cdef Problem pb
-    cdef int status
     cdef const double[::1] alibi = entries.alibi
     cdef const double[::1] sinks = entries.sinks
     cdef intp_t *index = problem_from_entries(&pb, q, k, v, entries, causal, scale)
-    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
-    pb.window_left = window_left
-    pb.window_right = window_right
-    pb.softcap = softcap
+    set_row_options(&pb, lse, window_left, window_right, softcap)
     if alibi is not None:
         pb.alibi_slope = &alibi[0]
     if sinks is not None:
         pb.sink = &sinks[0]
-    try:
-        status = run_on_outputs(&pb, _kernels, num_threads, out, None)
-    finally:
-        free(index)
-    if status != 0:
-        raise MemoryError("cattention: could not allocate scratch memory")
+    run_then_free(&pb, index, num_threads, out, None)
 
 
 cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
@@ -433,15 +439,9 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         shape[ndim - 1] = n_keys
         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
     cdef Problem pb
-    cdef int status
     cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2, shape,
                                              causal, scale_value)
-    try:
-        status = run_on_outputs(&pb, _kernels, threads, out, scores)
-    finally:
-        free(index)
-    if status != 0:
-        raise MemoryError("cattention: could not allocate scratch memory")
+    run_then_free(&pb, index, threads, out, scores)
     if return_scores:
         return out, scores
     return out
