@@ -287,3 +287,87 @@ def test_distinct_caches_from_many_threads_give_the_serial_results():
         assert_bitwise_equal(pages, want_pages)
         for out, want in zip(outs, want_outs):
             assert_bitwise_equal(out, want)
+
+
+def test_paged_byte_order_gives_the_native_bits_or_a_clear_refusal():
+    """Big-endian q, new rows, block table, lengths and cu_seqlens_q give
+    bitwise the native result and the same pages; big-endian pages are
+    refused (reading them would copy every page)."""
+    def run(swap):
+        rng = np.random.default_rng(21)
+        k_pages, v_pages, table = _cache(rng, 2, 2, 7, 6, 8, 8, np.float32)
+        lengths = np.array([3, 20])
+        q = rng.standard_normal((5, 4, 8)).astype(np.float32)
+        kv = rng.standard_normal((5, 2, 8)).astype(np.float32)
+        cu = np.array([0, 4, 5])
+        if swap:
+            q, kv, table, cu = (x.astype(x.dtype.newbyteorder(">")) for x in (q, kv, table, cu))
+            lengths = lengths.astype(">i8")
+        out = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, kv, kv,
+                                              cu_seqlens_q=cu)
+        return out, k_pages, lengths.astype(np.int64)
+
+    for want, got in zip(run(False), run(True)):
+        assert_bitwise_equal(got, want)
+    k_pages, v_pages, table, lengths, x = _small_call()
+    with pytest.raises(TypeError, match="k_pages has non-native byte order"):
+        ca.attention_with_paged_kvcache(x, k_pages.astype(">f4"), v_pages, table, lengths)
+
+
+def _misaligned(pages):
+    raw = np.zeros(pages.nbytes + 1, np.uint8)
+    view = raw[1:].view(pages.dtype).reshape(pages.shape)
+    view[...] = pages
+    return view
+
+
+def _read_only(pages):
+    pages = pages.copy()
+    pages.flags.writeable = False
+    return pages
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.update(k_pages=_misaligned(a["k_pages"])),
+     "k_pages must be aligned with strides that are multiples of its itemsize"),
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 0, 8), np.float32),
+                        v_pages=np.zeros((6, 2, 0, 8), np.float32)),
+     r"page_size \(axis 2 of k_pages \(6, 2, 0, 8\)\) must be >= 1"),
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 4, 8), np.int32)),
+     "k_pages has dtype int32; pages must be float16, float32, float64 or int8"),
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 4, 8), np.int8),
+                        v_pages=np.zeros((6, 2, 4, 8), np.int8)),
+     r"int8 pages need k_scale: a native float32 ndarray of shape \(6, 2, 4\)"),
+    (lambda a: a.update(k_scale=np.ones((6, 2, 4), np.float32)),
+     "k_scale and v_scale go with int8 pages; these are float32"),
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 4, 8), np.int8),
+                        v_pages=np.zeros((6, 2, 4, 8), np.int8), q=np.ones((2, 2, 2, 8)),
+                        k_new=np.ones((2, 2, 2, 8)), v_new=np.ones((2, 2, 2, 8))),
+     "int8 pages need a float32 \\(or float16\\) q, got float64"),
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 4, 8), np.int8),
+                        v_pages=np.zeros((6, 2, 4, 8), np.int8),
+                        k_scale=np.ones((6, 2, 4), np.float32),
+                        v_scale=np.ones((6, 2, 4), np.float32),
+                        k_new=np.ones((2, 2, 2, 8), np.int8)),
+     "k_new of dtype int8 for int8 pages: pass float values"),
+    (lambda a: a.update(k_new=np.ones((2, 2, 2, 8), np.complex64)),
+     "k_new of dtype complex64 cannot be written into float32 pages"),
+    (lambda a: a.update(v_pages=_read_only(a["v_pages"])),
+     "must be writable to append"),
+    (lambda a: a.update(cu=[0, 2, 4]),
+     r"with cu_seqlens_q, q must be packed \(total_q, H, d_k\)"),
+])
+def test_paged_more_errors_write_nothing(change, match):
+    k_pages, v_pages, table, lengths, x = _small_call()
+    args = {"q": x, "k_pages": k_pages, "v_pages": v_pages, "k_new": x, "v_new": x,
+            "k_scale": None, "v_scale": None, "cu": None}
+    change(args)
+    before = (args["k_pages"].copy(), args["v_pages"].copy(), lengths.copy())
+    with pytest.raises((ValueError, TypeError), match=match):
+        ca.attention_with_paged_kvcache(args["q"], args["k_pages"], args["v_pages"], table,
+                                        lengths, args["k_new"], args["v_new"],
+                                        cu_seqlens_q=args["cu"], k_scale=args["k_scale"],
+                                        v_scale=args["v_scale"])
+    assert_bitwise_equal(args["k_pages"], before[0])
+    assert_bitwise_equal(args["v_pages"], before[1])
+    assert_bitwise_equal(lengths, before[2])

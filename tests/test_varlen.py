@@ -156,3 +156,28 @@ def test_varlen_bad_shapes():
         ca.attention_varlen(x, x, x, cu, cu, alibi_slopes=[0.1, 0.2])
     with pytest.raises(ValueError, match="sinks must be finite"):
         ca.attention_varlen(x, x, x, cu, cu, sinks=[0, 0, np.nan, 0])
+
+
+def test_varlen_byte_order_and_dtypes_give_the_native_bits(dtype):
+    """Big-endian operands and lengths give bitwise the native result;
+    float16 q, k, v compute in float32 and return float16."""
+    q_lengths, k_lengths = [4, 1, 30], [9, 20, 30]
+    rng = np.random.default_rng(13)
+    q = _packed(rng, q_lengths, 4, 8, dtype)
+    k = _packed(rng, k_lengths, 2, 8, dtype)
+    v = _packed(rng, k_lengths, 2, 8, dtype)
+    cu_q, cu_k = _cu(q_lengths), _cu(k_lengths)
+    want, want_lse = ca.attention_varlen(q, k, v, cu_q, cu_k, causal=True, enable_gqa=True,
+                                         return_lse=True, sinks=[0.5, -np.inf, 1.0, 0.0])
+    swapped = [x.astype(x.dtype.newbyteorder(">")) for x in (q, k, v)]
+    got, got_lse = ca.attention_varlen(
+        *swapped, cu_q.astype(">i8"), cu_k.astype(">i4"), causal=True, enable_gqa=True,
+        return_lse=True, sinks=np.array([0.5, -np.inf, 1.0, 0.0], ">f8"))
+    assert_bitwise_equal(got, want)
+    assert_bitwise_equal(got_lse, want_lse)
+    half = [x.astype(np.float16) for x in (q, k, v)]
+    got16 = ca.attention_varlen(*half, cu_q, cu_k, causal=True, enable_gqa=True)
+    assert got16.dtype == np.float16
+    assert_bitwise_equal(got16, ca.attention_varlen(
+        *(x.astype(np.float32) for x in half), cu_q, cu_k, causal=True,
+        enable_gqa=True).astype(np.float16))
