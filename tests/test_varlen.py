@@ -151,6 +151,8 @@ def test_varlen_bad_shapes():
         ca.attention_varlen(x, x[:, :3], x[:, :3], cu, cu, enable_gqa=True)
     with pytest.raises(ValueError, match="share d_k"):
         ca.attention_varlen(x, x[:, :, :4], x, cu, cu)
+    with pytest.raises(ValueError, match=r"k \(3, 4, 8\) and v \(2, 4, 8\) must share"):
+        ca.attention_varlen(x, x, x[:2], cu, cu)
     with pytest.raises(ValueError, match=r"alibi_slopes must hold one real number per "
                                          r"query head, shape \(4,\)"):
         ca.attention_varlen(x, x, x, cu, cu, alibi_slopes=[0.1, 0.2])
