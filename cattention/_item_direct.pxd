@@ -1,13 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
-"""Work items of the direct (decode) path: up to DIRECT_ROWS query rows
-against one chunk of keys, reading K and V where they are (copied only when
-their features are strided or float16; a paged cache page by page)."""
+"""Work items of the direct (decode) path: up to DIRECT_ROWS query rows of a
+few batch entries against one chunk of keys, reading K and V where they are
+(copied only when their features are strided or float16; a paged cache page
+by page). The entries of an item step through the keys together (see
+same_rows_region in _schedule)."""
 
 from cython cimport floating
 from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
 from cattention._problem cimport (
-    DIRECT_KEYS, K_BLOCK, STORE_I8, Problem, entry_rows, out_row_offset)
+    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, STORE_I8, Problem, entry_rows, out_row_offset)
 from cattention._operands cimport (
     contiguous_run, contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales,
     rows_in_place)
@@ -17,100 +19,122 @@ from cattention._visibility cimport mask_scores
 from cattention._softmax cimport begin_rows, finish_rows, softmax_block
 
 
-cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                                  Py_ssize_t b, Py_ssize_t split, floating *out,
-                                  floating *partial) noexcept nogil:
-    """ATTN of all (few) query rows of batch entry b over key chunk ``split``,
-    K and V read in place. With one chunk the result goes to out; otherwise
-    the chunk's row maximum, sum and accumulator go to ``partial`` for
-    merge_splits."""
+cdef inline Py_ssize_t direct_key_step(const Problem *pb) noexcept nogil:
+    # int8 rows are a quarter of float32's: twice the keys per step keep
+    # the step's K and V in L1 and halve the per-step bookkeeping (the
+    # float paths keep DIRECT_KEYS, and so their results)
+    if pb.k.storage == STORE_I8 and pb.v.storage == STORE_I8:
+        return 2 * DIRECT_KEYS
+    return DIRECT_KEYS
+
+
+cdef inline void begin_chunk(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t split,
+                             floating *acc, Py_ssize_t *first_key,
+                             Py_ssize_t *last_key) noexcept nogil:
+    """A fresh state for the rows of entry b in ws (accumulator acc, ws's),
+    and the keys of chunk ``split`` they see (none when last_key <=
+    first_key); their query rows are packed when they see some."""
+    cdef Py_ssize_t n_rows = entry_rows(pb, b)
+    cdef Py_ssize_t chunk_lo = split * pb.split_keys
+    cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
+    first_key[0] = 0
+    last_key[0] = 0
+    if n_rows == 0:
+        return
+    begin_rows(pb, ws, b, 0, n_rows, acc, first_key, last_key)
+    if first_key[0] < chunk_lo:
+        first_key[0] = chunk_lo
+    if last_key[0] > chunk_hi:
+        last_key[0] = chunk_hi
+    if last_key[0] > first_key[0]:
+        pack_queries(pb, b, 0, n_rows, <floating *>ws.base + ws.off_q, pb.ld_k)
+
+
+cdef inline void attend_key_step(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                                 Py_ssize_t b, Py_ssize_t key0, Py_ssize_t key_step,
+                                 Py_ssize_t last_key, floating *acc, Py_ssize_t next_b,
+                                 Py_ssize_t next_key0, Py_ssize_t next_last_key) noexcept nogil:
+    """The rows of entry b (state in ws, accumulator acc, ws's) over keys
+    key0..key0 + key_step (not past last_key): scores, mask, online
+    softmax, P.V. The item's next step is entry next_b's from next_key0
+    (its keys end at next_last_key), whose K rows this one prefetches."""
     cdef floating *q_rows = <floating *>ws.base + ws.off_q
     cdef floating *s = <floating *>ws.base + ws.off_s
+    cdef Py_ssize_t n_rows = entry_rows(pb, b)
+    cdef Py_ssize_t n_keys, ld_k_rows, ld_v_rows, next_keys, j, run
+    cdef const floating *k_rows
+    cdef const floating *v_rows
+    n_keys = pb.n_keys - key0 if pb.n_keys - key0 < key_step else key_step
+    if pb.kv_extent != NULL and n_keys > last_key - key0:
+        # entries of their own lengths: the keys past the last one
+        # visible may not exist (a paged cache, the last sequence)
+        n_keys = last_key - key0
+    # while one kernel streams its operand, it prefetches the block the
+    # other reads next (contiguous rows only), keeping two streams busy: the
+    # score kernel this step's V, the P.V kernel the next step's K
+    next_keys = next_last_key - next_key0
+    if next_keys > key_step:
+        next_keys = key_step
+    # a paged K or V is read page by page (one run otherwise)
+    j = 0
+    while j < n_keys:
+        run = contiguous_run(&pb.k, key0 + j, n_keys - j)
+        if floating is float and int8_in_place(&pb.k, pb.d_k):
+            # int8 keys with their scales, read where they are
+            kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0 + j),
+                                 pb.k.row_stride, run, pb.d_k, <float>pb.scale,
+                                 row_scales(&pb.k, b, key0 + j), pb.k.scale_stride,
+                                 s + j, K_BLOCK)
+        else:
+            k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
+                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k,
+                                   &ld_k_rows, False)
+            kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
+                                pb.d_k, pb.scale, s + j, K_BLOCK,
+                                contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
+                                pb.v.row_stride * operand_itemsize(pb, &pb.v),
+                                pb.d_v * operand_itemsize(pb, &pb.v))
+        j += run
+    mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
+    softmax_block(pb, kern, ws, n_rows, n_keys, s)
+    j = 0
+    while j < n_keys:
+        run = contiguous_run(&pb.v, key0 + j, n_keys - j)
+        if floating is float and int8_in_place(&pb.v, pb.d_v):
+            kern.pv_direct_i8(s + j, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0 + j),
+                              pb.v.row_stride, run, pb.d_v,
+                              row_scales(&pb.v, b, key0 + j), pb.v.scale_stride,
+                              acc, pb.ld_v)
+        else:
+            v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
+                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v,
+                                   &ld_v_rows, False)
+            # (x86 drops a prefetch past the end of K without a fault;
+            # a page table is read only where the sequence has pages)
+            kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run,
+                             pb.d_v, acc, pb.ld_v,
+                             contiguous_rows(pb, &pb.k, next_b, next_key0 + j, run,
+                                             pb.d_k)
+                             if (next_keys > j if pb.k.page_ids == NULL
+                                 else next_keys >= j + run) else NULL,
+                             pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                             pb.d_k * operand_itemsize(pb, &pb.k))
+        j += run
+
+
+cdef inline void end_chunk(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t split,
+                           floating *out, floating *partial) noexcept nogil:
+    """Entry b's rows from their state in ws: with one chunk the result goes
+    to out; otherwise the chunk's row maximum, sum and accumulator go to
+    ``partial`` for merge_splits."""
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef Py_ssize_t n_rows = entry_rows(pb, b)
-    cdef Py_ssize_t chunk_lo = split * pb.split_keys
-    cdef Py_ssize_t chunk_hi = chunk_lo + pb.split_keys
-    cdef Py_ssize_t key0, n_keys, first_key, last_key, ld_k_rows, ld_v_rows, i, c
-    cdef Py_ssize_t next_keys, key_step, j, run
-    cdef const floating *k_rows
-    cdef const floating *v_rows
+    cdef Py_ssize_t i, c
     cdef floating *state
-
     if n_rows == 0:
         return
-    begin_rows(pb, ws, b, 0, n_rows, acc, &first_key, &last_key)
-    if first_key < chunk_lo:
-        first_key = chunk_lo
-    if last_key > chunk_hi:
-        last_key = chunk_hi
-    if last_key > first_key:
-        pack_queries(pb, b, 0, n_rows, q_rows, pb.ld_k)
-        # int8 rows are a quarter of float32's: twice the keys per step keep
-        # the step's K and V in L1 and halve the per-step bookkeeping (the
-        # float paths keep DIRECT_KEYS, and so their results)
-        key_step = DIRECT_KEYS
-        if pb.k.storage == STORE_I8 and pb.v.storage == STORE_I8:
-            key_step = 2 * DIRECT_KEYS
-        key0 = (first_key // key_step) * key_step
-        while key0 < last_key:
-            n_keys = pb.n_keys - key0 if pb.n_keys - key0 < key_step else key_step
-            if pb.kv_extent != NULL and n_keys > last_key - key0:
-                # entries of their own lengths: the keys past the last one
-                # visible may not exist (a paged cache, the last sequence)
-                n_keys = last_key - key0
-            # while one kernel streams its operand, it prefetches the block the
-            # other reads next (contiguous rows only), keeping two streams busy
-            next_keys = last_key - key0 - key_step
-            if next_keys > key_step:
-                next_keys = key_step
-            # a paged K or V is read page by page (one run otherwise)
-            j = 0
-            while j < n_keys:
-                run = contiguous_run(&pb.k, key0 + j, n_keys - j)
-                if floating is float and int8_in_place(&pb.k, pb.d_k):
-                    # int8 keys with their scales, read where they are
-                    kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0 + j),
-                                         pb.k.row_stride, run, pb.d_k, <float>pb.scale,
-                                         row_scales(&pb.k, b, key0 + j), pb.k.scale_stride,
-                                         s + j, K_BLOCK)
-                else:
-                    k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
-                                           <floating *>ws.base + ws.off_k_rows, pb.ld_k,
-                                           &ld_k_rows, False)
-                    kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
-                                        pb.d_k, pb.scale, s + j, K_BLOCK,
-                                        contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
-                                        pb.v.row_stride * operand_itemsize(pb, &pb.v),
-                                        pb.d_v * operand_itemsize(pb, &pb.v))
-                j += run
-            mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
-            softmax_block(pb, kern, ws, n_rows, n_keys, s)
-            j = 0
-            while j < n_keys:
-                run = contiguous_run(&pb.v, key0 + j, n_keys - j)
-                if floating is float and int8_in_place(&pb.v, pb.d_v):
-                    kern.pv_direct_i8(s + j, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0 + j),
-                                      pb.v.row_stride, run, pb.d_v,
-                                      row_scales(&pb.v, b, key0 + j), pb.v.scale_stride,
-                                      acc, pb.ld_v)
-                else:
-                    v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
-                                           <floating *>ws.base + ws.off_v_rows, pb.ld_v,
-                                           &ld_v_rows, False)
-                    # (x86 drops a prefetch past the end of K without a fault;
-                    # a page table is read only where the sequence has pages)
-                    kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run,
-                                     pb.d_v, acc, pb.ld_v,
-                                     contiguous_rows(pb, &pb.k, b, key0 + key_step + j, run,
-                                                     pb.d_k)
-                                     if (next_keys > j if pb.k.page_ids == NULL
-                                         else next_keys >= j + run) else NULL,
-                                     pb.k.row_stride * operand_itemsize(pb, &pb.k),
-                                     pb.d_k * operand_itemsize(pb, &pb.k))
-                j += run
-            key0 += key_step
     if pb.n_splits == 1:
         finish_rows(pb, ws, n_rows, out + out_row_offset(pb, b, 0), pb.ld_out,
                     b * pb.n_queries)
@@ -123,3 +147,53 @@ cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Wor
         for c in range(pb.d_v):
             state[2 + c] = acc[i * pb.ld_v + c]
         state += pb.d_v + 2
+
+
+cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                                  Py_ssize_t b0, Py_ssize_t n_entries, Py_ssize_t split,
+                                  floating *out, floating *partial) noexcept nogil:
+    """ATTN of entries b0..b0 + n_entries (at most DIRECT_GROUP; the state of
+    entry b0 + g in ws[g]) over key chunk ``split``, K and V read in place.
+    The entries take each key step in turn, so that where their rows lie
+    side by side (the K/V heads of a page) the item reads memory in order,
+    not one head's rows scattered over the pages; each entry's arithmetic is
+    the same as alone."""
+    cdef Py_ssize_t key_step = direct_key_step(pb)
+    cdef Py_ssize_t first_key[DIRECT_GROUP]
+    cdef Py_ssize_t last_key[DIRECT_GROUP]
+    cdef Py_ssize_t key_lo = pb.n_keys
+    cdef Py_ssize_t key_hi = 0
+    cdef Py_ssize_t g, next_g, key0, next_key0
+    for g in range(n_entries):
+        begin_chunk(pb, &ws[g], b0 + g, split, <floating *>ws[g].base + ws[g].off_acc,
+                    &first_key[g], &last_key[g])
+        if last_key[g] > first_key[g]:
+            # each entry steps from a multiple of key_step, as alone
+            first_key[g] = (first_key[g] // key_step) * key_step
+            if first_key[g] < key_lo:
+                key_lo = first_key[g]
+            if last_key[g] > key_hi:
+                key_hi = last_key[g]
+    key0 = key_lo
+    while key0 < key_hi:
+        for g in range(n_entries):
+            if first_key[g] <= key0 < last_key[g]:
+                # the item's next step: the next entry at key0, else the first
+                # at the next key0 (the K read in the meantime, a later step
+                # of this entry, would push it out of L1)
+                next_key0 = key0
+                next_g = g + 1
+                while next_g < n_entries and not first_key[next_g] <= key0 < last_key[next_g]:
+                    next_g += 1
+                if next_g == n_entries:
+                    next_key0 = key0 + key_step
+                    next_g = 0
+                    while (next_g < g
+                           and not first_key[next_g] <= next_key0 < last_key[next_g]):
+                        next_g += 1
+                attend_key_step(pb, kern, &ws[g], b0 + g, key0, key_step, last_key[g],
+                                <floating *>ws[g].base + ws[g].off_acc, b0 + next_g,
+                                next_key0, last_key[next_g])
+        key0 += key_step
+    for g in range(n_entries):
+        end_chunk(pb, &ws[g], b0 + g, split, out, partial)

@@ -34,6 +34,15 @@ cdef enum:
     # of V, and ran 20-30% slower on a memory-bound decode). Divides K_BLOCK,
     # which split chunks are multiples of.
     DIRECT_KEYS = 32
+    # A direct work item takes up to this many batch entries whose K/V rows
+    # lie side by side (the K/V heads of a paged cache share each page) and
+    # steps them through the keys together: it reads a page's heads in
+    # order, 64 KiB for 8 heads of 16 rows of 128 floats, where one head at
+    # a time reads 8 KiB here and there (2.2x the bandwidth on one core).
+    DIRECT_GROUP = 8
+    # ...but smaller groups when the threads would get fewer items than this
+    # each (the dynamic schedule balances items of different lengths).
+    GROUP_ITEMS_PER_THREAD = 4
     # The direct path splits the keys until there are this many work items...
     SPLIT_TARGET_ITEMS = 16
     # ...but never into chunks below this many keys (a multiple of K_BLOCK).

@@ -2,7 +2,7 @@
 # cython: cdivision=True, initializedcheck=False
 """Schedulers: how work items are spread over OpenMP threads (prange), for
 the packed path (pack everything, then query blocks; or one batch entry per
-item for many short sequences) and the direct path (batch entry x key
+item for many short sequences) and the direct path (entries x key
 chunk, then the merge), and the thread count of a call (src/team.h).
 
 The verbs, from the call down: compute_problem (a call: its thread count
@@ -16,15 +16,16 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint8_t
 from cattention._kernel_table cimport (
     CA_SCRATCH_PACKED, CA_SCRATCH_PARTIAL, ca_forked_after_parallel, ca_kernels,
-    ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release)
+    ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release, intp_t)
+from libc.stdlib cimport free, malloc
 from cattention._problem cimport (
-    DIRECT_ROWS, K_BLOCK, MIN_FLOPS_PER_THREAD, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES,
-    Problem, Q_BLOCK,
-    SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, round_up)
+    DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
+    PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem, Q_BLOCK, SPLIT_MIN_KEYS,
+    SPLIT_TARGET_ITEMS, entry_rows, round_up)
 from cattention._operands cimport operand_itemsize
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
-    workspace_new_per_entry)
+    workspace_new_group, workspace_new_per_entry)
 from cattention._packing cimport pack_block, packed_keys
 from cattention._softmax cimport merge_splits
 from cattention._item_packed cimport attend_query_block, attend_query_block_with_scores
@@ -116,13 +117,49 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
     return status
 
 
+cdef inline bint rows_side_by_side(const Operand *op, Py_ssize_t b0,
+                                   Py_ssize_t b) noexcept nogil:
+    """Whether entry b's rows of a K or V lie among entry b0's: the same
+    rows, another head of the same pages, or rows interleaved with b0's
+    (heads of one token adjacent, as in (B, S, H, d))."""
+    cdef Py_ssize_t apart = op.batch_offset[b] - op.batch_offset[b0]
+    if op.page_ids != NULL:
+        return op.page_first[b] == op.page_first[b0] and 0 <= apart < op.page_stride
+    return apart == 0 or 0 < apart < op.row_stride
+
+
+cdef inline Py_ssize_t group_entries(const Problem *pb, Py_ssize_t max_group,
+                                     intp_t *group_first) noexcept nogil:
+    """Split the batch entries into runs of at most max_group consecutive
+    entries whose K and V rows lie side by side (rows_side_by_side); the
+    runs start at group_first[0..n), group_first[n] = n_batch. Returns n.
+    Each entry's arithmetic is the same in any group, so the grouping may
+    depend on the thread count."""
+    cdef Py_ssize_t n_groups = 0
+    cdef Py_ssize_t b = 0
+    cdef Py_ssize_t b0
+    while b < pb.n_batch:
+        b0 = b
+        group_first[n_groups] = b0
+        n_groups += 1
+        b += 1
+        while (b < pb.n_batch and b - b0 < max_group
+               and rows_side_by_side(&pb.k, b0, b) and rows_side_by_side(&pb.v, b0, b)):
+            b += 1
+    group_first[n_groups] = pb.n_batch
+    return n_groups
+
+
 cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threads,
                                 floating *out) noexcept nogil:
-    """Few query rows: items are (batch entry, key chunk), K/V read in place."""
+    """Few query rows: items are (group of batch entries, key chunk), K/V
+    read in place."""
     cdef Py_ssize_t n_splits = 1
-    cdef Py_ssize_t n_items, item, b
+    cdef Py_ssize_t n_items, item, b, group, n_groups
+    cdef Py_ssize_t max_group = DIRECT_GROUP
     cdef Workspace *ws = NULL
     cdef floating *partial = NULL
+    cdef intp_t *group_first = NULL
     cdef int status = 0
     cdef int *status_ptr = &status
     cdef int n_workers = n_threads
@@ -138,22 +175,35 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
     if pb.n_splits < 1:
         pb.n_splits = 1
-    n_items = pb.n_batch * pb.n_splits
+    # the splits depend on the shape alone (the results do not depend on the
+    # thread count); the groups only on how many items the threads need
+    while max_group > 1 and n_workers > 1 and (
+            pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):
+        max_group //= 2
+    group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t))
+    if group_first == NULL:
+        return -1
+    n_groups = group_entries(pb, max_group, group_first)
+    n_items = n_groups * pb.n_splits
     if n_workers > n_items:
         n_workers = <int>n_items
     if pb.n_splits > 1:
         partial = <floating *>ca_scratch_acquire(
-            CA_SCRATCH_PARTIAL, n_items * pb.n_queries * (pb.d_v + 2) * sizeof(floating))
+            CA_SCRATCH_PARTIAL, pb.n_batch * pb.n_splits * pb.n_queries * (pb.d_v + 2)
+            * sizeof(floating))
         if partial == NULL:
+            free(group_first)
             return -1
     if n_workers <= 1:
-        ws = workspace_new(pb, sizeof(floating))
+        ws = workspace_new_group(pb, sizeof(floating), max_group)
         if ws == NULL:
             status = -1
         else:
             for item in range(n_items):
-                attend_key_chunk(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
-                                 out, partial)
+                group = item // pb.n_splits
+                attend_key_chunk(pb, kern, ws, group_first[group],
+                                 group_first[group + 1] - group_first[group],
+                                 item % pb.n_splits, out, partial)
             workspace_delete(ws)
         if status == 0 and pb.n_splits > 1:
             for b in range(pb.n_batch):
@@ -161,19 +211,22 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
     else:
         ca_note_parallel_region()
         with parallel(num_threads=n_workers):
-            ws = workspace_new(pb, sizeof(floating))
+            ws = workspace_new_group(pb, sizeof(floating), max_group)
             if ws == NULL:
                 status_ptr[0] = -1
             for item in prange(n_items, schedule='dynamic'):
                 if ws != NULL:
-                    attend_key_chunk(pb, kern, ws, item // pb.n_splits, item % pb.n_splits,
-                                     out, partial)
+                    group = item // pb.n_splits
+                    attend_key_chunk(pb, kern, ws, group_first[group],
+                                     group_first[group + 1] - group_first[group],
+                                     item % pb.n_splits, out, partial)
             workspace_delete(ws)
             if pb.n_splits > 1:
                 for b in prange(pb.n_batch, schedule='static'):
                     if status_ptr[0] == 0:
                         merge_splits(pb, b, partial, out)
     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
+    free(group_first)
     return status
 
 

@@ -31,8 +31,19 @@ cdef struct Workspace:
 
 cdef inline Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil:
     """Lay out and allocate one thread's scratch; NULL if there is no memory."""
+    return workspace_new_group(pb, itemsize, 1)
+
+
+cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
+                                           Py_ssize_t n_entries) noexcept nogil:
+    """One thread's scratch for the direct path's items of up to n_entries
+    batch entries: an array of n_entries workspaces, each with its own query
+    rows, accumulators, row maximum, sum and visible ranges, sharing the
+    score tile and copied rows (the entries take each key step in turn).
+    Released with workspace_delete on the first; NULL if there is no memory."""
     cdef Py_ssize_t n_rows = Q_BLOCK if pb.n_queries > Q_BLOCK else pb.n_queries
     cdef Py_ssize_t n = 0
+    cdef Py_ssize_t per_entry, g
     cdef Workspace header
     cdef Workspace *ws = &header
     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
@@ -54,20 +65,34 @@ cdef inline Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcep
         n += round_up(K_BLOCK * pb.ld_k, 16)
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)
-    # one buffer: the Workspace itself, then the regions from the next
-    # 64-byte boundary
-    cdef size_t header_bytes = round_up(sizeof(Workspace), 64)
+    # the other entries' own regions follow, in the same order
+    per_entry = (round_up(n_rows * pb.ld_k, 16) + round_up(n_rows * pb.ld_v, 16)
+                 + 2 * round_up(n_rows, 16))
+    # one buffer: the workspaces themselves, then the regions from the next
+    # 64-byte boundary, then each entry's visible ranges
+    cdef size_t header_bytes = round_up(n_entries * sizeof(Workspace), 64)
+    cdef Py_ssize_t n_all = n + (n_entries - 1) * per_entry
     cdef char *memory = <char *>ca_scratch_acquire(
-        CA_SCRATCH_WORKSPACE, header_bytes + n * itemsize + 2 * n_rows * sizeof(intp_t))
+        CA_SCRATCH_WORKSPACE,
+        header_bytes + n_all * itemsize + 2 * n_entries * n_rows * sizeof(intp_t))
     if memory == NULL:
         return NULL
     ws.base = memory + header_bytes
     ws.own_k = NULL
     ws.own_v = NULL
     ws.own_nonfinite = NULL
-    ws.row_lo = <intp_t *>(<char *>ws.base + n * itemsize)
+    ws.row_lo = <intp_t *>(<char *>ws.base + n_all * itemsize)
     ws.row_hi = ws.row_lo + n_rows
     (<Workspace *>memory)[0] = header
+    for g in range(1, n_entries):
+        ws = <Workspace *>memory + g
+        ws[0] = header
+        ws.off_q = n + (g - 1) * per_entry
+        ws.off_acc = ws.off_q + round_up(n_rows * pb.ld_k, 16)
+        ws.off_max = ws.off_acc + round_up(n_rows * pb.ld_v, 16)
+        ws.off_sum = ws.off_max + round_up(n_rows, 16)
+        ws.row_lo = header.row_lo + 2 * g * n_rows
+        ws.row_hi = ws.row_lo + n_rows
     return <Workspace *>memory
 
 

@@ -140,3 +140,35 @@ def test_split_decode_is_bitwise_across_threads(dtype, threads):
     got = ca.attention(q, k, v, num_threads=threads, return_lse=True)
     assert_bitwise_equal(got[0], ref[0])
     assert_bitwise_equal(got[1], ref[1])
+
+
+# A decode item steps the batch entries whose K/V rows lie side by side (heads
+# interleaved in a (B, S, H, d) cache, grouped query heads reading one K/V)
+# through the keys together: entries of one item may see different key
+# ranges, and every layout and thread count gives the same bits.
+@pytest.mark.parametrize("T,H_kv", [(1, 6), (3, 6), (5, 2)], ids=["decode", "T3", "T5-gqa"])
+def test_decode_entries_read_together(dtype, T, H_kv):
+    B, H, S, d = 2, 6, 300, 24
+    rng = np.random.default_rng(35)
+    q = rng.standard_normal((B, H, T, d)).astype(dtype)
+    # (B, S, H_kv, d) memory, seen as (B, H_kv, S, d): heads of a token adjacent
+    k = rng.standard_normal((B, S, H_kv, d)).astype(dtype).transpose(0, 2, 1, 3)
+    v = rng.standard_normal((B, S, H_kv, d)).astype(dtype).transpose(0, 2, 1, 3)
+    kv_lengths = np.array([[300, 0, 31, 257, 64, 1], [5, 300, 299, 40, 33, 128]])
+    options = dict(kv_lengths=kv_lengths, window=(100, 0), enable_gqa=H_kv < H)
+    k_full = np.repeat(k, H // H_kv, axis=1)
+    v_full = np.repeat(v, H // H_kv, axis=1)
+    results = []
+    for threads in (1, 2):
+        attn, lse = ca.attention(q, k, v, causal=True, return_lse=True,
+                                 num_threads=threads, **options)
+        results.append((attn, lse))
+        assert_matches_reference(attn, None, q, k_full, v_full, causal=True, lse=lse,
+                                 kv_lengths=kv_lengths, window=(100, 0))
+    # head 1 of sequence 0 has no keys: zero rows, LSE -inf
+    assert np.isneginf(results[0][1][0, 1]).all() and np.all(results[0][0][0, 1] == 0)
+    contiguous = ca.attention(q, np.ascontiguousarray(k), np.ascontiguousarray(v),
+                              causal=True, return_lse=True, **options)
+    for attn, lse in results[1:] + [contiguous]:
+        assert_bitwise_equal(attn, results[0][0])
+        assert_bitwise_equal(lse, results[0][1])
