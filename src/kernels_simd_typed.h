@@ -248,6 +248,7 @@ CA_SIMD_TARGET static void CA_NAME(score_direct)(const CA_T *q, ptrdiff_t ldq,
 {
     const ptrdiff_t d_main = d_k & ~(ptrdiff_t)(CA_LANES - 1);
     const CA_MASK tail = CA_V(lanes)(d_k - d_main);
+    const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
     for (ptrdiff_t j = 0; j < n_keys; j += 4) {
         /* four keys at a time share one horizontal reduction */
         const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
@@ -255,9 +256,9 @@ CA_SIMD_TARGET static void CA_NAME(score_direct)(const CA_T *q, ptrdiff_t ldq,
         const CA_T *k1 = k0 + (n_group > 1 ? ldk : 0);
         const CA_T *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
         const CA_T *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
-        if (j + PREFETCH_KEYS + 4 <= n_keys)
+        if (j + keys_ahead + 4 <= n_keys)
             for (int l = 0; l < 4; ++l)
-                prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k * (ptrdiff_t)sizeof(CA_T));
+                prefetch_row(k + (j + keys_ahead + l) * ldk, d_k * (ptrdiff_t)sizeof(CA_T));
         for (ptrdiff_t l = 0; l < n_group; ++l)
             prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
         for (ptrdiff_t r = 0; r < n_rows; ++r) {
@@ -297,6 +298,7 @@ CA_SIMD_INLINE void CA_NAME(pv_direct_cols)(const CA_T *p, const CA_T *v, ptrdif
     /* runs of SUM_KEYS keys are summed from zero and then added to acc:
        rounding chains of SUM_KEYS terms, not of every key in the split */
     CA_VEC run[DIRECT_VECS];
+    const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
     for (int x = 0; x < NV; ++x)
         run[x] = CA_V(zero)();
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
@@ -310,8 +312,8 @@ CA_SIMD_INLINE void CA_NAME(pv_direct_cols)(const CA_T *p, const CA_T *v, ptrdif
                 run[x] = CA_V(zero)();
         }
         if (prefetch) {
-            if (j + PREFETCH_KEYS < n_keys)
-                prefetch_row(v + (j + PREFETCH_KEYS) * ldv, n_bytes_row);
+            if (j + keys_ahead < n_keys)
+                prefetch_row(v + (j + keys_ahead) * ldv, n_bytes_row);
             prefetch_ahead(ahead, ahead_stride, ahead_bytes, j);
         }
         if (p[j] == 0)
