@@ -9,7 +9,8 @@ same_rows_region in _schedule)."""
 from cython cimport floating
 from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
 from cattention._problem cimport (
-    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, STORE_I8, Problem, entry_rows, out_row_offset)
+    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_I8, Operand, Problem, entry_rows,
+    out_row_offset)
 from cattention._operands cimport (
     contiguous_run, contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales,
     rows_in_place)
@@ -17,6 +18,29 @@ from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
 from cattention._softmax cimport begin_rows, finish_rows, softmax_block
+
+
+cdef extern from *:
+    void __builtin_prefetch(const void *address, int rw, int locality) nogil
+
+
+cdef inline void prefetch_first_rows(const Problem *pb, const Operand *op, Py_ssize_t b,
+                                     Py_ssize_t key, Py_ssize_t n_keys,
+                                     Py_ssize_t n_features) noexcept nogil:
+    """Bring the first rows (at most NEXT_CALL_ROWS) of the n_keys rows of
+    entry b from ``key`` into L1, for the kernel call after the one about
+    to run (the kernels bring rows into L1 only ahead within their call)."""
+    cdef const char *row = contiguous_rows(pb, op, b, key, n_keys, n_features)
+    cdef Py_ssize_t row_bytes = n_features * operand_itemsize(pb, op)
+    cdef Py_ssize_t stride = op.row_stride * operand_itemsize(pb, op)
+    cdef Py_ssize_t i, at
+    if row == NULL:
+        return
+    for i in range(n_keys if n_keys < NEXT_CALL_ROWS else NEXT_CALL_ROWS):
+        at = 0
+        while at < row_bytes:
+            __builtin_prefetch(row + i * stride + at, 0, 3)
+            at += 64
 
 
 cdef inline Py_ssize_t direct_key_step(const Problem *pb) noexcept nogil:
@@ -50,76 +74,73 @@ cdef inline void begin_chunk(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_
         pack_queries(pb, b, 0, n_rows, <floating *>ws.base + ws.off_q, pb.ld_k)
 
 
-cdef inline void attend_key_step(const Problem *pb, const ca_kernels *kern, Workspace *ws,
-                                 Py_ssize_t b, Py_ssize_t key0, Py_ssize_t key_step,
-                                 Py_ssize_t last_key, floating *acc, Py_ssize_t next_b,
-                                 Py_ssize_t next_key0, Py_ssize_t next_last_key) noexcept nogil:
-    """The rows of entry b (state in ws, accumulator acc, ws's) over keys
-    key0..key0 + key_step (not past last_key): scores, mask, online
-    softmax, P.V. The item's next step is entry next_b's from next_key0
-    (its keys end at next_last_key), whose K rows this one prefetches."""
-    cdef floating *q_rows = <floating *>ws.base + ws.off_q
-    cdef floating *s = <floating *>ws.base + ws.off_s
-    cdef Py_ssize_t n_rows = entry_rows(pb, b)
-    cdef Py_ssize_t n_keys, ld_k_rows, ld_v_rows, next_keys, j, run
-    cdef const floating *k_rows
-    cdef const floating *v_rows
+cdef inline Py_ssize_t step_keys(const Problem *pb, Py_ssize_t key0, Py_ssize_t key_step,
+                                 Py_ssize_t first_key, Py_ssize_t last_key) noexcept nogil:
+    """Keys of the step from key0 an entry reads (0: none; its keys, a
+    multiple of key_step from first_key, end at last_key)."""
+    cdef Py_ssize_t n_keys
+    if not first_key <= key0 < last_key:
+        return 0
     n_keys = pb.n_keys - key0 if pb.n_keys - key0 < key_step else key_step
     if pb.kv_extent != NULL and n_keys > last_key - key0:
         # entries of their own lengths: the keys past the last one
         # visible may not exist (a paged cache, the last sequence)
         n_keys = last_key - key0
-    # while one kernel streams its operand, it prefetches the block the
-    # other reads next (contiguous rows only), keeping two streams busy: the
-    # score kernel this step's V, the P.V kernel the next step's K
-    next_keys = next_last_key - next_key0
-    if next_keys > key_step:
-        next_keys = key_step
-    # a paged K or V is read page by page (one run otherwise)
-    j = 0
-    while j < n_keys:
-        run = contiguous_run(&pb.k, key0 + j, n_keys - j)
-        if floating is float and int8_in_place(&pb.k, pb.d_k):
-            # int8 keys with their scales, read where they are
-            kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0 + j),
-                                 pb.k.row_stride, run, pb.d_k, <float>pb.scale,
-                                 row_scales(&pb.k, b, key0 + j), pb.k.scale_stride,
-                                 s + j, K_BLOCK)
-        else:
-            k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
-                                   <floating *>ws.base + ws.off_k_rows, pb.ld_k,
-                                   &ld_k_rows, False)
-            kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
-                                pb.d_k, pb.scale, s + j, K_BLOCK,
-                                contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
-                                pb.v.row_stride * operand_itemsize(pb, &pb.v),
-                                pb.d_v * operand_itemsize(pb, &pb.v))
-        j += run
-    mask_scores(pb, b, 0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
-    softmax_block(pb, kern, ws, n_rows, n_keys, s)
-    j = 0
-    while j < n_keys:
-        run = contiguous_run(&pb.v, key0 + j, n_keys - j)
-        if floating is float and int8_in_place(&pb.v, pb.d_v):
-            kern.pv_direct_i8(s + j, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0 + j),
-                              pb.v.row_stride, run, pb.d_v,
-                              row_scales(&pb.v, b, key0 + j), pb.v.scale_stride,
-                              acc, pb.ld_v)
-        else:
-            v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
-                                   <floating *>ws.base + ws.off_v_rows, pb.ld_v,
-                                   &ld_v_rows, False)
-            # (x86 drops a prefetch past the end of K without a fault;
-            # a page table is read only where the sequence has pages)
-            kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run,
-                             pb.d_v, acc, pb.ld_v,
-                             contiguous_rows(pb, &pb.k, next_b, next_key0 + j, run,
-                                             pb.d_k)
-                             if (next_keys > j if pb.k.page_ids == NULL
-                                 else next_keys >= j + run) else NULL,
-                             pb.k.row_stride * operand_itemsize(pb, &pb.k),
-                             pb.d_k * operand_itemsize(pb, &pb.k))
-        j += run
+    return n_keys
+
+
+cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                           Py_ssize_t b, Py_ssize_t key0, Py_ssize_t j, Py_ssize_t run,
+                           floating *s) noexcept nogil:
+    """Logits of entry b's rows (state in ws) for keys key0 + j.. key0 + j +
+    run (rows row_stride apart) into columns j.. of its score tile s; the
+    kernel prefetches the same rows of V, which P.V reads next."""
+    cdef floating *q_rows = <floating *>ws.base + ws.off_q
+    cdef Py_ssize_t n_rows = entry_rows(pb, b)
+    cdef Py_ssize_t ld_k_rows
+    cdef const floating *k_rows
+    if floating is float and int8_in_place(&pb.k, pb.d_k):
+        # int8 keys with their scales, read where they are
+        kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0 + j),
+                             pb.k.row_stride, run, pb.d_k, <float>pb.scale,
+                             row_scales(&pb.k, b, key0 + j), pb.k.scale_stride,
+                             s + j, K_BLOCK)
+        return
+    k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
+                           <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, False)
+    kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
+                        pb.d_k, pb.scale, s + j, K_BLOCK,
+                        contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
+                        pb.v.row_stride * operand_itemsize(pb, &pb.v),
+                        pb.d_v * operand_itemsize(pb, &pb.v))
+
+
+cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws,
+                        Py_ssize_t b, Py_ssize_t key0, Py_ssize_t j, Py_ssize_t run,
+                        const floating *s, floating *acc, Py_ssize_t next_keys) noexcept nogil:
+    """acc += weights j.. j + run of s times V rows key0 + j.. of entry b;
+    the kernel prefetches the same rows of K at the next step (next_keys
+    keys of this entry from key0 + key_step), which its scores read next."""
+    cdef Py_ssize_t n_rows = entry_rows(pb, b)
+    cdef Py_ssize_t ld_v_rows
+    cdef const floating *v_rows
+    if floating is float and int8_in_place(&pb.v, pb.d_v):
+        kern.pv_direct_i8(s + j, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0 + j),
+                          pb.v.row_stride, run, pb.d_v,
+                          row_scales(&pb.v, b, key0 + j), pb.v.scale_stride, acc, pb.ld_v)
+        return
+    v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
+                           <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, False)
+    # (x86 drops a prefetch past the end of K without a fault; a page
+    # table is read only where the sequence has pages)
+    kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run, pb.d_v, acc,
+                     pb.ld_v,
+                     contiguous_rows(pb, &pb.k, b, key0 + direct_key_step(pb) + j, run,
+                                     pb.d_k)
+                     if (next_keys > j if pb.k.page_ids == NULL else next_keys >= j + run)
+                     else NULL,
+                     pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                     pb.d_k * operand_itemsize(pb, &pb.k))
 
 
 cdef inline void end_chunk(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t split,
@@ -154,16 +175,21 @@ cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Wor
                                   floating *out, floating *partial) noexcept nogil:
     """ATTN of entries b0..b0 + n_entries (at most DIRECT_GROUP; the state of
     entry b0 + g in ws[g]) over key chunk ``split``, K and V read in place.
-    The entries take each key step in turn, so that where their rows lie
-    side by side (the K/V heads of a page) the item reads memory in order,
-    not one head's rows scattered over the pages; each entry's arithmetic is
-    the same as alone."""
+
+    The entries take each key step together: the scores of every entry over
+    one run of rows (a page), then the next run, then each entry's online
+    softmax, then P.V run by run likewise. Where the entries' rows lie side
+    by side (the K/V heads of a page) the item so reads memory in order,
+    where one entry at a time reads 8 KiB of one page, then of another.
+    Each entry's arithmetic is the same as alone."""
     cdef Py_ssize_t key_step = direct_key_step(pb)
     cdef Py_ssize_t first_key[DIRECT_GROUP]
     cdef Py_ssize_t last_key[DIRECT_GROUP]
+    cdef Py_ssize_t n_keys[DIRECT_GROUP]
     cdef Py_ssize_t key_lo = pb.n_keys
     cdef Py_ssize_t key_hi = 0
-    cdef Py_ssize_t g, next_g, key0, next_key0
+    cdef Py_ssize_t g, key0, j, run, step_end, next_keys
+    cdef floating *s
     for g in range(n_entries):
         begin_chunk(pb, &ws[g], b0 + g, split, <floating *>ws[g].base + ws[g].off_acc,
                     &first_key[g], &last_key[g])
@@ -176,24 +202,43 @@ cdef inline void attend_key_chunk(const Problem *pb, const ca_kernels *kern, Wor
                 key_hi = last_key[g]
     key0 = key_lo
     while key0 < key_hi:
+        step_end = 0
         for g in range(n_entries):
-            if first_key[g] <= key0 < last_key[g]:
-                # the item's next step: the next entry at key0, else the first
-                # at the next key0 (the K read in the meantime, a later step
-                # of this entry, would push it out of L1)
-                next_key0 = key0
-                next_g = g + 1
-                while next_g < n_entries and not first_key[next_g] <= key0 < last_key[next_g]:
-                    next_g += 1
-                if next_g == n_entries:
-                    next_key0 = key0 + key_step
-                    next_g = 0
-                    while (next_g < g
-                           and not first_key[next_g] <= next_key0 < last_key[next_g]):
-                        next_g += 1
-                attend_key_step(pb, kern, &ws[g], b0 + g, key0, key_step, last_key[g],
-                                <floating *>ws[g].base + ws[g].off_acc, b0 + next_g,
-                                next_key0, last_key[next_g])
+            n_keys[g] = step_keys(pb, key0, key_step, first_key[g], last_key[g])
+            if n_keys[g] > step_end:
+                step_end = n_keys[g]
+        # (runs end where pages do, at the same keys for every entry)
+        j = 0
+        while j < step_end:
+            run = contiguous_run(&pb.k, key0 + j, step_end - j)
+            for g in range(n_entries):
+                if n_keys[g] > j:
+                    if g + 1 < n_entries and n_keys[g + 1] > j:
+                        prefetch_first_rows(pb, &pb.k, b0 + g + 1, key0 + j, run, pb.d_k)
+                    score_run(pb, kern, &ws[g], b0 + g, key0, j,
+                              run if n_keys[g] - j > run else n_keys[g] - j,
+                              <floating *>ws[g].base + ws[g].off_s)
+            j += run
+        for g in range(n_entries):
+            if n_keys[g] > 0:
+                s = <floating *>ws[g].base + ws[g].off_s
+                mask_scores(pb, b0 + g, 0, entry_rows(pb, b0 + g), key0, n_keys[g],
+                            ws[g].row_lo, ws[g].row_hi, s, K_BLOCK)
+                softmax_block(pb, kern, &ws[g], entry_rows(pb, b0 + g), n_keys[g], s)
+        j = 0
+        while j < step_end:
+            run = contiguous_run(&pb.v, key0 + j, step_end - j)
+            for g in range(n_entries):
+                if n_keys[g] > j:
+                    if g + 1 < n_entries and n_keys[g + 1] > j:
+                        prefetch_first_rows(pb, &pb.v, b0 + g + 1, key0 + j, run, pb.d_v)
+                    next_keys = step_keys(pb, key0 + key_step, key_step, first_key[g],
+                                          last_key[g])
+                    pv_run(pb, kern, &ws[g], b0 + g, key0, j,
+                           run if n_keys[g] - j > run else n_keys[g] - j,
+                           <floating *>ws[g].base + ws[g].off_s,
+                           <floating *>ws[g].base + ws[g].off_acc, next_keys)
+            j += run
         key0 += key_step
     for g in range(n_entries):
         end_chunk(pb, &ws[g], b0 + g, split, out, partial)

@@ -43,6 +43,9 @@ cdef enum:
     # ...but smaller groups when the threads would get fewer items than this
     # each (the dynamic schedule balances items of different lengths).
     GROUP_ITEMS_PER_THREAD = 4
+    # Before each kernel call of a group, this many rows of the next call are
+    # brought into L1 (the kernels prefetch only within their own call).
+    NEXT_CALL_ROWS = 8
     # The direct path splits the keys until there are this many work items...
     SPLIT_TARGET_ITEMS = 16
     # ...but never into chunks below this many keys (a multiple of K_BLOCK).

@@ -17,7 +17,7 @@ from libc.stdint cimport uint8_t
 from cattention._kernel_table cimport (
     CA_SCRATCH_PACKED, CA_SCRATCH_PARTIAL, ca_forked_after_parallel, ca_kernels,
     ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release, intp_t)
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free, malloc, qsort
 from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem, Q_BLOCK, SPLIT_MIN_KEYS,
@@ -150,6 +150,37 @@ cdef inline Py_ssize_t group_entries(const Problem *pb, Py_ssize_t max_group,
     return n_groups
 
 
+cdef struct GroupOrder:
+    intp_t n_keys                # keys of the group's first entry
+    intp_t group
+
+
+cdef inline int longer_first(const void *a, const void *b) noexcept nogil:
+    cdef const GroupOrder *x = <const GroupOrder *>a
+    cdef const GroupOrder *y = <const GroupOrder *>b
+    if x.n_keys != y.n_keys:
+        return -1 if x.n_keys > y.n_keys else 1
+    return -1 if x.group < y.group else (1 if x.group > y.group else 0)
+
+
+cdef inline void order_longest_first(const Problem *pb, const intp_t *group_first,
+                                     Py_ssize_t n_groups, GroupOrder *order) noexcept nogil:
+    """The groups in the order their items are taken: when groups hold
+    several entries (coarse items), those with the most keys first, so that
+    the dynamic schedule ends on short items (a paged batch sorted by length,
+    shortest first, left one thread its longest sequence alone at the end:
+    1.10x the contiguous step at 2 threads, 1.06x in this order). Items of
+    one entry each keep the batch order (in this order a contiguous step at
+    2 threads took 1.05-1.09x as long). The order does not change results."""
+    cdef Py_ssize_t group
+    for group in range(n_groups):
+        order[group].group = group
+        order[group].n_keys = (pb.kv_length[group_first[group]] if pb.kv_length != NULL
+                               else pb.n_keys)
+    if pb.kv_length != NULL and n_groups < pb.n_batch:
+        qsort(order, n_groups, sizeof(GroupOrder), longer_first)
+
+
 cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threads,
                                 floating *out) noexcept nogil:
     """Few query rows: items are (group of batch entries, key chunk), K/V
@@ -160,6 +191,7 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
     cdef Workspace *ws = NULL
     cdef floating *partial = NULL
     cdef intp_t *group_first = NULL
+    cdef GroupOrder *order = NULL
     cdef int status = 0
     cdef int *status_ptr = &status
     cdef int n_workers = n_threads
@@ -180,10 +212,18 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
     while max_group > 1 and n_workers > 1 and (
             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):
         max_group //= 2
-    group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t))
+    group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)
+                                   + pb.n_batch * sizeof(GroupOrder))
     if group_first == NULL:
         return -1
+    order = <GroupOrder *>(group_first + pb.n_batch + 1)
     n_groups = group_entries(pb, max_group, group_first)
+    # workspaces for the largest group there is
+    max_group = 1
+    for group in range(n_groups):
+        if group_first[group + 1] - group_first[group] > max_group:
+            max_group = group_first[group + 1] - group_first[group]
+    order_longest_first(pb, group_first, n_groups, order)
     n_items = n_groups * pb.n_splits
     if n_workers > n_items:
         n_workers = <int>n_items
@@ -200,7 +240,7 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
             status = -1
         else:
             for item in range(n_items):
-                group = item // pb.n_splits
+                group = order[item // pb.n_splits].group
                 attend_key_chunk(pb, kern, ws, group_first[group],
                                  group_first[group + 1] - group_first[group],
                                  item % pb.n_splits, out, partial)
@@ -216,7 +256,7 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
                 status_ptr[0] = -1
             for item in prange(n_items, schedule='dynamic'):
                 if ws != NULL:
-                    group = item // pb.n_splits
+                    group = order[item // pb.n_splits].group
                     attend_key_chunk(pb, kern, ws, group_first[group],
                                      group_first[group + 1] - group_first[group],
                                      item % pb.n_splits, out, partial)

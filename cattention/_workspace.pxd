@@ -38,8 +38,8 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
                                            Py_ssize_t n_entries) noexcept nogil:
     """One thread's scratch for the direct path's items of up to n_entries
     batch entries: an array of n_entries workspaces, each with its own query
-    rows, accumulators, row maximum, sum and visible ranges, sharing the
-    score tile and copied rows (the entries take each key step in turn).
+    rows, score tile, accumulators, row maximum, sum and visible ranges,
+    sharing the rows copied for a kernel (used by one kernel at a time).
     Released with workspace_delete on the first; NULL if there is no memory."""
     cdef Py_ssize_t n_rows = Q_BLOCK if pb.n_queries > Q_BLOCK else pb.n_queries
     cdef Py_ssize_t n = 0
@@ -66,8 +66,8 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)
     # the other entries' own regions follow, in the same order
-    per_entry = (round_up(n_rows * pb.ld_k, 16) + round_up(n_rows * pb.ld_v, 16)
-                 + 2 * round_up(n_rows, 16))
+    per_entry = (round_up(n_rows * pb.ld_k, 16) + round_up(n_rows * K_BLOCK, 16)
+                 + round_up(n_rows * pb.ld_v, 16) + 2 * round_up(n_rows, 16))
     # one buffer: the workspaces themselves, then the regions from the next
     # 64-byte boundary, then each entry's visible ranges
     cdef size_t header_bytes = round_up(n_entries * sizeof(Workspace), 64)
@@ -88,7 +88,8 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
         ws = <Workspace *>memory + g
         ws[0] = header
         ws.off_q = n + (g - 1) * per_entry
-        ws.off_acc = ws.off_q + round_up(n_rows * pb.ld_k, 16)
+        ws.off_s = ws.off_q + round_up(n_rows * pb.ld_k, 16)
+        ws.off_acc = ws.off_s + round_up(n_rows * K_BLOCK, 16)
         ws.off_max = ws.off_acc + round_up(n_rows * pb.ld_v, 16)
         ws.off_sum = ws.off_max + round_up(n_rows, 16)
         ws.row_lo = header.row_lo + 2 * g * n_rows
