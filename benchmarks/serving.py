@@ -38,14 +38,31 @@ except ImportError:  # the peer is optional
     torch = None
 
 
-def median_seconds(fn, rounds):
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def round_robin_medians(cases, rounds):
+    """Median seconds of each case. The cattention cases are timed in turn
+    each round, so that all see the same drift of the machine; a peer's
+    cases (named "torch ...") after them, each in a block of its own, since
+    its worker threads keep spinning after each call and would slow the
+    call after it."""
+    ours = [name for name in cases if not name.startswith("torch")]
+    times = {name: [] for name in cases}
+    with torch.inference_mode() if torch is not None else _nothing():
+        for name in ours:
+            cases[name]()
+        for _ in range(rounds):
+            for name in ours:
+                start = time.perf_counter()
+                cases[name]()
+                times[name].append(time.perf_counter() - start)
+        for name in cases:
+            if name in ours:
+                continue
+            cases[name]()
+            for _ in range(rounds):
+                start = time.perf_counter()
+                cases[name]()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def varlen(threads, rounds):
@@ -88,10 +105,9 @@ def varlen(threads, rounds):
             tq, tk, tv, attn_mask=mask)
     print(f"\nvarlen prefill: lengths {sorted(lengths.tolist())} ({total} real tokens, "
           f"padded {len(lengths) * longest}), H={H}, d={d}, causal, {threads} thread(s)")
+    medians = round_robin_medians(cases, rounds)
     base = None
-    for name, fn in cases.items():
-        with torch.inference_mode() if torch is not None else _nothing():
-            t = median_seconds(fn, rounds)
+    for name, t in medians.items():
         base = base or t
         print(f"  {name:34s} {t * 1e3:9.2f} ms  {real_flops / t / 1e9:7.1f} GFLOP/s (real)"
               f"  {t / base:5.2f}x")
@@ -147,10 +163,9 @@ def paged(threads, rounds):
     print(f"\npaged decode step: B={B}, lengths {lengths.min()}-{lengths.max()} "
           f"(sum {lengths.sum()}), H={H}, H_kv={H_kv}, d={d}, page_size {page_size}, "
           f"{threads} thread(s)")
+    medians = round_robin_medians(cases, rounds)
     base = None
-    for name, fn in cases.items():
-        with torch.inference_mode() if torch is not None else _nothing():
-            t = median_seconds(fn, rounds)
+    for name, t in medians.items():
         base = base or t
         print(f"  {name:36s} {t * 1e3:9.2f} ms  {kv_bytes / t / 1e9:6.1f} GB/s of K/V"
               f"  {t / base:5.2f}x")
