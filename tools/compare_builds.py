@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 #: (B, H, T, S, d, causal, dtype, kv_heads, kv_dtype, window): the cases of
-#: benchmarks/attention.py
+#: benchmarks/attention.py; then two cases named by a string
 CASES = [
     (1, 8, 1024, 1024, 64, False, "float32", 0, "", 0),
     (1, 8, 1024, 1024, 64, True, "float32", 0, "", 0),
@@ -39,6 +39,11 @@ CASES = [
     (1, 2, 8192, 8192, 64, True, "float32", 0, "", 1024),
     (1, 8, 1024, 1024, 64, False, "float64", 0, "", 0),
     (1, 8, 1024, 1024, 64, True, "float64", 0, "", 0),
+    # the decode step of benchmarks/serving.py (B = 16 sequences of 256-4096
+    # positions, H = 32, H_kv = 8, d = 128) on shuffled pages of 16 rows,
+    # and on contiguous caches of the same contents
+    "paged",
+    "contiguous",
 ]
 
 WORKER = r"""
@@ -46,8 +51,40 @@ import json, sys, time
 import numpy as np
 import cattention as ca
 inputs = {}
+
+
+def serving_step(kind):
+    rng = np.random.default_rng(1)
+    B, H, H_kv, d, page_size = 16, 32, 8, 128, 16
+    lengths = np.sort(rng.integers(256, 4097, B))
+    lengths[0], lengths[-1] = 256, 4096
+    max_pages = 4096 // page_size + 1
+    table = rng.permutation(B * max_pages).reshape(B, max_pages)
+    k = rng.standard_normal((B * max_pages, H_kv, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((B * max_pages, H_kv, page_size, d)).astype(np.float32)
+    q = rng.standard_normal((B, H, 1, d)).astype(np.float32)
+    new = rng.standard_normal((B, H_kv, 1, d)).astype(np.float32)
+    if kind == "paged":
+        return lambda threads: ca.attention_with_paged_kvcache(
+            q, k, v, table, lengths - 1, new, new, num_threads=threads)
+    s_max = max_pages * page_size
+    k, v = (np.swapaxes(x[table], 1, 2).reshape(B, H_kv, s_max, d).copy() for x in (k, v))
+    return lambda threads: ca.attention_with_kvcache(
+        q, k, v, lengths - 1, new, new, num_threads=threads)
+
+
 for line in sys.stdin:
     request = json.loads(line)
+    if isinstance(request["case"], str):
+        if request["case"] not in inputs:
+            inputs = {request["case"]: serving_step(request["case"])}
+        step = inputs[request["case"]]
+        step(request["threads"])
+        start = time.perf_counter()
+        for _ in range(request["calls"]):
+            step(request["threads"])
+        print(json.dumps((time.perf_counter() - start) / request["calls"]), flush=True)
+        continue
     B, H, T, S, d, causal, dtype, kv_heads, kv_dtype, window = request["case"]
     key = tuple(request["case"])
     if key not in inputs:
@@ -71,6 +108,8 @@ for line in sys.stdin:
 
 
 def label_of(case):
+    if isinstance(case, str):
+        return f"serving decode step, {case}"
     B, H, T, S, d, causal, dtype, kv_heads, kv_dtype, window = case
     return (f"{B}x{H}x{T}x{S}x{d} {'causal' if causal else 'full'} {dtype}"
             + (f" gqa{H}/{kv_heads}" if kv_heads else "")
