@@ -4,10 +4,11 @@
 few batch entries against one chunk of keys, reading K and V where they are
 (copied only when their features are strided or float16; a paged cache page
 by page). The entries of an item step through the keys together (see
-same_rows_region in _schedule)."""
+rows_side_by_side in _schedule)."""
 
 from cython cimport floating
-from cattention._kernel_table cimport ca_kernels, kernel_pv_direct, kernel_score_direct
+from cattention._kernel_table cimport (
+    ca_kernels, ca_prefetch_l1, kernel_pv_direct, kernel_score_direct)
 from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_I8, Operand, Problem, entry_rows,
     out_row_offset)
@@ -18,10 +19,6 @@ from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
 from cattention._softmax cimport begin_rows, finish_rows, softmax_block
-
-
-cdef extern from *:
-    void __builtin_prefetch(const void *address, int rw, int locality) nogil
 
 
 cdef inline void prefetch_first_rows(const Problem *pb, const Operand *op, Py_ssize_t b,
@@ -39,7 +36,7 @@ cdef inline void prefetch_first_rows(const Problem *pb, const Operand *op, Py_ss
     for i in range(n_keys if n_keys < NEXT_CALL_ROWS else NEXT_CALL_ROWS):
         at = 0
         while at < row_bytes:
-            __builtin_prefetch(row + i * stride + at, 0, 3)
+            ca_prefetch_l1(row + i * stride + at)
             at += 64
 
 

@@ -13,6 +13,7 @@ ctypedef cnp.intp_t intp_t
 
 
 cdef extern from "kernels.h" nogil:
+    void ca_prefetch_l1(const void *address)
     ctypedef struct ca_kernels:
         const char *name
         void (*score_f32)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
