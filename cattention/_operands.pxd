@@ -8,27 +8,32 @@ int8 K/V times their row scales) into scratch rows, a block at a time."""
 
 from cython cimport floating
 from libc.stdint cimport int8_t, uint16_t
+from cattention._kernel_table cimport intp_t
 from cattention._problem cimport STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem
+
+
+cdef inline Py_ssize_t entry_row_offset(const Operand *op, const intp_t *start,
+                                        Py_ssize_t stride, Py_ssize_t page_stride,
+                                        Py_ssize_t b, Py_ssize_t row) noexcept nogil:
+    """Offset of row ``row`` of entry b in an array whose entry b starts at
+    start[b] and whose rows are ``stride`` apart, paged as op is (then each
+    page id steps page_stride): the rows of op, or their int8 scales."""
+    if op.page_ids == NULL:
+        return start[b] + row * stride
+    return (start[b] + op.page_ids[op.page_first[b] + row // op.page_size] * page_stride
+            + (row % op.page_size) * stride)
 
 
 cdef inline Py_ssize_t row_offset(const Operand *op, Py_ssize_t b,
                                   Py_ssize_t row) noexcept nogil:
     """Element offset from op.data of row ``row`` of batch entry b."""
-    if op.page_ids == NULL:
-        return op.batch_offset[b] + row * op.row_stride
-    return (op.batch_offset[b]
-            + op.page_ids[op.page_first[b] + row // op.page_size] * op.page_stride
-            + (row % op.page_size) * op.row_stride)
+    return entry_row_offset(op, op.batch_offset, op.row_stride, op.page_stride, b, row)
 
 
 cdef inline Py_ssize_t scale_row_offset(const Operand *op, Py_ssize_t b,
                                         Py_ssize_t row) noexcept nogil:
     """Offset from op.scale of the int8 scale of row ``row`` of entry b."""
-    if op.page_ids == NULL:
-        return op.scale_offset[b] + row * op.scale_stride
-    return (op.scale_offset[b]
-            + op.page_ids[op.page_first[b] + row // op.page_size] * op.scale_page_stride
-            + (row % op.page_size) * op.scale_stride)
+    return entry_row_offset(op, op.scale_offset, op.scale_stride, op.scale_page_stride, b, row)
 
 
 cdef inline Py_ssize_t contiguous_run(const Operand *op, Py_ssize_t row,
