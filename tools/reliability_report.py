@@ -118,9 +118,10 @@ def sanitizer_reports():
 
 def fuzz_figures(seconds):
     code, output = run_make("fuzz", [f"FUZZ_SECONDS={seconds}"])
+    # both halves of make fuzz (the search, then the sanitized runs) report
     executed = re.findall(r"stat::number_of_executed_units:\s+(\d+)", output)
     crashes = len(re.findall(r"==\d+==ERROR|Uncaught Python exception|runtime error:", output))
-    return code, int(executed[-1]) if executed else 0, crashes
+    return code, sum(int(n) for n in executed), crashes
 
 
 def main():
