@@ -36,6 +36,11 @@ Method
     * "vs ca" is peer time / cattention time (above 1: cattention is faster);
       "vs ca+S" compares the peers that return the weights with
       ``cattention+S``.
+    * Throughput of float32 attention is also given as a fraction of a GEMM
+      probe (NumPy's ``a @ b`` of two square float32 matrices, the BLAS's
+      own register-tiled kernel on the same cores; its fastest round) measured
+      in the same pass: about the rate the two matmuls inside attention
+      could reach.
     * A separate memory probe runs one long causal case in a fresh
       subprocess and reports its peak RSS increase (see
       :func:`measure_memory`).
@@ -76,6 +81,8 @@ DEFAULT_THREADS = (1, 2)
 #: DRAM probe: two float32 vectors of this many elements (2 x 256 MiB).
 PROBE_ELEMENTS = 64 << 20
 PROBE_ROUNDS = 5
+#: GEMM probe: a @ b of two float32 matrices of this order.
+GEMM_SIZE = 2048
 #: Pause after a multi-threaded NumPy (OpenBLAS) or PyTorch call before the
 #: next implementation runs. OpenBLAS's idle worker threads keep spinning
 #: (sched_yield) for about 2**28 cycles after a call, PyTorch's OpenMP
@@ -97,6 +104,7 @@ TORCH_EXPLICIT = "torch-explicit"
 ONNXRUNTIME = "onnxruntime"
 OPENVINO = "openvino"
 PROBE = "np.dot"
+GEMM_PROBE = "np.matmul"
 
 
 # ---------------------------------------------------------------------------
@@ -562,6 +570,32 @@ def measure_dram_bandwidth(threads, n_elements, rounds=PROBE_ROUNDS):
     }
 
 
+def measure_gemm_rate(threads, size, rounds=PROBE_ROUNDS):
+    """Record for ``a @ b`` of two ``size`` x ``size`` float32 matrices: the
+    GFLOP/s of the fastest round (a peak rate: in a 2-thread pass the
+    median of the same rounds was as low as 0.6x a run alone, after the
+    peers of the pass before)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)
+    times = time_round_robin({GEMM_PROBE: lambda: a @ b}, rounds + 1)[GEMM_PROBE][1:]
+    time.sleep(BLAS_SETTLE_SECONDS if threads > 1 else 0)
+    fastest = min(times)
+    return {
+        "case": f"GEMM probe: {size}^3",
+        "kind": "probe",
+        "dtype": "float32",
+        "threads": threads,
+        "impl": GEMM_PROBE,
+        "median_ms": statistics.median(times) * 1e3,
+        "times_ms": [t * 1e3 for t in times],
+        "spread": relative_spread(times),
+        "gflops": 2.0 * size**3 / fastest / 1e9,
+        "gbps": None,
+    }
+
+
 @contextlib.contextmanager
 def thread_limits(threads, torch):
     """Limit NumPy's BLAS and torch to ``threads`` (restored afterwards)."""
@@ -635,17 +669,21 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
 
 
 def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_ROUNDS,
-                  probe_elements=None, on_records=None):
+                  probe_elements=None, on_records=None, gemm_size=None):
     """Run every case at every thread count; returns the list of records.
 
     One pass per thread count; each pass starts with the DRAM probe of
     ``probe_elements`` float32 elements per vector (default
     ``PROBE_ELEMENTS``; 0 skips it), whose GB/s is attached to decode records
-    as ``probe_fraction``. ``on_records(records)`` is called as each case (and
-    probe) completes, for progressive output.
+    as ``probe_fraction``, and the GEMM probe of order ``gemm_size`` (default
+    ``GEMM_SIZE``; 0 skips it), whose GFLOP/s is attached to the other
+    float32 records as ``gemm_fraction``. ``on_records(records)`` is called
+    as each case (and probe) completes, for progressive output.
     """
     if probe_elements is None:
         probe_elements = PROBE_ELEMENTS
+    if gemm_size is None:
+        gemm_size = GEMM_SIZE
     torch = _import_torch()
     references = {}
     records = []
@@ -660,6 +698,9 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
             probe = measure_dram_bandwidth(n, probe_elements) if probe_elements else None
             if probe is not None:
                 emit([probe])
+            gemm = measure_gemm_rate(n, gemm_size) if gemm_size else None
+            if gemm is not None:
+                emit([gemm])
             for case in cases:
                 if case not in references:
                     q, k, v = make_inputs(case)
@@ -672,6 +713,9 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
                 for record in new:
                     if record["gbps"] is not None and probe is not None:
                         record["probe_fraction"] = record["gbps"] / probe["gbps"]
+                    elif (record["gbps"] is None and record["dtype"] == "float32"
+                          and gemm is not None):
+                        record["gemm_fraction"] = record["gflops"] / gemm["gflops"]
                 emit(new)
     return records
 
@@ -816,7 +860,7 @@ def format_config(config):
 
 
 _COLUMNS = (("case", 26, "<"), ("dtype", 7, "<"), ("thr", 3, ">"), ("impl", 14, "<"),
-            ("median ms", 10, ">"), ("iqr", 4, ">"), ("throughput", 20, "<"), ("vs ca", 7, ">"),
+            ("median ms", 10, ">"), ("iqr", 4, ">"), ("throughput", 23, "<"), ("vs ca", 7, ">"),
             ("vs ca+S", 7, ">"), ("max err", 8, ">"))
 
 
@@ -831,12 +875,16 @@ def table_header():
 
 def _throughput(record):
     if record["kind"] == "probe":
+        if record["gbps"] is None:
+            return f"{_number(record['gflops'])} GFLOP/s"
         return f"{record['gbps']:.1f} GB/s"
     if record["gbps"] is not None:
         fraction = record.get("probe_fraction")
         share = f" ({fraction:.0%} probe)" if fraction is not None else ""
         return f"{record['gbps']:.1f} GB/s{share}"
-    return f"{_number(record['gflops'])} GFLOP/s"
+    fraction = record.get("gemm_fraction")
+    share = f" ({fraction:.0%} gemm)" if fraction is not None else ""
+    return f"{_number(record['gflops'])} GFLOP/s{share}"
 
 
 def _number(x):

@@ -42,10 +42,13 @@ def no_torch(monkeypatch):
 def test_run_benchmark_records(no_torch):
     seen = []
     records = _bench.run_benchmark(cases=TINY_CASES, threads=[1], rounds=2,
-                                   probe_elements=1 << 16, on_records=seen.extend)
+                                   probe_elements=1 << 16, on_records=seen.extend,
+                                   gemm_size=64)
     assert seen == records
     probes = [r for r in records if r["kind"] == "probe"]
-    assert len(probes) == 1 and probes[0]["gbps"] > 0
+    assert [r["impl"] for r in probes] == [_bench.PROBE, _bench.GEMM_PROBE]
+    assert probes[0]["gbps"] > 0
+    assert probes[1]["gbps"] is None and probes[1]["gflops"] > 0
 
     rows = [r for r in records if r["kind"] != "probe"]
     expected_impls = {_bench.CATTENTION, _bench.CATTENTION_SCORES, _bench.NUMPY}
@@ -65,6 +68,14 @@ def test_run_benchmark_records(no_torch):
                 assert r["vs_ca_scores"] is not None
         if case.is_decode:
             assert all(r["gbps"] > 0 and r["probe_fraction"] > 0 for r in mine)
+            assert not any("gemm_fraction" in r for r in mine)
+        elif case.dtype == "float32":
+            # attention's rate over the GEMM probe's, as shown in the table
+            for r in mine:
+                assert r["gemm_fraction"] == pytest.approx(r["gflops"] / probes[1]["gflops"])
+                assert f"({r['gemm_fraction']:.0%} gemm)" in _bench.format_records([r])
+        else:
+            assert not any("gemm_fraction" in r for r in mine)
     json.dumps(records)  # machine readable as is
 
 
@@ -91,6 +102,7 @@ def test_reference_matches_numpy_f32():
 def test_cli_filter_json_and_table(no_torch, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(_bench, "DEFAULT_CASES", TINY_CASES)
     monkeypatch.setattr(_bench, "PROBE_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(_bench, "GEMM_SIZE", 64)
     path = tmp_path / "bench.json"
     code = _bench.main(["--threads", "1", "--rounds", "1", "--cases", "decode",
                         "--no-memory", "--json", str(path)])
