@@ -85,7 +85,8 @@ PROBE_ROUNDS = 5
 GEMM_SIZE = 2048
 #: Pause after a multi-threaded NumPy (OpenBLAS) or PyTorch call before the
 #: next implementation runs. OpenBLAS's idle worker threads keep spinning
-#: (sched_yield) for about 2**28 cycles after a call, PyTorch's OpenMP
+#: (with no system call: strace counts no sched_yield between 200 matmuls)
+#: for about 2**28 cycles after a call, PyTorch's OpenMP
 #: workers similarly; on a 2-core machine that slowed the implementation run
 #: next by 25-75 % (1024-token case) and a tiny call tenfold.
 BLAS_SETTLE_SECONDS = 0.2

@@ -151,7 +151,7 @@ def main():
         rows.append(("make asan (ASan + UBSan)", f"{passed} tests passed, {reports} reports",
                      "ok" if code == 0 and reports == 0 else "FAILED"))
         code, executed, crashes = fuzz_figures(args.fuzz_seconds)
-        rows.append((f"make fuzz ({args.fuzz_seconds} s, sanitizers)",
+        rows.append((f"make fuzz ({args.fuzz_seconds} s, half under sanitizers)",
                      f"{executed} executions, {crashes} crashes",
                      "ok" if code == 0 and crashes == 0 else "FAILED"))
 
