@@ -172,7 +172,8 @@ fuzz: $(BUILT) $(TEST_DEPS)
 
 # The long profile, ending in one table: thousands of examples per property,
 # worst error against the tolerance rule, concurrency, memory growth, then
-# make asan and make fuzz (RELIABILITY_FUZZ_SECONDS under the sanitizers).
+# make asan and make fuzz (for RELIABILITY_FUZZ_SECONDS, half of them under
+# the sanitizers).
 RELIABILITY_FUZZ_SECONDS ?= 120
 reliability: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pip install -q atheris

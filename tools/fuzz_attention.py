@@ -7,7 +7,7 @@ MemoryError. Anything else (another exception, a crash under the sanitizers,
 a hang) is a bug.
 
     python tools/fuzz_attention.py -max_total_time=60     # coverage-guided (atheris)
-    make fuzz                                             # the same under ASan + UBSan
+    make fuzz                                             # that search, then its corpus sanitized
 
 ``check_input(data)`` is importable without atheris; the test suite runs it on
 a bounded set of pseudo-random inputs.
