@@ -43,7 +43,7 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
     Released with workspace_delete on the first; NULL if there is no memory."""
     cdef Py_ssize_t n_rows = Q_BLOCK if pb.n_queries > Q_BLOCK else pb.n_queries
     cdef Py_ssize_t n = 0
-    cdef Py_ssize_t per_entry, g
+    cdef Py_ssize_t per_entry, shift, g
     cdef Workspace header
     cdef Workspace *ws = &header
     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
@@ -57,6 +57,9 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
     n += round_up(n_rows, 16)
     ws.off_sum = n
     n += round_up(n_rows, 16)
+    # an entry's own regions, from off_q = 0 to here; the other entries'
+    # follow the shared rows, laid out the same
+    per_entry = n
     ws.off_k_rows = n
     ws.off_v_rows = n
     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE
@@ -65,9 +68,6 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
         n += round_up(K_BLOCK * pb.ld_k, 16)
         ws.off_v_rows = n
         n += round_up(K_BLOCK * pb.ld_v, 16)
-    # the other entries' own regions follow, in the same order
-    per_entry = (round_up(n_rows * pb.ld_k, 16) + round_up(n_rows * K_BLOCK, 16)
-                 + round_up(n_rows * pb.ld_v, 16) + 2 * round_up(n_rows, 16))
     # one buffer: the workspaces themselves, then the regions from the next
     # 64-byte boundary, then each entry's visible ranges
     cdef size_t header_bytes = round_up(n_entries * sizeof(Workspace), 64)
@@ -87,11 +87,12 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
     for g in range(1, n_entries):
         ws = <Workspace *>memory + g
         ws[0] = header
-        ws.off_q = n + (g - 1) * per_entry
-        ws.off_s = ws.off_q + round_up(n_rows * pb.ld_k, 16)
-        ws.off_acc = ws.off_s + round_up(n_rows * K_BLOCK, 16)
-        ws.off_max = ws.off_acc + round_up(n_rows * pb.ld_v, 16)
-        ws.off_sum = ws.off_max + round_up(n_rows, 16)
+        shift = n + (g - 1) * per_entry
+        ws.off_q = header.off_q + shift
+        ws.off_s = header.off_s + shift
+        ws.off_acc = header.off_acc + shift
+        ws.off_max = header.off_max + shift
+        ws.off_sum = header.off_sum + shift
         ws.row_lo = header.row_lo + 2 * g * n_rows
         ws.row_hi = ws.row_lo + n_rows
     return <Workspace *>memory
