@@ -7,13 +7,14 @@ by page). The entries of an item step through the keys together (see
 rows_side_by_side in _schedule)."""
 
 from cython cimport floating
+from libc.stdint cimport int8_t
 from cattention._kernel_table cimport (
     ca_kernels, ca_prefetch_l1, kernel_pv_direct, kernel_score_direct)
 from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_I8, Operand, Problem, entry_rows,
     out_row_offset)
 from cattention._operands cimport (
-    contiguous_run, contiguous_rows, int8_in_place, int8_rows, operand_itemsize, row_scales,
+    contiguous_run, contiguous_rows, int8_rows_for_kernel, operand_itemsize, row_scales,
     rows_in_place)
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
@@ -96,12 +97,15 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
     cdef Py_ssize_t n_rows = entry_rows(pb, b)
     cdef Py_ssize_t ld_k_rows
     cdef const floating *k_rows
-    if floating is float and int8_in_place(&pb.k, pb.d_k):
+    cdef const int8_t *k_int8
+    if floating is float and pb.k.storage == STORE_I8:
         # int8 keys with their scales, read where they are
-        kern.score_direct_i8(q_rows, pb.ld_k, n_rows, int8_rows(&pb.k, b, key0 + j),
-                             pb.k.row_stride, run, pb.d_k, <float>pb.scale,
-                             row_scales(&pb.k, b, key0 + j), pb.k.scale_stride,
-                             s + j, K_BLOCK)
+        k_int8 = int8_rows_for_kernel(&pb.k, b, key0 + j, run, pb.d_k,
+                                      <int8_t *>(<floating *>ws.base + ws.off_k_rows),
+                                      &ld_k_rows)
+        kern.score_direct_i8(q_rows, pb.ld_k, n_rows, k_int8, ld_k_rows, run, pb.d_k,
+                             <float>pb.scale, row_scales(&pb.k, b, key0 + j),
+                             pb.k.scale_stride, s + j, K_BLOCK)
         return
     k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
                            <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, False)
@@ -121,9 +125,12 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
     cdef Py_ssize_t n_rows = entry_rows(pb, b)
     cdef Py_ssize_t ld_v_rows
     cdef const floating *v_rows
-    if floating is float and int8_in_place(&pb.v, pb.d_v):
-        kern.pv_direct_i8(s + j, K_BLOCK, n_rows, int8_rows(&pb.v, b, key0 + j),
-                          pb.v.row_stride, run, pb.d_v,
+    cdef const int8_t *v_int8
+    if floating is float and pb.v.storage == STORE_I8:
+        v_int8 = int8_rows_for_kernel(&pb.v, b, key0 + j, run, pb.d_v,
+                                      <int8_t *>(<floating *>ws.base + ws.off_v_rows),
+                                      &ld_v_rows)
+        kern.pv_direct_i8(s + j, K_BLOCK, n_rows, v_int8, ld_v_rows, run, pb.d_v,
                           row_scales(&pb.v, b, key0 + j), pb.v.scale_stride, acc, pb.ld_v)
         return
     v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,

@@ -125,14 +125,30 @@ cdef inline Py_ssize_t operand_itemsize(const Problem *pb, const Operand *op) no
     return pb.itemsize
 
 
-cdef inline bint int8_in_place(const Operand *op, Py_ssize_t n_features) noexcept nogil:
-    """int8 rows the direct kernels read where they are (contiguous features)."""
-    return op.storage == STORE_I8 and (op.col_stride == 1 or n_features <= 1)
-
-
 cdef inline const int8_t *int8_rows(const Operand *op, Py_ssize_t b,
                                     Py_ssize_t key0) noexcept nogil:
     return <const int8_t *>op.data + row_offset(op, b, key0)
+
+
+cdef inline const int8_t *int8_rows_for_kernel(const Operand *op, Py_ssize_t b,
+                                               Py_ssize_t key0, Py_ssize_t n_keys,
+                                               Py_ssize_t n_features, int8_t *copy,
+                                               Py_ssize_t *ld) noexcept nogil:
+    """int8 rows key0.. (within one page) with contiguous features, for the
+    direct int8 kernels (row stride in *ld): where they are, or their bytes
+    gathered into ``copy`` when the features are strided. Dequantizing
+    strided rows instead would round differently from the int8 kernels, and
+    every layout must give the bits of a contiguous copy."""
+    cdef const int8_t *rows = int8_rows(op, b, key0)
+    cdef Py_ssize_t j, c
+    if op.col_stride == 1 or n_features <= 1:
+        ld[0] = op.row_stride
+        return rows
+    for j in range(n_keys):
+        for c in range(n_features):
+            copy[j * n_features + c] = rows[j * op.row_stride + c * op.col_stride]
+    ld[0] = n_features
+    return copy
 
 
 cdef inline const float *row_scales(const Operand *op, Py_ssize_t b,

@@ -124,6 +124,68 @@ def test_int8_with_a_float16_q_and_strided_rows(simd):
     assert_bitwise_equal(attn, expected.astype(np.float16))
 
 
+def feature_strided(x_int8):
+    """The same int8 values with features two bytes apart."""
+    wide = np.zeros(x_int8.shape[:-1] + (2 * x_int8.shape[-1],), np.int8)
+    wide[..., ::2] = x_int8
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("T", [1, 4, 8])
+@pytest.mark.parametrize("which", ["kv", "k", "v"])
+def test_int8_strided_features_on_the_direct_path_give_the_contiguous_bits(T, which, simd):
+    # at most 8 query rows: the int8 kernels read the rows themselves, so
+    # strided features must reach them as the same bytes, not dequantized
+    q, k8, ks, v8, vs = quantized(425 + T, (1, 2, T, 16), (1, 2, 300, 16), (1, 2, 300, 12))
+    k_strided = feature_strided(k8) if "k" in which else k8
+    v_strided = feature_strided(v8) if "v" in which else v8
+    assert not k_strided.flags.c_contiguous or not v_strided.flags.c_contiguous
+    attn, lse = ca.attention(q, k_strided, v_strided, k_scale=ks, v_scale=vs, causal=True,
+                             return_lse=True)
+    expected, expected_lse = ca.attention(q, k8, v8, k_scale=ks, v_scale=vs, causal=True,
+                                          return_lse=True)
+    assert_bitwise_equal(attn, expected)
+    assert_bitwise_equal(lse, expected_lse)
+    assert_matches_reference(attn, None, q, dequantize(k8, ks), dequantize(v8, vs), True,
+                             lse=lse)
+
+
+@pytest.mark.parametrize("which", ["kv", "k", "v"])
+def test_int8_cache_with_strided_features_gives_the_contiguous_bits(which, simd):
+    q, k8, ks, v8, vs = quantized(427, (1, 2, 1, 16), (1, 2, 64, 16), (1, 2, 64, 16))
+    lengths = np.array([40])
+    expected = ca.attention_with_kvcache(q, k8.copy(), v8.copy(), lengths.copy(),
+                                         k_scale=ks.copy(), v_scale=vs.copy())
+    k_cache = feature_strided(k8) if "k" in which else k8.copy()
+    v_cache = feature_strided(v8) if "v" in which else v8.copy()
+    attn = ca.attention_with_kvcache(q, k_cache, v_cache, lengths.copy(),
+                                     k_scale=ks.copy(), v_scale=vs.copy())
+    assert_bitwise_equal(attn, expected)
+    kd, vd = dequantize(k8[:, :, :40], ks[:, :, :40]), dequantize(v8[:, :, :40], vs[:, :, :40])
+    assert_matches_reference(attn, None, q, kd, vd, True)
+
+
+@pytest.mark.parametrize("which", ["kv", "k", "v"])
+def test_int8_pages_with_strided_features_give_the_contiguous_bits(which, simd):
+    # pages (n_pages, H_kv, page_size, d); sequences of 40 and 33 keys
+    _, k8, ks, v8, vs = quantized(428, (1, 1, 1, 16), (6, 2, 16, 16), (6, 2, 16, 16))
+    q = make_qkv(429, (2, 2, 1, 16), (1, 1, 1, 16), (1, 1, 1, 16), np.float32)[0]
+    table = np.array([[3, 1, 0], [5, 2, 4]])
+    lengths = np.array([40, 33])
+    expected = ca.attention_with_paged_kvcache(q, k8.copy(), v8.copy(), table, lengths.copy(),
+                                               k_scale=ks.copy(), v_scale=vs.copy())
+    k_pages = feature_strided(k8) if "k" in which else k8.copy()
+    v_pages = feature_strided(v8) if "v" in which else v8.copy()
+    attn = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths.copy(),
+                                           k_scale=ks.copy(), v_scale=vs.copy())
+    assert_bitwise_equal(attn, expected)
+    for b in range(2):
+        rows = np.concatenate([np.arange(p * 16, p * 16 + 16) for p in table[b]])[:lengths[b]]
+        kd = dequantize(k8, ks).transpose(1, 0, 2, 3).reshape(2, 96, 16)[:, rows]
+        vd = dequantize(v8, vs).transpose(1, 0, 2, 3).reshape(2, 96, 16)[:, rows]
+        assert_matches_reference(attn[b], None, q[b], kd, vd, True)
+
+
 def test_int8_end_to_end_error_against_unquantized_keys():
     """The error the quantization itself brings on unit-normal K and V: a
     fraction of a percent of the outputs' scale. (Heavy-tailed keys, whose
