@@ -135,9 +135,10 @@ def attention(
     scale : float, optional
         Multiplies ``Q K^T``; default ``1 / sqrt(d_k)``. Any finite value
         the compute dtype holds (for float32, 0 or a magnitude between
-        1.4e-45 and 3.4e38), including 0 and negatives. The scaled logits
-        must be finite in the compute dtype: a row with a logit beyond its
-        range (float32: 3.4e38) is NaN.
+        1.4e-45 and 3.4e38), including 0 and negatives. It multiplies the
+        finished dot products, so both they and the scaled logits must be
+        finite in the compute dtype: a row with either beyond its range
+        (float32: 3.4e38) is NaN, even if the scale would bring it back.
     return_scores : bool, default False
         Also return SCORES.
     return_lse : bool, default False

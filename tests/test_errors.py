@@ -233,6 +233,24 @@ def test_scale_float32_cannot_hold_is_refused(scale):
     assert np.all(np.isfinite(out))
 
 
+@pytest.mark.parametrize("n_queries", [1, 9])
+def test_dot_product_beyond_float32_is_a_nan_row_as_documented(n_queries):
+    # q.k = 5.8e38 overflows float32 before the scale (1/8) would bring it
+    # to 7.2e37: the docs say such a row is NaN; rows with finite dot
+    # products are not touched by it
+    q = np.zeros((n_queries, 64), np.float32)
+    q[0] = 3e18
+    k = np.zeros((3, 64), np.float32)
+    k[0] = 3e18
+    v = np.arange(9, dtype=np.float32).reshape(3, 3)
+    out = ca.attention(q, k, v)
+    assert np.all(np.isnan(out[0]))
+    assert_matches_reference(out[1:], None, q[1:], k, v)
+    # the same logits from dot products float32 holds are a number
+    out = ca.attention(q / np.float32(8), k, v, scale=1.0)
+    assert_matches_reference(out, None, q / np.float32(8), k, v, scale=1.0)
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.0, 3.0e38, -3.0e38, 1.5e-45, -2.0])
 def test_scale_at_float32_limits_is_accepted(scale):
     q, k, v = (x.astype(np.float32) for x in _qkv((3, 4), (5, 4), (5, 2)))
