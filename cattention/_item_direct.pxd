@@ -99,7 +99,8 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
     cdef const floating *k_rows
     cdef const int8_t *k_int8
     if floating is float and pb.k.storage == STORE_I8:
-        # int8 keys with their scales, read where they are
+        # int8 keys with their scales, read where they are (gathered when
+        # their features are strided)
         k_int8 = int8_rows_for_kernel(&pb.k, b, key0 + j, run, pb.d_k,
                                       <int8_t *>(<floating *>ws.base + ws.off_k_rows),
                                       &ld_k_rows)
