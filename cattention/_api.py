@@ -165,11 +165,13 @@ def attention(
     window : (int or None, int or None), optional
         Sliding-window (local) attention: key j is visible to query i iff
         ``i + off - left <= j <= i + off + right`` with ``off = S - T`` (or
-        ``kv_lengths[b] - T``); None on a side means unbounded. ``causal``
-        implies ``right = 0``. Cost scales with the window, not with S.
+        ``kv_lengths[b] - T``); None on a side means unbounded (so does a
+        width past every key, however large). ``causal`` implies
+        ``right = 0``. Cost scales with the window, not with S.
     softcap : float, optional
         Logits become ``softcap * tanh(logits / softcap)`` after scaling and
-        before ALiBi and the mask.
+        before ALiBi and the mask. Positive, and a value the compute dtype
+        holds (float32: 1.4e-45 to 3.4e38).
     alibi_slopes : array_like, shape (H,) or (B, H), optional
         Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
         convention), the slope of each query head.
@@ -186,7 +188,8 @@ def attention(
         row's softmax with no value, ``p_j = e^(s_j - m) / (e^(sink - m) +
         sum_i e^(s_i - m))`` with m the maximum over the row's visible
         logits and the sink, so SCORES rows sum to ``1 - p_sink``. Broadcast
-        like ``alibi_slopes``; ``-inf`` is no sink (bitwise). A row that
+        like ``alibi_slopes``; ``-inf`` is no sink (bitwise); others must be
+        finite in the compute dtype (float32: at most 3.4e38). A row that
         sees no key is zero. The log-sum-exp includes the sink, so chunks
         combine with :func:`merge` when exactly one chunk is given the
         sinks.

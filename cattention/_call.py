@@ -18,7 +18,9 @@ from . import _attention
 from ._checks import (
     _as_input,
     _check_scale_fits,
+    _check_sinks_fit,
     _check_softcap,
+    _check_softcap_fits,
     _check_window,
     _compute_dtype,
     _gqa_hint,
@@ -103,13 +105,13 @@ def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: 
     compute, _ = _compute_dtype(q, k, v)
     _check_scale_fits(_resolve_scale(scale, q.shape[-1]), compute)
     _check_window(window, causal)
-    _check_softcap(softcap)
+    _check_softcap_fits(_check_softcap(softcap), compute)
     if num_threads is not None:
         _check_num_threads(num_threads)
     if alibi_slopes is not None:
         _prepare_alibi(alibi_slopes, q.shape[:-2])
     if sinks is not None:
-        _prepare_sinks(sinks, q.shape[:-2])
+        _check_sinks_fit(_prepare_sinks(sinks, q.shape[:-2]), compute)
 
 
 def run(call: Call) -> Results:
@@ -154,6 +156,7 @@ def run(call: Call) -> Results:
 
     scale = _resolve_scale(call.scale, d_k)
     _check_scale_fits(scale, compute)
+    _check_softcap_fits(call.softcap, compute)
     kv_lengths = None
     if call.kv_lengths is not None:
         kv_lengths = _prepare_kv_lengths(call.kv_lengths, batch_shape, n_keys)
@@ -163,6 +166,7 @@ def run(call: Call) -> Results:
     sink_rows = call.sink_rows
     if sink_rows is None and call.sinks is not None:
         sink_rows = _prepare_sinks(call.sinks, batch_shape)
+    _check_sinks_fit(sink_rows, compute)
 
     # float16 K and V (a halved KV cache) and int8 K or V (with row scales)
     # are read as they are and converted block by block in the kernels,

@@ -137,6 +137,10 @@ def _check_scale_fits(scale: float, compute: np.dtype[Any]) -> None:
             f"{info.max}]")
 
 
+#: A window side at or beyond this many positions sees every key.
+_WIDEST_WINDOW = 2**62
+
+
 def _check_window(window: Any, causal: bool) -> tuple[int, int]:
     """(left, right) as ints, -1 for an unbounded side; causal forces right 0."""
     if window is None:
@@ -155,10 +159,54 @@ def _check_window(window: Any, causal: bool) -> tuple[int, int]:
             raise TypeError(f"window {name} must be an integer or None, got {side!r}")
         if value < 0:
             raise ValueError(f"window {name} must be >= 0 (or None), got {value}")
-        bounds.append(value)
+        # a side wider than any sequence is unbounded; clamped so that it
+        # fits a C integer and the kernels' index sums cannot overflow
+        bounds.append(min(value, _WIDEST_WINDOW))
     if causal:
         bounds[1] = 0
     return bounds[0], bounds[1]
+
+
+def _check_softcap_fits(softcap: float, compute: np.dtype[Any]) -> None:
+    """The kernels divide by the softcap in the compute dtype: one that
+    rounds to 0 or inf there turns the logits into NaN. (0.0: no softcap.)"""
+    info = np.finfo(compute)
+    if softcap != 0.0 and not (float(info.smallest_subnormal) <= softcap <= float(info.max)):
+        raise ValueError(
+            f"softcap {softcap!r} is not representable in {compute} (the compute dtype of "
+            f"these inputs): it must lie in [{info.smallest_subnormal}, {info.max}]")
+
+
+def _check_sinks_fit(sinks: NDArray[np.float64] | None, compute: np.dtype[Any]) -> None:
+    """Sink logits join each row's softmax and its log-sum-exp in the
+    compute dtype, which must hold them."""
+    if sinks is None:
+        return
+    finite = np.abs(sinks[sinks != -np.inf])
+    limit = float(np.finfo(compute).max)
+    if finite.size and float(finite.max()) > limit:
+        raise ValueError(
+            f"sinks must lie within the range of {compute} (the compute dtype of these "
+            f"inputs: |sink| <= {limit:.4g}), or be -inf for no sink; got "
+            f"{float(finite.max()):.4g}")
+
+
+def _refuse_shared_memory(written: list[tuple[str, Any]],
+                          read: list[tuple[str, Any]]) -> None:
+    """Arrays a call writes in place must not share memory with each other
+    or with the arrays it reads: the result would depend on the order of the
+    writes."""
+    pairs = [(a, b) for i, a in enumerate(written) for b in written[i + 1:]]
+    pairs += [(a, b) for a in written for b in read]
+    for (name_a, a), (name_b, b) in pairs:
+        if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+            continue
+        # exact: views that interleave without overlapping (K and V of one
+        # fused buffer) are not refused
+        if np.shares_memory(a, b):
+            raise ValueError(f"{name_a} and {name_b} share memory, but {name_a} is written "
+                             "in place by this call; pass separate arrays (e.g. a copy of "
+                             f"{name_b})")
 
 
 def _check_softcap(softcap: object) -> float:

@@ -9,7 +9,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._api import attention
 from ._call import check_options
-from ._checks import _check_flag, _native
+from ._checks import _check_flag, _native, _refuse_shared_memory
 from ._quantize import quantize_kv
 
 __all__ = ["attention_with_kvcache"]
@@ -107,7 +107,8 @@ def attention_with_kvcache(
         With int8 caches (and only then): the scale of each cached row,
         read in place and written as rows are appended; ``k_new`` and
         ``v_new`` are then float and quantized on append
-        (:func:`cattention.quantize_kv`).
+        (:func:`cattention.quantize_kv`). Finite and >= 0 everywhere
+        (zeros where no row is cached yet).
     enable_gqa : bool, optional
         None (the default) infers grouped-query attention from the head
         counts (H a multiple of H_kv); True requires it; False requires
@@ -125,7 +126,8 @@ def attention_with_kvcache(
         On any shape mismatch (including caches that are not 4-D ndarrays
         and ``cache_lengths`` that is not an integer ndarray of shape (B,)),
         if only one of ``k_new`` and ``v_new`` is given, if an array to be
-        updated is read-only, if a length is negative, if some
+        updated is read-only or shares memory with another argument (the
+        caches, cache_lengths, the scales), if a length is negative, if some
         ``cache_lengths[b] + T_new`` exceeds S_max, ``enable_gqa=False``
         with H != H_kv, or an option out of range (as in
         :func:`cattention.attention`).
@@ -236,6 +238,11 @@ def attention_with_kvcache(
         if int8_cache and not (cast("NDArray[Any]", k_scale).flags.writeable
                                and cast("NDArray[Any]", v_scale).flags.writeable):
             raise ValueError("k_scale and v_scale must be writable to append")
+        if n_new > 0:
+            _refuse_shared_memory(
+                [("k_cache", k_cache), ("v_cache", v_cache), ("cache_lengths", cache_lengths)]
+                + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8_cache else []),
+                [("q", q), ("k_new", k_new), ("v_new", v_new)])
     # in Python ints: in the array's own dtype the sum could wrap around
     if cache_lengths.size and int(cache_lengths.max()) + n_new > max_keys:
         raise ValueError(
@@ -287,6 +294,10 @@ def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: o
                    else type(scale).__name__)
             raise ValueError(f"{name} must be a native float32 ndarray of shape "
                              f"{cache.shape[:3]} (B, H_kv, S_max); got {got}")
+        # attention() refuses them too, but only after the append
+        if not np.all(np.isfinite(scale)) or np.any(scale < 0):
+            raise ValueError(f"{name} must be finite and >= 0 everywhere (zeros where no "
+                             "row is cached yet)")
 
 
 def _check_cache_lengths(cache_lengths: object, n_batch: int, max_keys: int) -> None:

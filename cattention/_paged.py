@@ -15,9 +15,12 @@ from . import _entries
 from ._checks import (
     _check_flag,
     _check_scale_fits,
+    _check_sinks_fit,
     _check_softcap,
+    _check_softcap_fits,
     _check_window,
     _native,
+    _refuse_shared_memory,
     _resolve_scale,
     _to_compute,
 )
@@ -166,6 +169,9 @@ def attention_with_paged_kvcache(
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
         With int8 pages (and only then): each row's scale, written as rows
         are appended (k_new and v_new are then float, quantized on append).
+        The scales of the rows a sequence holds must be finite and >= 0
+        (those this function writes are); a NaN there gives NaN. They are
+        not checked on every call, which would read every page's scales.
 
     Returns
     -------
@@ -177,8 +183,10 @@ def attention_with_paged_kvcache(
     ValueError
         On any shape mismatch; a sequence that would need a page the table
         does not give or a page id outside [0, n_pages); two new rows that
-        would land on one page row; read-only arrays to be written; negative
-        lengths; an option out of range.
+        would land on one page row; read-only arrays to be written; an array
+        written in place (pages, cache_lengths, scales) that shares memory
+        with another argument; negative lengths; an option out of range,
+        or one the compute dtype cannot hold.
     TypeError
         On pages that differ in dtype or are not in native byte order, a q
         wider than the pages, new rows that cannot be cast to the pages'
@@ -244,6 +252,13 @@ def attention_with_paged_kvcache(
         raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
                         "(copy) every page; pass q in the pages' dtype")
     _check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
+    # in Python ints: a uint64 length beyond int64 would wrap in the sums below
+    if cache_lengths.size and int(cache_lengths.max()) > max_pages * page_size:
+        worst = int(np.argmax(cache_lengths))
+        raise ValueError(
+            f"cache_lengths[{worst}] = {int(cache_lengths[worst])} exceeds the "
+            f"{max_pages * page_size} positions block_table {table.shape} gives "
+            f"({max_pages} pages of {page_size})")
 
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
@@ -270,6 +285,10 @@ def attention_with_paged_kvcache(
         if not all(a.flags.writeable for a in writable):
             raise ValueError("k_pages, v_pages, cache_lengths (and k_scale, v_scale) must "
                              "be writable to append")
+        _refuse_shared_memory(
+            [("k_pages", k_pages), ("v_pages", v_pages), ("cache_lengths", cache_lengths)]
+            + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
+            [("q", q), ("k_new", new_rows[0]), ("v_new", new_rows[1])])
     old_lengths = cache_lengths.astype(np.int64)
     n_new = q_lengths if new_rows else np.zeros(n_seq, dtype=np.intp)
     lengths = old_lengths + n_new
@@ -296,9 +315,13 @@ def attention_with_paged_kvcache(
     _check_scale_fits(scale_value, compute)
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
+    _check_softcap_fits(softcap_value, compute)
     alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
+    _check_sinks_fit(sink_logits, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
-    table = np.ascontiguousarray(table, dtype=np.intp)
+    # a copy, always: cache_lengths, advanced below, may be a view of the
+    # caller's table, whose page ids were checked against the old lengths
+    table = np.array(table, dtype=np.intp, order="C")
     if new_rows:
         seq_of_row = np.repeat(np.arange(n_seq), n_new)
         first_row = np.repeat(np.cumsum(n_new) - n_new, n_new)

@@ -16,7 +16,9 @@ from ._checks import (
     _check_flag,
     _check_scale_fits,
     _check_sink_values,
+    _check_sinks_fit,
     _check_softcap,
+    _check_softcap_fits,
     _check_window,
     _compute_dtype,
     _resolve_scale,
@@ -212,7 +214,9 @@ def attention_varlen(
     _check_scale_fits(scale_value, compute)
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
+    _check_softcap_fits(softcap_value, compute)
     alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
+    _check_sinks_fit(sink_logits, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
 
     kv_dtype = compute

@@ -272,3 +272,161 @@ def test_fewer_kv_heads_without_enable_gqa_hints_at_it():
     with pytest.raises(ValueError, match=r"batch dimensions") as info:
         ca.attention(q, k, v)
     assert "enable_gqa" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# Options the compute dtype cannot hold; in-place calls refuse before writing
+# ---------------------------------------------------------------------------
+
+def _paged_call(q, k_pages, v_pages, lengths, new=None, **options):
+    """One sequence over pages [0, 1] of (2, H_kv, 4, d) pages."""
+    k_new = v_new = None if new is None else new
+    return ca.attention_with_paged_kvcache(q, k_pages, v_pages, np.array([[0, 1]]), lengths,
+                                           k_new, v_new, **options)
+
+
+def _entry_points(dtype):
+    """attention, attention_varlen, attention_with_kvcache and the paged
+    call on the same 1 sequence x 2 heads x 3 keys, as callables of options."""
+    q, k, v = (x.astype(dtype) for x in make_qkv(5, (1, 2, 1, 4), (1, 2, 3, 4), (1, 2, 3, 4)))
+    k_pages = np.zeros((2, 2, 4, 4), dtype)
+    v_pages = np.zeros((2, 2, 4, 4), dtype)
+    k_pages[0, :, :3], v_pages[0, :, :3] = k[0], v[0]
+    return {
+        "attention": lambda **o: ca.attention(q, k, v, **o),
+        "varlen": lambda **o: ca.attention_varlen(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2),
+                                                  v[0].transpose(1, 0, 2), np.array([0, 1]),
+                                                  np.array([0, 3]), **o),
+        "kvcache": lambda **o: ca.attention_with_kvcache(q, k.copy(), v.copy(), np.array([3]),
+                                                         **o),
+        "paged": lambda **o: _paged_call(q, k_pages.copy(), v_pages.copy(), np.array([3]), **o),
+    }
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen", "kvcache", "paged"])
+@pytest.mark.parametrize("option,match", [
+    (dict(softcap=1e39), r"softcap 1e\+39 is not representable in float32"),
+    (dict(softcap=1e-46), r"softcap 1e-46 is not representable in float32"),
+    (dict(sinks=np.array([0.0, 1e39])), r"sinks must lie within the range of float32"),
+])
+def test_options_float32_cannot_hold_are_refused(entry, option, match):
+    with pytest.raises(ValueError, match=match):
+        _entry_points(np.float32)[entry](**option)
+    # float64 inputs hold them, and give numbers
+    out = _entry_points(np.float64)[entry](**option)
+    assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen", "kvcache", "paged"])
+def test_a_window_wider_than_any_sequence_is_no_window(entry):
+    call = _entry_points(np.float32)[entry]
+    expected = call(window=None, causal=False)
+    for side in (2**62, 2**63, 10**30):
+        assert np.array_equal(call(window=(side, None), causal=False), expected)
+        assert np.array_equal(call(window=(None, side), causal=False), expected)
+
+
+def _snapshot(*arrays):
+    return [a.copy() for a in arrays]
+
+
+def _unchanged(before, *arrays):
+    return all(np.array_equal(b, a, equal_nan=True) for b, a in zip(before, arrays))
+
+
+def test_int8_cache_scales_are_checked_before_the_append():
+    k_cache = np.zeros((1, 2, 8, 4), np.int8)
+    v_cache = k_cache.copy()
+    k_scale = np.zeros((1, 2, 8), np.float32)
+    v_scale = k_scale.copy()
+    k_scale[..., 4:] = np.nan
+    lengths = np.array([0])
+    x = np.ones((1, 2, 1, 4), np.float32)
+    before = _snapshot(k_cache, v_cache, k_scale, v_scale, lengths)
+    with pytest.raises(ValueError, match=r"k_scale must be finite and >= 0 everywhere"):
+        ca.attention_with_kvcache(x, k_cache, v_cache, lengths, x, x, k_scale=k_scale,
+                                  v_scale=v_scale)
+    assert _unchanged(before, k_cache, v_cache, k_scale, v_scale, lengths)
+
+
+def test_paged_lengths_beyond_int64_are_refused_before_the_append():
+    k_pages = np.zeros((4, 1, 2, 4), np.float32)
+    v_pages = k_pages.copy()
+    x = np.ones((1, 1, 1, 4), np.float32)
+    lengths = np.array([2**63 + 3], np.uint64)
+    before = _snapshot(k_pages, v_pages, lengths)
+    with pytest.raises(ValueError, match=r"cache_lengths\[0\] = 9223372036854775811 exceeds "
+                                         r"the 8 positions"):
+        ca.attention_with_paged_kvcache(x, k_pages, v_pages, np.array([[0, 1, 2, 3]]),
+                                        lengths, x, x)
+    assert _unchanged(before, k_pages, v_pages, lengths)
+
+
+def test_paged_lengths_that_share_memory_with_the_block_table():
+    # advancing cache_lengths rewrites the caller's table; the call reads
+    # the table it checked
+    k_pages = np.zeros((1, 1, 1000, 4), np.float32)
+    v_pages = k_pages.copy()
+    x = make_qkv(6, (1, 1, 1000, 4), (1, 1, 1, 4), (1, 1, 1, 4), np.float32)[0]
+    meta = np.zeros(1, np.intp)
+    out = ca.attention_with_paged_kvcache(x, k_pages, v_pages, meta.reshape(1, 1), meta, x, x)
+    expected = ca.attention_with_paged_kvcache(x, np.zeros_like(k_pages),
+                                               np.zeros_like(v_pages), np.zeros((1, 1), np.intp),
+                                               np.zeros(1, np.intp), x, x)
+    assert np.array_equal(out, expected)
+    assert meta[0] == 1000
+
+
+def _cache_args():
+    rng = np.random.default_rng(7)
+    cache = rng.standard_normal((2, 2, 8, 4)).astype(np.float32)
+    new = rng.standard_normal((2, 2, 1, 4)).astype(np.float32)
+    return cache, new
+
+
+@pytest.mark.parametrize("alias", ["k_cache is v_cache", "overlapping views", "q in k_cache",
+                                   "v_new in k_cache", "k_new in v_cache"])
+def test_kvcache_refuses_arrays_sharing_memory_with_what_it_writes(alias):
+    buffer, new = _cache_args()
+    k_cache, v_cache = buffer, buffer.copy()
+    q, k_new, v_new = new.copy(), new.copy(), new.copy()
+    if alias == "k_cache is v_cache":
+        v_cache = k_cache
+    elif alias == "overlapping views":
+        wide = np.zeros((2, 2, 9, 4), np.float32)
+        k_cache, v_cache = wide[:, :, :8], wide[:, :, 1:]
+    elif alias == "q in k_cache":
+        q = k_cache[:, :, 3:4]
+    elif alias == "v_new in k_cache":
+        v_new = k_cache[:, :, 3:4]
+    else:
+        k_new = v_cache[:, :, 3:4]
+    lengths = np.array([3, 3])
+    before = _snapshot(k_cache, v_cache, lengths)
+    with pytest.raises(ValueError, match=r"share memory, but .* is written in place"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new)
+    assert _unchanged(before, k_cache, v_cache, lengths)
+
+
+def test_kvcache_accepts_k_and_v_interleaved_in_one_buffer():
+    fused = np.zeros((2, 2, 2, 8, 4), np.float32)       # (B, H_kv, K or V, S_max, d)
+    _, new = _cache_args()
+    lengths = np.array([0, 0])
+    out = ca.attention_with_kvcache(new, fused[:, :, 0], fused[:, :, 1], lengths, new, 2 * new)
+    expected = ca.attention_with_kvcache(new, np.zeros((2, 2, 8, 4), np.float32),
+                                         np.zeros((2, 2, 8, 4), np.float32), np.array([0, 0]),
+                                         new, 2 * new)
+    assert np.array_equal(out, expected)
+    assert np.array_equal(fused[:, :, 1, :1], 2 * new)
+
+
+def test_paged_refuses_pages_sharing_memory_with_what_it_writes():
+    pages = np.zeros((2, 2, 4, 4), np.float32)
+    x = np.ones((1, 2, 1, 4), np.float32)
+    lengths = np.array([0])
+    with pytest.raises(ValueError, match=r"k_pages and v_pages share memory"):
+        ca.attention_with_paged_kvcache(x, pages, pages, np.array([[0, 1]]), lengths, x, x)
+    with pytest.raises(ValueError, match=r"k_pages and q share memory"):
+        ca.attention_with_paged_kvcache(pages[:1, :, :1], pages, pages.copy(),
+                                        np.array([[0, 1]]), lengths, x, x)
+    assert not pages.any() and lengths[0] == 0
