@@ -252,13 +252,6 @@ def attention_with_paged_kvcache(
         raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
                         "(copy) every page; pass q in the pages' dtype")
     _check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
-    # in Python ints: a uint64 length beyond int64 would wrap in the sums below
-    if cache_lengths.size and int(cache_lengths.max()) > max_pages * page_size:
-        worst = int(np.argmax(cache_lengths))
-        raise ValueError(
-            f"cache_lengths[{worst}] = {int(cache_lengths[worst])} exceeds the "
-            f"{max_pages * page_size} positions block_table {table.shape} gives "
-            f"({max_pages} pages of {page_size})")
 
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
@@ -289,15 +282,17 @@ def attention_with_paged_kvcache(
             [("k_pages", k_pages), ("v_pages", v_pages), ("cache_lengths", cache_lengths)]
             + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
             [("q", q), ("k_new", new_rows[0]), ("v_new", new_rows[1])])
-    old_lengths = cache_lengths.astype(np.int64)
     n_new = q_lengths if new_rows else np.zeros(n_seq, dtype=np.intp)
-    lengths = old_lengths + n_new
-    if lengths.size and int(lengths.max()) > max_pages * page_size:
-        worst = int(np.argmax(lengths))
+    # in Python ints: a uint64 length beyond int64 would wrap around in int64
+    needed = [int(old) + int(new) for old, new in zip(cache_lengths.tolist(), n_new.tolist())]
+    if needed and max(needed) > max_pages * page_size:
+        worst = int(np.argmax(needed))
         raise ValueError(
-            f"sequence {worst} needs {int(lengths[worst])} positions (cache_lengths "
-            f"{int(old_lengths[worst])} + {int(n_new[worst])} new) but block_table "
+            f"sequence {worst} needs {needed[worst]} positions (cache_lengths "
+            f"{int(cache_lengths[worst])} + {int(n_new[worst])} new) but block_table "
             f"{table.shape} gives at most {max_pages} pages of {page_size}")
+    old_lengths = cache_lengths.astype(np.int64)
+    lengths = old_lengths + n_new
     # every page a sequence reads must exist
     used_pages = -(-lengths // page_size)
     in_use = np.arange(max_pages) < used_pages[:, None]

@@ -355,8 +355,8 @@ def test_paged_lengths_beyond_int64_are_refused_before_the_append():
     x = np.ones((1, 1, 1, 4), np.float32)
     lengths = np.array([2**63 + 3], np.uint64)
     before = _snapshot(k_pages, v_pages, lengths)
-    with pytest.raises(ValueError, match=r"cache_lengths\[0\] = 9223372036854775811 exceeds "
-                                         r"the 8 positions"):
+    with pytest.raises(ValueError, match=r"sequence 0 needs 9223372036854775812 positions "
+                                         r"\(cache_lengths 9223372036854775811 \+ 1 new\)"):
         ca.attention_with_paged_kvcache(x, k_pages, v_pages, np.array([[0, 1, 2, 3]]),
                                         lengths, x, x)
     assert _unchanged(before, k_pages, v_pages, lengths)
