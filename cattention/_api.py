@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _attention
 from ._call import make_call, run
-from ._checks import _check_flag
+from ._checks import _array, _check_flag
 from ._gqa import run_grouped
 from ._threads import _current_limit, get_num_threads, limit_threads, set_num_threads
 
@@ -400,8 +400,14 @@ def merge(
     >>> bool(np.allclose(out, ca.attention(q, k, v)))
     True
     """
-    chunk_outs = [np.asarray(o) for o in outs]
-    chunk_lses = [np.asarray(x) for x in lses]
+    chunks = []
+    for name, arrays in (("outs", outs), ("lses", lses)):
+        try:
+            chunks.append([_array(a, f"{name}[{i}]") for i, a in enumerate(arrays)])
+        except TypeError:
+            raise TypeError(f"{name} must be an iterable of arrays, one per chunk; got "
+                            f"{type(arrays).__name__}") from None
+    chunk_outs, chunk_lses = chunks
     if len(chunk_outs) == 0 or len(chunk_outs) != len(chunk_lses):
         raise ValueError(
             f"merge needs one lse per output and at least one of each; got "

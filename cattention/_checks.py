@@ -48,14 +48,19 @@ def _native(arr: NDArray[Any]) -> NDArray[Any]:
     return arr.astype(arr.dtype.newbyteorder("="))
 
 
-def _as_input(x: ArrayLike, name: str) -> NDArray[Any]:
-    if x is None:
-        raise TypeError(f"{name} must be an array, got None")
+def _array(x: object, name: str) -> NDArray[Any]:
+    """np.asarray(x), or an error that names the argument."""
     try:
-        arr = np.asarray(x)
+        return np.asarray(x)
     except ValueError as exc:
         # e.g. a ragged nested list: NumPy's message does not say which argument
         raise ValueError(f"{name} is not a regular array: {exc}") from None
+
+
+def _as_input(x: ArrayLike, name: str) -> NDArray[Any]:
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    arr = _array(x, name)
     if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
         raise TypeError(
             f"{name} has dtype {arr.dtype}; cattention supports {_SUPPORTED_DTYPES}")
@@ -89,7 +94,7 @@ def _to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
 
 def _prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
                   dtype: np.dtype[Any]) -> NDArray[Any]:
-    arr = _native(np.asarray(mask))
+    arr = _native(_array(mask, "mask"))
     given_shape = arr.shape
     if arr.dtype == np.bool_:
         pass

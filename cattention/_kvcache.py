@@ -9,7 +9,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._api import attention
 from ._call import check_options
-from ._checks import _check_flag, _native, _refuse_shared_memory
+from ._checks import _array, _check_flag, _native, _refuse_shared_memory
 from ._quantize import quantize_kv
 
 __all__ = ["attention_with_kvcache"]
@@ -176,7 +176,7 @@ def attention_with_kvcache(
     d_v = v_cache.shape[3]
     if q is None:
         raise TypeError("q must be an array, got None")
-    q = _native(np.asarray(q))
+    q = _native(_array(q, "q"))
     if q.ndim != 4 or q.shape[0] != n_batch or q.shape[3] != d_k:
         raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_batch}, H, T, {d_k}) "
                          f"to match k_cache {k_cache.shape}; got {q.shape}")
@@ -210,8 +210,8 @@ def attention_with_kvcache(
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     if k_new is not None:
-        k_new = np.asarray(k_new)
-        v_new = np.asarray(v_new)
+        k_new = _array(k_new, "k_new")
+        v_new = _array(v_new, "v_new")
         for name, new, d in (("k_new", k_new, d_k), ("v_new", v_new, d_v)):
             if new.ndim != 4:
                 raise ValueError(

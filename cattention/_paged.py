@@ -13,6 +13,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _entries
 from ._checks import (
+    _array,
     _check_flag,
     _check_scale_fits,
     _check_sinks_fit,
@@ -214,8 +215,8 @@ def attention_with_paged_kvcache(
     d_v = v_pages.shape[3]
     if q is None:
         raise TypeError("q must be an array, got None")
-    q = _native(np.asarray(q))
-    table = np.asarray(block_table)
+    q = _native(_array(q, "q"))
+    table = _array(block_table, "block_table")
     if table.dtype.kind not in "iu" or table.ndim != 2:
         raise ValueError(f"block_table must be a 2-D integer array (B, max_pages); got "
                          f"shape {table.shape}, dtype {table.dtype}")
@@ -258,7 +259,7 @@ def attention_with_paged_kvcache(
     new_rows: list[NDArray[Any]] = []
     if k_new is not None:
         for name, new, d in (("k_new", k_new, d_k), ("v_new", v_new, d_v)):
-            new = np.asarray(new)
+            new = _array(new, name)
             want = ((q.shape[0], n_kv_heads, d) if packed
                     else (n_seq, n_kv_heads, q.shape[2], d))
             if new.shape != want:

@@ -11,6 +11,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _entries
 from ._checks import (
+    _array,
     _as_input,
     _check_alibi_values,
     _check_flag,
@@ -35,7 +36,7 @@ def cu_seqlens(values: object, name: str, total: int, total_name: str) -> NDArra
     """n_seq + 1 cumulative offsets: integers, from 0, non-decreasing, to total."""
     if values is None:
         raise TypeError(f"{name} must be an integer array, got None")
-    arr = np.asarray(values)
+    arr = _array(values, name)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer array; got dtype {arr.dtype}")
     if arr.ndim != 1 or arr.size < 1:
@@ -54,7 +55,7 @@ def per_head(values: ArrayLike | None, n_heads: int, name: str) -> NDArray[np.fl
     """alibi_slopes or sinks: one real number per query head, shape (H,)."""
     if values is None:
         return None
-    arr = np.asarray(values)
+    arr = _array(values, name)
     if arr.dtype.kind not in "fiu" or arr.shape != (n_heads,):
         raise ValueError(f"{name} must hold one real number per query head, shape "
                          f"({n_heads},); got shape {arr.shape}, dtype {arr.dtype}")

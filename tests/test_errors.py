@@ -1,5 +1,7 @@
 """Error paths: every bad input raises a precise exception with a useful message."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -430,3 +432,25 @@ def test_paged_refuses_pages_sharing_memory_with_what_it_writes():
         ca.attention_with_paged_kvcache(pages[:1, :, :1], pages, pages.copy(),
                                         np.array([[0, 1]]), lengths, x, x)
     assert not pages.any() and lengths[0] == 0
+
+
+def test_ragged_arguments_are_named():
+    ragged = [[1.0, 0.0], [1.0]]
+    x = np.ones((1, 1, 1, 2), np.float32)
+    cache = np.zeros((1, 1, 4, 2), np.float32)
+    pages = np.zeros((2, 1, 4, 2), np.float32)
+    calls = {
+        "mask": lambda: ca.attention(x[0, 0], x[0, 0], x[0, 0], mask=ragged),
+        "q": lambda: ca.attention_with_kvcache(ragged, cache, cache.copy(), np.array([0])),
+        "k_new": lambda: ca.attention_with_kvcache(x, cache, cache.copy(), np.array([0]),
+                                                   ragged, x),
+        "block_table": lambda: ca.attention_with_paged_kvcache(x, pages, pages.copy(), ragged,
+                                                               np.array([0])),
+        "outs[0]": lambda: ca.merge([ragged], [np.zeros(2)]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)} is not a regular array"):
+            call()
+    with pytest.raises(TypeError, match=r"^outs must be an iterable of arrays, one per chunk; "
+                                        r"got NoneType"):
+        ca.merge(None, None)
