@@ -116,6 +116,16 @@ def _prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
     return arr
 
 
+def _as_float(value: numbers.Real, name: str) -> float:
+    """float(value), or a ValueError naming the argument (an int beyond
+    float64's range)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got an integer of "
+                         f"{len(str(value).lstrip('-'))} digits, too large for a float") from None
+
+
 def _resolve_scale(scale: object, d_k: int) -> float:
     if scale is None:
         if d_k == 0:
@@ -125,7 +135,7 @@ def _resolve_scale(scale: object, d_k: int) -> float:
         return 1.0 / math.sqrt(d_k)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number, got {scale!r}")
-    value = float(scale)
+    value = _as_float(scale, "scale")
     if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {value}")
     return value
@@ -219,7 +229,7 @@ def _check_softcap(softcap: object) -> float:
         return 0.0
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be None or a positive number, got {softcap!r}")
-    value = float(softcap)
+    value = _as_float(softcap, "softcap")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softcap must be a positive finite number, got {value}")
     return value

@@ -9,7 +9,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._api import attention
 from ._call import check_options
-from ._checks import _array, _check_flag, _native, _refuse_shared_memory
+from ._checks import _array, _as_input, _check_flag, _refuse_shared_memory
 from ._quantize import quantize_kv
 
 __all__ = ["attention_with_kvcache"]
@@ -174,9 +174,7 @@ def attention_with_kvcache(
                          "(B, H_kv, S_max)")
     n_batch, n_kv_heads, max_keys, d_k = k_cache.shape
     d_v = v_cache.shape[3]
-    if q is None:
-        raise TypeError("q must be an array, got None")
-    q = _native(_array(q, "q"))
+    q = _as_input(q, "q")
     if q.ndim != 4 or q.shape[0] != n_batch or q.shape[3] != d_k:
         raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_batch}, H, T, {d_k}) "
                          f"to match k_cache {k_cache.shape}; got {q.shape}")

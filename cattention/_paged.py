@@ -14,13 +14,13 @@ from numpy.typing import ArrayLike, NDArray
 from . import _entries
 from ._checks import (
     _array,
+    _as_input,
     _check_flag,
     _check_scale_fits,
     _check_sinks_fit,
     _check_softcap,
     _check_softcap_fits,
     _check_window,
-    _native,
     _refuse_shared_memory,
     _resolve_scale,
     _to_compute,
@@ -213,9 +213,7 @@ def attention_with_paged_kvcache(
     k_pages, v_pages = _check_pages(k_pages, v_pages)
     n_pages, n_kv_heads, page_size, d_k = k_pages.shape
     d_v = v_pages.shape[3]
-    if q is None:
-        raise TypeError("q must be an array, got None")
-    q = _native(_array(q, "q"))
+    q = _as_input(q, "q")
     table = _array(block_table, "block_table")
     if table.dtype.kind not in "iu" or table.ndim != 2:
         raise ValueError(f"block_table must be a 2-D integer array (B, max_pages); got "
@@ -273,7 +271,8 @@ def attention_with_paged_kvcache(
                 raise TypeError(f"{name} of dtype {new.dtype} cannot be written into "
                                 f"{k_pages.dtype} pages")
             # (tokens, H_kv, d) in sequence order
-            new_rows.append(new if packed else np.swapaxes(new, 1, 2).reshape(-1, n_kv_heads, d))
+            new_rows.append(new if packed else np.swapaxes(new, 1, 2).reshape(
+                n_seq * q.shape[2], n_kv_heads, d))
         writable = [k_pages, v_pages, cache_lengths] + (
             [cast("NDArray[Any]", k_scale), cast("NDArray[Any]", v_scale)] if int8 else [])
         if not all(a.flags.writeable for a in writable):

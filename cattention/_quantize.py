@@ -47,7 +47,8 @@ def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     TypeError
         If x is not real (complex, object, string).
     ValueError
-        If x has no axis, or a row holds NaN or an infinity.
+        If x has no axis, or a row holds NaN, an infinity or a value float32
+        cannot hold.
 
     Examples
     --------
@@ -66,11 +67,14 @@ def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     if arr.ndim < 1:
         raise ValueError(f"quantize_kv needs rows (an array with a last axis), got shape "
                          f"{arr.shape}")
-    values = arr.astype(np.float32)
+    with np.errstate(over="ignore"):
+        # beyond float32's range becomes inf, refused below
+        values = arr.astype(np.float32)
     if not np.all(np.isfinite(values)):
         bad = np.argwhere(~np.all(np.isfinite(values), axis=-1))
         raise ValueError(f"quantize_kv: rows hold NaN or infinite values (first at row index "
-                         f"{tuple(int(i) for i in bad[0])}); they cannot be quantized")
+                         f"{tuple(int(i) for i in bad[0])}); they cannot be quantized (values "
+                         "beyond float32's range, 3.4e38, are infinite in float32)")
     peak = np.max(np.abs(values), axis=-1, initial=0)
     scale = (peak / np.float32(INT8_LEVELS)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))

@@ -1,6 +1,7 @@
 """Error paths: every bad input raises a precise exception with a useful message."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -454,3 +455,43 @@ def test_ragged_arguments_are_named():
     with pytest.raises(TypeError, match=r"^outs must be an iterable of arrays, one per chunk; "
                                         r"got NoneType"):
         ca.merge(None, None)
+
+
+@pytest.mark.parametrize("option", ["scale", "softcap"])
+def test_integers_beyond_float_range_are_named(option):
+    x = np.ones((2, 4))
+    with pytest.raises(ValueError, match=rf"^{option} must be finite, got an integer of 401 "
+                                         r"digits"):
+        ca.attention(x, x, x, **{option: 10**400})
+
+
+def test_cache_calls_name_a_q_of_unsupported_dtype():
+    q = np.zeros((1, 1, 1, 2), "datetime64[s]")
+    cache = np.zeros((1, 1, 4, 2), np.float32)
+    pages = np.zeros((2, 1, 4, 2), np.float32)
+    with pytest.raises(TypeError, match=r"^q has dtype datetime64\[s\]"):
+        ca.attention_with_kvcache(q, cache, cache.copy(), np.array([0]))
+    with pytest.raises(TypeError, match=r"^q has dtype datetime64\[s\]"):
+        ca.attention_with_paged_kvcache(q, pages, pages.copy(), np.array([[0, 1]]),
+                                        np.array([0]))
+
+
+def test_paged_append_with_no_key_features():
+    # d_k = 0 (with a scale): the new rows still land, and attention sees them
+    k_pages = np.zeros((2, 1, 4, 0), np.float32)
+    v_pages = np.zeros((2, 1, 4, 3), np.float32)
+    empty = np.ones((1, 1, 1, 0), np.float32)
+    values = np.arange(3, dtype=np.float32).reshape(1, 1, 1, 3)
+    lengths = np.array([0])
+    out = ca.attention_with_paged_kvcache(empty, k_pages, v_pages, np.array([[0, 1]]), lengths,
+                                          empty, values, scale=1.0)
+    assert lengths[0] == 1 and np.array_equal(v_pages[0, :, 0], values[0, :, 0])
+    assert np.array_equal(out, values)
+
+
+def test_quantize_kv_beyond_float32_is_refused_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"NaN or infinite values \(first at row index "
+                                             r"\(0,\)\).*beyond float32's range"):
+            ca.quantize_kv(np.array([[3.5e38, 1.0]]))
