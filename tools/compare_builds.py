@@ -1,12 +1,19 @@
 """Time two builds of cattention against each other in one run.
 
     python tools/compare_builds.py BEFORE_TREE AFTER_TREE [--threads 1 2] [--rounds 15]
+        [--pairs 3]
 
 Each tree is a source checkout with its extension built in place. One worker
 process per tree imports that tree's cattention; every case is timed
 round-robin (before, after, before, ...), one worker computing at a time, so
 both see the same machine state. Prints the median per case and the ratio
 after / before (below 1: the after build is faster). Nothing is asserted.
+
+A process's own memory placement moves its times by several percent for
+its whole life (one build against itself gave 0.935 on the BERT-like case
+over 41 rounds), so the rounds are split over --pairs fresh pairs of
+workers; the ratio is the median of the pairs' ratios, and the range of
+those is printed beside it: a difference inside that range is not one.
 """
 
 import argparse
@@ -134,36 +141,52 @@ def main(argv=None):
     parser.add_argument("before")
     parser.add_argument("after")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="rounds per case, split over the pairs of workers")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="fresh pairs of worker processes (default 3)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--cases", metavar="SUBSTR", nargs="+",
                         help="only the cases whose label contains one of these")
     args = parser.parse_args(argv)
+    cases = [c for c in CASES
+             if not args.cases or any(p in label_of(c) for p in args.cases)]
+    rounds_per_pair = max(1, -(-args.rounds // args.pairs))
     rows = []
     print(f"{'case (B, H, T, S, d)':44} {'thr':>3} {'before ms':>10} {'after ms':>10} "
-          f"{'after/before':>12}")
+          f"{'after/before':>12} {'pairs range':>12}")
     for threads in args.threads:
-        workers = [start_worker(args.before, threads), start_worker(args.after, threads)]
-        try:
-            for case in CASES:
-                if args.cases and not any(p in label_of(case) for p in args.cases):
-                    continue
-                probe = ask(workers[0], case, threads, 1)
-                calls = max(1, min(2000, int(0.02 / max(probe, 1e-7))))
-                times = ([], [])
-                for r in range(args.rounds):
-                    for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                        times[i].append(ask(workers[i], case, threads, calls))
-                before, after = (statistics.median(t) for t in times)
-                label = label_of(case)
-                rows.append({"case": label, "threads": threads, "before_ms": before * 1e3,
-                             "after_ms": after * 1e3, "ratio": after / before})
-                print(f"{label:44} {threads:3} {before * 1e3:10.4g} {after * 1e3:10.4g} "
-                      f"{after / before:12.3f}", flush=True)
-        finally:
-            for w in workers:
-                w.stdin.close()
-                w.wait()
+        times = {label_of(c): ([], []) for c in cases}
+        pair_ratios = {label_of(c): [] for c in cases}
+        for _ in range(args.pairs):
+            workers = [start_worker(args.before, threads), start_worker(args.after, threads)]
+            try:
+                for case in cases:
+                    probe = ask(workers[0], case, threads, 1)
+                    calls = max(1, min(2000, int(0.02 / max(probe, 1e-7))))
+                    pair = ([], [])
+                    for r in range(rounds_per_pair):
+                        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                            pair[i].append(ask(workers[i], case, threads, calls))
+                    label = label_of(case)
+                    for i in (0, 1):
+                        times[label][i].extend(pair[i])
+                    pair_ratios[label].append(statistics.median(pair[1])
+                                              / statistics.median(pair[0]))
+            finally:
+                for w in workers:
+                    w.stdin.close()
+                    w.wait()
+        for case in cases:
+            label = label_of(case)
+            before, after = (statistics.median(t) for t in times[label])
+            ratio = statistics.median(pair_ratios[label])
+            low, high = min(pair_ratios[label]), max(pair_ratios[label])
+            rows.append({"case": label, "threads": threads, "before_ms": before * 1e3,
+                         "after_ms": after * 1e3, "ratio": ratio,
+                         "pair_ratios": pair_ratios[label]})
+            print(f"{label:44} {threads:3} {before * 1e3:10.4g} {after * 1e3:10.4g} "
+                  f"{ratio:12.3f} {low:6.3f}-{high:.3f}", flush=True)
     ratios = [r["ratio"] for r in rows]
     print(f"median after/before {statistics.median(ratios):.3f}, "
           f"range {min(ratios):.3f}-{max(ratios):.3f}")
