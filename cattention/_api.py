@@ -188,8 +188,9 @@ def attention(
         row's softmax with no value, ``p_j = e^(s_j - m) / (e^(sink - m) +
         sum_i e^(s_i - m))`` with m the maximum over the row's visible
         logits and the sink, so SCORES rows sum to ``1 - p_sink``. Broadcast
-        like ``alibi_slopes``; ``-inf`` is no sink (bitwise); others must be
-        finite in the compute dtype (float32: at most 3.4e38). A row that
+        like ``alibi_slopes``; ``-inf`` is no sink (bitwise), and so is one
+        below the compute dtype's range; at most its largest value
+        (float32: 3.4e38). A row that
         sees no key is zero. The log-sum-exp includes the sink, so chunks
         combine with :func:`merge` when exactly one chunk is given the
         sinks.

@@ -126,8 +126,9 @@ def attention_with_kvcache(
         On any shape mismatch (including caches that are not 4-D ndarrays
         and ``cache_lengths`` that is not an integer ndarray of shape (B,)),
         if only one of ``k_new`` and ``v_new`` is given, if an array to be
-        updated is read-only or shares memory with another argument (the
-        caches, cache_lengths, the scales), if a length is negative, if some
+        updated (the caches, cache_lengths, the scales) is read-only or
+        shares memory with another of them, q, k_new or v_new, if a length
+        is negative, if some
         ``cache_lengths[b] + T_new`` exceeds S_max, ``enable_gqa=False``
         with H != H_kv, or an option out of range (as in
         :func:`cattention.attention`).
@@ -184,7 +185,8 @@ def attention_with_kvcache(
     half_cache = k_cache.dtype == np.float16 and q.dtype in (np.float16, np.float32)
     int8_cache = k_cache.dtype == np.int8
     if int8_cache:
-        _check_scale_caches(k_cache, v_cache, k_scale, v_scale, q.dtype)
+        _check_scale_caches(k_cache, v_cache, k_scale, v_scale, q.dtype,
+                            appending=k_new is not None)
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale and v_scale go with int8 caches; these are {k_cache.dtype}")
     if (not half_cache and not int8_cache
@@ -274,7 +276,7 @@ def attention_with_kvcache(
 
 
 def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: object,
-                        v_scale: object, q_dtype: np.dtype[Any]) -> None:
+                        v_scale: object, q_dtype: np.dtype[Any], appending: bool) -> None:
     """int8 caches come with float32 scale caches of shape (B, H_kv, S_max),
     read and written in place."""
     if v_cache.dtype != np.int8:
@@ -293,7 +295,7 @@ def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: o
             raise ValueError(f"{name} must be a native float32 ndarray of shape "
                              f"{cache.shape[:3]} (B, H_kv, S_max); got {got}")
         # attention() refuses them too, but only after the append
-        if not np.all(np.isfinite(scale)) or np.any(scale < 0):
+        if appending and (not np.all(np.isfinite(scale)) or np.any(scale < 0)):
             raise ValueError(f"{name} must be finite and >= 0 everywhere (zeros where no "
                              "row is cached yet)")
 

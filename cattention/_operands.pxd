@@ -140,13 +140,20 @@ cdef inline const int8_t *int8_rows_for_kernel(const Operand *op, Py_ssize_t b,
     strided rows instead would round differently from the int8 kernels, and
     every layout must give the bits of a contiguous copy."""
     cdef const int8_t *rows = int8_rows(op, b, key0)
+    # strides in locals: int8 stores may alias anything, *op included
+    cdef Py_ssize_t row_stride = op.row_stride
+    cdef Py_ssize_t col_stride = op.col_stride
     cdef Py_ssize_t j, c
-    if op.col_stride == 1 or n_features <= 1:
-        ld[0] = op.row_stride
+    cdef const int8_t *row
+    cdef int8_t *out
+    if col_stride == 1 or n_features <= 1:
+        ld[0] = row_stride
         return rows
     for j in range(n_keys):
+        row = rows + j * row_stride
+        out = copy + j * n_features
         for c in range(n_features):
-            copy[j * n_features + c] = rows[j * op.row_stride + c * op.col_stride]
+            out[c] = row[c * col_stride]
     ld[0] = n_features
     return copy
 

@@ -186,8 +186,8 @@ def attention_with_paged_kvcache(
         does not give or a page id outside [0, n_pages); two new rows that
         would land on one page row; read-only arrays to be written; an array
         written in place (pages, cache_lengths, scales) that shares memory
-        with another argument; negative lengths; an option out of range,
-        or one the compute dtype cannot hold.
+        with another of them, q, k_new or v_new; negative lengths; an option
+        out of range, or one the compute dtype cannot hold.
     TypeError
         On pages that differ in dtype or are not in native byte order, a q
         wider than the pages, new rows that cannot be cast to the pages'
@@ -255,9 +255,11 @@ def attention_with_paged_kvcache(
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     new_rows: list[NDArray[Any]] = []
+    new_given: list[tuple[str, NDArray[Any]]] = []
     if k_new is not None:
         for name, new, d in (("k_new", k_new, d_k), ("v_new", v_new, d_v)):
             new = _array(new, name)
+            new_given.append((name, new))
             want = ((q.shape[0], n_kv_heads, d) if packed
                     else (n_seq, n_kv_heads, q.shape[2], d))
             if new.shape != want:
@@ -281,7 +283,7 @@ def attention_with_paged_kvcache(
         _refuse_shared_memory(
             [("k_pages", k_pages), ("v_pages", v_pages), ("cache_lengths", cache_lengths)]
             + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
-            [("q", q), ("k_new", new_rows[0]), ("v_new", new_rows[1])])
+            [("q", q)] + new_given)
     n_new = q_lengths if new_rows else np.zeros(n_seq, dtype=np.intp)
     # in Python ints: a uint64 length beyond int64 would wrap around in int64
     needed = [int(old) + int(new) for old, new in zip(cache_lengths.tolist(), n_new.tolist())]
