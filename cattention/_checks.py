@@ -185,8 +185,10 @@ def _check_window(window: Any, causal: bool) -> tuple[int, int]:
 def _check_softcap_fits(softcap: float, compute: np.dtype[Any]) -> None:
     """The kernels divide by the softcap in the compute dtype: one that
     rounds to 0 or inf there turns the logits into NaN. (0.0: no softcap.)"""
+    if softcap == 0.0:
+        return
     info = np.finfo(compute)
-    if softcap != 0.0 and not (float(info.smallest_subnormal) <= softcap <= float(info.max)):
+    if not float(info.smallest_subnormal) <= softcap <= float(info.max):
         raise ValueError(
             f"softcap {softcap!r} is not representable in {compute} (the compute dtype of "
             f"these inputs): it must lie in [{info.smallest_subnormal}, {info.max}]")
@@ -196,11 +198,21 @@ def _check_sinks_fit(sinks: NDArray[np.float64] | None, compute: np.dtype[Any]) 
     """Sink logits join each row's softmax and its log-sum-exp in the
     compute dtype: one above its range would be an infinite log-sum-exp
     (one below it weighs nothing, as -inf does)."""
+    if sinks is None or not sinks.size:
+        return
     limit = float(np.finfo(compute).max)
-    if sinks is not None and sinks.size and float(sinks.max()) > limit:
+    if float(sinks.max()) > limit:
         raise ValueError(
             f"sinks must be at most {limit:.4g} (the largest {compute}, the compute dtype "
             f"of these inputs); got {float(sinks.max()):.4g}")
+
+
+def _memory_owner(a: NDArray[Any]) -> NDArray[Any] | None:
+    """The ndarray that allocated a's memory, or None when it came from
+    another object (a buffer, a memory map), which may be shared."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a if a.base is None and a.flags.owndata else None
 
 
 def _refuse_shared_memory(written: list[tuple[str, Any]],
@@ -208,6 +220,9 @@ def _refuse_shared_memory(written: list[tuple[str, Any]],
     """Arrays a call writes in place must not share memory with each other
     or with the arrays it reads: the result would depend on the order of the
     writes."""
+    owners = [_memory_owner(a) for _, a in written + read if isinstance(a, np.ndarray)]
+    if all(o is not None for o in owners) and len({id(o) for o in owners}) == len(owners):
+        return      # each in an allocation of NumPy's own: apart (the common case, fast)
     pairs = [(a, b) for i, a in enumerate(written) for b in written[i + 1:]]
     pairs += [(a, b) for a in written for b in read]
     for (name_a, a), (name_b, b) in pairs:
