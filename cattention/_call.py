@@ -17,10 +17,9 @@ from numpy.typing import ArrayLike, NDArray
 from . import _attention
 from ._checks import (
     _as_input,
-    _check_scale_fits,
+    _check_fits,
     _check_sinks_fit,
     _check_softcap,
-    _check_softcap_fits,
     _check_window,
     _compute_dtype,
     _gqa_hint,
@@ -103,9 +102,9 @@ def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: 
     computing nothing: for callers that must refuse a call before they write
     (a KV cache)."""
     compute, _ = _compute_dtype(q, k, v)
-    _check_scale_fits(_resolve_scale(scale, q.shape[-1]), compute)
+    _check_fits(_resolve_scale(scale, q.shape[-1]), compute, "scale")
     _check_window(window, causal)
-    _check_softcap_fits(_check_softcap(softcap), compute)
+    _check_fits(_check_softcap(softcap), compute, "softcap")
     if num_threads is not None:
         _check_num_threads(num_threads)
     if alibi_slopes is not None:
@@ -155,8 +154,8 @@ def run(call: Call) -> Results:
             f"{_gqa_hint(q, k)}") from None
 
     scale = _resolve_scale(call.scale, d_k)
-    _check_scale_fits(scale, compute)
-    _check_softcap_fits(call.softcap, compute)
+    _check_fits(scale, compute, "scale")
+    _check_fits(call.softcap, compute, "softcap")
     kv_lengths = None
     if call.kv_lengths is not None:
         kv_lengths = _prepare_kv_lengths(call.kv_lengths, batch_shape, n_keys)

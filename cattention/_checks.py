@@ -141,14 +141,17 @@ def _resolve_scale(scale: object, d_k: int) -> float:
     return value
 
 
-def _check_scale_fits(scale: float, compute: np.dtype[Any]) -> None:
-    """The kernels multiply in the compute dtype: a scale it cannot hold
-    would turn every logit into inf (then NaN) or 0."""
+def _check_fits(value: float, compute: np.dtype[Any], name: str) -> None:
+    """The kernels multiply by the scale and divide by the softcap in the
+    compute dtype: a value it cannot hold would turn every logit into inf
+    (then NaN) or 0. (0 passes: a scale of 0, or no softcap.)"""
+    if value == 0:
+        return
     info = np.finfo(compute)
-    if scale != 0 and not (float(info.smallest_subnormal) <= abs(scale) <= float(info.max)):
+    if not float(info.smallest_subnormal) <= abs(value) <= float(info.max):
         raise ValueError(
-            f"scale {scale!r} is not representable in {compute} (the compute dtype of "
-            f"these inputs): |scale| must be 0 or lie in [{info.smallest_subnormal}, "
+            f"{name} {value!r} is not representable in {compute} (the compute dtype of "
+            f"these inputs): its magnitude must lie in [{info.smallest_subnormal}, "
             f"{info.max}]")
 
 
@@ -180,18 +183,6 @@ def _check_window(window: Any, causal: bool) -> tuple[int, int]:
     if causal:
         bounds[1] = 0
     return bounds[0], bounds[1]
-
-
-def _check_softcap_fits(softcap: float, compute: np.dtype[Any]) -> None:
-    """The kernels divide by the softcap in the compute dtype: one that
-    rounds to 0 or inf there turns the logits into NaN. (0.0: no softcap.)"""
-    if softcap == 0.0:
-        return
-    info = np.finfo(compute)
-    if not float(info.smallest_subnormal) <= softcap <= float(info.max):
-        raise ValueError(
-            f"softcap {softcap!r} is not representable in {compute} (the compute dtype of "
-            f"these inputs): it must lie in [{info.smallest_subnormal}, {info.max}]")
 
 
 def _check_sinks_fit(sinks: NDArray[np.float64] | None, compute: np.dtype[Any]) -> None:

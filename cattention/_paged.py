@@ -16,10 +16,9 @@ from ._checks import (
     _array,
     _as_input,
     _check_flag,
-    _check_scale_fits,
+    _check_fits,
     _check_sinks_fit,
     _check_softcap,
-    _check_softcap_fits,
     _check_window,
     _refuse_shared_memory,
     _resolve_scale,
@@ -309,10 +308,10 @@ def attention_with_paged_kvcache(
     # float16 and int8 pages are computed in float32
     compute = np.dtype(np.float32) if k_pages.dtype in (np.float16, np.int8) else k_pages.dtype
     scale_value = _resolve_scale(scale, d_k)
-    _check_scale_fits(scale_value, compute)
+    _check_fits(scale_value, compute, "scale")
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
-    _check_softcap_fits(softcap_value, compute)
+    _check_fits(softcap_value, compute, "softcap")
     alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
     _check_sinks_fit(sink_logits, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)

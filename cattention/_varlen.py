@@ -15,11 +15,10 @@ from ._checks import (
     _as_input,
     _check_alibi_values,
     _check_flag,
-    _check_scale_fits,
+    _check_fits,
     _check_sink_values,
     _check_sinks_fit,
     _check_softcap,
-    _check_softcap_fits,
     _check_window,
     _compute_dtype,
     _resolve_scale,
@@ -212,10 +211,10 @@ def attention_varlen(
     return_lse = _check_flag(return_lse, "return_lse")
     compute, result = _compute_dtype(q, k, v)
     scale_value = _resolve_scale(scale, d_k)
-    _check_scale_fits(scale_value, compute)
+    _check_fits(scale_value, compute, "scale")
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
-    _check_softcap_fits(softcap_value, compute)
+    _check_fits(softcap_value, compute, "softcap")
     alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
     _check_sinks_fit(sink_logits, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)

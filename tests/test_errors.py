@@ -281,11 +281,10 @@ def test_fewer_kv_heads_without_enable_gqa_hints_at_it():
 # Options the compute dtype cannot hold; in-place calls refuse before writing
 # ---------------------------------------------------------------------------
 
-def _paged_call(q, k_pages, v_pages, lengths, new=None, **options):
+def _paged_call(q, k_pages, v_pages, lengths, **options):
     """One sequence over pages [0, 1] of (2, H_kv, 4, d) pages."""
-    k_new = v_new = None if new is None else new
     return ca.attention_with_paged_kvcache(q, k_pages, v_pages, np.array([[0, 1]]), lengths,
-                                           k_new, v_new, **options)
+                                           **options)
 
 
 def _entry_points(dtype):
