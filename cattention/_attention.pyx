@@ -96,6 +96,10 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
         return CATTENTION_ERR_FLAGS
     if not isfinite(scale):
         return CATTENTION_ERR_SCALE
+    # a float32 call multiplies by the scale in float: one float cannot hold
+    # would make every logit inf (NaN weights) or 0 (uniform weights)
+    if floating is float and scale != 0 and not FLT_TRUE_MIN <= fabs(scale) <= FLT_MAX:
+        return CATTENTION_ERR_SCALE
     if out == NULL and scores == NULL:
         return CATTENTION_ERR_POINTER
     if (missing(q, n_queries, d_k) or missing(k, n_keys, d_k)

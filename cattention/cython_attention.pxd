@@ -16,7 +16,8 @@ written with their row strides, which must be at least the row length. OUT
 may be NULL when SCORES is not (the weights alone; V is then not read and
 may be NULL too). LSE, if not NULL, receives each row's log-sum-exp (-inf
 for a row that sees no key).
-``scale`` multiplies Q.K (pass 1 / sqrt(d_k) for the usual attention);
+``scale`` multiplies Q.K (pass 1 / sqrt(d_k) for the usual attention; it
+must be finite, and for attention_f32 0 or of a magnitude float can hold);
 ``flags`` is 0 or CATTENTION_CAUSAL (bottom-right aligned, as in
 ``cattention.attention``). Rows that see no key give zeros.
 

@@ -114,6 +114,11 @@ def test_thread_counts_give_the_same_bits(downstream, shape):
     ("short output stride", "CATTENTION_ERR_STRIDE"),
     ("short scores stride", "CATTENTION_ERR_STRIDE"),
     ("nan scale", "CATTENTION_ERR_SCALE"),
+    # a float32 call computes in float: 1e39 would make every logit inf (NaN
+    # weights), 1e-46 would round to 0 (uniform weights)
+    ("scale beyond float", "CATTENTION_ERR_SCALE"),
+    ("scale below float", "CATTENTION_ERR_SCALE"),
+    ("float64 scale beyond float", "CATTENTION_OK"),
     ("unknown flag", "CATTENTION_ERR_FLAGS"),
 ])
 def test_status_codes(downstream, case, status):

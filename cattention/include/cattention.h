@@ -16,7 +16,8 @@
 #define CATTENTION_ERR_SIZE 1          /* a size is negative */
 #define CATTENTION_ERR_POINTER 2       /* a required pointer is NULL */
 #define CATTENTION_ERR_STRIDE 3        /* an output row stride is below its row length */
-#define CATTENTION_ERR_SCALE 4         /* scale is NaN or infinite */
+#define CATTENTION_ERR_SCALE 4         /* scale is NaN or infinite, or (attention_f32)
+                                          nonzero and outside float's range */
 #define CATTENTION_ERR_FLAGS 5         /* unknown flag bits */
 #define CATTENTION_ERR_NO_MEMORY 6     /* scratch memory could not be allocated */
 

@@ -47,12 +47,14 @@ def heads_f64(const double[:, :, ::1] q, const double[:, :, ::1] k,
 
 CASES = ["ok", "negative size", "null query", "null key", "null value",
          "no output", "short output stride", "short scores stride", "nan scale",
-         "unknown flag", "scores only"]
+         "unknown flag", "scores only", "scale beyond float", "scale below float",
+         "float64 scale beyond float"]
 
 
 def status_of(str case):
     """(status code, whether OUT and SCORES kept their contents) of a 2 x 2
-    call that is wrong in the named way ("ok" and "scores only" are not)."""
+    call that is wrong in the named way ("ok", "scores only" and "float64
+    scale beyond float" are not)."""
     cdef float q[4]
     cdef float out[4]
     cdef float scores[4]
@@ -84,8 +86,32 @@ def status_of(str case):
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, nan, 0, out, 2, scores, 2, NULL, 1)
         elif which == 9:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 4, out, 2, scores, 2, NULL, 1)
-        else:
+        elif which == 10:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 0, 1.0, 0, NULL, 0, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
+        elif which == 11:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1e39, 0, out, 2, scores, 2, NULL, 1)
+        elif which == 12:
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1e-46, 0, out, 2, scores, 2, NULL, 1)
+    if which == 13:
+        # the same scale is a float64 call's to take: its outputs are written
+        return status_of_f64(1e39)
+    for i in range(4):
+        untouched = untouched and out[i] == -7 and scores[i] == -7
+    return status, untouched
+
+
+cdef status_of_f64(double scale):
+    cdef double q[4]
+    cdef double out[4]
+    cdef double scores[4]
+    cdef int status, i
+    cdef bint untouched = True
+    for i in range(4):
+        q[i] = 1
+        out[i] = -7
+        scores[i] = -7
+    with nogil:
+        status = attention_f64(2, 2, 2, 2, q, 2, q, 2, q, 2, scale, 0, out, 2, scores, 2, NULL, 1)
     for i in range(4):
         untouched = untouched and out[i] == -7 and scores[i] == -7
     return status, untouched
