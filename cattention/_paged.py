@@ -395,7 +395,8 @@ def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
 
     k_place, k_rows, k_scale_place = paged(k_pages, k_scale)
     v_place, v_rows, v_scale_place = paged(v_pages, v_scale)
-    if out.size:
+    # with d_v = 0 there is no output to write, but there are LSEs
+    if out.size or (lse is not None and lse.size):
         tables = _entries.plan(
             q_place, k_place, v_place, out_place, lse_place, q_lengths,
             np.asarray(lengths, dtype=np.intp), n_heads, n_kv_heads, alibi=alibi,

@@ -87,6 +87,28 @@ def test_paged_options(simd, dtype, option):
     _check(attn, lse, q, k_pages, v_pages, table, lengths, 4, **{"causal": True, **kwargs})
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
+def test_paged_lse_without_values(dtype, packed):
+    """d_v = 0: no output to write, but each row's log-sum-exp is computed."""
+    rng = np.random.default_rng(5)
+    k_pages, v_pages, table = _cache(rng, 3, 2, 4, 6, 8, 0, dtype)
+    lengths = np.array([5, 1, 23])
+    q = rng.standard_normal((3, 4, 2, 8)).astype(dtype)
+    if packed:
+        cu_q = np.array([0, 2, 4, 6])
+        tokens = np.swapaxes(q, 1, 2).reshape(6, 4, 8)
+        attn, lse = ca.attention_with_paged_kvcache(tokens, k_pages, v_pages, table, lengths,
+                                                    cu_seqlens_q=cu_q, return_lse=True)
+        assert attn.shape == (6, 4, 0) and lse.shape == (6, 4)
+        _check(attn, lse, tokens, k_pages, v_pages, table, lengths, 2, cu_q=cu_q,
+               causal=True)
+    else:
+        attn, lse = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths,
+                                                    return_lse=True)
+        assert attn.shape == (3, 4, 2, 0) and lse.shape == (3, 4, 2)
+        _check(attn, lse, q, k_pages, v_pages, table, lengths, 2, causal=True)
+
+
 def test_paged_float16_pages(simd):
     rng = np.random.default_rng(2)
     k_pages, v_pages, table = _cache(rng, 3, 2, 16, 20, 16, 16, np.float16)
