@@ -61,7 +61,7 @@ from cattention._problem cimport (
 from cattention._schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size,
     omp_get_max_threads, compute_problem)
-from cattention._from_arrays cimport problem_from_arrays, run_on_outputs
+from cattention._from_arrays cimport problem_from_arrays, run_on_outputs, set_kv_lengths
 from cattention._from_entries cimport problem_from_entries
 
 cnp.import_array()
@@ -325,7 +325,7 @@ def attention_into(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, object mask,
     if sinks is not None and sinks.shape[0] > 0:
         pb.sink = &sinks[0]
     if kv_lengths is not None and kv_lengths.shape[0] > 0:
-        pb.kv_length = &kv_lengths[0]
+        set_kv_lengths(&pb, &kv_lengths[0], index)
     run_then_free(&pb, index, num_threads, out, scores)
 
 

@@ -143,9 +143,9 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
     problem_init(pb, n_batch, cnp.PyArray_DIM(q, q.ndim - 2), cnp.PyArray_DIM(k, k.ndim - 2),
                  cnp.PyArray_DIM(q, q.ndim - 1),
                  cnp.PyArray_DIM(v, v.ndim - 1) if v is not None else 0, causal, scale)
-    # offsets of q, k, v, mask, k_scale, v_scale; kv_of_batch; kv_source
-    # (n_kv <= n_batch)
-    cdef intp_t *index = <intp_t *>malloc(8 * max(n_batch, 1) * sizeof(intp_t))
+    # offsets of q, k, v, mask, k_scale, v_scale; kv_of_batch; kv_source;
+    # room for kv_extent (set_kv_lengths) (n_kv <= n_batch)
+    cdef intp_t *index = <intp_t *>malloc(9 * max(n_batch, 1) * sizeof(intp_t))
     if index == NULL:
         raise MemoryError()
     cdef intp_t *kv_of_batch = index + 6 * n_batch
@@ -179,6 +179,25 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
     pb.kv_source = kv_source
     problem_finish(pb)
     return index
+
+
+cdef inline void set_kv_lengths(Problem *pb, const intp_t *kv_length,
+                                intp_t *index) noexcept nogil:
+    """Entry b sees only its first kv_length[b] keys. Each distinct K/V is
+    then packed (and read) only up to the longest length an entry reading
+    it sees: a short prompt in a long preallocated cache packs the prompt,
+    not the cache. index is problem_from_arrays' table (its last n_batch
+    slots hold the extents)."""
+    cdef intp_t *kv_extent = index + 8 * pb.n_batch
+    cdef Py_ssize_t b, kv
+    pb.kv_length = kv_length
+    for kv in range(pb.n_kv):
+        kv_extent[kv] = 0
+    for b in range(pb.n_batch):
+        kv = pb.kv_of_batch[b]
+        if kv_length[b] > kv_extent[kv]:
+            kv_extent[kv] = kv_length[b]
+    pb.kv_extent = kv_extent
 
 
 cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,

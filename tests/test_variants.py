@@ -1,6 +1,9 @@
 """Attention variants against the float64 reference: grouped-query attention,
 kv_lengths, the KV cache, float16 K/V, windows, softcap and ALiBi."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -125,6 +128,53 @@ def test_kv_lengths_broadcast_per_head_and_scalar(dtype):
     assert_bitwise_equal(ca.attention(q, k, v, kv_lengths=20), ca.attention(q, k, v))
     scores = ca.attention_scores(q, k, kv_lengths=7, causal=True)
     assert np.all(scores[..., 7:] == 0)
+
+
+def test_kv_lengths_of_heads_sharing_kv(dtype):
+    """K/V broadcast over heads with a length per head (packed path): the
+    shared copy holds the keys of the longest."""
+    q, k, v = make_qkv(62, (2, 3, 50, 8), (2, 1, 600, 8), (2, 1, 600, 4), dtype)
+    lengths = np.array([[5, 520, 1], [0, 260, 257]])
+    attn, lse = ca.attention(q, k, v, kv_lengths=lengths, causal=True, return_lse=True)
+    for b in range(2):
+        for h in range(3):
+            n = lengths[b, h]
+            if n == 0:
+                assert np.all(attn[b, h] == 0) and np.all(np.isneginf(lse[b, h]))
+                continue
+            assert_matches_reference(attn[b, h], None, q[b, h], k[b, 0, :n], v[b, 0, :n],
+                                     True, lse=lse[b, h])
+
+
+def test_keys_past_kv_lengths_are_never_read():
+    """A short prompt in a long preallocated cache: the keys past the
+    lengths lie on pages that may not be read (a read kills the child)."""
+    script = """
+import mmap, ctypes, numpy as np, cattention as ca
+S, d, valid = 4096, 64, 100
+page = mmap.PAGESIZE
+# K and V each in memory whose rows from 256 on may not be read
+buffers = [mmap.mmap(-1, S * d * 4) for _ in range(2)]
+libc = ctypes.CDLL(None)
+for buf in buffers:
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf)) + 256 * d * 4
+    assert start % page == 0
+    assert libc.mprotect(ctypes.c_void_p(start), S * d * 4 - 256 * d * 4, 0) == 0
+k, v = (np.frombuffer(buf, np.float32).reshape(1, 1, S, d) for buf in buffers)
+rng = np.random.default_rng(0)
+k[..., :valid, :] = rng.standard_normal((valid, d))
+v[..., :valid, :] = rng.standard_normal((valid, d))
+q = rng.standard_normal((1, 1, valid, d)).astype(np.float32)
+for threads in (1, 2):
+    attn = ca.attention(q, k, v, kv_lengths=valid, causal=True, num_threads=threads)
+    expected = ca.attention(q, k[..., :valid, :].copy(), v[..., :valid, :].copy(), causal=True)
+    assert np.allclose(attn, expected, rtol=0, atol=1e-6), threads
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (
+        result.returncode, result.stdout[-2000:], result.stderr[-2000:])
 
 
 def test_kv_lengths_errors():
