@@ -9,7 +9,7 @@ from cython cimport floating
 from libc.stdint cimport uint8_t, uint16_t
 from cattention._kernel_table cimport CA_PANEL_F32, CA_PANEL_F64, ca_half_to_float
 from cattention._problem cimport (
-    K_BLOCK, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, key_extent, round_up)
+    K_BLOCK, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, key_extent, key_first, round_up)
 from cattention._operands cimport row_offset, rows_in_place
 from cattention._workspace cimport Workspace
 
@@ -191,7 +191,10 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     cdef Py_ssize_t ld_k_rows, ld_v_rows
     if n_keys > K_BLOCK:
         n_keys = K_BLOCK
-    if n_keys <= 0:
+    # nor are the blocks that end before every reader's window starts (a
+    # block that straddles the start is packed whole: its masked keys are
+    # read, with zero weights)
+    if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
         nonfinite_flag(pb, ws, block)[0] = 0
         return
     cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,

@@ -132,6 +132,9 @@ cdef struct Problem:
     const intp_t *lse_offset
     Py_ssize_t ld_lse
     const intp_t *kv_extent
+    # ...and no entry reads its keys before kv_first[kv] (a sliding window's
+    # start), or NULL: from 0
+    const intp_t *kv_first
     # row strides (elements) of ATTN (n_batch, T, d_v) and SCORES (n_batch, T,
     # S): d_v and S from Python, any row stride through the C-level API
     Py_ssize_t ld_out
@@ -225,3 +228,8 @@ cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,
 cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:
     """Keys of packed K/V entry kv that may be read (the rest may not exist)."""
     return pb.kv_extent[kv] if pb.kv_extent != NULL else pb.n_keys
+
+
+cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:
+    """The first key of packed K/V entry kv that may be read."""
+    return pb.kv_first[kv] if pb.kv_first != NULL else 0

@@ -30,6 +30,7 @@ from cattention._packing cimport pack_block, packed_keys
 from cattention._softmax cimport merge_splits
 from cattention._item_packed cimport attend_query_block, attend_query_block_with_scores
 from cattention._item_direct cimport attend_key_chunk
+from cattention._visibility cimport first_visible_key
 
 
 cdef extern from "team.h" nogil:
@@ -309,6 +310,22 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
     pb.packed_k = packed
     pb.packed_v = packed + k_bytes
     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
+    # with a sliding window, the key blocks before every reader's window
+    # are not packed (a prompt chunk at the end of a long cache)
+    cdef intp_t *kv_first = NULL
+    cdef Py_ssize_t kv, first
+    if pb.window_left >= 0 and not pb.direct:
+        kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
+        if kv_first == NULL:
+            ca_scratch_release(CA_SCRATCH_PACKED, packed)
+            return -1
+        for kv in range(pb.n_kv):
+            kv_first[kv] = pb.n_keys
+        for b in range(pb.n_batch):
+            first = first_visible_key(pb, b)
+            if first < kv_first[pb.kv_of_batch[b]]:
+                kv_first[pb.kv_of_batch[b]] = first
+        pb.kv_first = kv_first
     if per_entry and n_workers <= 1:
         ws = workspace_new_per_entry(pb, itemsize)
         if ws == NULL:
@@ -353,5 +370,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
                 if ws != NULL:
                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
             workspace_delete(ws)
+    pb.kv_first = NULL
+    free(kv_first)
     ca_scratch_release(CA_SCRATCH_PACKED, packed)
     return status

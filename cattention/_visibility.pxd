@@ -41,6 +41,18 @@ cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0
         row_hi[i] = hi
 
 
+cdef inline Py_ssize_t first_visible_key(const Problem *pb, Py_ssize_t b) noexcept nogil:
+    """No query row of batch entry b sees a key before this one: the start
+    of its sliding window at its first position (visible_ranges' lo for a
+    row at position offset), 0 without a window's left side."""
+    cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+    cdef Py_ssize_t first
+    if pb.window_left < 0:
+        return 0
+    first = n_valid - query_period_of(pb, b) - pb.window_left
+    return first if first > 0 else 0
+
+
 cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                              Py_ssize_t n_rows, Py_ssize_t key0, Py_ssize_t n_keys,
                              const intp_t *row_lo, const intp_t *row_hi,

@@ -146,33 +146,47 @@ def test_kv_lengths_of_heads_sharing_kv(dtype):
                                      True, lse=lse[b, h])
 
 
-def test_keys_past_kv_lengths_are_never_read():
-    """A short prompt in a long preallocated cache: the keys past the
-    lengths lie on pages that may not be read (a read kills the child)."""
-    script = """
-import mmap, ctypes, numpy as np, cattention as ca
-S, d, valid = 4096, 64, 100
+_UNREAD_KEYS_SCRIPT = """
+import mmap, ctypes, sys, numpy as np, cattention as ca
+S, d, valid, first_unread, last_unread = 4096, 64, *map(int, sys.argv[1:4])
+window = (int(sys.argv[4]), 0) if len(sys.argv) > 4 else None
 page = mmap.PAGESIZE
-# K and V each in memory whose rows from 256 on may not be read
+# K and V each in memory whose rows [first_unread, last_unread) may not be read
 buffers = [mmap.mmap(-1, S * d * 4) for _ in range(2)]
 libc = ctypes.CDLL(None)
 for buf in buffers:
-    start = ctypes.addressof(ctypes.c_char.from_buffer(buf)) + 256 * d * 4
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf)) + first_unread * d * 4
     assert start % page == 0
-    assert libc.mprotect(ctypes.c_void_p(start), S * d * 4 - 256 * d * 4, 0) == 0
+    n_bytes = (last_unread - first_unread) * d * 4
+    assert libc.mprotect(ctypes.c_void_p(start), n_bytes, 0) == 0
 k, v = (np.frombuffer(buf, np.float32).reshape(1, 1, S, d) for buf in buffers)
 rng = np.random.default_rng(0)
-k[..., :valid, :] = rng.standard_normal((valid, d))
-v[..., :valid, :] = rng.standard_normal((valid, d))
-q = rng.standard_normal((1, 1, valid, d)).astype(np.float32)
+seen = slice(last_unread if first_unread == 0 else 0, valid)
+k[..., seen, :] = rng.standard_normal((seen.stop - seen.start, d))
+v[..., seen, :] = rng.standard_normal((seen.stop - seen.start, d))
+q = rng.standard_normal((1, 1, 100, d)).astype(np.float32)
+expected = ca.attention(q, k[..., seen, :].copy(), v[..., seen, :].copy(), causal=True,
+                        window=window)
 for threads in (1, 2):
-    attn = ca.attention(q, k, v, kv_lengths=valid, causal=True, num_threads=threads)
-    expected = ca.attention(q, k[..., :valid, :].copy(), v[..., :valid, :].copy(), causal=True)
+    attn = ca.attention(q, k, v, kv_lengths=valid, causal=True, window=window,
+                        num_threads=threads)
     assert np.allclose(attn, expected, rtol=0, atol=1e-6), threads
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+
+
+@pytest.mark.parametrize("case", [
+    # a short prompt in a long preallocated cache: keys past the lengths
+    ("100", "256", "4096"),
+    # a prompt chunk at the end of a long cache, with a sliding window of 200:
+    # the blocks before every row's window
+    ("1100", "0", "512", "200"),
+], ids=["past-lengths", "before-window"])
+def test_keys_no_row_sees_are_never_read(case):
+    """The keys no row sees lie on pages that may not be read (a read kills
+    the child)."""
+    result = subprocess.run([sys.executable, "-c", _UNREAD_KEYS_SCRIPT, *case],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", (
         result.returncode, result.stdout[-2000:], result.stderr[-2000:])
 
