@@ -24,6 +24,7 @@ from ._checks import (
     _compute_dtype,
     _gqa_hint,
     _lengths_per_sequence,
+    _output,
     _prepare_alibi,
     _prepare_kv_lengths,
     _prepare_mask,
@@ -180,10 +181,12 @@ def run(call: Call) -> Results:
         v = v if vs is not None else _to_compute(v, kv_dtype)
     d_v = v.shape[-1] if v is not None else 0
 
-    out = np.empty(batch_shape + (n_queries, d_v), dtype=compute) if call.want_out else None
-    scores = (np.empty(batch_shape + (n_queries, n_keys), dtype=compute)
+    out = (_output(batch_shape + (n_queries, d_v), compute, "the output")
+           if call.want_out else None)
+    scores = (_output(batch_shape + (n_queries, n_keys), compute, "SCORES")
               if call.want_scores else None)
-    lse = np.empty(batch_shape + (n_queries,), dtype=compute) if call.want_lse else None
+    lse = (_output(batch_shape + (n_queries,), compute, "the log-sum-exp")
+           if call.want_lse else None)
     if n_queries > 0 and math.prod(batch_shape) > 0:
         window_left, window_right = call.window
         _attention.attention_into(

@@ -82,6 +82,16 @@ def _compute_dtype(*arrays: NDArray[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]
     return common, common
 
 
+def _output(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> NDArray[Any]:
+    """An uninitialised output array; one larger than any NumPy can
+    allocate is refused naming it (NumPy's own message names nothing)."""
+    try:
+        return np.empty(shape, dtype=dtype)
+    except ValueError:
+        raise ValueError(f"{name} would hold {math.prod(shape)} {dtype} values: more bytes "
+                         "than an array can hold") from None
+
+
 def _to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
     """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
     if arr.dtype != dtype:

@@ -139,8 +139,10 @@ def attention_with_kvcache(
         ``k_new`` or ``v_new`` cannot be cast to the cache dtype, or if the
         dtype of ``cache_lengths`` cannot hold S_max.
 
-    Every check runs before anything is written, so a failed call leaves
-    caches and lengths as they were.
+    Every check runs before anything is written, so a call refused for its
+    arguments leaves caches and lengths as they were. If the computation
+    itself fails after the append (a ``MemoryError``), ``cache_lengths``
+    are put back; the slots past them, free again, may hold the new rows.
 
     Examples
     --------
@@ -268,11 +270,19 @@ def attention_with_kvcache(
             if int8_cache:
                 cast("NDArray[Any]", k_scale)[b, :, start:start + n_new] = k_row_scale[b]
                 cast("NDArray[Any]", v_scale)[b, :, start:start + n_new] = v_row_scale[b]
+        old_lengths = cache_lengths.copy()
         cache_lengths += n_new
-    return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
-                     softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                     k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-                     enable_gqa=True, kv_lengths=cache_lengths, num_threads=num_threads)
+    try:
+        return attention(q, k_cache, v_cache, causal=causal, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                         k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                         enable_gqa=True, kv_lengths=cache_lengths, num_threads=num_threads)
+    except BaseException:
+        # the computation failed (its memory): the new rows are given back,
+        # their slots free again past the lengths
+        if n_new > 0:
+            cache_lengths[...] = old_lengths
+        raise
 
 
 def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: object,

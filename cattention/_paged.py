@@ -20,6 +20,7 @@ from ._checks import (
     _check_sinks_fit,
     _check_softcap,
     _check_window,
+    _output,
     _refuse_shared_memory,
     _resolve_scale,
     _to_compute,
@@ -192,8 +193,10 @@ def attention_with_paged_kvcache(
         wider than the pages, new rows that cannot be cast to the pages'
         dtype, a cache_lengths dtype that cannot hold the positions.
 
-    Every check runs before anything is written, so a failed call leaves
-    pages and lengths as they were.
+    Every check runs before anything is written, so a call refused for its
+    arguments leaves pages and lengths as they were. If the computation
+    itself fails after the append (a ``MemoryError``), ``cache_lengths``
+    are put back; the page rows past them, free again, may hold the new rows.
 
     Examples
     --------
@@ -338,12 +341,20 @@ def attention_with_paged_kvcache(
             cast("NDArray[Any]", v_scale)[page, :, row] = v_row_scale
         k_pages[page, :, row] = k_add
         v_pages[page, :, row] = v_add
+        old_lengths = cache_lengths.copy()
         cache_lengths += n_new.astype(cache_lengths.dtype)
-    return _attend(q, k_pages, v_pages, table, q_lengths, lengths,
-                   cu_q if packed else None, n_heads, compute, causal=causal,
-                   scale=scale_value, window=window_sides, softcap=softcap_value,
-                   alibi=alibi, sinks=sink_logits, k_scale=k_scale, v_scale=v_scale,
-                   return_lse=return_lse, threads=threads)
+    try:
+        return _attend(q, k_pages, v_pages, table, q_lengths, lengths,
+                       cu_q if packed else None, n_heads, compute, causal=causal,
+                       scale=scale_value, window=window_sides, softcap=softcap_value,
+                       alibi=alibi, sinks=sink_logits, k_scale=k_scale, v_scale=v_scale,
+                       return_lse=return_lse, threads=threads)
+    except BaseException:
+        # the computation failed (its memory): the new rows are given back,
+        # their slots free again past the lengths
+        if new_rows:
+            cache_lengths[...] = old_lengths
+        raise
 
 
 def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
@@ -364,16 +375,17 @@ def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
     q = _to_compute(q, compute)
     item = q.itemsize
     if cu_q is not None:
-        out = np.empty((q.shape[0], n_heads, d_v), dtype=compute)
-        lse = np.empty((q.shape[0], n_heads), dtype=compute) if return_lse else None
+        out = _output((q.shape[0], n_heads, d_v), compute, "the output")
+        lse = _output((q.shape[0], n_heads), compute, "the log-sum-exp") if return_lse else None
         starts = cu_q[:-1]
         q_place = place(q, starts * (q.strides[0] // item), 0, 1)
         out_place = place(out, starts * n_heads * d_v, 0, 1)
         lse_place = place(lse, starts * n_heads, 0, 1) if lse is not None else None
     else:
         n_queries = q.shape[2]
-        out = np.empty((n_seq, n_heads, n_queries, d_v), dtype=compute)
-        lse = np.empty((n_seq, n_heads, n_queries), dtype=compute) if return_lse else None
+        out = _output((n_seq, n_heads, n_queries, d_v), compute, "the output")
+        lse = (_output((n_seq, n_heads, n_queries), compute, "the log-sum-exp")
+               if return_lse else None)
         seqs = np.arange(n_seq, dtype=np.intp)
         q_place = place(q, seqs * (q.strides[0] // item), 2, 1)
         out_place = place(out, seqs * n_heads * n_queries * d_v, 2, 1)

@@ -14,13 +14,14 @@ from ._checks import (
     _array,
     _as_input,
     _check_alibi_values,
-    _check_flag,
     _check_fits,
+    _check_flag,
     _check_sink_values,
     _check_sinks_fit,
     _check_softcap,
     _check_window,
     _compute_dtype,
+    _output,
     _resolve_scale,
     _to_compute,
 )
@@ -226,8 +227,8 @@ def attention_varlen(
     k = _to_compute(k, kv_dtype)
     v = _to_compute(v, kv_dtype)
     d_v = v.shape[2]
-    out = np.empty((total_q, n_heads, d_v), dtype=compute)
-    lse = np.empty((total_q, n_heads), dtype=compute) if return_lse else None
+    out = _output((total_q, n_heads, d_v), compute, "the output")
+    lse = _output((total_q, n_heads), compute, "the log-sum-exp") if return_lse else None
     if total_q and n_heads:
         starts_q = cu_q[:-1]
         starts_k = cu_k[:-1]

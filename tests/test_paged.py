@@ -269,6 +269,24 @@ def test_paged_errors_write_nothing(change, match):
     assert_bitwise_equal(args["lengths"], before[2])
 
 
+def test_paged_failed_computation_gives_the_rows_back(monkeypatch):
+    """A call that fails after its append (out of memory) puts cache_lengths
+    back: the page rows past them are free again."""
+    k_pages, v_pages, table, lengths, x = _small_call()
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("cattention: could not allocate scratch memory")
+
+    monkeypatch.setattr("cattention._paged._attend", out_of_memory)
+    with pytest.raises(MemoryError):
+        ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths, x, x)
+    assert lengths.tolist() == [3, 8]
+    monkeypatch.undo()
+    # the same call then appends as a first call would
+    ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths, x, x)
+    assert lengths.tolist() == [5, 10]
+
+
 def test_paged_packed_queries_shape_errors():
     k_pages, v_pages, table, lengths, x = _small_call()
     q = np.ones((4, 2, 8), np.float32)

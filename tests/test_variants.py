@@ -595,3 +595,29 @@ def test_kvcache_option_errors_write_nothing(kwargs, error, match):
     with pytest.raises(error, match=match):
         ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new, new, **kwargs)
     assert lengths.tolist() == [3, 1] and not k_cache.any() and not v_cache.any()
+
+
+def test_kvcache_failed_computation_gives_the_rows_back(monkeypatch):
+    """A call that fails after its append (out of memory) puts cache_lengths
+    back: the slots past them are free again."""
+    k_cache, v_cache, lengths = _small_cache(16, np.int64, [3, 1])
+    new = np.ones((2, 1, 2, 4), np.float32)
+    # a broadcast q of 2**60 rows with d_k = 1 and d_v = 8: an output no
+    # array can hold
+    huge_q = np.lib.stride_tricks.as_strided(np.ones(1, np.float32), (2, 1, 2**59, 1),
+                                             (0, 0, 0, 0))
+    narrow_k = np.zeros((2, 1, 16, 1), np.float32)
+    wide_v = np.zeros((2, 1, 16, 8), np.float32)
+    with pytest.raises(ValueError, match="the output would hold .* more bytes than an array"):
+        ca.attention_with_kvcache(huge_q, narrow_k, wide_v, lengths, new[..., :1],
+                                  np.ones((2, 1, 2, 8), np.float32))
+    assert lengths.tolist() == [3, 1]
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("cattention: could not allocate scratch memory")
+
+    monkeypatch.setattr("cattention._kvcache.attention", out_of_memory)
+    with pytest.raises(MemoryError):
+        ca.attention_with_kvcache(np.ones((2, 2, 2, 4), np.float32), k_cache, v_cache,
+                                  lengths, new, new)
+    assert lengths.tolist() == [3, 1]

@@ -89,9 +89,9 @@ def status_of(str case):
         elif which == 10:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, NULL, 0, 1.0, 0, NULL, 0, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
         elif which == 11:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1e39, 0, out, 2, scores, 2, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1e39, 0, out, 2, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
         elif which == 12:
-            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1e-46, 0, out, 2, scores, 2, NULL, 1)
+            status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1e-46, 0, out, 2, scores, 2, NULL, 1)  # noqa: E501 (one case per row)
     if which == 13:
         # the same scale is a float64 call's to take: its outputs are written
         return status_of_f64(1e39)
