@@ -196,7 +196,8 @@ def attention(
         sinks.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()`` (which
-        :func:`limit_threads` sets for the calling Python thread).
+        :func:`limit_threads` sets for the calling Python thread). A call
+        never starts more threads than the CPUs the process may run on.
 
     Returns
     -------

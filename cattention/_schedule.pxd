@@ -42,6 +42,7 @@ cdef extern from "team.h" nogil:
 
 cdef extern from "openmp_shim.h" nogil:
     int omp_get_max_threads()
+    int omp_get_num_procs()
     int CA_HAVE_OPENMP
     int CA_OPENMP_VERSION
     const char *ca_openmp_runtime()
@@ -91,6 +92,11 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
     if ca_forked_after_parallel():
         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
         n_threads = 1
+    if n_threads > 1 and n_threads > omp_get_num_procs():
+        # threads beyond the CPUs this process may run on would only take
+        # turns on them, each with its own stack (thousands of threads can
+        # exhaust the address space, and the OpenMP runtime then aborts)
+        n_threads = omp_get_num_procs()
     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
         if n_threads < 1:

@@ -29,6 +29,7 @@ static inline const char *ca_openmp_runtime(void) { return ""; }
 #define CA_HAVE_OPENMP 0
 #define CA_OPENMP_VERSION 0
 static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_num_procs(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 static inline const char *ca_openmp_runtime(void) { return ""; }
 #endif

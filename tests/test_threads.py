@@ -421,6 +421,32 @@ print(ca.get_num_threads(), data)
     assert re.search(r"threads: 1 \(a child forked after a parallel region", config), config
 
 
+def test_a_team_never_outgrows_the_cpus():
+    """num_threads above the CPUs this process may run on starts no more
+    threads than there are CPUs (thousands of threads can exhaust the
+    address space, and the OpenMP runtime aborts the process then)."""
+    if not ca._attention.openmp_enabled():
+        pytest.skip("serial build")
+    code = """
+import os, numpy as np, cattention as ca
+def threads():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("Threads:")).split()[1])
+x = np.ones((1, 64, 512, 64), np.float32)
+before = threads()
+expected = ca.attention(x, x, x, num_threads=1)
+out = ca.attention(x, x, x, num_threads=64)
+assert np.array_equal(out, expected)
+print(threads() - before, len(os.sched_getaffinity(0)))
+"""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    started, n_cpus = map(int, out.split())
+    # the workers of one team: the calling thread is one of its members
+    assert started <= n_cpus - 1, (started, n_cpus)
+
+
 # ---------------------------------------------------------------------------
 # Team size between other libraries' calls (src/team.h)
 # ---------------------------------------------------------------------------
