@@ -10,7 +10,7 @@ from numpy.typing import ArrayLike, NDArray
 from ._api import attention
 from ._call import check_options
 from ._checks import _array, _as_input, _check_flag, _refuse_shared_memory
-from ._quantize import quantize_kv
+from ._quantize import SCALE_RANGE, cache_rows, scales_in_range
 
 __all__ = ["attention_with_kvcache"]
 
@@ -169,6 +169,10 @@ def attention_with_kvcache(
                 f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
                 "copy the whole cache on every call; convert it once, e.g. "
                 f"{name} = {name}.astype({name}.dtype.newbyteorder('='))")
+        if not cache.flags.aligned or any(s % cache.itemsize for s in cache.strides):
+            raise ValueError(f"{name} must be aligned with strides that are multiples of "
+                             "its itemsize (reading it otherwise would copy the whole cache "
+                             "on every call)")
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must "
                         "share one dtype")
@@ -257,17 +261,17 @@ def attention_with_kvcache(
                   softcap=softcap, alibi_slopes=alibi_slopes, num_threads=num_threads,
                   sinks=sinks)
 
+    if n_new > 0:
+        # n_new > 0 only when both were given and made arrays above; int8
+        # caches take them quantized: int8 rows and their scales
+        k_add, k_row_scale = cache_rows(cast("NDArray[Any]", k_new), k_cache.dtype, "k_new")
+        v_add, v_row_scale = cache_rows(cast("NDArray[Any]", v_new), v_cache.dtype, "v_new")
     # every check has passed: nothing below can fail half-way on bad input
     if n_new > 0:
-        # n_new > 0 only when both were given and made arrays above
-        k_add, v_add = cast("NDArray[Any]", k_new), cast("NDArray[Any]", v_new)
-        if int8_cache:
-            # quantized as they are appended: int8 rows and their scales
-            (k_add, k_row_scale), (v_add, v_row_scale) = quantize_kv(k_add), quantize_kv(v_add)
         for b, start in enumerate(cache_lengths.tolist()):
             k_cache[b, :, start:start + n_new] = k_add[b]
             v_cache[b, :, start:start + n_new] = v_add[b]
-            if int8_cache:
+            if k_row_scale is not None and v_row_scale is not None:
                 cast("NDArray[Any]", k_scale)[b, :, start:start + n_new] = k_row_scale[b]
                 cast("NDArray[Any]", v_scale)[b, :, start:start + n_new] = v_row_scale[b]
         old_lengths = cache_lengths.copy()
@@ -304,9 +308,12 @@ def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: o
                    else type(scale).__name__)
             raise ValueError(f"{name} must be a native float32 ndarray of shape "
                              f"{cache.shape[:3]} (B, H_kv, S_max); got {got}")
+        if not scale.flags.aligned or any(s % 4 for s in scale.strides):
+            raise ValueError(f"{name} must be aligned with strides that are multiples of 4 "
+                             "(reading it otherwise would copy it on every call)")
         # attention() refuses them too, but only after the append
-        if appending and (not np.all(np.isfinite(scale)) or np.any(scale < 0)):
-            raise ValueError(f"{name} must be finite and >= 0 everywhere (zeros where no "
+        if appending and not scales_in_range(scale):
+            raise ValueError(f"{name} must be {SCALE_RANGE} everywhere (zeros where no "
                              "row is cached yet)")
 
 

@@ -26,7 +26,7 @@ from ._checks import (
     _to_compute,
 )
 from ._kvcache import _check_cache_lengths
-from ._quantize import quantize_kv
+from ._quantize import cache_rows
 from ._threads import _check_num_threads, get_num_threads
 from ._varlen import cu_seqlens, head_options, place, rows_of
 
@@ -257,6 +257,7 @@ def attention_with_paged_kvcache(
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     new_rows: list[NDArray[Any]] = []
+    new_scales: list[NDArray[np.float32] | None] = []
     new_given: list[tuple[str, NDArray[Any]]] = []
     if k_new is not None:
         for name, new, d in (("k_new", k_new, d_k), ("v_new", v_new, d_v)):
@@ -274,9 +275,16 @@ def attention_with_paged_kvcache(
             elif not np.can_cast(new.dtype, k_pages.dtype, casting="same_kind"):
                 raise TypeError(f"{name} of dtype {new.dtype} cannot be written into "
                                 f"{k_pages.dtype} pages")
+            # as the pages store them (int8 pages take them quantized), then
             # (tokens, H_kv, d) in sequence order
-            new_rows.append(new if packed else np.swapaxes(new, 1, 2).reshape(
-                n_seq * q.shape[2], n_kv_heads, d))
+            rows, row_scale = cache_rows(new, k_pages.dtype, name)
+            if not packed:
+                rows = np.swapaxes(rows, 1, 2).reshape(n_seq * q.shape[2], n_kv_heads, d)
+                if row_scale is not None:
+                    row_scale = np.swapaxes(row_scale, 1, 2).reshape(n_seq * q.shape[2],
+                                                                     n_kv_heads)
+            new_rows.append(rows)
+            new_scales.append(row_scale)
         writable = [k_pages, v_pages, cache_lengths] + (
             [cast("NDArray[Any]", k_scale), cast("NDArray[Any]", v_scale)] if int8 else [])
         if not all(a.flags.writeable for a in writable):
@@ -335,13 +343,12 @@ def attention_with_paged_kvcache(
     # every check has passed: nothing below can fail half-way on bad input
     if new_rows:
         k_add, v_add = new_rows
+        k_row_scale, v_row_scale = new_scales
         if int8:
-            (k_add, k_row_scale), (v_add, v_row_scale) = quantize_kv(k_add), quantize_kv(v_add)
             cast("NDArray[Any]", k_scale)[page, :, row] = k_row_scale
             cast("NDArray[Any]", v_scale)[page, :, row] = v_row_scale
         k_pages[page, :, row] = k_add
         v_pages[page, :, row] = v_add
-        old_lengths = cache_lengths.copy()
         cache_lengths += n_new.astype(cache_lengths.dtype)
     try:
         return _attend(q, k_pages, v_pages, table, q_lengths, lengths,
@@ -353,7 +360,7 @@ def attention_with_paged_kvcache(
         # the computation failed (its memory): the new rows are given back,
         # their slots free again past the lengths
         if new_rows:
-            cache_lengths[...] = old_lengths
+            cache_lengths[...] = old_lengths   # (every value fits: they were its own)
         raise
 
 

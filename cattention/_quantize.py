@@ -19,6 +19,19 @@ __all__ = ["quantize_kv"]
 #: The largest magnitude of a quantized value (symmetric: -127..127).
 INT8_LEVELS = 127
 
+#: The largest row scale: 127 steps of it are float32's largest value (a
+#: larger scale would dequantize a row beyond float32, to inf).
+INT8_MAX_SCALE = float(np.finfo(np.float32).max) / INT8_LEVELS
+
+
+def scales_in_range(scale: NDArray[np.float32]) -> bool:
+    """Every row scale in [0, INT8_MAX_SCALE] (NaN is not)."""
+    return bool(np.all((scale >= 0) & (scale <= np.float32(INT8_MAX_SCALE))))
+
+
+#: What a scale outside that range is told.
+SCALE_RANGE = f"finite, >= 0 and at most {INT8_MAX_SCALE:.3g} (float32's largest value / 127)"
+
 
 def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     """Quantize keys or values to int8, symmetrically per row (the last axis).
@@ -84,6 +97,32 @@ def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     return levels.astype(np.int8), scale
 
 
+def cache_rows(new: NDArray[Any], cache_dtype: np.dtype[Any], name: str,
+               ) -> tuple[NDArray[Any], NDArray[np.float32] | None]:
+    """New rows (argument ``name``) as a cache of ``cache_dtype`` stores them:
+    int8 with their scales (quantize_kv), or in the float dtype, scales None.
+    Values the cache cannot hold are refused: they could not be quantized,
+    or a float16 cache would store them as inf."""
+    if cache_dtype == np.int8:
+        try:
+            return quantize_kv(new)
+        except ValueError as error:
+            raise ValueError(f"{name}: {str(error).removeprefix('quantize_kv: ')}") from None
+    if new.dtype == cache_dtype:
+        return new, None
+    with np.errstate(over="ignore", invalid="ignore"):
+        rows = new.astype(cache_dtype)
+    overflow = np.isinf(rows)
+    if overflow.any():
+        overflow &= np.isfinite(new)
+        if overflow.any():
+            index = tuple(int(i) for i in np.argwhere(overflow)[0])
+            raise ValueError(f"{name}{list(index)} = {float(new[index])!r} is beyond the range "
+                             f"of the {cache_dtype} cache (largest "
+                             f"{float(np.finfo(cache_dtype).max)!r}): it would be stored as inf")
+    return rows, None
+
+
 def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
                q_dtype: np.dtype[Any]) -> NDArray[np.float32] | None:
     """The row scales of an int8 K or V as an aligned float32 array of the
@@ -113,9 +152,11 @@ def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
         raise ValueError(f"{scale_name} of shape {arr.shape} does not match {name} of shape "
                          f"{operand.shape}: it needs one scale per row, shape "
                          f"{operand.shape[:-1]}")
-    arr = arr.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):
+        # beyond float32's range becomes inf, refused below
+        arr = arr.astype(np.float32, copy=False)
     if not arr.dtype.isnative or not arr.flags.aligned:
         arr = np.array(arr, dtype=np.float32)
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError(f"{scale_name} must be finite and >= 0")
+    if not scales_in_range(arr):
+        raise ValueError(f"{scale_name} must be {SCALE_RANGE}")
     return arr[..., None]

@@ -355,7 +355,8 @@ def test_int8_cache_scales_are_checked_before_the_append():
     lengths = np.array([0])
     x = np.ones((1, 2, 1, 4), np.float32)
     before = _snapshot(k_cache, v_cache, k_scale, v_scale, lengths)
-    with pytest.raises(ValueError, match=r"k_scale must be finite and >= 0 everywhere"):
+    with pytest.raises(ValueError, match=r"k_scale must be finite, >= 0 and at most 2\.68e\+36 "
+                                         r"\(float32's largest value / 127\) everywhere"):
         ca.attention_with_kvcache(x, k_cache, v_cache, lengths, x, x, k_scale=k_scale,
                                   v_scale=v_scale)
     assert _unchanged(before, k_cache, v_cache, k_scale, v_scale, lengths)

@@ -2,6 +2,8 @@
 (the float64 reference on the dequantized values), int8 KV caches quantized
 on append, and the errors."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -208,7 +210,13 @@ def test_int8_end_to_end_error_against_unquantized_keys():
      r"int8 k needs a float32 \(or float16\) q"),
     (dict(k_scale="ones"), ValueError, r"k_scale is given but k has dtype float32"),
     (dict(v="int8", v_scale=-np.ones((1, 2, 9), np.float32)), ValueError,
-     r"v_scale must be finite and >= 0"),
+     r"v_scale must be finite, >= 0 and at most 2\.68e\+36"),
+    # 127 steps of it would be beyond float32 (an inf key or value, NaN outputs)
+    (dict(k="int8", k_scale=np.full((1, 2, 9), 3e38, np.float32)), ValueError,
+     r"k_scale must be finite, >= 0 and at most 2\.68e\+36"),
+    # beyond float32 (it would be inf), refused without a cast warning
+    (dict(k="int8", k_scale=np.full((1, 2, 9), 1e39)), ValueError,
+     r"k_scale must be finite, >= 0 and at most"),
     (dict(v="int8", v_scale=np.full((1, 2, 9), np.nan, np.float32)), ValueError,
      r"v_scale must be finite"),
     (dict(k="int8", k_scale="ones", v="float64"), TypeError,
@@ -225,8 +233,11 @@ def test_int8_errors(kwargs, error, match):
     scales = {name: (np.ones((1, 2, 9), np.float32) if isinstance(kwargs[name], str)
                      else kwargs[name])
               for name in ("k_scale", "v_scale") if name in kwargs}
-    with pytest.raises(error, match=match):
-        ca.attention(args["q"], args["k"], args["v"], **scales)
+    # refused as it is, without a warning on the way (an overflowing cast)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(error, match=match):
+            ca.attention(args["q"], args["k"], args["v"], **scales)
 
 
 # ---- int8 KV caches --------------------------------------------------------------

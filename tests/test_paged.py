@@ -396,6 +396,18 @@ def _read_only(pages):
      "must be writable to append"),
     (lambda a: a.update(cu=[0, 2, 4]),
      r"with cu_seqlens_q, q must be packed \(total_q, H, d_k\)"),
+    # float16 pages would store it as inf
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 4, 8), np.float16),
+                        v_pages=np.zeros((6, 2, 4, 8), np.float16),
+                        v_new=np.where(np.arange(8) == 3, 7e4, a["v_new"])),
+     r"v_new\[0, 0, 0, 3\] = 70000\.0 is beyond the range of the float16 cache"),
+    # int8 pages cannot quantize it
+    (lambda a: a.update(k_pages=np.zeros((6, 2, 4, 8), np.int8),
+                        v_pages=np.zeros((6, 2, 4, 8), np.int8),
+                        k_scale=np.ones((6, 2, 4), np.float32),
+                        v_scale=np.ones((6, 2, 4), np.float32),
+                        k_new=np.where(np.arange(8) == 3, np.inf, a["k_new"])),
+     r"k_new: rows hold NaN or infinite values"),
 ])
 def test_paged_more_errors_write_nothing(change, match):
     k_pages, v_pages, table, lengths, x = _small_call()

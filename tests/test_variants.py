@@ -597,6 +597,56 @@ def test_kvcache_option_errors_write_nothing(kwargs, error, match):
     assert lengths.tolist() == [3, 1] and not k_cache.any() and not v_cache.any()
 
 
+def _misaligned(array):
+    raw = np.zeros(array.nbytes + 1, np.uint8)
+    view = raw[1:].view(array.dtype).reshape(array.shape)
+    view[...] = array
+    return view
+
+
+@pytest.mark.parametrize("cache_dtype,change,error,match", [
+    # read otherwise, the cache would be copied whole on every call
+    (np.float32, dict(k_cache="misaligned"), ValueError,
+     r"k_cache must be aligned with strides that are multiples of its itemsize"),
+    (np.int8, dict(v_scale="misaligned"), ValueError,
+     r"v_scale must be aligned with strides that are multiples of 4"),
+    # a float16 cache would store it as inf (every later call: NaN)
+    (np.float16, dict(k_new=1e5), ValueError,
+     r"k_new\[1, 0, 1, 2\] = 100000\.0 is beyond the range of the float16 cache "
+     r"\(largest 65504\.0\): it would be stored as inf"),
+    (np.float32, dict(v_new=1e300), ValueError,
+     r"v_new\[1, 0, 1, 2\] = 1e\+300 is beyond the range of the float32 cache"),
+    # an int8 cache cannot quantize it
+    (np.int8, dict(v_new=np.nan), ValueError,
+     r"v_new: rows hold NaN or infinite values \(first at row index \(1, 0, 1\)\)"),
+])
+def test_kvcache_refuses_what_it_cannot_store_and_writes_nothing(cache_dtype, change, error,
+                                                                 match):
+    k_cache = np.zeros((2, 1, 16, 4), cache_dtype)
+    v_cache = np.zeros((2, 1, 16, 4), cache_dtype)
+    scales = {}
+    if cache_dtype == np.int8:
+        scales = dict(k_scale=np.zeros((2, 1, 16), np.float32),
+                      v_scale=np.zeros((2, 1, 16), np.float32))
+    lengths = np.array([3, 1])
+    new = {"k_new": np.ones((2, 1, 2, 4)), "v_new": np.ones((2, 1, 2, 4))}
+    for name, value in change.items():
+        if value == "misaligned":
+            if name in scales:
+                scales[name] = _misaligned(scales[name])
+            else:
+                k_cache = _misaligned(k_cache)
+        else:
+            new[name][1, 0, 1, 2] = value
+    before = [a.copy() for a in (k_cache, v_cache, lengths, *scales.values())]
+    q = np.ones((2, 2, 1, 4), np.float16 if cache_dtype == np.float16 else np.float32)
+    with pytest.raises(error, match=match):
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new["k_new"], new["v_new"],
+                                  **scales)
+    for a, b in zip(before, (k_cache, v_cache, lengths, *scales.values())):
+        assert_bitwise_equal(a, b)
+
+
 def test_kvcache_failed_computation_gives_the_rows_back(monkeypatch):
     """A call that fails after its append (out of memory) puts cache_lengths
     back: the slots past them are free again."""
