@@ -415,7 +415,14 @@ def merge(
             f"merge needs one lse per output and at least one of each; got "
             f"{len(chunk_outs)} outputs and {len(chunk_lses)} lse arrays")
     for i, (o, x) in enumerate(zip(chunk_outs, chunk_lses)):
-        if o.ndim < 2 or x.shape != o.shape[:-1]:
+        for name, arr in ((f"outs[{i}]", o), (f"lses[{i}]", x)):
+            if arr.dtype.kind not in "fiub":
+                raise TypeError(f"merge needs floating-point arrays; {name} has dtype "
+                                f"{arr.dtype}")
+        if o.ndim < 2:
+            raise ValueError(f"chunk {i}: the output needs rows and features, (..., T, d_v); "
+                             f"got shape {o.shape}")
+        if x.shape != o.shape[:-1]:
             raise ValueError(
                 f"chunk {i}: lse of shape {x.shape} does not match output of shape "
                 f"{o.shape} (expected lse shape {o.shape[:-1]})")

@@ -17,6 +17,7 @@ from numpy.typing import ArrayLike, NDArray
 from . import _attention
 from ._checks import (
     _as_input,
+    _broadcast_shapes,
     _check_fits,
     _check_sinks_fit,
     _check_softcap,
@@ -143,7 +144,7 @@ def run(call: Call) -> Results:
     if mask is not None:
         leading.append(mask.shape[:-2])
     try:
-        batch_shape = np.broadcast_shapes(*leading)
+        batch_shape = _broadcast_shapes(*leading)
     except ValueError:
         names = ["q", "k", "v"][: len(operands)] + (["mask"] if mask is not None else [])
         described = ", ".join(

@@ -82,6 +82,20 @@ def _compute_dtype(*arrays: NDArray[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]
     return common, common
 
 
+def _broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """np.broadcast_shapes without its 32-dimension limit (arrays may have
+    64); a ValueError when the shapes do not broadcast."""
+    ndim = max((len(shape) for shape in shapes), default=0)
+    result = [1] * ndim
+    for shape in shapes:
+        for axis, size in enumerate(shape, start=ndim - len(shape)):
+            if size != 1:
+                if result[axis] not in (1, size):
+                    raise ValueError(f"shapes {', '.join(map(str, shapes))} do not broadcast")
+                result[axis] = size
+    return tuple(result)
+
+
 def _output(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> NDArray[Any]:
     """An uninitialised output array; one larger than any NumPy can
     allocate is refused naming it (NumPy's own message names nothing)."""
@@ -292,12 +306,15 @@ def _check_alibi_values(slopes: NDArray[np.float64]) -> None:
 def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
                         n_keys: int) -> NDArray[np.intp]:
     """Valid key counts, one intp per batch entry."""
-    full = _per_batch_entry(kv_lengths, batch_shape, "kv_lengths", "iu", "integers",
+    given = np.asarray(kv_lengths)
+    full = _per_batch_entry(given, batch_shape, "kv_lengths", "iu", "integers",
                             np.intp, "the dimensions before T")
-    if full.size and (full.min() < 0 or full.max() > n_keys):
+    # the range of the values given, in Python ints: a uint64 beyond intp
+    # wraps around in ``full``
+    if full.size and (int(given.min()) < 0 or int(given.max()) > n_keys):
         raise ValueError(
             f"kv_lengths must lie in [0, S] = [0, {n_keys}]; got values from "
-            f"{full.min()} to {full.max()}")
+            f"{int(given.min())} to {int(given.max())}")
     return full
 
 
@@ -310,7 +327,7 @@ def _lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any
     arr = _native(np.asarray(kv_lengths))
     operands = (q, k) if v is None else (q, k, v)
     try:
-        batch_shape = np.broadcast_shapes(*(a.shape[:-2] for a in operands))
+        batch_shape = _broadcast_shapes(*(a.shape[:-2] for a in operands))
     except ValueError:
         # grouped heads (H != H_kv) or a mismatch, reported later
         batch_shape = q.shape[:-2]

@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _attention
 from ._call import Call, Results, run
-from ._checks import _prepare_sinks
+from ._checks import _broadcast_shapes, _prepare_sinks
 
 
 def _split_head_axis(arr: ArrayLike | None, n_heads: int, n_kv_heads: int, what: str,
@@ -131,7 +131,7 @@ def _run_stacked(call: Call, q: NDArray[Any], k: NDArray[Any], v: NDArray[Any] |
         # one sink per stacked group of n_queries rows: (batch entry, g)
         stacked_leading = [a.shape[:-2] for a in (q, k, v) if a is not None]
         try:
-            stacked_batch = np.broadcast_shapes(*stacked_leading)
+            stacked_batch = _broadcast_shapes(*stacked_leading)
         except ValueError:
             stacked_batch = None  # reported by the run below
         if stacked_batch is not None:

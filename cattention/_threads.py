@@ -69,7 +69,7 @@ def set_num_threads(n: SupportsIndex | None) -> None:
     >>> ca.set_num_threads(None)  # follow OpenMP again
     """
     global _thread_limit
-    _thread_limit = None if n is None else _check_num_threads(n)
+    _thread_limit = None if n is None else _check_num_threads(n, "n")
 
 
 def get_num_threads() -> int:
@@ -153,7 +153,7 @@ def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
     >>> len(results)
     8
     """
-    value = None if n is None else _check_num_threads(n)
+    value = None if n is None else _check_num_threads(n, "n")
     previous = _local.limit
     _local.limit = value
     try:
@@ -162,13 +162,13 @@ def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
         _local.limit = previous
 
 
-def _check_num_threads(n: Any) -> int:
+def _check_num_threads(n: Any, name: str = "num_threads") -> int:
     value = _as_integer(n)
     if value is None:
-        raise ValueError(f"num_threads must be a positive integer, got {n!r}")
+        raise ValueError(f"{name} must be a positive integer thread count, got {n!r}")
     if value < 1:
-        raise ValueError(f"num_threads must be a positive integer, got {value}")
+        raise ValueError(f"{name} must be a positive integer thread count, got {value}")
     if value > _attention.MAX_NUM_THREADS:
-        raise ValueError(f"num_threads must be at most {_attention.MAX_NUM_THREADS} "
+        raise ValueError(f"{name} must be at most {_attention.MAX_NUM_THREADS} "
                          f"(OpenMP's limit), got {value}")
     return value

@@ -42,10 +42,13 @@ def cu_seqlens(values: object, name: str, total: int, total_name: str) -> NDArra
     if arr.ndim != 1 or arr.size < 1:
         raise ValueError(f"{name} must be 1-D with n_seq + 1 >= 1 offsets; got shape "
                          f"{arr.shape}")
-    offsets = arr.astype(np.int64)
-    if offsets[0] != 0 or offsets[-1] != total:
+    # checked in Python ints: a uint64 beyond int64 would wrap around
+    if int(arr[0]) != 0 or int(arr[-1]) != total:
         raise ValueError(f"{name} must start at 0 and end at {total_name} = {total}; got "
-                         f"{offsets[0]} ... {offsets[-1]}")
+                         f"{int(arr[0])} ... {int(arr[-1])}")
+    if int(arr.max()) > total:
+        raise ValueError(f"{name} must be non-decreasing; got {arr.tolist()}")
+    offsets = arr.astype(np.int64)
     if np.any(np.diff(offsets) < 0):
         raise ValueError(f"{name} must be non-decreasing; got {offsets.tolist()}")
     return offsets.astype(np.intp)

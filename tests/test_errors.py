@@ -216,9 +216,10 @@ def test_huge_num_threads_names_the_argument(n):
     q, k, v = _qkv((3, 4), (5, 4), (5, 2))
     with pytest.raises(ValueError, match=r"^num_threads must be at most 2147483647"):
         ca.attention(q, k, v, num_threads=n)
-    with pytest.raises(ValueError, match=r"^num_threads must be at most"):
+    # set_num_threads and limit_threads name their parameter, n
+    with pytest.raises(ValueError, match=r"^n must be at most 2147483647"):
         ca.set_num_threads(n)
-    with pytest.raises(ValueError, match=r"^num_threads must be at most"):
+    with pytest.raises(ValueError, match=r"^n must be at most 2147483647"):
         with ca.limit_threads(n):
             pass
 
@@ -518,3 +519,37 @@ def test_quantize_kv_beyond_float32_is_refused_without_a_warning():
         with pytest.raises(ValueError, match=r"NaN or infinite values \(first at row index "
                                              r"\(0,\)\).*beyond float32's range"):
             ca.quantize_kv(np.array([[3.5e38, 1.0]]))
+
+
+def test_more_than_32_batch_dimensions_on_every_path():
+    """NumPy's arrays have up to 64 dimensions; its broadcast helper only 32."""
+    q = np.random.default_rng(0).standard_normal((2,) + (1,) * 34 + (3, 4)).astype(np.float32)
+    k = q[..., :2, :] + 1
+    attn, lse = ca.attention(q, k, k, causal=True, return_lse=True)
+    assert attn.shape == q.shape and lse.shape == q.shape[:-1]
+    flat = ca.attention(q.reshape(2, 3, 4), k.reshape(2, 2, 4), k.reshape(2, 2, 4), causal=True)
+    np.testing.assert_array_equal(attn.reshape(2, 3, 4), flat)
+    assert_matches_reference(attn.reshape(2, 3, 4), None, q.reshape(2, 3, 4),
+                             k.reshape(2, 2, 4), k.reshape(2, 2, 4), True)
+    with pytest.raises(ValueError, match="batch dimensions do not broadcast"):
+        ca.attention(q, k[:1].repeat(3, axis=0), k[:1].repeat(3, axis=0), return_lse=True)
+
+
+@pytest.mark.parametrize("outs, lses, error, match", [
+    ([np.float32(1)], [np.float32(0)], ValueError,
+     r"chunk 0: the output needs rows and features, \(\.\.\., T, d_v\); got shape \(\)"),
+    (["a"], ["b"], TypeError, r"merge needs floating-point arrays; outs\[0\] has dtype <U1"),
+])
+def test_merge_names_what_is_wrong_with_a_chunk(outs, lses, error, match):
+    with pytest.raises(error, match=match):
+        ca.merge(outs, lses)
+
+
+def test_lengths_beyond_int64_are_reported_as_given():
+    q = np.ones((2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"got values from 9223372036854775808 to "
+                                         r"9223372036854775808"):
+        ca.attention(q, q, q, kv_lengths=np.uint64(2**63))
+    x = np.ones((5, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"non-decreasing; got \[0, 18446744073709551615, 5\]"):
+        ca.attention_varlen(x, x, x, np.array([0, 2**64 - 1, 5], np.uint64), np.array([0, 2, 5]))

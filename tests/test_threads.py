@@ -318,7 +318,8 @@ def test_limit_threads_restores_after_an_error():
 @pytest.mark.parametrize("value,exc", [(0, ValueError), (-1, ValueError),
                                        (True, ValueError), ("2", ValueError)])
 def test_limit_threads_refuses_bad_counts(value, exc):
-    with pytest.raises(exc, match="num_threads"):
+    # named as the parameter is
+    with pytest.raises(exc, match="^n must be a positive integer thread count"):
         with ca.limit_threads(value):
             pass
 
