@@ -19,7 +19,7 @@ from ._checks import (
     _as_input,
     _broadcast_shapes,
     _check_fits,
-    _check_sinks_fit,
+    _fit_sinks,
     _check_softcap,
     _check_window,
     _compute_dtype,
@@ -112,7 +112,7 @@ def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: 
     if alibi_slopes is not None:
         _prepare_alibi(alibi_slopes, q.shape[:-2])
     if sinks is not None:
-        _check_sinks_fit(_prepare_sinks(sinks, q.shape[:-2]), compute)
+        _fit_sinks(_prepare_sinks(sinks, q.shape[:-2]), compute)
 
 
 def run(call: Call) -> Results:
@@ -167,7 +167,7 @@ def run(call: Call) -> Results:
     sink_rows = call.sink_rows
     if sink_rows is None and call.sinks is not None:
         sink_rows = _prepare_sinks(call.sinks, batch_shape)
-    _check_sinks_fit(sink_rows, compute)
+    sink_rows = _fit_sinks(sink_rows, compute)
 
     # float16 K and V (a halved KV cache) and int8 K or V (with row scales)
     # are read as they are and converted block by block in the kernels,

@@ -209,17 +209,23 @@ def _check_window(window: Any, causal: bool) -> tuple[int, int]:
     return bounds[0], bounds[1]
 
 
-def _check_sinks_fit(sinks: NDArray[np.float64] | None, compute: np.dtype[Any]) -> None:
+def _fit_sinks(sinks: NDArray[np.float64] | None,
+               compute: np.dtype[Any]) -> NDArray[np.float64] | None:
     """Sink logits join each row's softmax and its log-sum-exp in the
-    compute dtype: one above its range would be an infinite log-sum-exp
-    (one below it weighs nothing, as -inf does)."""
+    compute dtype: one above its range would be an infinite log-sum-exp,
+    refused; one below it weighs nothing and becomes -inf, no sink, so that
+    every path gives the bits of no sink (the kernels tell a sink by its
+    float64 value)."""
     if sinks is None or not sinks.size:
-        return
+        return sinks
     limit = float(np.finfo(compute).max)
     if float(sinks.max()) > limit:
         raise ValueError(
             f"sinks must be at most {limit:.4g} (the largest {compute}, the compute dtype "
             f"of these inputs); got {float(sinks.max()):.4g}")
+    if float(sinks.min()) < -limit:
+        sinks = np.where(sinks < -limit, -np.inf, sinks)
+    return sinks
 
 
 def _memory_owner(a: NDArray[Any]) -> NDArray[Any] | None:

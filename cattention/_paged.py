@@ -17,7 +17,7 @@ from ._checks import (
     _as_input,
     _check_flag,
     _check_fits,
-    _check_sinks_fit,
+    _fit_sinks,
     _check_softcap,
     _check_window,
     _output,
@@ -324,7 +324,7 @@ def attention_with_paged_kvcache(
     softcap_value = _check_softcap(softcap)
     _check_fits(softcap_value, compute, "softcap")
     alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
-    _check_sinks_fit(sink_logits, compute)
+    sink_logits = _fit_sinks(sink_logits, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
     # a copy, always: cache_lengths, advanced below, may be a view of the
     # caller's table, whose page ids were checked against the old lengths

@@ -121,6 +121,35 @@ def test_minus_infinity_is_no_sink_bitwise(dtype, T, S, gqa, simd):
                              ca.attention_scores(q, k, enable_gqa=gqa))
 
 
+@pytest.mark.parametrize("T,S,gqa", [(1, 300, False), (2, 1100, False), (9, 300, False),
+                                     (40, 300, False), (3, 1500, True), (40, 300, True)])
+def test_a_sink_below_float32_is_no_sink_bitwise(T, S, gqa, simd):
+    """-1e39 is -inf in float32: on every path (SCORES, split decode keys,
+    varlen, pages) the bits of no sink."""
+    q, k, v = make_qkv(351, (1, 4, T, 16), (1, 2 if gqa else 4, S, 16),
+                       (1, 2 if gqa else 4, S, 6), np.float32)
+    below = np.full(4, -1e39)
+    for scores in (False, True):
+        options = dict(causal=True, enable_gqa=gqa, return_lse=True, return_scores=scores)
+        for a, b in zip(ca.attention(q, k, v, sinks=below, **options),
+                        ca.attention(q, k, v, **options)):
+            assert_bitwise_equal(a, b)
+    if gqa:
+        return
+    packed = [np.ascontiguousarray(x[0].transpose(1, 0, 2)) for x in (q, k, v)]
+    cu_q, cu_k = np.array([0, T]), np.array([0, S])
+    assert_bitwise_equal(ca.attention_varlen(*packed, cu_q, cu_k, causal=True, sinks=below),
+                         ca.attention_varlen(*packed, cu_q, cu_k, causal=True))
+    pages = [np.ascontiguousarray(x.reshape(4, -1, 100, x.shape[-1]).transpose(1, 0, 2, 3))
+             for x in (k, v)] if S % 100 == 0 else None
+    if pages is not None:
+        table = np.arange(S // 100)[None]
+        lengths = np.array([S])
+        assert_bitwise_equal(
+            ca.attention_with_paged_kvcache(q, *pages, table, lengths, sinks=below),
+            ca.attention_with_paged_kvcache(q, *pages, table, lengths))
+
+
 @pytest.mark.parametrize("sink", [60.0, 1e30, 3e38])
 @pytest.mark.parametrize("T", [1, 40])
 def test_very_large_sinks_take_every_weight_without_nan(dtype, sink, T):
