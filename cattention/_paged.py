@@ -139,7 +139,11 @@ def attention_with_paged_kvcache(
     positions ``cache_lengths[b]`` onwards, ``cache_lengths`` is advanced
     **in place**, then each sequence's queries attend to its valid
     positions with bottom-right causal alignment (its new tokens are the
-    last of them). Pages are read where they are, never gathered.
+    last of them). Pages are read where they are, never gathered. A decode
+    step (at most 8 query rows) reads keys in steps of 32 (64 for int8
+    pages): with a page_size that is a multiple of it, the results are
+    bitwise those of the same cache held contiguously; with another, they
+    agree with them to rounding (a step ends at each page's end).
 
     Parameters
     ----------
