@@ -335,8 +335,13 @@ def _lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any
     try:
         batch_shape = _broadcast_shapes(*(a.shape[:-2] for a in operands))
     except ValueError:
-        # grouped heads (H != H_kv) or a mismatch, reported later
-        batch_shape = q.shape[:-2]
+        try:
+            # grouped heads (H != H_kv): the dimensions before the head axis
+            # broadcast, then q's heads
+            batch_shape = _broadcast_shapes(*(a.shape[:-3] for a in operands)) + q.shape[-3:-2]
+        except ValueError:
+            # a mismatch, reported later
+            batch_shape = q.shape[:-2]
     if arr.ndim != 1 or len(batch_shape) < 2 or arr.shape[0] == 1:
         return arr
     if arr.shape[0] != batch_shape[0]:

@@ -130,6 +130,18 @@ def test_kv_lengths_broadcast_per_head_and_scalar(dtype):
     assert np.all(scores[..., 7:] == 0)
 
 
+def test_kv_lengths_per_sequence_with_grouped_heads_and_a_broadcast_q(dtype):
+    """q broadcast over the sequences (batch axis 1), 4 query heads over 2
+    K/V heads: a 1-D kv_lengths is still one length per sequence."""
+    q, k, v = make_qkv(63, (1, 4, 2, 8), (3, 2, 10, 8), (3, 2, 10, 3), dtype)
+    lengths = [3, 5, 10]
+    attn = ca.attention(q, k, v, kv_lengths=lengths, enable_gqa=True)
+    assert attn.shape == (3, 4, 2, 3)
+    for b, n in enumerate(lengths):
+        assert_matches_reference(attn[b], None, q[0], repeat_kv(k[b, :, :n], 2),
+                                 repeat_kv(v[b, :, :n], 2), False)
+
+
 def test_kv_lengths_of_heads_sharing_kv(dtype):
     """K/V broadcast over heads with a length per head (packed path): the
     shared copy holds the keys of the longest."""
