@@ -42,6 +42,21 @@ __all__ = [
 ]
 
 
+def _warn_of_an_unusable_simd_request() -> None:
+    """CATTENTION_SIMD naming a table that is not compiled in or that this
+    CPU cannot run leaves the best one in use: say so, once, at import."""
+    requested = _os.environ.get("CATTENTION_SIMD", "")
+    available = list(_attention.available_simd())
+    if requested and requested not in available:
+        import warnings
+        warnings.warn(f"CATTENTION_SIMD={requested!r} is not a kernel table this CPU runs "
+                      f"({', '.join(available)}); using {_attention.get_simd()}",
+                      RuntimeWarning, stacklevel=2)
+
+
+_warn_of_an_unusable_simd_request()
+
+
 def get_include() -> str:
     """Directory of the C header that Cython code cimporting cattention's
     C-level API (``cattention/cython_attention.pxd``) compiles against.

@@ -638,6 +638,24 @@ def test_env_var_selects_simd_path(level):
     assert out.stdout.strip() == level
 
 
+@pytest.mark.parametrize("level", ["bogus", "AVX2", "avx512", "neon"])
+def test_env_var_naming_no_runnable_table_warns(level):
+    from cattention import _attention
+    if level in list(_attention.available_simd()):
+        pytest.skip(f"SIMD level {level!r} runs here")
+    project_root = Path(ca.__file__).resolve().parent.parent
+    env = dict(os.environ, CATTENTION_SIMD=level)
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "import cattention._attention as a, cattention; print(a.get_simd())"],
+        cwd=project_root, env=env, capture_output=True, text=True, check=True)
+    best = list(_attention.available_simd())[-1]
+    assert out.stdout.strip() == best
+    assert (f"RuntimeWarning: CATTENTION_SIMD={level!r} is not a kernel table this CPU runs"
+            in out.stderr), out.stderr
+    assert f"using {best}" in out.stderr
+
+
 def test_a_weight_carries_the_rounding_of_its_logit(simd):
     """A case hypothesis found (T = 2, S = 8, d = 16): NumPy's float32 SCORES
     were exact by luck (max error 1.0e-08); the AVX2 kernels' 1.1e-07 is the
