@@ -213,6 +213,13 @@ def attention_varlen(
                          f"({cu_k.size - 1} sequences) must describe as many sequences")
     causal = _check_flag(causal, "causal")
     return_lse = _check_flag(return_lse, "return_lse")
+    for name, operand in (("k", k), ("v", v)):
+        if operand.dtype == np.int8 and q.dtype.kind == "f":
+            # beside a float q, cattention reads int8 K/V as quantized
+            raise TypeError(
+                f"{name} is int8, which with a float q means quantized K/V with row scales; "
+                "attention_varlen takes no scales: pass float K/V (int8 pages with their "
+                "scales go to attention_with_paged_kvcache)")
     compute, result = _compute_dtype(q, k, v)
     scale_value = _resolve_scale(scale, d_k)
     _check_fits(scale_value, compute, "scale")

@@ -158,6 +158,16 @@ def test_varlen_bad_shapes():
         ca.attention_varlen(x, x, x, cu, cu, alibi_slopes=[0.1, 0.2])
     with pytest.raises(ValueError, match="sinks must be finite"):
         ca.attention_varlen(x, x, x, cu, cu, sinks=[0, 0, np.nan, 0])
+    # beside a float q, int8 K/V are quantized ones, whose scales varlen does not take
+    for k, v, name in ((x.astype(np.int8), x, "k"), (x, x.astype(np.int8), "v")):
+        with pytest.raises(TypeError, match=rf"^{name} is int8, which with a float q means "
+                                            "quantized K/V"):
+            ca.attention_varlen(x, k, v, cu, cu)
+    # all-integer inputs are integers, as for attention
+    ints = x.astype(np.int8)
+    np.testing.assert_array_equal(
+        ca.attention_varlen(ints, ints, ints, cu, cu),
+        np.swapaxes(ca.attention(*(np.swapaxes(ints, 0, 1),) * 3), 0, 1))
 
 
 def test_varlen_byte_order_and_dtypes_give_the_native_bits(dtype):
