@@ -161,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         return sentence_demo(args.plot, args.causal)
     if args.causal:
         run.error("--causal applies to --plot (the timing demo runs both variants)")
-    return demo(args.batch, args.heads, args.queries, args.keys, args.dim, args.repeats)
+    try:
+        return demo(args.batch, args.heads, args.queries, args.keys, args.dim, args.repeats)
+    except MemoryError as exc:
+        # (the demo's inputs, its float64 check among them, did not fit)
+        run.error(f"this workload does not fit in memory: {exc}")
 
 
 if __name__ == "__main__":

@@ -282,3 +282,11 @@ def test_demo_sizes_must_be_positive_integers(args, capsys):
     err = capsys.readouterr().err
     assert f"argument {args[0]}: expected a positive integer" in err
     assert "Traceback" not in err
+
+
+def test_a_demo_workload_beyond_memory_is_a_usage_error(capsys):
+    from cattention.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--batch", "100000", "--heads", "100000"])
+    assert exit_info.value.code == 2
+    assert "this workload does not fit in memory" in capsys.readouterr().err
