@@ -59,7 +59,9 @@ def per_head(values: ArrayLike | None, n_heads: int, name: str) -> NDArray[np.fl
     if values is None:
         return None
     arr = _array(values, name)
-    if arr.dtype.kind not in "fiu" or arr.shape != (n_heads,):
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be real numbers, got dtype {arr.dtype}")
+    if arr.shape != (n_heads,):
         raise ValueError(f"{name} must hold one real number per query head, shape "
                          f"({n_heads},); got shape {arr.shape}, dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.float64)

@@ -158,6 +158,10 @@ def test_varlen_bad_shapes():
         ca.attention_varlen(x, x, x, cu, cu, alibi_slopes=[0.1, 0.2])
     with pytest.raises(ValueError, match="sinks must be finite"):
         ca.attention_varlen(x, x, x, cu, cu, sinks=[0, 0, np.nan, 0])
+    # the type error attention gives
+    for name in ("alibi_slopes", "sinks"):
+        with pytest.raises(TypeError, match=rf"^{name} must be real numbers, got dtype complex"):
+            ca.attention_varlen(x, x, x, cu, cu, **{name: np.full(4, 1j)})
     # beside a float q, int8 K/V are quantized ones, whose scales varlen does not take
     for k, v, name in ((x.astype(np.int8), x, "k"), (x, x.astype(np.int8), "v")):
         with pytest.raises(TypeError, match=rf"^{name} is int8, which with a float q means "
