@@ -41,7 +41,10 @@ def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     scale 0 and zeros. Dequantized, ``x_int8 * scale[..., None]`` differs
     from ``x`` by at most ``scale / 2`` per element (half a step), plus the
     float32 rounding of the product: relative to the row's largest
-    magnitude, at most ``1 / 254`` (0.39%).
+    magnitude, at most ``1 / 254`` (0.39%). A row whose largest magnitude
+    is below 127 times float32's smallest normal number (about 1.5e-36) has
+    a subnormal scale, of few significant bits: its error may exceed that
+    bound by up to 1e-43 (a row below about 9e-44 quantizes to zeros).
 
     Parameters
     ----------

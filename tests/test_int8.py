@@ -50,6 +50,18 @@ def test_quantize_kv_error_bound():
     assert np.all(err <= bound)
 
 
+def test_quantize_kv_error_bound_for_tiny_rows():
+    """Rows below float32's normal range: the documented 1/254 of the row's
+    largest magnitude, plus at most 1e-43."""
+    rng = np.random.default_rng(2)
+    for peak in np.logspace(-46, -34, 60):
+        x = (rng.uniform(-1, 1, (20, 16)) * peak).astype(np.float32)
+        x_int8, scale = ca.quantize_kv(x)
+        err = np.abs(x.astype(np.float64) - dequantize(x_int8, scale).astype(np.float64))
+        largest = np.abs(x.astype(np.float64)).max(axis=-1, keepdims=True)
+        assert np.all(err <= largest / 254 + 1e-43), peak
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_quantize_kv_refuses_non_finite_rows(bad):
     x = np.ones((2, 3, 4), np.float32)
