@@ -127,10 +127,13 @@ def attention_with_kvcache(
         and ``cache_lengths`` that is not an integer ndarray of shape (B,)),
         if only one of ``k_new`` and ``v_new`` is given, if an array to be
         updated (the caches, cache_lengths, the scales) is read-only or
-        shares memory with another of them, q, k_new or v_new, if a length
+        shares memory with another of them, q, k_new or v_new, if a cache
+        is not aligned to its itemsize (it would be copied), if a length
         is negative, if some
         ``cache_lengths[b] + T_new`` exceeds S_max, ``enable_gqa=False``
-        with H != H_kv, or an option out of range (as in
+        with H != H_kv, if ``k_new`` or ``v_new`` holds a value the cache
+        cannot store (beyond a float cache's range, or NaN or infinite for
+        an int8 one), or an option out of range (as in
         :func:`cattention.attention`).
     TypeError
         If the caches are not float16, float32 or float64, differ in dtype

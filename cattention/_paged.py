@@ -190,8 +190,10 @@ def attention_with_paged_kvcache(
         does not give or a page id outside [0, n_pages); two new rows that
         would land on one page row; read-only arrays to be written; an array
         written in place (pages, cache_lengths, scales) that shares memory
-        with another of them, q, k_new or v_new; negative lengths; an option
-        out of range, or one the compute dtype cannot hold.
+        with another of them, q, k_new or v_new; new rows holding a value
+        the pages cannot store (beyond a float dtype's range, or NaN or
+        infinite for int8 pages); negative lengths; an option out of range,
+        or one the compute dtype cannot hold.
     TypeError
         On pages that differ in dtype or are not in native byte order, a q
         wider than the pages, new rows that cannot be cast to the pages'

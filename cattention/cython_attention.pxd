@@ -21,7 +21,8 @@ must be finite, and for attention_f32 0 or of a magnitude float can hold);
 ``flags`` is 0 or CATTENTION_CAUSAL (bottom-right aligned, as in
 ``cattention.attention``). Rows that see no key give zeros.
 
-``n_threads`` threads work on the call (capped by its size); inside a prange
+``n_threads`` threads work on the call (capped by its size and the CPUs the
+process may run on); inside a prange
 over heads pass 1. Results are bitwise the same for any thread count and are
 those of ``cattention.attention`` on the same head alone (a call on many
 heads at once may split the keys of a decode step differently, which rounds
