@@ -130,8 +130,9 @@ def attention(
     mask : array_like, optional
         Broadcastable to ``(..., T, S)``. A bool mask where **True means
         "may attend"**, or a float mask **added to the scaled logits**
-        (``-inf`` masks). Combines with ``causal``. Its leading dimensions
-        take part in batch broadcasting.
+        (``-inf`` masks; a NaN or ``+inf`` where a key is visible makes the
+        row NaN, as the formula does). Combines with ``causal``. Its
+        leading dimensions take part in batch broadcasting.
     scale : float, optional
         Multiplies ``Q K^T``; default ``1 / sqrt(d_k)``. Any finite value
         the compute dtype holds (for float32, 0 or a magnitude between
