@@ -161,10 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         return sentence_demo(args.plot, args.causal)
     if args.causal:
         run.error("--causal applies to --plot (the timing demo runs both variants)")
+    # the largest array of the demo: the NumPy reference's float64 weights
+    largest = 8 * args.batch * args.heads * args.queries * max(args.keys, args.dim)
+    if largest > sys.maxsize:
+        run.error(f"this workload does not fit in memory: its largest array would take "
+                  f"{largest} bytes")
     try:
         return demo(args.batch, args.heads, args.queries, args.keys, args.dim, args.repeats)
     except MemoryError as exc:
-        # (the demo's inputs, its float64 check among them, did not fit)
         run.error(f"this workload does not fit in memory: {exc}")
 
 

@@ -140,8 +140,9 @@ def attention(
         finished dot products, so both they and the scaled logits must be
         finite in the compute dtype: a row with either beyond its range
         (float32: 3.4e38) is NaN, even if the scale would bring it back.
-        With int8 K and at most 8 query rows, q.k is taken over the int8
-        values before their row scale, so that product must be finite too.
+        With int8 K, at most 8 query rows and no SCORES, q.k is taken over
+        the int8 values before their row scale, so that product must be
+        finite too.
     return_scores : bool, default False
         Also return SCORES.
     return_lse : bool, default False

@@ -412,6 +412,10 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys
             or n_batch == 0 or n_queries == 0):
         return None
+    # an output no array can hold: the general path names it
+    if (<double>n_batch * n_queries * (n_keys if return_scores and n_keys > d_v else d_v)
+            * cnp.PyArray_ITEMSIZE(qa) >= 9.2e18):
+        return None
     if scale is None:
         if d_k == 0:
             return None

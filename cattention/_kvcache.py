@@ -107,8 +107,9 @@ def attention_with_kvcache(
         With int8 caches (and only then): the scale of each cached row,
         read in place and written as rows are appended; ``k_new`` and
         ``v_new`` are then float and quantized on append
-        (:func:`cattention.quantize_kv`). Finite and >= 0 everywhere
-        (zeros where no row is cached yet).
+        (:func:`cattention.quantize_kv`). Finite, >= 0 and at most float32's
+        largest value / 127 (2.68e36) everywhere (zeros where no row is
+        cached yet).
     enable_gqa : bool, optional
         None (the default) infers grouped-query attention from the head
         counts (H a multiple of H_kv); True requires it; False requires

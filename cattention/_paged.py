@@ -141,9 +141,11 @@ def attention_with_paged_kvcache(
     positions with bottom-right causal alignment (its new tokens are the
     last of them). Pages are read where they are, never gathered. A decode
     step (at most 8 query rows) reads keys in steps of 32 (64 for int8
-    pages): with a page_size that is a multiple of it, the results are
-    bitwise those of the same cache held contiguously; with another, they
-    agree with them to rounding (a step ends at each page's end).
+    pages): without grouped heads (H == H_kv) and with a page_size that is
+    a multiple of the step, the results are bitwise those of the same cache
+    held contiguously; otherwise they agree with them to rounding (a step
+    ends at each page's end, and grouped heads may split the keys
+    differently).
 
     Parameters
     ----------
@@ -174,9 +176,10 @@ def attention_with_paged_kvcache(
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
         With int8 pages (and only then): each row's scale, written as rows
         are appended (k_new and v_new are then float, quantized on append).
-        The scales of the rows a sequence holds must be finite and >= 0
-        (those this function writes are); a NaN there gives NaN. They are
-        not checked on every call, which would read every page's scales.
+        The scales of the rows a sequence holds must be finite, >= 0 and at
+        most float32's largest value / 127 (2.68e36; those this function
+        writes are); another gives NaN. They are not checked on every
+        call, which would read every page's scales.
 
     Returns
     -------

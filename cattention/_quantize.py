@@ -19,14 +19,25 @@ __all__ = ["quantize_kv"]
 #: The largest magnitude of a quantized value (symmetric: -127..127).
 INT8_LEVELS = 127
 
-#: The largest row scale: 127 steps of it are float32's largest value (a
-#: larger scale would dequantize a row beyond float32, to inf).
-INT8_MAX_SCALE = float(np.finfo(np.float32).max) / INT8_LEVELS
+
+def _largest_scale() -> np.float32:
+    """The largest float32 scale of which 127 steps are finite in float32
+    (float32 max / 127 rounds up, to one whose 127 steps are inf)."""
+    scale = np.float32(float(np.finfo(np.float32).max) / INT8_LEVELS)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(INT8_LEVELS) * scale):
+            scale = np.nextafter(scale, np.float32(0))
+    return scale
+
+
+#: The largest row scale: a larger one would dequantize a row beyond
+#: float32, to inf.
+INT8_MAX_SCALE = _largest_scale()
 
 
 def scales_in_range(scale: NDArray[np.float32]) -> bool:
     """Every row scale in [0, INT8_MAX_SCALE] (NaN is not)."""
-    return bool(np.all((scale >= 0) & (scale <= np.float32(INT8_MAX_SCALE))))
+    return bool(np.all((scale >= 0) & (scale <= INT8_MAX_SCALE)))
 
 
 #: What a scale outside that range is told.
@@ -92,7 +103,9 @@ def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
                          f"{tuple(int(i) for i in bad[0])}); they cannot be quantized (values "
                          "beyond float32's range, 3.4e38, are infinite in float32)")
     peak = np.max(np.abs(values), axis=-1, initial=0)
-    scale = (peak / np.float32(INT8_LEVELS)).astype(np.float32)
+    # (a peak near float32's largest value would round up to a scale whose
+    # 127 steps overflow)
+    scale = np.minimum((peak / np.float32(INT8_LEVELS)).astype(np.float32), INT8_MAX_SCALE)
     safe = np.where(scale > 0, scale, np.float32(1))
     with np.errstate(over="ignore", invalid="ignore"):
         levels = np.rint(values / safe[..., None])

@@ -89,18 +89,21 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
     """Returns 0, or -1 if memory ran out."""
     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
                          * (pb.d_k + pb.d_v + 1))
+    cdef int n_procs
     if ca_forked_after_parallel():
         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
         n_threads = 1
-    if n_threads > 1 and n_threads > omp_get_num_procs():
-        # threads beyond the CPUs this process may run on would only take
-        # turns on them, each with its own stack (thousands of threads can
-        # exhaust the address space, and the OpenMP runtime then aborts)
-        n_threads = omp_get_num_procs()
     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
         if n_threads < 1:
             n_threads = 1
+    if n_threads > 1:
+        # threads beyond the CPUs this process may run on would only take
+        # turns on them, each with its own stack (thousands of threads can
+        # exhaust the address space, and the OpenMP runtime then aborts)
+        n_procs = omp_get_num_procs()
+        if n_threads > n_procs:
+            n_threads = n_procs
     pb.itemsize = sizeof(floating)
     pb.kern = kern
     # the path depends on the shape alone, never on the layout or threads

@@ -218,7 +218,7 @@ def attention_varlen(
     for name, operand in (("k", k), ("v", v)):
         if operand.dtype == np.int8 and q.dtype.kind == "f":
             # beside a float q, cattention reads int8 K/V as quantized
-            raise TypeError(
+            raise ValueError(
                 f"{name} is int8, which with a float q means quantized K/V with row scales; "
                 "attention_varlen takes no scales: pass float K/V (int8 pages with their "
                 "scales go to attention_with_paged_kvcache)")

@@ -553,3 +553,16 @@ def test_lengths_beyond_int64_are_reported_as_given():
     x = np.ones((5, 1, 4), np.float32)
     with pytest.raises(ValueError, match=r"non-decreasing; got \[0, 18446744073709551615, 5\]"):
         ca.attention_varlen(x, x, x, np.array([0, 2**64 - 1, 5], np.uint64), np.array([0, 2, 5]))
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"return_lse": True},
+                                     {"return_scores": True}])
+def test_an_output_no_array_can_hold_is_named(options):
+    """2**60 query rows of a broadcast q, d_k = 1, d_v = 8: no call path
+    passes NumPy's nameless message on."""
+    q = np.lib.stride_tricks.as_strided(np.ones(1, np.float32), (2, 1, 2**59, 1), (0,) * 4)
+    k = np.ones((2, 1, 16, 1), np.float32)
+    v = np.ones((2, 1, 16, 8), np.float32)
+    with pytest.raises(ValueError, match="^the output would hold .* values: more bytes than "
+                                         "an array can hold"):
+        ca.attention(q, k, v, **options)

@@ -50,6 +50,22 @@ def test_quantize_kv_error_bound():
     assert np.all(err <= bound)
 
 
+@pytest.mark.parametrize("T", [1, 9])
+def test_a_row_at_float32s_largest_value_quantizes_to_finite_values(T):
+    """float32 max / 127 rounds up to a scale whose 127 steps overflow: the
+    scale is the largest below it, and attention over the row is finite."""
+    k = np.ones((1, 1, 4, 8), np.float32)
+    k[0, 0, 1, 3] = np.finfo(np.float32).max
+    k_int8, k_scale = ca.quantize_kv(k)
+    values = dequantize(k_int8, k_scale)
+    assert np.all(np.isfinite(values))
+    assert values[0, 0, 1, 3] == pytest.approx(float(np.finfo(np.float32).max), rel=1e-6)
+    q = np.full((1, 1, T, 8), 1e-38, np.float32)
+    v = np.arange(32, dtype=np.float32).reshape(1, 1, 4, 8)
+    attn = ca.attention(q, k_int8, v, k_scale=k_scale, scale=1.0)
+    assert_matches_reference(attn, None, q, values, v, False, scale=1.0)
+
+
 def test_quantize_kv_error_bound_for_tiny_rows():
     """Rows below float32's normal range: the documented 1/254 of the row's
     largest magnitude, plus at most 1e-43."""

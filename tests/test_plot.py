@@ -284,9 +284,10 @@ def test_demo_sizes_must_be_positive_integers(args, capsys):
     assert "Traceback" not in err
 
 
-def test_a_demo_workload_beyond_memory_is_a_usage_error(capsys):
+@pytest.mark.parametrize("size", ["100000", "100000000"])
+def test_a_demo_workload_beyond_memory_is_a_usage_error(size, capsys):
     from cattention.__main__ import main
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", "--batch", "100000", "--heads", "100000"])
+        main(["demo", "--batch", size, "--heads", size])
     assert exit_info.value.code == 2
     assert "this workload does not fit in memory" in capsys.readouterr().err

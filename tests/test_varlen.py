@@ -164,7 +164,7 @@ def test_varlen_bad_shapes():
             ca.attention_varlen(x, x, x, cu, cu, **{name: np.full(4, 1j)})
     # beside a float q, int8 K/V are quantized ones, whose scales varlen does not take
     for k, v, name in ((x.astype(np.int8), x, "k"), (x, x.astype(np.int8), "v")):
-        with pytest.raises(TypeError, match=rf"^{name} is int8, which with a float q means "
+        with pytest.raises(ValueError, match=rf"^{name} is int8, which with a float q means "
                                             "quantized K/V"):
             ca.attention_varlen(x, k, v, cu, cu)
     # all-integer inputs are integers, as for attention
