@@ -261,7 +261,59 @@ CA_SIMD_TARGET static void CA_NAME(score_direct)(const CA_T *q, ptrdiff_t ldq,
                 prefetch_row(k + (j + keys_ahead + l) * ldk, d_k * (ptrdiff_t)sizeof(CA_T));
         for (ptrdiff_t l = 0; l < n_group; ++l)
             prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
-        for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        ptrdiff_t r = 0;
+        /* rows in pairs (grouped heads, several queries): each key vector
+           loaded once for both, and eight chains of FMAs in flight, not
+           four; a row's dot products take the same steps either way */
+        for (; r + 2 <= n_rows; r += 2) {
+            const CA_T *q_r = q + r * ldq;
+            const CA_T *q_n = q_r + ldq;
+            CA_VEC a0 = CA_V(zero)(), a1 = CA_V(zero)();
+            CA_VEC a2 = CA_V(zero)(), a3 = CA_V(zero)();
+            CA_VEC b0 = CA_V(zero)(), b1 = CA_V(zero)();
+            CA_VEC b2 = CA_V(zero)(), b3 = CA_V(zero)();
+            ptrdiff_t c = 0;
+            for (; c < d_main; c += CA_LANES) {
+                const CA_VEC q_c = CA_V(load)(q_r + c);
+                const CA_VEC q_d = CA_V(load)(q_n + c);
+                CA_VEC k_c = CA_V(load)(k0 + c);
+                a0 = CA_V(fmadd)(q_c, k_c, a0);
+                b0 = CA_V(fmadd)(q_d, k_c, b0);
+                k_c = CA_V(load)(k1 + c);
+                a1 = CA_V(fmadd)(q_c, k_c, a1);
+                b1 = CA_V(fmadd)(q_d, k_c, b1);
+                k_c = CA_V(load)(k2 + c);
+                a2 = CA_V(fmadd)(q_c, k_c, a2);
+                b2 = CA_V(fmadd)(q_d, k_c, b2);
+                k_c = CA_V(load)(k3 + c);
+                a3 = CA_V(fmadd)(q_c, k_c, a3);
+                b3 = CA_V(fmadd)(q_d, k_c, b3);
+            }
+            if (c < d_k) {
+                const CA_VEC q_c = CA_V(load_lanes)(q_r + c, tail);
+                const CA_VEC q_d = CA_V(load_lanes)(q_n + c, tail);
+                CA_VEC k_c = CA_V(load_lanes)(k0 + c, tail);
+                a0 = CA_V(fmadd)(q_c, k_c, a0);
+                b0 = CA_V(fmadd)(q_d, k_c, b0);
+                k_c = CA_V(load_lanes)(k1 + c, tail);
+                a1 = CA_V(fmadd)(q_c, k_c, a1);
+                b1 = CA_V(fmadd)(q_d, k_c, b1);
+                k_c = CA_V(load_lanes)(k2 + c, tail);
+                a2 = CA_V(fmadd)(q_c, k_c, a2);
+                b2 = CA_V(fmadd)(q_d, k_c, b2);
+                k_c = CA_V(load_lanes)(k3 + c, tail);
+                a3 = CA_V(fmadd)(q_c, k_c, a3);
+                b3 = CA_V(fmadd)(q_d, k_c, b3);
+            }
+            CA_T dots[4], dots_n[4];
+            CA_V(sum4)(a0, a1, a2, a3, dots);
+            CA_V(sum4)(b0, b1, b2, b3, dots_n);
+            for (ptrdiff_t l = 0; l < n_group; ++l) {
+                s[r * lds + j + l] = dots[l] * factor;
+                s[(r + 1) * lds + j + l] = dots_n[l] * factor;
+            }
+        }
+        for (; r < n_rows; ++r) {
             const CA_T *q_r = q + r * ldq;
             CA_VEC a0 = CA_V(zero)(), a1 = CA_V(zero)();
             CA_VEC a2 = CA_V(zero)(), a3 = CA_V(zero)();
