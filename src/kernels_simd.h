@@ -224,7 +224,47 @@ CA_SIMD_TARGET static void score_direct_i8(const float *q, ptrdiff_t ldq, ptrdif
         if (j + PREFETCH_KEYS + 4 <= n_keys)
             for (int l = 0; l < 4; ++l)
                 prefetch_row(k + (j + PREFETCH_KEYS + l) * ldk, d_k);
-        for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const int8_t *rows[4] = {k0, k1, k2, k3};
+        ptrdiff_t r = 0;
+        /* rows in pairs, as in score_direct_f32: each key vector converted
+           once for both; a row's dot products take the same steps */
+        for (; r + 2 <= n_rows; r += 2) {
+            const float *q_r = q + r * ldq;
+            const float *q_n = q_r + ldq;
+            vf32 a0 = vf32_zero(), a1 = vf32_zero();
+            vf32 a2 = vf32_zero(), a3 = vf32_zero();
+            vf32 b0 = vf32_zero(), b1 = vf32_zero();
+            vf32 b2 = vf32_zero(), b3 = vf32_zero();
+            for (ptrdiff_t c = 0; c < d_main; c += LANES) {
+                const vf32 q_c = vf32_load(q_r + c);
+                const vf32 q_d = vf32_load(q_n + c);
+                vf32 k_c = vf32_load_i8(k0 + c);
+                a0 = vf32_fmadd(q_c, k_c, a0);
+                b0 = vf32_fmadd(q_d, k_c, b0);
+                k_c = vf32_load_i8(k1 + c);
+                a1 = vf32_fmadd(q_c, k_c, a1);
+                b1 = vf32_fmadd(q_d, k_c, b1);
+                k_c = vf32_load_i8(k2 + c);
+                a2 = vf32_fmadd(q_c, k_c, a2);
+                b2 = vf32_fmadd(q_d, k_c, b2);
+                k_c = vf32_load_i8(k3 + c);
+                a3 = vf32_fmadd(q_c, k_c, a3);
+                b3 = vf32_fmadd(q_d, k_c, b3);
+            }
+            float dots[4], dots_n[4];
+            vf32_sum4(a0, a1, a2, a3, dots);
+            vf32_sum4(b0, b1, b2, b3, dots_n);
+            for (ptrdiff_t l = 0; l < n_group; ++l) {
+                float dot = dots[l], dot_n = dots_n[l];
+                for (ptrdiff_t c = d_main; c < d_k; ++c) {
+                    dot += q_r[c] * (float)rows[l][c];
+                    dot_n += q_n[c] * (float)rows[l][c];
+                }
+                s[r * lds + j + l] = factor * (scale[(j + l) * scale_stride] * dot);
+                s[(r + 1) * lds + j + l] = factor * (scale[(j + l) * scale_stride] * dot_n);
+            }
+        }
+        for (; r < n_rows; ++r) {
             const float *q_r = q + r * ldq;
             vf32 a0 = vf32_zero(), a1 = vf32_zero();
             vf32 a2 = vf32_zero(), a3 = vf32_zero();
@@ -237,7 +277,6 @@ CA_SIMD_TARGET static void score_direct_i8(const float *q, ptrdiff_t ldq, ptrdif
             }
             float dots[4];
             vf32_sum4(a0, a1, a2, a3, dots);
-            const int8_t *rows[4] = {k0, k1, k2, k3};
             for (ptrdiff_t l = 0; l < n_group; ++l) {
                 float dot = dots[l];
                 for (ptrdiff_t c = d_main; c < d_k; ++c)

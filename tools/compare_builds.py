@@ -42,6 +42,7 @@ CASES = [
     (1, 32, 1, 1024, 128, False, "float32", 0, "", 0),
     (1, 32, 1, 4096, 128, False, "float32", 8, "", 0),
     (1, 32, 1, 4096, 128, False, "float32", 8, "float16", 0),
+    (1, 32, 1, 4096, 128, False, "float32", 8, "int8", 0),
     (1, 1, 8, 8, 8, False, "float32", 0, "", 0),
     (1, 2, 8192, 8192, 64, True, "float32", 0, "", 1024),
     (1, 8, 1024, 1024, 64, False, "float64", 0, "", 0),
@@ -98,9 +99,14 @@ for line in sys.stdin:
         rng = np.random.default_rng(0)
         kvh = kv_heads or H
         q = rng.standard_normal((B, H, T, d)).astype(dtype)
-        k = rng.standard_normal((B, kvh, S, d)).astype(kv_dtype or dtype)
-        v = rng.standard_normal((B, kvh, S, d)).astype(kv_dtype or dtype)
         options = dict(causal=causal, enable_gqa=bool(kv_heads))
+        if kv_dtype == "int8":
+            (k, options["k_scale"]), (v, options["v_scale"]) = (
+                ca.quantize_kv(rng.standard_normal((B, kvh, S, d)).astype(dtype))
+                for _ in range(2))
+        else:
+            k = rng.standard_normal((B, kvh, S, d)).astype(kv_dtype or dtype)
+            v = rng.standard_normal((B, kvh, S, d)).astype(kv_dtype or dtype)
         if window:
             options["window"] = (window, 0)
         inputs = {key: (q, k, v, options)}

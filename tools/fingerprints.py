@@ -5,7 +5,7 @@
 
 Each case is one call on seeded inputs; its fingerprint is the sha256 of the
 bytes of every array it returns. The cases cover every option of every entry
-point, both dtypes, float16 K/V, SCORES, LSE, grouped heads, the decode
+point, both dtypes, float16 and int8 K/V, SCORES, LSE, grouped heads, the decode
 (direct) path with and without split keys, the packed and per-entry paths,
 and every kernel table this CPU runs. ``check`` compares the tables both
 runs have and exits 1 on any difference.
@@ -58,9 +58,15 @@ def attention_cases(dtype, kv_dtype):
             heads = 4
             kv_heads = 2 if option.get("enable_gqa") else heads
             q = rng.standard_normal((2, heads, T, 16)).astype(dtype)
-            k = rng.standard_normal((2, kv_heads, S, 16)).astype(kv_dtype)
-            v = rng.standard_normal((2, kv_heads, S, 12)).astype(kv_dtype)
             kwargs = dict(option)
+            if kv_dtype == np.int8:
+                # int8 K/V with their row scales, quantized from float32
+                (k, kwargs["k_scale"]), (v, kwargs["v_scale"]) = (
+                    ca.quantize_kv(rng.standard_normal((2, kv_heads, S, d)).astype(np.float32))
+                    for d in (16, 12))
+            else:
+                k = rng.standard_normal((2, kv_heads, S, 16)).astype(kv_dtype)
+                v = rng.standard_normal((2, kv_heads, S, 12)).astype(kv_dtype)
             if kwargs.get("mask") == "bool":
                 kwargs["mask"] = rng.random((T, S)) > 0.3
             elif kwargs.get("mask") == "additive":
@@ -78,7 +84,7 @@ def attention_cases(dtype, kv_dtype):
                 yield key + "/scores+lse", lambda q=q, k=k, v=v, kw=kwargs: ca.attention(
                     q, k, v, return_scores=True, return_lse=True, **kw)
                 yield key + "/scores-only", lambda q=q, k=k, kw=kwargs: (ca.attention_scores(
-                    q, k, **kw),)
+                    q, k, **{o: x for o, x in kw.items() if o != "v_scale"}),)
 
 
 def layout_cases(dtype):
@@ -99,15 +105,21 @@ def kvcache_cases(dtype, cache_dtype):
                                 alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05]))):
             def run(T_new=T_new, option=option):
                 rng = np.random.default_rng(T_new)
-                k_cache = rng.standard_normal((2, 2, 96, 16)).astype(cache_dtype)
-                v_cache = rng.standard_normal((2, 2, 96, 8)).astype(cache_dtype)
+                float_cache = np.float32 if cache_dtype == np.int8 else cache_dtype
+                k_cache = rng.standard_normal((2, 2, 96, 16)).astype(float_cache)
+                v_cache = rng.standard_normal((2, 2, 96, 8)).astype(float_cache)
+                scales = {}
+                if cache_dtype == np.int8:
+                    (k_cache, scales["k_scale"]), (v_cache, scales["v_scale"]) = (
+                        ca.quantize_kv(k_cache), ca.quantize_kv(v_cache))
                 lengths = np.array([10, 50])
                 q = rng.standard_normal((2, 4, T_new, 16)).astype(dtype)
-                new_k = rng.standard_normal((2, 2, T_new, 16)).astype(cache_dtype)
-                new_v = rng.standard_normal((2, 2, T_new, 8)).astype(cache_dtype)
+                new_k = rng.standard_normal((2, 2, T_new, 16)).astype(float_cache)
+                new_v = rng.standard_normal((2, 2, T_new, 8)).astype(float_cache)
                 out, lse = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, new_k,
-                                                     new_v, return_lse=True, **option)
-                return out, lse, k_cache, v_cache, lengths
+                                                     new_v, return_lse=True, **option,
+                                                     **scales)
+                return (out, lse, k_cache, v_cache, lengths) + tuple(scales.values())
             yield (f"{np.dtype(dtype).name}/{np.dtype(cache_dtype).name}/kvcache/{T_new}/"
                    f"{'options' if option else 'plain'}"), run
 
@@ -133,6 +145,8 @@ def all_cases():
         yield from merge_cases(dtype)
     yield from attention_cases(np.float32, np.float16)
     yield from kvcache_cases(np.float32, np.float16)
+    yield from attention_cases(np.float32, np.int8)
+    yield from kvcache_cases(np.float32, np.int8)
 
 
 def fingerprints():
