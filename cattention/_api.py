@@ -392,7 +392,8 @@ def merge(
         arrays, outputs of different shapes, or an lse whose shape is not
         its output's without the last axis.
     TypeError
-        If the arrays are not all floating point.
+        If a chunk is not numeric, or the arrays' common dtype
+        (``np.result_type``) is not floating point.
 
     Examples
     --------

@@ -137,7 +137,7 @@ def attention_with_kvcache(
         an int8 one), or an option out of range (as in
         :func:`cattention.attention`).
     TypeError
-        If the caches are not float16, float32 or float64, differ in dtype
+        If the caches are not float16, float32, float64 or int8, differ in dtype
         or are not in native byte order (reading them would copy them), if
         q is wider than the cache (it would be converted whole), if
         ``k_new`` or ``v_new`` cannot be cast to the cache dtype, or if the

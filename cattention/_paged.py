@@ -139,13 +139,13 @@ def attention_with_paged_kvcache(
     positions ``cache_lengths[b]`` onwards, ``cache_lengths`` is advanced
     **in place**, then each sequence's queries attend to its valid
     positions with bottom-right causal alignment (its new tokens are the
-    last of them). Pages are read where they are, never gathered. A decode
-    step (at most 8 query rows) reads keys in steps of 32 (64 for int8
-    pages): without grouped heads (H == H_kv) and with a page_size that is
-    a multiple of the step, the results are bitwise those of the same cache
-    held contiguously; otherwise they agree with them to rounding (a step
-    ends at each page's end, and grouped heads may split the keys
-    differently).
+    last of them). Pages are read where they are, never gathered. The
+    results are bitwise the same for any thread count and any order of the
+    pages; they agree with those of the same keys held contiguously
+    (:func:`cattention.attention_with_kvcache`) to rounding, not bitwise: a
+    decode step's key steps end where pages do, and how its keys are split
+    into chunks depends on the shapes (a contiguous cache's S_max among
+    them).
 
     Parameters
     ----------
@@ -153,9 +153,10 @@ def attention_with_paged_kvcache(
         Queries; H may be a multiple of H_kv (grouped-query attention).
     k_pages : ndarray, shape (n_pages, H_kv, page_size, d_k)
     v_pages : ndarray, shape (n_pages, H_kv, page_size, d_v)
-        Writable pages of one dtype: float32 or float64 (with a q of that
-        dtype), float16 (read block by block as float32, with a float16 or
-        float32 q), or int8 with ``k_scale``/``v_scale``. Any page_size >= 1.
+        Writable pages of one dtype: float32 or float64 (with a q no wider:
+        the result has the wider dtype of the two), float16 (read block by
+        block as float32, with a float16 or float32 q), or int8 with
+        ``k_scale``/``v_scale``. Any page_size >= 1.
     block_table : array_like of int, shape (B, max_pages)
         Page ids of each sequence; entries past a sequence's pages are
         ignored (they may hold anything, e.g. -1).

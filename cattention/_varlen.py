@@ -172,7 +172,9 @@ def attention_varlen(
     ValueError
         On shapes that do not match (named with theirs), cumulative lengths
         that are not 1-D, do not start at 0, decrease or do not end at the
-        total, H not a multiple of H_kv, or an option out of range.
+        total, H not a multiple of H_kv, int8 K or V beside a float q
+        (quantized K/V, whose scales this call does not take), or an option
+        out of range.
     TypeError
         On dtypes that cannot be computed, or non-integer lengths.
 
