@@ -241,9 +241,16 @@ def _refuse_shared_memory(written: list[tuple[str, Any]],
     """Arrays a call writes in place must not share memory with each other
     or with the arrays it reads: the result would depend on the order of the
     writes."""
-    owners = [_memory_owner(a) for _, a in written + read if isinstance(a, np.ndarray)]
-    if all(o is not None for o in owners) and len({id(o) for o in owners}) == len(owners):
-        return      # each in an allocation of NumPy's own: apart (the common case, fast)
+    written_owners = [_memory_owner(a) for _, a in written if isinstance(a, np.ndarray)]
+    read_owners = [_memory_owner(a) for _, a in read if isinstance(a, np.ndarray)]
+    if all(o is not None for o in written_owners + read_owners):
+        # each in an allocation of NumPy's own (the common case, fast): apart
+        # unless a written array's allocation holds another array too (read
+        # arrays may share theirs: k_new is v_new)
+        written_ids = [id(o) for o in written_owners]
+        if (len(set(written_ids)) == len(written_ids)
+                and not set(written_ids) & {id(o) for o in read_owners}):
+            return
     pairs = [(a, b) for i, a in enumerate(written) for b in written[i + 1:]]
     pairs += [(a, b) for a in written for b in read]
     for (name_a, a), (name_b, b) in pairs:
