@@ -106,11 +106,17 @@ def _output(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> NDArray[
                          "than an array can hold") from None
 
 
+def _readable_in_place(arr: NDArray[Any]) -> bool:
+    """The kernels read arr where it is: aligned, and every stride a
+    multiple of its itemsize (any other array they would read from a copy)."""
+    return bool(arr.flags.aligned) and not any(s % arr.itemsize for s in arr.strides)
+
+
 def _to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
     """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
     if arr.dtype != dtype:
         return arr.astype(dtype)
-    if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
+    if not _readable_in_place(arr):
         # same bits, aligned and element-strided, so results are unchanged
         return np.array(arr, order="C")
     return arr
@@ -135,7 +141,7 @@ def _prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
         raise ValueError(
             f"mask of shape {given_shape} does not broadcast to (..., T, S) = "
             f"(..., {n_queries}, {n_keys})")
-    if not arr.flags.aligned or any(s % arr.itemsize for s in arr.strides):
+    if not _readable_in_place(arr):
         arr = np.array(arr, order="C")
     return arr
 

@@ -9,7 +9,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from ._api import attention
 from ._call import check_options
-from ._checks import _array, _as_input, _check_flag, _refuse_shared_memory
+from ._checks import (_array, _as_input, _check_flag, _readable_in_place,
+                      _refuse_shared_memory)
 from ._quantize import SCALE_RANGE, cache_rows, scales_in_range
 
 __all__ = ["attention_with_kvcache"]
@@ -173,7 +174,7 @@ def attention_with_kvcache(
                 f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
                 "copy the whole cache on every call; convert it once, e.g. "
                 f"{name} = {name}.astype({name}.dtype.newbyteorder('='))")
-        if not cache.flags.aligned or any(s % cache.itemsize for s in cache.strides):
+        if not _readable_in_place(cache):
             raise ValueError(f"{name} must be aligned with strides that are multiples of "
                              "its itemsize (reading it otherwise would copy the whole cache "
                              "on every call)")
@@ -312,7 +313,7 @@ def _check_scale_caches(k_cache: NDArray[Any], v_cache: NDArray[Any], k_scale: o
                    else type(scale).__name__)
             raise ValueError(f"{name} must be a native float32 ndarray of shape "
                              f"{cache.shape[:3]} (B, H_kv, S_max); got {got}")
-        if not scale.flags.aligned or any(s % 4 for s in scale.strides):
+        if not _readable_in_place(scale):
             raise ValueError(f"{name} must be aligned with strides that are multiples of 4 "
                              "(reading it otherwise would copy it on every call)")
         # attention() refuses them too, but only after the append

@@ -21,6 +21,7 @@ from ._checks import (
     _check_softcap,
     _check_window,
     _output,
+    _readable_in_place,
     _refuse_shared_memory,
     _resolve_scale,
     _to_compute,
@@ -47,7 +48,7 @@ def _check_pages(k_pages: object, v_pages: object) -> tuple[NDArray[Any], NDArra
         if not pages.dtype.isnative:
             raise TypeError(f"{name} has non-native byte order ({pages.dtype.str}): reading "
                             "it would copy every page on every call; convert it once")
-        if not pages.flags.aligned or any(s % pages.itemsize for s in pages.strides):
+        if not _readable_in_place(pages):
             raise ValueError(f"{name} must be aligned with strides that are multiples of "
                              "its itemsize (reading it otherwise would copy it)")
     k_pages = cast("NDArray[Any]", k_pages)
@@ -70,7 +71,7 @@ def _check_scale_pages(k_pages: NDArray[Any], k_scale: object, v_scale: object,
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if (not isinstance(scale, np.ndarray) or scale.dtype != np.float32
                 or not scale.dtype.isnative or scale.shape != k_pages.shape[:3]
-                or not scale.flags.aligned or any(s % 4 for s in scale.strides)):
+                or not _readable_in_place(scale)):
             got = (f"{scale.shape} {scale.dtype}" if isinstance(scale, np.ndarray)
                    else type(scale).__name__)
             raise ValueError(f"int8 pages need {name}: a native float32 ndarray of shape "
