@@ -73,6 +73,13 @@ cdef extern from "<float.h>" nogil:
 
 # ------------------------------------------------ C-level API (_attention.pxd)
 
+cdef inline bint float_holds(double value) noexcept nogil:
+    """value is 0 or of a magnitude float can hold: a float32 call
+    multiplies by it in float, and one beyond would make every logit inf
+    (NaN weights) or 0 (uniform weights)."""
+    return value == 0 or FLT_TRUE_MIN <= fabs(value) <= FLT_MAX
+
+
 cdef inline bint missing(const void *data, Py_ssize_t n_rows,
                          Py_ssize_t n_features) noexcept nogil:
     return data == NULL and n_rows > 0 and n_features > 0
@@ -96,9 +103,7 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
         return CATTENTION_ERR_FLAGS
     if not isfinite(scale):
         return CATTENTION_ERR_SCALE
-    # a float32 call multiplies by the scale in float: one float cannot hold
-    # would make every logit inf (NaN weights) or 0 (uniform weights)
-    if floating is float and scale != 0 and not FLT_TRUE_MIN <= fabs(scale) <= FLT_MAX:
+    if floating is float and not float_holds(scale):
         return CATTENTION_ERR_SCALE
     if out == NULL and scores == NULL:
         return CATTENTION_ERR_POINTER
@@ -425,8 +430,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
         if not isfinite(scale_value):
             return None
         # a scale float32 cannot hold is refused on the general path
-        if type_num == cnp.NPY_FLOAT32 and scale_value != 0 and not (
-                FLT_TRUE_MIN <= fabs(scale_value) <= FLT_MAX):
+        if type_num == cnp.NPY_FLOAT32 and not float_holds(scale_value):
             return None
     else:
         return None
