@@ -390,6 +390,15 @@ def make_qkv(seed, q_shape, k_shape, v_shape, dtype=np.float64):
                  for shape in (q_shape, k_shape, v_shape))
 
 
+def misaligned(array):
+    """A copy of array one byte past an aligned address: misaligned for
+    any itemsize above 1."""
+    raw = np.zeros(array.nbytes + 1, np.uint8)
+    view = raw[1:].view(array.dtype).reshape(array.shape)
+    view[...] = array
+    return view
+
+
 def shapes_regex(*shapes):
     """Regex matching a message that mentions every given shape, e.g. '(3, 8)'."""
     return "(?s)" + "".join(

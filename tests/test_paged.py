@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cattention as ca
-from reference import assert_bitwise_equal, assert_matches_reference
+from reference import assert_bitwise_equal, assert_matches_reference, misaligned
 
 
 def _cache(rng, n_seq, n_kv_heads, page_size, max_pages, d_k, d_v, dtype, spare=3):
@@ -354,13 +354,6 @@ def test_paged_byte_order_gives_the_native_bits_or_a_clear_refusal():
         ca.attention_with_paged_kvcache(x, k_pages.astype(">f4"), v_pages, table, lengths)
 
 
-def _misaligned(pages):
-    raw = np.zeros(pages.nbytes + 1, np.uint8)
-    view = raw[1:].view(pages.dtype).reshape(pages.shape)
-    view[...] = pages
-    return view
-
-
 def _read_only(pages):
     pages = pages.copy()
     pages.flags.writeable = False
@@ -368,7 +361,7 @@ def _read_only(pages):
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda a: a.update(k_pages=_misaligned(a["k_pages"])),
+    (lambda a: a.update(k_pages=misaligned(a["k_pages"])),
      "k_pages must be aligned with strides that are multiples of its itemsize"),
     (lambda a: a.update(k_pages=np.zeros((6, 2, 0, 8), np.float32),
                         v_pages=np.zeros((6, 2, 0, 8), np.float32)),

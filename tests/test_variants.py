@@ -12,6 +12,7 @@ from reference import (
     assert_bitwise_equal,
     assert_matches_reference,
     make_qkv,
+    misaligned,
     reference_lse,
     shapes_regex,
 )
@@ -609,13 +610,6 @@ def test_kvcache_option_errors_write_nothing(kwargs, error, match):
     assert lengths.tolist() == [3, 1] and not k_cache.any() and not v_cache.any()
 
 
-def _misaligned(array):
-    raw = np.zeros(array.nbytes + 1, np.uint8)
-    view = raw[1:].view(array.dtype).reshape(array.shape)
-    view[...] = array
-    return view
-
-
 @pytest.mark.parametrize("cache_dtype,change,error,match", [
     # read otherwise, the cache would be copied whole on every call
     (np.float32, dict(k_cache="misaligned"), ValueError,
@@ -645,9 +639,9 @@ def test_kvcache_refuses_what_it_cannot_store_and_writes_nothing(cache_dtype, ch
     for name, value in change.items():
         if value == "misaligned":
             if name in scales:
-                scales[name] = _misaligned(scales[name])
+                scales[name] = misaligned(scales[name])
             else:
-                k_cache = _misaligned(k_cache)
+                k_cache = misaligned(k_cache)
         else:
             new[name][1, 0, 1, 2] = value
     before = [a.copy() for a in (k_cache, v_cache, lengths, *scales.values())]
