@@ -2,6 +2,7 @@
 """A downstream extension using cattention's C-level API: heads of a
 (T, heads, d) layout in a prange, one call per head."""
 
+from cython cimport floating
 from cython.parallel cimport prange
 
 from cattention.cython_attention cimport (
@@ -51,6 +52,23 @@ CASES = ["ok", "negative size", "null query", "null key", "null value",
          "float64 scale beyond float"]
 
 
+cdef void prime(floating *q, floating *out, floating *scores) noexcept:
+    """Inputs of ones; outputs of -7, so that a write shows."""
+    cdef int i
+    for i in range(4):
+        q[i] = 1
+        out[i] = -7
+        scores[i] = -7
+
+
+cdef bint kept(const floating *out, const floating *scores) noexcept:
+    cdef int i
+    for i in range(4):
+        if out[i] != -7 or scores[i] != -7:
+            return False
+    return True
+
+
 def status_of(str case):
     """(status code, whether OUT and SCORES kept their contents) of a 2 x 2
     call that is wrong in the named way ("ok", "scores only" and "float64
@@ -59,12 +77,8 @@ def status_of(str case):
     cdef float out[4]
     cdef float scores[4]
     cdef float nan = float("nan")
-    cdef int which = CASES.index(case), status = -1, i
-    cdef bint untouched = True
-    for i in range(4):
-        q[i] = 1
-        out[i] = -7
-        scores[i] = -7
+    cdef int which = CASES.index(case), status = -1
+    prime(q, out, scores)
     with nogil:
         if which == 0:
             status = attention_f32(2, 2, 2, 2, q, 2, q, 2, q, 2, 1.0, 0, out, 2, scores, 2, NULL, 1)
@@ -95,23 +109,15 @@ def status_of(str case):
     if which == 13:
         # the same scale is a float64 call's to take: its outputs are written
         return status_of_f64(1e39)
-    for i in range(4):
-        untouched = untouched and out[i] == -7 and scores[i] == -7
-    return status, untouched
+    return status, kept(out, scores)
 
 
 cdef status_of_f64(double scale):
     cdef double q[4]
     cdef double out[4]
     cdef double scores[4]
-    cdef int status, i
-    cdef bint untouched = True
-    for i in range(4):
-        q[i] = 1
-        out[i] = -7
-        scores[i] = -7
+    cdef int status
+    prime(q, out, scores)
     with nogil:
         status = attention_f64(2, 2, 2, 2, q, 2, q, 2, q, 2, scale, 0, out, 2, scores, 2, NULL, 1)
-    for i in range(4):
-        untouched = untouched and out[i] == -7 and scores[i] == -7
-    return status, untouched
+    return status, kept(out, scores)
