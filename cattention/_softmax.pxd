@@ -67,8 +67,14 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
                 alpha = <floating>exp(row_max[i] - tile_max)
                 row_sum[i] *= alpha
                 acc_row = acc + i * pb.ld_v
-                for c in range(pb.d_v):
-                    acc_row[c] *= alpha
+                if alpha == 0:
+                    # every earlier key's weight is now exactly 0: they leave
+                    # the row (an inf or overflowed sum among their values
+                    # would give 0 * inf = NaN)
+                    memset(acc_row, 0, pb.d_v * sizeof(floating))
+                else:
+                    for c in range(pb.d_v):
+                        acc_row[c] *= alpha
             row_max[i] = tile_max
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
 
@@ -254,13 +260,21 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
             if state[0] == -INFINITY:
                 continue
             weight = <floating>exp(state[0] - total_max)
+            if weight == 0:
+                # a chunk whose keys all weigh exactly 0 takes no part
+                # (0 * an inf among its values would be NaN)
+                continue
             total_sum += state[1] * weight
             for c in range(pb.d_v):
                 out_row[c] += state[2 + c] * weight
         if has_sink:
             weight = fold_sink(&total_max, &total_sum, sink) / total_sum
-            for c in range(pb.d_v):
-                out_row[c] = out_row[c] * weight
+            if weight == 0:
+                # the sink outweighs every key: each weight is exactly 0
+                memset(out_row, 0, pb.d_v * sizeof(floating))
+            else:
+                for c in range(pb.d_v):
+                    out_row[c] = out_row[c] * weight
         else:
             for c in range(pb.d_v):
                 out_row[c] = out_row[c] / total_sum

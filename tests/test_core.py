@@ -395,6 +395,54 @@ def test_nonfinite_in_masked_key_and_value_is_ignored(simd, dtype, kind, bad):
                          clean[1])
 
 
+@pytest.mark.parametrize("T,S", [(1, 300), (4, 600), (20, 300), (200, 600), (1, 5000)])
+@pytest.mark.parametrize("poison", ["inf", "overflowing-sum"])
+def test_keys_of_zero_weight_before_the_row_maximum_take_no_part(simd, dtype, T, S, poison):
+    """Keys whose weight is exactly 0 because a later key's logit is far
+    larger (e^-1000 is 0 in either dtype) leave the output alone, even when
+    the maximum arrives in a later key block or decode chunk than they do
+    and their values hold an inf or sum beyond the dtype's range: the output
+    is the last key's value, bitwise that of zeros in their place, on every
+    path (with and without SCORES, threads, the KV cache, varlen, pages)."""
+    rng = np.random.default_rng(74)
+    q = np.ones((T, 1), dtype)
+    k = np.zeros((S, 1), dtype)
+    k[-1] = 1000.0
+    clean = rng.standard_normal((S, 3)).astype(dtype)
+    v = clean.copy()
+    if poison == "inf":
+        v[[0, S // 2], 1] = np.inf
+    else:
+        v[: S - 1] = np.finfo(dtype).max / 4
+    clean[: S - 1] = 0
+    expected = np.repeat(clean[-1:], T, axis=0)
+    results = {
+        "attention": ca.attention(q, k, v, scale=1.0),
+        "two threads": ca.attention(q, k, v, scale=1.0, num_threads=2),
+        "with SCORES": ca.attention(q, k, v, scale=1.0, return_scores=True)[0],
+        "varlen": ca.attention_varlen(q[:, None], k[:, None], v[:, None], [0, T], [0, S],
+                                      scale=1.0)[:, 0],
+    }
+    k_cache = np.zeros((1, 1, S + 8, 1), dtype)
+    v_cache = np.zeros((1, 1, S + 8, 3), dtype)
+    k_cache[0, 0, :S - T] = k[:S - T]
+    v_cache[0, 0, :S - T] = v[:S - T]
+    results["KV cache"] = ca.attention_with_kvcache(
+        q[None, None], k_cache, v_cache, np.array([S - T]), k[None, None, S - T:],
+        v[None, None, S - T:], causal=False, scale=1.0)[0, 0]
+    n_pages = -(-S // 16)
+    k_pages = np.zeros((n_pages, 1, 16, 1), dtype)
+    v_pages = np.zeros((n_pages, 1, 16, 3), dtype)
+    k_pages.reshape(-1, 1)[:S] = k
+    v_pages.reshape(-1, 3)[:S] = v
+    results["pages"] = ca.attention_with_paged_kvcache(
+        q[None, None], k_pages, v_pages, np.arange(n_pages)[None], np.array([S]),
+        causal=False, scale=1.0)[0, 0]
+    for path, got in results.items():
+        assert np.all(np.isfinite(got)), path
+        assert_bitwise_equal(got, expected)
+
+
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=["nan", "inf", "-inf"])
 def test_nonfinite_in_causally_hidden_key_is_ignored(simd, dtype, bad):
     """Key S-1 is hidden from every row but the last one under causal masking:
