@@ -366,7 +366,8 @@ def merge(
     ``out = sum_i outs[i] * exp(lses[i] - lse)``: exactly attention over the
     union of the chunks, up to rounding. Chunks that see no key
     (``lse_i = -inf``) contribute nothing; if no chunk sees a key the row is
-    zero with ``lse = -inf``, as from :func:`attention`. With attention
+    zero with ``lse = -inf``, as from :func:`attention`. A row where some
+    ``lse_i`` is NaN or +inf (a NaN row of attention) is NaN. With attention
     sinks, pass ``sinks=`` to exactly one chunk's call: its log-sum-exp then
     carries the sink (even if that chunk sees no key), and the merge equals
     attention with the sinks over all keys.
@@ -451,4 +452,7 @@ def merge(
         for o, w in zip(chunk_outs, scale):
             # keys of weight 0 take no part, even where their output is NaN
             out += np.where(w[..., None] != 0, o * w[..., None], 0)
+    # a NaN or +inf lse (a NaN row of attention) makes its row NaN, not a
+    # zero row that would read as "no key seen"
+    out[np.isnan(total)] = np.nan
     return out, lse

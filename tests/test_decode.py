@@ -111,6 +111,24 @@ def test_merge_all_chunks_empty_gives_zero_rows():
     assert np.all(np.isneginf(lse))
 
 
+def test_merge_of_a_nan_row_is_nan(dtype):
+    """A NaN in a visible mask entry makes a row of attention NaN (with a NaN
+    log-sum-exp); merging chunks of it gives that NaN row, as attention over
+    the union does, not the zeros of a row that sees no key. The other rows
+    match the reference; an lse of +inf gives a NaN row too."""
+    q, k, v = make_qkv(42, (3, 4), (8, 4), (8, 3), dtype)
+    mask = np.zeros((3, 8), dtype)
+    mask[0, 1] = np.nan
+    whole = ca.attention(q, k, v, mask=mask)
+    assert np.all(np.isnan(whole[0]))
+    out, lse = _chunked(q, k, v, [0, 4, 8], mask)
+    assert np.all(np.isnan(out[0])) and np.isnan(lse[0])
+    assert_matches_reference(out[1:], None, q[1:], k, v, mask=mask[1:])
+    out, lse = ca.merge([np.ones((2, 3), dtype), np.ones((2, 3), dtype)],
+                        [np.array([np.inf, 0.0], dtype), np.zeros(2, dtype)])
+    assert np.all(np.isnan(out[0])) and np.all(out[1] == 1)
+
+
 def test_merge_single_chunk_is_identity(dtype):
     q, k, v = make_qkv(41, (5, 8), (9, 8), (9, 3), dtype)
     out, lse = ca.attention(q, k, v, return_lse=True)
