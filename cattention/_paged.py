@@ -193,7 +193,10 @@ def attention_with_paged_kvcache(
     ValueError
         On any shape mismatch; a sequence that would need a page the table
         does not give or a page id outside [0, n_pages); two new rows that
-        would land on one page row; read-only arrays to be written; an array
+        would land on one page row, or a new row that would land on a page
+        row some sequence holds (a page shared for a common prefix, or
+        listed twice in one table, where a sequence appends); read-only
+        arrays to be written; an array
         written in place (pages, cache_lengths, scales) that shares memory
         with another of them, q, k_new or v_new; new rows holding a value
         the pages cannot store (beyond a float dtype's range, or NaN or
@@ -350,6 +353,8 @@ def attention_with_paged_kvcache(
         if np.unique(slots).size != slots.size:
             raise ValueError("two new rows would be written to one page row: the block "
                              "table gives two sequences the same page where both append")
+        _refuse_writes_to_held_rows(table, old_lengths, page_size, page, row, seq_of_row,
+                                    position)
 
     # every check has passed: nothing below can fail half-way on bad input
     if new_rows:
@@ -373,6 +378,34 @@ def attention_with_paged_kvcache(
         if new_rows:
             cache_lengths[...] = old_lengths   # (every value fits: they were its own)
         raise
+
+
+def _refuse_writes_to_held_rows(table: NDArray[np.intp], old_lengths: NDArray[np.int64],
+                                page_size: int, page: NDArray[np.intp], row: NDArray[np.intp],
+                                seq_of_row: NDArray[np.intp],
+                                position: NDArray[np.int64]) -> None:
+    """A new row (page[n], row[n]) must not land on a page row some sequence
+    holds (one of its first old_lengths positions): that sequence would read
+    the new row in place of its own, silently. Pages shared for a common
+    prefix are fine as long as every sequence appends past them."""
+    held_slots = np.arange(table.shape[1]) < -(-old_lengths // page_size)[:, None]
+    shared = held_slots & np.isin(table, page)
+    if not shared.any():
+        return
+    holder, slot = np.nonzero(shared)
+    # rows 0 .. held_rows - 1 of page table[holder, slot] are held
+    held_rows = np.minimum(page_size, old_lengths[holder] - slot * page_size)
+    held_page = table[holder, slot]
+    for h in np.flatnonzero(np.isin(held_page, page)):
+        clash = np.flatnonzero((page == held_page[h]) & (row < held_rows[h]))
+        if clash.size:
+            n = int(clash[0])
+            raise ValueError(
+                f"sequence {int(seq_of_row[n])}'s new position {int(position[n])} would be "
+                f"written to page {int(page[n])} row {int(row[n])}, which sequence "
+                f"{int(holder[h])} holds (its position "
+                f"{int(slot[h]) * page_size + int(row[n])}): the block table gives a page "
+                "a sequence still holds to later positions")
 
 
 def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],

@@ -242,6 +242,13 @@ def _small_call():
      r"sequence 1 needs 13 positions .* at most 3 pages of 4"),
     (lambda a: a.update(table=np.array([[0, 1, -1], [2, 3, 1]])),
      "two new rows would be written to one page row"),
+    # a page another sequence, or the same one, still holds
+    (lambda a: a.update(table=np.array([[0, 2, -1], [2, 3, 4]])),
+     r"sequence 0's new position 4 would be written to page 2 row 0, which sequence 1 "
+     r"holds \(its position 0\)"),
+    (lambda a: a.update(table=np.array([[0, 0, -1], [2, 3, 4]])),
+     r"sequence 0's new position 4 would be written to page 0 row 0, which sequence 0 "
+     r"holds \(its position 0\)"),
     (lambda a: a.update(k_new=np.ones((2, 2, 3, 8), np.float32)),
      r"k_new must have shape \(2, 2, 2, 8\)"),
     (lambda a: a.update(v_new=None), "k_new and v_new must be given together"),
@@ -267,6 +274,31 @@ def test_paged_errors_write_nothing(change, match):
     assert_bitwise_equal(k_pages, before[0])
     assert_bitwise_equal(args["v_pages"], before[1])
     assert_bitwise_equal(args["lengths"], before[2])
+
+
+def test_pages_shared_for_a_common_prefix_take_appends_past_them():
+    """Two sequences share page 0 (a full common prefix) and append into
+    pages of their own: allowed, the shared rows stay, and each sequence
+    attends to the prefix and its own rows, as the reference does."""
+    rng = np.random.default_rng(31)
+    k_pages = rng.standard_normal((4, 1, 4, 8)).astype(np.float32)
+    v_pages = rng.standard_normal((4, 1, 4, 5)).astype(np.float32)
+    prefix = (k_pages[0].copy(), v_pages[0].copy())
+    table = np.array([[0, 1], [0, 2]])
+    lengths = np.array([4, 5])
+    q = rng.standard_normal((2, 2, 1, 8)).astype(np.float32)
+    k_new = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    v_new = rng.standard_normal((2, 1, 1, 5)).astype(np.float32)
+    out = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, k_new, v_new)
+    assert lengths.tolist() == [5, 6]
+    assert_bitwise_equal(k_pages[0], prefix[0])
+    assert_bitwise_equal(v_pages[0], prefix[1])
+    for b, n in enumerate(lengths.tolist()):
+        k_seen = np.concatenate([k_pages[p, 0] for p in table[b]])[:n]
+        v_seen = np.concatenate([v_pages[p, 0] for p in table[b]])[:n]
+        assert_bitwise_equal(k_seen[-1], k_new[b, 0, 0])
+        for h in range(2):
+            assert_matches_reference(out[b, h], None, q[b, h], k_seen, v_seen, causal=True)
 
 
 def test_paged_failed_computation_gives_the_rows_back(monkeypatch):
