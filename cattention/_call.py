@@ -88,7 +88,7 @@ def make_call(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, *, causal: bool,
     elif v_scale is not None:
         raise ValueError("v_scale is given without v")
     if kv_lengths is not None:
-        kv_lengths = _lengths_per_sequence(kv_lengths, q, k, v)
+        kv_lengths = _lengths_per_sequence(kv_lengths, q, k, v, mask)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
     return Call(q, k, v, mask, causal, scale, threads, want_out, want_scores, want_lse,
                 kv_lengths=kv_lengths, window=_check_window(window, causal),

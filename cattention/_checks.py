@@ -338,15 +338,24 @@ def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
 
 
 def _lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any],
-                          v: NDArray[Any] | None) -> NDArray[Any]:
+                          v: NDArray[Any] | None, mask: ArrayLike | None = None,
+                          ) -> NDArray[Any]:
     """kv_lengths with a 1-D array of length B taken as one length per
     sequence (the first batch axis), as ``cache_lengths`` is, whatever the
     other batch dimensions are: with inputs (B, H, T, d) and B == H a bare
-    trailing-axis broadcast would silently read it per head."""
-    arr = _native(np.asarray(kv_lengths))
+    trailing-axis broadcast would silently read it per head. The batch
+    dimensions are those of q, k, v and the mask (which may bring B alone)."""
+    arr = _native(_array(kv_lengths, "kv_lengths"))
     operands = (q, k) if v is None else (q, k, v)
+    leading = [a.shape[:-2] for a in operands]
     try:
-        batch_shape = _broadcast_shapes(*(a.shape[:-2] for a in operands))
+        mask_shape = np.shape(mask) if mask is not None else ()
+    except ValueError:
+        mask_shape = ()    # not a regular array: reported as the mask's own error
+    if len(mask_shape) > 2:
+        leading.append(mask_shape[:-2])
+    try:
+        batch_shape = _broadcast_shapes(*leading)
     except ValueError:
         try:
             # grouped heads (H != H_kv): the dimensions before the head axis

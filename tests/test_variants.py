@@ -496,6 +496,21 @@ def test_1d_kv_lengths_of_another_length_is_an_error_naming_the_shapes():
         assert_matches_reference(out[b], None, q3[b], k3[b, :n], v3[b, :n])
 
 
+def test_1d_kv_lengths_are_per_sequence_when_the_mask_brings_the_batch(dtype):
+    """q, k, v of (H, T, d) with a mask of (B, H, T, S): B comes from the mask
+    alone, and a 1-D kv_lengths of length B is still one length per
+    sequence (with B == H it was read per head)."""
+    q, k, v = make_qkv(202, (2, 3, 4), (2, 6, 4), (2, 6, 3), dtype)
+    mask = np.ones((2, 2, 3, 6), bool)
+    mask[1, 0, :, 0] = False
+    out = ca.attention(q, k, v, mask=mask, kv_lengths=np.array([2, 6]))
+    for b, n in enumerate([2, 6]):
+        assert_matches_reference(out[b], None, q, k[:, :n], v[:, :n], mask=mask[b, :, :, :n])
+    assert_bitwise_equal(out, ca.attention(q, k, v, mask=mask, kv_lengths=[[2], [6]]))
+    with pytest.raises(ValueError, match=r"kv_lengths of shape \(3,\) is ambiguous"):
+        ca.attention(q, k, v, mask=mask, kv_lengths=np.array([2, 6, 1]))
+
+
 def _small_cache(max_keys, length_dtype, lengths):
     k_cache = np.zeros((2, 1, max_keys, 4), np.float32)
     v_cache = np.zeros((2, 1, max_keys, 4), np.float32)
