@@ -234,8 +234,9 @@ def attention(
         dimensions or not a regular array (a ragged list), an option out of
         range (``scale`` non-finite or beyond the compute dtype,
         ``num_threads`` not an integer in [1, 2**31 - 1], a negative window
-        side, ``kv_lengths`` outside [0, S], ``softcap`` <= 0, non-finite
-        ``alibi_slopes``), or d_k == 0 with no ``scale``.
+        side, ``kv_lengths`` outside [0, S], ``softcap`` <= 0, ``alibi_slopes``
+        non-finite or beyond the compute dtype), d_k == 0 with no ``scale``,
+        or ``v`` None (use :func:`attention_scores` for SCORES alone).
     MemoryError
         If per-thread scratch memory cannot be allocated.
 

@@ -110,7 +110,7 @@ def check_options(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], *, causal: 
     if num_threads is not None:
         _check_num_threads(num_threads)
     if alibi_slopes is not None:
-        _prepare_alibi(alibi_slopes, q.shape[:-2])
+        _prepare_alibi(alibi_slopes, q.shape[:-2], compute)
     if sinks is not None:
         _fit_sinks(_prepare_sinks(sinks, q.shape[:-2]), compute)
 
@@ -163,7 +163,7 @@ def run(call: Call) -> Results:
         kv_lengths = _prepare_kv_lengths(call.kv_lengths, batch_shape, n_keys)
     alibi_slopes = None
     if call.alibi_slopes is not None:
-        alibi_slopes = _prepare_alibi(call.alibi_slopes, batch_shape)
+        alibi_slopes = _prepare_alibi(call.alibi_slopes, batch_shape, compute)
     sink_rows = call.sink_rows
     if sink_rows is None and call.sinks is not None:
         sink_rows = _prepare_sinks(call.sinks, batch_shape)

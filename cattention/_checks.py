@@ -309,17 +309,26 @@ def _check_sink_values(sinks: NDArray[np.float64]) -> None:
         raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
 
 
-def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
+def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...],
+                   compute: np.dtype[Any]) -> NDArray[np.float64]:
     """One float64 slope per batch entry."""
     full = _per_batch_entry(alibi_slopes, batch_shape, "alibi_slopes", "fiu",
                             "real numbers", np.float64, "expected (H,) or (B, H)")
-    _check_alibi_values(full)
+    _check_alibi_values(full, compute)
     return full
 
 
-def _check_alibi_values(slopes: NDArray[np.float64]) -> None:
+def _check_alibi_values(slopes: NDArray[np.float64], compute: np.dtype[Any]) -> None:
+    """Finite slopes the compute dtype holds: the biases are logits of that
+    dtype, and a slope beyond it makes them infinite (NaN rows)."""
     if not np.all(np.isfinite(slopes)):
         raise ValueError("alibi_slopes must be finite")
+    limit = float(np.finfo(compute).max)
+    if slopes.size and float(np.abs(slopes).max()) > limit:
+        raise ValueError(
+            f"alibi_slopes must lie in [-{limit:.4g}, {limit:.4g}] (the range of {compute}, "
+            f"the compute dtype of these inputs); got {float(np.abs(slopes).max()):.4g} in "
+            "magnitude")
 
 
 def _prepare_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],

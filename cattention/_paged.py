@@ -17,7 +17,6 @@ from ._checks import (
     _as_input,
     _check_flag,
     _check_fits,
-    _fit_sinks,
     _check_softcap,
     _check_window,
     _output,
@@ -337,8 +336,7 @@ def attention_with_paged_kvcache(
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
     _check_fits(softcap_value, compute, "softcap")
-    alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
-    sink_logits = _fit_sinks(sink_logits, compute)
+    alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
     # a copy, always: cache_lengths, advanced below, may be a view of the
     # caller's table, whose page ids were checked against the old lengths

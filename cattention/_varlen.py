@@ -67,17 +67,18 @@ def per_head(values: ArrayLike | None, n_heads: int, name: str) -> NDArray[np.fl
     return np.ascontiguousarray(arr, dtype=np.float64)
 
 
-def head_options(alibi_slopes: ArrayLike | None, sinks: ArrayLike | None, n_heads: int
+def head_options(alibi_slopes: ArrayLike | None, sinks: ArrayLike | None, n_heads: int,
+                 compute: np.dtype[Any],
                  ) -> tuple[NDArray[np.float64] | None, NDArray[np.float64] | None]:
-    """ALiBi slopes and sink logits per query head, checked as attention
-    checks them."""
+    """ALiBi slopes and sink logits per query head, checked (and the sinks
+    fitted to the compute dtype) as attention checks them."""
     alibi = per_head(alibi_slopes, n_heads, "alibi_slopes")
     if alibi is not None:
-        _check_alibi_values(alibi)
+        _check_alibi_values(alibi, compute)
     sink_logits = per_head(sinks, n_heads, "sinks")
     if sink_logits is not None:
         _check_sink_values(sink_logits)
-    return alibi, sink_logits
+    return alibi, _fit_sinks(sink_logits, compute)
 
 
 def rows_of(arr: NDArray[Any]) -> _entries.Rows:
@@ -230,8 +231,7 @@ def attention_varlen(
     window_sides = _check_window(window, causal)
     softcap_value = _check_softcap(softcap)
     _check_fits(softcap_value, compute, "softcap")
-    alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads)
-    sink_logits = _fit_sinks(sink_logits, compute)
+    alibi, sink_logits = head_options(alibi_slopes, sinks, n_heads, compute)
     threads = get_num_threads() if num_threads is None else _check_num_threads(num_threads)
 
     kv_dtype = compute

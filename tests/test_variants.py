@@ -511,6 +511,30 @@ def test_1d_kv_lengths_are_per_sequence_when_the_mask_brings_the_batch(dtype):
         ca.attention(q, k, v, mask=mask, kv_lengths=np.array([2, 6, 1]))
 
 
+@pytest.mark.parametrize("entry", ["attention", "scores", "varlen", "paged"])
+def test_alibi_slopes_beyond_the_compute_dtype_are_refused(entry):
+    """A slope float32 cannot hold would make its biases infinite (NaN rows):
+    refused on every entry with float32 inputs, as scale and softcap are;
+    float64 inputs take it."""
+    x = np.ones((2, 3, 4), np.float32)
+    slopes = np.array([-1e39, 0.5])
+    calls = {
+        "attention": lambda a, s: ca.attention(a, a, a, alibi_slopes=s),
+        "scores": lambda a, s: ca.attention_scores(a, a, alibi_slopes=s),
+        "varlen": lambda a, s: ca.attention_varlen(
+            a.transpose(1, 0, 2), a.transpose(1, 0, 2), a.transpose(1, 0, 2), [0, 3], [0, 3],
+            alibi_slopes=s),
+        "paged": lambda a, s: ca.attention_with_paged_kvcache(
+            a[None], a[:, None], a[:, None], np.zeros((1, 1), np.intp), np.array([3]),
+            alibi_slopes=s),
+    }
+    with pytest.raises(ValueError, match=r"alibi_slopes must lie in .* float32"):
+        calls[entry](x, slopes)
+    if entry != "paged":
+        # float64 holds it: the biases are finite, the rows too
+        assert np.all(np.isfinite(calls[entry](x.astype(np.float64), np.array([-1e-30, 1e39]))))
+
+
 def _small_cache(max_keys, length_dtype, lengths):
     k_cache = np.zeros((2, 1, max_keys, 4), np.float32)
     v_cache = np.zeros((2, 1, max_keys, 4), np.float32)
@@ -612,6 +636,8 @@ def test_kvcache_enable_gqa_false_needs_equal_heads_and_writes_nothing():
     (dict(softcap=0.0), ValueError, r"softcap must be a positive"),
     (dict(alibi_slopes=np.array([1.0, 2.0, 3.0])), ValueError, r"alibi_slopes of shape \(3,\)"),
     (dict(alibi_slopes=np.array([np.nan, 1.0])), ValueError, r"alibi_slopes must be finite"),
+    (dict(alibi_slopes=np.array([-1e39, 1.0])), ValueError,
+     r"alibi_slopes must lie in \[-3.403e\+38, 3.403e\+38\] \(the range of float32"),
     (dict(scale=1e300), ValueError, r"not representable in float32"),
     (dict(num_threads=0), ValueError, r"num_threads"),
     (dict(causal="yes"), TypeError, r"causal must be a bool"),
