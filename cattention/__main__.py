@@ -12,6 +12,7 @@ The benchmarks beside the peers live outside the package, in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -158,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         args = run.parse_args([], namespace=args)
     if args.plot is not None:
-        return sentence_demo(args.plot, args.causal)
+        if not args.plot:
+            run.error("--plot needs a file path, e.g. --plot attention.png")
+        # a path without a suffix gets the PNG that matplotlib writes, and is
+        # reported as the file it is
+        return sentence_demo(args.plot if os.path.splitext(args.plot)[1]
+                             else args.plot + ".png", args.causal)
     if args.causal:
         run.error("--causal applies to --plot (the timing demo runs both variants)")
     # the largest array of the demo: the NumPy reference's float64 weights

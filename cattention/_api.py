@@ -220,7 +220,7 @@ def attention(
     Raises
     ------
     TypeError
-        An input that is None or of unsupported dtype (complex, object,
+        q or k None, an input of unsupported dtype (complex, object,
         string, wider than 64 bits), a mask neither bool nor float, or an
         option of the wrong type (``causal``, ``return_scores``,
         ``return_lse`` or ``enable_gqa`` not a bool, ``scale`` or

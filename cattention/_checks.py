@@ -284,7 +284,7 @@ def _check_softcap(softcap: object) -> float:
 def _per_batch_entry(values: ArrayLike, batch_shape: tuple[int, ...], name: str, kinds: str,
                      kind_text: str, dtype: DTypeLike, hint: str) -> NDArray[Any]:
     """values broadcast to the batch shape: one per batch entry, C-contiguous."""
-    arr = np.asarray(values)
+    arr = _array(values, name)
     if arr.dtype.kind not in kinds:
         raise TypeError(f"{name} must be {kind_text}, got dtype {arr.dtype}")
     try:
@@ -298,7 +298,7 @@ def _per_batch_entry(values: ArrayLike, batch_shape: tuple[int, ...], name: str,
 
 def _prepare_sinks(sinks: ArrayLike, batch_shape: tuple[int, ...]) -> NDArray[np.float64]:
     """One float64 sink logit per batch entry; -inf is no sink."""
-    full = _per_batch_entry(_native(np.asarray(sinks)), batch_shape, "sinks", "fiu",
+    full = _per_batch_entry(_native(_array(sinks, "sinks")), batch_shape, "sinks", "fiu",
                             "real numbers", np.float64, "expected (H,) or (B, H)")
     _check_sink_values(full)
     return full

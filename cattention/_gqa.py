@@ -16,7 +16,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from . import _attention
 from ._call import Call, Results, run
-from ._checks import _broadcast_shapes, _prepare_sinks
+from ._checks import _array, _broadcast_shapes, _prepare_sinks
 
 
 def _split_head_axis(arr: ArrayLike | None, n_heads: int, n_kv_heads: int, what: str,
@@ -25,7 +25,7 @@ def _split_head_axis(arr: ArrayLike | None, n_heads: int, n_kv_heads: int, what:
     its head axis split to (H_kv, G) or, if 1, widened to (1, 1)."""
     if arr is None:
         return None
-    arr = np.asarray(arr)
+    arr = _array(arr, what)
     if arr.ndim == 0:
         return arr
     if arr.shape[-1] == n_heads and n_heads != 1:
@@ -69,7 +69,7 @@ def _group_query_heads(
     if v is not None:
         v = v[..., None, :, :]
     if mask is not None:
-        mask = np.asarray(mask)
+        mask = _array(mask, "mask")
         if mask.ndim >= 3 and mask.shape[-3] == n_heads and n_heads != 1:
             mask = mask.reshape(mask.shape[:-3] + (n_kv_heads, group) + mask.shape[-2:])
         elif mask.ndim >= 3:

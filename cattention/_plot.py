@@ -116,7 +116,8 @@ def plot_scores(scores: ArrayLike, query_labels: Sequence[object] | None = None,
     ImportError
         If matplotlib is not installed.
     TypeError
-        If ``scores`` is not numeric, or a label argument is a single string.
+        If ``scores`` is not numeric, a label argument is a single string, or
+        ``ax`` is neither None nor a matplotlib Axes.
     ValueError
         If ``scores`` is not 2-D or is empty, or the number of labels is not
         T (``query_labels``) or S (``key_labels``).
@@ -167,6 +168,11 @@ def plot_scores(scores: ArrayLike, query_labels: Sequence[object] | None = None,
         height = min(max(2.0 + 0.4 * n_queries, 3.0), 12.0)
         fig = Figure(figsize=(width, height), layout="constrained")
         ax = fig.add_subplot()
+    else:
+        from matplotlib.axes import Axes
+        if not isinstance(ax, Axes):
+            raise TypeError(f"ax must be a matplotlib Axes (or None for a new figure); "
+                            f"got {type(ax).__name__}")
     finite = weights[np.isfinite(weights)]
     lowest = float(finite.min()) if finite.size else 0.0
     image = ax.imshow(

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ._checks import _array
+
 __all__ = ["quantize_kv"]
 
 #: The largest magnitude of a quantized value (symmetric: -127..127).
@@ -92,7 +94,7 @@ def quantize_kv(x: ArrayLike) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     >>> scale.dtype, bool(scale[0] == np.float32(1 / 127)), float(scale[1])
     (dtype('float32'), True, 0.0)
     """
-    arr = np.asarray(x)
+    arr = _array(x, "quantize_kv: x")
     if arr.dtype.kind not in "fiub":
         raise TypeError(f"quantize_kv needs real values, got dtype {arr.dtype}")
     if arr.ndim < 1:
@@ -165,7 +167,7 @@ def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
     if q_dtype not in (np.float32, np.float16):
         raise TypeError(f"int8 {name} needs a float32 (or float16) q, got q of dtype "
                         f"{q_dtype}; int8 caches are computed in float32")
-    arr = np.asarray(scale)
+    arr = _array(scale, scale_name)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"{scale_name} must be real numbers, got dtype {arr.dtype}")
     if arr.shape != operand.shape[:-1]:

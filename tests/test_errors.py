@@ -472,9 +472,18 @@ def test_ragged_arguments_are_named():
         "block_table": lambda: ca.attention_with_paged_kvcache(x, pages, pages.copy(), ragged,
                                                                np.array([0])),
         "outs[0]": lambda: ca.merge([ragged], [np.zeros(2)]),
+        "alibi_slopes": lambda: ca.attention(x, x, x, alibi_slopes=ragged),
+        "sinks": lambda: ca.attention(x, x, x, sinks=ragged),
+        "kv_lengths": lambda: ca.attention(x, x, x, kv_lengths=ragged),
+        "quantize_kv: x": lambda: ca.quantize_kv(ragged),
     }
+    for option in ("alibi_slopes", "sinks", "kv_lengths"):
+        # grouped heads reach them another way
+        calls[f"{option} "] = (lambda option=option: ca.attention(
+            x, x, x, enable_gqa=True, **{option: ragged}))
     for name, call in calls.items():
-        with pytest.raises(ValueError, match=rf"^{re.escape(name)} is not a regular array"):
+        with pytest.raises(ValueError,
+                           match=rf"^{re.escape(name.strip())} is not a regular array"):
             call()
     with pytest.raises(TypeError, match=r"^outs must be an iterable of arrays, one per chunk; "
                                         r"got NoneType"):

@@ -181,6 +181,12 @@ def test_rejects_a_string_or_a_number_as_labels():
         ca.plot_scores(np.eye(3), key_labels=3)
 
 
+def test_rejects_an_ax_that_is_not_axes():
+    pytest.importorskip("matplotlib")
+    with pytest.raises(TypeError, match=r"ax must be a matplotlib Axes .*; got int"):
+        ca.plot_scores(np.eye(3), ax=5)
+
+
 def test_missing_matplotlib_is_a_clear_import_error(no_matplotlib):
     with pytest.raises(ImportError, match=MISSING_MATPLOTLIB_RE) as info:
         ca.plot_scores(np.eye(3))
@@ -245,6 +251,20 @@ def test_demo_plot_writes_a_valid_png(tmp_path, causal):
     width, height = png_size(path)
     assert 200 <= width <= 4000 and 200 <= height <= 4000
     assert path.stat().st_size > 20_000
+
+
+def test_demo_plot_names_the_file_it_writes(tmp_path, capsys):
+    """A path without a suffix gets .png, and the message names that file; an
+    empty path is a usage error."""
+    pytest.importorskip("matplotlib")
+    assert cli_main(["demo", "--plot", str(tmp_path / "weights")]) == 0
+    assert f"heatmap written to {tmp_path / 'weights.png'}\n" in capsys.readouterr().out
+    assert png_size(tmp_path / "weights.png")[0] >= 200
+    assert not (tmp_path / "weights").exists()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["demo", "--plot", ""])
+    assert info.value.code == 2
+    assert "--plot needs a file path" in capsys.readouterr().err
 
 
 def test_demo_plot_without_matplotlib_exits_2(tmp_path, no_matplotlib, capsys):
