@@ -101,3 +101,17 @@ def attention_fast(
     | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]
     | None
 ): ...
+
+# None: the call is not the common serving step and goes to the general path.
+def kvcache_fast(
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    cache_lengths: object,
+    k_new: object,
+    v_new: object,
+    causal: bool,
+    scale: object,
+    num_threads: object,
+    thread_limit: int | None,
+) -> NDArray[np.floating[Any]] | None: ...

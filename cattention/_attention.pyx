@@ -40,7 +40,8 @@ cimport numpy as cnp
 from cython cimport floating
 from libc.float cimport FLT_MAX
 from libc.math cimport fabs, isfinite, sqrt
-from libc.stdlib cimport free
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 from cattention._kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels,
@@ -456,4 +457,293 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     run_then_free(&pb, index, threads, out, scores)
     if return_scores:
         return out, scores
+    return out
+
+
+cdef inline void byte_span(cnp.ndarray arr, char **low, char **high) noexcept:
+    """The bytes [low, high) that the elements of the nonempty arr lie in."""
+    cdef char *data = <char *>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t below = 0
+    cdef Py_ssize_t above = cnp.PyArray_ITEMSIZE(arr)
+    cdef Py_ssize_t d, extent
+    for d in range(cnp.PyArray_NDIM(arr)):
+        extent = cnp.PyArray_STRIDE(arr, d) * (cnp.PyArray_DIM(arr, d) - 1)
+        if extent < 0:
+            below += extent
+        else:
+            above += extent
+    low[0] = data + below
+    high[0] = data + above
+
+
+cdef inline bint apart(cnp.ndarray a, cnp.ndarray b) noexcept:
+    """a and b certainly share no memory: their byte spans do not meet.
+    (Spans that meet may still interleave without sharing an element; the
+    general path decides those exactly.)"""
+    cdef char *a_low
+    cdef char *a_high
+    cdef char *b_low
+    cdef char *b_high
+    byte_span(a, &a_low, &a_high)
+    byte_span(b, &b_low, &b_high)
+    return a_high <= b_low or b_high <= a_low
+
+
+cdef inline void append_rows(cnp.ndarray cache, cnp.ndarray rows,
+                             const intp_t *start) noexcept:
+    """cache[b, h, start[b] + t, :] = rows[b, h, t, :] for every (b, h, t):
+    arrays of one dtype, apart, every index in range."""
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(cache)
+    cdef Py_ssize_t n_features = cnp.PyArray_DIM(rows, 3)
+    cdef char *cache_data = <char *>cnp.PyArray_DATA(cache)
+    cdef char *rows_data = <char *>cnp.PyArray_DATA(rows)
+    cdef Py_ssize_t cache_col = cnp.PyArray_STRIDE(cache, 3)
+    cdef Py_ssize_t rows_col = cnp.PyArray_STRIDE(rows, 3)
+    cdef Py_ssize_t b, h, t, i
+    cdef char *dst
+    cdef char *src
+    for b in range(cnp.PyArray_DIM(rows, 0)):
+        for h in range(cnp.PyArray_DIM(rows, 1)):
+            for t in range(cnp.PyArray_DIM(rows, 2)):
+                dst = (cache_data + b * cnp.PyArray_STRIDE(cache, 0)
+                       + h * cnp.PyArray_STRIDE(cache, 1)
+                       + (start[b] + t) * cnp.PyArray_STRIDE(cache, 2))
+                src = (rows_data + b * cnp.PyArray_STRIDE(rows, 0)
+                       + h * cnp.PyArray_STRIDE(rows, 1) + t * cnp.PyArray_STRIDE(rows, 2))
+                if cache_col == itemsize and rows_col == itemsize:
+                    memcpy(dst, src, n_features * itemsize)
+                else:
+                    for i in range(n_features):
+                        memcpy(dst + i * cache_col, src + i * rows_col, itemsize)
+
+
+cdef inline bint half_holds(cnp.ndarray rows) noexcept:
+    """Every element of the 4-D float32 array rows is finite and rounds to a
+    finite float16 (below 65520 in magnitude): converting it neither
+    overflows nor warns."""
+    cdef char *data = <char *>cnp.PyArray_DATA(rows)
+    cdef Py_ssize_t b, h, t, i
+    cdef const char *row
+    for b in range(cnp.PyArray_DIM(rows, 0)):
+        for h in range(cnp.PyArray_DIM(rows, 1)):
+            for t in range(cnp.PyArray_DIM(rows, 2)):
+                row = (data + b * cnp.PyArray_STRIDE(rows, 0) + h * cnp.PyArray_STRIDE(rows, 1)
+                       + t * cnp.PyArray_STRIDE(rows, 2))
+                for i in range(cnp.PyArray_DIM(rows, 3)):
+                    # false for NaN too
+                    if not fabs((<const float *>(row + i * cnp.PyArray_STRIDE(rows, 3)))[0]) \
+                            < 65520.0:
+                        return False
+    return True
+
+
+def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
+                 object k_new, object v_new, bint causal, object scale,
+                 object num_threads, object thread_limit):
+    """``attention_with_kvcache`` for the common serving call with no
+    Python-level overhead, or None when the general path (``_kvcache.py``)
+    must handle it. None is returned before anything is written.
+
+    Common: ndarrays; q float32 or float64 of shape (B, H, T, d_k), caches
+    of q's dtype (or float16 with a float32 q) of shape (B, H_kv, S_max, d),
+    H a multiple of H_kv, all sizes nonzero, aligned, native, element-multiple
+    strides; cache_lengths int32 or int64 of shape (B,); k_new and v_new None
+    or of the cache dtype (float32 into a float16 cache: converted, and no
+    value beyond its range), every array the call writes certainly apart
+    from every other one it touches, the new rows within S_max; scale and
+    num_threads of plain types in range. Anything else, including every
+    error, goes to the general path. The Problem is the one the general path
+    builds: the same views of the same arrays, the same batch shape,
+    lengths and query period, so the bits are the same."""
+    if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
+            or type(v_cache) is not np.ndarray or type(cache_lengths) is not np.ndarray):
+        return None
+    cdef bint appending = k_new is not None
+    if appending != (v_new is not None):
+        return None
+    if appending and (type(k_new) is not np.ndarray or type(v_new) is not np.ndarray):
+        return None
+    cdef cnp.ndarray qa = <cnp.ndarray>q
+    cdef cnp.ndarray kc = <cnp.ndarray>k_cache
+    cdef cnp.ndarray vc = <cnp.ndarray>v_cache
+    cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
+    cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
+    cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
+    cdef int q_type = cnp.PyArray_TYPE(qa)
+    cdef int cache_type = cnp.PyArray_TYPE(kc)
+    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
+        return None
+    if cache_type != q_type and not (q_type == cnp.NPY_FLOAT32
+                                     and cache_type == cnp.NPY_FLOAT16):
+        return None
+    if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kc) != 4 or cnp.PyArray_NDIM(vc) != 4
+            or cnp.PyArray_NDIM(lengths) != 1):
+        return None
+    if not (usable_input(qa, q_type) and usable_input(kc, cache_type)
+            and usable_input(vc, cache_type)):
+        return None
+    cdef Py_ssize_t n_batch = cnp.PyArray_DIM(kc, 0)
+    cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kc, 1)
+    cdef Py_ssize_t max_keys = cnp.PyArray_DIM(kc, 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(kc, 3)
+    cdef Py_ssize_t d_v = cnp.PyArray_DIM(vc, 3)
+    cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
+    if (cnp.PyArray_DIM(vc, 0) != n_batch or cnp.PyArray_DIM(vc, 1) != n_kv_heads
+            or cnp.PyArray_DIM(vc, 2) != max_keys or cnp.PyArray_DIM(qa, 0) != n_batch
+            or cnp.PyArray_DIM(qa, 3) != d_k or cnp.PyArray_DIM(lengths, 0) != n_batch):
+        return None
+    if (n_batch == 0 or n_heads == 0 or n_kv_heads == 0 or max_keys == 0 or d_k == 0
+            or d_v == 0 or n_queries == 0 or n_heads % n_kv_heads != 0):
+        return None
+    if not (usable_input(lengths, cnp.NPY_INT64)
+            or (usable_input(lengths, cnp.NPY_INT32) and max_keys <= 2147483647)):
+        return None
+    cdef Py_ssize_t n_new = 0
+    if appending:
+        # (the dimensions of an array are read only once its ndim is known)
+        if cnp.PyArray_NDIM(kn) != 4 or cnp.PyArray_NDIM(vn) != 4:
+            return None
+        n_new = cnp.PyArray_DIM(kn, 2)
+        if (n_new == 0 or cnp.PyArray_DIM(vn, 2) != n_new
+                or cnp.PyArray_DIM(kn, 0) != n_batch or cnp.PyArray_DIM(vn, 0) != n_batch
+                or cnp.PyArray_DIM(kn, 1) != n_kv_heads or cnp.PyArray_DIM(vn, 1) != n_kv_heads
+                or cnp.PyArray_DIM(kn, 3) != d_k or cnp.PyArray_DIM(vn, 3) != d_v):
+            return None
+        if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)
+                and cnp.PyArray_ISWRITEABLE(lengths)):
+            return None
+        # new float32 rows for a float16 cache are converted as the general
+        # path converts them; one beyond float16's range is its to refuse
+        if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
+            if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32 and usable_input(kn, q_type)
+                    and usable_input(vn, q_type)):
+                return None
+        elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
+            return None
+        # written arrays apart from each other and from what is read
+        if not (apart(kc, vc) and apart(kc, lengths) and apart(vc, lengths)
+                and apart(kc, qa) and apart(vc, qa) and apart(lengths, qa)
+                and apart(kc, kn) and apart(vc, kn) and apart(lengths, kn)
+                and apart(kc, vn) and apart(vc, vn) and apart(lengths, vn)):
+            return None
+
+    cdef double scale_value
+    cdef Py_ssize_t threads
+    if scale is None:
+        scale_value = 1.0 / sqrt(<double>d_k)
+    elif type(scale) is float:
+        scale_value = scale
+        if not isfinite(scale_value):
+            return None
+        if q_type == cnp.NPY_FLOAT32 and not float_holds(scale_value):
+            return None
+    else:
+        return None
+    if num_threads is None:
+        threads = thread_limit if thread_limit is not None else omp_get_max_threads()
+    elif type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:
+        threads = num_threads
+    else:
+        return None
+    if threads < 1:
+        threads = 1
+
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(qa)
+    # an output no array can hold: the general path names it
+    if <double>n_batch * n_heads * n_queries * d_v * itemsize >= 9.2e18:
+        return None
+
+    # the lengths before the call, each leaving room for the new rows
+    cdef Py_ssize_t group = n_heads // n_kv_heads
+    cdef Py_ssize_t entries_per_sequence = n_kv_heads * (
+        group if group * n_queries > DIRECT_ROWS else 1)
+    cdef intp_t *start = <intp_t *>malloc(
+        (n_batch + n_batch * entries_per_sequence) * sizeof(intp_t))
+    if start == NULL:
+        return None
+    cdef intp_t *entry_lengths = start + n_batch
+    cdef Py_ssize_t b, e
+    cdef long long *lengths_i64 = <long long *>cnp.PyArray_DATA(lengths)
+    cdef int *lengths_i32 = <int *>cnp.PyArray_DATA(lengths)
+    cdef Py_ssize_t lengths_stride = (cnp.PyArray_STRIDE(lengths, 0)
+                                      // cnp.PyArray_ITEMSIZE(lengths))
+    cdef bint wide = cnp.PyArray_TYPE(lengths) == cnp.NPY_INT64
+    for b in range(n_batch):
+        start[b] = (lengths_i64[b * lengths_stride] if wide
+                    else lengths_i32[b * lengths_stride])
+        if start[b] < 0 or start[b] > max_keys - n_new:
+            free(start)
+            return None
+    for e in range(n_batch * entries_per_sequence):
+        entry_lengths[e] = start[e // entries_per_sequence] + n_new
+
+    # everything that allocates comes before the append: the views and batch
+    # shape of _gqa.run_grouped (decode rows of a K/V head's query heads
+    # stacked, or the query heads broadcast against it), the output, float32
+    # rows for a float16 cache converted as the general path converts them
+    cdef cnp.ndarray q_view = qa
+    cdef cnp.ndarray k_view = kc
+    cdef cnp.ndarray v_view = vc
+    cdef cnp.ndarray k_rows = kn
+    cdef cnp.ndarray v_rows = vn
+    cdef cnp.ndarray out
+    cdef Py_ssize_t query_period = 0
+    cdef Py_ssize_t n_batch_dims = 2
+    cdef Py_ssize_t shape[3]
+    shape[0] = n_batch
+    shape[1] = n_kv_heads
+    try:
+        if group > 1 and group * n_queries <= DIRECT_ROWS:
+            q_view = qa.reshape(n_batch, n_kv_heads, group * n_queries, d_k)
+            query_period = n_queries
+        elif group > 1:
+            q_view = qa.reshape(n_batch, n_kv_heads, group, n_queries, d_k)
+            k_view = kc[:, :, None]
+            v_view = vc[:, :, None]
+            shape[2] = group
+            n_batch_dims = 3
+        out = np.empty((n_batch, n_heads, n_queries, d_v), dtype=qa.dtype)
+        if appending and cache_type != cnp.PyArray_TYPE(kn):
+            # a value beyond float16's range is the general path's to refuse
+            if not (half_holds(kn) and half_holds(vn)):
+                free(start)
+                return None
+            k_rows = kn.astype(np.float16)
+            v_rows = vn.astype(np.float16)
+    except BaseException:
+        free(start)
+        raise
+
+    # every check has passed: append, advance the lengths, then attend
+    cdef Problem pb
+    cdef intp_t *index
+    if appending:
+        append_rows(kc, k_rows, start)
+        append_rows(vc, v_rows, start)
+        for b in range(n_batch):
+            if wide:
+                lengths_i64[b * lengths_stride] = start[b] + n_new
+            else:
+                lengths_i32[b * lengths_stride] = <int>(start[b] + n_new)
+    try:
+        index = problem_from_arrays(&pb, q_view, k_view, v_view, None, None, None,
+                                    n_batch_dims, shape, causal, scale_value)
+        set_row_options(&pb, None, -1, -1, 0)
+        if query_period > 0:
+            pb.query_period = query_period
+        set_kv_lengths(&pb, entry_lengths, index)
+        run_then_free(&pb, index, threads, out, None)
+    except BaseException:
+        # the computation failed (its memory): the new rows are given back,
+        # their slots free again past the lengths
+        if appending:
+            for b in range(n_batch):
+                if wide:
+                    lengths_i64[b * lengths_stride] = start[b]
+                else:
+                    lengths_i32[b * lengths_stride] = <int>start[b]
+        free(start)
+        raise
+    free(start)
     return out

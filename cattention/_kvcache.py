@@ -7,11 +7,13 @@ from typing import Any, Literal, SupportsIndex, cast, overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from . import _attention
 from ._api import attention
 from ._call import check_options
 from ._checks import (_array, _as_input, _check_flag, _readable_in_place,
                       _refuse_shared_memory)
 from ._quantize import SCALE_RANGE, cache_rows, scales_in_range
+from ._threads import _current_limit
 
 __all__ = ["attention_with_kvcache"]
 
@@ -161,6 +163,15 @@ def attention_with_kvcache(
     >>> out.shape, lengths
     ((1, 2, 3, 8), array([3]))
     """
+    if (window is None and softcap is None and alibi_slopes is None and sinks is None
+            and k_scale is None and v_scale is None and return_lse is False
+            and (enable_gqa is None or enable_gqa is True) and type(causal) is bool):
+        # a serving step of float caches: checked, appended and computed in
+        # one compiled call, or None for everything else (and every error)
+        fast = _attention.kvcache_fast(q, k_cache, v_cache, cache_lengths, k_new, v_new,
+                                       causal, scale, num_threads, _current_limit())
+        if fast is not None:
+            return fast
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(cache, np.ndarray) or cache.ndim != 4:
             raise ValueError(f"{name} must be a 4-D ndarray (B, H_kv, S_max, d); got "

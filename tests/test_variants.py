@@ -3,6 +3,7 @@ kv_lengths, the KV cache, float16 K/V, windows, softcap and ALiBi."""
 
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -584,6 +585,12 @@ def test_3d_k_new_reports_the_expected_4d_shape():
     with pytest.raises(ValueError, match=r"v_new must be 4-D"):
         ca.attention_with_kvcache(q, k_cache, v_cache, lengths, np.ones((2, 1, 1, 4)),
                                   np.ones((1, 4)))
+    # of the cache dtype, as a serving step's rows are: 0-d and 1-d rows too
+    for k_new in (np.float32(1.0), np.ones(4, np.float32), np.ones((2, 1, 4), np.float32)):
+        with pytest.raises(ValueError, match=r"k_new must be 4-D"):
+            ca.attention_with_kvcache(q, k_cache, v_cache, lengths, np.asarray(k_new),
+                                      np.ones((2, 1, 1, 4), np.float32))
+    assert lengths.tolist() == [3, 1]
 
 
 # ---- decoding options: enable_gqa, window, softcap, ALiBi --------------------
@@ -694,6 +701,33 @@ def test_kvcache_refuses_what_it_cannot_store_and_writes_nothing(cache_dtype, ch
         assert_bitwise_equal(a, b)
 
 
+@pytest.mark.parametrize("value,stored", [(1e5, None), (65520.0, None),
+                                          (65519.99, 65504.0), (-65519.99, -65504.0)])
+def test_kvcache_float32_rows_into_float16_cache_round_or_are_refused(value, stored):
+    """The serving step with float32 rows for a float16 cache: a value that
+    rounds to inf is refused (naming it, with no warning first, nothing
+    written); one just below rounds to float16's largest."""
+    k_cache = np.zeros((2, 2, 16, 4), np.float16)
+    v_cache = np.zeros((2, 2, 16, 4), np.float16)
+    lengths = np.array([3, 1])
+    q = np.ones((2, 4, 1, 4), np.float32)
+    k_new = np.ones((2, 2, 1, 4), np.float32)
+    k_new[1, 1, 0, 2] = value
+    before = [a.copy() for a in (k_cache, v_cache, lengths)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if stored is None:
+            with pytest.raises(ValueError, match=r"k_new\[1, 1, 0, 2\] = .* beyond the range "
+                               r"of the float16 cache"):
+                ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, k_new / 2)
+            for a, b in zip(before, (k_cache, v_cache, lengths)):
+                assert_bitwise_equal(a, b)
+            return
+        ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, k_new / 2)
+    assert lengths.tolist() == [4, 2]
+    assert k_cache[1, 1, 1, 2] == stored and v_cache[1, 1, 1, 2] == np.float16(value / 2)
+
+
 def test_kvcache_failed_computation_gives_the_rows_back(monkeypatch):
     """A call that fails after its append (out of memory) puts cache_lengths
     back: the slots past them are free again."""
@@ -714,7 +748,134 @@ def test_kvcache_failed_computation_gives_the_rows_back(monkeypatch):
         raise MemoryError("cattention: could not allocate scratch memory")
 
     monkeypatch.setattr("cattention._kvcache.attention", out_of_memory)
+    # (window=(None, None) is no window, and takes the general path)
     with pytest.raises(MemoryError):
         ca.attention_with_kvcache(np.ones((2, 2, 2, 4), np.float32), k_cache, v_cache,
-                                  lengths, new, new)
+                                  lengths, new, new, window=(None, None))
     assert lengths.tolist() == [3, 1]
+
+
+_FAILING_SCRATCH = """
+import re, resource
+import numpy as np
+import cattention as ca
+S = 1 << 21
+k_cache = np.ones((1, 1, S, 8), np.float32)
+v_cache = np.ones((1, 1, S, 8), np.float32)
+lengths = np.array([S - 200], dtype=np.{length_dtype})
+chunk = np.full((1, 1, 100, 8), 2, np.float32)
+ca.attention(chunk, chunk, chunk, num_threads=1)
+# room for small allocations, not for the chunk's 64 MiB of packed keys
+status = open("/proc/self/status").read()
+in_use = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (in_use + (16 << 20), resource.RLIM_INFINITY))
+try:
+    ca.attention_with_kvcache(chunk, k_cache, v_cache, lengths, chunk, chunk, num_threads=1)
+    print("no error")
+except MemoryError as error:
+    print(type(error).__name__, int(lengths[0]), float(k_cache[0, 0, S - 150, 0]))
+"""
+
+
+@pytest.mark.parametrize("length_dtype", ["int64", "int32"])
+def test_kvcache_step_failing_for_scratch_gives_the_rows_back(length_dtype):
+    """The serving step's compiled path too: a step whose scratch cannot be
+    allocated raises MemoryError with cache_lengths put back (the new rows
+    were written to the slots past them)."""
+    result = subprocess.run([sys.executable, "-c", _FAILING_SCRATCH.format(
+        length_dtype=length_dtype)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["MemoryError", str((1 << 21) - 200), "2.0"]
+
+
+def _serving_case(seed, dtype, cache_dtype, new_dtype, heads, kv_heads, T, lengths,
+                  length_dtype, max_keys=40, d_k=16, d_v=8):
+    rng = np.random.default_rng(seed)
+    batch = len(lengths)
+    k_cache = rng.standard_normal((batch, kv_heads, max_keys, d_k)).astype(cache_dtype)
+    v_cache = rng.standard_normal((batch, kv_heads, max_keys, d_v)).astype(cache_dtype)
+    q = rng.standard_normal((batch, heads, T, d_k)).astype(dtype)
+    k_new = rng.standard_normal((batch, kv_heads, T, d_k)).astype(new_dtype)
+    v_new = rng.standard_normal((batch, kv_heads, T, d_v)).astype(new_dtype)
+    return q, k_cache, v_cache, np.array(lengths, dtype=length_dtype), k_new, v_new
+
+
+# (H, H_kv, T): ungrouped; grouped decode (rows stacked per K/V head: G * T
+# <= 8); a grouped prompt chunk (query heads broadcast against their K/V head)
+@pytest.mark.parametrize("heads,kv_heads,T", [(2, 2, 1), (2, 2, 3), (8, 2, 1), (8, 2, 2),
+                                              (4, 1, 5), (6, 3, 9)])
+@pytest.mark.parametrize("types", [("float32", "float32", "float32"),
+                                   ("float64", "float64", "float64"),
+                                   ("float32", "float16", "float32"),
+                                   ("float32", "float16", "float16")],
+                         ids=["f32", "f64", "f16-cache", "f16-cache-f16-new"])
+@pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_kvcache_serving_step_matches_reference_and_general_path(
+        monkeypatch, heads, kv_heads, T, types, append, causal):
+    """The serving step (float caches, no options) runs a compiled path of
+    its own: its output matches the float64 reference, and its output,
+    caches and lengths are bitwise those of the general path."""
+    dtype, cache_dtype, new_dtype = types
+    taken = []
+    compiled = ca._kvcache._attention.kvcache_fast
+
+    def recording(*args):
+        result = compiled(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ca._kvcache._attention, "kvcache_fast", recording)
+    for seed, (lengths, length_dtype) in enumerate([([7, 0, 30], np.int64),
+                                                   ([31, 12], np.int32)]):
+        if not append:
+            lengths = [max(n, T) for n in lengths]
+        q, k_cache, v_cache, cache_lengths, k_new, v_new = _serving_case(
+            900 + seed, dtype, cache_dtype, new_dtype, heads, kv_heads, T, lengths,
+            length_dtype)
+        step = (k_new, v_new) if append else ()
+        general = [a.copy() for a in (k_cache, v_cache, cache_lengths)]
+        out = ca.attention_with_kvcache(q, k_cache, v_cache, cache_lengths, *step,
+                                        causal=causal)
+        expected = ca.attention_with_kvcache(q, *general, *step, causal=causal,
+                                             window=(None, None))
+        # the first call took the compiled path; the second never tried it
+        assert taken == [True] * (seed + 1)
+        assert out.dtype == np.dtype(dtype) and out.shape == expected.shape
+        assert_bitwise_equal(out, expected)
+        for got, want in zip((k_cache, v_cache, cache_lengths), general):
+            assert got.dtype == want.dtype
+            assert_bitwise_equal(got, want)
+        group = heads // kv_heads
+        for b, n in enumerate(cache_lengths.tolist()):
+            assert n == lengths[b] + (T if append else 0)
+            k_seen = k_cache[b, :, :n].astype(dtype)
+            v_seen = v_cache[b, :, :n].astype(dtype)
+            assert_matches_reference(out[b], None, q[b], repeat_kv(k_seen, group),
+                                     repeat_kv(v_seen, group), causal=causal)
+
+
+def test_kvcache_serving_step_takes_strided_views_and_threads_alike():
+    """Strided q and caches (views into larger buffers), new rows from a
+    transposed buffer, 1 and 2 threads: the bits of contiguous copies."""
+    q, k_cache, v_cache, lengths, k_new, v_new = _serving_case(
+        910, np.float32, np.float32, np.float32, 8, 2, 1, [5, 17], np.int64)
+    expected_caches = [a.copy() for a in (k_cache, v_cache, lengths)]
+    expected = ca.attention_with_kvcache(q, *expected_caches, k_new, v_new)
+    q_wide = np.zeros(q.shape[:-1] + (2 * q.shape[-1],), np.float32)
+    q_wide[..., ::2] = q
+    for threads in (1, 2):
+        k_buffer = np.zeros(k_cache.shape[:-1] + (3 * k_cache.shape[-1],), np.float32)
+        v_buffer = np.zeros((2,) + v_cache.shape, np.float32)
+        k_strided, v_strided = k_buffer[..., 1::3], v_buffer[1]
+        k_strided[...] = k_cache
+        v_strided[...] = v_cache
+        step_lengths = lengths.copy()
+        k_new_t = np.ascontiguousarray(np.swapaxes(k_new, 2, 3)).swapaxes(2, 3)
+        out = ca.attention_with_kvcache(q_wide[..., ::2], k_strided, v_strided,
+                                        step_lengths, k_new_t, v_new, num_threads=threads)
+        assert_bitwise_equal(out, expected)
+        assert_bitwise_equal(k_strided, expected_caches[0])
+        assert_bitwise_equal(v_strided, expected_caches[1])
+        assert step_lengths.tolist() == expected_caches[2].tolist()
+        assert np.all(k_buffer[..., 0::3] == 0) and np.all(v_buffer[0] == 0)
