@@ -351,8 +351,8 @@ def attention_with_paged_kvcache(
         if np.unique(slots).size != slots.size:
             raise ValueError("two new rows would be written to one page row: the block "
                              "table gives two sequences the same page where both append")
-        _refuse_writes_to_held_rows(table, old_lengths, page_size, page, row, seq_of_row,
-                                    position)
+        _refuse_writes_to_held_rows(table, old_lengths, page_size, n_pages, page, row,
+                                    seq_of_row, position)
 
     # every check has passed: nothing below can fail half-way on bad input
     if new_rows:
@@ -379,7 +379,8 @@ def attention_with_paged_kvcache(
 
 
 def _refuse_writes_to_held_rows(table: NDArray[np.intp], old_lengths: NDArray[np.int64],
-                                page_size: int, page: NDArray[np.intp], row: NDArray[np.intp],
+                                page_size: int, n_pages: int,
+                                page: NDArray[np.intp], row: NDArray[np.intp],
                                 seq_of_row: NDArray[np.intp],
                                 position: NDArray[np.int64]) -> None:
     """A new row (page[n], row[n]) must not land on a page row some sequence
@@ -387,23 +388,27 @@ def _refuse_writes_to_held_rows(table: NDArray[np.intp], old_lengths: NDArray[np
     the new row in place of its own, silently. Pages shared for a common
     prefix are fine as long as every sequence appends past them."""
     held_slots = np.arange(table.shape[1]) < -(-old_lengths // page_size)[:, None]
-    shared = held_slots & np.isin(table, page)
-    if not shared.any():
-        return
-    holder, slot = np.nonzero(shared)
-    # rows 0 .. held_rows - 1 of page table[holder, slot] are held
-    held_rows = np.minimum(page_size, old_lengths[holder] - slot * page_size)
+    # held table entries are page ids (checked); the others may hold anything
+    written = np.zeros(n_pages, dtype=bool)
+    written[page] = True
+    holder, slot = np.nonzero(held_slots & written[np.where(held_slots, table, 0)])
     held_page = table[holder, slot]
-    for h in np.flatnonzero(np.isin(held_page, page)):
-        clash = np.flatnonzero((page == held_page[h]) & (row < held_rows[h]))
-        if clash.size:
-            n = int(clash[0])
-            raise ValueError(
-                f"sequence {int(seq_of_row[n])}'s new position {int(position[n])} would be "
-                f"written to page {int(page[n])} row {int(row[n])}, which sequence "
-                f"{int(holder[h])} holds (its position "
-                f"{int(slot[h]) * page_size + int(row[n])}): the block table gives a page "
-                "a sequence still holds to later positions")
+    # rows 0 .. held_rows - 1 of held_page are held
+    held_rows = np.minimum(page_size, old_lengths[holder] - slot * page_size)
+    # the most rows any sequence holds of each page written to
+    pages, inverse = np.unique(page, return_inverse=True)
+    most = np.zeros(pages.size, np.int64)
+    np.maximum.at(most, np.searchsorted(pages, held_page), held_rows)
+    clash = np.flatnonzero(row < most[inverse])
+    if clash.size:
+        n = int(clash[0])
+        h = int(np.flatnonzero((held_page == page[n]) & (held_rows > row[n]))[0])
+        raise ValueError(
+            f"sequence {int(seq_of_row[n])}'s new position {int(position[n])} would be "
+            f"written to page {int(page[n])} row {int(row[n])}, which sequence "
+            f"{int(holder[h])} holds (its position "
+            f"{int(slot[h]) * page_size + int(row[n])}): the block table gives a page "
+            "a sequence still holds to later positions")
 
 
 def _attend(q: NDArray[Any], k_pages: NDArray[Any], v_pages: NDArray[Any],
