@@ -368,8 +368,11 @@ def _lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any
     except ValueError:
         try:
             # grouped heads (H != H_kv): the dimensions before the head axis
-            # broadcast, then q's heads
-            batch_shape = _broadcast_shapes(*(a.shape[:-3] for a in operands)) + q.shape[-3:-2]
+            # (the mask's too) broadcast, then q's heads
+            before_heads = [a.shape[:-3] for a in operands]
+            if len(mask_shape) > 3:
+                before_heads.append(mask_shape[:-3])
+            batch_shape = _broadcast_shapes(*before_heads) + q.shape[-3:-2]
         except ValueError:
             # a mismatch, reported later
             batch_shape = q.shape[:-2]

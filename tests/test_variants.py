@@ -510,6 +510,16 @@ def test_1d_kv_lengths_are_per_sequence_when_the_mask_brings_the_batch(dtype):
     assert_bitwise_equal(out, ca.attention(q, k, v, mask=mask, kv_lengths=[[2], [6]]))
     with pytest.raises(ValueError, match=r"kv_lengths of shape \(3,\) is ambiguous"):
         ca.attention(q, k, v, mask=mask, kv_lengths=np.array([2, 6, 1]))
+    # grouped heads (4 query heads, 2 K/V heads, B = 4 from the mask)
+    q, k, v = make_qkv(203, (4, 3, 4), (2, 6, 4), (2, 6, 3), dtype)
+    mask = np.ones((4, 4, 3, 6), bool)
+    lengths = [1, 2, 3, 6]
+    grouped = ca.attention(q, k, v, mask=mask, kv_lengths=np.array(lengths), enable_gqa=True)
+    assert_bitwise_equal(grouped, ca.attention(q, k, v, mask=mask, enable_gqa=True,
+                                               kv_lengths=np.array(lengths)[:, None]))
+    for b, n in enumerate(lengths):
+        assert_matches_reference(grouped[b], None, q, np.repeat(k[:, :n], 2, axis=0),
+                                 np.repeat(v[:, :n], 2, axis=0), mask=mask[b, :, :, :n])
 
 
 @pytest.mark.parametrize("entry", ["attention", "scores", "varlen", "paged"])
