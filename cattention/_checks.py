@@ -320,7 +320,9 @@ def _prepare_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...],
 
 def _check_alibi_values(slopes: NDArray[np.float64], compute: np.dtype[Any]) -> None:
     """Finite slopes the compute dtype holds: the biases are logits of that
-    dtype, and a slope beyond it makes them infinite (NaN rows)."""
+    dtype, and a slope beyond it makes every bias off the diagonal infinite
+    (NaN rows). A slope within it times a long distance can still leave the
+    dtype's range, as any logit can (a +inf logit makes its row NaN)."""
     if not np.all(np.isfinite(slopes)):
         raise ValueError("alibi_slopes must be finite")
     limit = float(np.finfo(compute).max)
