@@ -377,6 +377,35 @@ cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
     return True
 
 
+cdef inline bint plain_scale(object scale, Py_ssize_t d_k, bint in_float,
+                             double *value):
+    """The scale a fast path takes, in value: None (1 / sqrt(d_k), d_k > 0)
+    or a finite Python float the compute dtype holds (in_float: float32).
+    False sends the call to the general path, which names what is wrong."""
+    if scale is None:
+        if d_k == 0:
+            return False
+        value[0] = 1.0 / sqrt(<double>d_k)
+        return True
+    if type(scale) is not float:
+        return False
+    value[0] = scale
+    return isfinite(value[0]) and (not in_float or float_holds(value[0]))
+
+
+cdef inline Py_ssize_t plain_threads(object num_threads, object thread_limit):
+    """The thread count a fast path runs with: num_threads, a Python int in
+    [1, MAX_THREADS], or for None the calling thread's limit (else OpenMP's
+    maximum); 0 sends the call to the general path."""
+    cdef Py_ssize_t threads
+    if num_threads is None:
+        threads = thread_limit if thread_limit is not None else omp_get_max_threads()
+        return threads if threads >= 1 else 1
+    if type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:
+        return num_threads
+    return 0
+
+
 def attention_fast(object q, object k, object v, bint causal, object scale,
                    object num_threads, bint return_scores, object thread_limit):
     """``attention`` for the common case with no Python-level overhead, or
@@ -422,27 +451,9 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     if (<double>n_batch * n_queries * (n_keys if return_scores and n_keys > d_v else d_v)
             * cnp.PyArray_ITEMSIZE(qa) >= 9.2e18):
         return None
-    if scale is None:
-        if d_k == 0:
-            return None
-        scale_value = 1.0 / sqrt(<double>d_k)
-    elif type(scale) is float:
-        scale_value = scale
-        if not isfinite(scale_value):
-            return None
-        # a scale float32 cannot hold is refused on the general path
-        if type_num == cnp.NPY_FLOAT32 and not float_holds(scale_value):
-            return None
-    else:
+    threads = plain_threads(num_threads, thread_limit)
+    if not plain_scale(scale, d_k, type_num == cnp.NPY_FLOAT32, &scale_value) or threads == 0:
         return None
-    if num_threads is None:
-        threads = thread_limit if thread_limit is not None else omp_get_max_threads()
-    elif type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:
-        threads = num_threads
-    else:
-        return None
-    if threads < 1:
-        threads = 1
 
     shape[ndim - 2] = n_queries
     shape[ndim - 1] = d_v
@@ -487,6 +498,36 @@ cdef inline bint apart(cnp.ndarray a, cnp.ndarray b) noexcept:
     byte_span(a, &a_low, &a_high)
     byte_span(b, &b_low, &b_high)
     return a_high <= b_low or b_high <= a_low
+
+
+cdef inline bint without_self_overlap(cnp.ndarray arr) noexcept:
+    """No two elements of arr share memory: along its axes by increasing
+    stride, each stride clears the extent of the axes before it. (A
+    broadcast or as_strided array that fails this is written by the general
+    path, element by element in NumPy's order.)"""
+    cdef Py_ssize_t stride[8]
+    cdef Py_ssize_t extent[8]
+    cdef Py_ssize_t n = 0
+    cdef Py_ssize_t d, i, j, s, e
+    cdef Py_ssize_t covered = cnp.PyArray_ITEMSIZE(arr)
+    for d in range(cnp.PyArray_NDIM(arr)):
+        if cnp.PyArray_DIM(arr, d) > 1:
+            stride[n] = abs(cnp.PyArray_STRIDE(arr, d))
+            extent[n] = stride[n] * (cnp.PyArray_DIM(arr, d) - 1)
+            n += 1
+    # insertion sort of at most 4 axes by stride
+    for i in range(1, n):
+        s, e = stride[i], extent[i]
+        j = i - 1
+        while j >= 0 and stride[j] > s:
+            stride[j + 1], extent[j + 1] = stride[j], extent[j]
+            j -= 1
+        stride[j + 1], extent[j + 1] = s, e
+    for i in range(n):
+        if stride[i] < covered:
+            return False
+        covered += extent[i]
+    return True
 
 
 cdef inline void append_rows(cnp.ndarray cache, cnp.ndarray rows,
@@ -535,6 +576,27 @@ cdef inline bint half_holds(cnp.ndarray rows) noexcept:
                             < 65520.0:
                         return False
     return True
+
+
+cdef inline intp_t load_length(cnp.ndarray lengths, Py_ssize_t b) noexcept:
+    """lengths[b] of an aligned int64 or int32 cache_lengths."""
+    cdef char *at = <char *>cnp.PyArray_DATA(lengths) + b * cnp.PyArray_STRIDE(lengths, 0)
+    if cnp.PyArray_TYPE(lengths) == cnp.NPY_INT64:
+        return (<long long *>at)[0]
+    return (<int *>at)[0]
+
+
+cdef inline void store_lengths(cnp.ndarray lengths, const intp_t *start,
+                               Py_ssize_t n_new) noexcept:
+    """lengths[b] = start[b] + n_new for every b (each fits: at most S_max)."""
+    cdef char *at
+    cdef Py_ssize_t b
+    for b in range(cnp.PyArray_DIM(lengths, 0)):
+        at = <char *>cnp.PyArray_DATA(lengths) + b * cnp.PyArray_STRIDE(lengths, 0)
+        if cnp.PyArray_TYPE(lengths) == cnp.NPY_INT64:
+            (<long long *>at)[0] = start[b] + n_new
+        else:
+            (<int *>at)[0] = <int>(start[b] + n_new)
 
 
 def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
@@ -613,11 +675,15 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
         if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)
                 and cnp.PyArray_ISWRITEABLE(lengths)):
             return None
+        if not (without_self_overlap(kc) and without_self_overlap(vc)
+                and without_self_overlap(lengths)):
+            return None
         # new float32 rows for a float16 cache are converted as the general
         # path converts them; one beyond float16's range is its to refuse
         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
-            if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32 and usable_input(kn, q_type)
-                    and usable_input(vn, q_type)):
+            if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32
+                    and usable_input(kn, cnp.NPY_FLOAT32)
+                    and usable_input(vn, cnp.NPY_FLOAT32)):
                 return None
         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
             return None
@@ -629,25 +695,9 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
             return None
 
     cdef double scale_value
-    cdef Py_ssize_t threads
-    if scale is None:
-        scale_value = 1.0 / sqrt(<double>d_k)
-    elif type(scale) is float:
-        scale_value = scale
-        if not isfinite(scale_value):
-            return None
-        if q_type == cnp.NPY_FLOAT32 and not float_holds(scale_value):
-            return None
-    else:
+    cdef Py_ssize_t threads = plain_threads(num_threads, thread_limit)
+    if not plain_scale(scale, d_k, q_type == cnp.NPY_FLOAT32, &scale_value) or threads == 0:
         return None
-    if num_threads is None:
-        threads = thread_limit if thread_limit is not None else omp_get_max_threads()
-    elif type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:
-        threads = num_threads
-    else:
-        return None
-    if threads < 1:
-        threads = 1
 
     cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(qa)
     # an output no array can hold: the general path names it
@@ -664,14 +714,8 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
         return None
     cdef intp_t *entry_lengths = start + n_batch
     cdef Py_ssize_t b, e
-    cdef long long *lengths_i64 = <long long *>cnp.PyArray_DATA(lengths)
-    cdef int *lengths_i32 = <int *>cnp.PyArray_DATA(lengths)
-    cdef Py_ssize_t lengths_stride = (cnp.PyArray_STRIDE(lengths, 0)
-                                      // cnp.PyArray_ITEMSIZE(lengths))
-    cdef bint wide = cnp.PyArray_TYPE(lengths) == cnp.NPY_INT64
     for b in range(n_batch):
-        start[b] = (lengths_i64[b * lengths_stride] if wide
-                    else lengths_i32[b * lengths_stride])
+        start[b] = load_length(lengths, b)
         if start[b] < 0 or start[b] > max_keys - n_new:
             free(start)
             return None
@@ -721,11 +765,7 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
     if appending:
         append_rows(kc, k_rows, start)
         append_rows(vc, v_rows, start)
-        for b in range(n_batch):
-            if wide:
-                lengths_i64[b * lengths_stride] = start[b] + n_new
-            else:
-                lengths_i32[b * lengths_stride] = <int>(start[b] + n_new)
+        store_lengths(lengths, start, n_new)
     try:
         index = problem_from_arrays(&pb, q_view, k_view, v_view, None, None, None,
                                     n_batch_dims, shape, causal, scale_value)
@@ -738,11 +778,7 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
         # the computation failed (its memory): the new rows are given back,
         # their slots free again past the lengths
         if appending:
-            for b in range(n_batch):
-                if wide:
-                    lengths_i64[b * lengths_stride] = start[b]
-                else:
-                    lengths_i32[b * lengths_stride] = <int>start[b]
+            store_lengths(lengths, start, 0)
         free(start)
         raise
     free(start)

@@ -865,6 +865,26 @@ def test_kvcache_serving_step_matches_reference_and_general_path(
                                      repeat_kv(v_seen, group), causal=causal)
 
 
+def test_kvcache_serving_step_leaves_self_overlapping_caches_to_the_general_path():
+    """A writable cache whose rows overlap (an as_strided view) is written
+    element by element in NumPy's order, as the general path writes it, not
+    row by row: the cache ends the same either way."""
+    def step(general):
+        buffer = np.arange(200, dtype=np.float32)
+        k_cache = np.lib.stride_tricks.as_strided(buffer, (1, 1, 16, 4),
+                                                  (800, 800, 4, 4))[:, :, ::-1]
+        v_cache = np.zeros((1, 1, 16, 4), np.float32)
+        k_new = (np.arange(8, dtype=np.float32) + 1000).reshape(1, 1, 2, 4)
+        out = ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache, v_cache,
+                                        np.array([3]), k_new, np.ones((1, 1, 2, 4), np.float32),
+                                        **(dict(window=(None, None)) if general else {}))
+        return out, buffer
+
+    fast, general = step(False), step(True)
+    assert_bitwise_equal(fast[0], general[0])
+    assert_bitwise_equal(fast[1], general[1])
+
+
 def test_kvcache_serving_step_takes_strided_views_and_threads_alike():
     """Strided q and caches (views into larger buffers), new rows from a
     transposed buffer, 1 and 2 threads: the bits of contiguous copies."""
