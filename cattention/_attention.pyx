@@ -426,7 +426,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     cdef int d
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t shape[64]
-    cdef double scale_value
+    cdef double scale_value = 0   # set by plain_scale
     cdef Py_ssize_t threads
     if type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT64:
         return None
@@ -694,7 +694,7 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
                 and apart(kc, vn) and apart(vc, vn) and apart(lengths, vn)):
             return None
 
-    cdef double scale_value
+    cdef double scale_value = 0   # set by plain_scale
     cdef Py_ssize_t threads = plain_threads(num_threads, thread_limit)
     if not plain_scale(scale, d_k, q_type == cnp.NPY_FLOAT32, &scale_value) or threads == 0:
         return None
