@@ -278,12 +278,12 @@ def attention(
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    if (mask is None and return_lse is False and enable_gqa is False and kv_lengths is None
+    if (mask is None and return_lse is False and kv_lengths is None
             and window is None and softcap is None and alibi_slopes is None and sinks is None
-            and k_scale is None and v_scale is None
+            and k_scale is None and v_scale is None and type(enable_gqa) is bool
             and type(causal) is bool and type(return_scores) is bool):
         fast = _attention.attention_fast(
-            q, k, v, causal, scale, num_threads, return_scores, _current_limit())
+            q, k, v, causal, scale, num_threads, return_scores, _current_limit(), enable_gqa)
         if fast is not None:
             return fast
     causal = _check_flag(causal, "causal")

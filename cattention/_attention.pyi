@@ -74,6 +74,7 @@ def attention_fast(
     num_threads: object,
     return_scores: Literal[False],
     thread_limit: int | None,
+    grouped: bool = ...,
 ) -> NDArray[np.floating[Any]] | None: ...
 @overload
 def attention_fast(
@@ -85,6 +86,7 @@ def attention_fast(
     num_threads: object,
     return_scores: Literal[True],
     thread_limit: int | None,
+    grouped: bool = ...,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]] | None: ...
 @overload
 def attention_fast(
@@ -96,6 +98,7 @@ def attention_fast(
     num_threads: object,
     return_scores: bool,
     thread_limit: int | None,
+    grouped: bool = ...,
 ) -> (
     NDArray[np.floating[Any]]
     | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]

@@ -407,15 +407,18 @@ cdef inline Py_ssize_t plain_threads(object num_threads, object thread_limit):
 
 
 def attention_fast(object q, object k, object v, bint causal, object scale,
-                   object num_threads, bint return_scores, object thread_limit):
+                   object num_threads, bint return_scores, object thread_limit,
+                   bint grouped=False):
     """``attention`` for the common case with no Python-level overhead, or
     None when the general path (``_api._run``) must handle the call.
 
     Common: q, k, v are ndarrays of one dtype (float32 or float64) and one
     ndim, with equal leading dimensions, in native byte order, aligned,
     element-multiple strides, nonempty, no mask, and scale/num_threads of
-    plain types. Anything else, including every error, goes to the general
-    path. The Problem is built by the same problem_from_arrays."""
+    plain types. With ``grouped`` (enable_gqa=True) the head axis (-3) of
+    k and v may hold H_kv heads, H_kv dividing q's H. Anything else,
+    including every error, goes to the general path. The Problem is built by
+    the same problem_from_arrays, over the views _gqa.run_grouped takes."""
     if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
         return None
     cdef cnp.ndarray qa = <cnp.ndarray>q
@@ -430,14 +433,24 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     cdef Py_ssize_t threads
     if type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT64:
         return None
-    if ndim < 2 or cnp.PyArray_NDIM(ka) != ndim or cnp.PyArray_NDIM(va) != ndim:
+    if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim
+            or cnp.PyArray_NDIM(va) != ndim):
         return None
     if not (usable_input(qa, type_num) and usable_input(ka, type_num)
             and usable_input(va, type_num)):
         return None
+    cdef Py_ssize_t group = 1
+    cdef Py_ssize_t n_kv_heads
     for d in range(ndim - 2):
         shape[d] = cnp.PyArray_DIM(qa, d)
-        if cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:
+        if grouped and d == ndim - 3:
+            # the head axis: H query heads in groups of H / H_kv per K/V head
+            n_kv_heads = cnp.PyArray_DIM(ka, d)
+            if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0
+                    or shape[d] % n_kv_heads != 0):
+                return None
+            group = shape[d] // n_kv_heads
+        elif cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:
             return None
         n_batch *= shape[d]
     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, ndim - 2)
@@ -462,9 +475,31 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     if return_scores:
         shape[ndim - 1] = n_keys
         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+    cdef cnp.ndarray q_view = qa
+    cdef cnp.ndarray k_view = ka
+    cdef cnp.ndarray v_view = va
+    cdef Py_ssize_t n_batch_dims = ndim - 2
+    cdef Py_ssize_t query_period = 0
+    if group > 1:
+        # the batch: q's leading dimensions with H_kv heads, and for a
+        # grouped prompt the G query heads of each after them; the outputs,
+        # C-contiguous, are the same memory either way
+        shape[ndim - 3] = n_kv_heads
+        if group * n_queries <= DIRECT_ROWS:
+            # decode: a K/V head's G heads' rows stacked, its keys read once
+            q_view = qa.reshape(q.shape[:ndim - 3] + (n_kv_heads, group * n_queries, d_k))
+            query_period = n_queries
+        else:
+            q_view = qa.reshape(q.shape[:ndim - 3] + (n_kv_heads, group, n_queries, d_k))
+            k_view = ka[..., None, :, :]
+            v_view = va[..., None, :, :]
+            shape[ndim - 2] = group
+            n_batch_dims = ndim - 1
     cdef Problem pb
-    cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2, shape,
-                                             causal, scale_value)
+    cdef intp_t *index = problem_from_arrays(&pb, q_view, k_view, v_view, None, None, None,
+                                             n_batch_dims, shape, causal, scale_value)
+    if query_period > 0:
+        pb.query_period = query_period
     run_then_free(&pb, index, threads, out, scores)
     if return_scores:
         return out, scores

@@ -24,6 +24,46 @@ def repeat_kv(x, group):
     return np.repeat(x, group, axis=-3)
 
 
+# (H, H_kv, T): equal heads; grouped decode (G * T <= 8: rows stacked per K/V
+# head); a grouped prompt (query heads broadcast against their K/V head)
+@pytest.mark.parametrize("heads,kv_heads,T", [(4, 4, 3), (8, 2, 1), (8, 2, 2), (4, 1, 5),
+                                              (6, 3, 9), (8, 2, 40)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("return_scores", [False, True], ids=["attn", "scores"])
+def test_gqa_compiled_path_matches_reference_and_general_path(
+        monkeypatch, dtype, heads, kv_heads, T, causal, return_scores):
+    """enable_gqa=True without other options runs the compiled path: its
+    results match the float64 reference and are bitwise those of the general
+    path (taken here with window=(None, None), which is no window), for
+    batch dimensions before the heads and a strided q."""
+    taken = []
+    compiled = ca._api._attention.attention_fast
+
+    def recording(*args):
+        result = compiled(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ca._api._attention, "attention_fast", recording)
+    S = 70
+    q, k, v = make_qkv(52, (2, heads, T, 16), (2, kv_heads, S, 16), (2, kv_heads, S, 5),
+                       dtype)
+    for q_in in (q, np.ascontiguousarray(q.swapaxes(-1, -2)).swapaxes(-1, -2)):
+        got = ca.attention(q_in, k, v, causal=causal, enable_gqa=True,
+                           return_scores=return_scores)
+        expected = ca.attention(q_in, k, v, causal=causal, enable_gqa=True,
+                                return_scores=return_scores, window=(None, None))
+        assert taken[-1] is True
+        for a, b in zip(got if return_scores else (got,),
+                        expected if return_scores else (expected,)):
+            assert a.shape == b.shape
+            assert_bitwise_equal(a, b)
+        group = heads // kv_heads
+        attn, scores = got if return_scores else (got, None)
+        assert_matches_reference(attn, scores, q, repeat_kv(k, group), repeat_kv(v, group),
+                                 causal)
+
+
 # T = 1 and 5 take the direct path (K/V read in place), 100 the packed one
 @pytest.mark.parametrize("T,S", [(1, 300), (5, 7), (100, 300), (37, 19)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
