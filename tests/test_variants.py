@@ -24,6 +24,21 @@ def repeat_kv(x, group):
     return np.repeat(x, group, axis=-3)
 
 
+def record_compiled_path(monkeypatch, name):
+    """A list that gets True for each call of the compiled entry ``name``
+    that took the call, False for each it handed to the general path."""
+    taken = []
+    compiled = getattr(ca._attention, name)
+
+    def recording(*args):
+        result = compiled(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(ca._attention, name, recording)
+    return taken
+
+
 # (H, H_kv, T): equal heads; grouped decode (G * T <= 8: rows stacked per K/V
 # head); a grouped prompt (query heads broadcast against their K/V head)
 @pytest.mark.parametrize("heads,kv_heads,T", [(4, 4, 3), (8, 2, 1), (8, 2, 2), (4, 1, 5),
@@ -36,15 +51,7 @@ def test_gqa_compiled_path_matches_reference_and_general_path(
     results match the float64 reference and are bitwise those of the general
     path (taken here with window=(None, None), which is no window), for
     batch dimensions before the heads and a strided q."""
-    taken = []
-    compiled = ca._api._attention.attention_fast
-
-    def recording(*args):
-        result = compiled(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(ca._api._attention, "attention_fast", recording)
+    taken = record_compiled_path(monkeypatch, "attention_fast")
     S = 70
     q, k, v = make_qkv(52, (2, heads, T, 16), (2, kv_heads, S, 16), (2, kv_heads, S, 5),
                        dtype)
@@ -867,15 +874,7 @@ def test_kvcache_serving_step_matches_reference_and_general_path(
     its own: its output matches the float64 reference, and its output,
     caches and lengths are bitwise those of the general path."""
     dtype, cache_dtype, new_dtype = types
-    taken = []
-    compiled = ca._kvcache._attention.kvcache_fast
-
-    def recording(*args):
-        result = compiled(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(ca._kvcache._attention, "kvcache_fast", recording)
+    taken = record_compiled_path(monkeypatch, "kvcache_fast")
     for seed, (lengths, length_dtype) in enumerate([([7, 0, 30], np.int64),
                                                    ([31, 12], np.int32)]):
         if not append:
