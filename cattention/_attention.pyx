@@ -440,7 +440,7 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
             and usable_input(va, type_num)):
         return None
     cdef Py_ssize_t group = 1
-    cdef Py_ssize_t n_kv_heads
+    cdef Py_ssize_t n_kv_heads = 0   # set for grouped heads
     for d in range(ndim - 2):
         shape[d] = cnp.PyArray_DIM(qa, d)
         if grouped and d == ndim - 3:
