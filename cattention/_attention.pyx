@@ -406,6 +406,31 @@ cdef inline Py_ssize_t plain_threads(object num_threads, object thread_limit):
     return 0
 
 
+cdef inline tuple grouped_views(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
+                                Py_ssize_t group, Py_ssize_t *batch,
+                                Py_ssize_t *n_batch_dims, Py_ssize_t *query_period):
+    """The views, batch and query period of _gqa.run_grouped for q (..., H,
+    T, d_k) over k, v (..., H_kv, S, d) with H = group * H_kv > H_kv: a K/V
+    head's G heads' decode rows stacked as its rows (its keys read once), or
+    for more rows the query heads broadcast against it. batch holds q's
+    leading dimensions on entry (n_batch_dims of them) and the batch on
+    return; outputs of q's leading shape, C-contiguous, are the same memory
+    either way."""
+    cdef int ndim = cnp.PyArray_NDIM(q)
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(q, ndim - 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(q, ndim - 1)
+    cdef Py_ssize_t n_kv_heads = batch[ndim - 3] // group
+    cdef tuple leading = (<object>q).shape[:ndim - 3]
+    batch[ndim - 3] = n_kv_heads
+    if group * n_queries <= DIRECT_ROWS:
+        query_period[0] = n_queries
+        return q.reshape(leading + (n_kv_heads, group * n_queries, d_k)), k, v
+    batch[ndim - 2] = group
+    n_batch_dims[0] = ndim - 1
+    return (q.reshape(leading + (n_kv_heads, group, n_queries, d_k)),
+            k[..., None, :, :], v[..., None, :, :])
+
+
 def attention_fast(object q, object k, object v, bint causal, object scale,
                    object num_threads, bint return_scores, object thread_limit,
                    bint grouped=False):
@@ -481,20 +506,8 @@ def attention_fast(object q, object k, object v, bint causal, object scale,
     cdef Py_ssize_t n_batch_dims = ndim - 2
     cdef Py_ssize_t query_period = 0
     if group > 1:
-        # the batch: q's leading dimensions with H_kv heads, and for a
-        # grouped prompt the G query heads of each after them; the outputs,
-        # C-contiguous, are the same memory either way
-        shape[ndim - 3] = n_kv_heads
-        if group * n_queries <= DIRECT_ROWS:
-            # decode: a K/V head's G heads' rows stacked, its keys read once
-            q_view = qa.reshape(q.shape[:ndim - 3] + (n_kv_heads, group * n_queries, d_k))
-            query_period = n_queries
-        else:
-            q_view = qa.reshape(q.shape[:ndim - 3] + (n_kv_heads, group, n_queries, d_k))
-            k_view = ka[..., None, :, :]
-            v_view = va[..., None, :, :]
-            shape[ndim - 2] = group
-            n_batch_dims = ndim - 1
+        q_view, k_view, v_view = grouped_views(qa, ka, va, group, shape, &n_batch_dims,
+                                               &query_period)
     cdef Problem pb
     cdef intp_t *index = problem_from_arrays(&pb, q_view, k_view, v_view, None, None, None,
                                              n_batch_dims, shape, causal, scale_value)
@@ -739,10 +752,35 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
     if <double>n_batch * n_heads * n_queries * d_v * itemsize >= 9.2e18:
         return None
 
-    # the lengths before the call, each leaving room for the new rows
+    # everything that allocates comes before the append: the views and batch
+    # of _gqa.run_grouped, the output, float32 rows for a float16 cache
+    # converted as the general path converts them
     cdef Py_ssize_t group = n_heads // n_kv_heads
-    cdef Py_ssize_t entries_per_sequence = n_kv_heads * (
-        group if group * n_queries > DIRECT_ROWS else 1)
+    cdef cnp.ndarray q_view = qa
+    cdef cnp.ndarray k_view = kc
+    cdef cnp.ndarray v_view = vc
+    cdef Py_ssize_t query_period = 0
+    cdef Py_ssize_t n_batch_dims = 2
+    cdef Py_ssize_t shape[3]
+    shape[0] = n_batch
+    shape[1] = n_heads
+    if group > 1:
+        q_view, k_view, v_view = grouped_views(qa, kc, vc, group, shape, &n_batch_dims,
+                                               &query_period)
+    cdef cnp.ndarray out = np.empty((n_batch, n_heads, n_queries, d_v), dtype=qa.dtype)
+    cdef cnp.ndarray k_rows = kn
+    cdef cnp.ndarray v_rows = vn
+    if appending and cache_type != cnp.PyArray_TYPE(kn):
+        # a value beyond float16's range is the general path's to refuse
+        if not (half_holds(kn) and half_holds(vn)):
+            return None
+        k_rows = kn.astype(np.float16)
+        v_rows = vn.astype(np.float16)
+
+    # the lengths before the call, each leaving room for the new rows, and
+    # the lengths after it of each batch entry (sequence b's K/V heads, and
+    # their query heads when broadcast)
+    cdef Py_ssize_t entries_per_sequence = shape[1] * (shape[2] if n_batch_dims == 3 else 1)
     cdef intp_t *start = <intp_t *>malloc(
         (n_batch + n_batch * entries_per_sequence) * sizeof(intp_t))
     if start == NULL:
@@ -756,43 +794,6 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
             return None
     for e in range(n_batch * entries_per_sequence):
         entry_lengths[e] = start[e // entries_per_sequence] + n_new
-
-    # everything that allocates comes before the append: the views and batch
-    # shape of _gqa.run_grouped (decode rows of a K/V head's query heads
-    # stacked, or the query heads broadcast against it), the output, float32
-    # rows for a float16 cache converted as the general path converts them
-    cdef cnp.ndarray q_view = qa
-    cdef cnp.ndarray k_view = kc
-    cdef cnp.ndarray v_view = vc
-    cdef cnp.ndarray k_rows = kn
-    cdef cnp.ndarray v_rows = vn
-    cdef cnp.ndarray out
-    cdef Py_ssize_t query_period = 0
-    cdef Py_ssize_t n_batch_dims = 2
-    cdef Py_ssize_t shape[3]
-    shape[0] = n_batch
-    shape[1] = n_kv_heads
-    try:
-        if group > 1 and group * n_queries <= DIRECT_ROWS:
-            q_view = qa.reshape(n_batch, n_kv_heads, group * n_queries, d_k)
-            query_period = n_queries
-        elif group > 1:
-            q_view = qa.reshape(n_batch, n_kv_heads, group, n_queries, d_k)
-            k_view = kc[:, :, None]
-            v_view = vc[:, :, None]
-            shape[2] = group
-            n_batch_dims = 3
-        out = np.empty((n_batch, n_heads, n_queries, d_v), dtype=qa.dtype)
-        if appending and cache_type != cnp.PyArray_TYPE(kn):
-            # a value beyond float16's range is the general path's to refuse
-            if not (half_holds(kn) and half_holds(vn)):
-                free(start)
-                return None
-            k_rows = kn.astype(np.float16)
-            v_rows = vn.astype(np.float16)
-    except BaseException:
-        free(start)
-        raise
 
     # every check has passed: append, advance the lengths, then attend
     cdef Problem pb
