@@ -14,7 +14,7 @@ from cattention._problem cimport K_BLOCK, Problem, ROW_GROUP, out_row_offset, ro
 from cattention._operands cimport rows_in_place
 from cattention._workspace cimport Workspace
 from cattention._packing cimport (
-    add_nonfinite_values, nonfinite_flag, pack_queries, packed_keys, packed_values,
+    add_nonfinite_values, nonfinite_flag, packed_keys, packed_values, query_rows,
     panel_width)
 from cattention._visibility cimport mask_scores, visible_ranges
 from cattention._softmax cimport (
@@ -27,6 +27,8 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
                                     floating *out) noexcept nogil:
     """ATTN for one block of query rows, streaming packed key blocks."""
     cdef floating *q_packed = <floating *>ws.base + ws.off_q
+    cdef const floating *q_rows
+    cdef Py_ssize_t ldq
     cdef floating *s = <floating *>ws.base + ws.off_s
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
@@ -44,7 +46,7 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
 
     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
     if last_key > first_key:
-        pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
+        q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
         key0 = (first_key // K_BLOCK) * K_BLOCK
         while key0 < last_key:
@@ -73,7 +75,7 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
                     group_keys[group] = n_keys
             if group_keys[0] == n_keys:
                 # the first rows see the whole block, so all do: one call
-                kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
+                kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
                              round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK,
                              next_kt, k_block_bytes)
             else:
@@ -81,7 +83,7 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
                     group0 = i * ROW_GROUP
                     group_rows = min(ROW_GROUP, n_rows - group0)
                     if group_keys[i] > 0:
-                        kernel_score(kern, q_packed + group0 * pb.ld_k, pb.ld_k, group_rows,
+                        kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
                                      pb.scale, s + group0 * K_BLOCK, K_BLOCK)
             # columns a group skipped lie past its rows' visible range, so
@@ -115,6 +117,8 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
     The rows of the caller's SCORES array are the scratch: logits are written
     there, then turned into weights in place, then multiplied by V."""
     cdef floating *q_packed = <floating *>ws.base + ws.off_q
+    cdef const floating *q_rows
+    cdef Py_ssize_t ldq
     cdef floating *s = <floating *>ws.base + ws.off_s
     cdef const floating *kt
     cdef const floating *v_packed
@@ -158,7 +162,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         return
 
     first_block = (first_key // K_BLOCK) * K_BLOCK
-    pack_queries(pb, b, row0, n_rows, q_packed, pb.ld_k)
+    q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
     # pass 1: masked logits into SCORES, keys nobody sees as zeros
     for i in range(n_rows):
         scores_row = scores_block + i * ld_scores
@@ -184,11 +188,11 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
                                    <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows,
                                    False)
-            kernel_score_direct(kern, q_packed, pb.ld_k, n_rows, k_rows, ld_rows, n_keys,
+            kernel_score_direct(kern, q_rows, ldq, n_rows, k_rows, ld_rows, n_keys,
                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
         else:
             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)
-            kernel_score(kern, q_packed, pb.ld_k, n_rows, kt, pb.ld_k * P,
+            kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
         for i in range(n_rows):

@@ -26,6 +26,22 @@ cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
             q_packed[i * ld + c] = q_row[c * pb.q.col_stride]
 
 
+cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
+                                       Py_ssize_t n_rows, floating *q_packed, Py_ssize_t ld,
+                                       Py_ssize_t *ldq) noexcept nogil:
+    """Query rows row0.. of entry b with contiguous features (row stride in
+    *ldq): where the caller keeps them, or copied into q_packed (rows ld
+    apart) when their features are strided. The score kernels read the same
+    values either way; a copy would cost its own pass over Q (3% of a
+    BERT-sized call)."""
+    if pb.q.col_stride == 1 or pb.d_k <= 1:
+        ldq[0] = pb.q.row_stride
+        return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
+    pack_queries(pb, b, row0, n_rows, q_packed, ld)
+    ldq[0] = ld
+    return q_packed
+
+
 cdef inline Py_ssize_t panel_width(const floating *values) noexcept nogil:
     """Values per panel row for the dtype of ``values`` (a packed block, or
     the rows packed into one)."""
