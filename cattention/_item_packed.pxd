@@ -62,6 +62,12 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
             if key0 + K_BLOCK < last_key:
                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
                 next_v = <const floating *>packed_values(pb, ws, block + 1)
+            elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:
+                # the last block: what the thread reads next (fetch_after)
+                next_kt = <const floating *>ws.after_score
+                next_v = <const floating *>ws.after_pv
+                k_block_bytes = ws.after_score_bytes
+                v_block_bytes = ws.after_pv_bytes
             # keys each group of rows can see in this block: on the causal
             # diagonal the upper rows skip the panels only lower rows see
             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP

@@ -125,6 +125,20 @@ cdef inline Py_ssize_t operand_itemsize(const Problem *pb, const Operand *op) no
     return pb.itemsize
 
 
+cdef inline Py_ssize_t rows_span(const Problem *pb, const Operand *op, Py_ssize_t b,
+                                 Py_ssize_t row0, Py_ssize_t n_rows, Py_ssize_t n_features,
+                                 const void **start) noexcept nogil:
+    """Bytes of rows row0 .. row0 + n_rows of entry b of q, K or V when they
+    lie back to back in the caller's array (start: their first byte), or 0:
+    paged, strided, or rows apart (prefetching the span would fetch others)."""
+    if (op.page_ids != NULL or n_rows <= 0
+            or (op.col_stride != 1 and n_features > 1)
+            or (op.row_stride != n_features and n_rows > 1)):
+        return 0
+    start[0] = op.data + row_offset(op, b, row0) * operand_itemsize(pb, op)
+    return n_rows * n_features * operand_itemsize(pb, op)
+
+
 cdef inline const int8_t *int8_rows(const Operand *op, Py_ssize_t b,
                                     Py_ssize_t key0) noexcept nogil:
     return <const int8_t *>op.data + row_offset(op, b, key0)

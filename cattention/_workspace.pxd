@@ -27,6 +27,12 @@ cdef struct Workspace:
     void *own_k
     void *own_v
     uint8_t *own_nonfinite
+    # memory the thread reads after this work item (the next item's query
+    # rows, or the next entry's K and V rows), fetched into L2 by the score
+    # and P.V kernels of the item's last key block; 0 bytes: none
+    const void *after_score
+    const void *after_pv
+    Py_ssize_t after_score_bytes, after_pv_bytes
 
 
 cdef inline Workspace *workspace_new(const Problem *pb, size_t itemsize) noexcept nogil:
@@ -81,6 +87,10 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
     ws.own_k = NULL
     ws.own_v = NULL
     ws.own_nonfinite = NULL
+    ws.after_score = NULL
+    ws.after_pv = NULL
+    ws.after_score_bytes = 0
+    ws.after_pv_bytes = 0
     ws.row_lo = <intp_t *>(<char *>ws.base + n_all * itemsize)
     ws.row_hi = ws.row_lo + n_rows
     (<Workspace *>memory)[0] = header
