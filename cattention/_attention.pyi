@@ -118,3 +118,19 @@ def kvcache_fast(
     num_threads: object,
     thread_limit: int | None,
 ) -> NDArray[np.floating[Any]] | None: ...
+
+# None: the call is not the common paged serving step and goes to the
+# general path.
+def paged_fast(
+    q: object,
+    k_pages: object,
+    v_pages: object,
+    block_table: object,
+    cache_lengths: object,
+    k_new: object,
+    v_new: object,
+    causal: bool,
+    scale: object,
+    num_threads: object,
+    thread_limit: int | None,
+) -> NDArray[np.floating[Any]] | None: ...

@@ -40,7 +40,7 @@ cimport numpy as cnp
 from cython cimport floating
 from libc.float cimport FLT_MAX
 from libc.math cimport fabs, isfinite, sqrt
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 from cattention._kernel_table cimport (
@@ -63,7 +63,7 @@ from cattention._schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size,
     omp_get_max_threads, compute_problem)
 from cattention._from_arrays cimport problem_from_arrays, run_on_outputs, set_kv_lengths
-from cattention._from_entries cimport problem_from_entries
+from cattention._from_entries cimport EntryTable, RowsSpec, problem_from_entries, problem_from_table
 
 cnp.import_array()
 
@@ -818,4 +818,320 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
         free(start)
         raise
     free(start)
+    return out
+
+
+cdef inline intp_t table_entry(cnp.ndarray table, Py_ssize_t s, Py_ssize_t slot) noexcept:
+    """block_table[s, slot] of an aligned int64 or int32 table."""
+    cdef char *at = (<char *>cnp.PyArray_DATA(table) + s * cnp.PyArray_STRIDE(table, 0)
+                     + slot * cnp.PyArray_STRIDE(table, 1))
+    if cnp.PyArray_TYPE(table) == cnp.NPY_INT64:
+        return (<long long *>at)[0]
+    return (<int *>at)[0]
+
+
+cdef inline void append_to_pages(cnp.ndarray pages, cnp.ndarray rows, const intp_t *table,
+                                 Py_ssize_t max_pages, const intp_t *start) noexcept:
+    """pages[p, h, r, :] = rows[s, h, t, :] for every (s, h, t), where
+    position start[s] + t of sequence s is row r of page p (the table's):
+    arrays of one dtype, apart, every page id in range."""
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(pages)
+    cdef Py_ssize_t page_size = cnp.PyArray_DIM(pages, 2)
+    cdef Py_ssize_t n_features = cnp.PyArray_DIM(rows, 3)
+    cdef char *pages_data = <char *>cnp.PyArray_DATA(pages)
+    cdef char *rows_data = <char *>cnp.PyArray_DATA(rows)
+    cdef Py_ssize_t page_col = cnp.PyArray_STRIDE(pages, 3)
+    cdef Py_ssize_t rows_col = cnp.PyArray_STRIDE(rows, 3)
+    cdef Py_ssize_t s, h, t, i, position, page
+    cdef char *dst
+    cdef char *src
+    for s in range(cnp.PyArray_DIM(rows, 0)):
+        for t in range(cnp.PyArray_DIM(rows, 2)):
+            position = start[s] + t
+            page = table[s * max_pages + position // page_size]
+            for h in range(cnp.PyArray_DIM(rows, 1)):
+                dst = (pages_data + page * cnp.PyArray_STRIDE(pages, 0)
+                       + h * cnp.PyArray_STRIDE(pages, 1)
+                       + (position % page_size) * cnp.PyArray_STRIDE(pages, 2))
+                src = (rows_data + s * cnp.PyArray_STRIDE(rows, 0)
+                       + h * cnp.PyArray_STRIDE(rows, 1) + t * cnp.PyArray_STRIDE(rows, 2))
+                if page_col == itemsize and rows_col == itemsize:
+                    memcpy(dst, src, n_features * itemsize)
+                else:
+                    for i in range(n_features):
+                        memcpy(dst + i * page_col, src + i * rows_col, itemsize)
+
+
+def paged_fast(object q, object k_pages, object v_pages, object block_table,
+               object cache_lengths, object k_new, object v_new, bint causal, object scale,
+               object num_threads, object thread_limit):
+    """``attention_with_paged_kvcache`` for the common serving call with no
+    Python-level overhead, or None when the general path (``_paged.py``)
+    must handle it. None is returned before anything is written.
+
+    Common: ndarrays; q float32 or float64 of shape (B, H, T, d_k) (no
+    cu_seqlens_q), pages of q's dtype (or float16 with a float32 q) of shape
+    (n_pages, H_kv, page_size, d), H a multiple of H_kv, all sizes nonzero,
+    aligned, native, element-multiple strides; block_table int64 or int32 of
+    shape (B, max_pages); cache_lengths int32 or int64 of shape (B,); k_new
+    and v_new None or of the pages' dtype; every array the call writes
+    certainly apart from every other one it touches; each sequence's new
+    rows within its table, every page it reads a page id, and every page it
+    writes to listed once in the whole table's used entries (a page shared
+    for a common prefix is read by several sequences, written by none);
+    scale and num_threads of plain types in range. Anything else, including
+    every error, goes to the general path. The entry table is the one
+    ``_entries.plan`` builds for the same call (one table: every sequence
+    has T rows), so the bits are the same."""
+    if (type(q) is not np.ndarray or type(k_pages) is not np.ndarray
+            or type(v_pages) is not np.ndarray or type(block_table) is not np.ndarray
+            or type(cache_lengths) is not np.ndarray):
+        return None
+    cdef bint appending = k_new is not None
+    if appending != (v_new is not None):
+        return None
+    if appending and (type(k_new) is not np.ndarray or type(v_new) is not np.ndarray):
+        return None
+    cdef cnp.ndarray qa = <cnp.ndarray>q
+    cdef cnp.ndarray kp = <cnp.ndarray>k_pages
+    cdef cnp.ndarray vp = <cnp.ndarray>v_pages
+    cdef cnp.ndarray table = <cnp.ndarray>block_table
+    cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
+    cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
+    cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
+    cdef int q_type = cnp.PyArray_TYPE(qa)
+    cdef int page_type = cnp.PyArray_TYPE(kp)
+    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
+        return None
+    if page_type != q_type and not (q_type == cnp.NPY_FLOAT32
+                                    and page_type == cnp.NPY_FLOAT16):
+        return None
+    if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kp) != 4 or cnp.PyArray_NDIM(vp) != 4
+            or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1):
+        return None
+    if not (usable_input(qa, q_type) and usable_input(kp, page_type)
+            and usable_input(vp, page_type)
+            and (usable_input(table, cnp.NPY_INT64) or usable_input(table, cnp.NPY_INT32))):
+        return None
+    cdef Py_ssize_t n_pages = cnp.PyArray_DIM(kp, 0)
+    cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kp, 1)
+    cdef Py_ssize_t page_size = cnp.PyArray_DIM(kp, 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(kp, 3)
+    cdef Py_ssize_t d_v = cnp.PyArray_DIM(vp, 3)
+    cdef Py_ssize_t n_seq = cnp.PyArray_DIM(table, 0)
+    cdef Py_ssize_t max_pages = cnp.PyArray_DIM(table, 1)
+    cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
+    if (cnp.PyArray_DIM(vp, 0) != n_pages or cnp.PyArray_DIM(vp, 1) != n_kv_heads
+            or cnp.PyArray_DIM(vp, 2) != page_size or cnp.PyArray_DIM(qa, 0) != n_seq
+            or cnp.PyArray_DIM(qa, 3) != d_k or cnp.PyArray_DIM(lengths, 0) != n_seq):
+        return None
+    if (n_pages == 0 or n_kv_heads == 0 or page_size == 0 or d_k == 0 or d_v == 0
+            or n_seq == 0 or max_pages == 0 or n_heads == 0 or n_queries == 0
+            or n_heads % n_kv_heads != 0):
+        return None
+    # positions a sequence can hold; int32 lengths must hold every one
+    if <double>max_pages * page_size > 4.0e18:
+        return None
+    cdef Py_ssize_t capacity = max_pages * page_size
+    if not (usable_input(lengths, cnp.NPY_INT64)
+            or (usable_input(lengths, cnp.NPY_INT32) and capacity <= 2147483647)):
+        return None
+    cdef Py_ssize_t n_new = 0
+    if appending:
+        if cnp.PyArray_NDIM(kn) != 4 or cnp.PyArray_NDIM(vn) != 4:
+            return None
+        n_new = n_queries
+        if (cnp.PyArray_DIM(kn, 0) != n_seq or cnp.PyArray_DIM(vn, 0) != n_seq
+                or cnp.PyArray_DIM(kn, 1) != n_kv_heads or cnp.PyArray_DIM(vn, 1) != n_kv_heads
+                or cnp.PyArray_DIM(kn, 2) != n_new or cnp.PyArray_DIM(vn, 2) != n_new
+                or cnp.PyArray_DIM(kn, 3) != d_k or cnp.PyArray_DIM(vn, 3) != d_v):
+            return None
+        if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
+            return None
+        if not (cnp.PyArray_ISWRITEABLE(kp) and cnp.PyArray_ISWRITEABLE(vp)
+                and cnp.PyArray_ISWRITEABLE(lengths)):
+            return None
+        if not (without_self_overlap(kp) and without_self_overlap(vp)
+                and without_self_overlap(lengths)):
+            return None
+        # written arrays apart from each other and from what is read
+        if not (apart(kp, vp) and apart(kp, lengths) and apart(vp, lengths)
+                and apart(kp, qa) and apart(vp, qa) and apart(lengths, qa)
+                and apart(kp, kn) and apart(vp, kn) and apart(lengths, kn)
+                and apart(kp, vn) and apart(vp, vn) and apart(lengths, vn)
+                and apart(kp, table) and apart(vp, table) and apart(lengths, table)):
+            return None
+
+    cdef double scale_value = 0   # set by plain_scale
+    cdef Py_ssize_t threads = plain_threads(num_threads, thread_limit)
+    if not plain_scale(scale, d_k, q_type == cnp.NPY_FLOAT32, &scale_value) or threads == 0:
+        return None
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(qa)
+    # an output no array can hold: the general path names it
+    if <double>n_seq * n_heads * n_queries * d_v * itemsize >= 9.2e18:
+        return None
+
+    # the entries of _entries.plan: with one new row per sequence and
+    # grouped heads, one per (sequence, K/V head), its query heads stacked
+    # as rows; otherwise one per (sequence, query head)
+    cdef Py_ssize_t group = n_heads // n_kv_heads
+    cdef bint stacked = n_queries == 1 and 1 < group <= DIRECT_ROWS
+    cdef Py_ssize_t n_entries = n_seq * (n_kv_heads if stacked else n_heads)
+    # one buffer: the table as intp, the old and new lengths, then the
+    # entry arrays (q_offset, k_offset, v_offset, kv_index, kv_length,
+    # out_offset, page_first, q_rows)
+    cdef intp_t *table_copy = <intp_t *>malloc(
+        (n_seq * max_pages + 2 * n_seq + 8 * n_entries) * sizeof(intp_t))
+    if table_copy == NULL:
+        return None
+    cdef intp_t *start = table_copy + n_seq * max_pages
+    cdef intp_t *new_length = start + n_seq
+    cdef intp_t *q_offset = new_length + n_seq
+    cdef intp_t *k_offset = q_offset + n_entries
+    cdef intp_t *v_offset = k_offset + n_entries
+    cdef intp_t *kv_index = v_offset + n_entries
+    cdef intp_t *kv_length = kv_index + n_entries
+    cdef intp_t *out_offset = kv_length + n_entries
+    cdef intp_t *page_first = out_offset + n_entries
+    cdef intp_t *q_rows = page_first + n_entries
+    cdef unsigned char *page_uses = NULL
+    cdef Py_ssize_t s, slot, page, e, h, kv_head
+    cdef Py_ssize_t n_keys = 0
+    cdef bint declined = False
+    for s in range(n_seq):
+        for slot in range(max_pages):
+            table_copy[s * max_pages + slot] = table_entry(table, s, slot)
+        start[s] = load_length(lengths, s)
+        if start[s] < 0 or start[s] > capacity - n_new:
+            declined = True
+            break
+        new_length[s] = start[s] + n_new
+        if new_length[s] > n_keys:
+            n_keys = new_length[s]
+        # every page the sequence reads is a page id
+        for slot in range((new_length[s] + page_size - 1) // page_size):
+            page = table_copy[s * max_pages + slot]
+            if page < 0 or page >= n_pages:
+                declined = True
+                break
+        if declined:
+            break
+    if appending and not declined:
+        # each page a sequence writes to is used once, by that sequence's
+        # slot: then no new row lands on a row some sequence holds, and no
+        # two land on one row. (A page written to and used twice is always
+        # one or the other: the general path's to refuse.)
+        page_uses = <unsigned char *>calloc(n_pages, 1)
+        if page_uses == NULL:
+            declined = True
+        else:
+            for s in range(n_seq):
+                for slot in range(start[s] // page_size, (new_length[s] - 1) // page_size + 1):
+                    page_uses[table_copy[s * max_pages + slot]] = 1
+            for s in range(n_seq):
+                for slot in range((new_length[s] + page_size - 1) // page_size):
+                    page = table_copy[s * max_pages + slot]
+                    if page_uses[page] == 2:
+                        declined = True
+                        break
+                    if page_uses[page] == 1:
+                        page_uses[page] = 2
+                if declined:
+                    break
+            free(page_uses)
+    if declined:
+        free(table_copy)
+        return None
+
+    cdef Py_ssize_t q_seq = cnp.PyArray_STRIDE(qa, 0) // itemsize
+    cdef Py_ssize_t q_head = cnp.PyArray_STRIDE(qa, 1) // itemsize
+    cdef Py_ssize_t page_itemsize = cnp.PyArray_ITEMSIZE(kp)
+    cdef Py_ssize_t k_head = cnp.PyArray_STRIDE(kp, 1) // page_itemsize
+    cdef Py_ssize_t v_head = cnp.PyArray_STRIDE(vp, 1) // page_itemsize
+    cdef Py_ssize_t out_seq = n_heads * n_queries * d_v
+    cdef Py_ssize_t out_head = n_queries * d_v
+    cdef EntryTable t
+    cdef RowsSpec q_spec, k_spec, v_spec
+    for s in range(n_seq):
+        for h in range(n_entries // n_seq):
+            e = s * (n_entries // n_seq) + h
+            # h is a K/V head when stacked, else a query head
+            kv_head = h if stacked else h // group
+            q_offset[e] = s * q_seq + (h * group if stacked else h) * q_head
+            out_offset[e] = s * out_seq + (h * group if stacked else h) * out_head
+            kv_index[e] = e if stacked else s * n_kv_heads + kv_head
+            kv_length[e] = new_length[s]
+            k_offset[e] = kv_head * k_head
+            v_offset[e] = kv_head * v_head
+            page_first[e] = s * max_pages
+            q_rows[e] = n_queries
+    t.n_entries = n_entries
+    t.n_queries = group if stacked else n_queries
+    t.n_keys = n_keys
+    t.d_k = d_k
+    t.d_v = d_v
+    t.n_kv = n_entries if stacked else n_seq * n_kv_heads
+    t.q_offset = q_offset
+    t.k_offset = k_offset
+    t.v_offset = v_offset
+    t.kv_index = kv_index
+    t.kv_length = kv_length
+    t.out_offset = out_offset
+    t.q_rows = NULL if stacked else q_rows
+    t.lse_offset = NULL
+    t.ld_out = out_head if stacked else d_v
+    t.ld_lse = 1
+    t.query_period = 1 if stacked else 0
+    t.page_ids = table_copy
+    t.page_first = page_first
+    t.page_size = page_size
+    q_spec.data = <const char *>cnp.PyArray_DATA(qa)
+    q_spec.type_num = q_type
+    q_spec.row_stride = q_head if stacked else cnp.PyArray_STRIDE(qa, 2) // itemsize
+    q_spec.col_stride = cnp.PyArray_STRIDE(qa, 3) // itemsize
+    q_spec.page_stride = 0
+    q_spec.scale = NULL
+    q_spec.scale_offset = NULL
+    q_spec.scale_stride = 0
+    q_spec.scale_page_stride = 0
+    k_spec = q_spec
+    k_spec.data = <const char *>cnp.PyArray_DATA(kp)
+    k_spec.type_num = page_type
+    k_spec.row_stride = cnp.PyArray_STRIDE(kp, 2) // page_itemsize
+    k_spec.col_stride = cnp.PyArray_STRIDE(kp, 3) // page_itemsize
+    k_spec.page_stride = cnp.PyArray_STRIDE(kp, 0) // page_itemsize
+    v_spec = k_spec
+    v_spec.data = <const char *>cnp.PyArray_DATA(vp)
+    v_spec.row_stride = cnp.PyArray_STRIDE(vp, 2) // page_itemsize
+    v_spec.col_stride = cnp.PyArray_STRIDE(vp, 3) // page_itemsize
+    v_spec.page_stride = cnp.PyArray_STRIDE(vp, 0) // page_itemsize
+    cdef cnp.ndarray out
+    try:
+        out = np.empty((n_seq, n_heads, n_queries, d_v), dtype=qa.dtype)
+    except BaseException:
+        free(table_copy)
+        raise
+
+    # every check has passed: append, advance the lengths, then attend
+    cdef Problem pb
+    cdef intp_t *index
+    if appending:
+        append_to_pages(kp, kn, table_copy, max_pages, start)
+        append_to_pages(vp, vn, table_copy, max_pages, start)
+        store_lengths(lengths, start, n_new)
+    try:
+        index = problem_from_table(&pb, &t, &q_spec, &k_spec, &v_spec, causal, scale_value)
+        if index == NULL:
+            raise MemoryError("cattention: could not allocate scratch memory")
+        set_row_options(&pb, None, -1, -1, 0)
+        run_then_free(&pb, index, threads, out, None)
+    except BaseException:
+        # the computation failed (its memory): the new rows are given back,
+        # their slots free again past the lengths
+        if appending:
+            store_lengths(lengths, start, 0)
+        free(table_copy)
+        raise
+    free(table_copy)
     return out

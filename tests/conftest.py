@@ -79,3 +79,24 @@ def restore_threads():
         ca.set_num_threads(None)
     except (TypeError, ValueError):
         ca.set_num_threads(before)
+
+
+@pytest.fixture
+def compiled_path(monkeypatch):
+    """compiled_path(name): a list that gets True for each call of the
+    compiled entry ``name`` of cattention._attention that took the call,
+    False for each it handed to the general path."""
+    from cattention import _attention
+
+    def record(name):
+        taken = []
+        compiled = getattr(_attention, name)
+
+        def recording(*args):
+            result = compiled(*args)
+            taken.append(result is not None)
+            return result
+
+        monkeypatch.setattr(_attention, name, recording)
+        return taken
+    return record

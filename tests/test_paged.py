@@ -2,6 +2,9 @@
 reference on each sequence's contiguous keys, and a continuous-batching
 loop against full causal attention recomputed for each sequence."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -310,8 +313,10 @@ def test_paged_failed_computation_gives_the_rows_back(monkeypatch):
         raise MemoryError("cattention: could not allocate scratch memory")
 
     monkeypatch.setattr("cattention._paged._attend", out_of_memory)
+    # (window=(None, None) is no window, and takes the general path)
     with pytest.raises(MemoryError):
-        ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths, x, x)
+        ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths, x, x,
+                                        window=(None, None))
     assert lengths.tolist() == [3, 8]
     monkeypatch.undo()
     # the same call then appends as a first call would
@@ -448,3 +453,158 @@ def test_paged_more_errors_write_nothing(change, match):
     assert_bitwise_equal(args["k_pages"], before[0])
     assert_bitwise_equal(args["v_pages"], before[1])
     assert_bitwise_equal(lengths, before[2])
+
+
+def _serving_pages(seed, dtype, page_dtype, n_seq, heads, kv_heads, T, lengths, page_size,
+                   length_dtype, table_dtype, d_k=16, d_v=8):
+    rng = np.random.default_rng(seed)
+    max_pages = -(-(max(lengths) + T) // page_size) + 1
+    k_pages, v_pages, table = _cache(rng, n_seq, kv_heads, page_size, max_pages, d_k, d_v,
+                                     page_dtype)
+    q = rng.standard_normal((n_seq, heads, T, d_k)).astype(dtype)
+    k_new = rng.standard_normal((n_seq, kv_heads, T, d_k)).astype(page_dtype)
+    v_new = rng.standard_normal((n_seq, kv_heads, T, d_v)).astype(page_dtype)
+    return (q, k_pages, v_pages, table.astype(table_dtype),
+            np.array(lengths, dtype=length_dtype), k_new, v_new)
+
+
+# (H, H_kv, T): ungrouped; grouped decode (rows stacked per K/V head: G * T
+# <= 8); grouped with more rows (one entry per query head)
+@pytest.mark.parametrize("heads,kv_heads,T", [(2, 2, 1), (2, 2, 3), (8, 2, 1), (8, 2, 2),
+                                              (4, 1, 5), (12, 1, 1)])
+@pytest.mark.parametrize("types", [("float32", "float32"), ("float64", "float64"),
+                                   ("float32", "float16")],
+                         ids=["f32", "f64", "f16-pages"])
+@pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_paged_serving_step_matches_reference_and_general_path(
+        compiled_path, heads, kv_heads, T, types, append, causal):
+    """The serving step (float pages, no options) runs a compiled path of its
+    own: its output matches the float64 reference, and its output, pages
+    and lengths are bitwise those of the general path."""
+    dtype, page_dtype = types
+    taken = compiled_path("paged_fast")
+    cases = [([7, 0, 30], 4, np.int64, np.int64), ([31, 12], 16, np.int32, np.int32),
+             ([300], 16, np.int64, np.int32)]
+    for seed, (lengths, page_size, length_dtype, table_dtype) in enumerate(cases):
+        if not append:
+            lengths = [max(n, T) for n in lengths]
+        q, k_pages, v_pages, table, cache_lengths, k_new, v_new = _serving_pages(
+            940 + seed, dtype, page_dtype, len(lengths), heads, kv_heads, T, lengths,
+            page_size, length_dtype, table_dtype)
+        step = (k_new, v_new) if append else ()
+        general = [a.copy() for a in (k_pages, v_pages, cache_lengths)]
+        out = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, cache_lengths,
+                                              *step, causal=causal)
+        expected = ca.attention_with_paged_kvcache(q, general[0], general[1], table,
+                                                   general[2], *step, causal=causal,
+                                                   window=(None, None))
+        # the first call took the compiled path; the second never tried it
+        assert taken == [True] * (seed + 1)
+        assert out.dtype == np.dtype(dtype) and out.shape == expected.shape
+        assert_bitwise_equal(out, expected)
+        for got, want in zip((k_pages, v_pages, cache_lengths), general):
+            assert got.dtype == want.dtype
+            assert_bitwise_equal(got, want)
+        for b, n in enumerate(cache_lengths.tolist()):
+            assert n == lengths[b] + (T if append else 0)
+        _check(out, None, q, k_pages.astype(dtype), v_pages.astype(dtype), table,
+               cache_lengths, heads // kv_heads, causal=causal)
+
+
+def test_paged_serving_step_takes_strided_views_and_threads_alike(compiled_path):
+    """Strided q and pages (views into larger buffers), a transposed block
+    table, new rows from a transposed buffer, 1 and 2 threads: the bits of
+    contiguous copies."""
+    taken = compiled_path("paged_fast")
+    q, k_pages, v_pages, table, lengths, k_new, v_new = _serving_pages(
+        950, np.float32, np.float32, 3, 8, 2, 1, [5, 17, 40], 8, np.int64, np.int64)
+    expected_pages = [a.copy() for a in (k_pages, v_pages, lengths)]
+    expected = ca.attention_with_paged_kvcache(q, *expected_pages[:2], table,
+                                               expected_pages[2], k_new, v_new)
+    q_wide = np.zeros(q.shape[:-1] + (2 * q.shape[-1],), np.float32)
+    q_wide[..., ::2] = q
+    for threads in (1, 2):
+        k_buffer = np.zeros(k_pages.shape[:-1] + (3 * k_pages.shape[-1],), np.float32)
+        v_buffer = np.zeros((2,) + v_pages.shape, np.float32)
+        k_strided, v_strided = k_buffer[..., 1::3], v_buffer[1]
+        k_strided[...] = k_pages
+        v_strided[...] = v_pages
+        step_lengths = lengths.copy()
+        table_t = np.ascontiguousarray(table.T).T
+        k_new_t = np.ascontiguousarray(np.swapaxes(k_new, 2, 3)).swapaxes(2, 3)
+        out = ca.attention_with_paged_kvcache(q_wide[..., ::2], k_strided, v_strided, table_t,
+                                              step_lengths, k_new_t, v_new,
+                                              num_threads=threads)
+        assert_bitwise_equal(out, expected)
+        assert_bitwise_equal(k_strided, expected_pages[0])
+        assert_bitwise_equal(v_strided, expected_pages[1])
+        assert step_lengths.tolist() == expected_pages[2].tolist()
+        assert np.all(k_buffer[..., 0::3] == 0) and np.all(v_buffer[0] == 0)
+    assert taken == [True] * 3
+
+
+def test_paged_serving_step_leaves_written_shared_pages_to_the_general_path(compiled_path):
+    """A page read by several sequences (a common prefix) keeps the compiled
+    path; a page a sequence writes to that another sequence (or the same one,
+    listed twice) also uses is the general path's to refuse, and nothing is
+    written."""
+    taken = compiled_path("paged_fast")
+    rng = np.random.default_rng(33)
+    k_pages = rng.standard_normal((5, 1, 4, 8)).astype(np.float32)
+    v_pages = rng.standard_normal((5, 1, 4, 8)).astype(np.float32)
+    q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+    new = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+
+    def step(table, lengths):
+        return ca.attention_with_paged_kvcache(q, k_pages, v_pages, np.array(table),
+                                               np.array(lengths), new, new)
+
+    step([[0, 1], [0, 2]], [4, 5])                  # page 0 read by both
+    assert taken == [True]
+    before = (k_pages.copy(), v_pages.copy())
+    for table, lengths, match in [([[3, 1], [3, 2]], [2, 5], "which sequence 1 holds"),
+                                  ([[3, 1], [3, 2]], [2, 2], "two new rows"),
+                                  ([[3, 3], [4, 2]], [4, 1], "which sequence 0 holds")]:
+        with pytest.raises(ValueError, match=match):
+            step(table, lengths)
+    assert taken == [True, False, False, False]
+    assert_bitwise_equal(k_pages, before[0])
+    assert_bitwise_equal(v_pages, before[1])
+
+
+_FAILING_PAGED_SCRATCH = """
+import re, resource
+import numpy as np
+import cattention as ca
+S = 1 << 21
+k_pages = np.ones((S // 256, 1, 256, 8), np.float32)
+v_pages = np.ones((S // 256, 1, 256, 8), np.float32)
+table = np.arange(S // 256)[None]
+lengths = np.array([S - 200], dtype=np.{length_dtype})
+chunk = np.full((1, 1, 100, 8), 2, np.float32)
+ca.attention(chunk, chunk, chunk, num_threads=1)
+# room for small allocations, not for the chunk's 64 MiB of packed keys
+status = open("/proc/self/status").read()
+in_use = int(re.search(r"VmSize:\\s+(\\d+)", status).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (in_use + (16 << 20), resource.RLIM_INFINITY))
+try:
+    ca.attention_with_paged_kvcache(chunk, k_pages, v_pages, table, lengths, chunk, chunk,
+                                    num_threads=1)
+    print("no error")
+except MemoryError as error:
+    position = S - 150
+    print(type(error).__name__, int(lengths[0]),
+          float(k_pages[position // 256, 0, position % 256, 0]))
+"""
+
+
+@pytest.mark.parametrize("length_dtype", ["int64", "int32"])
+def test_paged_serving_step_failing_for_scratch_gives_the_rows_back(length_dtype):
+    """The compiled path too: a step whose scratch cannot be allocated
+    raises MemoryError with cache_lengths put back (the new rows were
+    written to the page rows past them)."""
+    result = subprocess.run([sys.executable, "-c", _FAILING_PAGED_SCRATCH.format(
+        length_dtype=length_dtype)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["MemoryError", str((1 << 21) - 200), "2.0"]

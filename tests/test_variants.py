@@ -24,21 +24,6 @@ def repeat_kv(x, group):
     return np.repeat(x, group, axis=-3)
 
 
-def record_compiled_path(monkeypatch, name):
-    """A list that gets True for each call of the compiled entry ``name``
-    that took the call, False for each it handed to the general path."""
-    taken = []
-    compiled = getattr(ca._attention, name)
-
-    def recording(*args):
-        result = compiled(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(ca._attention, name, recording)
-    return taken
-
-
 # (H, H_kv, T): equal heads; grouped decode (G * T <= 8: rows stacked per K/V
 # head); a grouped prompt (query heads broadcast against their K/V head)
 @pytest.mark.parametrize("heads,kv_heads,T", [(4, 4, 3), (8, 2, 1), (8, 2, 2), (4, 1, 5),
@@ -46,12 +31,12 @@ def record_compiled_path(monkeypatch, name):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("return_scores", [False, True], ids=["attn", "scores"])
 def test_gqa_compiled_path_matches_reference_and_general_path(
-        monkeypatch, dtype, heads, kv_heads, T, causal, return_scores):
+        compiled_path, dtype, heads, kv_heads, T, causal, return_scores):
     """enable_gqa=True without other options runs the compiled path: its
     results match the float64 reference and are bitwise those of the general
     path (taken here with window=(None, None), which is no window), for
     batch dimensions before the heads and a strided q."""
-    taken = record_compiled_path(monkeypatch, "attention_fast")
+    taken = compiled_path("attention_fast")
     S = 70
     q, k, v = make_qkv(52, (2, heads, T, 16), (2, kv_heads, S, 16), (2, kv_heads, S, 5),
                        dtype)
@@ -869,12 +854,12 @@ def _serving_case(seed, dtype, cache_dtype, new_dtype, heads, kv_heads, T, lengt
 @pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_kvcache_serving_step_matches_reference_and_general_path(
-        monkeypatch, heads, kv_heads, T, types, append, causal):
+        compiled_path, heads, kv_heads, T, types, append, causal):
     """The serving step (float caches, no options) runs a compiled path of
     its own: its output matches the float64 reference, and its output,
     caches and lengths are bitwise those of the general path."""
     dtype, cache_dtype, new_dtype = types
-    taken = record_compiled_path(monkeypatch, "kvcache_fast")
+    taken = compiled_path("kvcache_fast")
     for seed, (lengths, length_dtype) in enumerate([([7, 0, 30], np.int64),
                                                    ([31, 12], np.int32)]):
         if not append:
