@@ -109,7 +109,7 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
                              pb.k.scale_stride, s + j, K_BLOCK)
         return
     k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
-                           <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, False)
+                           <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, NULL)
     kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
                         pb.d_k, pb.scale, s + j, K_BLOCK,
                         contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
@@ -135,7 +135,7 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
                           row_scales(&pb.v, b, key0 + j), pb.v.scale_stride, acc, pb.ld_v)
         return
     v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
-                           <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, False)
+                           <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, NULL)
     # (x86 drops a prefetch past the end of K without a fault; a page
     # table is read only where the sequence has pages)
     kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run, pb.d_v, acc,

@@ -193,7 +193,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
             # few rows: keys read in place, as on the direct path
             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
                                    <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows,
-                                   False)
+                                   NULL)
             kernel_score_direct(kern, q_rows, ldq, n_rows, k_rows, ld_rows, n_keys,
                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
         else:
@@ -243,7 +243,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         if pb.direct:
             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
-                                   False)
+                                   NULL)
             kernel_pv_direct(kern, scores_block + key0, ld_scores, n_rows, v_rows,
                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
         else:

@@ -51,13 +51,17 @@ cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, 
                                           Py_ssize_t key0, Py_ssize_t n_keys,
                                           Py_ssize_t n_features, floating *copy,
                                           Py_ssize_t ld_copy, Py_ssize_t *ld,
-                                          bint strided_ok) noexcept nogil:
-    """Rows key0.. of K or V as compute-dtype values with contiguous features
-    (row stride in *ld): where the caller keeps them, or copied into ``copy``
-    when they are float16 or int8 (converted), span pages (gathered) or,
-    unless strided_ok, are strided. The kernels see the same values either
-    way, so every layout gives the same bits."""
+                                          Py_ssize_t *col) noexcept nogil:
+    """Rows key0.. of K or V as compute-dtype values (row stride in *ld):
+    where the caller keeps them, or copied into ``copy`` (rows ld_copy apart,
+    features contiguous) when they are float16 or int8 (converted), span
+    pages (gathered) or are strided and col is NULL. With col, strided rows
+    in one run may stay where they are, and *col is the feature stride of
+    the rows returned (1 for a copy). The kernels see the same values
+    either way, so every layout gives the same bits."""
     cdef Py_ssize_t j, run
+    if col != NULL:
+        col[0] = 1
     if contiguous_run(op, key0, n_keys) < n_keys:
         # a paged operand, rows from several pages: page by page into copy
         j = 0
@@ -67,8 +71,10 @@ cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, 
             j += run
         ld[0] = ld_copy
         return copy
-    if op.storage == STORE_COMPUTE and (strided_ok or op.col_stride == 1 or n_features <= 1):
+    if op.storage == STORE_COMPUTE and (col != NULL or op.col_stride == 1 or n_features <= 1):
         ld[0] = op.row_stride
+        if col != NULL:
+            col[0] = op.col_stride
         return <const floating *>op.data + row_offset(op, b, key0)
     copy_rows(pb, op, b, key0, n_keys, n_features, copy, ld_copy)
     ld[0] = ld_copy

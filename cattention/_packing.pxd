@@ -204,7 +204,7 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     # keys past the extent may not exist (a paged cache, the last packed
     # sequence): they are never read, and their columns never seen
     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0
-    cdef Py_ssize_t ld_k_rows, ld_v_rows
+    cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
     if n_keys > K_BLOCK:
         n_keys = K_BLOCK
     # nor are the blocks that end before every reader's window starts (a
@@ -213,19 +213,19 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
         nonfinite_flag(pb, ws, block)[0] = 0
         return
+    # strided rows are packed from where they are; rows gathered from
+    # several pages or converted are contiguous copies
     cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
                                                 <floating *>ws.base + ws.off_k_rows,
-                                                pb.ld_k, &ld_k_rows, True)
-    pack_keys_transposed(pb, k_rows, ld_k_rows,
-                         1 if pb.k.storage != STORE_COMPUTE else pb.k.col_stride,
-                         n_keys, kt)
+                                                pb.ld_k, &ld_k_rows, &col_k_rows)
+    pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
     cdef const floating *v_rows
     if pb.d_v > 0:
         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
-                               <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, True)
+                               <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
+                               &col_v_rows)
         nonfinite_flag(pb, ws, block)[0] = pack_values(
-            pb, v_rows, ld_v_rows, 1 if pb.v.storage != STORE_COMPUTE else pb.v.col_stride,
-            n_keys,
+            pb, v_rows, ld_v_rows, col_v_rows, n_keys,
             <floating *>packed_values(pb, ws, block))
     else:
         nonfinite_flag(pb, ws, block)[0] = 0

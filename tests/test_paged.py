@@ -608,3 +608,39 @@ def test_paged_serving_step_failing_for_scratch_gives_the_rows_back(length_dtype
         length_dtype=length_dtype)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["MemoryError", str((1 << 21) - 200), "2.0"]
+
+
+@pytest.mark.parametrize("layout", ["fortran", "stepped_features"])
+@pytest.mark.parametrize("n_queries", [3, 13, 40])
+@pytest.mark.parametrize("page_dtype", ["float32", "float64", "float16"])
+def test_paged_strided_features_give_the_contiguous_bits(simd, layout, n_queries, page_dtype):
+    """Pages whose features are strided (a Fortran-ordered array, a stepped
+    view), read by the packed path (more than 8 query rows) too, where a key
+    block gathered from several pages is a contiguous copy: the bits of
+    C-ordered pages, and the reference."""
+    dtype = np.float64 if page_dtype == "float64" else np.float32
+    rng = np.random.default_rng(n_queries)
+    k_pages, v_pages, table = _cache(rng, 2, 2, 4, 90, 12, 6, page_dtype)
+    lengths = np.array([5, 300])
+    q = rng.standard_normal((2, 4, n_queries, 12)).astype(dtype)
+    k_new = rng.standard_normal((2, 2, n_queries, 12)).astype(page_dtype)
+    v_new = rng.standard_normal((2, 2, n_queries, 6)).astype(page_dtype)
+
+    def strided(pages):
+        if layout == "fortran":
+            return np.asfortranarray(pages)
+        buffer = np.zeros(pages.shape[:-1] + (2 * pages.shape[-1],), pages.dtype)
+        buffer[..., ::2] = pages
+        return buffer[..., ::2]
+
+    contiguous = [k_pages.copy(), v_pages.copy(), lengths.copy()]
+    odd = [strided(k_pages), strided(v_pages), lengths.copy()]
+    assert odd[0].strides[-1] != odd[0].itemsize
+    want = ca.attention_with_paged_kvcache(q, contiguous[0], contiguous[1], table,
+                                           contiguous[2], k_new, v_new)
+    got = ca.attention_with_paged_kvcache(q, odd[0], odd[1], table, odd[2], k_new, v_new)
+    assert_bitwise_equal(got, want)
+    for a, b in zip(odd, contiguous):
+        assert_bitwise_equal(np.ascontiguousarray(a), b)
+    _check(got, None, q, contiguous[0].astype(dtype), contiguous[1].astype(dtype), table,
+           contiguous[2], 2, causal=True)
