@@ -15,7 +15,8 @@ OUT (n_queries x d_v) and, if not NULL, SCORES (n_queries x n_keys) are
 written with their row strides, which must be at least the row length. OUT
 may be NULL when SCORES is not (the weights alone; V is then not read and
 may be NULL too). LSE, if not NULL, receives each row's log-sum-exp (-inf
-for a row that sees no key).
+for a row that sees no key). OUT, SCORES and LSE must not overlap each
+other or Q, K and V: the call writes them while it still reads its inputs.
 ``scale`` multiplies Q.K (pass 1 / sqrt(d_k) for the usual attention; it
 must be finite, and for attention_f32 0 or of a magnitude float can hold);
 ``flags`` is 0 or CATTENTION_CAUSAL (bottom-right aligned, as in
