@@ -105,10 +105,11 @@ cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Worksp
                                      Py_ssize_t b, Py_ssize_t n_query_blocks, Py_ssize_t next_b,
                                      floating *out, floating *scores) noexcept nogil:
     """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
-    all its query blocks, in the order compute_query_block gives them; the
-    last one fetches the K and V rows of entry next_b (the one this thread
-    likely takes next; -1: none), which packing reads first, often from
-    memory (a BERT-sized batch took 1.09x as long without)."""
+    all its query blocks, in the order compute_query_block gives them. Each
+    block fetches the next one's query rows, and the last the K and V rows
+    of entry next_b (the one this thread likely takes next; -1: none),
+    which packing reads first, often from memory (a BERT-sized batch took
+    about 1.05x as long without)."""
     cdef Py_ssize_t key_block, item, packed_block
     for key_block in range(pb.n_key_blocks):
         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
