@@ -8,7 +8,14 @@ bytes of every array it returns. The cases cover every option of every entry
 point, both dtypes, float16 and int8 K/V, SCORES, LSE, grouped heads, the decode
 (direct) path with and without split keys, the packed and per-entry paths,
 and every kernel table this CPU runs. ``check`` compares the tables both
-runs have and exits 1 on any difference.
+runs have and exits 1 on any difference; ``record`` replaces the tables this
+CPU runs and keeps the file's others (an AVX2 machine keeps the avx512
+fingerprints an AVX-512 machine recorded).
+
+``merge`` combines chunks with NumPy's exp and log, whose float64 bits
+follow NumPy's own CPU dispatch: on an AVX-512 CPU, record and check with
+``NPY_DISABLE_CPU_FEATURES=X86_V4`` to compare with fingerprints taken where
+NumPy ran its AVX2 code (as the recorded ones were).
 """
 
 import hashlib
@@ -168,10 +175,17 @@ def main(argv):
     mode, path = argv
     current = fingerprints()
     if mode == "record":
+        try:
+            with open(path) as f:
+                kept = json.load(f)
+        except FileNotFoundError:
+            kept = {}
         with open(path, "w") as f:
-            json.dump(current, f, indent=0, sort_keys=True)
+            json.dump({**kept, **current}, f, indent=0, sort_keys=True)
         print(f"recorded {sum(map(len, current.values()))} fingerprints "
-              f"({', '.join(current)}) in {path}")
+              f"({', '.join(current)}) in {path}"
+              + (f"; kept {', '.join(sorted(set(kept) - set(current)))}"
+                 if set(kept) - set(current) else ""))
         return 0
     with open(path) as f:
         recorded = json.load(f)
