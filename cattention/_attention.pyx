@@ -647,6 +647,44 @@ cdef inline void store_lengths(cnp.ndarray lengths, const intp_t *start,
             (<int *>at)[0] = <int>(start[b] + n_new)
 
 
+cdef inline int step_types(object q, object k_cache, object v_cache, object lengths,
+                           object k_new, object v_new, int *cache_type) noexcept:
+    """The element type of q, and in *cache_type that of the caches, when a
+    serving step's arrays are of the kinds the compiled steps take: ndarrays,
+    k_new and v_new both given or both None, q float32 or float64 and caches
+    of q's type or float16 beside a float32 q. Else -1 (the general path)."""
+    if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
+            or type(v_cache) is not np.ndarray or type(lengths) is not np.ndarray):
+        return -1
+    if (k_new is None) != (v_new is None):
+        return -1
+    if k_new is not None and (type(k_new) is not np.ndarray or type(v_new) is not np.ndarray):
+        return -1
+    cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
+    cache_type[0] = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)
+    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
+        return -1
+    if cache_type[0] != q_type and not (q_type == cnp.NPY_FLOAT32
+                                        and cache_type[0] == cnp.NPY_FLOAT16):
+        return -1
+    return q_type
+
+
+cdef inline bint writes_apart(cnp.ndarray k_cache, cnp.ndarray v_cache, cnp.ndarray lengths,
+                              cnp.ndarray q, cnp.ndarray k_new, cnp.ndarray v_new) noexcept:
+    """Whether a step may append to k_cache and v_cache and advance lengths in
+    place: each writable, no element of one overlapping another of itself,
+    and the three apart from each other and from q, k_new and v_new."""
+    return (cnp.PyArray_ISWRITEABLE(k_cache) and cnp.PyArray_ISWRITEABLE(v_cache)
+            and cnp.PyArray_ISWRITEABLE(lengths)
+            and without_self_overlap(k_cache) and without_self_overlap(v_cache)
+            and without_self_overlap(lengths)
+            and apart(k_cache, v_cache) and apart(k_cache, lengths) and apart(v_cache, lengths)
+            and apart(k_cache, q) and apart(v_cache, q) and apart(lengths, q)
+            and apart(k_cache, k_new) and apart(v_cache, k_new) and apart(lengths, k_new)
+            and apart(k_cache, v_new) and apart(v_cache, v_new) and apart(lengths, v_new))
+
+
 def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
                  object k_new, object v_new, bint causal, object scale,
                  object num_threads, object thread_limit):
@@ -665,27 +703,17 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
     error, goes to the general path. The Problem is the one the general path
     builds: the same views of the same arrays, the same batch shape,
     lengths and query period, so the bits are the same."""
-    if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
-            or type(v_cache) is not np.ndarray or type(cache_lengths) is not np.ndarray):
+    cdef int cache_type = 0   # set by step_types
+    cdef int q_type = step_types(q, k_cache, v_cache, cache_lengths, k_new, v_new, &cache_type)
+    if q_type < 0:
         return None
     cdef bint appending = k_new is not None
-    if appending != (v_new is not None):
-        return None
-    if appending and (type(k_new) is not np.ndarray or type(v_new) is not np.ndarray):
-        return None
     cdef cnp.ndarray qa = <cnp.ndarray>q
     cdef cnp.ndarray kc = <cnp.ndarray>k_cache
     cdef cnp.ndarray vc = <cnp.ndarray>v_cache
     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
-    cdef int q_type = cnp.PyArray_TYPE(qa)
-    cdef int cache_type = cnp.PyArray_TYPE(kc)
-    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
-        return None
-    if cache_type != q_type and not (q_type == cnp.NPY_FLOAT32
-                                     and cache_type == cnp.NPY_FLOAT16):
-        return None
     if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kc) != 4 or cnp.PyArray_NDIM(vc) != 4
             or cnp.PyArray_NDIM(lengths) != 1):
         return None
@@ -720,11 +748,7 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
                 or cnp.PyArray_DIM(kn, 1) != n_kv_heads or cnp.PyArray_DIM(vn, 1) != n_kv_heads
                 or cnp.PyArray_DIM(kn, 3) != d_k or cnp.PyArray_DIM(vn, 3) != d_v):
             return None
-        if not (cnp.PyArray_ISWRITEABLE(kc) and cnp.PyArray_ISWRITEABLE(vc)
-                and cnp.PyArray_ISWRITEABLE(lengths)):
-            return None
-        if not (without_self_overlap(kc) and without_self_overlap(vc)
-                and without_self_overlap(lengths)):
+        if not writes_apart(kc, vc, lengths, qa, kn, vn):
             return None
         # new float32 rows for a float16 cache are converted as the general
         # path converts them; one beyond float16's range is its to refuse
@@ -734,12 +758,6 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
                     and usable_input(vn, cnp.NPY_FLOAT32)):
                 return None
         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
-            return None
-        # written arrays apart from each other and from what is read
-        if not (apart(kc, vc) and apart(kc, lengths) and apart(vc, lengths)
-                and apart(kc, qa) and apart(vc, qa) and apart(lengths, qa)
-                and apart(kc, kn) and apart(vc, kn) and apart(lengths, kn)
-                and apart(kc, vn) and apart(vc, vn) and apart(lengths, vn)):
             return None
 
     cdef double scale_value = 0   # set by plain_scale
@@ -883,15 +901,11 @@ def paged_fast(object q, object k_pages, object v_pages, object block_table,
     every error, goes to the general path. The entry table is the one
     ``_entries.plan`` builds for the same call (one table: every sequence
     has T rows), so the bits are the same."""
-    if (type(q) is not np.ndarray or type(k_pages) is not np.ndarray
-            or type(v_pages) is not np.ndarray or type(block_table) is not np.ndarray
-            or type(cache_lengths) is not np.ndarray):
+    cdef int page_type = 0   # set by step_types
+    cdef int q_type = step_types(q, k_pages, v_pages, cache_lengths, k_new, v_new, &page_type)
+    if q_type < 0 or type(block_table) is not np.ndarray:
         return None
     cdef bint appending = k_new is not None
-    if appending != (v_new is not None):
-        return None
-    if appending and (type(k_new) is not np.ndarray or type(v_new) is not np.ndarray):
-        return None
     cdef cnp.ndarray qa = <cnp.ndarray>q
     cdef cnp.ndarray kp = <cnp.ndarray>k_pages
     cdef cnp.ndarray vp = <cnp.ndarray>v_pages
@@ -899,13 +913,6 @@ def paged_fast(object q, object k_pages, object v_pages, object block_table,
     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
-    cdef int q_type = cnp.PyArray_TYPE(qa)
-    cdef int page_type = cnp.PyArray_TYPE(kp)
-    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
-        return None
-    if page_type != q_type and not (q_type == cnp.NPY_FLOAT32
-                                    and page_type == cnp.NPY_FLOAT16):
-        return None
     if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kp) != 4 or cnp.PyArray_NDIM(vp) != 4
             or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1):
         return None
@@ -949,17 +956,7 @@ def paged_fast(object q, object k_pages, object v_pages, object block_table,
             return None
         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
             return None
-        if not (cnp.PyArray_ISWRITEABLE(kp) and cnp.PyArray_ISWRITEABLE(vp)
-                and cnp.PyArray_ISWRITEABLE(lengths)):
-            return None
-        if not (without_self_overlap(kp) and without_self_overlap(vp)
-                and without_self_overlap(lengths)):
-            return None
-        # written arrays apart from each other and from what is read
-        if not (apart(kp, vp) and apart(kp, lengths) and apart(vp, lengths)
-                and apart(kp, qa) and apart(vp, qa) and apart(lengths, qa)
-                and apart(kp, kn) and apart(vp, kn) and apart(lengths, kn)
-                and apart(kp, vn) and apart(vp, vn) and apart(lengths, vn)
+        if not (writes_apart(kp, vp, lengths, qa, kn, vn)
                 and apart(kp, table) and apart(vp, table) and apart(lengths, table)):
             return None
 
