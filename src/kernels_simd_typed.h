@@ -171,12 +171,9 @@ CA_SIMD_TARGET static CA_T CA_NAME(row_max)(const CA_T *x, ptrdiff_t n)
         max_v = CA_V(max)(x_v, max_v);
         nan_v = CA_P(or)(nan_v, CA_V(unordered)(x_v, x_v));
     }
-    CA_T lanes[CA_LANES];
-    CA_V(store)(lanes, max_v);
-    CA_T m = -INFINITY;
+    /* max(x, max_v) keeps max_v for a NaN x: max_v holds no NaN */
+    CA_T m = CA_V(max_lanes)(max_v);
     int has_nan = CA_P(any)(nan_v);
-    for (int l = 0; l < CA_LANES; ++l)
-        m = lanes[l] > m ? lanes[l] : m;
     for (; j < n; ++j) {
         m = x[j] > m ? x[j] : m;
         has_nan |= x[j] != x[j];
@@ -201,17 +198,6 @@ CA_SIMD_INLINE CA_VEC CA_NAME(exp_vec)(CA_VEC x)
     return CA_V(mul)(p, CA_V(pow2_rounded)(t));
 }
 
-/* the lanes of x summed as a pairwise tree: ((x0 + x1) + (x2 + x3)) + ... */
-CA_SIMD_INLINE CA_T CA_NAME(sum_lanes)(CA_VEC x)
-{
-    CA_T lanes[CA_LANES];
-    CA_V(store)(lanes, x);
-    for (int width = CA_LANES; width > 1; width /= 2)
-        for (int l = 0; l < width / 2; ++l)
-            lanes[l] = lanes[2 * l] + lanes[2 * l + 1];
-    return lanes[0];
-}
-
 CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
 {
     const CA_VEC shift_v = CA_V(set1)(shift);
@@ -234,7 +220,7 @@ CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
             x[j + l] = tail[l];
         sum_v = CA_V(add)(sum_v, e);
     }
-    return CA_NAME(sum_lanes)(sum_v);
+    return CA_V(sum_lanes)(sum_v);
 }
 
 /* ---- few query rows, K and V read in place (decode) ------------------ */

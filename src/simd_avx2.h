@@ -107,6 +107,27 @@ CA_SIMD_INLINE void vf32_sum4(vf32 a0, vf32 a1, vf32 a2, vf32 a3, float dots[4])
     _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 
+/* The lanes reduced in registers, lane 0 ending with the result. Sum: the
+   pairwise tree ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): each
+   step adds to every lane its neighbour at distance 1, 2, 4. Max: the same
+   steps with max(neighbour above, lane), so that among equal lanes the
+   lowest wins, as a scan that keeps the first of equal values (x holds no
+   NaN). */
+CA_SIMD_INLINE float vf32_sum_lanes(vf32 x)
+{
+    x = _mm256_add_ps(x, _mm256_permute_ps(x, 0xB1));
+    x = _mm256_add_ps(x, _mm256_permute_ps(x, 0x4E));
+    x = _mm256_add_ps(x, _mm256_permute2f128_ps(x, x, 0x01));
+    return _mm256_cvtss_f32(x);
+}
+CA_SIMD_INLINE float vf32_max_lanes(vf32 x)
+{
+    x = vf32_max(_mm256_permute_ps(x, 0xB1), x);
+    x = vf32_max(_mm256_permute_ps(x, 0x4E), x);
+    x = vf32_max(_mm256_permute2f128_ps(x, x, 0x01), x);
+    return _mm256_cvtss_f32(x);
+}
+
 /* CA_LANES_F32 float16 or int8 values, exactly as float32 lanes */
 CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
@@ -178,6 +199,20 @@ CA_SIMD_INLINE void vf64_sum4(vf64 a0, vf64 a1, vf64 a2, vf64 a3, double dots[4]
     const __m256d t1 = _mm256_hadd_pd(a2, a3);
     _mm256_storeu_pd(dots, _mm256_add_pd(_mm256_permute2f128_pd(t0, t1, 0x20),
                                          _mm256_permute2f128_pd(t0, t1, 0x31)));
+}
+
+/* as vf32_sum_lanes and vf32_max_lanes: neighbours at distance 1, 2 */
+CA_SIMD_INLINE double vf64_sum_lanes(vf64 x)
+{
+    x = _mm256_add_pd(x, _mm256_permute_pd(x, 0x5));
+    x = _mm256_add_pd(x, _mm256_permute2f128_pd(x, x, 0x01));
+    return _mm256_cvtsd_f64(x);
+}
+CA_SIMD_INLINE double vf64_max_lanes(vf64 x)
+{
+    x = vf64_max(_mm256_permute_pd(x, 0x5), x);
+    x = vf64_max(_mm256_permute2f128_pd(x, x, 0x01), x);
+    return _mm256_cvtsd_f64(x);
 }
 
 #endif /* CATTENTION_SIMD_AVX2_H */

@@ -96,6 +96,28 @@ CA_SIMD_INLINE void vf32_sum4(vf32 a0, vf32 a1, vf32 a2, vf32 a3, float dots[4])
     _mm_storeu_ps(dots, _mm_add_ps(sum01, sum23));
 }
 
+/* The lanes reduced in registers, lane 0 ending with the result. Sum: the
+   pairwise tree ((x0 + x1) + (x2 + x3)) + ...: each step adds to every
+   lane its neighbour at distance 1, 2, 4, 8. Max: the same steps with
+   max(neighbour above, lane), so that among equal lanes the lowest wins,
+   as a scan that keeps the first of equal values (x holds no NaN). */
+CA_SIMD_INLINE float vf32_sum_lanes(vf32 x)
+{
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    return _mm512_cvtss_f32(x);
+}
+CA_SIMD_INLINE float vf32_max_lanes(vf32 x)
+{
+    x = vf32_max(_mm512_permute_ps(x, 0xB1), x);
+    x = vf32_max(_mm512_permute_ps(x, 0x4E), x);
+    x = vf32_max(_mm512_shuffle_f32x4(x, x, 0xB1), x);
+    x = vf32_max(_mm512_shuffle_f32x4(x, x, 0x4E), x);
+    return _mm512_cvtss_f32(x);
+}
+
 CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
@@ -182,6 +204,22 @@ CA_SIMD_INLINE void vf64_sum4(vf64 a0, vf64 a1, vf64 a2, vf64 a3, double dots[4]
 {
     _mm_storeu_pd(dots, lane_tree_f64(pair_sums_f64(a0, a1)));
     _mm_storeu_pd(dots + 2, lane_tree_f64(pair_sums_f64(a2, a3)));
+}
+
+/* as vf32_sum_lanes and vf32_max_lanes: neighbours at distance 1, 2, 4 */
+CA_SIMD_INLINE double vf64_sum_lanes(vf64 x)
+{
+    x = _mm512_add_pd(x, _mm512_permute_pd(x, 0x55));
+    x = _mm512_add_pd(x, _mm512_shuffle_f64x2(x, x, 0xB1));
+    x = _mm512_add_pd(x, _mm512_shuffle_f64x2(x, x, 0x4E));
+    return _mm512_cvtsd_f64(x);
+}
+CA_SIMD_INLINE double vf64_max_lanes(vf64 x)
+{
+    x = vf64_max(_mm512_permute_pd(x, 0x55), x);
+    x = vf64_max(_mm512_shuffle_f64x2(x, x, 0xB1), x);
+    x = vf64_max(_mm512_shuffle_f64x2(x, x, 0x4E), x);
+    return _mm512_cvtsd_f64(x);
 }
 
 #endif /* CATTENTION_SIMD_AVX512_H */

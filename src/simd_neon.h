@@ -93,6 +93,21 @@ CA_SIMD_INLINE void vf32_sum4(vf32 a0, vf32 a1, vf32 a2, vf32 a3, float dots[4])
     vst1q_f32(dots, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
 }
 
+/* The lanes reduced: the sum as the pairwise tree (x0 + x1) + (x2 + x3);
+   the max as a scan that keeps the first of equal lanes (x holds no NaN) */
+CA_SIMD_INLINE float vf32_sum_lanes(vf32 x)
+{
+    const float32x2_t pairs = vpadd_f32(vget_low_f32(x), vget_high_f32(x));
+    return vget_lane_f32(pairs, 0) + vget_lane_f32(pairs, 1);
+}
+CA_SIMD_INLINE float vf32_max_lanes(vf32 x)
+{
+    float m = vgetq_lane_f32(x, 0);
+    m = vgetq_lane_f32(x, 1) > m ? vgetq_lane_f32(x, 1) : m;
+    m = vgetq_lane_f32(x, 2) > m ? vgetq_lane_f32(x, 2) : m;
+    return vgetq_lane_f32(x, 3) > m ? vgetq_lane_f32(x, 3) : m;
+}
+
 CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
@@ -161,6 +176,13 @@ CA_SIMD_INLINE void vf64_sum4(vf64 a0, vf64 a1, vf64 a2, vf64 a3, double dots[4]
 {
     vst1q_f64(dots, vpaddq_f64(a0, a1));
     vst1q_f64(dots + 2, vpaddq_f64(a2, a3));
+}
+
+CA_SIMD_INLINE double vf64_sum_lanes(vf64 x) { return vpaddd_f64(x); }
+CA_SIMD_INLINE double vf64_max_lanes(vf64 x)
+{
+    const double x0 = vgetq_lane_f64(x, 0), x1 = vgetq_lane_f64(x, 1);
+    return x1 > x0 ? x1 : x0;
 }
 
 #endif /* CATTENTION_SIMD_NEON_H */

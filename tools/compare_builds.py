@@ -40,6 +40,8 @@ CASES = [
     (8, 12, 128, 128, 64, False, "float32", 0, "", 0),
     (1, 32, 1, 4096, 128, False, "float32", 0, "", 0),
     (1, 32, 1, 1024, 128, False, "float32", 0, "", 0),
+    # the decode call of benchmarks/pipeline.py (K and V in L3)
+    (1, 8, 1, 1024, 128, False, "float32", 0, "", 0),
     (1, 32, 1, 4096, 128, False, "float32", 8, "", 0),
     (1, 32, 1, 4096, 128, False, "float32", 8, "float16", 0),
     (1, 32, 1, 4096, 128, False, "float32", 8, "int8", 0),
