@@ -7,15 +7,15 @@ by page). The entries of an item step through the keys together (see
 rows_side_by_side in _schedule)."""
 
 from cython cimport floating
-from libc.stdint cimport int8_t
+from libc.stdint cimport int8_t, uint16_t
 from cattention._kernel_table cimport (
     ca_kernels, ca_prefetch_l1, kernel_pv_direct, kernel_score_direct)
 from cattention._problem cimport (
-    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_I8, Operand, Problem, entry_rows,
-    out_row_offset)
+    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_F16, STORE_I8, Operand, Problem,
+    entry_rows, out_row_offset)
 from cattention._operands cimport (
-    contiguous_run, contiguous_rows, int8_rows_for_kernel, operand_itemsize, row_scales,
-    rows_in_place)
+    contiguous_run, contiguous_rows, int8_rows_for_kernel, operand_itemsize, row_offset,
+    row_scales, rows_in_place)
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
@@ -108,6 +108,17 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
                              <float>pb.scale, row_scales(&pb.k, b, key0 + j),
                              pb.k.scale_stride, s + j, K_BLOCK)
         return
+    if (floating is float and pb.k.storage == STORE_F16
+            and (pb.k.col_stride == 1 or pb.d_k <= 1)):
+        # float16 keys read where they lie (the run is within one page) and
+        # converted in registers: the bits of converting them first
+        kern.score_direct_f16(q_rows, pb.ld_k, n_rows,
+                              <const uint16_t *>pb.k.data + row_offset(&pb.k, b, key0 + j),
+                              pb.k.row_stride, run, pb.d_k, <float>pb.scale, s + j, K_BLOCK,
+                              contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
+                              pb.v.row_stride * operand_itemsize(pb, &pb.v),
+                              pb.d_v * operand_itemsize(pb, &pb.v))
+        return
     k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
                            <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, NULL)
     kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
@@ -127,6 +138,7 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
     cdef Py_ssize_t ld_v_rows
     cdef const floating *v_rows
     cdef const int8_t *v_int8
+    cdef const char *next_k
     if floating is float and pb.v.storage == STORE_I8:
         v_int8 = int8_rows_for_kernel(&pb.v, b, key0 + j, run, pb.d_v,
                                       <int8_t *>(<floating *>ws.base + ws.off_v_rows),
@@ -134,17 +146,24 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
         kern.pv_direct_i8(s + j, K_BLOCK, n_rows, v_int8, ld_v_rows, run, pb.d_v,
                           row_scales(&pb.v, b, key0 + j), pb.v.scale_stride, acc, pb.ld_v)
         return
-    v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
-                           <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, NULL)
     # (x86 drops a prefetch past the end of K without a fault; a page
     # table is read only where the sequence has pages)
+    next_k = (
+        contiguous_rows(pb, &pb.k, b, key0 + direct_key_step(pb) + j, run, pb.d_k)
+        if (next_keys > j if pb.k.page_ids == NULL else next_keys >= j + run) else NULL)
+    if (floating is float and pb.v.storage == STORE_F16
+            and (pb.v.col_stride == 1 or pb.d_v <= 1)):
+        # float16 values read where they lie, as score_run's keys
+        kern.pv_direct_f16(s + j, K_BLOCK, n_rows,
+                           <const uint16_t *>pb.v.data + row_offset(&pb.v, b, key0 + j),
+                           pb.v.row_stride, run, pb.d_v, acc, pb.ld_v, next_k,
+                           pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                           pb.d_k * operand_itemsize(pb, &pb.k))
+        return
+    v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
+                           <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, NULL)
     kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run, pb.d_v, acc,
-                     pb.ld_v,
-                     contiguous_rows(pb, &pb.k, b, key0 + direct_key_step(pb) + j, run,
-                                     pb.d_k)
-                     if (next_keys > j if pb.k.page_ids == NULL else next_keys >= j + run)
-                     else NULL,
-                     pb.k.row_stride * operand_itemsize(pb, &pb.k),
+                     pb.ld_v, next_k, pb.k.row_stride * operand_itemsize(pb, &pb.k),
                      pb.d_k * operand_itemsize(pb, &pb.k))
 
 

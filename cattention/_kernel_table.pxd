@@ -70,6 +70,16 @@ cdef extern from "kernels.h" nogil:
                              const int8_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
                              Py_ssize_t d_v, const float *scale, Py_ssize_t scale_stride,
                              float *acc, Py_ssize_t ldacc) noexcept nogil
+        void (*score_direct_f16)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                                 const uint16_t *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                                 Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds,
+                                 const void *ahead, Py_ssize_t ahead_stride,
+                                 Py_ssize_t ahead_bytes) noexcept nogil
+        void (*pv_direct_f16)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
+                              const uint16_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                              Py_ssize_t d_v, float *acc, Py_ssize_t ldacc,
+                              const void *ahead, Py_ssize_t ahead_stride,
+                              Py_ssize_t ahead_bytes) noexcept nogil
         void (*pack_kt_f32)(const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                             Py_ssize_t d_k, float *kt,
                             Py_ssize_t kt_panel_stride) noexcept nogil

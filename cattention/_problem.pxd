@@ -74,7 +74,7 @@ cdef enum MaskKind:
 
 cdef enum Storage:
     STORE_COMPUTE = 0            # the compute dtype, read in place
-    STORE_F16 = 1                # float16 (with float32 q), converted block by block
+    STORE_F16 = 1                # float16 (with float32 q), converted as read
     STORE_I8 = 2                 # int8 times one float32 scale per row, likewise
 
 cdef struct Operand:

@@ -185,6 +185,20 @@ typedef struct ca_kernels {
     void (*pv_direct_i8)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const int8_t *v,
                          ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v, const float *scale,
                          ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc);
+
+    /* score_direct_f32 and pv_direct_f32 with float16 K or V, read where
+       they lie and converted in registers (ldk, ldv in elements): the bits
+       of converting the rows to float32 first and calling those. */
+    void (*score_direct_f16)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                             const uint16_t *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                             ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
+                             const void *ahead, ptrdiff_t ahead_stride,
+                             ptrdiff_t ahead_bytes);
+    void (*pv_direct_f16)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                          const uint16_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                          ptrdiff_t d_v, float *acc, ptrdiff_t ldacc,
+                          const void *ahead, ptrdiff_t ahead_stride,
+                          ptrdiff_t ahead_bytes);
 } ca_kernels;
 
 /* The table of one instruction set, from the file that defines a static
@@ -217,6 +231,8 @@ typedef struct ca_kernels {
         .int8_rows_to_f32 = int8_rows_to_f32, \
         .score_direct_i8 = score_direct_i8, \
         .pv_direct_i8 = pv_direct_i8, \
+        .score_direct_f16 = score_direct_f16, \
+        .pv_direct_f16 = pv_direct_f16, \
     }
 
 /* Tables, one per instruction set compiled in (listed in dispatch.c). */

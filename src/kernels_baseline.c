@@ -87,9 +87,10 @@ static T exp_sum_##SUFFIX(T *x, ptrdiff_t n, T shift)                          \
            ((partial[4] + partial[5]) + (partial[6] + partial[7]));             \
 }
 
-#define CA_DEFINE_PORTABLE_DIRECT_KERNELS(T, SUFFIX)                            \
+/* KV_T: K and V as stored; LOAD_KV(x): one of them as a T */
+#define CA_DEFINE_PORTABLE_DIRECT_KERNELS(T, KV_T, LOAD_KV, SUFFIX)           \
 static void score_direct_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,  \
-                                  const T *k, ptrdiff_t ldk, ptrdiff_t n_keys,  \
+                                  const KV_T *k, ptrdiff_t ldk, ptrdiff_t n_keys, \
                                   ptrdiff_t d_k, T factor, T *s, ptrdiff_t lds, \
                                   const void *ahead, ptrdiff_t ahead_stride,    \
                                   ptrdiff_t ahead_bytes)                        \
@@ -100,7 +101,7 @@ static void score_direct_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,  
             /* eight partial sums, as a vector unit would keep them */         \
             T partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};                            \
             for (ptrdiff_t c = 0; c < d_k; ++c)                                 \
-                partial[c & 7] += q[r * ldq + c] * k[j * ldk + c];              \
+                partial[c & 7] += q[r * ldq + c] * LOAD_KV(k[j * ldk + c]);     \
             T dot = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +   \
                     ((partial[4] + partial[5]) + (partial[6] + partial[7]));    \
             s[r * lds + j] = dot * factor;                                      \
@@ -108,7 +109,7 @@ static void score_direct_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,  
 }                                                                               \
                                                                                 \
 static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     \
-                               const T *v, ptrdiff_t ldv, ptrdiff_t n_keys,     \
+                               const KV_T *v, ptrdiff_t ldv, ptrdiff_t n_keys,  \
                                ptrdiff_t d_v, T *acc, ptrdiff_t ldacc,          \
                                const void *ahead, ptrdiff_t ahead_stride,       \
                                ptrdiff_t ahead_bytes)                           \
@@ -127,7 +128,7 @@ static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     
                     if (p_rj == 0)                                              \
                         continue;                                               \
                     for (ptrdiff_t c = 0; c < n_c; ++c)                         \
-                        run[c] += p_rj * v[j * ldv + c0 + c];                   \
+                        run[c] += p_rj * LOAD_KV(v[j * ldv + c0 + c]);          \
                 }                                                               \
                 for (ptrdiff_t c = 0; c < n_c; ++c)                             \
                     acc[r * ldacc + c0 + c] += run[c];                          \
@@ -250,7 +251,9 @@ static int pack_v_f32(const float *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t
 
 CA_DEFINE_PORTABLE_KERNELS(float, f32, ca_expf_scalar, CA_PANEL_F32)
 CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
-CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, f32)
-CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, f64)
+#define CA_AS_IS(x) (x)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, float, CA_AS_IS, f32)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, double, CA_AS_IS, f64)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_half_to_float, f16)
 
 CA_DEFINE_KERNEL_TABLE(ca_kernels_baseline, "baseline");

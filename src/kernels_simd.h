@@ -158,6 +158,24 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_EXP_DEGREE 13
 #include "kernels_simd_typed.h"
 
+/* ---- float32 queries, float16 K and V: the decode kernels ------------ */
+
+#define CA_T float
+#define CA_V(op) vf32_##op
+#define CA_VEC vf32
+#define CA_MASK mf32
+#define CA_LANES CA_LANES_F32
+#define CA_KV_T uint16_t
+#define CA_KV_LOAD(p) vf32_load_half(p)
+#define CA_KV_LOAD_LANES(p, m) vf32_load_half_lanes(p, m)
+#define CA_DIRECT_NAME(x) x##_f16
+#include "kernels_simd_direct.h"
+#undef CA_T
+#undef CA_V
+#undef CA_VEC
+#undef CA_MASK
+#undef CA_LANES
+
 /* ---- float32 only: conversions, soft-capping, packing ---------------- */
 
 #define LANES CA_LANES_F32

@@ -133,6 +133,16 @@ CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
+/* the leading lanes m of them (no 16-bit masked load in AVX2: through a
+   zeroed copy), the others 0 */
+CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 m)
+{
+    uint16_t lanes[CA_LANES_F32] = {0};
+    const int n = __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m)));
+    for (int l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return vf32_load_half(lanes);
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

@@ -122,6 +122,11 @@ CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+/* the leading lanes m of them, the others 0 */
+CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 m)
+{
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));

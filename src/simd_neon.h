@@ -112,6 +112,14 @@ CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 }
+/* the leading n of them, the others 0 */
+CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 n)
+{
+    uint16_t lanes[4] = {0, 0, 0, 0};
+    for (ptrdiff_t l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return vf32_load_half(lanes);
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     int32_t word;

@@ -38,6 +38,7 @@ CHECKS = [
     "exp_sum_f32", "exp_sum_f64", "score_direct_f32", "score_direct_f64",
     "pv_direct_f32", "pv_direct_f64", "half_rows_to_f32", "softcap_f32", "pack_kt_f32",
     "pack_v_f32", "int8_rows_to_f32", "score_direct_i8", "pv_direct_i8",
+    "score_direct_f16", "pv_direct_f16",
 ]
 
 
@@ -269,6 +270,74 @@ class Checks:
                     if not within(out["avx512"], out["baseline"], bound):
                         self.fail(f"differs from baseline: {where}")
 
+    def half_rows(self, n_rows, n_cols):
+        """float16 rows with the edge values: zeros of both signs,
+        subnormals, the largest finite, infinities and NaN among normals."""
+        rows = (self.rng.standard_normal((n_rows, n_cols)) * 4).astype(np.float16)
+        edges = np.array([0.0, -0.0, 6e-8, -3e-5, 65504.0, -65504.0, np.inf, np.nan],
+                         np.float16)
+        flat = rows.reshape(-1)
+        spots = self.rng.permutation(flat.size)[:min(flat.size // 4, edges.size)]
+        flat[spots] = edges[:spots.size]
+        return rows
+
+    def check_score_direct_f16(self):
+        # every table: float16 keys read in place give the bits of its own
+        # float32 kernel on the converted rows
+        for d_k in list(range(1, 18)) + [31, 32, 33, 127]:
+            for n_keys in (1, 3, 4, 5, 9):
+                for n_rows in (1, 2, 3):
+                    q = self.rng.standard_normal((n_rows, d_k + 1)).astype(np.float32)
+                    k = self.half_rows(n_keys, d_k + 3)
+                    factor = -0.61
+                    lds = n_keys + 2
+                    for table in ("baseline", "avx2", "avx512"):
+                        out = {}
+                        for name, k_in in (("score_direct_f16", k),
+                                           ("score_direct_f32", k.astype(np.float32))):
+                            self.m.reset_arena()
+                            q_at, k_at = self.m.put(q), self.m.put(k_in)
+                            s_at, s = self.m.empty((n_rows, lds), np.float32, fill=5.0)
+                            ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
+                            self.call(table, name, [
+                                self.ptr(q_at), ("i", d_k + 1), ("i", n_rows), self.ptr(k_at),
+                                ("i", d_k + 3), ("i", n_keys), ("i", d_k), ("f", factor),
+                                self.ptr(s_at), ("i", lds), self.ptr(ahead), ("i", 64),
+                                ("i", 64)])
+                            out[name] = s.copy()
+                        if not same_bits(out["score_direct_f16"], out["score_direct_f32"]):
+                            self.fail(f"{table}: not the float32 kernel's bits on the "
+                                      f"converted keys: d_k={d_k} n_keys={n_keys} "
+                                      f"n_rows={n_rows}")
+
+    def check_pv_direct_f16(self):
+        for d_v in list(range(1, 36)) + [127, 128, 129, 200]:
+            for n_keys in (1, 5, 70):
+                n_rows = 2
+                p = self.rng.random((n_rows, n_keys)).astype(np.float32)
+                p[p < 0.25] = 0
+                v = self.half_rows(n_keys, d_v + 1)
+                # a value row whose weights are all 0 takes no part, NaN or not
+                p[:, 0] = 0
+                v[0, :] = np.nan
+                ldacc = -(-d_v // 16) * 16 + 16
+                acc0 = self.rng.standard_normal((n_rows, ldacc)).astype(np.float32)
+                for table in ("baseline", "avx2", "avx512"):
+                    out = {}
+                    for name, v_in in (("pv_direct_f16", v),
+                                       ("pv_direct_f32", v.astype(np.float32))):
+                        self.m.reset_arena()
+                        p_at, v_at, acc_at = self.m.put(p), self.m.put(v_in), self.m.put(acc0)
+                        ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
+                        self.call(table, name, [
+                            self.ptr(p_at), ("i", n_keys), ("i", n_rows), self.ptr(v_at),
+                            ("i", d_v + 1), ("i", n_keys), ("i", d_v), self.ptr(acc_at),
+                            ("i", ldacc), self.ptr(ahead), ("i", 64), ("i", 64)])
+                        out[name] = self.m.read(acc_at, np.float32, acc0.size)
+                    if not same_bits(out["pv_direct_f16"], out["pv_direct_f32"]):
+                        self.fail(f"{table}: not the float32 kernel's bits on the converted "
+                                  f"values: d_v={d_v} n_keys={n_keys}")
+
     def check_pv_direct(self, dtype):
         suffix = SUFFIX[dtype]
         for d_v in list(range(1, 36)) + [127, 128, 129, 200]:
@@ -454,7 +523,11 @@ class Checks:
             "pack_v": self.check_pack_v,
             "int8_rows_to": self.check_int8_rows,
         }
-        if name == "score_direct_i8":
+        if name == "score_direct_f16":
+            self.check_score_direct_f16()
+        elif name == "pv_direct_f16":
+            self.check_pv_direct_f16()
+        elif name == "score_direct_i8":
             self.check_score_direct_i8()
         elif name == "pv_direct_i8":
             self.check_pv_direct_i8()

@@ -389,6 +389,32 @@ def test_float16_kv_special_values_and_strides():
     assert_bitwise_equal(ca.attention(q[:1], k_t, v_t, mask=mask[:1]), got[:1])
 
 
+@pytest.mark.parametrize("d_k,d_v", [(128, 72), (64, 64), (19, 33)])
+def test_float16_kv_decode_reads_halves_in_place(simd, d_k, d_v):
+    """Decode with float16 K/V reads the halves where they lie and converts
+    them in registers: bitwise the result of converting K/V to float32
+    first, over several key steps and chunks, grouped heads and lengths
+    that end inside a step, with edge values among the keys and values."""
+    rng = np.random.default_rng(83)
+    q = rng.standard_normal((3, 8, 2, d_k)).astype(np.float32)
+    k16 = rng.standard_normal((3, 2, 700, d_k)).astype(np.float16)
+    v16 = rng.standard_normal((3, 2, 700, d_v)).astype(np.float16)
+    k16[0, 0, 5, :3] = [np.float16(6e-8), -0.0, np.float16(65504) / 1024]
+    v16[1, 1, 9, :2] = [np.float16(65504), np.float16(-6e-8)]
+    lengths = np.array([700, 333, 41])
+    for kv_lengths in (None, lengths):
+        got = ca.attention(q, k16, v16, enable_gqa=True, kv_lengths=kv_lengths)
+        expected = ca.attention(q, k16.astype(np.float32), v16.astype(np.float32),
+                                enable_gqa=True, kv_lengths=kv_lengths)
+        assert_bitwise_equal(got, expected)
+        assert_bitwise_equal(
+            ca.attention(q, k16, v16, enable_gqa=True, kv_lengths=kv_lengths, num_threads=2),
+            expected)
+    assert_matches_reference(got, None, q, repeat_kv(k16.astype(np.float32), 4),
+                             repeat_kv(v16.astype(np.float32), 4), kv_lengths=lengths[:, None],
+                             f32_abs_cap=None)   # 65504 in V: not unit-scale data
+
+
 def test_kvcache_with_float16_caches():
     k_cache = np.zeros((2, 2, 64, 16), np.float16)
     v_cache = np.zeros((2, 2, 64, 16), np.float16)

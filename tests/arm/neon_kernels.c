@@ -325,6 +325,60 @@ static void check_half_rows(void)
     free(every); free(dst_ref); free(dst_neon);
 }
 
+/* float16 K and V read in place: for each table, the bits of its float32
+   kernels on the converted rows (random halves, some of them NaN, inf,
+   subnormal or zero) */
+static void check_direct_f16(void)
+{
+    begin("score_direct_f16 / pv_direct_f16");
+    const ca_kernels *tables[2] = {REF, NEON};
+    const int key_counts[] = {1, 3, 4, 5, 9, 70};
+    for (int width = 1; width <= 135; width += width < 35 ? 1 : 31)
+        for (int ki = 0; ki < 6; ++ki) {
+            const int n_keys = key_counts[ki], n_rows = 3, ld = width + 3;
+            const int lds = n_keys + 2, ldacc = (width + 15) / 16 * 16 + 16;
+            float *q = alloc(sizeof(float) * n_rows * ld), *p = alloc(sizeof(float) * n_rows * n_keys);
+            uint16_t *kv = alloc(sizeof(uint16_t) * n_keys * ld);
+            float *kv32 = alloc(sizeof(float) * n_keys * ld);
+            float *s16 = alloc(sizeof(float) * n_rows * lds), *s32 = alloc(sizeof(float) * n_rows * lds);
+            float *acc16 = alloc(sizeof(float) * n_rows * ldacc);
+            float *acc32 = alloc(sizeof(float) * n_rows * ldacc);
+            for (int i = 0; i < n_rows * ld; ++i)
+                q[i] = (float)normal();
+            for (int i = 0; i < n_keys * ld; ++i) {
+                const double u = uniform();
+                kv[i] = u < 0.02 ? 0x7C00 : u < 0.04 ? 0x7E00 : u < 0.06 ? 0x0003
+                        : u < 0.08 ? 0x8000 : (uint16_t)(0x3000 + (int)(uniform() * 0x1800));
+                kv32[i] = ca_half_to_float(kv[i]);
+            }
+            for (int i = 0; i < n_rows * n_keys; ++i) {
+                const double x = uniform();
+                p[i] = (float)(x < 0.25 || i % n_keys == 0 ? 0 : x);
+            }
+            for (int t = 0; t < 2; ++t) {
+                const ca_kernels *kern = tables[t];
+                kern->score_direct_f16(q, ld, n_rows, kv, ld, n_keys, width, -0.61f, s16, lds,
+                                       kv, ld * 2, 64);
+                kern->score_direct_f32(q, ld, n_rows, kv32, ld, n_keys, width, -0.61f, s32, lds,
+                                       kv32, ld * 4, 64);
+                for (int i = 0; i < n_rows * lds; ++i)
+                    CHECK(same_f32(s16[i], s32[i]), "%s score d_k=%d n_keys=%d at %d: %g vs %g",
+                          kern->name, width, n_keys, i, (double)s16[i], (double)s32[i]);
+                for (int i = 0; i < n_rows * ldacc; ++i)
+                    acc16[i] = acc32[i] = (float)(i % 7) - 3.0f;
+                kern->pv_direct_f16(p, n_keys, n_rows, kv, ld, n_keys, width, acc16, ldacc, kv,
+                                    ld * 2, 64);
+                kern->pv_direct_f32(p, n_keys, n_rows, kv32, ld, n_keys, width, acc32, ldacc,
+                                    kv32, ld * 4, 64);
+                for (int i = 0; i < n_rows * ldacc; ++i)
+                    CHECK(same_f32(acc16[i], acc32[i]), "%s pv d_v=%d n_keys=%d at %d: %g vs %g",
+                          kern->name, width, n_keys, i, (double)acc16[i], (double)acc32[i]);
+            }
+            free(q); free(p); free(kv); free(kv32); free(s16); free(s32); free(acc16);
+            free(acc32);
+        }
+}
+
 static void check_int8(void)
 {
     begin("int8_rows_to_f32 / score_direct_i8 / pv_direct_i8");
@@ -482,6 +536,7 @@ int main(void)
     check_direct_f32();
     check_direct_f64();
     check_half_rows();
+    check_direct_f16();
     check_int8();
     check_softcap();
     check_packing();

@@ -1,0 +1,186 @@
+/*
+ * The decode kernels (few query rows, K and V read where they lie), written
+ * once for K and V stored in the compute type or narrower: included by
+ * kernels_simd_typed.h for float32 and float64 (K and V of that type) and
+ * by kernels_simd.h for float32 with float16 K and V. Its parameters, which
+ * it undefines at its end, besides kernels_simd_typed.h's:
+ *   CA_KV_T                 the element type of K and V as stored
+ *   CA_KV_LOAD(p)           CA_LANES elements at p as a CA_VEC
+ *   CA_KV_LOAD_LANES(p, m)  the leading lanes m of them, the others 0
+ *   CA_DIRECT_NAME(x)       the name of kernel x for this pair of types
+ * A narrower type is converted exactly in registers, so each kernel gives
+ * the bits of converting K and V first and calling the compute type's.
+ */
+
+CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
+    const CA_T *q, ptrdiff_t ldq, ptrdiff_t n_rows, const CA_KV_T *k, ptrdiff_t ldk,
+    ptrdiff_t n_keys, ptrdiff_t d_k, CA_T factor, CA_T *s, ptrdiff_t lds, const void *ahead,
+    ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t d_main = d_k & ~(ptrdiff_t)(CA_LANES - 1);
+    const CA_MASK tail = CA_V(lanes)(d_k - d_main);
+    const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
+    for (ptrdiff_t j = 0; j < n_keys; j += 4) {
+        /* four keys at a time share one horizontal reduction */
+        const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
+        const CA_KV_T *k0 = k + j * ldk;
+        const CA_KV_T *k1 = k0 + (n_group > 1 ? ldk : 0);
+        const CA_KV_T *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
+        const CA_KV_T *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
+        if (j + keys_ahead + 4 <= n_keys)
+            for (int l = 0; l < 4; ++l)
+                prefetch_row(k + (j + keys_ahead + l) * ldk, d_k * (ptrdiff_t)sizeof(CA_KV_T));
+        for (ptrdiff_t l = 0; l < n_group; ++l)
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
+        ptrdiff_t r = 0;
+        /* rows in pairs (grouped heads, several queries): each key vector
+           loaded once for both, and eight chains of FMAs in flight, not
+           four; a row's dot products take the same steps either way */
+        for (; r + 2 <= n_rows; r += 2) {
+            const CA_T *q_r = q + r * ldq;
+            const CA_T *q_n = q_r + ldq;
+            CA_VEC a0 = CA_V(zero)(), a1 = CA_V(zero)();
+            CA_VEC a2 = CA_V(zero)(), a3 = CA_V(zero)();
+            CA_VEC b0 = CA_V(zero)(), b1 = CA_V(zero)();
+            CA_VEC b2 = CA_V(zero)(), b3 = CA_V(zero)();
+            ptrdiff_t c = 0;
+            for (; c < d_main; c += CA_LANES) {
+                const CA_VEC q_c = CA_V(load)(q_r + c);
+                const CA_VEC q_d = CA_V(load)(q_n + c);
+                CA_VEC k_c = CA_KV_LOAD(k0 + c);
+                a0 = CA_V(fmadd)(q_c, k_c, a0);
+                b0 = CA_V(fmadd)(q_d, k_c, b0);
+                k_c = CA_KV_LOAD(k1 + c);
+                a1 = CA_V(fmadd)(q_c, k_c, a1);
+                b1 = CA_V(fmadd)(q_d, k_c, b1);
+                k_c = CA_KV_LOAD(k2 + c);
+                a2 = CA_V(fmadd)(q_c, k_c, a2);
+                b2 = CA_V(fmadd)(q_d, k_c, b2);
+                k_c = CA_KV_LOAD(k3 + c);
+                a3 = CA_V(fmadd)(q_c, k_c, a3);
+                b3 = CA_V(fmadd)(q_d, k_c, b3);
+            }
+            if (c < d_k) {
+                const CA_VEC q_c = CA_V(load_lanes)(q_r + c, tail);
+                const CA_VEC q_d = CA_V(load_lanes)(q_n + c, tail);
+                CA_VEC k_c = CA_KV_LOAD_LANES(k0 + c, tail);
+                a0 = CA_V(fmadd)(q_c, k_c, a0);
+                b0 = CA_V(fmadd)(q_d, k_c, b0);
+                k_c = CA_KV_LOAD_LANES(k1 + c, tail);
+                a1 = CA_V(fmadd)(q_c, k_c, a1);
+                b1 = CA_V(fmadd)(q_d, k_c, b1);
+                k_c = CA_KV_LOAD_LANES(k2 + c, tail);
+                a2 = CA_V(fmadd)(q_c, k_c, a2);
+                b2 = CA_V(fmadd)(q_d, k_c, b2);
+                k_c = CA_KV_LOAD_LANES(k3 + c, tail);
+                a3 = CA_V(fmadd)(q_c, k_c, a3);
+                b3 = CA_V(fmadd)(q_d, k_c, b3);
+            }
+            CA_T dots[4], dots_n[4];
+            CA_V(sum4)(a0, a1, a2, a3, dots);
+            CA_V(sum4)(b0, b1, b2, b3, dots_n);
+            for (ptrdiff_t l = 0; l < n_group; ++l) {
+                s[r * lds + j + l] = dots[l] * factor;
+                s[(r + 1) * lds + j + l] = dots_n[l] * factor;
+            }
+        }
+        for (; r < n_rows; ++r) {
+            const CA_T *q_r = q + r * ldq;
+            CA_VEC a0 = CA_V(zero)(), a1 = CA_V(zero)();
+            CA_VEC a2 = CA_V(zero)(), a3 = CA_V(zero)();
+            ptrdiff_t c = 0;
+            for (; c < d_main; c += CA_LANES) {
+                const CA_VEC q_c = CA_V(load)(q_r + c);
+                a0 = CA_V(fmadd)(q_c, CA_KV_LOAD(k0 + c), a0);
+                a1 = CA_V(fmadd)(q_c, CA_KV_LOAD(k1 + c), a1);
+                a2 = CA_V(fmadd)(q_c, CA_KV_LOAD(k2 + c), a2);
+                a3 = CA_V(fmadd)(q_c, CA_KV_LOAD(k3 + c), a3);
+            }
+            if (c < d_k) {
+                const CA_VEC q_c = CA_V(load_lanes)(q_r + c, tail);
+                a0 = CA_V(fmadd)(q_c, CA_KV_LOAD_LANES(k0 + c, tail), a0);
+                a1 = CA_V(fmadd)(q_c, CA_KV_LOAD_LANES(k1 + c, tail), a1);
+                a2 = CA_V(fmadd)(q_c, CA_KV_LOAD_LANES(k2 + c, tail), a2);
+                a3 = CA_V(fmadd)(q_c, CA_KV_LOAD_LANES(k3 + c, tail), a3);
+            }
+            CA_T dots[4];
+            CA_V(sum4)(a0, a1, a2, a3, dots);
+            for (ptrdiff_t l = 0; l < n_group; ++l)
+                s[r * lds + j + l] = dots[l] * factor;
+        }
+    }
+}
+
+/* acc[0..NV vectors) += sum_j p[j] v_j[...], the last vector masked by tail */
+CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
+    const CA_T *p, const CA_KV_T *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
+    int prefetch, const void *ahead, ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes,
+    CA_MASK tail, CA_T *acc, const int NV)
+{
+    /* runs of SUM_KEYS keys are summed from zero and then added to acc:
+       rounding chains of SUM_KEYS terms, not of every key in the split */
+    CA_VEC run[DIRECT_VECS];
+    const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
+    for (int x = 0; x < NV; ++x)
+        run[x] = CA_V(zero)();
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (j % SUM_KEYS == 0) {
+            if (j > 0)
+                for (int x = 0; x < NV; ++x) {
+                    CA_T *acc_x = acc + CA_LANES * x;
+                    CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[x]));
+                }
+            for (int x = 0; x < NV; ++x)
+                run[x] = CA_V(zero)();
+        }
+        if (prefetch) {
+            if (j + keys_ahead < n_keys)
+                prefetch_row(v + (j + keys_ahead) * ldv, n_bytes_row);
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j);
+        }
+        if (p[j] == 0)
+            continue;
+        const CA_VEC p_j = CA_V(set1)(p[j]);
+        const CA_KV_T *v_j = v + j * ldv;
+        for (int x = 0; x < NV - 1; ++x)
+            run[x] = CA_V(fmadd)(p_j, CA_KV_LOAD(v_j + CA_LANES * x), run[x]);
+        run[NV - 1] = CA_V(fmadd)(p_j, CA_KV_LOAD_LANES(v_j + CA_LANES * (NV - 1), tail),
+                                  run[NV - 1]);
+    }
+    if (n_keys > 0)
+        for (int x = 0; x < NV; ++x) {
+            CA_T *acc_x = acc + CA_LANES * x;
+            CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[x]));
+        }
+}
+
+CA_SIMD_TARGET static void CA_DIRECT_NAME(pv_direct)(
+    const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows, const CA_KV_T *v, ptrdiff_t ldv,
+    ptrdiff_t n_keys, ptrdiff_t d_v, CA_T *acc, ptrdiff_t ldacc, const void *ahead,
+    ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t pass_cols = DIRECT_VECS * CA_LANES;
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        /* up to DIRECT_VECS vectors of columns per pass */
+        for (ptrdiff_t c = 0; c < d_v; c += pass_cols) {
+            const ptrdiff_t width = d_v - c < pass_cols ? d_v - c : pass_cols;
+            const int n_vec = (int)((width + CA_LANES - 1) / CA_LANES);
+            const CA_MASK tail = CA_V(lanes)(width - CA_LANES * (n_vec - 1));
+            /* the first pass over V brings its rows in for the others */
+            const int prefetch = r == 0 && c == 0;
+            const CA_T *p_r = p + r * ldp;
+            CA_T *acc_rc = acc + r * ldacc + c;
+#define CA_PV_DIRECT_PASS(NV) \
+            CA_DIRECT_NAME(pv_direct_cols)(p_r, v + c, ldv, n_keys, \
+                                           d_v * (ptrdiff_t)sizeof(CA_KV_T), prefetch, ahead, \
+                                           ahead_stride, ahead_bytes, tail, acc_rc, NV)
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_DIRECT_PASS)
+#undef CA_PV_DIRECT_PASS
+        }
+    }
+}
+
+#undef CA_KV_T
+#undef CA_KV_LOAD
+#undef CA_KV_LOAD_LANES
+#undef CA_DIRECT_NAME
