@@ -9,6 +9,7 @@ targets the build machine's CPU, and no option relaxes IEEE semantics
 (masked logits are -inf and NaN must propagate).
 """
 
+import glob
 import os
 import shutil
 import subprocess
@@ -109,6 +110,9 @@ extensions = [
             "src/build_info.c",
             "src/team.c",
         ],
+        # the kernel headers: a change to one rebuilds the extension (only
+        # the sources' own dates count otherwise)
+        depends=sorted(glob.glob("src/*.h")) + sorted(glob.glob("cattention/include/*.h")),
         include_dirs=["src", "cattention/include", np.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
