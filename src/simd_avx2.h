@@ -133,15 +133,22 @@ CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
-/* the leading lanes m of them (no 16-bit masked load in AVX2: through a
-   zeroed copy), the others 0 */
-CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 m)
+/* the leading lanes m of them, the others 0. AVX2 has no 16-bit masked
+   load: a partial vector goes through a zeroed copy, out of line, so that
+   the common whole vector (the last of a row of 8k values) costs a load */
+__attribute__((noinline)) CA_SIMD_TARGET static vf32 load_half_part(const uint16_t *p, int n)
 {
     uint16_t lanes[CA_LANES_F32] = {0};
-    const int n = __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m)));
     for (int l = 0; l < n; ++l)
         lanes[l] = p[l];
     return vf32_load_half(lanes);
+}
+CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 m)
+{
+    const unsigned lanes = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m));
+    if (lanes == 0xFFu)
+        return vf32_load_half(p);
+    return load_half_part(p, __builtin_popcount(lanes));
 }
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {

@@ -115,6 +115,8 @@ CA_SIMD_INLINE vf32 vf32_load_half(const uint16_t *p)
 /* the leading n of them, the others 0 */
 CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 n)
 {
+    if (n == 4)
+        return vf32_load_half(p);
     uint16_t lanes[4] = {0, 0, 0, 0};
     for (ptrdiff_t l = 0; l < n; ++l)
         lanes[l] = p[l];
