@@ -14,8 +14,8 @@ from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_F16, STORE_I8, Operand, Problem,
     entry_rows, out_row_offset)
 from cattention._operands cimport (
-    contiguous_run, contiguous_rows, int8_rows_for_kernel, operand_itemsize, row_offset,
-    row_scales, rows_in_place)
+    contiguous_run, contiguous_rows, features_contiguous, int8_rows_for_kernel, operand_itemsize,
+    row_offset, row_scales, rows_in_place)
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
@@ -98,6 +98,8 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
     cdef Py_ssize_t ld_k_rows
     cdef const floating *k_rows
     cdef const int8_t *k_int8
+    cdef const char *v_rows
+    cdef Py_ssize_t v_stride_bytes, v_row_bytes
     if floating is float and pb.k.storage == STORE_I8:
         # int8 keys with their scales, read where they are (gathered when
         # their features are strided)
@@ -108,24 +110,21 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
                              <float>pb.scale, row_scales(&pb.k, b, key0 + j),
                              pb.k.scale_stride, s + j, K_BLOCK)
         return
-    if (floating is float and pb.k.storage == STORE_F16
-            and (pb.k.col_stride == 1 or pb.d_k <= 1)):
+    v_rows = contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v)
+    v_stride_bytes = pb.v.row_stride * operand_itemsize(pb, &pb.v)
+    v_row_bytes = pb.d_v * operand_itemsize(pb, &pb.v)
+    if floating is float and pb.k.storage == STORE_F16 and features_contiguous(&pb.k, pb.d_k):
         # float16 keys read where they lie (the run is within one page) and
         # converted in registers: the bits of converting them first
         kern.score_direct_f16(q_rows, pb.ld_k, n_rows,
                               <const uint16_t *>pb.k.data + row_offset(&pb.k, b, key0 + j),
                               pb.k.row_stride, run, pb.d_k, <float>pb.scale, s + j, K_BLOCK,
-                              contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
-                              pb.v.row_stride * operand_itemsize(pb, &pb.v),
-                              pb.d_v * operand_itemsize(pb, &pb.v))
+                              v_rows, v_stride_bytes, v_row_bytes)
         return
     k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
                            <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, NULL)
     kernel_score_direct(kern, q_rows, pb.ld_k, n_rows, k_rows, ld_k_rows, run,
-                        pb.d_k, pb.scale, s + j, K_BLOCK,
-                        contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v),
-                        pb.v.row_stride * operand_itemsize(pb, &pb.v),
-                        pb.d_v * operand_itemsize(pb, &pb.v))
+                        pb.d_k, pb.scale, s + j, K_BLOCK, v_rows, v_stride_bytes, v_row_bytes)
 
 
 cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -139,6 +138,7 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
     cdef const floating *v_rows
     cdef const int8_t *v_int8
     cdef const char *next_k
+    cdef Py_ssize_t k_stride_bytes, k_row_bytes
     if floating is float and pb.v.storage == STORE_I8:
         v_int8 = int8_rows_for_kernel(&pb.v, b, key0 + j, run, pb.d_v,
                                       <int8_t *>(<floating *>ws.base + ws.off_v_rows),
@@ -151,20 +151,19 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
     next_k = (
         contiguous_rows(pb, &pb.k, b, key0 + direct_key_step(pb) + j, run, pb.d_k)
         if (next_keys > j if pb.k.page_ids == NULL else next_keys >= j + run) else NULL)
-    if (floating is float and pb.v.storage == STORE_F16
-            and (pb.v.col_stride == 1 or pb.d_v <= 1)):
+    k_stride_bytes = pb.k.row_stride * operand_itemsize(pb, &pb.k)
+    k_row_bytes = pb.d_k * operand_itemsize(pb, &pb.k)
+    if floating is float and pb.v.storage == STORE_F16 and features_contiguous(&pb.v, pb.d_v):
         # float16 values read where they lie, as score_run's keys
         kern.pv_direct_f16(s + j, K_BLOCK, n_rows,
                            <const uint16_t *>pb.v.data + row_offset(&pb.v, b, key0 + j),
-                           pb.v.row_stride, run, pb.d_v, acc, pb.ld_v, next_k,
-                           pb.k.row_stride * operand_itemsize(pb, &pb.k),
-                           pb.d_k * operand_itemsize(pb, &pb.k))
+                           pb.v.row_stride, run, pb.d_v, acc, pb.ld_v, next_k, k_stride_bytes,
+                           k_row_bytes)
         return
     v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
                            <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, NULL)
     kernel_pv_direct(kern, s + j, K_BLOCK, n_rows, v_rows, ld_v_rows, run, pb.d_v, acc,
-                     pb.ld_v, next_k, pb.k.row_stride * operand_itemsize(pb, &pb.k),
-                     pb.d_k * operand_itemsize(pb, &pb.k))
+                     pb.ld_v, next_k, k_stride_bytes, k_row_bytes)
 
 
 cdef inline void end_chunk(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t split,

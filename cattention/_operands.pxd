@@ -47,6 +47,11 @@ cdef inline Py_ssize_t contiguous_run(const Operand *op, Py_ssize_t row,
     return left if left < n_rows else n_rows
 
 
+cdef inline bint features_contiguous(const Operand *op, Py_ssize_t n_features) noexcept nogil:
+    """Whether a row's n_features features lie next to each other."""
+    return op.col_stride == 1 or n_features <= 1
+
+
 cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, Py_ssize_t b,
                                           Py_ssize_t key0, Py_ssize_t n_keys,
                                           Py_ssize_t n_features, floating *copy,
@@ -71,7 +76,7 @@ cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, 
             j += run
         ld[0] = ld_copy
         return copy
-    if op.storage == STORE_COMPUTE and (col != NULL or op.col_stride == 1 or n_features <= 1):
+    if op.storage == STORE_COMPUTE and (col != NULL or features_contiguous(op, n_features)):
         ld[0] = op.row_stride
         if col != NULL:
             col[0] = op.col_stride
@@ -117,7 +122,7 @@ cdef inline const char *contiguous_rows(const Problem *pb, const Operand *op,
     its rows key0..key0 + n_keys lie row_stride apart (within one page of a
     paged operand), else NULL (for prefetching: rows are operand_itemsize *
     row_stride bytes apart)."""
-    if (op.col_stride == 1 or n_features <= 1) and contiguous_run(op, key0, n_keys) == n_keys:
+    if features_contiguous(op, n_features) and contiguous_run(op, key0, n_keys) == n_keys:
         return (<const char *>op.data + row_offset(op, b, key0) * operand_itemsize(pb, op))
     return NULL
 
@@ -138,7 +143,7 @@ cdef inline Py_ssize_t rows_span(const Problem *pb, const Operand *op, Py_ssize_
     lie back to back in the caller's array (start: their first byte), or 0:
     paged, strided, or rows apart (prefetching the span would fetch others)."""
     if (op.page_ids != NULL or n_rows <= 0
-            or (op.col_stride != 1 and n_features > 1)
+            or not features_contiguous(op, n_features)
             or (op.row_stride != n_features and n_rows > 1)):
         return 0
     start[0] = op.data + row_offset(op, b, row0) * operand_itemsize(pb, op)
