@@ -243,6 +243,35 @@ class Checks:
 
     # ---- decode kernels ----
 
+    def score_direct(self, table, name, q, k, d_k, factor, lds):
+        """s from one call of a score_direct kernel on rows q (n_rows, d_k + 1)
+        and k (n_keys, d_k + 3) of any stored type, into s (n_rows, lds)
+        filled with 5 first."""
+        n_rows, n_keys = q.shape[0], k.shape[0]
+        self.m.reset_arena()
+        q_at, k_at = self.m.put(q), self.m.put(k)
+        s_at, s = self.m.empty((n_rows, lds), q.dtype, fill=5.0)
+        ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
+        self.call(table, name, [
+            self.ptr(q_at), ("i", d_k + 1), ("i", n_rows), self.ptr(k_at), ("i", d_k + 3),
+            ("i", n_keys), ("i", d_k), (CODE[q.dtype.type], factor), self.ptr(s_at),
+            ("i", lds), self.ptr(ahead), ("i", 64), ("i", 64)])
+        return s.copy()
+
+    def pv_direct(self, table, name, p, v, d_v, acc0):
+        """acc0 (n_rows, ldacc) after one call of a pv_direct kernel with the
+        weights p (n_rows, n_keys) and values v (n_keys, d_v + 1) of any stored
+        type."""
+        n_rows, n_keys = p.shape
+        self.m.reset_arena()
+        p_at, v_at, acc_at = self.m.put(p), self.m.put(v), self.m.put(acc0)
+        ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
+        self.call(table, name, [
+            self.ptr(p_at), ("i", n_keys), ("i", n_rows), self.ptr(v_at), ("i", d_v + 1),
+            ("i", n_keys), ("i", d_v), self.ptr(acc_at), ("i", acc0.shape[1]),
+            self.ptr(ahead), ("i", 64), ("i", 64)])
+        return self.m.read(acc_at, acc0.dtype, acc0.size).reshape(acc0.shape)
+
     def check_score_direct(self, dtype):
         suffix = SUFFIX[dtype]
         for d_k in range(1, 36):
@@ -252,17 +281,9 @@ class Checks:
                     k = self.rng.standard_normal((n_keys, d_k + 3)).astype(dtype)
                     factor = -0.61
                     lds = n_keys + 2
-                    out = {}
-                    for table in ("baseline", "avx2", "avx512"):
-                        self.m.reset_arena()
-                        q_at, k_at = self.m.put(q), self.m.put(k)
-                        s_at, s = self.m.empty((n_rows, lds), dtype, fill=5.0)
-                        ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
-                        self.call(table, "score_direct_" + suffix, [
-                            self.ptr(q_at), ("i", d_k + 1), ("i", n_rows), self.ptr(k_at),
-                            ("i", d_k + 3), ("i", n_keys), ("i", d_k), (CODE[dtype], factor),
-                            self.ptr(s_at), ("i", lds), self.ptr(ahead), ("i", 64), ("i", 64)])
-                        out[table] = s.copy()
+                    out = {table: self.score_direct(table, "score_direct_" + suffix, q, k,
+                                                    d_k, factor, lds)
+                           for table in ("baseline", "avx2", "avx512")}
                     bound = np.zeros((n_rows, lds))
                     bound[:, :n_keys] = (2 * (d_k + 2) * EPS[dtype] * abs(factor)
                                          * (np.abs(q[:, :d_k]) @ np.abs(k[:, :d_k].T)))
@@ -292,19 +313,9 @@ class Checks:
                     factor = -0.61
                     lds = n_keys + 2
                     for table in ("baseline", "avx2", "avx512"):
-                        out = {}
-                        for name, k_in in (("score_direct_f16", k),
-                                           ("score_direct_f32", k.astype(np.float32))):
-                            self.m.reset_arena()
-                            q_at, k_at = self.m.put(q), self.m.put(k_in)
-                            s_at, s = self.m.empty((n_rows, lds), np.float32, fill=5.0)
-                            ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
-                            self.call(table, name, [
-                                self.ptr(q_at), ("i", d_k + 1), ("i", n_rows), self.ptr(k_at),
-                                ("i", d_k + 3), ("i", n_keys), ("i", d_k), ("f", factor),
-                                self.ptr(s_at), ("i", lds), self.ptr(ahead), ("i", 64),
-                                ("i", 64)])
-                            out[name] = s.copy()
+                        out = {name: self.score_direct(table, name, q, k_in, d_k, factor, lds)
+                               for name, k_in in (("score_direct_f16", k),
+                                                  ("score_direct_f32", k.astype(np.float32)))}
                         if not same_bits(out["score_direct_f16"], out["score_direct_f32"]):
                             self.fail(f"{table}: not the float32 kernel's bits on the "
                                       f"converted keys: d_k={d_k} n_keys={n_keys} "
@@ -323,17 +334,9 @@ class Checks:
                 ldacc = -(-d_v // 16) * 16 + 16
                 acc0 = self.rng.standard_normal((n_rows, ldacc)).astype(np.float32)
                 for table in ("baseline", "avx2", "avx512"):
-                    out = {}
-                    for name, v_in in (("pv_direct_f16", v),
-                                       ("pv_direct_f32", v.astype(np.float32))):
-                        self.m.reset_arena()
-                        p_at, v_at, acc_at = self.m.put(p), self.m.put(v_in), self.m.put(acc0)
-                        ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
-                        self.call(table, name, [
-                            self.ptr(p_at), ("i", n_keys), ("i", n_rows), self.ptr(v_at),
-                            ("i", d_v + 1), ("i", n_keys), ("i", d_v), self.ptr(acc_at),
-                            ("i", ldacc), self.ptr(ahead), ("i", 64), ("i", 64)])
-                        out[name] = self.m.read(acc_at, np.float32, acc0.size)
+                    out = {name: self.pv_direct(table, name, p, v_in, d_v, acc0)
+                           for name, v_in in (("pv_direct_f16", v),
+                                              ("pv_direct_f32", v.astype(np.float32)))}
                     if not same_bits(out["pv_direct_f16"], out["pv_direct_f32"]):
                         self.fail(f"{table}: not the float32 kernel's bits on the converted "
                                   f"values: d_v={d_v} n_keys={n_keys}")
@@ -351,16 +354,8 @@ class Checks:
                 v[0, :] = np.nan
                 ldacc = -(-d_v // 16) * 16 + 16
                 acc0 = self.rng.standard_normal((n_rows, ldacc)).astype(dtype)
-                out = {}
-                for table in ("baseline", "avx2", "avx512"):
-                    self.m.reset_arena()
-                    p_at, v_at, acc_at = self.m.put(p), self.m.put(v), self.m.put(acc0)
-                    ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
-                    self.call(table, "pv_direct_" + suffix, [
-                        self.ptr(p_at), ("i", n_keys), ("i", n_rows), self.ptr(v_at),
-                        ("i", d_v + 1), ("i", n_keys), ("i", d_v), self.ptr(acc_at),
-                        ("i", ldacc), self.ptr(ahead), ("i", 64), ("i", 64)])
-                    out[table] = self.m.read(acc_at, dtype, acc0.size).reshape(acc0.shape)
+                out = {table: self.pv_direct(table, "pv_direct_" + suffix, p, v, d_v, acc0)
+                       for table in ("baseline", "avx2", "avx512")}
                 used = slice(0, d_v)
                 untouched = slice(-(-d_v // 16) * 16, ldacc)
                 magnitude = np.abs(acc0[:, used]) + np.abs(p[:, 1:]) @ np.abs(v[1:, :d_v])
