@@ -18,7 +18,7 @@ from . import _attention
 from ._call import make_call, run
 from ._checks import _array, _check_flag
 from ._gqa import run_grouped
-from ._threads import _current_limit, get_num_threads, limit_threads, set_num_threads
+from ._threads import _local, get_num_threads, limit_threads, set_num_threads
 
 __all__ = [
     "attention",
@@ -280,10 +280,10 @@ def attention(
     """
     if (mask is None and return_lse is False and kv_lengths is None
             and window is None and softcap is None and alibi_slopes is None and sinks is None
-            and k_scale is None and v_scale is None and type(enable_gqa) is bool
-            and type(causal) is bool and type(return_scores) is bool):
+            and k_scale is None and v_scale is None):
+        # (attention_fast takes only bool flags: anything else comes here)
         fast = _attention.attention_fast(
-            q, k, v, causal, scale, num_threads, return_scores, _current_limit(), enable_gqa)
+            q, k, v, causal, scale, num_threads, return_scores, _local.limit, enable_gqa)
         if fast is not None:
             return fast
     causal = _check_flag(causal, "causal")

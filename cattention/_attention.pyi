@@ -69,36 +69,36 @@ def attention_fast(
     q: object,
     k: object,
     v: object,
-    causal: bool,
+    causal_flag: object,
     scale: object,
     num_threads: object,
-    return_scores: Literal[False],
+    scores_flag: Literal[False],
     thread_limit: int | None,
-    grouped: bool = ...,
+    grouped_flag: object = ...,
 ) -> NDArray[np.floating[Any]] | None: ...
 @overload
 def attention_fast(
     q: object,
     k: object,
     v: object,
-    causal: bool,
+    causal_flag: object,
     scale: object,
     num_threads: object,
-    return_scores: Literal[True],
+    scores_flag: Literal[True],
     thread_limit: int | None,
-    grouped: bool = ...,
+    grouped_flag: object = ...,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]] | None: ...
 @overload
 def attention_fast(
     q: object,
     k: object,
     v: object,
-    causal: bool,
+    causal_flag: object,
     scale: object,
     num_threads: object,
-    return_scores: bool,
+    scores_flag: object,
     thread_limit: int | None,
-    grouped: bool = ...,
+    grouped_flag: object = ...,
 ) -> (
     NDArray[np.floating[Any]]
     | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]
@@ -113,7 +113,7 @@ def kvcache_fast(
     cache_lengths: object,
     k_new: object,
     v_new: object,
-    causal: bool,
+    causal_flag: object,
     scale: object,
     num_threads: object,
     thread_limit: int | None,
@@ -129,7 +129,7 @@ def paged_fast(
     cache_lengths: object,
     k_new: object,
     v_new: object,
-    causal: bool,
+    causal_flag: object,
     scale: object,
     num_threads: object,
     thread_limit: int | None,

@@ -38,6 +38,7 @@ batch entry through offset tables, which a memoryview does not express.
 import numpy as np
 cimport numpy as cnp
 from cython cimport floating
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.float cimport FLT_MAX
 from libc.math cimport fabs, isfinite, sqrt
 from libc.stdlib cimport calloc, free, malloc
@@ -401,9 +402,19 @@ cdef inline Py_ssize_t plain_threads(object num_threads, object thread_limit):
     if num_threads is None:
         threads = thread_limit if thread_limit is not None else omp_get_max_threads()
         return threads if threads >= 1 else 1
-    if type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:
-        return num_threads
+    cdef int overflow = 0
+    if type(num_threads) is int:
+        # (read in C: a comparison of Python ints costs more than the check)
+        threads = <Py_ssize_t>PyLong_AsLongLongAndOverflow(num_threads, &overflow)
+        if overflow == 0 and 1 <= threads <= MAX_THREADS:
+            return threads
     return 0
+
+
+cdef inline bint plain_flag(object flag) noexcept:
+    """flag is True or False (anything else, numpy.bool_ included, goes to
+    the general path, which checks it)."""
+    return flag is True or flag is False
 
 
 cdef inline tuple grouped_views(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
@@ -431,21 +442,26 @@ cdef inline tuple grouped_views(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v,
             k[..., None, :, :], v[..., None, :, :])
 
 
-def attention_fast(object q, object k, object v, bint causal, object scale,
-                   object num_threads, bint return_scores, object thread_limit,
-                   bint grouped=False):
+def attention_fast(object q, object k, object v, object causal_flag, object scale,
+                   object num_threads, object scores_flag, object thread_limit,
+                   object grouped_flag=False):
     """``attention`` for the common case with no Python-level overhead, or
     None when the general path (``_api._run``) must handle the call.
 
     Common: q, k, v are ndarrays of one dtype (float32 or float64) and one
     ndim, with equal leading dimensions, in native byte order, aligned,
-    element-multiple strides, nonempty, no mask, and scale/num_threads of
-    plain types. With ``grouped`` (enable_gqa=True) the head axis (-3) of
+    element-multiple strides, nonempty, no mask, the flags (causal,
+    return_scores, enable_gqa) bools, and scale/num_threads of plain types. With ``grouped`` (enable_gqa=True) the head axis (-3) of
     k and v may hold H_kv heads, H_kv dividing q's H. Anything else,
     including every error, goes to the general path. The Problem is built by
     the same problem_from_arrays, over the views _gqa.run_grouped takes."""
-    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+    if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray or type(v) is not cnp.ndarray:
         return None
+    if not (plain_flag(causal_flag) and plain_flag(scores_flag) and plain_flag(grouped_flag)):
+        return None
+    cdef bint causal = causal_flag is True
+    cdef bint return_scores = scores_flag is True
+    cdef bint grouped = grouped_flag is True
     cdef cnp.ndarray qa = <cnp.ndarray>q
     cdef cnp.ndarray ka = <cnp.ndarray>k
     cdef cnp.ndarray va = <cnp.ndarray>v
@@ -653,12 +669,12 @@ cdef inline int step_types(object q, object k_cache, object v_cache, object leng
     serving step's arrays are of the kinds the compiled steps take: ndarrays,
     k_new and v_new both given or both None, q float32 or float64 and caches
     of q's type or float16 beside a float32 q. Else -1 (the general path)."""
-    if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
-            or type(v_cache) is not np.ndarray or type(lengths) is not np.ndarray):
+    if (type(q) is not cnp.ndarray or type(k_cache) is not cnp.ndarray
+            or type(v_cache) is not cnp.ndarray or type(lengths) is not cnp.ndarray):
         return -1
     if (k_new is None) != (v_new is None):
         return -1
-    if k_new is not None and (type(k_new) is not np.ndarray or type(v_new) is not np.ndarray):
+    if k_new is not None and (type(k_new) is not cnp.ndarray or type(v_new) is not cnp.ndarray):
         return -1
     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
     cache_type[0] = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)
@@ -686,7 +702,7 @@ cdef inline bint writes_apart(cnp.ndarray k_cache, cnp.ndarray v_cache, cnp.ndar
 
 
 def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
-                 object k_new, object v_new, bint causal, object scale,
+                 object k_new, object v_new, object causal_flag, object scale,
                  object num_threads, object thread_limit):
     """``attention_with_kvcache`` for the common serving call with no
     Python-level overhead, or None when the general path (``_kvcache.py``)
@@ -697,7 +713,7 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
     H a multiple of H_kv, all sizes nonzero, aligned, native, element-multiple
     strides; cache_lengths int32 or int64 of shape (B,); k_new and v_new None
     or of the cache dtype (float32 into a float16 cache: converted, and no
-    value beyond its range), every array the call writes certainly apart
+    value beyond its range), causal a bool, every array the call writes certainly apart
     from every other one it touches, the new rows within S_max; scale and
     num_threads of plain types in range. Anything else, including every
     error, goes to the general path. The Problem is the one the general path
@@ -705,8 +721,9 @@ def kvcache_fast(object q, object k_cache, object v_cache, object cache_lengths,
     lengths and query period, so the bits are the same."""
     cdef int cache_type = 0   # set by step_types
     cdef int q_type = step_types(q, k_cache, v_cache, cache_lengths, k_new, v_new, &cache_type)
-    if q_type < 0:
+    if q_type < 0 or not plain_flag(causal_flag):
         return None
+    cdef bint causal = causal_flag is True
     cdef bint appending = k_new is not None
     cdef cnp.ndarray qa = <cnp.ndarray>q
     cdef cnp.ndarray kc = <cnp.ndarray>k_cache
@@ -881,7 +898,7 @@ cdef inline void append_to_pages(cnp.ndarray pages, cnp.ndarray rows, const intp
 
 
 def paged_fast(object q, object k_pages, object v_pages, object block_table,
-               object cache_lengths, object k_new, object v_new, bint causal, object scale,
+               object cache_lengths, object k_new, object v_new, object causal_flag, object scale,
                object num_threads, object thread_limit):
     """``attention_with_paged_kvcache`` for the common serving call with no
     Python-level overhead, or None when the general path (``_paged.py``)
@@ -892,7 +909,7 @@ def paged_fast(object q, object k_pages, object v_pages, object block_table,
     (n_pages, H_kv, page_size, d), H a multiple of H_kv, all sizes nonzero,
     aligned, native, element-multiple strides; block_table int64 or int32 of
     shape (B, max_pages); cache_lengths int32 or int64 of shape (B,); k_new
-    and v_new None or of the pages' dtype; every array the call writes
+    and v_new None or of the pages' dtype; causal a bool; every array the call writes
     certainly apart from every other one it touches; each sequence's new
     rows within its table, every page it reads a page id, and every page it
     writes to listed once in the whole table's used entries (a page shared
@@ -903,8 +920,9 @@ def paged_fast(object q, object k_pages, object v_pages, object block_table,
     has T rows), so the bits are the same."""
     cdef int page_type = 0   # set by step_types
     cdef int q_type = step_types(q, k_pages, v_pages, cache_lengths, k_new, v_new, &page_type)
-    if q_type < 0 or type(block_table) is not np.ndarray:
+    if q_type < 0 or type(block_table) is not cnp.ndarray or not plain_flag(causal_flag):
         return None
+    cdef bint causal = causal_flag is True
     cdef bint appending = k_new is not None
     cdef cnp.ndarray qa = <cnp.ndarray>q
     cdef cnp.ndarray kp = <cnp.ndarray>k_pages

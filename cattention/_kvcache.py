@@ -13,7 +13,7 @@ from ._call import check_options
 from ._checks import (_array, _as_input, _check_flag, _readable_in_place,
                       _refuse_shared_memory)
 from ._quantize import SCALE_RANGE, cache_rows, scales_in_range
-from ._threads import _current_limit
+from ._threads import _local
 
 __all__ = ["attention_with_kvcache"]
 
@@ -165,11 +165,11 @@ def attention_with_kvcache(
     """
     if (window is None and softcap is None and alibi_slopes is None and sinks is None
             and k_scale is None and v_scale is None and return_lse is False
-            and (enable_gqa is None or enable_gqa is True) and type(causal) is bool):
+            and (enable_gqa is None or enable_gqa is True)):
         # a serving step of float caches: checked, appended and computed in
         # one compiled call, or None for everything else (and every error)
         fast = _attention.kvcache_fast(q, k_cache, v_cache, cache_lengths, k_new, v_new,
-                                       causal, scale, num_threads, _current_limit())
+                                       causal, scale, num_threads, _local.limit)
         if fast is not None:
             return fast
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -27,7 +27,7 @@ from ._checks import (
 )
 from ._kvcache import _check_cache_lengths
 from ._quantize import cache_rows
-from ._threads import _check_num_threads, _current_limit, get_num_threads
+from ._threads import _check_num_threads, _local, get_num_threads
 from ._varlen import cu_seqlens, head_options, place, rows_of
 
 __all__ = ["attention_with_paged_kvcache"]
@@ -226,13 +226,12 @@ def attention_with_paged_kvcache(
     array([3, 9])
     """
     if (cu_seqlens_q is None and window is None and softcap is None and alibi_slopes is None
-            and sinks is None and k_scale is None and v_scale is None and return_lse is False
-            and type(causal) is bool):
+            and sinks is None and k_scale is None and v_scale is None and return_lse is False):
         # a decode or prefill step of float pages: checked, appended and
         # computed in one compiled call, or None for everything else (and
         # every error)
         fast = _attention.paged_fast(q, k_pages, v_pages, block_table, cache_lengths, k_new,
-                                     v_new, causal, scale, num_threads, _current_limit())
+                                     v_new, causal, scale, num_threads, _local.limit)
         if fast is not None:
             return fast
     k_pages, v_pages = _check_pages(k_pages, v_pages)

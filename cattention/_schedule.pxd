@@ -130,6 +130,7 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
                          * (pb.d_k + pb.d_v + 1))
     cdef int n_procs
+    cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock
     if ca_forked_after_parallel():
         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
         n_threads = 1
@@ -163,7 +164,8 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
         status = schedule_decode(pb, kern, n_threads, out)
     else:
         status = schedule_packed(pb, kern, n_threads, out, scores)
-    ca_team_call_ended()
+    if team_rule:
+        ca_team_call_ended()
     return status
 
 

@@ -17,25 +17,29 @@ from ._checks import _as_integer
 
 __all__ = ["get_num_threads", "limit_threads", "set_num_threads"]
 
-# Thread count set by set_num_threads(); None follows OpenMP's current setting.
-_thread_limit: int | None = None
-
 
 class _ThreadLocalLimit(threading.local):
-    """Thread count of calls from one Python thread, set by limit_threads()."""
+    """``_local.limit``: the thread count that applies to a call from this
+    Python thread with num_threads=None: limit_threads(), else
+    set_num_threads(), else None (OpenMP's current setting).
 
-    # a class attribute: reading an unset one costs no AttributeError
+    set_num_threads() sets the class attribute, seen by every Python thread;
+    limit_threads() sets an instance attribute, local to the thread, which
+    shadows it. One attribute read answers a call (its fast path reads it)."""
+
     limit: int | None = None
 
 
 _local = _ThreadLocalLimit()
 
+#: a Python thread without a limit_threads() setting of its own
+_NO_OWN_LIMIT = object()
+
 
 def _current_limit() -> int | None:
     """The thread count that applies to a call from this Python thread with
-    num_threads=None: limit_threads(), else set_num_threads(), else None."""
-    limit = _local.limit
-    return _thread_limit if limit is None else limit
+    num_threads=None (see _ThreadLocalLimit)."""
+    return _local.limit
 
 
 def set_num_threads(n: SupportsIndex | None) -> None:
@@ -68,8 +72,7 @@ def set_num_threads(n: SupportsIndex | None) -> None:
     2
     >>> ca.set_num_threads(None)  # follow OpenMP again
     """
-    global _thread_limit
-    _thread_limit = None if n is None else _check_num_threads(n, "n")
+    _ThreadLocalLimit.limit = None if n is None else _check_num_threads(n, "n")
 
 
 def get_num_threads() -> int:
@@ -154,12 +157,19 @@ def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
     8
     """
     value = None if n is None else _check_num_threads(n, "n")
-    previous = _local.limit
-    _local.limit = value
+    own = vars(_local)   # this Python thread's attributes
+    previous = own.get("limit", _NO_OWN_LIMIT)
+    if value is None:
+        own.pop("limit", None)   # set_num_threads() applies again
+    else:
+        own["limit"] = value
     try:
         yield
     finally:
-        _local.limit = previous
+        if previous is _NO_OWN_LIMIT:
+            own.pop("limit", None)
+        else:
+            own["limit"] = previous
 
 
 def _check_num_threads(n: Any, name: str = "num_threads") -> int:

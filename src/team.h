@@ -43,7 +43,8 @@ int64_t ca_now_ns(void);
 /* Threads for a call of the given estimated one-thread time (ns) that may
    use up to n_threads. */
 int ca_team_size(int n_threads, double serial_ns);
-/* Called when a call ends (any thread count). */
+/* Called when a call given more than one thread ends (whatever number it
+   ran with); a call given one thread starts no team and does not count. */
 void ca_team_call_ended(void);
 
 #ifdef __cplusplus

@@ -279,6 +279,29 @@ def test_paged_errors_write_nothing(change, match):
     assert_bitwise_equal(args["lengths"], before[2])
 
 
+@pytest.mark.parametrize("causal", ["yes", 1, np.array([True, False])],
+                         ids=["str", "int", "array"])
+def test_paged_causal_must_be_a_bool_and_nothing_is_written(causal):
+    k_pages, v_pages, table, lengths, x = _small_call()
+    with pytest.raises(TypeError, match=r"^causal must be a bool"):
+        ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths, x, x,
+                                        causal=causal)
+    assert not k_pages.any() and not v_pages.any() and lengths.tolist() == [3, 8]
+
+
+def test_paged_numpy_bool_causal_is_a_bool():
+    rng = np.random.default_rng(5)
+    results = []
+    for causal in (True, np.True_):
+        k_pages, v_pages, table, lengths, x = _small_call()
+        k_pages[:] = rng.standard_normal(k_pages.shape)
+        v_pages[:] = rng.standard_normal(v_pages.shape)
+        results.append(ca.attention_with_paged_kvcache(x, k_pages, v_pages, table, lengths,
+                                                       x, x, causal=causal))
+        rng = np.random.default_rng(5)
+    assert_bitwise_equal(results[0], results[1])
+
+
 def test_pages_shared_for_a_common_prefix_take_appends_past_them():
     """Two sequences share page 0 (a full common prefix) and append into
     pages of their own: allowed, the shared rows stay, and each sequence

@@ -307,6 +307,31 @@ def test_limit_threads_is_local_to_the_calling_thread():
     assert ca.get_num_threads() == 2
 
 
+def test_set_num_threads_inside_limit_threads():
+    """A thread's own limit shadows set_num_threads() while it lasts; with
+    none of its own (limit_threads(None), or after the block) the newest
+    process-wide count applies."""
+    ca.set_num_threads(None)
+    default = ca.get_num_threads()
+    ca.set_num_threads(2)
+    try:
+        with ca.limit_threads(1):
+            ca.set_num_threads(3)
+            assert ca.get_num_threads() == 1
+            with ca.limit_threads(None):
+                assert ca.get_num_threads() == 3
+                ca.set_num_threads(4)
+                assert ca.get_num_threads() == 4
+            assert ca.get_num_threads() == 1
+        assert ca.get_num_threads() == 4
+        ca.set_num_threads(None)
+        with ca.limit_threads(2):
+            assert ca.get_num_threads() == 2
+        assert ca.get_num_threads() == default
+    finally:
+        ca.set_num_threads(None)
+
+
 def test_limit_threads_restores_after_an_error():
     before = ca.get_num_threads()
     with pytest.raises(RuntimeError):
