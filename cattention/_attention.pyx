@@ -451,8 +451,9 @@ def attention_fast(object q, object k, object v, object causal_flag, object scal
     Common: q, k, v are ndarrays of one dtype (float32 or float64) and one
     ndim, with equal leading dimensions, in native byte order, aligned,
     element-multiple strides, nonempty, no mask, the flags (causal,
-    return_scores, enable_gqa) bools, and scale/num_threads of plain types. With ``grouped`` (enable_gqa=True) the head axis (-3) of
-    k and v may hold H_kv heads, H_kv dividing q's H. Anything else,
+    return_scores, enable_gqa) bools, and scale/num_threads of plain types.
+    With ``grouped_flag`` (enable_gqa=True) the head axis (-3) of k and v
+    may hold H_kv heads, H_kv dividing q's H. Anything else,
     including every error, goes to the general path. The Problem is built by
     the same problem_from_arrays, over the views _gqa.run_grouped takes."""
     if type(q) is not cnp.ndarray or type(k) is not cnp.ndarray or type(v) is not cnp.ndarray:
