@@ -19,7 +19,14 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
 {
     const ptrdiff_t d_main = d_k & ~(ptrdiff_t)(CA_LANES - 1);
     const CA_MASK tail = CA_V(lanes)(d_k - d_main);
-    const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
+    /* no L1 prefetch of the keys' own rows: P.V of the step before brought
+       them into L2 (prefetch_ahead), the driver brings the first rows of
+       the next entry's call into L1, and prefetching them all took load
+       slots the loads need (as many prefetches as vector loads of K).
+       Without it, one process alternating call by call (AVX-512 and AVX2
+       tables, 1 and 2 threads): K and V in L3 0.92-0.98x the time, from
+       memory 0.88-1.01x, float16 from memory 0.87-0.97x, a paged step
+       0.92-0.97x, small steps in L2 0.94-0.99x. int8's kernel keeps its own */
     for (ptrdiff_t j = 0; j < n_keys; j += 4) {
         /* four keys at a time share one horizontal reduction */
         const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
@@ -27,9 +34,6 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
         const CA_KV_T *k1 = k0 + (n_group > 1 ? ldk : 0);
         const CA_KV_T *k2 = k0 + (n_group > 2 ? 2 * ldk : 0);
         const CA_KV_T *k3 = k0 + (n_group > 3 ? 3 * ldk : 0);
-        if (j + keys_ahead + 4 <= n_keys)
-            for (int l = 0; l < 4; ++l)
-                prefetch_row(k + (j + keys_ahead + l) * ldk, d_k * (ptrdiff_t)sizeof(CA_KV_T));
         for (ptrdiff_t l = 0; l < n_group; ++l)
             prefetch_ahead(ahead, ahead_stride, ahead_bytes, j + l);
         ptrdiff_t r = 0;
