@@ -22,7 +22,8 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
     /* no L1 prefetch of the keys' own rows: P.V of the step before brought
        them into L2 (prefetch_ahead), the driver brings the first rows of
        the next entry's call into L1, and prefetching them all took load
-       slots the loads need (as many prefetches as vector loads of K).
+       slots the loads need (one prefetch per line of K: as many as the
+       vector loads of K with AVX-512, half as many with AVX2).
        Without it, one process alternating call by call (AVX-512 and AVX2
        tables, 1 and 2 threads): K and V in L3 0.92-0.98x the time, from
        memory 0.88-1.01x, float16 from memory 0.87-0.97x, a paged step
