@@ -19,11 +19,11 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
 {
     const ptrdiff_t d_main = d_k & ~(ptrdiff_t)(CA_LANES - 1);
     const CA_MASK tail = CA_V(lanes)(d_k - d_main);
-    /* no L1 prefetch of the keys' own rows: P.V of the step before brought
-       them into L2 (prefetch_ahead), the driver brings the first rows of
-       the next entry's call into L1, and prefetching them all took load
-       slots the loads need (one prefetch per line of K: as many as the
-       vector loads of K with AVX-512, half as many with AVX2).
+    /* no L1 prefetch of the keys' own rows: but for a chunk's first step,
+       P.V of the step before brought them into L2 (prefetch_ahead), and
+       prefetching them into L1 too took load slots the loads need (one
+       prefetch per line of K: as many as the vector loads of K with
+       AVX-512, half as many with AVX2).
        Without it, one process alternating call by call (AVX-512 and AVX2
        tables, 1 and 2 threads): K and V in L3 0.92-0.98x the time, from
        memory 0.88-1.01x, float16 from memory 0.87-0.97x, a paged step
