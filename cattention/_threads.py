@@ -32,9 +32,6 @@ class _ThreadLocalLimit(threading.local):
 
 _local = _ThreadLocalLimit()
 
-#: a Python thread without a limit_threads() setting of its own
-_NO_OWN_LIMIT = object()
-
 
 def _current_limit() -> int | None:
     """The thread count that applies to a call from this Python thread with
@@ -157,19 +154,22 @@ def limit_threads(n: SupportsIndex | None) -> Iterator[None]:
     8
     """
     value = None if n is None else _check_num_threads(n, "n")
-    own = vars(_local)   # this Python thread's attributes
-    previous = own.get("limit", _NO_OWN_LIMIT)
-    if value is None:
-        own.pop("limit", None)   # set_num_threads() applies again
-    else:
-        own["limit"] = value
+    # this Python thread's own attributes: "limit" is there only as a count
+    # (never None), so absent means set_num_threads() applies
+    own = vars(_local)
+    previous = own.get("limit")
+    _set_own_limit(own, value)
     try:
         yield
     finally:
-        if previous is _NO_OWN_LIMIT:
-            own.pop("limit", None)
-        else:
-            own["limit"] = previous
+        _set_own_limit(own, previous)
+
+
+def _set_own_limit(own: dict[str, Any], value: int | None) -> None:
+    if value is None:
+        own.pop("limit", None)
+    else:
+        own["limit"] = value
 
 
 def _check_num_threads(n: Any, name: str = "num_threads") -> int:
