@@ -44,6 +44,11 @@ Method
     * A separate memory probe runs one long causal case in a fresh
       subprocess and reports its peak RSS increase (see
       :func:`measure_memory`).
+    * The header names the instruction set PyTorch's kernels run
+      (``torch.backends.cpu.get_cpu_capability()``). To set the avx2 table
+      against PyTorch's AVX2 kernels on an AVX-512 machine, run with
+      ``CATTENTION_SIMD=avx2 ATEN_CPU_CAPABILITY=avx2`` (onnxruntime and
+      OpenVINO keep their own choice).
 
 Nothing here asserts on timings; :func:`run_benchmark` is the in-process
 entry point and returns plain dict records (see ``--json``).
@@ -812,6 +817,17 @@ def _cpu_model():
     return platform.processor() or "unknown"
 
 
+def _torch_kernels(torch):
+    """The instruction set of PyTorch's CPU kernels ("AVX512", "AVX2", ...;
+    ATEN_CPU_CAPABILITY lowers it), or None without torch."""
+    if torch is None:
+        return None
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def machine_config(torch):
     """Dict describing the machine, libraries and environment."""
     buffer = io.StringIO()
@@ -832,6 +848,7 @@ def machine_config(torch):
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__ if torch is not None else None,
+        "torch_kernels": _torch_kernels(torch),
         "blas": blas,
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -849,7 +866,8 @@ def format_config(config):
         config["cattention"],
         f"machine: {config['cpu']} ({config['cpu_count']} CPUs), Python {config['python']}, "
         f"load average at start {config['load_average'][0]:.2f}",
-        f"torch:   {config['torch'] or 'not installed (torch peers skipped)'}",
+        "torch:   " + (f"{config['torch']} ({config['torch_kernels']} kernels)"
+                       if config["torch"] else "not installed (torch peers skipped)"),
         f"BLAS:    {config['blas']}",
         "env:     " + (", ".join(f"{k}={v}" for k, v in openblas.items())
                        + " set (OpenBLAS kernel/cache tuning overridden)"

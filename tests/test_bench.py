@@ -116,6 +116,22 @@ def test_cli_filter_json_and_table(no_torch, monkeypatch, tmp_path, capsys):
     assert data["config"]["torch"] is None and data["memory"] is None
 
 
+def test_header_names_the_kernels_torch_runs():
+    from types import SimpleNamespace
+    fake_cpu = SimpleNamespace(get_cpu_capability=lambda: "AVX2")
+    fake_torch = SimpleNamespace(__version__="9.9.9+cpu",
+                                 backends=SimpleNamespace(cpu=fake_cpu))
+    config = _bench.machine_config(fake_torch)
+    assert config["torch_kernels"] == "AVX2"
+    assert "torch:   9.9.9+cpu (AVX2 kernels)" in _bench.format_config(config)
+    # a torch without the query still runs the benchmark, and says so
+    old_torch = SimpleNamespace(__version__="1.13.0", backends=SimpleNamespace())
+    assert _bench.machine_config(old_torch)["torch_kernels"] == "unknown"
+    config = _bench.machine_config(None)
+    assert config["torch_kernels"] is None
+    assert "torch:   not installed" in _bench.format_config(config)
+
+
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
     import builtins
     real_import = builtins.__import__
