@@ -274,7 +274,9 @@ class Checks:
 
     def check_score_direct(self, dtype):
         suffix = SUFFIX[dtype]
-        for d_k in range(1, 36):
+        # whole vectors up to 8 of them take the kernel's held-q path (rows
+        # 1 and 3: one held row, a held pair and a row after it)
+        for d_k in list(range(1, 36)) + [48, 64, 96, 128]:
             for n_keys in (1, 2, 3, 4, 5, 9):
                 for n_rows in (1, 3):
                     q = self.rng.standard_normal((n_rows, d_k + 1)).astype(dtype)
@@ -305,7 +307,7 @@ class Checks:
     def check_score_direct_f16(self):
         # every table: float16 keys read in place give the bits of its own
         # float32 kernel on the converted rows
-        for d_k in list(range(1, 18)) + [31, 32, 33, 127]:
+        for d_k in list(range(1, 18)) + [31, 32, 33, 64, 127, 128]:
             for n_keys in (1, 3, 4, 5, 9):
                 for n_rows in (1, 2, 3):
                     q = self.rng.standard_normal((n_rows, d_k + 1)).astype(np.float32)
