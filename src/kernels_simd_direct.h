@@ -24,6 +24,8 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(score_rows_held)(
     CA_T factor, CA_T *s, ptrdiff_t lds, int prefetch, const void *ahead,
     ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes, const int NV, const int ROWS)
 {
+    _Static_assert(CA_DIRECT_ROW_VECS <= 8 && CA_DIRECT_PAIR_VECS <= CA_DIRECT_ROW_VECS,
+                   "a held row has at most 8 vectors, a pair's rows no more than one's");
     CA_VEC q_v[2][8];
     for (int i = 0; i < ROWS; ++i)
         for (int x = 0; x < NV; ++x)
@@ -70,15 +72,16 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
        loop below (AVX-512, 1 and 2 threads, same bits): K and V in L3
        0.93-0.95x the time, grouped heads 0.90-0.95x, float16 K/V
        0.94-0.97x, four queries 0.95-0.98x, from memory 0.95-1.00x; AVX2
-       (a single row up to d_k = 64) unchanged. Rows that would each be
-       held alone would read the step's keys once per row: the loop below
-       reads them once per pair. */
-    if (d_k % CA_LANES == 0 && n_vecs >= 1 && n_vecs <= 8
+       (a single row up to d_k = 64) unchanged. Several rows each held
+       alone would read the step's keys once per row, where the loop below
+       reads them once per pair (1.10x the time with AVX2, four rows of
+       d_k = 64), so they take the loop. */
+    if (d_k % CA_LANES == 0 && n_vecs >= 1 && n_vecs <= CA_DIRECT_ROW_VECS
         && (n_rows == 1 || n_vecs <= CA_DIRECT_PAIR_VECS)) {
         ptrdiff_t r = 0;
         if (n_vecs <= CA_DIRECT_PAIR_VECS)
             for (; r + 2 <= n_rows; r += 2) {
-                /* (cases above CA_DIRECT_PAIR_VECS are never taken) */
+                /* (cases above the mapping's limits are never taken) */
 #define CA_SCORE_HELD_PAIR(NV) \
                 CA_DIRECT_NAME(score_rows_held)(q + r * ldq, ldq, k, ldk, n_keys, factor, \
                                                 s + r * lds, lds, r == 0, ahead, ahead_stride, \
@@ -91,7 +94,8 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
 #define CA_SCORE_HELD_ROW(NV) \
             CA_DIRECT_NAME(score_rows_held)(q + r * ldq, ldq, k, ldk, n_keys, factor, \
                                             s + r * lds, lds, r == 0, ahead, ahead_stride, \
-                                            ahead_bytes, NV, 1)
+                                            ahead_bytes, \
+                                            (NV) <= CA_DIRECT_ROW_VECS ? (NV) : 1, 1)
             CA_SWITCH_DIRECT_VECS(n_vecs, CA_SCORE_HELD_ROW)
 #undef CA_SCORE_HELD_ROW
         }

@@ -31,9 +31,11 @@
    broadcast fill 15 of the 16 registers. */
 #define CA_TILE_ROWS 6
 #define CA_TILE_VECS 2
-/* Decode: query vectors of features a pair of rows keeps in registers
-   for a whole score_direct call (16 registers: two rows' q (6) and eight dot products leave one for the key vector;
-   a single row keeps up to 8) */
+/* Decode (score_direct): the most vectors of query features a row keeps
+   in registers for a whole call, alone (8, with its four dot products) and
+   in a pair of rows (3 each: eight dot products and a key vector fill the
+   other 10 of 16 registers) */
+#define CA_DIRECT_ROW_VECS 8
 #define CA_DIRECT_PAIR_VECS 3
 
 #define CA_LANES_F32 8

@@ -21,9 +21,10 @@
    registers, and reads each operand vector for 12 FMAs instead of 6. */
 #define CA_TILE_ROWS 12
 #define CA_TILE_VECS 2
-/* Decode: query vectors of features a pair of rows keeps in registers
-   for a whole score_direct call (32 registers: two rows' q (16), eight dot products and the key vector;
-   a single row keeps up to 8) */
+/* Decode (score_direct): the most vectors of query features a row keeps
+   in registers for a whole call, alone and in a pair of rows (8 each: two
+   rows' 16, eight dot products and a key vector in 32 registers) */
+#define CA_DIRECT_ROW_VECS 8
 #define CA_DIRECT_PAIR_VECS 8
 
 #define CA_LANES_F32 16

@@ -23,10 +23,11 @@
    accumulators, the panel's 4 vectors and a broadcast in registers. */
 #define CA_TILE_ROWS 6
 #define CA_TILE_VECS 4
-/* Decode: query vectors of features a pair of rows keeps in registers
-   for a whole score_direct call (32 registers: two rows' q (16), eight dot products and the key vector;
-   a single row keeps up to 8) */
-#define CA_DIRECT_PAIR_VECS 8
+/* Decode (score_direct): rows keep no query features in registers across
+   a call (0, 0: the kernel's general loop; holding them was measured on
+   x86 cores only) */
+#define CA_DIRECT_ROW_VECS 0
+#define CA_DIRECT_PAIR_VECS 0
 
 #define CA_LANES_F32 4
 #define CA_LANES_F64 2
