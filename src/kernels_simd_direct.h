@@ -79,26 +79,22 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
     if (d_k % CA_LANES == 0 && n_vecs >= 1 && n_vecs <= CA_DIRECT_ROW_VECS
         && (n_rows == 1 || n_vecs <= CA_DIRECT_PAIR_VECS)) {
         ptrdiff_t r = 0;
+        /* (NV above the mapping's limit is never taken: such cases
+           instantiate the kernel for one vector) */
+#define CA_SCORE_HELD(NV, ROWS, LIMIT) \
+        CA_DIRECT_NAME(score_rows_held)(q + r * ldq, ldq, k, ldk, n_keys, factor, s + r * lds, \
+                                        lds, r == 0, ahead, ahead_stride, ahead_bytes, \
+                                        (NV) <= (LIMIT) ? (NV) : 1, ROWS)
+#define CA_SCORE_HELD_PAIR(NV) CA_SCORE_HELD(NV, 2, CA_DIRECT_PAIR_VECS)
+#define CA_SCORE_HELD_ROW(NV) CA_SCORE_HELD(NV, 1, CA_DIRECT_ROW_VECS)
         if (n_vecs <= CA_DIRECT_PAIR_VECS)
-            for (; r + 2 <= n_rows; r += 2) {
-                /* (cases above the mapping's limits are never taken) */
-#define CA_SCORE_HELD_PAIR(NV) \
-                CA_DIRECT_NAME(score_rows_held)(q + r * ldq, ldq, k, ldk, n_keys, factor, \
-                                                s + r * lds, lds, r == 0, ahead, ahead_stride, \
-                                                ahead_bytes, \
-                                                (NV) <= CA_DIRECT_PAIR_VECS ? (NV) : 1, 2)
+            for (; r + 2 <= n_rows; r += 2)
                 CA_SWITCH_DIRECT_VECS(n_vecs, CA_SCORE_HELD_PAIR)
-#undef CA_SCORE_HELD_PAIR
-            }
-        for (; r < n_rows; ++r) {
-#define CA_SCORE_HELD_ROW(NV) \
-            CA_DIRECT_NAME(score_rows_held)(q + r * ldq, ldq, k, ldk, n_keys, factor, \
-                                            s + r * lds, lds, r == 0, ahead, ahead_stride, \
-                                            ahead_bytes, \
-                                            (NV) <= CA_DIRECT_ROW_VECS ? (NV) : 1, 1)
+        for (; r < n_rows; ++r)
             CA_SWITCH_DIRECT_VECS(n_vecs, CA_SCORE_HELD_ROW)
 #undef CA_SCORE_HELD_ROW
-        }
+#undef CA_SCORE_HELD_PAIR
+#undef CA_SCORE_HELD
         return;
     }
     const ptrdiff_t d_main = d_k & ~(ptrdiff_t)(CA_LANES - 1);
