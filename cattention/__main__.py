@@ -40,6 +40,13 @@ def _numpy_attention(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], causal: 
     return result
 
 
+#: Seconds the demo waits before timing cattention after NumPy's matmuls:
+#: NumPy's OpenBLAS workers keep spinning on a core for about 0.1 s after
+#: each call, and a 2-thread call timed among them ran at its one-thread
+#: speed (README, Threads).
+BLAS_SETTLE_SECONDS = 0.25
+
+
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
@@ -56,8 +63,9 @@ def demo(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, repeats:
     rng = np.random.default_rng(0)
     shape_q = (batch, heads, n_queries, dim)
     shape_kv = (batch, heads, n_keys, dim)
+    threads = get_num_threads()
     print(f"workload: q {shape_q}, k/v {shape_kv}, median of {repeats} runs, "
-          f"{get_num_threads()} threads")
+          f"{threads} thread{'s' if threads != 1 else ''}")
     header = (f"{'dtype':8} {'causal':6} {'cattention ms':>14} {'NumPy ms':>10} "
               f"{'speedup':>8} {'GFLOP/s':>8} {'max err vs f64':>15}")
     print(header)
@@ -69,12 +77,16 @@ def demo(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, repeats:
         v = rng.standard_normal(shape_kv).astype(dtype)
         scale = 1.0 / np.sqrt(dim)
         for causal in (False, True):
+            if threads > 1:
+                # cattention's own speed, not that of its threads beside
+                # the spinning BLAS workers of the NumPy calls just before
+                time.sleep(BLAS_SETTLE_SECONDS)
+            t_ours = _median_seconds(lambda: attention(q, k, v, causal=causal), repeats)
             ours = attention(q, k, v, causal=causal)
+            t_numpy = _median_seconds(lambda: _numpy_attention(q, k, v, causal, scale), repeats)
             reference = _numpy_attention(q.astype(np.float64), k.astype(np.float64),
                                          v.astype(np.float64), causal, scale)
             error = float(np.max(np.abs(ours - reference)))
-            t_ours = _median_seconds(lambda: attention(q, k, v, causal=causal), repeats)
-            t_numpy = _median_seconds(lambda: _numpy_attention(q, k, v, causal, scale), repeats)
             flops = 4.0 * batch * heads * n_queries * n_keys * dim * (0.5 if causal else 1.0)
             print(f"{np.dtype(dtype).name:8} {str(causal):6} {t_ours * 1e3:14.2f} "
                   f"{t_numpy * 1e3:10.2f} {t_numpy / t_ours:7.2f}x "
@@ -82,6 +94,9 @@ def demo(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, repeats:
             limit = 1e-5 if dtype == np.float32 else 1e-12
             worst = max(worst, error / limit)
     ok = worst <= 1.0
+    if threads > 1:
+        print(f"(cattention timed after a {BLAS_SETTLE_SECONDS} s pause: NumPy's BLAS "
+              "threads hold a core for about 0.1 s after each call; see README, Threads)")
     print()
     print("check against float64 reference:", "OK" if ok else "FAILED")
     return 0 if ok else 1
