@@ -9,7 +9,8 @@ over key chunks (the log-sum-exp rule, in a fixed order)."""
 from cython cimport floating
 from libc.math cimport INFINITY, exp, log
 from libc.string cimport memset
-from cattention._kernel_table cimport ca_kernels, kernel_exp_sum, kernel_row_max
+from cattention._kernel_table cimport (
+    ca_kernels, kernel_divide_rows, kernel_exp_sum, kernel_row_max)
 from cattention._problem cimport K_BLOCK, Problem, entry_rows, out_row_offset
 from cattention._workspace cimport Workspace
 from cattention._visibility cimport visible_ranges
@@ -190,16 +191,17 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef floating *factor = <floating *>ws.base + ws.off_s + n_rows
     cdef floating *row_sink_logit = <floating *>ws.base + ws.off_s + 2 * n_rows
-    cdef Py_ssize_t i, c
+    cdef Py_ssize_t i, c, run_end
     cdef floating *out_row
     cdef floating *acc_row
     cdef floating scale
     if pb.sink != NULL:
         fold_sinks(pb, ws, n_rows, first_row, row_max, row_sum, factor, row_sink_logit)
-    for i in range(n_rows):
+    i = 0
+    while i < n_rows:
         out_row = out + i * ld_out
+        store_lse(pb, first_row + i, row_max[i], row_sum[i])
         if pb.sink != NULL and row_sink_logit[i] != -INFINITY:
-            store_lse(pb, first_row + i, row_max[i], row_sum[i])
             if factor[i] == 0:
                 # no visible key, or every key's weight is exactly 0
                 memset(out_row, 0, pb.d_v * sizeof(floating))
@@ -208,15 +210,22 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
                 acc_row = acc + i * pb.ld_v
                 for c in range(pb.d_v):
                     out_row[c] = acc_row[c] * scale
-            continue
-        store_lse(pb, first_row + i, row_max[i], row_sum[i])
-        if row_max[i] == -INFINITY:
+            i += 1
+        elif row_max[i] == -INFINITY:
             # a row that sees no key gives zeros, not 0/0
             memset(out_row, 0, pb.d_v * sizeof(floating))
+            i += 1
         else:
-            acc_row = acc + i * pb.ld_v
-            for c in range(pb.d_v):
-                out_row[c] = acc_row[c] / row_sum[i]
+            # the run of rows from i that see keys and have no sink: one
+            # kernel call divides them all
+            run_end = i + 1
+            while (run_end < n_rows and row_max[run_end] != -INFINITY
+                   and (pb.sink == NULL or row_sink_logit[run_end] == -INFINITY)):
+                store_lse(pb, first_row + run_end, row_max[run_end], row_sum[run_end])
+                run_end += 1
+            kernel_divide_rows(pb.kern, acc + i * pb.ld_v, pb.ld_v, run_end - i, pb.d_v,
+                               row_sum + i, out_row, ld_out)
+            i = run_end
 
 
 cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *partial,

@@ -106,6 +106,17 @@ typedef struct ca_kernels {
     float (*exp_sum_f32)(float *x, ptrdiff_t n, float shift);
     double (*exp_sum_f64)(double *x, ptrdiff_t n, double shift);
 
+    /* out[r * ld_out + c] = acc[r * ldacc + c] / divisor[r] for c < n_cols:
+       the finished rows of ATTN, a run of rows per call (divided, not
+       multiplied by a reciprocal, so every table gives the bits of the
+       plain division; the driver's own loop ran at SSE2 width). */
+    void (*divide_rows_f32)(const float *acc, ptrdiff_t ldacc, ptrdiff_t n_rows,
+                            ptrdiff_t n_cols, const float *divisor, float *out,
+                            ptrdiff_t ld_out);
+    void (*divide_rows_f64)(const double *acc, ptrdiff_t ldacc, ptrdiff_t n_rows,
+                            ptrdiff_t n_cols, const double *divisor, double *out,
+                            ptrdiff_t ld_out);
+
     /* Kernels for few query rows (decode), reading K and V where the caller
        keeps them, rows contiguous: packing would cost as much as the work.
        Both are memory-bound, so each also prefetches into L2, at its own
@@ -220,6 +231,8 @@ typedef struct ca_kernels {
         .row_max_f64 = row_max_f64, \
         .exp_sum_f32 = exp_sum_f32, \
         .exp_sum_f64 = exp_sum_f64, \
+        .divide_rows_f32 = divide_rows_f32, \
+        .divide_rows_f64 = divide_rows_f64, \
         .score_direct_f32 = score_direct_f32, \
         .score_direct_f64 = score_direct_f64, \
         .pv_direct_f32 = pv_direct_f32, \

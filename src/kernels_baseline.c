@@ -85,6 +85,17 @@ static T exp_sum_##SUFFIX(T *x, ptrdiff_t n, T shift)                          \
     }                                                                           \
     return ((partial[0] + partial[1]) + (partial[2] + partial[3])) +            \
            ((partial[4] + partial[5]) + (partial[6] + partial[7]));             \
+}                                                                               \
+                                                                                \
+static void divide_rows_##SUFFIX(const T *acc, ptrdiff_t ldacc, ptrdiff_t n_rows, \
+                                 ptrdiff_t n_cols, const T *divisor, T *out,    \
+                                 ptrdiff_t ld_out)                              \
+{                                                                               \
+    for (ptrdiff_t i = 0; i < n_rows; ++i) {                                    \
+        const T d = divisor[i];                                                 \
+        for (ptrdiff_t c = 0; c < n_cols; ++c)                                  \
+            out[i * ld_out + c] = acc[i * ldacc + c] / d;                       \
+    }                                                                           \
 }
 
 /* KV_T: K and V as stored; LOAD_KV(x): one of them as a T */

@@ -223,6 +223,25 @@ CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
     return CA_V(sum_lanes)(sum_v);
 }
 
+/* IEEE division lane by lane is the scalar division: the tail is divided
+   one element at a time with the same bits */
+CA_SIMD_TARGET static void CA_NAME(divide_rows)(const CA_T *acc, ptrdiff_t ldacc,
+                                                ptrdiff_t n_rows, ptrdiff_t n_cols,
+                                                const CA_T *divisor, CA_T *out,
+                                                ptrdiff_t ld_out)
+{
+    for (ptrdiff_t i = 0; i < n_rows; ++i) {
+        const CA_T *acc_row = acc + i * ldacc;
+        CA_T *out_row = out + i * ld_out;
+        const CA_VEC divisor_v = CA_V(set1)(divisor[i]);
+        ptrdiff_t c = 0;
+        for (; c + CA_LANES <= n_cols; c += CA_LANES)
+            CA_V(store)(out_row + c, CA_V(div)(CA_V(load)(acc_row + c), divisor_v));
+        for (; c < n_cols; ++c)
+            out_row[c] = acc_row[c] / divisor[i];
+    }
+}
+
 /* ---- few query rows, K and V read in place (decode) ------------------ */
 
 #define CA_KV_T CA_T

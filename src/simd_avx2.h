@@ -198,6 +198,7 @@ CA_SIMD_INLINE vf64 vf64_load_lanes(const double *p, mf64 m) { return _mm256_mas
 CA_SIMD_INLINE vf64 vf64_add(vf64 a, vf64 b) { return _mm256_add_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_sub(vf64 a, vf64 b) { return _mm256_sub_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_mul(vf64 a, vf64 b) { return _mm256_mul_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_div(vf64 a, vf64 b) { return _mm256_div_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return _mm256_fmadd_pd(a, b, c); }
 CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return _mm256_fnmadd_pd(a, b, c); }
 CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm256_max_pd(a, b); }

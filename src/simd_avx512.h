@@ -180,6 +180,7 @@ CA_SIMD_INLINE vf64 vf64_load_lanes(const double *p, mf64 m) { return _mm512_mas
 CA_SIMD_INLINE vf64 vf64_add(vf64 a, vf64 b) { return _mm512_add_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_sub(vf64 a, vf64 b) { return _mm512_sub_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_mul(vf64 a, vf64 b) { return _mm512_mul_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_div(vf64 a, vf64 b) { return _mm512_div_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return _mm512_fmadd_pd(a, b, c); }
 CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return _mm512_fnmadd_pd(a, b, c); }
 CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm512_max_pd(a, b); }

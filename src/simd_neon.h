@@ -167,6 +167,7 @@ CA_SIMD_INLINE vf64 vf64_load_lanes(const double *p, mf64 n)
 CA_SIMD_INLINE vf64 vf64_add(vf64 a, vf64 b) { return vaddq_f64(a, b); }
 CA_SIMD_INLINE vf64 vf64_sub(vf64 a, vf64 b) { return vsubq_f64(a, b); }
 CA_SIMD_INLINE vf64 vf64_mul(vf64 a, vf64 b) { return vmulq_f64(a, b); }
+CA_SIMD_INLINE vf64 vf64_div(vf64 a, vf64 b) { return vdivq_f64(a, b); }
 CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return vfmaq_f64(c, a, b); }
 CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return vfmsq_f64(c, a, b); }
 CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return vbslq_f64(vcgtq_f64(a, b), a, b); }

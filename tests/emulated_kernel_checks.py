@@ -38,7 +38,7 @@ CHECKS = [
     "exp_sum_f32", "exp_sum_f64", "score_direct_f32", "score_direct_f64",
     "pv_direct_f32", "pv_direct_f64", "half_rows_to_f32", "softcap_f32", "pack_kt_f32",
     "pack_v_f32", "int8_rows_to_f32", "score_direct_i8", "pv_direct_i8",
-    "score_direct_f16", "pv_direct_f16",
+    "score_direct_f16", "pv_direct_f16", "divide_rows_f32", "divide_rows_f64",
 ]
 
 
@@ -217,6 +217,34 @@ class Checks:
                     bound = (n + 4) * ulps * np.abs(out["baseline"]).sum()
                     if not within(np.array([total["avx512"]]), expected, bound):
                         self.fail(f"sum {total['avx512']} vs baseline {total['baseline']}: {where}")
+
+    def check_divide_rows(self, dtype):
+        """Every tail length beside whole vectors, strided rows, and divisors
+        and values at the edges: bitwise the portable table's division."""
+        ldacc, ld_out = 48, 45
+        for n_cols in range(0, 41):
+            n_rows = 3
+            acc = self.rng.standard_normal((n_rows, ldacc)).astype(dtype)
+            edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-300, 3e38, -5e-39],
+                             np.float64).astype(dtype)
+            acc[1, :min(n_cols, edges.size)] = edges[:n_cols]
+            divisor = np.array([1.0 + self.rng.random(), 3.0, 7e-39 if dtype == np.float32
+                                else 1e-310], dtype)
+            out = {}
+            for table in ("baseline", "avx2", "avx512"):
+                self.m.reset_arena()
+                at_acc = self.m.put(acc)
+                at_div = self.m.put(divisor)
+                at_out = self.m.put(np.full((n_rows, ld_out), 5, dtype))
+                self.call(table, "divide_rows_" + SUFFIX[dtype],
+                          [self.ptr(at_acc), ("i", ldacc), ("i", n_rows), ("i", n_cols),
+                           self.ptr(at_div), self.ptr(at_out), ("i", ld_out)])
+                out[table] = self.m.read(at_out, dtype, n_rows * ld_out).reshape(n_rows, ld_out)
+            expected = np.full((n_rows, ld_out), 5, dtype)
+            expected[:, :n_cols] = acc[:, :n_cols] / divisor[:, None]
+            for table in ("baseline", "avx2", "avx512"):
+                if not same_bits(out[table], expected):
+                    self.fail(f"{table} n_cols={n_cols}: not the division (or wrote past it)")
 
     def check_softcap(self):
         for n in range(0, 41):
@@ -512,6 +540,7 @@ class Checks:
             "pv": lambda: self.check_pv(dtype),
             "row_max": lambda: self.check_row_max(dtype),
             "exp_sum": lambda: self.check_exp_sum(dtype),
+            "divide_rows": lambda: self.check_divide_rows(dtype),
             "score_direct": lambda: self.check_score_direct(dtype),
             "pv_direct": lambda: self.check_pv_direct(dtype),
             "half_rows_to": self.check_half_rows,

@@ -229,6 +229,31 @@ static void check_row_max_exp_sum_##SFX(void)                                   
         }                                                                                 \
 }                                                                                         \
                                                                                           \
+static void check_divide_rows_##SFX(void)                                                 \
+{                                                                                         \
+    /* bitwise the portable division, every tail length, rows ld apart */               \
+    begin("divide_rows_" #SFX);                                                           \
+    enum { ROWS = 3, LD_ACC = 48, LD_OUT = 45 };                                          \
+    for (int n = 0; n <= 40; ++n) {                                                       \
+        T acc[ROWS * LD_ACC], out_ref[ROWS * LD_OUT], out_neon[ROWS * LD_OUT];            \
+        const T divisor[ROWS] = {(T)(1 + uniform()), (T)3, (T)1e-38};                     \
+        for (int i = 0; i < ROWS * LD_ACC; ++i)                                           \
+            acc[i] = (T)normal();                                                         \
+        if (n > 2) {                                                                      \
+            acc[LD_ACC] = (T)INFINITY;                                                    \
+            acc[LD_ACC + 1] = (T)NAN;                                                     \
+            acc[LD_ACC + 2] = (T)-0.0;                                                    \
+        }                                                                                 \
+        for (int i = 0; i < ROWS * LD_OUT; ++i)                                           \
+            out_ref[i] = out_neon[i] = (T)5;                                              \
+        REF->divide_rows_##SFX(acc, LD_ACC, ROWS, n, divisor, out_ref, LD_OUT);           \
+        NEON->divide_rows_##SFX(acc, LD_ACC, ROWS, n, divisor, out_neon, LD_OUT);         \
+        for (int i = 0; i < ROWS * LD_OUT; ++i)                                           \
+            CHECK(same_f64(out_neon[i], out_ref[i]), "n=%d at %d: %g vs %g", n, i,        \
+                  (double)out_neon[i], (double)out_ref[i]);                               \
+    }                                                                                     \
+}                                                                                         \
+                                                                                          \
 static void check_direct_##SFX(void)                                                      \
 {                                                                                         \
     begin("score_direct_" #SFX " / pv_direct_" #SFX);                                     \
@@ -533,6 +558,8 @@ int main(void)
     check_pv_f64();
     check_row_max_exp_sum_f32();
     check_row_max_exp_sum_f64();
+    check_divide_rows_f32();
+    check_divide_rows_f64();
     check_direct_f32();
     check_direct_f64();
     check_half_rows();

@@ -78,4 +78,5 @@ const int64_t ca_image_fields[] = {
     offsetof(ca_kernels, pv_direct_i8), offsetof(ca_kernels, tile_rows),
     offsetof(ca_kernels, tile_cols_f32), offsetof(ca_kernels, tile_cols_f64),
     offsetof(ca_kernels, score_direct_f16), offsetof(ca_kernels, pv_direct_f16),
+    offsetof(ca_kernels, divide_rows_f32), offsetof(ca_kernels, divide_rows_f64),
 };
