@@ -44,11 +44,15 @@ Method
     * A separate memory probe runs one long causal case in a fresh
       subprocess and reports its peak RSS increase (see
       :func:`measure_memory`).
-    * The header names the instruction set PyTorch's kernels run
-      (``torch.backends.cpu.get_cpu_capability()``). To set the avx2 table
-      against PyTorch's AVX2 kernels on an AVX-512 machine, run with
-      ``CATTENTION_SIMD=avx2 ATEN_CPU_CAPABILITY=avx2`` (onnxruntime and
-      OpenVINO keep their own choice).
+    * The header names the instruction set PyTorch's own kernels run
+      (``torch.backends.cpu.get_cpu_capability()``) and the one asked of
+      MKL, which does PyTorch's matrix products (SDPA's included) and picks
+      its own otherwise. To set the avx2 table against an AVX2 PyTorch on an
+      AVX-512 machine, run with ``CATTENTION_SIMD=avx2
+      ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``: with
+      ATEN_CPU_CAPABILITY alone, SDPA still multiplies with AVX-512 (on an
+      Intel Xeon, (1, 8, 1024, 1024, 64) at 106 GFLOP/s, and 58 with MKL at
+      AVX2 too). onnxruntime and OpenVINO keep their own choice.
 
 Nothing here asserts on timings; :func:`run_benchmark` is the in-process
 entry point and returns plain dict records (see ``--json``).
@@ -849,6 +853,7 @@ def machine_config(torch):
         "numpy": np.__version__,
         "torch": torch.__version__ if torch is not None else None,
         "torch_kernels": _torch_kernels(torch),
+        "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS") or None,
         "blas": blas,
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
@@ -866,7 +871,9 @@ def format_config(config):
         config["cattention"],
         f"machine: {config['cpu']} ({config['cpu_count']} CPUs), Python {config['python']}, "
         f"load average at start {config['load_average'][0]:.2f}",
-        "torch:   " + (f"{config['torch']} ({config['torch_kernels']} kernels)"
+        "torch:   " + (f"{config['torch']} ({config['torch_kernels']} kernels, matrix products "
+                       + (f"MKL_ENABLE_INSTRUCTIONS={config['mkl_instructions']})"
+                          if config.get("mkl_instructions") else "by MKL's own choice)")
                        if config["torch"] else "not installed (torch peers skipped)"),
         f"BLAS:    {config['blas']}",
         "env:     " + (", ".join(f"{k}={v}" for k, v in openblas.items())

@@ -116,14 +116,21 @@ def test_cli_filter_json_and_table(no_torch, monkeypatch, tmp_path, capsys):
     assert data["config"]["torch"] is None and data["memory"] is None
 
 
-def test_header_names_the_kernels_torch_runs():
+def test_header_names_the_kernels_torch_runs(monkeypatch):
     from types import SimpleNamespace
     fake_cpu = SimpleNamespace(get_cpu_capability=lambda: "AVX2")
     fake_torch = SimpleNamespace(__version__="9.9.9+cpu",
                                  backends=SimpleNamespace(cpu=fake_cpu))
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
     config = _bench.machine_config(fake_torch)
     assert config["torch_kernels"] == "AVX2"
-    assert "torch:   9.9.9+cpu (AVX2 kernels)" in _bench.format_config(config)
+    assert ("torch:   9.9.9+cpu (AVX2 kernels, matrix products by MKL's own choice)"
+            in _bench.format_config(config))
+    # MKL picks its instruction set apart from ATen's: the header says what it was asked
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    config = _bench.machine_config(fake_torch)
+    assert ("torch:   9.9.9+cpu (AVX2 kernels, matrix products MKL_ENABLE_INSTRUCTIONS=AVX2)"
+            in _bench.format_config(config))
     # a torch without the query still runs the benchmark, and says so
     old_torch = SimpleNamespace(__version__="1.13.0", backends=SimpleNamespace())
     assert _bench.machine_config(old_torch)["torch_kernels"] == "unknown"
