@@ -154,7 +154,7 @@ cdef struct Problem:
     uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
     bint direct                  # few query rows: K and V read in place
     Py_ssize_t itemsize          # of the compute dtype
-    const ca_kernels *kern       # for the float16 and int8 conversion while packing
+    const ca_kernels *kern       # conversions while packing, the final division of ATTN rows
     # direct path: keys split into chunks of split_keys (a multiple of
     # K_BLOCK), fixed by the shape alone so results do not depend on threads
     Py_ssize_t n_splits
