@@ -36,6 +36,17 @@
 /* adding and subtracting 1.5 * 2^23 rounds a float of magnitude < 2^22 to
    the nearest integer under the default rounding mode */
 #define CA_ROUND_MAGIC_F32 12582912.0f
+/* The vector forms add 1.5 * 2^23 + 127 instead, in the fused multiply-add
+   t = x log2(e) + magic: t - magic is the same n, and the low mantissa bits
+   of t hold n + 127, the biased exponent of 2^n, so that one shift left by
+   23 makes the bits of 2^n (the higher bits shift out). The odd 127 rounds a
+   tie x log2(e) = k + 1/2 to the other neighbour, but the exact product of
+   x and CA_LOG2E_F32 (an odd significand times a power of two) is a
+   half-integer only for |x| >= 2^22, far outside the clamps; so both give
+   the same bits. Not in the scalar form: there x * CA_LOG2E_F32 may be
+   rounded before the addition, and the rounded product is a half-integer
+   for some x (-17.675... is one). */
+#define CA_ROUND_MAGIC_BIASED_F32 12583039.0f
 
 #define CA_LOG2E_F64 1.44269504088896340736
 #define CA_LN2_HI_F64 6.93147180369123816490e-01
@@ -43,6 +54,9 @@
 #define CA_EXPD_MIN (-709.0895657128241) /* -1023 ln2, flushed to 0 like the float case */
 #define CA_EXPD_MAX (709.0)
 #define CA_ROUND_MAGIC_F64 6755399441055744.0 /* 1.5 * 2^52 */
+/* 1.5 * 2^52 + 1023, as the float case (a fused half-integer needs
+   |x| >= 2^50) */
+#define CA_ROUND_MAGIC_BIASED_F64 6755399441056767.0
 
 /* The float polynomial by degree, for the vector forms (Horner from the top) */
 static const float ca_expf_coef[7] = {

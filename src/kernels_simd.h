@@ -131,7 +131,7 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_PRED pf32
 #define CA_LANES CA_LANES_F32
 #define CA_PANEL CA_PANEL_F32
-#define CA_ROUND_MAGIC CA_ROUND_MAGIC_F32
+#define CA_ROUND_MAGIC CA_ROUND_MAGIC_BIASED_F32
 #define CA_EXP_MIN CA_EXPF_MIN
 #define CA_EXP_MAX CA_EXPF_MAX
 #define CA_LOG2E CA_LOG2E_F32
@@ -150,7 +150,7 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_PRED pf64
 #define CA_LANES CA_LANES_F64
 #define CA_PANEL CA_PANEL_F64
-#define CA_ROUND_MAGIC CA_ROUND_MAGIC_F64
+#define CA_ROUND_MAGIC CA_ROUND_MAGIC_BIASED_F64
 #define CA_EXP_MIN CA_EXPD_MIN
 #define CA_EXP_MAX CA_EXPD_MAX
 #define CA_LOG2E CA_LOG2E_F64

@@ -181,7 +181,8 @@ CA_SIMD_TARGET static CA_T CA_NAME(row_max)(const CA_T *x, ptrdiff_t n)
     return has_nan ? (CA_T)NAN : m;
 }
 
-/* e^x lane by lane, the steps of exp_poly.h's scalar form */
+/* e^x lane by lane, the steps of exp_poly.h's scalar form (fused, with the
+   biased rounding constant that makes 2^n one shift) */
 CA_SIMD_INLINE CA_VEC CA_NAME(exp_vec)(CA_VEC x)
 {
     const CA_VEC magic = CA_V(set1)(CA_ROUND_MAGIC);

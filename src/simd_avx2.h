@@ -84,14 +84,11 @@ CA_SIMD_INLINE vf32 vf32_or_sign(vf32 x, vf32 y)
 {
     return _mm256_or_ps(x, _mm256_and_ps(_mm256_set1_ps(-0.0f), y));
 }
-/* 2^n, where t = n + CA_ROUND_MAGIC_F32 holds the integer n in its low
-   mantissa bits (see exp_poly.h) */
+/* 2^n, where t = n + CA_ROUND_MAGIC_BIASED_F32 holds n's biased exponent in
+   its low mantissa bits (see exp_poly.h) */
 CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
 {
-    __m256i e = _mm256_sub_epi32(_mm256_castps_si256(t),
-                                 _mm256_castps_si256(_mm256_set1_ps(CA_ROUND_MAGIC_F32)));
-    e = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
-    return _mm256_castsi256_ps(e);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
 }
 
 CA_SIMD_INLINE pf32 pf32_none(void) { return _mm256_setzero_ps(); }
@@ -205,10 +202,7 @@ CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm256_max_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return _mm256_min_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 {
-    __m256i e = _mm256_sub_epi64(_mm256_castpd_si256(t),
-                                 _mm256_castpd_si256(_mm256_set1_pd(CA_ROUND_MAGIC_F64)));
-    e = _mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52);
-    return _mm256_castsi256_pd(e);
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
 }
 
 CA_SIMD_INLINE pf64 pf64_none(void) { return _mm256_setzero_pd(); }

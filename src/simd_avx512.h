@@ -68,10 +68,7 @@ CA_SIMD_INLINE vf32 vf32_or_sign(vf32 x, vf32 y)
 }
 CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
 {
-    __m512i e = _mm512_sub_epi32(_mm512_castps_si512(t),
-                                 _mm512_castps_si512(_mm512_set1_ps(CA_ROUND_MAGIC_F32)));
-    e = _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23);
-    return _mm512_castsi512_ps(e);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
 }
 
 CA_SIMD_INLINE pf32 pf32_none(void) { return 0; }
@@ -187,10 +184,7 @@ CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm512_max_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return _mm512_min_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 {
-    __m512i e = _mm512_sub_epi64(_mm512_castpd_si512(t),
-                                 _mm512_castpd_si512(_mm512_set1_pd(CA_ROUND_MAGIC_F64)));
-    e = _mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52);
-    return _mm512_castsi512_pd(e);
+    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 52));
 }
 
 CA_SIMD_INLINE pf64 pf64_none(void) { return 0; }

@@ -74,9 +74,7 @@ CA_SIMD_INLINE vf32 vf32_or_sign(vf32 x, vf32 y)
 }
 CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
 {
-    uint32x4_t e = vsubq_u32(vreinterpretq_u32_f32(t), vdupq_n_u32(ca_f32_bits(CA_ROUND_MAGIC_F32)));
-    e = vshlq_n_u32(vaddq_u32(e, vdupq_n_u32(127)), 23);
-    return vreinterpretq_f32_u32(e);
+    return vreinterpretq_f32_u32(vshlq_n_u32(vreinterpretq_u32_f32(t), 23));
 }
 
 CA_SIMD_INLINE pf32 pf32_none(void) { return vdupq_n_u32(0); }
@@ -174,9 +172,7 @@ CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return vbslq_f64(vcgtq_f64(a, b),
 CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return vbslq_f64(vcltq_f64(a, b), a, b); }
 CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 {
-    uint64x2_t e = vsubq_u64(vreinterpretq_u64_f64(t), vdupq_n_u64(ca_f64_bits(CA_ROUND_MAGIC_F64)));
-    e = vshlq_n_u64(vaddq_u64(e, vdupq_n_u64(1023)), 52);
-    return vreinterpretq_f64_u64(e);
+    return vreinterpretq_f64_u64(vshlq_n_u64(vreinterpretq_u64_f64(t), 52));
 }
 
 CA_SIMD_INLINE pf64 pf64_none(void) { return vdupq_n_u64(0); }
