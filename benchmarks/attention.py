@@ -459,10 +459,14 @@ RETURNS_WEIGHTS = (CATTENTION_SCORES, NUMPY, TORCH_EXPLICIT)
 
 #: After a settle pause the cores have idled: keep every core the next call
 #: uses busy for this long before it is timed, so that it does not pay for
-#: waking up. One core costs tens of microseconds (the whole of a tiny call);
-#: on a virtual machine an idle second core took 5-10 ms to join a parallel
-#: region, more than a whole decode step.
-WAKE_SECONDS = 0.005
+#: waking up (``--wake``). One core costs tens of microseconds (the whole of
+#: a tiny call); on a virtual machine an idle second core took 5-10 ms to
+#: join a parallel region, more than a whole decode step, and on another
+#: (an Intel Xeon with AMX under KVM) a 2-thread call after a 0.25 s pause
+#: ran at one thread's speed until the cores had been busy for about
+#: 100 ms: 17.4 ms median after 5 ms awake, 10.8 after 50, 9.1 after 100,
+#: 8.5 after 200, 8.1-8.8 back to back.
+WAKE_SECONDS = 0.1
 
 
 def _busy_wait(seconds):
@@ -491,7 +495,7 @@ def _wake_cores(n_cores, seconds=WAKE_SECONDS):
         helper.join()
 
 
-def time_round_robin(impls, rounds, settle=None, repeats=1, threads=1):
+def time_round_robin(impls, rounds, settle=None, repeats=1, threads=1, wake=WAKE_SECONDS):
     """{name: [seconds]}: in every round each implementation runs once
     (``repeats`` calls back to back, timed together, for calls too short to
     time one by one).
@@ -499,7 +503,7 @@ def time_round_robin(impls, rounds, settle=None, repeats=1, threads=1):
     The starting implementation rotates from round to round. Freeing a
     result is not timed. ``settle`` maps names to an untimed pause after
     each of their calls (see :data:`BLAS_SETTLE_SECONDS`), after which
-    ``threads`` cores are woken (:func:`_wake_cores`).
+    ``threads`` cores are kept busy for ``wake`` seconds (:func:`_wake_cores`).
     """
     settle = settle or {}
     names = list(impls)
@@ -514,7 +518,7 @@ def time_round_robin(impls, rounds, settle=None, repeats=1, threads=1):
             del result
             if name in settle:
                 time.sleep(settle[name])
-                _wake_cores(threads)
+                _wake_cores(threads, wake)
     return times
 
 
@@ -623,10 +627,11 @@ def thread_limits(threads, torch):
         yield
 
 
-def benchmark_case(case, threads, rounds, torch, reference=None):
+def benchmark_case(case, threads, rounds, torch, reference=None, wake=WAKE_SECONDS):
     """Records (one per implementation) for ``case`` at ``threads`` threads.
 
-    ``reference`` is the float64 ATTN (or None to skip the error column).
+    ``reference`` is the float64 ATTN (or None to skip the error column);
+    ``wake`` the seconds the cores are kept busy after each settle pause.
     """
     q, k, v = make_inputs(case)
     impls = build_implementations(case, q, k, v, threads, torch)
@@ -643,12 +648,12 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
         del out
     if threads > 1:  # after NumPy and the reference
         time.sleep(BLAS_SETTLE_SECONDS)
-        _wake_cores(threads)
+        _wake_cores(threads, wake)
     counters, t0 = _cpu_counters(), time.perf_counter()
     # microsecond calls are timed in runs: one call alone measures the timer
     # and whatever the previous implementation left in the caches
     repeats = TINY_REPEATS if case.score_elements <= TINY_ELEMENTS else 1
-    times = time_round_robin(impls, rounds, settle, repeats, threads)
+    times = time_round_robin(impls, rounds, settle, repeats, threads, wake)
     background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     records = []
@@ -679,7 +684,7 @@ def benchmark_case(case, threads, rounds, torch, reference=None):
 
 
 def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_ROUNDS,
-                  probe_elements=None, on_records=None, gemm_size=None):
+                  probe_elements=None, on_records=None, gemm_size=None, wake=WAKE_SECONDS):
     """Run every case at every thread count; returns the list of records.
 
     One pass per thread count; each pass starts with the DRAM probe of
@@ -688,7 +693,8 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
     as ``probe_fraction``, and the GEMM probe of order ``gemm_size`` (default
     ``GEMM_SIZE``; 0 skips it), whose GFLOP/s is attached to the other
     float32 records as ``gemm_fraction``. ``on_records(records)`` is called
-    as each case (and probe) completes, for progressive output.
+    as each case (and probe) completes, for progressive output. ``wake`` is
+    :data:`WAKE_SECONDS` for the passes of more than one thread.
     """
     if probe_elements is None:
         probe_elements = PROBE_ELEMENTS
@@ -719,7 +725,7 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
                                             case.causal, 1.0 / math.sqrt(case.dim))
                         if case.score_elements <= REFERENCE_LIMIT and not case.window
                         else None)
-                new = benchmark_case(case, n, rounds, torch, references[case])
+                new = benchmark_case(case, n, rounds, torch, references[case], wake)
                 for record in new:
                     if record["gbps"] is not None and probe is not None:
                         record["probe_fraction"] = record["gbps"] / probe["gbps"]
@@ -1074,6 +1080,11 @@ def add_arguments(parser):
                         help="plot GFLOP/s against sequence length (needs matplotlib)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the memory probe")
+    parser.add_argument("--wake", type=float, metavar="SECONDS", default=WAKE_SECONDS,
+                        help="with several threads, keep the cores busy this long after "
+                             "each peer's settle pause, before the next call is timed "
+                             f"(default {WAKE_SECONDS:g}: idle cores of a virtual machine "
+                             "can take 100 ms to reach full speed)")
     return parser
 
 
@@ -1094,6 +1105,8 @@ def main(args=None):
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     if any(n < 1 for n in threads) or rounds < 1:
         raise SystemExit("--threads and --rounds must be positive")
+    if not args.wake >= 0:
+        raise SystemExit("--wake must be 0 or more seconds")
 
     torch = _import_torch()
     config = machine_config(torch)
@@ -1112,7 +1125,7 @@ def main(args=None):
         print(format_records(new), flush=True)
 
     counters, t0 = _cpu_counters(), time.perf_counter()
-    records = run_benchmark(cases, threads, rounds, on_records=show)
+    records = run_benchmark(cases, threads, rounds, on_records=show, wake=args.wake)
     background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
     flagged = sum(1 for r in records if r["impl"] == CATTENTION
                   and (r.get("background_cores") or 0) >= BACKGROUND_FLAG)
@@ -1147,7 +1160,8 @@ def main(args=None):
         with open(args.json, "w") as f:
             json.dump({"config": config,
                        "settings": {"threads": threads, "rounds": rounds,
-                                    "quick": args.quick, "cases": patterns},
+                                    "quick": args.quick, "cases": patterns,
+                                    "wake_s": args.wake},
                        "records": records, "memory": memory, "generation": generation,
                        "elapsed_s": elapsed,
                        "background_cores": background},
