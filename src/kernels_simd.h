@@ -55,6 +55,24 @@ _Static_assert(CA_ROW_QUANTUM % CA_TILE_ROWS == 0,
     }
 _Static_assert(CA_TILE_ROWS <= 16, "CA_SWITCH_TAIL_ROWS lists tails up to 15 rows");
 
+/* `CALL(k)` for the constant k == n, for the vector counts 1 ..
+   CA_TILE_VECS - 1 of the last columns of a tile, whole panels of the type
+   in use (CA_VECS_PER_PANEL); other cases are dead code */
+#define CA_VECS_CASE(k, CALL) \
+    case k: \
+        if ((k) < CA_TILE_VECS && (k) % CA_VECS_PER_PANEL == 0) { \
+            CALL(((k) < CA_TILE_VECS && (k) % CA_VECS_PER_PANEL == 0 ? (k) : CA_TILE_VECS)); \
+        } \
+        break;
+#define CA_SWITCH_TAIL_VECS(n, CALL) \
+    switch (n) { \
+    CA_VECS_CASE(7, CALL) CA_VECS_CASE(6, CALL) CA_VECS_CASE(5, CALL) \
+    CA_VECS_CASE(4, CALL) CA_VECS_CASE(3, CALL) CA_VECS_CASE(2, CALL) \
+    CA_VECS_CASE(1, CALL) \
+    default: break; \
+    }
+_Static_assert(CA_TILE_VECS <= 8, "CA_SWITCH_TAIL_VECS lists tails up to 7 vectors");
+
 /* `CALL(k)` for the constant k == n in 1 .. DIRECT_VECS (n < 1 as 1) */
 #define CA_SWITCH_DIRECT_VECS(n, CALL) \
     switch (n) { \

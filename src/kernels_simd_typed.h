@@ -10,12 +10,11 @@
  */
 
 /* vectors of a register tile that share one panel of the packed layout;
-   a tile spans one panel or two side by side (two when the vector holds a
-   whole panel, so that a row of the tile is still two vectors wide) */
+   a tile spans whole panels side by side (several when the vector holds a
+   whole panel, so that a row of the tile is still a few vectors wide) */
 #define CA_VECS_PER_PANEL (CA_PANEL / CA_LANES)
 _Static_assert(CA_PANEL % CA_LANES == 0, "a panel holds whole vectors");
-_Static_assert(CA_TILE_VECS == CA_VECS_PER_PANEL || CA_TILE_VECS == 2 * CA_VECS_PER_PANEL,
-               "a register tile spans one or two panels");
+_Static_assert(CA_TILE_VECS % CA_VECS_PER_PANEL == 0, "a register tile spans whole panels");
 
 /* ---- score and P.V tiles (packed operands) ------------------------- */
 
@@ -41,7 +40,11 @@ CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T
                 acc[r][x] = CA_V(fmadd)(q_rc, k_c[x], acc[r][x]);
         }
     }
-    const CA_VEC factor_v = CA_V(set1)(factor);
+    /* read from memory after the loop: held in a register across it, GCC
+       12 spilled an operand vector of a 6 x 4 tile instead (24 accumulators,
+       4 operands and a broadcast leave 3 of 32 registers free) */
+    volatile CA_T factor_in_memory = factor;
+    const CA_VEC factor_v = CA_V(set1)(factor_in_memory);
     for (int r = 0; r < R; ++r)
         for (int x = 0; x < NV; ++x)
             CA_V(store)(s + r * lds + x * CA_LANES, CA_V(mul)(acc[r][x], factor_v));
@@ -79,14 +82,18 @@ CA_SIMD_TARGET static void CA_NAME(score)(const CA_T *q, ptrdiff_t ldq, ptrdiff_
                                 * ((n_rows + CA_TILE_ROWS - 1) / CA_TILE_ROWS));
     for (ptrdiff_t j = 0; j < n_cols; j += tile_cols) {
         const CA_T *panel = kt + (j / CA_PANEL) * kt_panel_stride;
-        /* n_cols is a multiple of the panel: a tile of two panels may find
-           only one left */
-        if (CA_TILE_VECS == CA_VECS_PER_PANEL || n_cols - j >= tile_cols)
+        /* n_cols is a multiple of the panel: a tile of several panels may
+           find fewer left */
+        if (n_cols - j >= tile_cols) {
             CA_NAME(score_columns)(q, ldq, n_rows, panel, kt_panel_stride, d_k, factor,
                                    s + j, lds, &next, CA_TILE_VECS);
-        else
-            CA_NAME(score_columns)(q, ldq, n_rows, panel, kt_panel_stride, d_k, factor,
-                                   s + j, lds, &next, CA_VECS_PER_PANEL);
+        } else {
+#define CA_SCORE_VECS(NV) \
+    CA_NAME(score_columns)(q, ldq, n_rows, panel, kt_panel_stride, d_k, factor, s + j, lds, \
+                           &next, NV)
+            CA_SWITCH_TAIL_VECS((n_cols - j) / CA_LANES, CA_SCORE_VECS)
+#undef CA_SCORE_VECS
+        }
     }
 }
 
@@ -150,12 +157,15 @@ CA_SIMD_TARGET static void CA_NAME(pv)(const CA_T *p, ptrdiff_t ldp, ptrdiff_t n
                                 * ((n_rows + CA_TILE_ROWS - 1) / CA_TILE_ROWS));
     for (ptrdiff_t c = 0; c < n_vcols; c += tile_cols) {
         const CA_T *panel = v + (c / CA_PANEL) * v_panel_stride;
-        if (CA_TILE_VECS == CA_VECS_PER_PANEL || n_vcols - c >= tile_cols)
+        if (n_vcols - c >= tile_cols) {
             CA_NAME(pv_columns)(p, ldp, n_rows, panel, v_panel_stride, n_keys, acc + c, ldacc,
                                 &next, CA_TILE_VECS);
-        else
-            CA_NAME(pv_columns)(p, ldp, n_rows, panel, v_panel_stride, n_keys, acc + c, ldacc,
-                                &next, CA_VECS_PER_PANEL);
+        } else {
+#define CA_PV_VECS(NV) \
+    CA_NAME(pv_columns)(p, ldp, n_rows, panel, v_panel_stride, n_keys, acc + c, ldacc, &next, NV)
+            CA_SWITCH_TAIL_VECS((n_vcols - c) / CA_LANES, CA_PV_VECS)
+#undef CA_PV_VECS
+        }
     }
 }
 

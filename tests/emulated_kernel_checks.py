@@ -102,7 +102,9 @@ class Checks:
     def check_score(self, dtype):
         P = PANEL[dtype]
         for d_k in (1, 5, 17):
-            for n_cols in (P, 2 * P, 3 * P):
+            # 1 to 5 panels: every column tail of a tile of up to 4 panels,
+            # a whole tile, and a tile and a panel
+            for n_cols in (P, 2 * P, 3 * P, 4 * P, 5 * P):
                 for n_rows in list(range(1, 14)) + [24, 25]:
                     q = self.rng.standard_normal((n_rows, d_k + 3)).astype(dtype)
                     if n_rows == 7:
@@ -134,7 +136,7 @@ class Checks:
     def check_pv(self, dtype):
         P = PANEL[dtype]
         for n_keys in (1, 7, 33):
-            for n_vcols in (P, 2 * P, 3 * P):
+            for n_vcols in (P, 2 * P, 3 * P, 4 * P, 5 * P):
                 for n_rows in list(range(1, 14)) + [24, 25]:
                     p = self.rng.random((n_rows, n_keys + 2)).astype(dtype)
                     p[p < 0.2] = 0
