@@ -6,7 +6,7 @@ own). A missing emulator fails these tests rather than skipping them: an
 AVX-512 table nobody ran is not a tested one.
 
 The emulator also counts instructions: per floating-point operation, the
-score and P.V kernels of the AVX-512 table (12 x 32 register tiles) must
+score and P.V kernels of the AVX-512 table (6 x 64 register tiles) must
 need at most 0.55 of what the AVX2 ones (6 x 16) need, the sign that the
 wider tiles are in use.
 """
