@@ -19,17 +19,21 @@ _Static_assert(CA_TILE_VECS % CA_VECS_PER_PANEL == 0, "a register tile spans who
 /* ---- score and P.V tiles (packed operands) ------------------------- */
 
 /* s[0..R) x [0..NV lanes) = factor * (q[0..R) . kt[:, 0..NV lanes)); vector
-   x of a row lies in panel x / CA_VECS_PER_PANEL */
+   x of a row lies in panel x / CA_VECS_PER_PANEL. The features c0 .. c1 of
+   the dot products: the first chunk (c0 == 0) starts them from zero, later
+   ones from the partial sums s holds, and the last (c1 == d_k) scales
+   them. A float stored and loaded again is the same float, so chunks give
+   the bits of one pass. */
 CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T *kt,
-                                        ptrdiff_t kt_panel_stride, ptrdiff_t d_k,
-                                        CA_T factor, CA_T *s, ptrdiff_t lds,
-                                        const int R, const int NV)
+                                        ptrdiff_t kt_panel_stride, ptrdiff_t c0,
+                                        ptrdiff_t c1, ptrdiff_t d_k, CA_T factor, CA_T *s,
+                                        ptrdiff_t lds, const int R, const int NV)
 {
     CA_VEC acc[CA_TILE_ROWS][CA_TILE_VECS];
     for (int r = 0; r < R; ++r)
         for (int x = 0; x < NV; ++x)
-            acc[r][x] = CA_V(zero)();
-    for (ptrdiff_t c = 0; c < d_k; ++c) {
+            acc[r][x] = c0 == 0 ? CA_V(zero)() : CA_V(load)(s + r * lds + x * CA_LANES);
+    for (ptrdiff_t c = c0; c < c1; ++c) {
         CA_VEC k_c[CA_TILE_VECS];
         for (int x = 0; x < NV; ++x)
             k_c[x] = CA_V(load)(kt + (x / CA_VECS_PER_PANEL) * kt_panel_stride
@@ -39,6 +43,12 @@ CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T
             for (int x = 0; x < NV; ++x)
                 acc[r][x] = CA_V(fmadd)(q_rc, k_c[x], acc[r][x]);
         }
+    }
+    if (c1 < d_k) {
+        for (int r = 0; r < R; ++r)
+            for (int x = 0; x < NV; ++x)
+                CA_V(store)(s + r * lds + x * CA_LANES, acc[r][x]);
+        return;
     }
     /* read from memory after the loop: held in a register across it, GCC
        12 spilled an operand vector of a 6 x 4 tile instead (24 accumulators,
@@ -51,23 +61,34 @@ CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T
 }
 
 /* the score tiles of every row for the NV vectors of columns at kt */
+/* K^T features per pass over the rows: the tile's strip of K^T, d_k rows
+   of its panels, stays in L1 while every row tile reads it (32 KiB; with
+   the 4-panel avx512 tile, d_k = 256 in one pass took 1.02x the time) */
+#define CA_SCORE_CHUNK (32768 / (CA_TILE_VECS / CA_VECS_PER_PANEL * CA_PANEL * (ptrdiff_t)sizeof(CA_T)))
+
+/* the score tiles of every row for the NV vectors of columns at kt,
+   CA_SCORE_CHUNK features at a time */
 CA_SIMD_INLINE void CA_NAME(score_columns)(const CA_T *q, ptrdiff_t ldq, ptrdiff_t n_rows,
                                            const CA_T *kt, ptrdiff_t kt_panel_stride,
                                            ptrdiff_t d_k, CA_T factor, CA_T *s, ptrdiff_t lds,
                                            ca_ahead *next, const int NV)
 {
-    ptrdiff_t i = 0;
-    for (; i + CA_TILE_ROWS <= n_rows; i += CA_TILE_ROWS, ahead_step(next))
-        CA_NAME(score_tile)(q + i * ldq, ldq, kt, kt_panel_stride, d_k, factor,
-                            s + i * lds, lds, CA_TILE_ROWS, NV);
-    const CA_T *q_tail = q + i * ldq;
-    CA_T *s_tail = s + i * lds;
+    /* one pass at least: d_k = 0 writes zeros */
+    for (ptrdiff_t c0 = 0; c0 == 0 || c0 < d_k; c0 += CA_SCORE_CHUNK) {
+        const ptrdiff_t c1 = d_k - c0 > CA_SCORE_CHUNK ? c0 + CA_SCORE_CHUNK : d_k;
+        ptrdiff_t i = 0;
+        for (; i + CA_TILE_ROWS <= n_rows; i += CA_TILE_ROWS, ahead_step(next))
+            CA_NAME(score_tile)(q + i * ldq, ldq, kt, kt_panel_stride, c0, c1, d_k, factor,
+                                s + i * lds, lds, CA_TILE_ROWS, NV);
+        const CA_T *q_tail = q + i * ldq;
+        CA_T *s_tail = s + i * lds;
 #define CA_SCORE_TAIL(R) \
-    CA_NAME(score_tile)(q_tail, ldq, kt, kt_panel_stride, d_k, factor, s_tail, lds, R, NV)
-    CA_SWITCH_TAIL_ROWS(n_rows - i, CA_SCORE_TAIL)
+    CA_NAME(score_tile)(q_tail, ldq, kt, kt_panel_stride, c0, c1, d_k, factor, s_tail, lds, R, NV)
+        CA_SWITCH_TAIL_ROWS(n_rows - i, CA_SCORE_TAIL)
 #undef CA_SCORE_TAIL
-    if (i < n_rows)
-        ahead_step(next);
+        if (i < n_rows)
+            ahead_step(next);
+    }
 }
 
 CA_SIMD_TARGET static void CA_NAME(score)(const CA_T *q, ptrdiff_t ldq, ptrdiff_t n_rows,
@@ -79,7 +100,8 @@ CA_SIMD_TARGET static void CA_NAME(score)(const CA_T *q, ptrdiff_t ldq, ptrdiff_
     const ptrdiff_t tile_cols = CA_TILE_VECS * CA_LANES;
     ca_ahead next = ahead_start(ahead, ahead_bytes,
                                 ((n_cols + tile_cols - 1) / tile_cols)
-                                * ((n_rows + CA_TILE_ROWS - 1) / CA_TILE_ROWS));
+                                * ((n_rows + CA_TILE_ROWS - 1) / CA_TILE_ROWS)
+                                * (d_k > CA_SCORE_CHUNK ? (d_k + CA_SCORE_CHUNK - 1) / CA_SCORE_CHUNK : 1));
     for (ptrdiff_t j = 0; j < n_cols; j += tile_cols) {
         const CA_T *panel = kt + (j / CA_PANEL) * kt_panel_stride;
         /* n_cols is a multiple of the panel: a tile of several panels may

@@ -101,7 +101,9 @@ class Checks:
 
     def check_score(self, dtype):
         P = PANEL[dtype]
-        for d_k in (1, 5, 17):
+        # 130: two passes over the features (the kernels take 128 at a time
+        # where the tile spans four panels)
+        for d_k in (1, 5, 17, 130):
             # 1 to 5 panels: every column tail of a tile of up to 4 panels,
             # a whole tile, and a tile and a panel
             for n_cols in (P, 2 * P, 3 * P, 4 * P, 5 * P):
