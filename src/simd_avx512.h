@@ -19,7 +19,7 @@
 /* 32 registers: a tile of 6 rows times four vectors (four panels side by
    side) keeps 24 accumulators, four operand vectors and a broadcast in
    registers: 10 loads per 24 FMAs, where 12 rows times two vectors take 14.
-   On an Intel Xeon with two 512-bit FMA ports whole calls took 0.92-0.99x
+   On an Intel Xeon with two 512-bit FMA ports whole calls took 0.92-1.00x
    the time of the 12 x 2 tile (float64 0.92x: its tile is 32 columns wide
    instead of 16). */
 #define CA_TILE_ROWS 6
