@@ -60,7 +60,6 @@ CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T
             CA_V(store)(s + r * lds + x * CA_LANES, CA_V(mul)(acc[r][x], factor_v));
 }
 
-/* the score tiles of every row for the NV vectors of columns at kt */
 /* K^T features per pass over the rows: the tile's strip of K^T, d_k rows
    of its panels, stays in L1 while every row tile reads it (32 KiB; with
    the 4-panel avx512 tile, d_k = 256 in one pass took 1.02x the time) */
