@@ -199,18 +199,20 @@ def test_threadpoolctl_openmp_limit_is_honoured():
 
 
 def _long_calls(q, k, v):
-    """A long call of each entry point on float64 inputs (8, 1024, 64)."""
-    packed = [np.ascontiguousarray(np.swapaxes(x, 0, 1)) for x in (q, k, v)]   # (1024, 8, 64)
-    cu = np.array([0, 400, 1024])
+    """A long call of each entry point on float64 inputs (H, n, d)."""
+    H, n, d = q.shape
+    packed = [np.ascontiguousarray(np.swapaxes(x, 0, 1)) for x in (q, k, v)]   # (n, H, d)
+    cu = np.array([0, 2 * n // 5, n])
     page_size = 16
-    pages = [np.ascontiguousarray(x.reshape(8, 64, page_size, 64).swapaxes(0, 1))
-             for x in (k, v)]                                # (64 pages, 8 heads, 16, 64)
-    table = np.arange(64).reshape(1, 64)
+    n_pages = n // page_size
+    pages = [np.ascontiguousarray(x.reshape(H, n_pages, page_size, d).swapaxes(0, 1))
+             for x in (k, v)]                                # (pages, H, 16, d)
+    table = np.arange(n_pages).reshape(1, n_pages)
     return {
         "attention": lambda: ca.attention(q, k, v, num_threads=1),
         "attention_varlen": lambda: ca.attention_varlen(*packed, cu, cu, num_threads=1),
         "attention_with_paged_kvcache": lambda: ca.attention_with_paged_kvcache(
-            q[None], pages[0], pages[1], table, np.array([1024]), causal=False,
+            q[None], pages[0], pages[1], table, np.array([n]), causal=False,
             num_threads=1),
     }
 
@@ -225,9 +227,11 @@ def test_gil_is_released_during_the_computation(entry):
     switch interval around the call's start, a small fraction of a call that
     lasts many intervals; released, it runs for most of the call."""
     rng = np.random.default_rng(5)
-    q = rng.standard_normal((8, 1024, 64))
-    k = rng.standard_normal((8, 1024, 64))
-    v = rng.standard_normal((8, 1024, 64))
+    # 2048 positions: with 1024 the varlen call took 19 ms on an AVX-512
+    # core, under the 20 switch intervals the test needs to tell
+    q = rng.standard_normal((8, 2048, 64))
+    k = rng.standard_normal((8, 2048, 64))
+    v = rng.standard_normal((8, 2048, 64))
     in_call = threading.Event()
     done = threading.Event()
     span = {}
