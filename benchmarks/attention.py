@@ -693,8 +693,9 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
     as ``probe_fraction``, and the GEMM probe of order ``gemm_size`` (default
     ``GEMM_SIZE``; 0 skips it), whose GFLOP/s is attached to the other
     float32 records as ``gemm_fraction``. ``on_records(records)`` is called
-    as each case (and probe) completes, for progressive output. ``wake`` is
-    :data:`WAKE_SECONDS` for the passes of more than one thread.
+    as each case (and probe) completes, for progressive output. In passes
+    of more than one thread the cores are kept busy for ``wake`` seconds
+    after each settle pause (default :data:`WAKE_SECONDS`).
     """
     if probe_elements is None:
         probe_elements = PROBE_ELEMENTS

@@ -114,6 +114,23 @@ def test_cli_filter_json_and_table(no_torch, monkeypatch, tmp_path, capsys):
     data = json.loads(path.read_text())
     assert {r["case"] for r in data["records"] if r["kind"] != "probe"} == {"1x3x1x32x8 full"}
     assert data["config"]["torch"] is None and data["memory"] is None
+    assert data["settings"]["wake_s"] == _bench.WAKE_SECONDS
+
+
+@pytest.mark.parametrize("wake", ["-0.1", "nan"])
+def test_cli_refuses_a_wake_below_zero(wake):
+    with pytest.raises(SystemExit, match="--wake must be 0 or more seconds"):
+        _bench.main(["--wake", wake, "--cases", "decode"])
+
+
+def test_settle_pause_keeps_the_cores_busy_for_wake_seconds(monkeypatch):
+    woken = []
+    monkeypatch.setattr(_bench, "_wake_cores", lambda n, seconds: woken.append((n, seconds)))
+    monkeypatch.setattr(_bench.time, "sleep", lambda seconds: None)
+    times = _bench.time_round_robin({"a": lambda: 1, "b": lambda: 2}, rounds=3,
+                                    settle={"b": 0.2}, threads=2, wake=0.07)
+    assert [len(t) for t in times.values()] == [3, 3]
+    assert woken == [(2, 0.07)] * 3
 
 
 def test_header_names_the_kernels_torch_runs(monkeypatch):
