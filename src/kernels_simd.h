@@ -157,6 +157,8 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_LN2_LO CA_LN2_LO_F32
 #define CA_EXP_COEF ca_expf_coef
 #define CA_EXP_DEGREE 6
+#define CA_DIV_B_RANGE 0x1p20f
+#define CA_DIV_Q_RANGE 0x1p40f
 #include "kernels_simd_typed.h"
 
 #define CA_T double
@@ -176,6 +178,8 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_LN2_LO CA_LN2_LO_F64
 #define CA_EXP_COEF ca_expd_coef
 #define CA_EXP_DEGREE 13
+#define CA_DIV_B_RANGE 0x1p200
+#define CA_DIV_Q_RANGE 0x1p400
 #include "kernels_simd_typed.h"
 
 /* ---- float32 queries, float16 K and V: the decode kernels ------------ */

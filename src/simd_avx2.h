@@ -94,6 +94,11 @@ CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
 CA_SIMD_INLINE pf32 pf32_none(void) { return _mm256_setzero_ps(); }
 CA_SIMD_INLINE pf32 vf32_unordered(vf32 a, vf32 b) { return _mm256_cmp_ps(a, b, _CMP_UNORD_Q); }
 CA_SIMD_INLINE pf32 vf32_less(vf32 a, vf32 b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+/* x < lo, x > hi, or x NaN */
+CA_SIMD_INLINE pf32 vf32_outside(vf32 x, vf32 lo, vf32 hi)
+{
+    return _mm256_or_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), _mm256_cmp_ps(x, hi, _CMP_NLE_UQ));
+}
 CA_SIMD_INLINE pf32 pf32_or(pf32 a, pf32 b) { return _mm256_or_ps(a, b); }
 CA_SIMD_INLINE int pf32_any(pf32 p) { return _mm256_movemask_ps(p) != 0; }
 /* p ? if_true : if_false lane by lane */
@@ -200,6 +205,7 @@ CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return _mm256_fmadd_pd(
 CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return _mm256_fnmadd_pd(a, b, c); }
 CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm256_max_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return _mm256_min_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_abs(vf64 x) { return _mm256_andnot_pd(_mm256_set1_pd(-0.0), x); }
 CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 {
     return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
@@ -207,8 +213,16 @@ CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 
 CA_SIMD_INLINE pf64 pf64_none(void) { return _mm256_setzero_pd(); }
 CA_SIMD_INLINE pf64 vf64_unordered(vf64 a, vf64 b) { return _mm256_cmp_pd(a, b, _CMP_UNORD_Q); }
+CA_SIMD_INLINE pf64 vf64_outside(vf64 x, vf64 lo, vf64 hi)
+{
+    return _mm256_or_pd(_mm256_cmp_pd(x, lo, _CMP_LT_OQ), _mm256_cmp_pd(x, hi, _CMP_NLE_UQ));
+}
 CA_SIMD_INLINE pf64 pf64_or(pf64 a, pf64 b) { return _mm256_or_pd(a, b); }
 CA_SIMD_INLINE int pf64_any(pf64 p) { return _mm256_movemask_pd(p) != 0; }
+CA_SIMD_INLINE vf64 vf64_select(pf64 p, vf64 if_true, vf64 if_false)
+{
+    return _mm256_blendv_pd(if_false, if_true, p);
+}
 
 /* pairwise (x0 + x1) + (x2 + x3) of each a_l */
 CA_SIMD_INLINE void vf64_sum4(vf64 a0, vf64 a1, vf64 a2, vf64 a3, double dots[4])

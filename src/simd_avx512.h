@@ -77,6 +77,11 @@ CA_SIMD_INLINE vf32 vf32_pow2_rounded(vf32 t)
 CA_SIMD_INLINE pf32 pf32_none(void) { return 0; }
 CA_SIMD_INLINE pf32 vf32_unordered(vf32 a, vf32 b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
 CA_SIMD_INLINE pf32 vf32_less(vf32 a, vf32 b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+/* x < lo, x > hi, or x NaN */
+CA_SIMD_INLINE pf32 vf32_outside(vf32 x, vf32 lo, vf32 hi)
+{
+    return (pf32)(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(x, hi, _CMP_NLE_UQ));
+}
 CA_SIMD_INLINE pf32 pf32_or(pf32 a, pf32 b) { return (pf32)(a | b); }
 CA_SIMD_INLINE int pf32_any(pf32 p) { return p != 0; }
 CA_SIMD_INLINE vf32 vf32_select(pf32 p, vf32 if_true, vf32 if_false)
@@ -185,6 +190,7 @@ CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return _mm512_fmadd_pd(
 CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return _mm512_fnmadd_pd(a, b, c); }
 CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return _mm512_max_pd(a, b); }
 CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return _mm512_min_pd(a, b); }
+CA_SIMD_INLINE vf64 vf64_abs(vf64 x) { return _mm512_andnot_pd(_mm512_set1_pd(-0.0), x); }
 CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 {
     return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 52));
@@ -192,8 +198,16 @@ CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 
 CA_SIMD_INLINE pf64 pf64_none(void) { return 0; }
 CA_SIMD_INLINE pf64 vf64_unordered(vf64 a, vf64 b) { return _mm512_cmp_pd_mask(a, b, _CMP_UNORD_Q); }
+CA_SIMD_INLINE pf64 vf64_outside(vf64 x, vf64 lo, vf64 hi)
+{
+    return (pf64)(_mm512_cmp_pd_mask(x, lo, _CMP_LT_OQ) | _mm512_cmp_pd_mask(x, hi, _CMP_NLE_UQ));
+}
 CA_SIMD_INLINE pf64 pf64_or(pf64 a, pf64 b) { return (pf64)(a | b); }
 CA_SIMD_INLINE int pf64_any(pf64 p) { return p != 0; }
+CA_SIMD_INLINE vf64 vf64_select(pf64 p, vf64 if_true, vf64 if_false)
+{
+    return _mm512_mask_blend_pd(p, if_false, if_true);
+}
 
 /* per 128-bit lane q: {a_2q + a_2q+1, b_2q + b_2q+1} */
 CA_SIMD_INLINE vf64 pair_sums_f64(vf64 a, vf64 b)

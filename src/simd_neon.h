@@ -83,6 +83,11 @@ CA_SIMD_INLINE pf32 vf32_unordered(vf32 a, vf32 b)
     return vmvnq_u32(vandq_u32(vceqq_f32(a, a), vceqq_f32(b, b)));
 }
 CA_SIMD_INLINE pf32 vf32_less(vf32 a, vf32 b) { return vcltq_f32(a, b); }
+/* x < lo, x > hi, or x NaN (neither comparison holds for a NaN) */
+CA_SIMD_INLINE pf32 vf32_outside(vf32 x, vf32 lo, vf32 hi)
+{
+    return vmvnq_u32(vandq_u32(vcgeq_f32(x, lo), vcleq_f32(x, hi)));
+}
 CA_SIMD_INLINE pf32 pf32_or(pf32 a, pf32 b) { return vorrq_u32(a, b); }
 CA_SIMD_INLINE int pf32_any(pf32 p) { return vmaxvq_u32(p) != 0; }
 CA_SIMD_INLINE vf32 vf32_select(pf32 p, vf32 if_true, vf32 if_false)
@@ -170,6 +175,7 @@ CA_SIMD_INLINE vf64 vf64_fmadd(vf64 a, vf64 b, vf64 c) { return vfmaq_f64(c, a, 
 CA_SIMD_INLINE vf64 vf64_fnmadd(vf64 a, vf64 b, vf64 c) { return vfmsq_f64(c, a, b); }
 CA_SIMD_INLINE vf64 vf64_max(vf64 a, vf64 b) { return vbslq_f64(vcgtq_f64(a, b), a, b); }
 CA_SIMD_INLINE vf64 vf64_min(vf64 a, vf64 b) { return vbslq_f64(vcltq_f64(a, b), a, b); }
+CA_SIMD_INLINE vf64 vf64_abs(vf64 x) { return vabsq_f64(x); }
 CA_SIMD_INLINE vf64 vf64_pow2_rounded(vf64 t)
 {
     return vreinterpretq_f64_u64(vshlq_n_u64(vreinterpretq_u64_f64(t), 52));
@@ -180,6 +186,15 @@ CA_SIMD_INLINE pf64 vf64_unordered(vf64 a, vf64 b)
 {
     const uint64x2_t ordered = vandq_u64(vceqq_f64(a, a), vceqq_f64(b, b));
     return veorq_u64(ordered, vdupq_n_u64(~(uint64_t)0));
+}
+CA_SIMD_INLINE pf64 vf64_outside(vf64 x, vf64 lo, vf64 hi)
+{
+    const uint64x2_t within = vandq_u64(vcgeq_f64(x, lo), vcleq_f64(x, hi));
+    return veorq_u64(within, vdupq_n_u64(~(uint64_t)0));
+}
+CA_SIMD_INLINE vf64 vf64_select(pf64 p, vf64 if_true, vf64 if_false)
+{
+    return vbslq_f64(p, if_true, if_false);
 }
 CA_SIMD_INLINE pf64 pf64_or(pf64 a, pf64 b) { return vorrq_u64(a, b); }
 CA_SIMD_INLINE int pf64_any(pf64 p) { return vmaxvq_u32(vreinterpretq_u32_u64(p)) != 0; }

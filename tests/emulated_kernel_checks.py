@@ -226,14 +226,22 @@ class Checks:
         """Every tail length beside whole vectors, strided rows, and divisors
         and values at the edges: bitwise the portable table's division."""
         ldacc, ld_out = 48, 45
+        # quotients by multiplies hold in a range of divisors and quotients
+        # (kernels_simd_typed.h), the division beyond it: values and
+        # divisors across both edges of those ranges
+        b_range, q_range = (2.0 ** 20, 2.0 ** 40) if dtype == np.float32 else (2.0 ** 200,
+                                                                               2.0 ** 400)
         for n_cols in range(0, 41):
-            n_rows = 3
+            n_rows = 5
             acc = self.rng.standard_normal((n_rows, ldacc)).astype(dtype)
             edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-300, 3e38, -5e-39],
                              np.float64).astype(dtype)
             acc[1, :min(n_cols, edges.size)] = edges[:n_cols]
+            log_q = np.log2(q_range)
+            acc[3:] *= np.exp2(self.rng.uniform(-1.2 * log_q, 1.2 * log_q, (2, ldacc)))
             divisor = np.array([1.0 + self.rng.random(), 3.0, 7e-39 if dtype == np.float32
-                                else 1e-310], dtype)
+                                else 1e-310, b_range * (1 - self.rng.random() / 4),
+                                -b_range * (1 + self.rng.random())], dtype)
             out = {}
             for table in ("baseline", "avx2", "avx512"):
                 self.m.reset_arena()
@@ -245,7 +253,8 @@ class Checks:
                            self.ptr(at_div), self.ptr(at_out), ("i", ld_out)])
                 out[table] = self.m.read(at_out, dtype, n_rows * ld_out).reshape(n_rows, ld_out)
             expected = np.full((n_rows, ld_out), 5, dtype)
-            expected[:, :n_cols] = acc[:, :n_cols] / divisor[:, None]
+            with np.errstate(over="ignore"):
+                expected[:, :n_cols] = acc[:, :n_cols] / divisor[:, None]
             for table in ("baseline", "avx2", "avx512"):
                 if not same_bits(out[table], expected):
                     self.fail(f"{table} n_cols={n_cols}: not the division (or wrote past it)")

@@ -231,14 +231,22 @@ static void check_row_max_exp_sum_##SFX(void)                                   
                                                                                           \
 static void check_divide_rows_##SFX(void)                                                 \
 {                                                                                         \
-    /* bitwise the portable division, every tail length, rows ld apart */               \
+    /* bitwise the portable division, every tail length, rows ld apart; the               \
+       last two rows' values and divisors lie across both edges of the ranges             \
+       where quotients come from multiplies (kernels_simd_typed.h) */                     \
     begin("divide_rows_" #SFX);                                                           \
-    enum { ROWS = 3, LD_ACC = 48, LD_OUT = 45 };                                          \
+    enum { ROWS = 5, LD_ACC = 48, LD_OUT = 45 };                                          \
+    const double b_range = sizeof(T) == 4 ? 0x1p20 : 0x1p200;                             \
+    const double log_q = sizeof(T) == 4 ? 40 : 400;                                       \
     for (int n = 0; n <= 40; ++n) {                                                       \
         T acc[ROWS * LD_ACC], out_ref[ROWS * LD_OUT], out_neon[ROWS * LD_OUT];            \
-        const T divisor[ROWS] = {(T)(1 + uniform()), (T)3, (T)1e-38};                     \
+        const T divisor[ROWS] = {(T)(1 + uniform()), (T)3, (T)1e-38,                      \
+                                 (T)(b_range * (1 - uniform() / 4)),                      \
+                                 (T)(-b_range * (1 + uniform()))};                        \
         for (int i = 0; i < ROWS * LD_ACC; ++i)                                           \
             acc[i] = (T)normal();                                                         \
+        for (int i = 3 * LD_ACC; i < ROWS * LD_ACC; ++i)                                  \
+            acc[i] = (T)(acc[i] * exp2((2 * uniform() - 1) * 1.2 * log_q));               \
         if (n > 2) {                                                                      \
             acc[LD_ACC] = (T)INFINITY;                                                    \
             acc[LD_ACC + 1] = (T)NAN;                                                     \
