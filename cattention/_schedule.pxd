@@ -20,8 +20,8 @@ from cattention._kernel_table cimport (
 from libc.stdlib cimport free, malloc, qsort
 from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
-    PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem, Q_BLOCK, SPLIT_MIN_KEYS,
-    SPLIT_TARGET_ITEMS, entry_rows, key_extent, round_up)
+    PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
+    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, key_extent, round_up)
 from cattention._operands cimport operand_itemsize, rows_span
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
@@ -339,15 +339,24 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
         return 0
     if n_workers > n_items:
         n_workers = <int>n_items
-    # Few query blocks per batch entry, or many entries per thread, each
-    # with its own K/V (many short sequences, as in a BERT batch, or many
-    # heads): a work item is a whole batch entry,
-    # which packs its K/V and at once computes its query blocks while the
-    # packed blocks are still in cache. Otherwise everything is packed
-    # first, then query blocks are spread over the threads.
+    # Each batch entry with its own K/V, and one thread, or few query blocks
+    # per entry, or many entries per thread (many short sequences, as in a
+    # BERT batch, or many heads), or as many entries of one length for each
+    # thread: a work item is a whole batch entry, which packs its K/V and at
+    # once computes its query blocks while the packed blocks are still in
+    # cache (packing every entry first wrote them all out to L3 or memory
+    # and read them back: causal (1, 8, 1024, 1024, 64) took 1.05x as long
+    # at one thread and 1.08x at two). Otherwise everything is packed
+    # first, then query blocks are spread over the threads, which balances
+    # them where entries are few or differ in length.
+    cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL
+                               and pb.kv_extent == NULL)
     cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch and (
-        (n_query_blocks <= PER_ENTRY_MAX_BLOCKS and pb.n_batch >= 4 * n_workers)
-        or pb.n_batch >= PER_ENTRY_MIN_ENTRIES * n_workers))
+        n_workers == 1
+        or (n_query_blocks <= PER_ENTRY_MAX_BLOCKS and pb.n_batch >= 4 * n_workers)
+        or pb.n_batch >= PER_ENTRY_MIN_ENTRIES * n_workers
+        or (entries_alike and pb.n_batch % n_workers == 0
+            and pb.n_batch >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
     if per_entry:
         # each thread packs into its own blocks (compute_whole_entry)
         n_packed = 0
