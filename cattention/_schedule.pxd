@@ -1,14 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
 """Schedulers: how work items are spread over OpenMP threads (prange), for
-the packed path (pack everything, then query blocks; or one batch entry per
-item for many short sequences) and the direct path (entries x key
-chunk, then the merge), and the thread count of a call (src/team.h).
+the packed path (pack everything, then query blocks; or one packed K/V
+entry and its readers per item: many short sequences, one thread, heads of
+one length) and the direct path (entries x key chunk, then the merge), and
+the thread count of a call (src/team.h).
 
 The verbs, from the call down: compute_problem (a call: its thread count
 and path) -> schedule_packed / schedule_decode (work items over threads) ->
-compute_whole_entry / compute_query_block (one batch entry, one query
-block) -> attend_query_block[_with_scores] / attend_key_chunk (the
+compute_whole_entry / compute_query_block (one K/V entry and the batch
+entries that read it, one query block) -> attend_query_block[_with_scores] / attend_key_chunk (the
 attention of one work item, in _item_packed and _item_direct)."""
 
 from cython cimport floating
@@ -102,26 +103,44 @@ cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, 
 
 
 cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,
-                                     Py_ssize_t b, Py_ssize_t n_query_blocks, Py_ssize_t next_b,
+                                     Py_ssize_t b, Py_ssize_t n_entries,
+                                     Py_ssize_t n_query_blocks, Py_ssize_t next_b,
                                      floating *out, floating *scores) noexcept nogil:
-    """Pack the K/V of batch entry b (its own: n_kv == n_batch), then compute
-    all its query blocks, in the order compute_query_block gives them. Each
-    block fetches the next one's query rows, and the last the K and V rows
-    of entry next_b (the one this thread likely takes next; -1: none),
-    which packing reads first, often from memory (a BERT-sized batch took
-    about 1.05x as long without)."""
+    """Pack the K/V that batch entries b .. b + n_entries - 1 read (one
+    packed entry that no other batch entry reads: theirs, or their group's
+    under grouped-query heads), then compute all their query blocks, in the
+    order compute_query_block gives them. Each block fetches the next one's
+    query rows, and the last the K and V rows of entry next_b (the one this
+    thread likely takes next; -1: none), which packing reads first, often
+    from memory (a BERT-sized batch took about 1.05x as long without)."""
     cdef Py_ssize_t key_block, item, packed_block
+    cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks
     for key_block in range(pb.n_key_blocks):
         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
-    for item in range(b * n_query_blocks, (b + 1) * n_query_blocks):
-        if item + 1 < (b + 1) * n_query_blocks:
+    for item in range(b * n_query_blocks, last_item):
+        if item + 1 < last_item:
             fetch_after(pb, ws, item + 1, n_query_blocks, False)
         else:
             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,
                         n_query_blocks, True)
         compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
     fetch_after(pb, ws, -1, n_query_blocks, False)
+
+
+cdef inline Py_ssize_t entries_per_kv(const Problem *pb) noexcept nogil:
+    """G when each packed K/V entry is read by G batch entries that follow
+    each other (kv_of_batch[b] == b // G: grouped-query heads, G = 1 for
+    entries with K/V of their own); 0 otherwise (a K/V broadcast over a
+    leading batch dimension)."""
+    cdef Py_ssize_t group, b
+    if pb.n_kv <= 0 or pb.n_batch % pb.n_kv != 0:
+        return 0
+    group = pb.n_batch // pb.n_kv
+    for b in range(pb.n_batch):
+        if pb.kv_of_batch[b] != b // group:
+            return 0
+    return group
 
 
 cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,
@@ -339,24 +358,26 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
         return 0
     if n_workers > n_items:
         n_workers = <int>n_items
-    # Each batch entry with its own K/V, and one thread, or few query blocks
-    # per entry, or many entries per thread (many short sequences, as in a
-    # BERT batch, or many heads), or as many entries of one length for each
-    # thread: a work item is a whole batch entry, which packs its K/V and at
-    # once computes its query blocks while the packed blocks are still in
-    # cache (packing every entry first wrote them all out to L3 or memory
-    # and read them back: causal (1, 8, 1024, 1024, 64) took 1.05x as long
-    # at one thread and 1.08x at two). Otherwise everything is packed
-    # first, then query blocks are spread over the threads, which balances
-    # them where entries are few or differ in length.
+    # Each packed K/V entry read by one batch entry, or by a run of them
+    # (grouped-query heads), and one thread, or few query blocks per entry,
+    # or many K/V entries per thread (many short sequences, as in a BERT
+    # batch, or many heads), or as many K/V entries of one length for each
+    # thread: a work item is a K/V entry with its readers, which packs it
+    # and at once computes their query blocks while the packed blocks are
+    # still in cache (packing every entry first wrote them all out to L3 or
+    # memory and read them back: causal (1, 8, 1024, 1024, 64) took 1.05x
+    # as long at one thread and 1.08x at two). Otherwise everything is
+    # packed first, then query blocks are spread over the threads, which
+    # balances them where entries are few or differ in length.
+    cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0
     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL
                                and pb.kv_extent == NULL)
-    cdef bint per_entry = (n_packed > 0 and pb.n_kv == pb.n_batch and (
+    cdef bint per_entry = (group > 0 and (
         n_workers == 1
-        or (n_query_blocks <= PER_ENTRY_MAX_BLOCKS and pb.n_batch >= 4 * n_workers)
-        or pb.n_batch >= PER_ENTRY_MIN_ENTRIES * n_workers
-        or (entries_alike and pb.n_batch % n_workers == 0
-            and pb.n_batch >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
+        or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)
+        or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers
+        or (entries_alike and pb.n_kv % n_workers == 0
+            and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
     if per_entry:
         # each thread packs into its own blocks (compute_whole_entry)
         n_packed = 0
@@ -391,8 +412,9 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
         if ws == NULL:
             status = -1
         else:
-            for b in range(pb.n_batch):
-                compute_whole_entry(pb, kern, ws, b, n_query_blocks, b + 1, out, scores)
+            for kv in range(pb.n_kv):
+                compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
+                                    (kv + 1) * group, out, scores)
             workspace_delete(ws)
     elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
@@ -411,11 +433,11 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
             ws = workspace_new_per_entry(pb, itemsize)
             if ws == NULL:
                 status_ptr[0] = -1
-            for b in prange(pb.n_batch, schedule='dynamic'):
+            for kv in prange(pb.n_kv, schedule='dynamic'):
                 if ws != NULL:
                     # the dynamic schedule hands out entries in turn
-                    compute_whole_entry(pb, kern, ws, b, n_query_blocks, b + n_workers,
-                                        out, scores)
+                    compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
+                                        (kv + n_workers) * group, out, scores)
             workspace_delete(ws)
     else:
         ca_note_parallel_region()
