@@ -63,6 +63,32 @@ def test_set_num_threads_bitwise(dtype, causal):
     _assert_all_bitwise(_run(q, k, v, causal=causal, num_threads=1), one)
 
 
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (3, 3), (8, 1)],
+                         ids=["8-heads", "gqa-8/2", "3-heads", "kv-broadcast"])
+def test_bitwise_across_the_schedules_of_heads(dtype, heads, causal):
+    """One thread packs each K/V head and at once runs the query heads that
+    read it (a broadcast K/V head: all of them); two threads do so with 8
+    heads of one length (4 each); grouped heads, 3 heads, 3 threads and
+    ragged kv_lengths beyond one thread pack every head first and spread
+    the query blocks over the threads: the same bits on each."""
+    n_heads, n_kv_heads = heads
+    q, k, v = make_qkv(5, (n_heads, 200, 48), (n_kv_heads, 300, 48), (n_kv_heads, 300, 40),
+                       dtype)
+    if n_kv_heads == 1:
+        k, v = np.broadcast_to(k, (n_heads, 300, 48)), np.broadcast_to(v, (n_heads, 300, 40))
+    gqa = 1 < n_kv_heads < n_heads
+    runs = [ca.attention(q, k, v, causal=causal, enable_gqa=gqa, return_lse=True,
+                         num_threads=n) for n in (1, 2, 3)]
+    kv_lengths = np.array([300, 120, 7] + [300] * (n_heads - 3))[:n_heads]
+    ragged = [ca.attention(q, k, v, causal=causal, enable_gqa=gqa, kv_lengths=kv_lengths,
+                           num_threads=n) for n in (1, 2, 3)]
+    for other in runs[1:]:
+        _assert_all_bitwise(other, runs[0])
+    for other in ragged[1:]:
+        assert_bitwise_equal(other, ragged[0])
+
 def test_single_row_many_threads(dtype):
     q, k, v = make_qkv(5, (1, D_K), (S, D_K), (S, D_V), dtype)
     _assert_all_bitwise(_run(q, k, v, num_threads=4), _run(q, k, v, num_threads=1))
