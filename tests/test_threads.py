@@ -510,7 +510,9 @@ print(threads() - before, len(os.sched_getaffinity(0)))
 def test_small_calls_after_a_pause_run_on_one_thread_and_large_ones_in_parallel():
     team_size = ca._attention.team_size
     x = np.ones((2, 8, 8), np.float32)
-    ca.attention(x, x, x)
+    # a call given 2 threads, whatever the default (OMP_NUM_THREADS=1 makes
+    # it 1, and a call of one thread leaves the team's clock alone)
+    ca.attention(x, x, x, num_threads=2)
     # back to back with a call: the workers are still awake
     assert team_size(2, 1e3) == 2
     time.sleep(0.01)
