@@ -9,8 +9,9 @@ the thread count of a call (src/team.h).
 The verbs, from the call down: compute_problem (a call: its thread count
 and path) -> schedule_packed / schedule_decode (work items over threads) ->
 compute_whole_entry / compute_query_block (one K/V entry and the batch
-entries that read it, one query block) -> attend_query_block[_with_scores] / attend_key_chunk (the
-attention of one work item, in _item_packed and _item_direct)."""
+entries that read it, one query block) -> attend_query_block[_with_scores]
+/ attend_key_chunk (the attention of one work item, in _item_packed and
+_item_direct)."""
 
 from cython cimport floating
 from cython.parallel cimport parallel, prange
