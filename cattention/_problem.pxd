@@ -64,7 +64,7 @@ cdef enum:
     # in afresh on every call).
     PER_ENTRY_MIN_ENTRIES = 16
     # ...or when every thread gets this many entries of one length, the same
-    # number each (8 heads on 2 threads: 0.92-0.99x the time of packing
+    # number each (8 heads on 2 threads: 0.90-0.99x the time of packing
     # them all first; two entries each were no faster).
     PER_ENTRY_ALIKE_ENTRIES = 4
     # The largest thread count a call accepts (OpenMP's num_threads is an int).

@@ -366,8 +366,8 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
     # thread: a work item is a K/V entry with its readers, which packs it
     # and at once computes their query blocks while the packed blocks are
     # still in cache (packing every entry first wrote them all out to L3 or
-    # memory and read them back: causal (1, 8, 1024, 1024, 64) took 1.05x
-    # as long at one thread and 1.08x at two). Otherwise everything is
+    # memory and read them back: causal (1, 8, 1024, 1024, 64) took 1.06x
+    # as long at one thread and 1.07x at two). Otherwise everything is
     # packed first, then query blocks are spread over the threads, which
     # balances them where entries are few or differ in length.
     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0
