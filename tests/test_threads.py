@@ -63,7 +63,6 @@ def test_set_num_threads_bitwise(dtype, causal):
     _assert_all_bitwise(_run(q, k, v, causal=causal, num_threads=1), one)
 
 
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (3, 3), (8, 1)],
                          ids=["8-heads", "gqa-8/2", "3-heads", "kv-broadcast"])
