@@ -36,6 +36,8 @@ _Static_assert(CA_ROW_QUANTUM % CA_TILE_ROWS == 0,
 #define DIRECT_PREFETCH_KEYS(n_keys) ((n_keys) / 2 < PREFETCH_KEYS ? (n_keys) / 2 : PREFETCH_KEYS)
 /* keys summed from zero before joining the accumulator (see pv_direct) */
 #define SUM_KEYS 64
+/* vectors whose e^x exp_sum computes side by side (see exp_vecs) */
+#define CA_EXP_VECS 4
 /* vectors of columns per pass of the direct P.V kernels: 8 accumulators,
    the other registers for operands */
 #define DIRECT_VECS 8

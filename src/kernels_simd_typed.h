@@ -213,29 +213,63 @@ CA_SIMD_TARGET static CA_T CA_NAME(row_max)(const CA_T *x, ptrdiff_t n)
     return has_nan ? (CA_T)NAN : m;
 }
 
-/* e^x lane by lane, the steps of exp_poly.h's scalar form (fused, with the
-   biased rounding constant that makes 2^n one shift) */
-CA_SIMD_INLINE CA_VEC CA_NAME(exp_vec)(CA_VEC x)
+/* e^x lane by lane for N vectors, the steps of exp_poly.h's scalar form
+   (fused, with the biased rounding constant that makes 2^n one shift),
+   taken step by step across the vectors. Each vector's steps are one
+   dependent chain (some 50 cycles of latency for float, 80 for double) and
+   the core overlaps only the chains its scheduler holds: written side by
+   side, every chain's next step is issued soon after it is ready. */
+CA_SIMD_INLINE void CA_NAME(exp_vecs)(CA_VEC *x, const int N)
 {
     const CA_VEC magic = CA_V(set1)(CA_ROUND_MAGIC);
+    CA_VEC t[CA_EXP_VECS], n[CA_EXP_VECS], r[CA_EXP_VECS], p[CA_EXP_VECS];
     /* operand order makes NaN pass through the clamps */
-    x = CA_V(max)(CA_V(set1)(CA_EXP_MIN), x);
-    x = CA_V(min)(CA_V(set1)(CA_EXP_MAX), x);
-    const CA_VEC t = CA_V(fmadd)(x, CA_V(set1)(CA_LOG2E), magic);
-    const CA_VEC n = CA_V(sub)(t, magic);
-    CA_VEC r = CA_V(fnmadd)(n, CA_V(set1)(CA_LN2_HI), x);
-    r = CA_V(fnmadd)(n, CA_V(set1)(CA_LN2_LO), r);
-    CA_VEC p = CA_V(set1)(CA_EXP_COEF[CA_EXP_DEGREE]);
+    for (int u = 0; u < N; ++u)
+        x[u] = CA_V(min)(CA_V(set1)(CA_EXP_MAX), CA_V(max)(CA_V(set1)(CA_EXP_MIN), x[u]));
+    for (int u = 0; u < N; ++u)
+        t[u] = CA_V(fmadd)(x[u], CA_V(set1)(CA_LOG2E), magic);
+    for (int u = 0; u < N; ++u)
+        n[u] = CA_V(sub)(t[u], magic);
+    for (int u = 0; u < N; ++u)
+        r[u] = CA_V(fnmadd)(n[u], CA_V(set1)(CA_LN2_HI), x[u]);
+    for (int u = 0; u < N; ++u)
+        r[u] = CA_V(fnmadd)(n[u], CA_V(set1)(CA_LN2_LO), r[u]);
+    for (int u = 0; u < N; ++u)
+        p[u] = CA_V(set1)(CA_EXP_COEF[CA_EXP_DEGREE]);
     for (int k = CA_EXP_DEGREE - 1; k >= 0; --k)
-        p = CA_V(fmadd)(p, r, CA_V(set1)(CA_EXP_COEF[k]));
-    return CA_V(mul)(p, CA_V(pow2_rounded)(t));
+        for (int u = 0; u < N; ++u)
+            p[u] = CA_V(fmadd)(p[u], r[u], CA_V(set1)(CA_EXP_COEF[k]));
+    for (int u = 0; u < N; ++u)
+        x[u] = CA_V(mul)(p[u], CA_V(pow2_rounded)(t[u]));
 }
 
+CA_SIMD_INLINE CA_VEC CA_NAME(exp_vec)(CA_VEC x)
+{
+    CA_NAME(exp_vecs)(&x, 1);
+    return x;
+}
+
+/* CA_EXP_VECS vectors at a time, then one at a time; the sum takes the
+   values in index order either way, so the bits are those of one vector at
+   a time. Against that, on a Zen 4 core (rows of 256 logits in L1, eight
+   runs alternating in one process): float 0.85-1.03x the time with AVX2
+   (median 0.90x) and 0.89-1.02x with AVX-512, double 0.77-0.86x and
+   0.88-0.92x */
 CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
 {
     const CA_VEC shift_v = CA_V(set1)(shift);
     CA_VEC sum_v = CA_V(zero)();
     ptrdiff_t j = 0;
+    for (; j + CA_EXP_VECS * CA_LANES <= n; j += CA_EXP_VECS * CA_LANES) {
+        CA_VEC e[CA_EXP_VECS];
+        for (int u = 0; u < CA_EXP_VECS; ++u)
+            e[u] = CA_V(sub)(CA_V(load)(x + j + u * CA_LANES), shift_v);
+        CA_NAME(exp_vecs)(e, CA_EXP_VECS);
+        for (int u = 0; u < CA_EXP_VECS; ++u) {
+            CA_V(store)(x + j + u * CA_LANES, e[u]);
+            sum_v = CA_V(add)(sum_v, e[u]);
+        }
+    }
     for (; j + CA_LANES <= n; j += CA_LANES) {
         const CA_VEC e = CA_NAME(exp_vec)(CA_V(sub)(CA_V(load)(x + j), shift_v));
         CA_V(store)(x + j, e);
