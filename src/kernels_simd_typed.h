@@ -216,9 +216,10 @@ CA_SIMD_TARGET static CA_T CA_NAME(row_max)(const CA_T *x, ptrdiff_t n)
 /* e^x lane by lane for N vectors, the steps of exp_poly.h's scalar form
    (fused, with the biased rounding constant that makes 2^n one shift),
    taken step by step across the vectors. Each vector's steps are one
-   dependent chain (some 50 cycles of latency for float, 80 for double) and
-   the core overlaps only the chains its scheduler holds: written side by
-   side, every chain's next step is issued soon after it is ready. */
+   dependent chain (some 50 cycles of latency for float, 80 for double),
+   and a core can overlap only the chains its scheduler holds at once:
+   written side by side, each chain's next step comes soon after the one it
+   waits for, in program order. */
 CA_SIMD_INLINE void CA_NAME(exp_vecs)(CA_VEC *x, const int N)
 {
     const CA_VEC magic = CA_V(set1)(CA_ROUND_MAGIC);
