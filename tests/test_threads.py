@@ -88,6 +88,7 @@ def test_bitwise_across_the_schedules_of_heads(dtype, heads, causal):
     for other in ragged[1:]:
         assert_bitwise_equal(other, ragged[0])
 
+
 def test_single_row_many_threads(dtype):
     q, k, v = make_qkv(5, (1, D_K), (S, D_K), (S, D_V), dtype)
     _assert_all_bitwise(_run(q, k, v, num_threads=4), _run(q, k, v, num_threads=1))
