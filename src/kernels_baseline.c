@@ -46,20 +46,30 @@ static void pv_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,            
                         const void *ahead, ptrdiff_t ahead_bytes)               \
 {                                                                               \
     (void)ahead; (void)ahead_bytes;                                             \
-    /* the block is summed from zero, then added once (as the SIMD kernels) */ \
+    /* runs of CA_SUM_KEYS keys summed from zero, the runs into block_sum,      \
+       the block added to acc once (as the SIMD kernels) */                     \
     for (ptrdiff_t i = 0; i < n_rows; ++i) {                                    \
         for (ptrdiff_t c0 = 0; c0 < n_vcols; c0 += PANEL) {                     \
             const T *panel = v + (c0 / PANEL) * v_panel_stride;                 \
             T block_sum[PANEL];                                                 \
-            for (int l = 0; l < PANEL; ++l)                                     \
-                block_sum[l] = 0;                                               \
-            for (ptrdiff_t j = 0; j < n_keys; ++j) {                            \
-                const T p_ij = p[i * ldp + j];                                  \
+            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {            \
+                const ptrdiff_t j_end = n_keys - j0 < CA_SUM_KEYS               \
+                                        ? n_keys : j0 + CA_SUM_KEYS;            \
+                T run_sum[PANEL];                                               \
                 for (int l = 0; l < PANEL; ++l)                                 \
-                    block_sum[l] += p_ij * panel[j * PANEL + l];                \
+                    run_sum[l] = 0;                                             \
+                for (ptrdiff_t j = j0; j < j_end; ++j) {                        \
+                    const T p_ij = p[i * ldp + j];                              \
+                    for (int l = 0; l < PANEL; ++l)                             \
+                        run_sum[l] += p_ij * panel[j * PANEL + l];              \
+                }                                                               \
+                for (int l = 0; l < PANEL; ++l)                                 \
+                    block_sum[l] = j0 == 0 ? run_sum[l]                         \
+                                           : block_sum[l] + run_sum[l];         \
             }                                                                   \
-            for (int l = 0; l < PANEL; ++l)                                     \
-                acc[i * ldacc + c0 + l] += block_sum[l];                        \
+            if (n_keys > 0)                                                     \
+                for (int l = 0; l < PANEL; ++l)                                 \
+                    acc[i * ldacc + c0 + l] += block_sum[l];                    \
         }                                                                       \
     }                                                                           \
 }                                                                               \
@@ -126,15 +136,18 @@ static void pv_direct_##SUFFIX(const T *p, ptrdiff_t ldp, ptrdiff_t n_rows,     
                                ptrdiff_t ahead_bytes)                           \
 {                                                                               \
     (void)ahead; (void)ahead_stride; (void)ahead_bytes;                         \
-    /* runs of 64 keys summed from zero, then added (as the SIMD kernels) */   \
+    /* runs of CA_SUM_KEYS keys summed from zero, then added (as the SIMD       \
+       kernels); columns 64 at a time */                                        \
     for (ptrdiff_t r = 0; r < n_rows; ++r)                                      \
         for (ptrdiff_t c0 = 0; c0 < d_v; c0 += 64) {                            \
             const ptrdiff_t n_c = d_v - c0 < 64 ? d_v - c0 : 64;                \
             T run[64];                                                          \
-            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += 64) {                     \
+            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {            \
                 for (ptrdiff_t c = 0; c < n_c; ++c)                             \
                     run[c] = 0;                                                 \
-                for (ptrdiff_t j = j0; j < n_keys && j < j0 + 64; ++j) {        \
+                const ptrdiff_t j_end = n_keys - j0 < CA_SUM_KEYS               \
+                                        ? n_keys : j0 + CA_SUM_KEYS;            \
+                for (ptrdiff_t j = j0; j < j_end; ++j) {                        \
                     const T p_rj = p[r * ldp + j];                              \
                     if (p_rj == 0)                                              \
                         continue;                                               \

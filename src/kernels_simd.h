@@ -34,8 +34,6 @@ _Static_assert(CA_ROW_QUANTUM % CA_TILE_ROWS == 0,
    page_size 16), where PREFETCH_KEYS ahead would never be inside the call
    (a paged decode step took 1.14x the contiguous one, 1.05x with half) */
 #define DIRECT_PREFETCH_KEYS(n_keys) ((n_keys) / 2 < PREFETCH_KEYS ? (n_keys) / 2 : PREFETCH_KEYS)
-/* keys summed from zero before joining the accumulator (see pv_direct) */
-#define SUM_KEYS 64
 /* vectors whose e^x exp_sum computes side by side (see exp_vecs) */
 #define CA_EXP_VECS 4
 /* vectors of columns per pass of the direct P.V kernels: 8 accumulators,

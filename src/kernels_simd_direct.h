@@ -202,14 +202,13 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
     int prefetch, const void *ahead, ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes,
     CA_MASK tail, CA_T *acc, const int NV)
 {
-    /* runs of SUM_KEYS keys are summed from zero and then added to acc:
-       rounding chains of SUM_KEYS terms, not of every key in the split */
+    /* runs of CA_SUM_KEYS keys are summed from zero and then added to acc */
     CA_VEC run[DIRECT_VECS];
     const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
     for (int x = 0; x < NV; ++x)
         run[x] = CA_V(zero)();
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
-        if (j % SUM_KEYS == 0) {
+        if (j % CA_SUM_KEYS == 0) {
             if (j > 0)
                 for (int x = 0; x < NV; ++x) {
                     CA_T *acc_x = acc + CA_LANES * x;

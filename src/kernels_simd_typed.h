@@ -124,28 +124,48 @@ CA_SIMD_INLINE void CA_NAME(pv_tile)(const CA_T *p, ptrdiff_t ldp, const CA_T *v
                                      ptrdiff_t v_panel_stride, ptrdiff_t n_keys, CA_T *acc,
                                      ptrdiff_t ldacc, const int R, const int NV)
 {
-    /* sum this block of keys from zero and add it to acc once: chains of
-       at most one block of terms instead of all S keep float32 near NumPy */
-    CA_VEC block_sum[CA_TILE_ROWS][CA_TILE_VECS];
-    for (int r = 0; r < R; ++r)
-        for (int x = 0; x < NV; ++x)
-            block_sum[r][x] = CA_V(zero)();
-    for (ptrdiff_t j = 0; j < n_keys; ++j) {
-        CA_VEC v_j[CA_TILE_VECS];
-        for (int x = 0; x < NV; ++x)
-            v_j[x] = CA_V(load)(v + (x / CA_VECS_PER_PANEL) * v_panel_stride
-                                + j * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
-        for (int r = 0; r < R; ++r) {
-            const CA_VEC p_rj = CA_V(broadcast)(p + r * ldp + j);
+    /* runs of CA_SUM_KEYS keys are summed from zero, the runs into
+       block_sum, and the block joins acc once (see CA_SUM_KEYS) */
+    CA_T block_sum[CA_TILE_ROWS * CA_TILE_VECS * CA_LANES];
+    for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {
+        const ptrdiff_t j_end = n_keys - j0 < CA_SUM_KEYS ? n_keys : j0 + CA_SUM_KEYS;
+        CA_VEC run_sum[CA_TILE_ROWS][CA_TILE_VECS];
+        for (int r = 0; r < R; ++r)
             for (int x = 0; x < NV; ++x)
-                block_sum[r][x] = CA_V(fmadd)(p_rj, v_j[x], block_sum[r][x]);
+                run_sum[r][x] = CA_V(zero)();
+        for (ptrdiff_t j = j0; j < j_end; ++j) {
+            CA_VEC v_j[CA_TILE_VECS];
+            for (int x = 0; x < NV; ++x)
+                v_j[x] = CA_V(load)(v + (x / CA_VECS_PER_PANEL) * v_panel_stride
+                                    + j * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
+            for (int r = 0; r < R; ++r) {
+                const CA_VEC p_rj = CA_V(broadcast)(p + r * ldp + j);
+                for (int x = 0; x < NV; ++x)
+                    run_sum[r][x] = CA_V(fmadd)(p_rj, v_j[x], run_sum[r][x]);
+            }
         }
+        /* the run joins block_sum or acc: one branch per run, outside the
+           unrolled loops (a branch per vector made gcc keep run_sum on the
+           stack) */
+#define CA_EACH_VECTOR(STATEMENT) \
+    for (int r = 0; r < R; ++r) \
+        for (int x = 0; x < NV; ++x) { \
+            CA_T *sum_rx = block_sum + (r * CA_TILE_VECS + x) * CA_LANES; \
+            CA_T *acc_rx = acc + r * ldacc + x * CA_LANES; \
+            (void)sum_rx; (void)acc_rx; \
+            STATEMENT; \
+        }
+        if (j0 == 0 && j_end == n_keys)
+            CA_EACH_VECTOR(CA_V(store)(acc_rx, CA_V(add)(CA_V(load)(acc_rx), run_sum[r][x])))
+        else if (j0 == 0)
+            CA_EACH_VECTOR(CA_V(store)(sum_rx, run_sum[r][x]))
+        else if (j_end < n_keys)
+            CA_EACH_VECTOR(CA_V(store)(sum_rx, CA_V(add)(CA_V(load)(sum_rx), run_sum[r][x])))
+        else
+            CA_EACH_VECTOR(CA_V(store)(acc_rx, CA_V(add)(CA_V(load)(acc_rx),
+                                       CA_V(add)(CA_V(load)(sum_rx), run_sum[r][x]))))
+#undef CA_EACH_VECTOR
     }
-    for (int r = 0; r < R; ++r)
-        for (int x = 0; x < NV; ++x) {
-            CA_T *acc_rx = acc + r * ldacc + x * CA_LANES;
-            CA_V(store)(acc_rx, CA_V(add)(CA_V(load)(acc_rx), block_sum[r][x]));
-        }
 }
 
 CA_SIMD_INLINE void CA_NAME(pv_columns)(const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows,

@@ -137,7 +137,8 @@ class Checks:
 
     def check_pv(self, dtype):
         P = PANEL[dtype]
-        for n_keys in (1, 7, 33):
+        # 70 keys: a run of CA_SUM_KEYS (64) keys and a short one
+        for n_keys in (1, 7, 33, 70):
             for n_vcols in (P, 2 * P, 3 * P, 4 * P, 5 * P):
                 for n_rows in list(range(1, 14)) + [24, 25]:
                     p = self.rng.random((n_rows, n_keys + 2)).astype(dtype)

@@ -28,8 +28,9 @@ import cattention as ca
 from cattention import _attention
 
 #: (T, S): decode (direct path, split keys at S >= 1024), tails, packed paths
+#: (700 keys: P.V tiles of several runs joining a non-zero accumulator)
 SHAPES = [(1, 1), (1, 300), (1, 2048), (5, 7), (8, 1025), (9, 300), (97, 300),
-          (300, 97), (260, 300), (130, 129)]
+          (300, 97), (260, 300), (130, 129), (97, 700)]
 
 OPTIONS = {
     "plain": {},

@@ -144,8 +144,8 @@ static void check_score_##SFX(void)                                             
 static void check_pv_##SFX(void)                                                          \
 {                                                                                         \
     begin("pv_" #SFX);                                                                    \
-    const int key_counts[] = {1, 7, 33};                                                  \
-    for (int ki = 0; ki < 3; ++ki)                                                        \
+    const int key_counts[] = {1, 7, 33, 70}; /* 70: a run of 64 keys and a short one */   \
+    for (int ki = 0; ki < 4; ++ki)                                                        \
         for (int n_vcols = PANEL; n_vcols <= 3 * PANEL; n_vcols += PANEL)                 \
             for (int n_rows = 1; n_rows <= 25; n_rows += n_rows < 13 ? 1 : 11) {          \
                 const int n_keys = key_counts[ki], ldp = n_keys + 2, ldacc = n_vcols + 3; \
