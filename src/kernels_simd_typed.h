@@ -119,6 +119,12 @@ CA_SIMD_TARGET static void CA_NAME(score)(const CA_T *q, ptrdiff_t ldq, ptrdiff_
     }
 }
 
+/* block_sum is read only after the block's first run wrote it, which gcc
+   cannot see through the unrolled loops (a false -Wmaybe-uninitialized) */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 /* acc[0..R) x [0..NV lanes) += p[0..R) x [0..n_keys) . v[0..n_keys) x [0..NV lanes) */
 CA_SIMD_INLINE void CA_NAME(pv_tile)(const CA_T *p, ptrdiff_t ldp, const CA_T *v,
                                      ptrdiff_t v_panel_stride, ptrdiff_t n_keys, CA_T *acc,
@@ -167,6 +173,9 @@ CA_SIMD_INLINE void CA_NAME(pv_tile)(const CA_T *p, ptrdiff_t ldp, const CA_T *v
 #undef CA_EACH_VECTOR
     }
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 CA_SIMD_INLINE void CA_NAME(pv_columns)(const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                         const CA_T *v, ptrdiff_t v_panel_stride,
