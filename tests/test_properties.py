@@ -96,7 +96,7 @@ def test_long_rows_of_small_weights_stay_near_numpy(simd, seed):
     """Examples of `problems()` (float32, 2 x 65 queries, 256 keys, d_k = 8,
     d_v = 5, causal, additive mask) where summing each block's 256 products
     p_j v_j in one float32 chain left ATTN up to 1.23x the tolerance (4x
-    NumPy's max error); P.V sums runs of 64 keys from zero now."""
+    NumPy's max error); the P.V tiles sum runs of 64 keys from zero."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((2, 65, 8)).astype(np.float32)
     k = rng.standard_normal((2, 256, 8)).astype(np.float32)
