@@ -19,6 +19,28 @@ _Static_assert(CA_TILE_VECS % CA_VECS_PER_PANEL == 0, "a register tile spans who
 
 /* ---- score and P.V tiles (packed operands) ------------------------- */
 
+/* acc[0..R) x [0..NV) += a[0..R) x [j0..j1) . b[j0..j1) x [0..NV lanes), b
+   packed in panels (vector x of a row in panel x / CA_VECS_PER_PANEL, one
+   row of a panel per j): the loop both register tiles run, as rank-1
+   updates of broadcast a[r][j] times the row b[j] */
+CA_SIMD_INLINE void CA_NAME(tile_update)(CA_VEC acc[CA_TILE_ROWS][CA_TILE_VECS],
+                                         const CA_T *a, ptrdiff_t lda, const CA_T *b,
+                                         ptrdiff_t b_panel_stride, ptrdiff_t j0,
+                                         ptrdiff_t j1, const int R, const int NV)
+{
+    for (ptrdiff_t j = j0; j < j1; ++j) {
+        CA_VEC b_j[CA_TILE_VECS];
+        for (int x = 0; x < NV; ++x)
+            b_j[x] = CA_V(load)(b + (x / CA_VECS_PER_PANEL) * b_panel_stride
+                                + j * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
+        for (int r = 0; r < R; ++r) {
+            const CA_VEC a_rj = CA_V(broadcast)(a + r * lda + j);
+            for (int x = 0; x < NV; ++x)
+                acc[r][x] = CA_V(fmadd)(a_rj, b_j[x], acc[r][x]);
+        }
+    }
+}
+
 /* s[0..R) x [0..NV lanes) = factor * (q[0..R) . kt[:, 0..NV lanes)); vector
    x of a row lies in panel x / CA_VECS_PER_PANEL. The features c0 .. c1 of
    the dot products: the first chunk (c0 == 0) starts them from zero, later
@@ -34,17 +56,7 @@ CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T
     for (int r = 0; r < R; ++r)
         for (int x = 0; x < NV; ++x)
             acc[r][x] = c0 == 0 ? CA_V(zero)() : CA_V(load)(s + r * lds + x * CA_LANES);
-    for (ptrdiff_t c = c0; c < c1; ++c) {
-        CA_VEC k_c[CA_TILE_VECS];
-        for (int x = 0; x < NV; ++x)
-            k_c[x] = CA_V(load)(kt + (x / CA_VECS_PER_PANEL) * kt_panel_stride
-                                + c * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
-        for (int r = 0; r < R; ++r) {
-            const CA_VEC q_rc = CA_V(broadcast)(q + r * ldq + c);
-            for (int x = 0; x < NV; ++x)
-                acc[r][x] = CA_V(fmadd)(q_rc, k_c[x], acc[r][x]);
-        }
-    }
+    CA_NAME(tile_update)(acc, q, ldq, kt, kt_panel_stride, c0, c1, R, NV);
     if (c1 < d_k) {
         for (int r = 0; r < R; ++r)
             for (int x = 0; x < NV; ++x)
@@ -139,17 +151,7 @@ CA_SIMD_INLINE void CA_NAME(pv_tile)(const CA_T *p, ptrdiff_t ldp, const CA_T *v
         for (int r = 0; r < R; ++r)
             for (int x = 0; x < NV; ++x)
                 run_sum[r][x] = CA_V(zero)();
-        for (ptrdiff_t j = j0; j < j_end; ++j) {
-            CA_VEC v_j[CA_TILE_VECS];
-            for (int x = 0; x < NV; ++x)
-                v_j[x] = CA_V(load)(v + (x / CA_VECS_PER_PANEL) * v_panel_stride
-                                    + j * CA_PANEL + (x % CA_VECS_PER_PANEL) * CA_LANES);
-            for (int r = 0; r < R; ++r) {
-                const CA_VEC p_rj = CA_V(broadcast)(p + r * ldp + j);
-                for (int x = 0; x < NV; ++x)
-                    run_sum[r][x] = CA_V(fmadd)(p_rj, v_j[x], run_sum[r][x]);
-            }
-        }
+        CA_NAME(tile_update)(run_sum, p, ldp, v, v_panel_stride, j0, j_end, R, NV);
         /* the run joins block_sum or acc: one branch per run, outside the
            unrolled loops (a branch per vector made gcc keep run_sum on the
            stack) */
