@@ -19,7 +19,7 @@ from cattention._operands cimport (
 from cattention._workspace cimport Workspace
 from cattention._packing cimport pack_queries
 from cattention._visibility cimport mask_scores
-from cattention._softmax cimport begin_rows, finish_rows, softmax_block
+from cattention._softmax cimport begin_rows, collect_totals, finish_rows, softmax_block
 
 
 cdef inline void prefetch_first_rows(const Problem *pb, const Operand *op, Py_ssize_t b,
@@ -184,6 +184,7 @@ cdef inline void end_chunk(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ss
                     b * pb.n_queries)
         return
     # per row: maximum, sum, then the unnormalised accumulator
+    collect_totals(pb, ws, n_rows, acc)
     state = partial + (b * pb.n_splits + split) * pb.n_queries * (pb.d_v + 2)
     for i in range(n_rows):
         state[0] = row_max[i]

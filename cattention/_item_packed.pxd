@@ -18,8 +18,8 @@ from cattention._packing cimport (
     panel_width)
 from cattention._visibility cimport mask_scores, visible_ranges
 from cattention._softmax cimport (
-    begin_rows, finish_rows, fold_sink, row_sink, softmax_block, store_lse,
-    store_lse_of_empty_row)
+    begin_rows, begin_step, collect_totals, exp_sum_by_blocks, finish_rows, fold_sink, row_sink,
+    softmax_block, start_sums, store_lse, store_lse_of_empty_row)
 
 
 cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -219,8 +219,8 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
             continue
-        row_total = kernel_exp_sum(kern, scores_row + first_block,
-                                   last_key - first_block, row_max[i])
+        row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
+                                      row_max[i])
         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):
             # the weights, and so ATTN = SCORES . V, include the sink
             weight = fold_sink(&row_max[i], &row_total, sink) / row_total
@@ -236,10 +236,11 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         return
 
     # pass 3: ATTN = SCORES . V
-    memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
+    start_sums(pb, ws, n_rows, acc)
     key0 = first_block
     while key0 < last_key:
         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
+        begin_step(pb, ws, n_rows, acc)
         if pb.direct:
             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
@@ -255,6 +256,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
                                      n_rows, acc, pb.ld_v)
         key0 += K_BLOCK
+    collect_totals(pb, ws, n_rows, acc)
     for i in range(n_rows):
         for c in range(pb.d_v):
             out[out_row_offset(pb, b, row0 + i) + c] = acc[i * pb.ld_v + c]

@@ -23,7 +23,7 @@ from libc.stdlib cimport free, malloc, qsort
 from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
-    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, key_extent, round_up)
+    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, fold_period, key_extent, round_up)
 from cattention._operands cimport operand_itemsize, rows_span
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
@@ -31,7 +31,7 @@ from cattention._workspace cimport (
 from cattention._packing cimport pack_block, packed_keys
 from cattention._softmax cimport merge_splits
 from cattention._item_packed cimport attend_query_block, attend_query_block_with_scores
-from cattention._item_direct cimport attend_key_chunk
+from cattention._item_direct cimport attend_key_chunk, direct_key_step
 from cattention._visibility cimport first_visible_key
 
 
@@ -279,6 +279,8 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
     if pb.n_splits < 1:
         pb.n_splits = 1
+    # a chunk's rows fold their state by key steps, not blocks
+    pb.fold_steps = fold_period(pb.split_keys // direct_key_step(pb))
     # the splits depend on the shape alone (the results do not depend on the
     # thread count); the groups only on how many items the threads need
     while max_group > 1 and n_workers > 1 and (

@@ -1,14 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
 """Online-softmax state of a work item: begin (running maximum -inf, sum 0),
-fold in one key block (rescaling the accumulator when the maximum grows),
-finish (fold in the row's attention sink, divide by the sum, store the
-log-sum-exp); and the merge of the partial results of a decode step split
-over key chunks (the log-sum-exp rule, in a fixed order)."""
+fold in one key block (rescaling the accumulator when the maximum grows;
+on long rows the running sums and accumulators join totals every
+fold_steps blocks, so that no float32 rounding chain is as long as the
+row), finish (fold in the row's attention sink, divide by the sum, store
+the log-sum-exp); and the merge of the partial results of a decode step
+split over key chunks (the log-sum-exp rule, in a fixed order)."""
 
 from cython cimport floating
 from libc.math cimport INFINITY, exp, log
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 from cattention._kernel_table cimport (
     ca_kernels, kernel_divide_rows, kernel_exp_sum, kernel_row_max)
 from cattention._problem cimport K_BLOCK, Problem, entry_rows, out_row_offset
@@ -23,7 +25,6 @@ cdef inline void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_s
     fresh online-softmax state (row maximum -inf, sum 0, accumulator ``acc``,
     the workspace's, 0)."""
     cdef floating *row_max = <floating *>ws.base + ws.off_max
-    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef Py_ssize_t i
     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
     first_key[0] = pb.n_keys
@@ -35,23 +36,84 @@ cdef inline void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_s
             if ws.row_hi[i] > last_key[0]:
                 last_key[0] = ws.row_hi[i]
         row_max[i] = -INFINITY
-        row_sum[i] = 0
+    start_sums(pb, ws, n_rows, acc)
+
+
+cdef inline void start_sums(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
+                            floating *acc) noexcept nogil:
+    """Running sums and accumulators (acc: the workspace's) 0, no totals."""
+    memset(<floating *>ws.base + ws.off_sum, 0, n_rows * sizeof(floating))
     memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
+    ws.steps_since_fold = 0
+    ws.has_totals = False
+
+
+cdef inline void begin_step(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
+                            floating *acc) noexcept nogil:
+    """Before a key block (direct path: a key step) adds to the rows' sums
+    and accumulators: every pb.fold_steps blocks they join the totals."""
+    if ws.steps_since_fold == pb.fold_steps:
+        fold_into_totals(pb, ws, n_rows, acc)
+    ws.steps_since_fold += 1
+
+
+cdef inline void fold_into_totals(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
+                                  floating *acc) noexcept nogil:
+    """The rows' running sums and accumulators (acc: the workspace's) join
+    their totals and start again from 0 (see fold_period)."""
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef floating *acc_total = <floating *>ws.base + ws.off_acc_total
+    cdef floating *sum_total = <floating *>ws.base + ws.off_sum_total
+    cdef Py_ssize_t i, c
+    if ws.has_totals:
+        for i in range(n_rows):
+            sum_total[i] += row_sum[i]
+            for c in range(pb.d_v):
+                acc_total[i * pb.ld_v + c] += acc[i * pb.ld_v + c]
+    else:
+        memcpy(sum_total, row_sum, n_rows * sizeof(floating))
+        memcpy(acc_total, acc, n_rows * pb.ld_v * sizeof(floating))
+        ws.has_totals = True
+    memset(row_sum, 0, n_rows * sizeof(floating))
+    memset(acc, 0, n_rows * pb.ld_v * sizeof(floating))
+    ws.steps_since_fold = 0
+
+
+cdef inline void collect_totals(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
+                                floating *acc) noexcept nogil:
+    """The rows' whole sums and accumulators (acc: the workspace's) back in
+    the running state, for finish_rows or a split's partial result."""
+    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef const floating *acc_total = <floating *>ws.base + ws.off_acc_total
+    cdef const floating *sum_total = <floating *>ws.base + ws.off_sum_total
+    cdef Py_ssize_t i, c
+    if not ws.has_totals:
+        return
+    for i in range(n_rows):
+        row_sum[i] = sum_total[i] + row_sum[i]
+        for c in range(pb.d_v):
+            acc[i * pb.ld_v + c] = acc_total[i * pb.ld_v + c] + acc[i * pb.ld_v + c]
+    ws.has_totals = False
 
 
 cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                                Py_ssize_t n_rows, Py_ssize_t n_keys,
                                floating *s) noexcept nogil:
     """Online softmax over one key block of masked logits s (rows K_BLOCK
-    apart): update each row's maximum and sum, rescale its accumulator when
-    the maximum grows, and leave the block's weights e^(s - max) in s."""
+    apart): update each row's maximum and sum, rescale its accumulator (and
+    totals) when the maximum grows, and leave the block's weights
+    e^(s - max) in s (first, every pb.fold_steps blocks, the state joins
+    the totals: begin_step)."""
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef floating *row_max = <floating *>ws.base + ws.off_max
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
+    cdef floating *acc_total = <floating *>ws.base + ws.off_acc_total
+    cdef floating *sum_total = <floating *>ws.base + ws.off_sum_total
     cdef Py_ssize_t i, c
     cdef floating tile_max, alpha
     cdef floating *s_row
     cdef floating *acc_row
+    begin_step(pb, ws, n_rows, acc)
     for i in range(n_rows):
         s_row = s + i * K_BLOCK
         tile_max = kernel_row_max(kern, s_row, n_keys)
@@ -76,8 +138,38 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
                 else:
                     for c in range(pb.d_v):
                         acc_row[c] *= alpha
+                if ws.has_totals:
+                    sum_total[i] *= alpha
+                    acc_row = acc_total + i * pb.ld_v
+                    if alpha == 0:
+                        memset(acc_row, 0, pb.d_v * sizeof(floating))
+                    else:
+                        for c in range(pb.d_v):
+                            acc_row[c] *= alpha
             row_max[i] = tile_max
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
+
+
+cdef inline floating exp_sum_by_blocks(const Problem *pb, floating *x, Py_ssize_t n,
+                                       floating shift) noexcept nogil:
+    """x = e^(x - shift) over a whole row, returning the sum: the table's
+    exp_sum a key block at a time, the blocks' sums added as the online
+    softmax adds them (into a total every pb.fold_steps blocks), not in one
+    call whose partial sums would each take n / lanes terms."""
+    cdef floating running = 0
+    cdef floating total = 0
+    cdef Py_ssize_t j = 0
+    cdef Py_ssize_t steps = 0
+    while j < n:
+        if steps == pb.fold_steps:
+            total += running
+            running = 0
+            steps = 0
+        running += kernel_exp_sum(pb.kern, x + j, n - j if n - j < K_BLOCK else K_BLOCK, shift)
+        steps += 1
+        j += K_BLOCK
+    # (0 + running is running: a row of at most fold_steps blocks is one chain)
+    return total + running
 
 
 cdef inline bint row_sink(const Problem *pb, Py_ssize_t row, double *sink) noexcept nogil:
@@ -195,6 +287,7 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
     cdef floating *out_row
     cdef floating *acc_row
     cdef floating scale
+    collect_totals(pb, ws, n_rows, acc)
     if pb.sink != NULL:
         fold_sinks(pb, ws, n_rows, first_row, row_max, row_sum, factor, row_sink_logit)
     i = 0

@@ -18,6 +18,11 @@ cdef struct Workspace:
     intp_t *row_hi               # one past the last visible key
     # typed pointers are cast from these offsets for float or double
     Py_ssize_t off_q, off_s, off_acc, off_max, off_sum
+    # the rows' totals of accumulator and sum (see fold_period), and the
+    # key blocks (steps) folded into the running state since the last fold
+    Py_ssize_t off_acc_total, off_sum_total
+    Py_ssize_t steps_since_fold
+    bint has_totals
     # K and V rows copied when their features are strided (direct path),
     # converted (float16, int8) or gathered from pages
     Py_ssize_t off_k_rows, off_v_rows
@@ -63,6 +68,12 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
     n += round_up(n_rows, 16)
     ws.off_sum = n
     n += round_up(n_rows, 16)
+    ws.off_acc_total = n
+    n += round_up(n_rows * pb.ld_v, 16)
+    ws.off_sum_total = n
+    n += round_up(n_rows, 16)
+    ws.steps_since_fold = 0
+    ws.has_totals = False
     # an entry's own regions, from off_q = 0 to here; the other entries'
     # follow the shared rows, laid out the same
     per_entry = n
@@ -103,6 +114,8 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
         ws.off_acc = header.off_acc + shift
         ws.off_max = header.off_max + shift
         ws.off_sum = header.off_sum + shift
+        ws.off_acc_total = header.off_acc_total + shift
+        ws.off_sum_total = header.off_sum_total + shift
         ws.row_lo = header.row_lo + 2 * g * n_rows
         ws.row_hi = ws.row_lo + n_rows
     return <Workspace *>memory

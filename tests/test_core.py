@@ -395,7 +395,8 @@ def test_nonfinite_in_masked_key_and_value_is_ignored(simd, dtype, kind, bad):
                          clean[1])
 
 
-@pytest.mark.parametrize("T,S", [(1, 300), (4, 600), (20, 300), (200, 600), (1, 5000)])
+@pytest.mark.parametrize("T,S", [(1, 300), (4, 600), (20, 300), (200, 600), (1, 5000),
+                                 (20, 2600), (200, 2600), (4, 20000)])
 @pytest.mark.parametrize("poison", ["inf", "overflowing-sum"])
 def test_keys_of_zero_weight_before_the_row_maximum_take_no_part(simd, dtype, T, S, poison):
     """Keys whose weight is exactly 0 because a later key's logit is far
