@@ -106,10 +106,13 @@ F64_ABS_TOL = 1e-12
 # ---------------------------------------------------------------------------
 
 def _as_compute_dtype(x, dtype):
+    # C order whatever the caller's layout: np.matmul rounds a strided
+    # float32 operand in its own loops, less accurately than the BLAS it
+    # uses on contiguous ones, which would loosen the float32 yardstick
     x = np.asarray(x)
     if x.dtype.kind not in "biuf":
         raise TypeError(f"reference: unsupported dtype {x.dtype}")
-    return x.astype(dtype)
+    return x.astype(dtype, order="C")
 
 
 def _batch_shape(q, k, v, mask):
