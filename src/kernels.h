@@ -47,6 +47,13 @@
    accumulator's own chain stays one addition per block. */
 #define CA_SUM_KEYS 64
 
+/* ...and every table's score tiles sum runs of this many features of a
+   dot product from zero, the runs added in order: one float32 chain over
+   all d_k = 256 features had about twice the rounding error of runs of 64
+   (and of NumPy's dot product of one row). A multiple of every table's
+   feature chunk (CA_SCORE_CHUNK), whose boundaries runs so never cross. */
+#define CA_SUM_FEATURES 64
+
 /* Bring the cache line at address into L1 (a hint; no fault anywhere). The
    driver uses it for the first rows of its next kernel call. */
 static inline void ca_prefetch_l1(const void *address)

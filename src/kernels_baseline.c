@@ -26,13 +26,24 @@ static void score_##SUFFIX(const T *q, ptrdiff_t ldq, ptrdiff_t n_rows,         
     for (ptrdiff_t i = 0; i < n_rows; ++i) {                                    \
         for (ptrdiff_t j0 = 0; j0 < n_cols; j0 += PANEL) {                      \
             const T *panel = kt + (j0 / PANEL) * kt_panel_stride;               \
+            /* runs of CA_SUM_FEATURES features from zero (as the SIMD      \
+               tiles), added in order */                                        \
             T dot[PANEL];                                                       \
             for (int l = 0; l < PANEL; ++l)                                     \
                 dot[l] = 0;                                                     \
-            for (ptrdiff_t c = 0; c < d_k; ++c) {                               \
-                const T q_ic = q[i * ldq + c];                                  \
+            for (ptrdiff_t c0 = 0; c0 < d_k; c0 += CA_SUM_FEATURES) {           \
+                const ptrdiff_t c_end = d_k - c0 < CA_SUM_FEATURES              \
+                                        ? d_k : c0 + CA_SUM_FEATURES;           \
+                T run_dot[PANEL];                                               \
                 for (int l = 0; l < PANEL; ++l)                                 \
-                    dot[l] += q_ic * panel[c * PANEL + l];                      \
+                    run_dot[l] = 0;                                             \
+                for (ptrdiff_t c = c0; c < c_end; ++c) {                        \
+                    const T q_ic = q[i * ldq + c];                              \
+                    for (int l = 0; l < PANEL; ++l)                             \
+                        run_dot[l] += q_ic * panel[c * PANEL + l];              \
+                }                                                               \
+                for (int l = 0; l < PANEL; ++l)                                 \
+                    dot[l] = c0 == 0 ? run_dot[l] : dot[l] + run_dot[l];        \
             }                                                                   \
             for (int l = 0; l < PANEL; ++l)                                     \
                 s[i * lds + j0 + l] = dot[l] * factor;                          \

@@ -43,34 +43,42 @@ CA_SIMD_INLINE void CA_NAME(tile_update)(CA_VEC acc[CA_TILE_ROWS][CA_TILE_VECS],
 
 /* s[0..R) x [0..NV lanes) = factor * (q[0..R) . kt[:, 0..NV lanes)); vector
    x of a row lies in panel x / CA_VECS_PER_PANEL. The features c0 .. c1 of
-   the dot products: the first chunk (c0 == 0) starts them from zero, later
-   ones from the partial sums s holds, and the last (c1 == d_k) scales
-   them. A float stored and loaded again is the same float, so chunks give
-   the bits of one pass. */
+   the dot products, in runs of CA_SUM_FEATURES summed from zero: the first
+   run (at feature 0) stores its sums in s, each later one adds them to the
+   sums s holds, and the last (ending at d_k) scales them. A float stored
+   and loaded again is the same float, so chunks give the bits of one pass. */
 CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T *kt,
                                         ptrdiff_t kt_panel_stride, ptrdiff_t c0,
                                         ptrdiff_t c1, ptrdiff_t d_k, CA_T factor, CA_T *s,
                                         ptrdiff_t lds, const int R, const int NV)
 {
     CA_VEC acc[CA_TILE_ROWS][CA_TILE_VECS];
-    for (int r = 0; r < R; ++r)
-        for (int x = 0; x < NV; ++x)
-            acc[r][x] = c0 == 0 ? CA_V(zero)() : CA_V(load)(s + r * lds + x * CA_LANES);
-    CA_NAME(tile_update)(acc, q, ldq, kt, kt_panel_stride, c0, c1, R, NV);
-    if (c1 < d_k) {
+    /* one run at least: d_k = 0 writes zeros */
+    for (ptrdiff_t r0 = c0; r0 == c0 || r0 < c1; r0 += CA_SUM_FEATURES) {
+        const ptrdiff_t r1 = c1 - r0 > CA_SUM_FEATURES ? r0 + CA_SUM_FEATURES : c1;
         for (int r = 0; r < R; ++r)
             for (int x = 0; x < NV; ++x)
-                CA_V(store)(s + r * lds + x * CA_LANES, acc[r][x]);
-        return;
+                acc[r][x] = CA_V(zero)();
+        CA_NAME(tile_update)(acc, q, ldq, kt, kt_panel_stride, r0, r1, R, NV);
+        if (r0 > 0)
+            for (int r = 0; r < R; ++r)
+                for (int x = 0; x < NV; ++x)
+                    acc[r][x] = CA_V(add)(CA_V(load)(s + r * lds + x * CA_LANES), acc[r][x]);
+        if (r1 < d_k) {
+            for (int r = 0; r < R; ++r)
+                for (int x = 0; x < NV; ++x)
+                    CA_V(store)(s + r * lds + x * CA_LANES, acc[r][x]);
+            continue;
+        }
+        /* read from memory after the loop: held in a register across it, GCC
+           12 spilled an operand vector of a 6 x 4 tile instead (24 accumulators,
+           4 operands and a broadcast leave 3 of 32 registers free) */
+        volatile CA_T factor_in_memory = factor;
+        const CA_VEC factor_v = CA_V(set1)(factor_in_memory);
+        for (int r = 0; r < R; ++r)
+            for (int x = 0; x < NV; ++x)
+                CA_V(store)(s + r * lds + x * CA_LANES, CA_V(mul)(acc[r][x], factor_v));
     }
-    /* read from memory after the loop: held in a register across it, GCC
-       12 spilled an operand vector of a 6 x 4 tile instead (24 accumulators,
-       4 operands and a broadcast leave 3 of 32 registers free) */
-    volatile CA_T factor_in_memory = factor;
-    const CA_VEC factor_v = CA_V(set1)(factor_in_memory);
-    for (int r = 0; r < R; ++r)
-        for (int x = 0; x < NV; ++x)
-            CA_V(store)(s + r * lds + x * CA_LANES, CA_V(mul)(acc[r][x], factor_v));
 }
 
 /* K^T features per pass over the rows: the tile's strip of K^T, d_k rows

@@ -145,9 +145,26 @@ def merge_cases(dtype):
     yield f"{np.dtype(dtype).name}/merge", run
 
 
+def deep_cases(dtype):
+    """d_k of several runs of features in the score tiles (130: the last
+    run of 2, across the 128-feature chunk of the avx512 tiles; 256), on
+    the packed path, with SCORES, and the direct one."""
+    for d_k in (130, 256):
+        for T, S in ((1, 300), (9, 300), (97, 300)):
+            rng = np.random.default_rng(d_k * 1000 + T)
+            q = rng.standard_normal((2, 3, T, d_k)).astype(dtype)
+            k = rng.standard_normal((2, 3, S, d_k)).astype(dtype)
+            v = rng.standard_normal((2, 3, S, 24)).astype(dtype)
+            key = f"{np.dtype(dtype).name}/deep/d{d_k}/{T}x{S}"
+            yield key + "/attn", lambda q=q, k=k, v=v: (ca.attention(q, k, v, causal=True),)
+            yield key + "/scores+lse", lambda q=q, k=k, v=v: ca.attention(
+                q, k, v, return_scores=True, return_lse=True)
+
+
 def all_cases():
     for dtype in (np.float32, np.float64):
         yield from attention_cases(dtype, dtype)
+        yield from deep_cases(dtype)
         yield from layout_cases(dtype)
         yield from kvcache_cases(dtype, dtype)
         yield from merge_cases(dtype)

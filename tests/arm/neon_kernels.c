@@ -99,8 +99,9 @@ static int close_to(double a, double b, double bound)
 static void check_score_##SFX(void)                                                       \
 {                                                                                         \
     begin("score_" #SFX);                                                                 \
-    const int depths[] = {1, 5, 17};                                                      \
-    for (int di = 0; di < 3; ++di)                                                        \
+    /* 130: three runs of features (CA_SUM_FEATURES), the last of two */                  \
+    const int depths[] = {1, 5, 17, 130};                                                 \
+    for (int di = 0; di < 4; ++di)                                                        \
         for (int n_cols = PANEL; n_cols <= 3 * PANEL; n_cols += PANEL)                    \
             for (int n_rows = 1; n_rows <= 25; n_rows += n_rows < 13 ? 1 : 11) {          \
                 const int d_k = depths[di], ldq = d_k + 3, lds = n_cols + 5;              \
