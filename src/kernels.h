@@ -50,8 +50,9 @@
 /* ...and every table's score tiles sum runs of this many features of a
    dot product from zero, the runs added in order: one float32 chain over
    all d_k = 256 features had about twice the rounding error of runs of 64
-   (and of NumPy's dot product of one row). A multiple of every table's
-   feature chunk (CA_SCORE_CHUNK), whose boundaries runs so never cross. */
+   (and of NumPy's dot product of one row). Every table's feature chunk
+   (CA_SCORE_CHUNK: 128 or 512) is a multiple of it, so a dot product has
+   the same runs whether or not its features are split into chunks. */
 #define CA_SUM_FEATURES 64
 
 /* Bring the cache line at address into L1 (a hint; no fault anywhere). The
