@@ -96,6 +96,19 @@ cdef inline void collect_totals(const Problem *pb, Workspace *ws, Py_ssize_t n_r
     ws.has_totals = False
 
 
+cdef inline void rescale_row(floating *acc_row, Py_ssize_t d_v, floating alpha) noexcept nogil:
+    """acc_row *= alpha, the factor e^(old max - new max) of a row whose
+    maximum grew. When it is 0 every earlier key's weight is now exactly 0:
+    they leave the row (an inf or overflowed sum among their values would
+    give 0 * inf = NaN)."""
+    cdef Py_ssize_t c
+    if alpha == 0:
+        memset(acc_row, 0, d_v * sizeof(floating))
+    else:
+        for c in range(d_v):
+            acc_row[c] *= alpha
+
+
 cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                                Py_ssize_t n_rows, Py_ssize_t n_keys,
                                floating *s) noexcept nogil:
@@ -109,10 +122,9 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef floating *acc_total = <floating *>ws.base + ws.off_acc_total
     cdef floating *sum_total = <floating *>ws.base + ws.off_sum_total
-    cdef Py_ssize_t i, c
+    cdef Py_ssize_t i
     cdef floating tile_max, alpha
     cdef floating *s_row
-    cdef floating *acc_row
     begin_step(pb, ws, n_rows, acc)
     for i in range(n_rows):
         s_row = s + i * K_BLOCK
@@ -129,23 +141,10 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
             if row_max[i] != -INFINITY:
                 alpha = <floating>exp(row_max[i] - tile_max)
                 row_sum[i] *= alpha
-                acc_row = acc + i * pb.ld_v
-                if alpha == 0:
-                    # every earlier key's weight is now exactly 0: they leave
-                    # the row (an inf or overflowed sum among their values
-                    # would give 0 * inf = NaN)
-                    memset(acc_row, 0, pb.d_v * sizeof(floating))
-                else:
-                    for c in range(pb.d_v):
-                        acc_row[c] *= alpha
+                rescale_row(acc + i * pb.ld_v, pb.d_v, alpha)
                 if ws.has_totals:
                     sum_total[i] *= alpha
-                    acc_row = acc_total + i * pb.ld_v
-                    if alpha == 0:
-                        memset(acc_row, 0, pb.d_v * sizeof(floating))
-                    else:
-                        for c in range(pb.d_v):
-                            acc_row[c] *= alpha
+                    rescale_row(acc_total + i * pb.ld_v, pb.d_v, alpha)
             row_max[i] = tile_max
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
 
