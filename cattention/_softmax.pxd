@@ -57,6 +57,18 @@ cdef inline void begin_step(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
     ws.steps_since_fold += 1
 
 
+cdef inline void add_state(const Problem *pb, Py_ssize_t n_rows, floating *sum_into,
+                           floating *acc_into, const floating *row_sum,
+                           const floating *acc) noexcept nogil:
+    """sum_into += row_sum and acc_into += acc (rows ld_v apart, d_v columns):
+    the running state into the totals, or the totals into it."""
+    cdef Py_ssize_t i, c
+    for i in range(n_rows):
+        sum_into[i] += row_sum[i]
+        for c in range(pb.d_v):
+            acc_into[i * pb.ld_v + c] += acc[i * pb.ld_v + c]
+
+
 cdef inline void fold_into_totals(const Problem *pb, Workspace *ws, Py_ssize_t n_rows,
                                   floating *acc) noexcept nogil:
     """The rows' running sums and accumulators (acc: the workspace's) join
@@ -64,12 +76,8 @@ cdef inline void fold_into_totals(const Problem *pb, Workspace *ws, Py_ssize_t n
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef floating *acc_total = <floating *>ws.base + ws.off_acc_total
     cdef floating *sum_total = <floating *>ws.base + ws.off_sum_total
-    cdef Py_ssize_t i, c
     if ws.has_totals:
-        for i in range(n_rows):
-            sum_total[i] += row_sum[i]
-            for c in range(pb.d_v):
-                acc_total[i * pb.ld_v + c] += acc[i * pb.ld_v + c]
+        add_state(pb, n_rows, sum_total, acc_total, row_sum, acc)
     else:
         memcpy(sum_total, row_sum, n_rows * sizeof(floating))
         memcpy(acc_total, acc, n_rows * pb.ld_v * sizeof(floating))
@@ -83,17 +91,11 @@ cdef inline void collect_totals(const Problem *pb, Workspace *ws, Py_ssize_t n_r
                                 floating *acc) noexcept nogil:
     """The rows' whole sums and accumulators (acc: the workspace's) back in
     the running state, for finish_rows or a split's partial result."""
-    cdef floating *row_sum = <floating *>ws.base + ws.off_sum
-    cdef const floating *acc_total = <floating *>ws.base + ws.off_acc_total
-    cdef const floating *sum_total = <floating *>ws.base + ws.off_sum_total
-    cdef Py_ssize_t i, c
-    if not ws.has_totals:
-        return
-    for i in range(n_rows):
-        row_sum[i] = sum_total[i] + row_sum[i]
-        for c in range(pb.d_v):
-            acc[i * pb.ld_v + c] = acc_total[i * pb.ld_v + c] + acc[i * pb.ld_v + c]
-    ws.has_totals = False
+    if ws.has_totals:
+        add_state(pb, n_rows, <floating *>ws.base + ws.off_sum, acc,
+                  <floating *>ws.base + ws.off_sum_total,
+                  <floating *>ws.base + ws.off_acc_total)
+        ws.has_totals = False
 
 
 cdef inline void rescale_row(floating *acc_row, Py_ssize_t d_v, floating alpha) noexcept nogil:
