@@ -218,9 +218,12 @@ static void score_direct_i8(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
 {
     for (ptrdiff_t r = 0; r < n_rows; ++r)
         for (ptrdiff_t j = 0; j < n_keys; ++j) {
-            float dot = 0;
+            /* eight partial sums, as score_direct_f32 keeps them */
+            float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (ptrdiff_t c = 0; c < d_k; ++c)
-                dot += q[r * ldq + c] * (float)k[j * ldk + c];
+                partial[c & 7] += q[r * ldq + c] * (float)k[j * ldk + c];
+            const float dot = ((partial[0] + partial[1]) + (partial[2] + partial[3])) +
+                              ((partial[4] + partial[5]) + (partial[6] + partial[7]));
             s[r * lds + j] = factor * (scale[j * scale_stride] * dot);
         }
 }
@@ -229,13 +232,25 @@ static void pv_direct_i8(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const 
                          ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v, const float *scale,
                          ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc)
 {
+    /* runs of CA_SUM_KEYS keys summed from zero, then added, as pv_direct_f32 */
     for (ptrdiff_t r = 0; r < n_rows; ++r)
-        for (ptrdiff_t j = 0; j < n_keys; ++j) {
-            const float weight = p[r * ldp + j] * scale[j * scale_stride];
-            if (weight == 0)
-                continue;
-            for (ptrdiff_t c = 0; c < d_v; ++c)
-                acc[r * ldacc + c] += weight * (float)v[j * ldv + c];
+        for (ptrdiff_t c0 = 0; c0 < d_v; c0 += 64) {
+            const ptrdiff_t n_c = d_v - c0 < 64 ? d_v - c0 : 64;
+            float run[64];
+            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {
+                for (ptrdiff_t c = 0; c < n_c; ++c)
+                    run[c] = 0;
+                const ptrdiff_t j_end = n_keys - j0 < CA_SUM_KEYS ? n_keys : j0 + CA_SUM_KEYS;
+                for (ptrdiff_t j = j0; j < j_end; ++j) {
+                    const float weight = p[r * ldp + j] * scale[j * scale_stride];
+                    if (weight == 0)
+                        continue;
+                    for (ptrdiff_t c = 0; c < n_c; ++c)
+                        run[c] += weight * (float)v[j * ldv + c0 + c];
+                }
+                for (ptrdiff_t c = 0; c < n_c; ++c)
+                    acc[r * ldacc + c0 + c] += run[c];
+            }
         }
 }
 

@@ -330,7 +330,9 @@ CA_SIMD_TARGET static void score_direct_i8(const float *q, ptrdiff_t ldq, ptrdif
 }
 
 /* int8 values read in place: each key's weight times its row scale, then
-   up to DIRECT_VECS vectors of float32 accumulators per pass */
+   up to DIRECT_VECS vectors of float32 accumulators per pass; runs of
+   CA_SUM_KEYS keys are summed from zero and then added to acc, as in
+   pv_direct_f32 (one chain of every key into acc had twice its error) */
 CA_SIMD_TARGET static void pv_direct_i8(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                         const int8_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
                                         ptrdiff_t d_v, const float *scale,
@@ -344,30 +346,38 @@ CA_SIMD_TARGET static void pv_direct_i8(const float *p, ptrdiff_t ldp, ptrdiff_t
         for (ptrdiff_t c = 0; c < d_main; c += pass_cols) {
             const int n_vec = (int)((d_main - c) / LANES < DIRECT_VECS ? (d_main - c) / LANES
                                                                        : DIRECT_VECS);
-            vf32 sum[DIRECT_VECS];
-            for (int t = 0; t < n_vec; ++t)
-                sum[t] = vf32_load(acc_r + c + LANES * t);
-            for (ptrdiff_t j = 0; j < n_keys; ++j) {
-                const float weight = p_r[j] * scale[j * scale_stride];
-                if (weight == 0)
-                    continue;
-                const vf32 weight_v = vf32_set1(weight);
-                const int8_t *v_j = v + j * ldv + c;
-                if (r == 0 && j + PREFETCH_KEYS < n_keys)
-                    prefetch_row(v + (j + PREFETCH_KEYS) * ldv + c, LANES * n_vec);
+            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {
+                const ptrdiff_t j_end = n_keys - j0 < CA_SUM_KEYS ? n_keys : j0 + CA_SUM_KEYS;
+                vf32 run[DIRECT_VECS];
                 for (int t = 0; t < n_vec; ++t)
-                    sum[t] = vf32_fmadd(weight_v, vf32_load_i8(v_j + LANES * t), sum[t]);
+                    run[t] = vf32_zero();
+                for (ptrdiff_t j = j0; j < j_end; ++j) {
+                    const float weight = p_r[j] * scale[j * scale_stride];
+                    if (weight == 0)
+                        continue;
+                    const vf32 weight_v = vf32_set1(weight);
+                    const int8_t *v_j = v + j * ldv + c;
+                    if (r == 0 && j + PREFETCH_KEYS < n_keys)
+                        prefetch_row(v + (j + PREFETCH_KEYS) * ldv + c, LANES * n_vec);
+                    for (int t = 0; t < n_vec; ++t)
+                        run[t] = vf32_fmadd(weight_v, vf32_load_i8(v_j + LANES * t), run[t]);
+                }
+                for (int t = 0; t < n_vec; ++t)
+                    vf32_store(acc_r + c + LANES * t,
+                               vf32_add(vf32_load(acc_r + c + LANES * t), run[t]));
             }
-            for (int t = 0; t < n_vec; ++t)
-                vf32_store(acc_r + c + LANES * t, sum[t]);
         }
-        for (ptrdiff_t j = 0; d_main < d_v && j < n_keys; ++j) {
-            const float weight = p_r[j] * scale[j * scale_stride];
-            if (weight == 0)
-                continue;
-            for (ptrdiff_t c = d_main; c < d_v; ++c)
-                acc_r[c] += weight * (float)v[j * ldv + c];
-        }
+        for (ptrdiff_t c = d_main; c < d_v; ++c)
+            for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {
+                const ptrdiff_t j_end = n_keys - j0 < CA_SUM_KEYS ? n_keys : j0 + CA_SUM_KEYS;
+                float run = 0;
+                for (ptrdiff_t j = j0; j < j_end; ++j) {
+                    const float weight = p_r[j] * scale[j * scale_stride];
+                    if (weight != 0)
+                        run += weight * (float)v[j * ldv + c];
+                }
+                acc_r[c] += run;
+            }
     }
 }
 

@@ -439,7 +439,8 @@ class Checks:
 
     def check_pv_direct_i8(self):
         for d_v in list(range(1, 36)) + [127, 128, 129, 200]:
-            for n_keys in (1, 6):
+            # 70 keys: a run of CA_SUM_KEYS summed from zero, then the rest
+            for n_keys in (1, 6, 70):
                 n_rows = 2
                 p = self.rng.random((n_rows, n_keys)).astype(np.float32)
                 p[p < 0.25] = 0

@@ -432,20 +432,25 @@ static void check_int8(void)
                 CHECK(same_f32(dst_neon[i], dst_ref[i]), "rows n_cols=%d at %d", n_cols, i);
             free(src); free(dst_ref); free(dst_neon);
         }
+    /* 70 keys: P.V sums a run of CA_SUM_KEYS, then the rest */
+    static const int int8_keys[] = {1, 5, 9, 70};
     for (int width = 1; width <= 135; width += width < 35 ? 1 : 31)
-        for (int n_keys = 1; n_keys <= 9; n_keys += 4) {
+        for (int key_case = 0; key_case < 4; ++key_case) {
+            const int n_keys = int8_keys[key_case];
             const int n_rows = 2;
-            float *q = alloc(sizeof(float) * n_rows * width);
+            /* q, later the weights (n_rows x n_keys) */
+            const int q_size = n_rows * (width > n_keys ? width : n_keys);
+            float *q = alloc(sizeof(float) * q_size);
             int8_t *k = alloc((size_t)n_keys * width);
             float *scale = alloc(sizeof(float) * n_keys);
             float *s_ref = alloc(sizeof(float) * n_rows * n_keys);
             float *s_neon = alloc(sizeof(float) * n_rows * n_keys);
             float *acc_ref = alloc(sizeof(float) * n_rows * width);
             float *acc_neon = alloc(sizeof(float) * n_rows * width);
-            for (int i = 0; i < n_rows * width; ++i) {
+            for (int i = 0; i < q_size; ++i)
                 q[i] = (float)normal();
+            for (int i = 0; i < n_rows * width; ++i)
                 acc_ref[i] = acc_neon[i] = (float)normal();
-            }
             for (int i = 0; i < n_keys * width; ++i)
                 k[i] = (int8_t)(uniform() * 256 - 128);
             for (int j = 0; j < n_keys; ++j)
