@@ -139,7 +139,9 @@ def attention(
         1.4e-45 and 3.4e38), including 0 and negatives. It multiplies the
         finished dot products, so both they and the scaled logits must be
         finite in the compute dtype: a row with either beyond its range
-        (float32: 3.4e38) is NaN, even if the scale would bring it back.
+        (float32: 3.4e38) towards +inf is NaN, even if the scale would
+        bring it back, and so is a row whose every visible logit is beyond
+        it towards -inf (among finite logits such a one weighs 0).
         With int8 K, at most 8 query rows and no SCORES, q.k is taken over
         the int8 values before their row scale, so that product must be
         finite too.

@@ -18,8 +18,9 @@ from cattention._packing cimport (
     panel_width)
 from cattention._visibility cimport mask_scores, visible_ranges
 from cattention._softmax cimport (
-    begin_rows, begin_step, collect_totals, exp_sum_by_blocks, finish_rows, fold_sink, row_sink,
-    softmax_block, start_sums, store_lse, store_lse_of_empty_row)
+    begin_rows, begin_step, collect_totals, exp_sum_by_blocks, finish_rows, fold_sink,
+    nan_rows_of_neg_inf_logits, row_sink, softmax_block, start_sums, store_lse,
+    store_lse_of_empty_row)
 
 
 cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -213,6 +214,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         key0 += K_BLOCK
 
     # pass 2: weights in place over the keys this item can see
+    nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)
     for i in range(n_rows):
         scores_row = scores_block + i * ld_scores
         if row_max[i] == -INFINITY:

@@ -9,13 +9,13 @@ the log-sum-exp); and the merge of the partial results of a decode step
 split over key chunks (the log-sum-exp rule, in a fixed order)."""
 
 from cython cimport floating
-from libc.math cimport INFINITY, exp, log
+from libc.math cimport INFINITY, NAN, exp, log
 from libc.string cimport memcpy, memset
 from cattention._kernel_table cimport (
     ca_kernels, kernel_divide_rows, kernel_exp_sum, kernel_row_max)
 from cattention._problem cimport K_BLOCK, Problem, entry_rows, out_row_offset
 from cattention._workspace cimport Workspace
-from cattention._visibility cimport visible_ranges
+from cattention._visibility cimport sees_a_key, visible_ranges
 
 
 cdef inline void begin_rows(const Problem *pb, Workspace *ws, Py_ssize_t b, Py_ssize_t row0,
@@ -183,6 +183,27 @@ cdef inline bint row_sink(const Problem *pb, Py_ssize_t row, double *sink) noexc
     return sink[0] != -INFINITY
 
 
+cdef inline void nan_rows_of_neg_inf_logits(const Problem *pb, Py_ssize_t n_rows,
+                                            Py_ssize_t first_row,
+                                            floating *row_max) noexcept nogil:
+    """A row whose maximum stayed -inf after all its keys either sees no
+    key (zeros) or sees keys whose every logit came out -inf: a q.k beyond
+    the dtype, an infinity in q or k. The formula makes the latter NaN
+    (-inf - (-inf)), as the reference does, so its maximum becomes NaN here
+    and its ATTN, SCORES and LSE follow. A sink keeps such a row a number
+    (its weight takes the whole row, as in the formula). Rows counted from
+    first_row = b * T + r."""
+    cdef Py_ssize_t i, row
+    cdef double sink
+    for i in range(n_rows):
+        if row_max[i] != -INFINITY:
+            continue
+        row = first_row + i
+        if not row_sink(pb, row, &sink) and sees_a_key(pb, row // pb.n_queries,
+                                                       row % pb.n_queries):
+            row_max[i] = NAN
+
+
 cdef inline floating fold_sink(floating *row_max, floating *row_sum,
                                double sink) noexcept nogil:
     """The sink joins the row's softmax as one more logit with no value:
@@ -289,6 +310,7 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
     cdef floating *acc_row
     cdef floating scale
     collect_totals(pb, ws, n_rows, acc)
+    nan_rows_of_neg_inf_logits(pb, n_rows, first_row, row_max)
     if pb.sink != NULL:
         fold_sinks(pb, ws, n_rows, first_row, row_max, row_sum, factor, row_sink_logit)
     i = 0
@@ -348,6 +370,12 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
                 if total_max != total_max:
                     break
         has_sink = row_sink(pb, first_row + i, &sink)
+        if total_max == -INFINITY and not has_sink and sees_a_key(pb, b, i):
+            # keys whose every logit is -inf (nan_rows_of_neg_inf_logits)
+            store_lse(pb, first_row + i, NAN, 0)
+            for c in range(pb.d_v):
+                out_row[c] = NAN
+            continue
         if total_max == -INFINITY:
             # no key: zeros, and the LSE of the sink alone if there is one
             total_sum = 0

@@ -41,6 +41,32 @@ cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0
         row_hi[i] = hi
 
 
+cdef inline bint sees_a_key(const Problem *pb, Py_ssize_t b, Py_ssize_t row) noexcept nogil:
+    """Whether query row ``row`` of batch entry b has a key that neither its
+    visible range nor the mask hides (a bool mask's True, an additive
+    mask's entry other than -inf), whatever its logits. Asked only of rows
+    whose logits all came out -inf, so the mask's row is read here once."""
+    cdef intp_t lo, hi
+    cdef Py_ssize_t j, m_row
+    cdef Py_ssize_t m_col = pb.mask.col_stride
+    visible_ranges(pb, b, row, 1, &lo, &hi)
+    if hi <= lo:
+        return False
+    if pb.mask_kind == MASK_NONE:
+        return True
+    m_row = pb.mask.batch_offset[b] + row * pb.mask.row_stride
+    for j in range(lo, hi):
+        if pb.mask_kind == MASK_BOOL:
+            if (<const uint8_t *>pb.mask.data)[m_row + j * m_col]:
+                return True
+        elif pb.mask_kind == MASK_F32:
+            if (<const float *>pb.mask.data)[m_row + j * m_col] != -INFINITY:
+                return True
+        elif (<const double *>pb.mask.data)[m_row + j * m_col] != -INFINITY:
+            return True
+    return False
+
+
 cdef inline Py_ssize_t first_visible_key(const Problem *pb, Py_ssize_t b) noexcept nogil:
     """No query row of batch entry b sees a key before this one: the start
     of its sliding window at its first position (visible_ranges' lo for a

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import cattention as ca
-from reference import assert_matches_reference, make_qkv, shapes_regex
+from reference import (
+    assert_bitwise_equal, assert_matches_reference, make_qkv, reference_attention_lse,
+    shapes_regex)
 
 SUPPORTED_DTYPES_RE = r"(?s)(?=.*float32)(?=.*float64)"
 
@@ -253,6 +255,74 @@ def test_dot_product_beyond_float32_is_a_nan_row_as_documented(n_queries):
     # the same logits from dot products float32 holds are a number
     out = ca.attention(q / np.float32(8), k, v, scale=1.0)
     assert_matches_reference(out, None, q / np.float32(8), k, v, scale=1.0)
+
+
+def _rows_of_neg_inf_logits(n_queries, n_keys, dtype=np.float32):
+    """Row 0's every q.k is -5.8e38, beyond float32, and row 1's is -inf in
+    any dtype (an infinity in q: the reference's own NaN row); the other
+    rows have finite logits."""
+    q = np.zeros((n_queries, 64), dtype)
+    q[0] = 3e18
+    q[1, 0] = np.inf
+    k = np.full((n_keys, 64), -3e18, dtype)
+    k[:, 1:] = 1.0 if dtype == np.float64 else -3e18
+    v = np.arange(n_keys * 3, dtype=dtype).reshape(n_keys, 3) / n_keys
+    return q, k, v
+
+
+@pytest.mark.parametrize("n_queries,n_keys", [(2, 3), (9, 3), (9, 700), (2, 5000)])
+def test_a_row_whose_every_logit_is_minus_inf_is_nan_not_empty(simd, n_queries, n_keys):
+    # A row that sees keys whose logits are all -inf is NaN (-inf - (-inf) in
+    # the formula, and the reference's NaN), not a row that sees no key: with
+    # return_scores or not, few rows (keys read in place, split into chunks
+    # for 5000 keys) or many (packed), and through the KV cache.
+    q, k, v = _rows_of_neg_inf_logits(n_queries, n_keys)
+    out, lse = ca.attention(q, k, v, return_lse=True)
+    with_scores, scores, lse_s = ca.attention(q, k, v, return_scores=True, return_lse=True)
+    for attn, row_lse in ((out, lse), (with_scores, lse_s)):
+        assert np.all(np.isnan(attn[:2])) and np.all(np.isnan(row_lse[:2]))
+        if n_queries > 2:
+            assert_matches_reference(attn[2:], None, q[2:], k, v, lse=row_lse[2:],
+                                     f32_abs_cap=None)
+    assert np.all(np.isnan(scores[:2]))
+    assert_bitwise_equal(scores, ca.attention_scores(q, k))
+    # q = -inf gives -inf logits in float64 too: the reference's NaN row
+    q64, k64, v64 = _rows_of_neg_inf_logits(n_queries, n_keys, np.float64)
+    out64 = ca.attention(q64, k64, v64)
+    ref = reference_attention_lse(q64, k64, v64)[0]
+    assert np.all(np.isnan(out64[1])) and np.all(np.isnan(ref[1]))
+    k_cache = np.zeros((1, 1, n_keys + 4, 64), np.float32)
+    v_cache = np.zeros((1, 1, n_keys + 4, 3), np.float32)
+    lengths = np.zeros(1, np.int64)
+    cached = ca.attention_with_kvcache(q[None, None], k_cache, v_cache, lengths,
+                                       k[None, None], v[None, None], causal=False)
+    assert np.all(np.isnan(cached[0, 0, :2]))
+    assert_bitwise_equal(cached[0, 0, 2:], out[2:])
+
+
+@pytest.mark.parametrize("n_queries,n_keys", [(2, 3), (9, 700), (2, 5000)])
+def test_a_row_of_minus_inf_logits_that_sees_no_key_or_has_a_sink_is_a_number(
+        simd, n_queries, n_keys):
+    q, k, v = _rows_of_neg_inf_logits(n_queries, n_keys)
+    # a sink takes the whole row: zeros, and the sink's LSE (the reference's)
+    sinks = np.array([0.5], np.float32)           # one head
+    out, lse = ca.attention(q[None], k[None], v[None], sinks=sinks, return_lse=True)
+    assert np.all(out[0, :2] == 0) and np.all(lse[0, :2] == np.float32(0.5))
+    assert_matches_reference(out[:, 2:], None, q[None, 2:], k[None], v[None],
+                             lse=lse[:, 2:], sinks=sinks, f32_abs_cap=None)
+    # every key masked out (bool or additive): a row that sees no key is zero
+    hidden = np.ones((n_queries, n_keys), bool)
+    hidden[:2] = False
+    additive = np.where(hidden, np.float32(0), np.float32(-np.inf))
+    for mask in (hidden, additive):
+        out, lse = ca.attention(q, k, v, mask=mask, return_lse=True)
+        assert np.all(out[:2] == 0) and np.all(lse[:2] == -np.inf)
+        assert_matches_reference(out[2:], None, q[2:], k, v, mask=mask[2:], lse=lse[2:],
+                                 f32_abs_cap=None)
+    # one key left visible by the mask is enough to make the row NaN
+    hidden[:2, -1] = True
+    out = ca.attention(q, k, v, mask=hidden)
+    assert np.all(np.isnan(out[:2]))
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.0, 3.0e38, -3.0e38, 1.5e-45, -2.0])
