@@ -36,12 +36,12 @@ cdef extern from "kernels.h" nogil:
         double (*row_max_f64)(const double *x, Py_ssize_t n) noexcept nogil
         float (*exp_sum_f32)(float *x, Py_ssize_t n, float shift) noexcept nogil
         double (*exp_sum_f64)(double *x, Py_ssize_t n, double shift) noexcept nogil
-        void (*divide_rows_f32)(const float *acc, Py_ssize_t ldacc, Py_ssize_t n_rows,
-                                Py_ssize_t n_cols, const float *divisor, float *out,
-                                Py_ssize_t ld_out) noexcept nogil
-        void (*divide_rows_f64)(const double *acc, Py_ssize_t ldacc, Py_ssize_t n_rows,
-                                Py_ssize_t n_cols, const double *divisor, double *out,
-                                Py_ssize_t ld_out) noexcept nogil
+        int (*divide_rows_f32)(const float *acc, Py_ssize_t ldacc, Py_ssize_t n_rows,
+                               Py_ssize_t n_cols, const float *divisor, float *out,
+                               Py_ssize_t ld_out) noexcept nogil
+        int (*divide_rows_f64)(const double *acc, Py_ssize_t ldacc, Py_ssize_t n_rows,
+                               Py_ssize_t n_cols, const double *divisor, double *out,
+                               Py_ssize_t ld_out) noexcept nogil
         void (*score_direct_f32)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
                                  const float *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                                  Py_ssize_t d_k, float factor, float *s,
@@ -190,14 +190,14 @@ cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,
         return kern.row_max_f64(x, n)
 
 
-cdef inline void kernel_divide_rows(const ca_kernels *kern, const floating *acc,
-                                    Py_ssize_t ldacc, Py_ssize_t n_rows, Py_ssize_t n_cols,
-                                    const floating *divisor, floating *out,
-                                    Py_ssize_t ld_out) noexcept nogil:
+cdef inline int kernel_divide_rows(const ca_kernels *kern, const floating *acc,
+                                   Py_ssize_t ldacc, Py_ssize_t n_rows, Py_ssize_t n_cols,
+                                   const floating *divisor, floating *out,
+                                   Py_ssize_t ld_out) noexcept nogil:
     if floating is float:
-        kern.divide_rows_f32(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)
+        return kern.divide_rows_f32(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)
     else:
-        kern.divide_rows_f64(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)
+        return kern.divide_rows_f64(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)
 
 
 cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssize_t n,

@@ -171,6 +171,12 @@ cdef struct Problem:
     # every this many key blocks (direct path: key steps) of a work item,
     # its rows' running sums and accumulators join their totals (fold_period)
     Py_ssize_t fold_steps
+    # Without SCORES: set to 1 by a row of finite maximum whose ATTN came out
+    # non-finite (NULL: not watched), and the weights P.V takes scaled by
+    # 2^-weight_shift (0: as the softmax gives them) when the call runs again
+    # for such rows (see _schedule.redo_rows_beyond_range)
+    int *nonfinite_out
+    int weight_shift
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:

@@ -19,17 +19,19 @@ from libc.stdint cimport uint8_t
 from cattention._kernel_table cimport (
     CA_SCRATCH_PACKED, CA_SCRATCH_PARTIAL, ca_forked_after_parallel, ca_kernels,
     ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release, intp_t)
+from libc.math cimport ldexp
 from libc.stdlib cimport free, malloc, qsort
 from cattention._problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
-    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, fold_period, key_extent, round_up)
+    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, fold_period, key_extent,
+    out_row_offset, round_up)
 from cattention._operands cimport operand_itemsize, rows_span
 from cattention._workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
     workspace_new_group, workspace_new_per_entry)
 from cattention._packing cimport pack_block, packed_keys
-from cattention._softmax cimport merge_splits
+from cattention._softmax cimport merge_splits, row_is_finite
 from cattention._item_packed cimport attend_query_block, attend_query_block_with_scores
 from cattention._item_direct cimport attend_key_chunk, direct_key_step
 from cattention._visibility cimport first_visible_key
@@ -144,6 +146,65 @@ cdef inline Py_ssize_t entries_per_kv(const Problem *pb) noexcept nogil:
     return group
 
 
+cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int n_threads,
+                                       floating *out) noexcept nogil:
+    """ATTN rows that came out inf or NaN although their logits are finite.
+    Without SCORES a row's weighted values are summed before the division
+    by its sum of weights, and with |V| near the dtype's largest value that
+    sum can pass it (two keys of 2e38 in float32) while the answer, a
+    weighted mean of V, does not. The call runs again into a scratch ATTN
+    with the weights P.V takes scaled by 2^-k, 2^k at least twice the keys
+    a row can see, so that no sum passes max |V|; each row of out that is not
+    finite takes its row from there, times 2^k. Both scalings are exact
+    (short of subnormals), so such a row has the bits of a run without the
+    overflow; rows that are NaN or inf for their own reasons (a NaN or inf
+    in V) come out the same again. Other rows and the LSE keep the first
+    run's bits. Returns 0, or -1 if memory ran out."""
+    cdef Py_ssize_t b, i, c, n_rows, row_end
+    cdef Py_ssize_t extent = 0
+    cdef int shift = 1
+    cdef int status
+    cdef void *lse = pb.lse
+    cdef floating *scratch
+    cdef floating *out_row
+    cdef floating *redone
+    cdef floating factor
+    for b in range(pb.n_batch):
+        n_rows = entry_rows(pb, b)
+        if n_rows > 0:
+            row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
+            if row_end > extent:
+                extent = row_end
+    scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
+    if scratch == NULL:
+        return -1
+    # 2^shift >= 2 n_keys: the scaled weights sum to at most 1/2, so even
+    # roundings leave the sums below max |V|; and a float32 weight (at least
+    # 2^-127) stays above 0 up to 2^21 keys, so a key whose value is inf
+    # still makes its row inf
+    while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:
+        shift += 1
+    pb.weight_shift = shift
+    pb.lse = NULL
+    if pb.direct:
+        status = schedule_decode(pb, kern, n_threads, scratch)
+    else:
+        status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)
+    pb.weight_shift = 0
+    pb.lse = lse
+    factor = <floating>ldexp(1.0, shift)
+    if status == 0:
+        for b in range(pb.n_batch):
+            for i in range(entry_rows(pb, b)):
+                out_row = out + out_row_offset(pb, b, i)
+                if not row_is_finite(out_row, pb.d_v):
+                    redone = scratch + out_row_offset(pb, b, i)
+                    for c in range(pb.d_v):
+                        out_row[c] = redone[c] * factor
+    free(scratch)
+    return status
+
+
 cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,
                                 floating *out, floating *scores) noexcept nogil:
     """Returns 0, or -1 if memory ran out."""
@@ -180,10 +241,17 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
         n_threads = ca_team_size(
             n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
             + kv_bytes / CA_TEAM_BYTES_PER_NS)
+    cdef int nonfinite_out = 0
+    # with SCORES, ATTN is SCORES . V, weights that sum to 1: no sum of
+    # weighted values passes max |V|
+    pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
     if scores == NULL and pb.direct:
         status = schedule_decode(pb, kern, n_threads, out)
     else:
         status = schedule_packed(pb, kern, n_threads, out, scores)
+    pb.nonfinite_out = NULL
+    if status == 0 and nonfinite_out:
+        status = redo_rows_beyond_range(pb, kern, n_threads, out)
     if team_rule:
         ca_team_call_ended()
     return status

@@ -9,7 +9,7 @@ the log-sum-exp); and the merge of the partial results of a decode step
 split over key chunks (the log-sum-exp rule, in a fixed order)."""
 
 from cython cimport floating
-from libc.math cimport INFINITY, NAN, exp, log
+from libc.math cimport INFINITY, NAN, exp, ldexp, log
 from libc.string cimport memcpy, memset
 from cattention._kernel_table cimport (
     ca_kernels, kernel_divide_rows, kernel_exp_sum, kernel_row_max)
@@ -111,6 +111,33 @@ cdef inline void rescale_row(floating *acc_row, Py_ssize_t d_v, floating alpha) 
             acc_row[c] *= alpha
 
 
+cdef inline void scale_weights(floating *s_row, Py_ssize_t n_keys,
+                               floating factor) noexcept nogil:
+    cdef Py_ssize_t j
+    for j in range(n_keys):
+        s_row[j] = s_row[j] * factor
+
+
+cdef inline bint row_is_finite(const floating *x, Py_ssize_t n) noexcept nogil:
+    """No inf or NaN among x[0..n) (x - x is 0 for finite x, NaN otherwise;
+    an integer OR, so the loop vectorises without reordering a float sum)."""
+    cdef Py_ssize_t c
+    cdef int nonfinite = 0
+    for c in range(n):
+        nonfinite |= (x[c] - x[c]) != <floating>0
+    return not nonfinite
+
+
+cdef inline void watch_row(const Problem *pb, floating row_max,
+                           const floating *out_row) noexcept nogil:
+    """Note a row whose maximum is finite but whose ATTN is not: its running
+    sum of weighted values may have passed the dtype's range (see
+    _schedule.redo_rows_beyond_range). A NaN maximum is a NaN row anyway."""
+    if (pb.nonfinite_out != NULL and row_max - row_max == 0
+            and not row_is_finite(out_row, pb.d_v)):
+        pb.nonfinite_out[0] = 1
+
+
 cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
                                Py_ssize_t n_rows, Py_ssize_t n_keys,
                                floating *s) noexcept nogil:
@@ -149,6 +176,9 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
                     rescale_row(acc_total + i * pb.ld_v, pb.d_v, alpha)
             row_max[i] = tile_max
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
+        if pb.weight_shift != 0:
+            # the weights P.V takes, not the sum (redo_rows_beyond_range)
+            scale_weights(s_row, n_keys, <floating>ldexp(1.0, -pb.weight_shift))
 
 
 cdef inline floating exp_sum_by_blocks(const Problem *pb, floating *x, Py_ssize_t n,
@@ -305,7 +335,7 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
     cdef floating *row_sum = <floating *>ws.base + ws.off_sum
     cdef floating *factor = <floating *>ws.base + ws.off_s + n_rows
     cdef floating *row_sink_logit = <floating *>ws.base + ws.off_s + 2 * n_rows
-    cdef Py_ssize_t i, c, run_end
+    cdef Py_ssize_t i, c, r, run_end
     cdef floating *out_row
     cdef floating *acc_row
     cdef floating scale
@@ -326,6 +356,7 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
                 acc_row = acc + i * pb.ld_v
                 for c in range(pb.d_v):
                     out_row[c] = acc_row[c] * scale
+                watch_row(pb, row_max[i], out_row)
             i += 1
         elif row_max[i] == -INFINITY:
             # a row that sees no key gives zeros, not 0/0
@@ -339,8 +370,10 @@ cdef inline void finish_rows(const Problem *pb, Workspace *ws, Py_ssize_t n_rows
                    and (pb.sink == NULL or row_sink_logit[run_end] == -INFINITY)):
                 store_lse(pb, first_row + run_end, row_max[run_end], row_sum[run_end])
                 run_end += 1
-            kernel_divide_rows(pb.kern, acc + i * pb.ld_v, pb.ld_v, run_end - i, pb.d_v,
-                               row_sum + i, out_row, ld_out)
+            if kernel_divide_rows(pb.kern, acc + i * pb.ld_v, pb.ld_v, run_end - i, pb.d_v,
+                                  row_sum + i, out_row, ld_out):
+                for r in range(i, run_end):
+                    watch_row(pb, row_max[r], out + r * ld_out)
             i = run_end
 
 
@@ -410,3 +443,4 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
             for c in range(pb.d_v):
                 out_row[c] = out_row[c] / total_sum
         store_lse(pb, first_row + i, total_max, total_sum)
+        watch_row(pb, total_max, out_row)

@@ -125,13 +125,15 @@ typedef struct ca_kernels {
     /* out[r * ld_out + c] = acc[r * ldacc + c] / divisor[r] for c < n_cols:
        the finished rows of ATTN, a run of rows per call (divided, not
        multiplied by a reciprocal, so every table gives the bits of the
-       plain division; the driver's own loop ran at SSE2 width). */
-    void (*divide_rows_f32)(const float *acc, ptrdiff_t ldacc, ptrdiff_t n_rows,
-                            ptrdiff_t n_cols, const float *divisor, float *out,
-                            ptrdiff_t ld_out);
-    void (*divide_rows_f64)(const double *acc, ptrdiff_t ldacc, ptrdiff_t n_rows,
-                            ptrdiff_t n_cols, const double *divisor, double *out,
-                            ptrdiff_t ld_out);
+       plain division; the driver's own loop ran at SSE2 width). Returns
+       nonzero if any quotient is inf or NaN (an accumulator may have
+       passed the dtype's range: the driver then looks at those rows). */
+    int (*divide_rows_f32)(const float *acc, ptrdiff_t ldacc, ptrdiff_t n_rows,
+                           ptrdiff_t n_cols, const float *divisor, float *out,
+                           ptrdiff_t ld_out);
+    int (*divide_rows_f64)(const double *acc, ptrdiff_t ldacc, ptrdiff_t n_rows,
+                           ptrdiff_t n_cols, const double *divisor, double *out,
+                           ptrdiff_t ld_out);
 
     /* Kernels for few query rows (decode), reading K and V where the caller
        keeps them, rows contiguous: packing would cost as much as the work.

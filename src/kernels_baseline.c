@@ -108,15 +108,21 @@ static T exp_sum_##SUFFIX(T *x, ptrdiff_t n, T shift)                          \
            ((partial[4] + partial[5]) + (partial[6] + partial[7]));             \
 }                                                                               \
                                                                                 \
-static void divide_rows_##SUFFIX(const T *acc, ptrdiff_t ldacc, ptrdiff_t n_rows, \
-                                 ptrdiff_t n_cols, const T *divisor, T *out,    \
-                                 ptrdiff_t ld_out)                              \
+static int divide_rows_##SUFFIX(const T *acc, ptrdiff_t ldacc, ptrdiff_t n_rows, \
+                                ptrdiff_t n_cols, const T *divisor, T *out,     \
+                                ptrdiff_t ld_out)                               \
 {                                                                               \
+    /* x - x is 0 for finite x, NaN for inf and NaN */                         \
+    int nonfinite = 0;                                                          \
     for (ptrdiff_t i = 0; i < n_rows; ++i) {                                    \
         const T d = divisor[i];                                                 \
-        for (ptrdiff_t c = 0; c < n_cols; ++c)                                  \
-            out[i * ld_out + c] = acc[i * ldacc + c] / d;                       \
+        for (ptrdiff_t c = 0; c < n_cols; ++c) {                                \
+            const T q = acc[i * ldacc + c] / d;                                 \
+            out[i * ld_out + c] = q;                                            \
+            nonfinite |= q - q != 0;                                            \
+        }                                                                       \
     }                                                                           \
+    return nonfinite;                                                           \
 }
 
 /* KV_T: K and V as stored; LOAD_KV(x): one of them as a T */

@@ -342,23 +342,38 @@ CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
    sign of -0). Checked bit for bit against the division on 1.9 x 10^9
    quotients of each type within the ranges, half of them next to a
    rounding midpoint (there q alone was off in 27% of them). */
+/* lanes of x that are inf or NaN (x - x is 0 for finite x, NaN otherwise) */
+CA_SIMD_INLINE CA_PRED CA_NAME(nonfinite_lanes)(CA_VEC x)
+{
+    return CA_V(unordered)(CA_V(sub)(x, x), CA_V(zero)());
+}
+
+/* A quotient of finite operands in range is finite, so only the lanes that
+   take the division can be inf or NaN: those are checked, into *nonfinite,
+   on the branch that divides, and the common one costs nothing more. */
 CA_SIMD_INLINE CA_VEC CA_NAME(quotient)(CA_VEC a, CA_VEC b, CA_VEC y, CA_VEC q_min,
-                                        CA_VEC q_max)
+                                        CA_VEC q_max, CA_PRED *nonfinite)
 {
     const CA_VEC q = CA_V(mul)(a, y);
     const CA_VEC rounded = CA_V(fmadd)(CA_V(fnmadd)(q, b, a), y, q);
     const CA_PRED divide = CA_V(outside)(CA_V(abs)(q), q_min, q_max);
-    return CA_P(any)(divide) ? CA_V(select)(divide, CA_V(div)(a, b), rounded) : rounded;
+    if (!CA_P(any)(divide))
+        return rounded;
+    const CA_VEC exact = CA_V(select)(divide, CA_V(div)(a, b), rounded);
+    *nonfinite = CA_P(or)(*nonfinite, CA_NAME(nonfinite_lanes)(exact));
+    return exact;
 }
 
 /* the tail is divided one element at a time, with the same bits */
-CA_SIMD_TARGET static void CA_NAME(divide_rows)(const CA_T *acc, ptrdiff_t ldacc,
-                                                ptrdiff_t n_rows, ptrdiff_t n_cols,
-                                                const CA_T *divisor, CA_T *out,
-                                                ptrdiff_t ld_out)
+CA_SIMD_TARGET static int CA_NAME(divide_rows)(const CA_T *acc, ptrdiff_t ldacc,
+                                               ptrdiff_t n_rows, ptrdiff_t n_cols,
+                                               const CA_T *divisor, CA_T *out,
+                                               ptrdiff_t ld_out)
 {
     const CA_VEC q_min = CA_V(set1)((CA_T)1 / CA_DIV_Q_RANGE);
     const CA_VEC q_max = CA_V(set1)(CA_DIV_Q_RANGE);
+    CA_PRED nonfinite = CA_P(none)();
+    int nonfinite_tail = 0;
     for (ptrdiff_t i = 0; i < n_rows; ++i) {
         const CA_T *acc_row = acc + i * ldacc;
         CA_T *out_row = out + i * ld_out;
@@ -369,15 +384,21 @@ CA_SIMD_TARGET static void CA_NAME(divide_rows)(const CA_T *acc, ptrdiff_t ldacc
         if (b_abs >= (CA_T)1 / CA_DIV_B_RANGE && b_abs <= CA_DIV_B_RANGE) {
             const CA_VEC y_v = CA_V(set1)((CA_T)1 / b);
             for (; c + CA_LANES <= n_cols; c += CA_LANES)
-                CA_V(store)(out_row + c,
-                            CA_NAME(quotient)(CA_V(load)(acc_row + c), b_v, y_v, q_min, q_max));
+                CA_V(store)(out_row + c, CA_NAME(quotient)(CA_V(load)(acc_row + c), b_v, y_v,
+                                                           q_min, q_max, &nonfinite));
         } else {
-            for (; c + CA_LANES <= n_cols; c += CA_LANES)
-                CA_V(store)(out_row + c, CA_V(div)(CA_V(load)(acc_row + c), b_v));
+            for (; c + CA_LANES <= n_cols; c += CA_LANES) {
+                const CA_VEC q = CA_V(div)(CA_V(load)(acc_row + c), b_v);
+                CA_V(store)(out_row + c, q);
+                nonfinite = CA_P(or)(nonfinite, CA_NAME(nonfinite_lanes)(q));
+            }
         }
-        for (; c < n_cols; ++c)
+        for (; c < n_cols; ++c) {
             out_row[c] = acc_row[c] / b;
+            nonfinite_tail |= out_row[c] - out_row[c] != 0;
+        }
     }
+    return nonfinite_tail || CA_P(any)(nonfinite);
 }
 
 /* ---- few query rows, K and V read in place (decode) ------------------ */

@@ -226,40 +226,58 @@ class Checks:
 
     def check_divide_rows(self, dtype):
         """Every tail length beside whole vectors, strided rows, and divisors
-        and values at the edges: bitwise the portable table's division."""
+        and values at the edges: bitwise the portable table's division, and
+        nonzero returned exactly when a quotient is inf or NaN."""
         ldacc, ld_out = 48, 45
         # quotients by multiplies hold in a range of divisors and quotients
         # (kernels_simd_typed.h), the division beyond it: values and
         # divisors across both edges of those ranges
         b_range, q_range = (2.0 ** 20, 2.0 ** 40) if dtype == np.float32 else (2.0 ** 200,
                                                                                2.0 ** 400)
+        outcomes = set()
         for n_cols in range(0, 41):
             n_rows = 5
             acc = self.rng.standard_normal((n_rows, ldacc)).astype(dtype)
             edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-300, 3e38, -5e-39],
                              np.float64).astype(dtype)
+            # odd widths: the edges from the row's end, so that the tail
+            # and the last whole vector meet an infinity too
+            edges = edges if n_cols % 2 == 0 else edges[::-1]
             acc[1, :min(n_cols, edges.size)] = edges[:n_cols]
+            if n_cols % 3 == 2:
+                # quotients all finite (row 2's divisor is near the smallest
+                # normal number, or below it)
+                acc[1] = np.where(np.isfinite(acc[1]), acc[1], 0)
+                acc[2] = np.clip(acc[2], -1, 1) * (1 if dtype == np.float32 else 1e-3)
             log_q = np.log2(q_range)
             acc[3:] *= np.exp2(self.rng.uniform(-1.2 * log_q, 1.2 * log_q, (2, ldacc)))
             divisor = np.array([1.0 + self.rng.random(), 3.0, 7e-39 if dtype == np.float32
                                 else 1e-310, b_range * (1 - self.rng.random() / 4),
                                 -b_range * (1 + self.rng.random())], dtype)
-            out = {}
+            out, nonfinite = {}, {}
             for table in ("baseline", "avx2", "avx512"):
                 self.m.reset_arena()
                 at_acc = self.m.put(acc)
                 at_div = self.m.put(divisor)
                 at_out = self.m.put(np.full((n_rows, ld_out), 5, dtype))
-                self.call(table, "divide_rows_" + SUFFIX[dtype],
-                          [self.ptr(at_acc), ("i", ldacc), ("i", n_rows), ("i", n_cols),
-                           self.ptr(at_div), self.ptr(at_out), ("i", ld_out)])
+                nonfinite[table] = self.call(
+                    table, "divide_rows_" + SUFFIX[dtype],
+                    [self.ptr(at_acc), ("i", ldacc), ("i", n_rows), ("i", n_cols),
+                     self.ptr(at_div), self.ptr(at_out), ("i", ld_out)], returns="i")
                 out[table] = self.m.read(at_out, dtype, n_rows * ld_out).reshape(n_rows, ld_out)
             expected = np.full((n_rows, ld_out), 5, dtype)
-            with np.errstate(over="ignore"):
+            with np.errstate(over="ignore", invalid="ignore"):
                 expected[:, :n_cols] = acc[:, :n_cols] / divisor[:, None]
+            expected_nonfinite = not np.all(np.isfinite(expected[:, :n_cols]))
+            outcomes.add(expected_nonfinite)
             for table in ("baseline", "avx2", "avx512"):
                 if not same_bits(out[table], expected):
                     self.fail(f"{table} n_cols={n_cols}: not the division (or wrote past it)")
+                if bool(nonfinite[table]) != expected_nonfinite:
+                    self.fail(f"{table} n_cols={n_cols}: returned {nonfinite[table]} with "
+                              f"{'some' if expected_nonfinite else 'no'} inf or NaN quotients")
+        if outcomes != {False, True}:
+            self.fail("the cases did not include calls with and without inf or NaN quotients")
 
     def check_softcap(self):
         for n in range(0, 41):

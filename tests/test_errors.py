@@ -325,6 +325,43 @@ def test_a_row_of_minus_inf_logits_that_sees_no_key_or_has_a_sink_is_a_number(
     assert np.all(np.isnan(out[:2]))
 
 
+@pytest.mark.parametrize("n_queries,n_keys", [(1, 2), (9, 2), (3, 300), (9, 700), (2, 5000)])
+def test_values_near_the_largest_float_give_their_weighted_mean(simd, dtype, n_queries,
+                                                                 n_keys):
+    # ATTN is a weighted mean of V, so it is finite when V is, however close
+    # to the dtype's largest value: the sum of weighted values before the
+    # division must not overflow (it did, to inf, with two keys of 2e38).
+    # Head 0 has such values in column 0 (one infinite value among them in
+    # its last query's visible keys: that row is inf, as in the reference);
+    # head 1 is unit-scale and keeps the bits it has alone, and the LSE
+    # those of a call on unit-scale values.
+    big = 2e38 if dtype == np.float32 else 1e308
+    rng = np.random.default_rng(n_keys)
+    q = rng.standard_normal((2, n_queries, 8)).astype(dtype)
+    k = rng.standard_normal((2, n_keys, 8)).astype(dtype)
+    v = rng.standard_normal((2, n_keys, 3)).astype(dtype)
+    unit_scale = v.copy()
+    v[0, :, 0] = big * (0.75 + 0.25 * rng.random(n_keys))
+    mask = np.ones((n_queries, n_keys), bool)
+    mask[:-1, -1] = False                  # only the last query sees key -1
+    v[0, -1, 0] = np.inf
+    out, lse = ca.attention(q, k, v, mask=mask, return_lse=True)
+    assert np.all(np.isinf(out[0, -1, 0])) and np.all(np.isfinite(out[0, :-1]))
+    # (the other rows do not see the infinite value's key)
+    assert_matches_reference(out[:, :-1], None, q[:, :-1], k[:, :-1], v[:, :-1],
+                             f32_abs_cap=None, f64_abs_tol=1e-14 * big)
+    plain, plain_lse = ca.attention(q, k, unit_scale, mask=mask, return_lse=True)
+    assert_bitwise_equal(out[1], plain[1])
+    assert_bitwise_equal(lse, plain_lse)
+    # through the KV cache too (no mask: every row sees the infinite value)
+    v[0, -1, 0] = big
+    cached = ca.attention_with_kvcache(q[None], np.zeros((1, 2, n_keys, 8), dtype),
+                                       np.zeros((1, 2, n_keys, 3), dtype),
+                                       np.zeros(1, np.int64), k[None], v[None], causal=False)
+    assert_matches_reference(cached[0], None, q, k, v, f32_abs_cap=None,
+                             f64_abs_tol=1e-14 * big)
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.0, 3.0e38, -3.0e38, 1.5e-45, -2.0])
 def test_scale_at_float32_limits_is_accepted(scale):
     q, k, v = (x.astype(np.float32) for x in _qkv((3, 4), (5, 4), (5, 2)))

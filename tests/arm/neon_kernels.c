@@ -239,6 +239,7 @@ static void check_divide_rows_##SFX(void)                                       
     enum { ROWS = 5, LD_ACC = 48, LD_OUT = 45 };                                          \
     const double b_range = sizeof(T) == 4 ? 0x1p20 : 0x1p200;                             \
     const double log_q = sizeof(T) == 4 ? 40 : 400;                                       \
+    int outcomes = 0;                                                                     \
     for (int n = 0; n <= 40; ++n) {                                                       \
         T acc[ROWS * LD_ACC], out_ref[ROWS * LD_OUT], out_neon[ROWS * LD_OUT];            \
         const T divisor[ROWS] = {(T)(1 + uniform()), (T)3, (T)1e-38,                      \
@@ -253,14 +254,35 @@ static void check_divide_rows_##SFX(void)                                       
             acc[LD_ACC + 1] = (T)NAN;                                                     \
             acc[LD_ACC + 2] = (T)-0.0;                                                    \
         }                                                                                 \
+        if (n % 3 == 2) {                                                                 \
+            /* quotients all finite: no inf or NaN, and row 2 (divisor near               \
+               the smallest normal number) kept small */                                  \
+            for (int i = 0; i < LD_ACC; ++i) {                                            \
+                if (!isfinite(acc[LD_ACC + i]))                                           \
+                    acc[LD_ACC + i] = 0;                                                  \
+                acc[2 * LD_ACC + i] = (T)(fmax(-1, fmin(1, acc[2 * LD_ACC + i]))          \
+                                          * (sizeof(T) == 4 ? 1 : 1e-3));                 \
+            }                                                                             \
+        }                                                                                 \
         for (int i = 0; i < ROWS * LD_OUT; ++i)                                           \
             out_ref[i] = out_neon[i] = (T)5;                                              \
-        REF->divide_rows_##SFX(acc, LD_ACC, ROWS, n, divisor, out_ref, LD_OUT);           \
-        NEON->divide_rows_##SFX(acc, LD_ACC, ROWS, n, divisor, out_neon, LD_OUT);         \
-        for (int i = 0; i < ROWS * LD_OUT; ++i)                                           \
+        const int flag_ref = REF->divide_rows_##SFX(acc, LD_ACC, ROWS, n, divisor,        \
+                                                    out_ref, LD_OUT);                     \
+        const int flag_neon = NEON->divide_rows_##SFX(acc, LD_ACC, ROWS, n, divisor,      \
+                                                      out_neon, LD_OUT);                  \
+        int nonfinite = 0;                                                                \
+        for (int i = 0; i < ROWS * LD_OUT; ++i) {                                         \
             CHECK(same_f64(out_neon[i], out_ref[i]), "n=%d at %d: %g vs %g", n, i,        \
                   (double)out_neon[i], (double)out_ref[i]);                               \
+            nonfinite |= i % LD_OUT < n && !isfinite(out_ref[i]);                         \
+        }                                                                                 \
+        /* nonzero exactly when a quotient is inf or NaN */                               \
+        CHECK(!flag_neon == !nonfinite && !flag_ref == !nonfinite,                        \
+              "n=%d: returned %d (portable %d) with%s inf or NaN quotients", n,           \
+              flag_neon, flag_ref, nonfinite ? "" : " no");                               \
+        outcomes |= nonfinite ? 2 : 1;                                                    \
     }                                                                                     \
+    CHECK(outcomes == 3, "cases with and without inf or NaN quotients: %d", outcomes);    \
 }                                                                                         \
                                                                                           \
 static void check_direct_##SFX(void)                                                      \
