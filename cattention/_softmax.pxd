@@ -405,9 +405,11 @@ cdef inline void merge_splits(const Problem *pb, Py_ssize_t b, const floating *p
         has_sink = row_sink(pb, first_row + i, &sink)
         if total_max == -INFINITY and not has_sink and sees_a_key(pb, b, i):
             # keys whose every logit is -inf (nan_rows_of_neg_inf_logits)
-            store_lse(pb, first_row + i, NAN, 0)
+            total_max = NAN
+            total_sum = 0
+            store_lse(pb, first_row + i, total_max, total_sum)
             for c in range(pb.d_v):
-                out_row[c] = NAN
+                out_row[c] = total_max
             continue
         if total_max == -INFINITY:
             # no key: zeros, and the LSE of the sink alone if there is one

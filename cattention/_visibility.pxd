@@ -44,11 +44,14 @@ cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0
 cdef inline bint sees_a_key(const Problem *pb, Py_ssize_t b, Py_ssize_t row) noexcept nogil:
     """Whether query row ``row`` of batch entry b has a key that neither its
     visible range nor the mask hides (a bool mask's True, an additive
-    mask's entry other than -inf), whatever its logits. Asked only of rows
-    whose logits all came out -inf, so the mask's row is read here once."""
+    mask's entry other than -inf in the compute dtype: with float32 inputs
+    a float64 entry beyond float32's range masks), whatever its logits.
+    Asked only of rows whose logits all came out -inf, so the mask's row is
+    read here once."""
     cdef intp_t lo, hi
     cdef Py_ssize_t j, m_row
     cdef Py_ssize_t m_col = pb.mask.col_stride
+    cdef double bias
     visible_ranges(pb, b, row, 1, &lo, &hi)
     if hi <= lo:
         return False
@@ -62,8 +65,10 @@ cdef inline bint sees_a_key(const Problem *pb, Py_ssize_t b, Py_ssize_t row) noe
         elif pb.mask_kind == MASK_F32:
             if (<const float *>pb.mask.data)[m_row + j * m_col] != -INFINITY:
                 return True
-        elif (<const double *>pb.mask.data)[m_row + j * m_col] != -INFINITY:
-            return True
+        else:
+            bias = (<const double *>pb.mask.data)[m_row + j * m_col]
+            if (<float>bias if pb.itemsize == 4 else bias) != -INFINITY:
+                return True
     return False
 
 

@@ -286,11 +286,16 @@ def test_a_row_whose_every_logit_is_minus_inf_is_nan_not_empty(simd, n_queries, 
                                      f32_abs_cap=None)
     assert np.all(np.isnan(scores[:2]))
     assert_bitwise_equal(scores, ca.attention_scores(q, k))
-    # q = -inf gives -inf logits in float64 too: the reference's NaN row
+    # an infinity in q gives -inf logits in float64 too: the reference's NaN
+    # row (row 1), beside rows whose LSE must be theirs (float64 LSE rows
+    # of a call whose keys are split into chunks among them)
     q64, k64, v64 = _rows_of_neg_inf_logits(n_queries, n_keys, np.float64)
-    out64 = ca.attention(q64, k64, v64)
+    out64, lse64 = ca.attention(q64, k64, v64, return_lse=True)
     ref = reference_attention_lse(q64, k64, v64)[0]
-    assert np.all(np.isnan(out64[1])) and np.all(np.isnan(ref[1]))
+    assert np.all(np.isnan(out64[1])) and np.all(np.isnan(ref[1])) and np.isnan(lse64[1])
+    others = np.arange(n_queries) != 1
+    assert_matches_reference(out64[others], None, q64[others], k64, v64,
+                             lse=lse64[others], f64_abs_tol=1e-9)
     k_cache = np.zeros((1, 1, n_keys + 4, 64), np.float32)
     v_cache = np.zeros((1, 1, n_keys + 4, 3), np.float32)
     lengths = np.zeros(1, np.int64)
@@ -310,11 +315,14 @@ def test_a_row_of_minus_inf_logits_that_sees_no_key_or_has_a_sink_is_a_number(
     assert np.all(out[0, :2] == 0) and np.all(lse[0, :2] == np.float32(0.5))
     assert_matches_reference(out[:, 2:], None, q[None, 2:], k[None], v[None],
                              lse=lse[:, 2:], sinks=sinks, f32_abs_cap=None)
-    # every key masked out (bool or additive): a row that sees no key is zero
+    # every key masked out (bool or additive, or float64 entries beyond
+    # float32's range, which mask float32 inputs): a row that sees no key
+    # is zero
     hidden = np.ones((n_queries, n_keys), bool)
     hidden[:2] = False
     additive = np.where(hidden, np.float32(0), np.float32(-np.inf))
-    for mask in (hidden, additive):
+    beyond_float32 = np.where(hidden, 0.0, -1e300)
+    for mask in (hidden, additive, beyond_float32):
         out, lse = ca.attention(q, k, v, mask=mask, return_lse=True)
         assert np.all(out[:2] == 0) and np.all(lse[:2] == -np.inf)
         assert_matches_reference(out[2:], None, q[2:], k, v, mask=mask[2:], lse=lse[2:],
