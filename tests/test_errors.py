@@ -341,8 +341,7 @@ def test_values_near_the_largest_float_give_their_weighted_mean(simd, dtype, n_q
     # division must not overflow (it did, to inf, with two keys of 2e38).
     # Head 0 has such values in column 0 (one infinite value among them in
     # its last query's visible keys: that row is inf, as in the reference);
-    # head 1 is unit-scale and keeps the bits it has alone, and the LSE
-    # those of a call on unit-scale values.
+    # head 1 and the LSE keep the bits of the same call on unit-scale values.
     big = 2e38 if dtype == np.float32 else 1e308
     rng = np.random.default_rng(n_keys)
     q = rng.standard_normal((2, n_queries, 8)).astype(dtype)
@@ -361,7 +360,7 @@ def test_values_near_the_largest_float_give_their_weighted_mean(simd, dtype, n_q
     plain, plain_lse = ca.attention(q, k, unit_scale, mask=mask, return_lse=True)
     assert_bitwise_equal(out[1], plain[1])
     assert_bitwise_equal(lse, plain_lse)
-    # through the KV cache too (no mask: every row sees the infinite value)
+    # through the KV cache too (no mask, and no infinite value)
     v[0, -1, 0] = big
     cached = ca.attention_with_kvcache(q[None], np.zeros((1, 2, n_keys, 8), dtype),
                                        np.zeros((1, 2, n_keys, 3), dtype),
