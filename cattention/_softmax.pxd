@@ -111,13 +111,6 @@ cdef inline void rescale_row(floating *acc_row, Py_ssize_t d_v, floating alpha) 
             acc_row[c] *= alpha
 
 
-cdef inline void scale_weights(floating *s_row, Py_ssize_t n_keys,
-                               floating factor) noexcept nogil:
-    cdef Py_ssize_t j
-    for j in range(n_keys):
-        s_row[j] = s_row[j] * factor
-
-
 cdef inline bint row_is_finite(const floating *x, Py_ssize_t n) noexcept nogil:
     """No inf or NaN among x[0..n) (x - x is 0 for finite x, NaN otherwise;
     an integer OR, so the loop vectorises without reordering a float sum)."""
@@ -177,8 +170,9 @@ cdef inline void softmax_block(const Problem *pb, const ca_kernels *kern, Worksp
             row_max[i] = tile_max
         row_sum[i] += kernel_exp_sum(kern, s_row, n_keys, row_max[i])
         if pb.weight_shift != 0:
-            # the weights P.V takes, not the sum (redo_rows_beyond_range)
-            scale_weights(s_row, n_keys, <floating>ldexp(1.0, -pb.weight_shift))
+            # the weights P.V takes, not the sum (redo_rows_beyond_range);
+            # the factor, a power of two, is never 0
+            rescale_row(s_row, n_keys, <floating>ldexp(1.0, -pb.weight_shift))
 
 
 cdef inline floating exp_sum_by_blocks(const Problem *pb, floating *x, Py_ssize_t n,
