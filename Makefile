@@ -12,7 +12,8 @@ BUILD_DEPS := $(VENV)/.build-deps
 TEST_DEPS := $(VENV)/.test-deps
 # removed by `make clean` together with the compiled extension
 BUILT := build/.cattention-built
-SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd src/*.c src/*.h)
+SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd \
+	cattention/_driver/*.pyx cattention/_driver/*.pxd src/*.c src/*.h)
 
 .PHONY: install build run test typecheck lint annotate wheel wheel-test bench bench-deps bench-quick \
 	bench-pipeline bench-serving asan fuzz reliability clean distclean
@@ -85,15 +86,16 @@ $(LINT_DEPS): pyproject.toml tools/requirements.py | $(VPY)
 lint: $(LINT_DEPS)
 	$(VENV)/bin/ruff check cattention tests benchmarks tools
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/cython-lint \
-		cattention/*.pyx cattention/*.pxd tools/capi/*.pyx
+		cattention/*.pyx cattention/*.pxd cattention/_driver/*.pyx cattention/_driver/*.pxd \
+		tools/capi/*.pyx
 
 # Cython's annotated HTML of the driver (build/annotate/): a yellow line in
 # a kernel is a Python interaction inside the nogil code.
 annotate: $(BUILD_DEPS)
 	mkdir -p build/annotate
-	$(VPY) -m cython -3 -a -I cattention -I . -o build/annotate/_attention.c \
-		cattention/_attention.pyx
-	@echo "open build/annotate/_attention.html"
+	$(VPY) -m cython -3 -a -I . -o build/annotate/extension.c \
+		cattention/_driver/extension.pyx
+	@echo "open build/annotate/extension.html"
 
 # A portable wheel: the sdist, then a wheel built from it in an isolated
 # environment (PEP 517), repaired by auditwheel so the OpenMP runtime travels
@@ -182,6 +184,7 @@ reliability: $(BUILT) $(TEST_DEPS)
 
 clean:
 	rm -rf build dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \
+		cattention/_driver/*.so cattention/_driver/*.c cattention/_driver/*.html \
 		.pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 

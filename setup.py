@@ -95,9 +95,9 @@ if SANITIZE:
 
 extensions = [
     Extension(
-        "cattention._attention",
+        "cattention._driver.extension",
         sources=[
-            "cattention/_attention.pyx",
+            "cattention/_driver/extension.pyx",
             "src/dispatch.c",
             "src/kernels_baseline.c",
             # one line per instruction set (each file is empty elsewhere)
@@ -132,7 +132,7 @@ setup(
     ext_modules=cythonize(
         extensions,
         compiler_directives={"language_level": 3},
-        include_path=["cattention"],
+        include_path=["."],
     ),
     cmdclass={"build_ext": BuildExt},
 )

@@ -12,16 +12,15 @@ import os as _os
 
 import numpy as _np
 
-# first: the extension is loaded with the OpenMP wait policy of _runtime
-from ._runtime import wait_policy as _wait_policy
-from . import _attention  # noqa: E402 (loaded above)
-from ._api import (attention, attention_scores, get_num_threads, limit_threads, merge,
-                   set_num_threads)
-from ._kvcache import attention_with_kvcache
-from ._paged import attention_with_paged_kvcache
-from ._varlen import attention_varlen
-from ._plot import plot_scores
-from ._quantize import quantize_kv
+from ._native import driver as _driver, wait_policy as _wait_policy
+from ._api.dense import attention, attention_scores
+from ._api.kvcache import attention_with_kvcache
+from ._api.merge import merge
+from ._api.paged import attention_with_paged_kvcache
+from ._api.plot import plot_scores
+from ._api.quantize import quantize_kv
+from ._api.threads import get_num_threads, limit_threads, set_num_threads
+from ._api.varlen import attention_varlen
 from ._version import __version__
 
 __all__ = [
@@ -46,11 +45,11 @@ def _warn_of_an_unusable_simd_request() -> None:
     """CATTENTION_SIMD naming a table that is not compiled in or that this
     CPU cannot run leaves the best one in use: say so, once, at import."""
     requested = _os.environ.get("CATTENTION_SIMD", "")
-    available = list(_attention.available_simd())
+    available = list(_driver.available_simd())
     if requested and requested not in available:
         import warnings
         warnings.warn(f"CATTENTION_SIMD={requested!r} is not a kernel table this CPU runs "
-                      f"({', '.join(available)}); using {_attention.get_simd()}",
+                      f"({', '.join(available)}); using {_driver.get_simd()}",
                       RuntimeWarning, stacklevel=2)
 
 
@@ -59,7 +58,7 @@ _warn_of_an_unusable_simd_request()
 
 def get_include() -> str:
     """Directory of the C header that Cython code cimporting cattention's
-    C-level API (``cattention/cython_attention.pxd``) compiles against.
+    C-level API (``cattention/cython_driver.pxd``) compiles against.
 
     Returns
     -------
@@ -102,23 +101,23 @@ def show_config() -> None:
       SIMD:     ... (compiled: ...; available: ...)
       NumPy:    ...
     """
-    if not _attention.openmp_enabled():
+    if not _driver.openmp_enabled():
         openmp = "no (serial build), threads: 1"
-    elif _attention.forked_after_parallel():
-        openmp = (f"yes (OpenMP {_attention.openmp_version()}), threads: 1 (a child "
+    elif _driver.forked_after_parallel():
+        openmp = (f"yes (OpenMP {_driver.openmp_version()}), threads: 1 (a child "
                   "forked after a parallel region: calls run serially)")
     else:
-        openmp = f"yes (OpenMP {_attention.openmp_version()}), threads: {get_num_threads()}"
-    runtime = _attention.openmp_runtime() or "none"
+        openmp = f"yes (OpenMP {_driver.openmp_version()}), threads: {get_num_threads()}"
+    runtime = _driver.openmp_runtime() or "none"
     lines = [
         f"cattention {__version__}",
-        f"  compiler: {_attention.compiler()}",
+        f"  compiler: {_driver.compiler()}",
         f"  OpenMP:   {openmp}",
         f"  runtime:  {runtime}",
         f"  waiting:  {_wait_policy}",
-        f"  SIMD:     {_attention.get_simd()} "
-        f"(compiled: {', '.join(_attention.compiled_simd())}; "
-        f"available: {', '.join(_attention.available_simd())}; "
+        f"  SIMD:     {_driver.get_simd()} "
+        f"(compiled: {', '.join(_driver.compiled_simd())}; "
+        f"available: {', '.join(_driver.available_simd())}; "
         "CATTENTION_SIMD selects one)",
         f"  NumPy:    {_np.__version__}",
     ]

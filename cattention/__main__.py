@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import __version__, attention, get_num_threads, plot_scores, show_config
-from ._plot import load_demo_sentence
+from ._api.plot import load_demo_sentence
 
 
 def _numpy_attention(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], causal: bool,

@@ -3,8 +3,8 @@
 the driver in cattention._attention, which computes through the same path
 as cattention.attention."""
 
-from cattention._attention cimport attention_f32 as driver_f32
-from cattention._attention cimport attention_f64 as driver_f64
+from cattention._driver.extension cimport attention_f32 as driver_f32
+from cattention._driver.extension cimport attention_f64 as driver_f64
 
 
 cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,

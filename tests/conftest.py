@@ -17,7 +17,7 @@ NO_SIMD_API = "default (private SIMD API unavailable)"
 
 def _simd_levels():
     try:
-        from cattention import _attention
+        from cattention._native import driver as _attention
         levels = list(_attention.available_simd())
     except Exception:  # not built yet, or private API missing
         return [NO_SIMD_API]
@@ -48,7 +48,7 @@ def simd(request):
     if name == NO_SIMD_API:
         yield None
         return
-    from cattention import _attention
+    from cattention._native import driver as _attention
     previous = _attention.get_simd()
     _attention.set_simd(name)
     try:
@@ -84,9 +84,9 @@ def restore_threads():
 @pytest.fixture
 def compiled_path(monkeypatch):
     """compiled_path(name): a list that gets True for each call of the
-    compiled entry ``name`` of cattention._attention that took the call,
+    compiled entry ``name`` of the driver (cattention._native.driver) that took the call,
     False for each it handed to the general path."""
-    from cattention import _attention
+    from cattention._native import driver as _attention
 
     def record(name):
         taken = []

@@ -69,5 +69,5 @@ def test_dispatch_picks_avx512_only_with_zmm_state(report):
 
 
 def test_avx512_table_is_compiled_in():
-    from cattention import _attention
+    from cattention._native import driver as _attention
     assert "avx512" in list(_attention.compiled_simd())

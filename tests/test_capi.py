@@ -135,6 +135,6 @@ def test_status_codes(downstream, case, status):
 def test_pxd_and_header_ship_with_the_package():
     package = Path(ca.__file__).parent
     assert (package / "cython_attention.pxd").is_file()
-    assert (package / "_attention.pxd").is_file()  # the driver contract it cimports
+    assert (package / "_driver" / "extension.pxd").is_file()  # the driver contract it cimports
     assert Path(ca.get_include()).is_absolute()
     assert (Path(ca.get_include()) / "cattention.h").is_file()

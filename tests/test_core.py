@@ -609,7 +609,7 @@ def test_mixed_dtypes_follow_result_type(dtypes):
 # ---------------------------------------------------------------------------
 
 def test_private_simd_api():
-    from cattention import _attention
+    from cattention._native import driver as _attention
     for name in ("available_simd", "get_simd", "set_simd"):
         assert hasattr(_attention, name), f"cattention._attention.{name} is missing"
     levels = list(_attention.available_simd())
@@ -618,7 +618,7 @@ def test_private_simd_api():
 
 
 def test_compiled_tables_list_the_runnable_ones():
-    from cattention import _attention
+    from cattention._native import driver as _attention
     compiled = list(_attention.compiled_simd())
     assert compiled[0] == "baseline"
     assert set(_attention.available_simd()) <= set(compiled)
@@ -629,7 +629,7 @@ def test_compiled_tables_list_the_runnable_ones():
 def test_register_tile_fits_the_row_blocks(simd):
     """The driver's row blocks (Q_BLOCK = 96, ROW_GROUP = 24) are whole tiles
     of every table, and a tile is whole panels (16 floats, 8 doubles) wide."""
-    from cattention import _attention
+    from cattention._native import driver as _attention
     rows, cols_f32, cols_f64 = _attention.simd_tile()
     assert 24 % rows == 0 and 96 % rows == 0
     assert cols_f32 % 16 == 0 and cols_f64 % 8 == 0
@@ -649,12 +649,12 @@ def _cpu_has_avx2():
 @pytest.mark.skipif(not _cpu_has_avx2(), reason="CPU has no AVX2")
 def test_avx2_path_available_on_avx2_cpu():
     """Otherwise the simd fixture would silently never cover the AVX2 code."""
-    from cattention import _attention
+    from cattention._native import driver as _attention
     assert "avx2" in list(_attention.available_simd())
 
 
 def test_simd_paths_agree_closely(dtype):
-    from cattention import _attention
+    from cattention._native import driver as _attention
     levels = list(_attention.available_simd())
     q, k, v = make_qkv(96, (2, 150, 64), (2, 170, 64), (2, 170, 40), dtype)
     previous = _attention.get_simd()
@@ -674,14 +674,14 @@ def test_simd_paths_agree_closely(dtype):
 
 @pytest.mark.parametrize("level", ["baseline", "avx2", "avx512", "neon"])
 def test_env_var_selects_simd_path(level):
-    from cattention import _attention
+    from cattention._native import driver as _attention
     if level not in list(_attention.available_simd()):
         pytest.skip(f"SIMD level {level!r} not available on this machine/build")
     project_root = Path(ca.__file__).resolve().parent.parent
     env = dict(os.environ, CATTENTION_SIMD=level)
     out = subprocess.run(
         [sys.executable, "-c",
-         "import cattention._attention as a; "
+         "from cattention._native import driver as a; "
          "print(a.get_simd())"],
         cwd=project_root, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == level
@@ -689,14 +689,14 @@ def test_env_var_selects_simd_path(level):
 
 @pytest.mark.parametrize("level", ["bogus", "AVX2", "avx512", "neon"])
 def test_env_var_naming_no_runnable_table_warns(level):
-    from cattention import _attention
+    from cattention._native import driver as _attention
     if level in list(_attention.available_simd()):
         pytest.skip(f"SIMD level {level!r} runs here")
     project_root = Path(ca.__file__).resolve().parent.parent
     env = dict(os.environ, CATTENTION_SIMD=level)
     out = subprocess.run(
         [sys.executable, "-c",
-         "import cattention._attention as a, cattention; print(a.get_simd())"],
+         "from cattention._native import driver as a; import cattention; print(a.get_simd())"],
         cwd=project_root, env=env, capture_output=True, text=True, check=True)
     best = list(_attention.available_simd())[-1]
     assert out.stdout.strip() == best

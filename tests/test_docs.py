@@ -8,22 +8,23 @@ import re
 import pytest
 
 import cattention
-import cattention._api
-import cattention._kvcache
-import cattention._paged
-import cattention._plot
-import cattention._quantize
-import cattention._threads
-import cattention._varlen
+import cattention._api.dense
+import cattention._api.kvcache
+import cattention._api.merge
+import cattention._api.paged
+import cattention._api.plot
+import cattention._api.quantize
+import cattention._api.threads
+import cattention._api.varlen
 
 
-@pytest.mark.parametrize("module", [cattention, cattention._api, cattention._kvcache,
-                                    cattention._paged, cattention._plot,
-                                    cattention._quantize, cattention._threads,
-                                    cattention._varlen],
+@pytest.mark.parametrize("module", [cattention, cattention._api.dense, cattention._api.kvcache,
+                                    cattention._api.merge, cattention._api.paged,
+                                    cattention._api.plot, cattention._api.quantize,
+                                    cattention._api.threads, cattention._api.varlen],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
-    if module is cattention._plot:
+    if module is cattention._api.plot:
         pytest.importorskip("matplotlib")
     result = doctest.testmod(module, raise_on_error=False)
     assert result.attempted > 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cattention as ca
-from cattention import _plot
+from cattention._api import plot as _plot
 from cattention.__main__ import main as cli_main
 
 # how plot_scores says that matplotlib is missing, and how to install it

@@ -184,7 +184,7 @@ def test_show_config_reports_runtime_and_threads(capsys):
     out = capsys.readouterr().out
     assert re.search(r"threads: 3\b", out), out
     runtime = re.search(r"runtime: +(.*)", out).group(1).strip()
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         assert runtime == "none"
         return
     threadpoolctl = pytest.importorskip("threadpoolctl")
@@ -203,7 +203,7 @@ def test_show_config_reports_active_simd_level(capsys, simd):
 
 def test_omp_num_threads_is_honoured():
     """num_threads=None follows OpenMP's setting, read at call time."""
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         pytest.skip("serial build")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
@@ -214,7 +214,7 @@ def test_omp_num_threads_is_honoured():
 
 def test_threadpoolctl_openmp_limit_is_honoured():
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         pytest.skip("serial build")
     # the module must be loaded for threadpoolctl to find its OpenMP runtime
     ca.attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)))
@@ -419,21 +419,21 @@ def _import_in_child(env, code="ca.show_config()"):
 
 
 def test_short_spin_is_set_for_the_import_only():
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         pytest.skip("serial build")
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = _import_in_child(env)
     # the environment is as it was after the import: children and other runtimes see it
     assert "spincount-left: None" in out
-    if "libgomp" in ca._attention.openmp_runtime():
+    if "libgomp" in ca._native.driver.openmp_runtime():
         assert re.search(r"waiting: +GOMP_SPINCOUNT=1000, then sleep \(set by cattention\)",
                          out), out
 
 
 @pytest.mark.parametrize("setting", ["OMP_WAIT_POLICY=active", "GOMP_SPINCOUNT=5"])
 def test_a_user_wait_policy_is_kept(setting):
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         pytest.skip("serial build")
     name, value = setting.split("=")
     env = {k: v for k, v in os.environ.items()
@@ -446,7 +446,7 @@ def test_a_user_wait_policy_is_kept(setting):
 
 
 def test_forked_child_reports_the_one_thread_it_uses():
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         pytest.skip("serial build")
     code = """
 import os, sys, io, contextlib
@@ -481,7 +481,7 @@ def test_a_team_never_outgrows_the_cpus():
     """num_threads above the CPUs this process may run on starts no more
     threads than there are CPUs (thousands of threads can exhaust the
     address space, and the OpenMP runtime aborts the process then)."""
-    if not ca._attention.openmp_enabled():
+    if not ca._native.driver.openmp_enabled():
         pytest.skip("serial build")
     code = """
 import os, numpy as np, cattention as ca
@@ -508,7 +508,7 @@ print(threads() - before, len(os.sched_getaffinity(0)))
 # ---------------------------------------------------------------------------
 
 def test_small_calls_after_a_pause_run_on_one_thread_and_large_ones_in_parallel():
-    team_size = ca._attention.team_size
+    team_size = ca._native.driver.team_size
     x = np.ones((2, 8, 8), np.float32)
     # a call given 2 threads, whatever the default (OMP_NUM_THREADS=1 makes
     # it 1, and a call of one thread leaves the team's clock alone)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import cattention
-from cattention import _attention
+from cattention._native import driver as _attention
 
 # the repository root, or wherever the suite was copied to run against an
 # installed wheel; the package itself is always the imported one
@@ -73,7 +73,7 @@ MISUSES = [
     ("single: NDArray[Any] = ca.attention(q, q, q, return_lse=True)",
      ("Incompatible types in assignment",)),
     ("ca.merge(q, q).shape", ('"tuple[', 'has no attribute "shape"')),
-    ("ca._attention.set_simd(1)", ('"set_simd" has incompatible type "int"',)),
+    ("ca._native.driver.set_simd(1)", ('"set_simd" has incompatible type "int"',)),
 ]
 
 
@@ -103,7 +103,7 @@ def test_misuse_is_rejected(mypy_cache, tmp_path):
 
 def stub_names():
     """Names the stub gives the compiled module (functions, constants)."""
-    tree = ast.parse((PACKAGE / "_attention.pyi").read_text())
+    tree = ast.parse((PACKAGE / "_driver" / "extension.pyi").read_text())
     names = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -123,15 +123,15 @@ def runtime_names():
 
 def test_stub_covers_compiled_module():
     missing = runtime_names() - stub_names()
-    assert not missing, f"_attention.pyi lacks {sorted(missing)}"
+    assert not missing, f"extension.pyi lacks {sorted(missing)}"
 
 
 @pytest.mark.parametrize("name", sorted(stub_names()))
 def test_stub_name_exists_at_runtime(name):
-    assert hasattr(_attention, name), f"_attention.pyi declares {name}, the module lacks it"
+    assert hasattr(_attention, name), f"extension.pyi declares {name}, the module lacks it"
 
 
 def test_typing_files_ship_with_the_package():
     package = Path(cattention.__file__).parent
     assert (package / "py.typed").is_file()
-    assert (package / "_attention.pyi").is_file()
+    assert (package / "_driver" / "extension.pyi").is_file()

@@ -36,7 +36,7 @@ def test_gqa_compiled_path_matches_reference_and_general_path(
     results match the float64 reference and are bitwise those of the general
     path (taken here with window=(None, None), which is no window), for
     batch dimensions before the heads and a strided q."""
-    taken = compiled_path("attention_fast")
+    taken = compiled_path("attention_shortcut")
     S = 70
     q, k, v = make_qkv(52, (2, heads, T, 16), (2, kv_heads, S, 16), (2, kv_heads, S, 5),
                        dtype)
@@ -45,7 +45,9 @@ def test_gqa_compiled_path_matches_reference_and_general_path(
                            return_scores=return_scores)
         expected = ca.attention(q_in, k, v, causal=causal, enable_gqa=True,
                                 return_scores=return_scores, window=(None, None))
-        assert taken[-1] is True
+        # the first call took the compiled path; the second (with an option)
+        # was handed to the general path
+        assert taken[-2:] == [True, False]
         for a, b in zip(got if return_scores else (got,),
                         expected if return_scores else (expected,)):
             assert a.shape == b.shape
@@ -815,7 +817,7 @@ def test_kvcache_failed_computation_gives_the_rows_back(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise MemoryError("cattention: could not allocate scratch memory")
 
-    monkeypatch.setattr("cattention._kvcache.attention", out_of_memory)
+    monkeypatch.setattr("cattention._prepare.dense.run", out_of_memory)
     # (window=(None, None) is no window, and takes the general path)
     with pytest.raises(MemoryError):
         ca.attention_with_kvcache(np.ones((2, 2, 2, 4), np.float32), k_cache, v_cache,
@@ -885,7 +887,7 @@ def test_kvcache_serving_step_matches_reference_and_general_path(
     its own: its output matches the float64 reference, and its output,
     caches and lengths are bitwise those of the general path."""
     dtype, cache_dtype, new_dtype = types
-    taken = compiled_path("kvcache_fast")
+    taken = compiled_path("kvcache_shortcut")
     for seed, (lengths, length_dtype) in enumerate([([7, 0, 30], np.int64),
                                                    ([31, 12], np.int32)]):
         if not append:
@@ -899,8 +901,9 @@ def test_kvcache_serving_step_matches_reference_and_general_path(
                                         causal=causal)
         expected = ca.attention_with_kvcache(q, *general, *step, causal=causal,
                                              window=(None, None))
-        # the first call took the compiled path; the second never tried it
-        assert taken == [True] * (seed + 1)
+        # the first call took the compiled path; the second (with an option)
+        # was handed to the general path
+        assert taken == [True, False] * (seed + 1)
         assert out.dtype == np.dtype(dtype) and out.shape == expected.shape
         assert_bitwise_equal(out, expected)
         for got, want in zip((k_cache, v_cache, cache_lengths), general):

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 import cattention as ca
-from cattention import _attention
+from cattention._native import driver as _attention
 
 #: (T, S): decode (direct path, split keys at S >= 1024), tails, packed paths
 #: (700 keys: P.V tiles of several runs joining a non-zero accumulator)

@@ -1,0 +1,348 @@
+"""Public: attention and attention_scores, dense calls over arrays whose
+leading dimensions broadcast.
+
+Nothing here loops over data. A call takes the compiled shortcut when it is
+the common case (``_driver/shortcuts.pxd`` decides), else its arrays and
+options are checked once into a prepared call (``_prepare/dense.py``) that
+the driver runs; either reads the inputs in any layout (transposed,
+negative or zero strides) without copying.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, SupportsIndex, cast, overload
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .._native import driver
+from .._prepare import dense
+from .._prepare.options import local
+
+__all__ = ["attention", "attention_scores"]
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: Optional[ArrayLike] = None, scale: Optional[float] = None,
+    return_scores: Literal[False] = False, return_lse: Literal[False] = False,
+    enable_gqa: bool = False, kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+) -> NDArray[np.floating[Any]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: Optional[ArrayLike] = None, scale: Optional[float] = None,
+    return_scores: Literal[True], return_lse: Literal[False] = False,
+    enable_gqa: bool = False, kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: Optional[ArrayLike] = None, scale: Optional[float] = None,
+    return_scores: Literal[False] = False, return_lse: Literal[True],
+    enable_gqa: bool = False, kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: Optional[ArrayLike] = None, scale: Optional[float] = None,
+    return_scores: Literal[True], return_lse: Literal[True],
+    enable_gqa: bool = False, kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
+           NDArray[np.floating[Any]]]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: Optional[ArrayLike] = None, scale: Optional[float] = None,
+    return_scores: bool = False, return_lse: bool = False,
+    enable_gqa: bool = False, kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
+
+
+def attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+    causal: bool = False, mask: Optional[ArrayLike] = None, scale: Optional[float] = None,
+    return_scores: bool = False, return_lse: bool = False,
+    enable_gqa: bool = False, kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
+    """Scaled dot-product attention.
+
+    Computes ``SCORES = softmax(Q K^T * scale + mask)`` row by row and
+    ``ATTN = SCORES V``, exactly (float32 and float64 agree with a float64
+    reference to rounding), in parallel over blocks of query rows.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., T, d_k)
+        Queries: float16, float32 or float64, or integer or bool (computed
+        as float64); see Notes for mixed dtypes.
+    k : array_like, shape (..., S, d_k)
+        Keys, of the same kinds of dtype.
+    v : array_like, shape (..., S, d_v)
+        Values, likewise; d_v may differ from d_k.
+    causal : bool, default False
+        Query ``i`` sees key ``j`` only if ``j <= i + (S - T)``: the queries
+        are the *last* T positions of the key sequence ("bottom-right"
+        alignment, what a KV cache needs; PyTorch's ``causal_lower_right``).
+        For T == S this is ``j <= i``. When T > S the first T - S rows see no
+        key and are zero.
+    mask : array_like, optional
+        Broadcastable to ``(..., T, S)``. A bool mask where **True means
+        "may attend"**, or a float mask **added to the scaled logits**
+        (``-inf`` masks; a NaN or ``+inf`` where a key is visible makes the
+        row NaN, as the formula does). Combines with ``causal``. Its
+        leading dimensions take part in batch broadcasting.
+    scale : float, optional
+        Multiplies ``Q K^T``; default ``1 / sqrt(d_k)``. Any finite value
+        the compute dtype holds (for float32, 0 or a magnitude between
+        1.4e-45 and 3.4e38), including 0 and negatives. It multiplies the
+        finished dot products, so both they and the scaled logits must be
+        finite in the compute dtype: a row with either beyond its range
+        (float32: 3.4e38) towards +inf is NaN, even if the scale would
+        bring it back, and so is a row whose every visible logit is beyond
+        it towards -inf (among finite logits such a one weighs 0).
+        With int8 K, at most 8 query rows and no SCORES, q.k is taken over
+        the int8 values before their row scale, so that product must be
+        finite too.
+    return_scores : bool, default False
+        Also return SCORES.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row's scaled, masked logits,
+        the row's sink included when ``sinks`` is given (``-inf`` for a row
+        that sees no key and has no sink). Attention over disjoint key
+        chunks combines exactly with :func:`merge` using it.
+    enable_gqa : bool, default False
+        Grouped-query attention: q has H query heads on axis -3 and k, v
+        have H_kv heads there, H a multiple of H_kv; query head h uses
+        key/value head ``h // (H // H_kv)`` (PyTorch's ``enable_gqa``). K and
+        V are never copied or repeated. A mask's head axis may be H or 1.
+    kv_lengths : array_like of int, optional
+        Valid key counts: a scalar; a 1-D array of length B, one length per
+        sequence (the first batch axis: for ``(B, H, T, d)`` inputs it
+        applies to every head of sequence b, as ``cache_lengths`` does; any
+        other 1-D length is an error when there are several batch
+        dimensions); or an array broadcastable to the batch shape (the
+        dimensions before T, e.g. ``(B, H)`` for one length per head).
+        Batch entry b has only its first ``kv_lengths[b]`` keys (right
+        padding, as in a batched KV cache); the others take no part. With
+        ``causal=True`` the alignment uses the valid length: key j is visible
+        to query i iff ``j <= i + (kv_lengths[b] - T)``. Values in [0, S].
+    window : (int or None, int or None), optional
+        Sliding-window (local) attention: key j is visible to query i iff
+        ``i + off - left <= j <= i + off + right`` with ``off = S - T`` (or
+        ``kv_lengths[b] - T``); None on a side means unbounded (so does a
+        width past every key, however large). ``causal`` implies
+        ``right = 0``. Cost scales with the window, not with S.
+    softcap : float, optional
+        Logits become ``softcap * tanh(logits / softcap)`` after scaling and
+        before ALiBi and the mask. Positive, and a value the compute dtype
+        holds (float32: 1.4e-45 to 3.4e38).
+    alibi_slopes : array_like, shape (H,) or (B, H), optional
+        Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
+        convention), the slope of each query head.
+    k_scale, v_scale : array_like, optional
+        With an int8 k or v (a quantized cache, see :func:`quantize_kv`):
+        the float32 scale of each row, of shape ``k.shape[:-1]`` /
+        ``v.shape[:-1]``. The result is attention over ``k * k_scale[...,
+        None]`` (and likewise v), computed in float32 as the rows are read,
+        never from a float copy. int8 K/V need a float32 (or float16) q;
+        with a float q an int8 K or V without its scale is an error (with an
+        integer q and no scales, integer inputs are computed as float64).
+    sinks : array_like, shape (H,) or (B, H), optional
+        Attention sinks (gpt-oss): one logit per query head that joins each
+        row's softmax with no value, ``p_j = e^(s_j - m) / (e^(sink - m) +
+        sum_i e^(s_i - m))`` with m the maximum over the row's visible
+        logits and the sink, so SCORES rows sum to ``1 - p_sink``. Broadcast
+        like ``alibi_slopes``; ``-inf`` is no sink (bitwise), and so is one
+        below the compute dtype's range; at most its largest value
+        (float32: 3.4e38). A row that
+        sees no key is zero. The log-sum-exp includes the sink, so chunks
+        combine with :func:`merge` when exactly one chunk is given the
+        sinks.
+    num_threads : int, optional
+        Threads for this call; default ``get_num_threads()`` (which
+        :func:`limit_threads` sets for the calling Python thread). A call
+        never starts more threads than the CPUs the process may run on.
+
+    Returns
+    -------
+    attn : ndarray, shape (..., T, d_v)
+        float32, float64 or float16, by the dtype rules in the Notes.
+    scores : ndarray, shape (..., T, S)
+        Only with ``return_scores=True``; the dtype of ``attn``. Each row
+        sums to 1, or is all zero if the row sees no key.
+    lse : ndarray, shape (..., T)
+        Only with ``return_lse=True``; float32 for float32 (and float16)
+        inputs, float64 for float64.
+
+    The result is ``attn``, ``(attn, scores)``, ``(attn, lse)`` or
+    ``(attn, scores, lse)``.
+
+    Raises
+    ------
+    TypeError
+        q or k None, an input of unsupported dtype (complex, object,
+        string, wider than 64 bits), a mask neither bool nor float, or an
+        option of the wrong type (``causal``, ``return_scores``,
+        ``return_lse`` or ``enable_gqa`` not a bool, ``scale`` or
+        ``softcap`` not a real number, ``window`` not a pair of integers or
+        None, ``kv_lengths`` not integers, ``alibi_slopes`` not real).
+    ValueError
+        Shapes that do not match or broadcast (d_k of q and k, S of k and v,
+        the batch dimensions, the mask, the heads under ``enable_gqa``, the
+        batch shape for ``kv_lengths`` or ``alibi_slopes``, a 1-D
+        ``kv_lengths`` whose length is not B), an input of fewer than 2
+        dimensions or not a regular array (a ragged list), an option out of
+        range (``scale`` non-finite or beyond the compute dtype,
+        ``num_threads`` not an integer in [1, 2**31 - 1], a negative window
+        side, ``kv_lengths`` outside [0, S], ``softcap`` <= 0, ``alibi_slopes``
+        non-finite or beyond the compute dtype), d_k == 0 with no ``scale``,
+        or ``v`` None (use :func:`attention_scores` for SCORES alone).
+    MemoryError
+        If per-thread scratch memory cannot be allocated.
+
+    Notes
+    -----
+    Leading (batch) dimensions of q, k, v and mask broadcast by NumPy's
+    rules; a K/V with leading dimensions of size 1 is shared, not copied.
+    Any strides are accepted (transposed, negative, zero, read-only), and
+    so is either byte order (a big-endian array from a file is converted);
+    each gives bitwise the same result as a native contiguous copy. Results
+    are also bitwise the same for any thread count. The GIL is released
+    while computing.
+
+    dtypes: float32 and float64 are computed in their own precision; mixed
+    inputs follow ``np.result_type``; integer and bool inputs are computed as
+    float64; float16 is computed in float32 and returned as float16.
+
+    Rows that can see no key (fully masked, T > S under ``causal``, S == 0)
+    are zero in ATTN and SCORES. Masked keys take no part at all: a NaN or
+    Inf in a masked-out key or value cannot reach the output. More generally
+    a key whose weight is exactly zero never touches the output.
+
+    Memory: without SCORES nothing of size T x S is allocated; the extra
+    memory is per-thread scratch of about
+    ``(96 * (d_k + 256 + 2 * d_v) + 256 * (d_k + d_v))`` elements. With SCORES
+    the SCORES array itself is the scratch.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 8), dtype=np.float32)
+    >>> k = rng.standard_normal((2, 6, 8), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 6, 3), dtype=np.float32)
+    >>> out, scores = ca.attention(q, k, v, causal=True, return_scores=True)
+    >>> out.shape, scores.shape
+    ((2, 4, 3), (2, 4, 6))
+    >>> bool(np.allclose(scores.sum(axis=-1), 1))
+    True
+    """
+    fast = driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
+                                     enable_gqa, kv_lengths, window, softcap, alibi_slopes,
+                                     sinks, k_scale, v_scale, num_threads, local.limit)
+    if fast is not None:
+        return fast  # type: ignore[no-any-return]
+    causal = driver.check_flag(causal, "causal")
+    return_scores = driver.check_flag(return_scores, "return_scores")
+    return_lse = driver.check_flag(return_lse, "return_lse")
+    enable_gqa = driver.check_flag(enable_gqa, "enable_gqa")
+    if v is None:
+        raise ValueError("v is required; use attention_scores(q, k) for SCORES alone")
+    call = dense.prepare_dense(
+        q, k, v, causal=causal, mask=mask, scale=scale, want_out=True,
+        want_scores=return_scores, want_lse=return_lse, enable_gqa=enable_gqa,
+        num_threads=num_threads, kv_lengths=kv_lengths, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    out, scores, lse = dense.run(call)
+    result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
+    # run fills every array it is asked for
+    return cast("NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]",
+                result if len(result) > 1 else out)
+
+
+def attention_scores(
+    q: ArrayLike, k: ArrayLike, *, causal: bool = False, mask: Optional[ArrayLike] = None,
+    scale: Optional[float] = None, enable_gqa: bool = False,
+    kv_lengths: Optional[ArrayLike] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
+    num_threads: Optional[SupportsIndex] = None,
+) -> NDArray[np.floating[Any]]:
+    """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
+
+    Same conventions as :func:`attention` (causal alignment, mask meaning,
+    dtypes, broadcasting, zero rows for rows that see no key).
+
+    Parameters
+    ----------
+    q : array_like, shape (..., T, d_k)
+    k : array_like, shape (..., S, d_k)
+        Queries and keys, of the dtypes :func:`attention` accepts.
+    causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, sinks
+    k_scale, num_threads
+        As in :func:`attention`.
+
+    Returns
+    -------
+    scores : ndarray, shape (..., T, S)
+        Each row sums to 1, or is all zero if the row sees no key. float32,
+        float64 or float16, by the dtype rules of :func:`attention`.
+
+    Raises
+    ------
+    TypeError, ValueError, MemoryError
+        As in :func:`attention`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> q = np.ones((2, 4))
+    >>> ca.attention_scores(q, q, causal=True)
+    array([[1. , 0. ],
+           [0.5, 0.5]])
+    """
+    call = dense.prepare_dense(
+        q, k, None, causal=driver.check_flag(causal, "causal"), mask=mask, scale=scale,
+        want_out=False, want_scores=True, want_lse=False,
+        enable_gqa=driver.check_flag(enable_gqa, "enable_gqa"), num_threads=num_threads,
+        kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, k_scale=k_scale, v_scale=None)
+    _, scores, _ = dense.run(call)
+    return cast("NDArray[np.floating[Any]]", scores)

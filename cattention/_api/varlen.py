@@ -1,0 +1,122 @@
+"""Public: packed variable-length attention, sequences of different lengths
+concatenated along the token axis (FlashAttention's varlen layout), with no
+work for padding because there is none."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, SupportsIndex, overload
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .._prepare import entries
+
+__all__ = ["attention_varlen"]
+
+_Float = NDArray[np.floating[Any]]
+
+
+@overload
+def attention_varlen(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
+    *, causal: bool = False, scale: Optional[float] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
+) -> _Float: ...
+
+
+@overload
+def attention_varlen(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
+    *, causal: bool = False, scale: Optional[float] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
+) -> tuple[_Float, _Float]: ...
+
+
+@overload
+def attention_varlen(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
+    *, causal: bool = False, scale: Optional[float] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
+) -> "_Float | tuple[_Float, _Float]": ...
+
+
+def attention_varlen(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike,
+    *, causal: bool = False, scale: Optional[float] = None,
+    window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
+    softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
+) -> "_Float | tuple[_Float, _Float]":
+    """Attention over a batch of sequences of different lengths, packed
+    along the token axis (FlashAttention's varlen layout).
+
+    Sequence i's query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` attend
+    only to its keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``, with the
+    conventions of :func:`cattention.attention` applied to each sequence
+    alone: causal alignment is bottom-right (a sequence's T_i queries are
+    the last T_i of its S_i positions), a row that sees no key gives zeros
+    (LSE -inf). The time follows the real tokens: nothing is padded.
+
+    Parameters
+    ----------
+    q : array_like, shape (total_q, H, d_k)
+    k : array_like, shape (total_k, H_kv, d_k)
+    v : array_like, shape (total_k, H_kv, d_v)
+        Any strides. float32 or float64; float16 k and v with a float32 q
+        are converted block by block as they are read.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (n_seq + 1,)
+        Cumulative lengths: non-decreasing, from 0 to total_q (total_k).
+        Sequences of length 0 are allowed.
+    causal, scale, window, softcap, num_threads
+        As in :func:`cattention.attention`, within each sequence.
+    alibi_slopes, sinks : array_like, shape (H,), optional
+        One ALiBi slope, or one sink logit (-inf: none), per query head.
+    enable_gqa : bool, default False
+        Allow H to be a multiple of H_kv: query head h reads K/V head
+        h // (H // H_kv).
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row, shape (total_q, H).
+
+    Returns
+    -------
+    attn : ndarray, shape (total_q, H, d_v)
+    lse : ndarray, shape (total_q, H), only with ``return_lse=True``
+
+    Raises
+    ------
+    ValueError
+        On shapes that do not match (named with theirs), cumulative lengths
+        that are not 1-D, do not start at 0, decrease or do not end at the
+        total, H not a multiple of H_kv, int8 K or V beside a float q
+        (quantized K/V, whose scales this call does not take), or an option
+        out of range.
+    TypeError
+        On dtypes that cannot be computed, or non-integer lengths.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> x = np.ones((5, 2, 8), np.float32)          # sequences of 2 and 3 tokens
+    >>> cu = np.array([0, 2, 5])
+    >>> ca.attention_varlen(x, x, x, cu, cu, causal=True).shape
+    (5, 2, 8)
+    """
+    call, result = entries.prepare_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
+        return_lse=return_lse, num_threads=num_threads)
+    out, lse = entries.run(call, result)
+    if lse is not None:
+        return out, lse
+    return out

@@ -1,0 +1,166 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""What the compiled shortcuts (shortcuts.pxd) accept: arrays of the kinds,
+layouts and dtypes the driver reads as they are, and writes that certainly
+touch nothing they read. Each test answers yes or no; none raises (a no
+sends the call to the general path, which names what is wrong)."""
+
+cimport numpy as cnp
+from libc.math cimport fabs
+
+
+cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
+    """Aligned, in native byte order, of type_num, every stride a multiple
+    of the itemsize."""
+    cdef int d
+    cdef Py_ssize_t itemsize
+    if (cnp.PyArray_TYPE(arr) != type_num or not cnp.PyArray_ISALIGNED(arr)
+            or not cnp.PyArray_ISNOTSWAPPED(arr)):
+        return False
+    itemsize = cnp.PyArray_ITEMSIZE(arr)
+    for d in range(cnp.PyArray_NDIM(arr)):
+        if cnp.PyArray_STRIDE(arr, d) % itemsize != 0:
+            return False
+    return True
+
+
+cdef inline bint are_ndarrays(object a, object b, object c) noexcept:
+    return type(a) is cnp.ndarray and type(b) is cnp.ndarray and type(c) is cnp.ndarray
+
+
+cdef inline void byte_span(cnp.ndarray arr, char **low, char **high) noexcept:
+    """The bytes [low, high) that the elements of the nonempty arr lie in."""
+    cdef char *data = <char *>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t below = 0
+    cdef Py_ssize_t above = cnp.PyArray_ITEMSIZE(arr)
+    cdef Py_ssize_t d, extent
+    for d in range(cnp.PyArray_NDIM(arr)):
+        extent = cnp.PyArray_STRIDE(arr, d) * (cnp.PyArray_DIM(arr, d) - 1)
+        if extent < 0:
+            below += extent
+        else:
+            above += extent
+    low[0] = data + below
+    high[0] = data + above
+
+
+cdef inline bint apart(cnp.ndarray a, cnp.ndarray b) noexcept:
+    """a and b certainly share no memory: their byte spans do not meet.
+    (Spans that meet may still interleave without sharing an element; the
+    general path decides those exactly.)"""
+    cdef char *a_low
+    cdef char *a_high
+    cdef char *b_low
+    cdef char *b_high
+    byte_span(a, &a_low, &a_high)
+    byte_span(b, &b_low, &b_high)
+    return a_high <= b_low or b_high <= a_low
+
+
+cdef inline bint without_self_overlap(cnp.ndarray arr) noexcept:
+    """No two elements of arr share memory: along its axes by increasing
+    stride, each stride clears the extent of the axes before it. (A
+    broadcast or as_strided array that fails this is written by the general
+    path, element by element in NumPy's order.)"""
+    cdef Py_ssize_t stride[8]
+    cdef Py_ssize_t extent[8]
+    cdef Py_ssize_t n = 0
+    cdef Py_ssize_t d, i, j, s, e
+    cdef Py_ssize_t covered = cnp.PyArray_ITEMSIZE(arr)
+    for d in range(cnp.PyArray_NDIM(arr)):
+        if cnp.PyArray_DIM(arr, d) > 1:
+            stride[n] = abs(cnp.PyArray_STRIDE(arr, d))
+            extent[n] = stride[n] * (cnp.PyArray_DIM(arr, d) - 1)
+            n += 1
+    # insertion sort of at most 4 axes by stride
+    for i in range(1, n):
+        s, e = stride[i], extent[i]
+        j = i - 1
+        while j >= 0 and stride[j] > s:
+            stride[j + 1], extent[j + 1] = stride[j], extent[j]
+            j -= 1
+        stride[j + 1], extent[j + 1] = s, e
+    for i in range(n):
+        if stride[i] < covered:
+            return False
+        covered += extent[i]
+    return True
+
+
+cdef inline bint writes_apart(cnp.ndarray k_cache, cnp.ndarray v_cache, cnp.ndarray lengths,
+                              cnp.ndarray q, cnp.ndarray k_new, cnp.ndarray v_new) noexcept:
+    """Whether a step may append to k_cache and v_cache and advance lengths in
+    place: each writable, no element of one overlapping another of itself,
+    and the three apart from each other and from q, k_new and v_new."""
+    return (cnp.PyArray_ISWRITEABLE(k_cache) and cnp.PyArray_ISWRITEABLE(v_cache)
+            and cnp.PyArray_ISWRITEABLE(lengths)
+            and without_self_overlap(k_cache) and without_self_overlap(v_cache)
+            and without_self_overlap(lengths)
+            and apart(k_cache, v_cache) and apart(k_cache, lengths) and apart(v_cache, lengths)
+            and apart(k_cache, q) and apart(v_cache, q) and apart(lengths, q)
+            and apart(k_cache, k_new) and apart(v_cache, k_new) and apart(lengths, k_new)
+            and apart(k_cache, v_new) and apart(v_cache, v_new) and apart(lengths, v_new))
+
+
+cdef inline bint half_holds(cnp.ndarray rows) noexcept:
+    """Every element of the 4-D float32 array rows is finite and rounds to a
+    finite float16 (below 65520 in magnitude): converting it neither
+    overflows nor warns (the general path refuses the others by name)."""
+    cdef char *data = <char *>cnp.PyArray_DATA(rows)
+    cdef Py_ssize_t b, h, t, i
+    cdef const char *row
+    for b in range(cnp.PyArray_DIM(rows, 0)):
+        for h in range(cnp.PyArray_DIM(rows, 1)):
+            for t in range(cnp.PyArray_DIM(rows, 2)):
+                row = (data + b * cnp.PyArray_STRIDE(rows, 0) + h * cnp.PyArray_STRIDE(rows, 1)
+                       + t * cnp.PyArray_STRIDE(rows, 2))
+                for i in range(cnp.PyArray_DIM(rows, 3)):
+                    # false for NaN too
+                    if not fabs((<const float *>(row + i * cnp.PyArray_STRIDE(rows, 3)))[0]) \
+                            < 65520.0:
+                        return False
+    return True
+
+
+cdef inline bint output_fits(double n_values, Py_ssize_t itemsize) noexcept:
+    """An output of n_values an array can hold (else the general path names it)."""
+    return n_values * itemsize < 9.2e18
+
+
+cdef inline bint serving_step_arrays(object q, object k_cache, object v_cache, object lengths,
+                                     object k_new, object v_new) noexcept:
+    """A serving step's arrays are ndarrays, k_new and v_new both given or
+    both None."""
+    if not are_ndarrays(q, k_cache, v_cache) or type(lengths) is not cnp.ndarray:
+        return False
+    if (k_new is None) != (v_new is None):
+        return False
+    return k_new is None or (type(k_new) is cnp.ndarray and type(v_new) is cnp.ndarray)
+
+
+cdef inline bint serving_step_dtypes(int q_type, int cache_type) noexcept:
+    """q float32 or float64 and caches of q's type, or float16 caches beside
+    a float32 q: the element types a compiled step computes."""
+    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
+        return False
+    return cache_type == q_type or (q_type == cnp.NPY_FLOAT32
+                                    and cache_type == cnp.NPY_FLOAT16)
+
+
+cdef inline bint plain_lengths(cnp.ndarray lengths, Py_ssize_t capacity) noexcept:
+    """cache_lengths a compiled step reads and writes: int64, or int32 when
+    it holds every position."""
+    return usable_input(lengths, cnp.NPY_INT64) or (
+        usable_input(lengths, cnp.NPY_INT32) and capacity <= 2147483647)
+
+
+cdef inline bint new_rows_shaped(cnp.ndarray k_new, cnp.ndarray v_new, Py_ssize_t n_seq,
+                                 Py_ssize_t n_kv_heads, Py_ssize_t d_k,
+                                 Py_ssize_t d_v) noexcept:
+    """k_new and v_new of shapes (n_seq, H_kv, T_new, d_k / d_v), one T_new."""
+    return (cnp.PyArray_NDIM(k_new) == 4 and cnp.PyArray_NDIM(v_new) == 4
+            and cnp.PyArray_DIM(k_new, 0) == n_seq and cnp.PyArray_DIM(v_new, 0) == n_seq
+            and cnp.PyArray_DIM(k_new, 1) == n_kv_heads
+            and cnp.PyArray_DIM(v_new, 1) == n_kv_heads
+            and cnp.PyArray_DIM(v_new, 2) == cnp.PyArray_DIM(k_new, 2)
+            and cnp.PyArray_DIM(k_new, 3) == d_k and cnp.PyArray_DIM(v_new, 3) == d_v)

@@ -1,0 +1,491 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""The compiled driver's module: the entries the Python layer calls, the
+C-level API (extension.pxd, exported through ``cattention.cython_attention``),
+and run-time introspection (kernel tables, OpenMP). Each entry is thin; the
+algorithm lives in the headers it cimports, read in order:
+
+    kernel_table.pxd  the C kernel table (src/kernels.h) and its trampolines
+    problem.pxd       tuning constants, Operand, RowOptions, Problem
+    operands.pxd      how an operand's rows are reached (in place or copied)
+    workspace.pxd     per-thread scratch of a work item
+    packing.pxd       Q rows, K^T panels and V rows packed block by block
+    visibility.pxd    the keys each row sees, masking of a score tile
+    softmax.pxd       online-softmax state, LSE, merge of split-key partials
+    item_packed.pxd   packed-path work items (without and with SCORES)
+    item_direct.pxd   direct-path (decode) work items
+    schedule.pxd      work items over OpenMP threads, the thread count
+    from_arrays.pxd   NumPy arrays (dense calls) to a Problem
+    from_entries.pxd  sequences of their own lengths to entry tables and Problems
+    runs.pxd          a Problem run without the GIL
+    checks.pxd        the checks of scalar options, for both ways in
+    appends.pxd       new rows written into a KV cache, the cache lengths
+    accepts.pxd       what a compiled shortcut takes as it is
+    shortcuts.pxd     the compiled shortcut of each layout
+
+Each work item is one (batch entry, block of up to ``Q_BLOCK`` query rows)
+and is computed by exactly one thread with block boundaries that depend only
+on the problem shape, so the result is bitwise the same for any thread
+count. Everything below the entries runs without the GIL on raw pointers;
+the Python layer (``_prepare``) has checked shapes and dtypes, made the
+inputs aligned and native, and allocated the outputs, or a shortcut has
+found them so.
+
+The helpers are ``cdef inline`` functions in ``.pxd`` files, compiled into
+this one extension, so splitting the driver costs no call. Operands are raw
+pointers with element strides rather than typed memoryviews: they may be
+broadcast (stride 0), strided or transposed, float16 or int8, and are
+reached per batch entry through offset tables, which a memoryview does not
+express.
+"""
+
+cimport numpy as cnp
+from cython cimport floating
+from libc.math cimport isfinite
+from libc.stdlib cimport free
+from cattention._driver.kernel_table cimport (
+    ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
+    ca_kernels, ca_kernels_by_name, intp_t)
+from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
+from cattention._driver.schedule cimport (
+    CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size, compute_problem,
+    omp_get_max_threads)
+from cattention._driver.checks cimport (
+    check_flag as _check_flag, check_num_threads as _check_num_threads, check_scale as _check_scale,
+    check_softcap as _check_softcap, check_window as _check_window, holds,
+    resolve_threads as _resolve_threads)
+from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
+from cattention._driver.from_entries cimport (
+    EntryPlan, EntryTable, Place, free_tables, plan_entries, problem_from_table,
+    stacks_grouped_rows as _stacks_grouped_rows)
+from cattention._driver.runs cimport run_plan, run_then_free
+from cattention._driver.appends cimport (
+    CacheRows, NewRows, append_rows as _append_rows, cache_rows_of)
+from cattention._driver.shortcuts cimport (
+    attention_shortcut as _attention_shortcut, kvcache_shortcut as _kvcache_shortcut,
+    paged_shortcut as _paged_shortcut)
+
+# The table's register tile and the list of tables compiled in: only this
+# module's introspection reads them, so they are declared here rather than
+# in kernel_table.pxd (ca_kernel_tile is ca_kernels seen through these
+# fields alone).
+cdef extern from "kernels.h" nogil:
+    int ca_compiled_kernels(const char **names, int capacity)
+    ctypedef struct ca_kernel_tile "ca_kernels":
+        int tile_rows
+        int tile_cols_f32
+        int tile_cols_f64
+
+cnp.import_array()
+
+cdef const ca_kernels *_kernels = ca_default_kernels()
+
+
+# ------------------------------------------- C-level API (extension.pxd)
+
+cdef inline bint missing(const void *data, Py_ssize_t n_rows,
+                         Py_ssize_t n_features) noexcept nogil:
+    return data == NULL and n_rows > 0 and n_features > 0
+
+
+cdef inline void head_place(Place *place, const void *data, int type_num,
+                            const intp_t *zero, Py_ssize_t row_stride) noexcept nogil:
+    place.data = <const char *>data
+    place.type_num = type_num
+    place.seq_offset = zero
+    place.t_stride = row_stride
+    place.h_stride = 0
+    place.col_stride = 1
+    place.page_stride = 0
+
+
+cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                           Py_ssize_t d_v,
+                           const floating *q, Py_ssize_t q_row_stride,
+                           const floating *k, Py_ssize_t k_row_stride,
+                           const floating *v, Py_ssize_t v_row_stride,
+                           double scale, int flags,
+                           floating *out, Py_ssize_t out_row_stride,
+                           floating *scores, Py_ssize_t scores_row_stride,
+                           floating *lse, int n_threads) noexcept nogil:
+    """One head through the same driver as the Python API: a plan of one
+    sequence and one head."""
+    cdef int type_num = cnp.NPY_FLOAT32 if floating is float else cnp.NPY_FLOAT64
+    cdef intp_t zero[1]
+    cdef intp_t n_rows[1]
+    cdef intp_t n_valid[1]
+    cdef EntryPlan plan
+    cdef EntryTable tables[2]
+    cdef Py_ssize_t n_tables = 0
+    cdef RowOptions row
+    cdef Problem pb
+    cdef intp_t *index
+    cdef int status
+    if n_queries < 0 or n_keys < 0 or d_k < 0 or d_v < 0:
+        return CATTENTION_ERR_SIZE
+    if flags & ~CATTENTION_CAUSAL:
+        return CATTENTION_ERR_FLAGS
+    if not isfinite(scale) or not holds(scale, floating is float):
+        return CATTENTION_ERR_SCALE
+    if out == NULL and scores == NULL:
+        return CATTENTION_ERR_POINTER
+    if (missing(q, n_queries, d_k) or missing(k, n_keys, d_k)
+            or (out != NULL and (missing(v, n_keys, d_v) or missing(out, n_queries, d_v)))):
+        return CATTENTION_ERR_POINTER
+    if ((out != NULL and out_row_stride < d_v)
+            or (scores != NULL and scores_row_stride < n_keys)):
+        return CATTENTION_ERR_STRIDE
+    if n_queries == 0:
+        return CATTENTION_OK
+    zero[0] = 0
+    n_rows[0] = n_queries
+    n_valid[0] = n_keys
+    plain_row_options(&row, (flags & CATTENTION_CAUSAL) != 0, scale)
+    plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1
+    plan.d_k = d_k
+    plan.d_v = d_v if out != NULL else 0
+    plan.q_lengths = n_rows
+    plan.kv_lengths = n_valid
+    head_place(&plan.q, q, type_num, zero, q_row_stride)
+    head_place(&plan.k, k, type_num, zero, k_row_stride)
+    # SCORES alone: V is not read
+    head_place(&plan.v, v if out != NULL else k, type_num, zero,
+               v_row_stride if out != NULL else k_row_stride)
+    head_place(&plan.out, out, type_num, zero, out_row_stride)
+    head_place(&plan.lse, lse, type_num, zero, 1)
+    plan.k_scale.data = NULL
+    plan.v_scale.data = NULL
+    plan.alibi = NULL
+    plan.sinks = NULL
+    plan.page_ids = NULL
+    plan.pages_per_seq = 0
+    plan.page_size = 0
+    if plan_entries(&plan, tables, &n_tables) != 0:
+        return CATTENTION_ERR_NO_MEMORY
+    index = problem_from_table(&pb, &tables[0], &plan, &row)
+    if index == NULL:
+        free_tables(tables, n_tables)
+        return CATTENTION_ERR_NO_MEMORY
+    pb.ld_scores = scores_row_stride
+    status = compute_problem(&pb, _kernels, n_threads if n_threads >= 1 else 1, out, scores)
+    free(index)
+    free_tables(tables, n_tables)
+    return CATTENTION_ERR_NO_MEMORY if status != 0 else CATTENTION_OK
+
+
+cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                       Py_ssize_t d_v,
+                       const float *q, Py_ssize_t q_row_stride,
+                       const float *k, Py_ssize_t k_row_stride,
+                       const float *v, Py_ssize_t v_row_stride,
+                       double scale, int flags,
+                       float *out, Py_ssize_t out_row_stride,
+                       float *scores, Py_ssize_t scores_row_stride,
+                       float *lse, int n_threads) noexcept nogil:
+    return c_level_attention(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+                             v, v_row_stride, scale, flags, out, out_row_stride,
+                             scores, scores_row_stride, lse, n_threads)
+
+
+cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                       Py_ssize_t d_v,
+                       const double *q, Py_ssize_t q_row_stride,
+                       const double *k, Py_ssize_t k_row_stride,
+                       const double *v, Py_ssize_t v_row_stride,
+                       double scale, int flags,
+                       double *out, Py_ssize_t out_row_stride,
+                       double *scores, Py_ssize_t scores_row_stride,
+                       double *lse, int n_threads) noexcept nogil:
+    return c_level_attention(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+                             v, v_row_stride, scale, flags, out, out_row_stride,
+                             scores, scores_row_stride, lse, n_threads)
+
+
+# ------------------------------------------------------------ introspection
+
+def get_simd():
+    """Name of the kernel table in use."""
+    return (<bytes>_kernels.name).decode()
+
+
+def available_simd():
+    """Names of the kernel tables this CPU can run, best last."""
+    cdef const char *names[8]
+    cdef int n = ca_available_kernels(names, 8)
+    return [(<bytes>names[i]).decode() for i in range(n)]
+
+
+def compiled_simd():
+    """Names of the kernel tables compiled in, whether this CPU runs them or
+    not, best last."""
+    cdef const char *names[8]
+    cdef int n = ca_compiled_kernels(names, 8)
+    return [(<bytes>names[i]).decode() for i in range(n)]
+
+
+def simd_tile():
+    """The register tile of the table in use: (rows, float32 columns,
+    float64 columns)."""
+    cdef const ca_kernel_tile *tile = <const ca_kernel_tile *>_kernels
+    return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)
+
+
+def set_simd(name):
+    """Use the kernel table called ``name`` (for tests and benchmarks).
+
+    Not thread-safe against concurrent calls; raises ValueError if this CPU
+    cannot run it."""
+    global _kernels
+    cdef bytes encoded = str(name).encode()
+    cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
+    if kern == NULL:
+        raise ValueError(
+            f"SIMD level {name!r} is not available on this CPU; "
+            f"available: {available_simd()}")
+    _kernels = kern
+
+
+def compiler():
+    return (<bytes>ca_compiler_version()).decode()
+
+
+def openmp_enabled():
+    return bool(CA_HAVE_OPENMP)
+
+
+def openmp_version():
+    return int(CA_OPENMP_VERSION)
+
+
+def openmp_runtime():
+    """Path of the loaded OpenMP runtime library ("" for a serial build or
+    when the platform cannot tell)."""
+    return (<bytes>ca_openmp_runtime()).decode(errors="replace")
+
+
+def max_threads():
+    """OpenMP's current maximum for a parallel region started by this thread,
+    or 1 in a child forked after a parallel region (calls run serially there)."""
+    if ca_forked_after_parallel():
+        return 1
+    return omp_get_max_threads()
+
+
+def team_size(int n_threads, double serial_ns):
+    """Threads a call of estimated one-thread time serial_ns (in ns) allowed
+    n_threads would start now (src/team.h); for tests."""
+    return ca_team_size(n_threads, serial_ns)
+
+
+def forked_after_parallel():
+    """True in a child process forked after a parallel region had run."""
+    return bool(ca_forked_after_parallel())
+
+
+# ------------------------------------------- the checks of scalar options
+# (checks.pxd), for the general path
+
+def check_flag(value, str name):
+    return _check_flag(value, name)
+
+
+def check_scale(scale, Py_ssize_t d_k, bint in_float32):
+    return _check_scale(scale, d_k, in_float32)
+
+
+def check_softcap(softcap, bint in_float32):
+    return _check_softcap(softcap, in_float32)
+
+
+def check_window(window, bint causal):
+    cdef Py_ssize_t left, right
+    _check_window(window, causal, &left, &right)
+    return left, right
+
+
+def check_num_threads(n, str name="num_threads"):
+    return _check_num_threads(n, name)
+
+
+def resolve_threads(num_threads, limit):
+    return _resolve_threads(num_threads, limit)
+
+
+def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):
+    return _stacks_grouped_rows(group, n_rows, has_mask, has_alibi)
+
+
+# ------------------------------------------------------------ the runs
+
+cdef inline void read_row_options(object options, RowOptions *row,
+                                  const double[::1] alibi, const double[::1] sinks):
+    """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
+    row.causal = options.causal
+    row.scale = options.scale
+    row.window_left, row.window_right = options.window
+    row.softcap = options.softcap
+    row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
+    row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
+
+
+def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
+               cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
+               Py_ssize_t kv_group, Py_ssize_t query_period,
+               const intp_t[::1] kv_lengths, object options, cnp.ndarray out,
+               cnp.ndarray scores, cnp.ndarray lse):
+    """Run a dense call (``_prepare/dense.py``) into C-contiguous ``out``
+    (n_batch, T, d_v), ``scores`` (n_batch, T, S) and ``lse`` (n_batch, T)
+    of the compute dtype, any of them None.
+
+    Preconditions (checked by the caller): q, k, v share the compute dtype
+    (or k and v are float16 or int8 with a float32 q), are in native byte
+    order, aligned, their strides multiples of the itemsize, their leading
+    dimensions broadcast to ``batch_shape`` (k and v with H / kv_group heads
+    on its last axis); ``mask`` is None or an aligned native bool, float32
+    or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None
+    or n_batch valid key counts in [0, S]; ``query_period`` > 0 says the
+    rows are stacked groups of that many positions; the options' alibi is
+    one slope per batch entry and its sinks one logit per group of
+    query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
+    of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
+    cdef const double[::1] alibi = options.alibi
+    cdef const double[::1] sinks = options.sinks
+    cdef RowOptions row
+    cdef Problem pb
+    cdef Py_ssize_t n_batch_dims = len(batch_shape)
+    cdef Py_ssize_t shape[64]
+    cdef Py_ssize_t d
+    for d in range(n_batch_dims):
+        shape[d] = batch_shape[d]
+    read_row_options(options, &row, alibi, sinks)
+    cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
+                                             n_batch_dims, shape, kv_group, &row)
+    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    if query_period > 0:
+        pb.query_period = query_period
+    if kv_lengths is not None and kv_lengths.shape[0] > 0:
+        set_kv_lengths(&pb, &kv_lengths[0], index)
+    run_then_free(&pb, index, _kernels, options.threads, out, scores)
+
+
+cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):
+    """The Place of a ``_prepare.entries.Place``."""
+    cdef cnp.ndarray arr = given.array
+    place.data = <const char *>cnp.PyArray_DATA(arr)
+    place.type_num = cnp.PyArray_TYPE(arr)
+    place.seq_offset = &seq_offset[0]
+    place.t_stride = given.t_stride
+    place.h_stride = given.h_stride
+    place.col_stride = given.col_stride
+    place.page_stride = given.page_stride
+
+
+def run_entries(object call):
+    """Run an entries call (``_prepare/entries.py``: packed sequences, paged
+    caches) into its out (and lse). Preconditions (checked by the caller):
+    every offset, length and page id lies within its array, the operands
+    are of the compute dtype (or float16 / int8 K and V with float32), in
+    native byte order and aligned; the options' alibi and sinks are None or
+    one value per (sequence, query head)."""
+    cdef const double[::1] alibi = call.options.alibi
+    cdef const double[::1] sinks = call.options.sinks
+    cdef const intp_t[::1] q_lengths = call.q_lengths
+    cdef const intp_t[::1] kv_lengths = call.kv_lengths
+    cdef const intp_t[::1] page_ids = call.page_ids
+    # the places' offsets, held here while the plan points into them
+    cdef const intp_t[::1] q_offset = call.q.seq_offset
+    cdef const intp_t[::1] k_offset = call.k.seq_offset
+    cdef const intp_t[::1] v_offset = call.v.seq_offset
+    cdef const intp_t[::1] out_offset = call.out.seq_offset
+    cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
+    cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
+                                             else None)
+    cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
+                                             else None)
+    cdef EntryPlan plan
+    cdef RowOptions row
+    read_row_options(call.options, &row, None, None)
+    plan.n_seq = q_lengths.shape[0]
+    plan.n_heads = call.n_heads
+    plan.n_kv_heads = call.n_kv_heads
+    plan.d_k = call.d_k
+    plan.d_v = call.d_v
+    plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
+    plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
+    read_place(&plan.q, call.q, q_offset)
+    read_place(&plan.k, call.k, k_offset)
+    read_place(&plan.v, call.v, v_offset)
+    read_place(&plan.out, call.out, out_offset)
+    plan.lse.data = NULL
+    if call.lse is not None:
+        read_place(&plan.lse, call.lse, lse_offset)
+    plan.k_scale.data = NULL
+    plan.v_scale.data = NULL
+    if call.k_scale is not None:
+        read_place(&plan.k_scale, call.k_scale, k_scale_offset)
+        read_place(&plan.v_scale, call.v_scale, v_scale_offset)
+    plan.alibi = &alibi[0] if alibi is not None else NULL
+    plan.sinks = &sinks[0] if sinks is not None else NULL
+    plan.page_ids = &page_ids[0] if page_ids is not None else NULL
+    plan.pages_per_seq = call.pages_per_seq
+    plan.page_size = call.page_size
+    run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
+
+
+# ---------------------------------------------------------------- appends
+
+def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,
+                int row_axis, int head_axis, const intp_t[::1] start,
+                const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
+                Py_ssize_t pages_per_seq=0):
+    """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
+    of head h of sequence s, at byte seq_offset[s] + t * rows.strides[row_axis]
+    + h * rows.strides[head_axis] of rows, goes to position start[s] + t.
+    Preconditions (checked by the caller): rows of the cache's dtype, every
+    position and page id within the cache, no memory shared."""
+    cdef CacheRows dst
+    cdef NewRows src
+    cdef Py_ssize_t n_seq = start.shape[0]
+    if n_seq == 0:
+        return
+    cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
+    src.data = <const char *>cnp.PyArray_DATA(rows)
+    src.seq_offset = &seq_offset[0]
+    src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
+    src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
+    src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
+    _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),
+                 cnp.PyArray_DIM(cache, 3))
+
+
+# -------------------------------------------------------------- shortcuts
+
+def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,
+                       kv_lengths, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
+                       num_threads, thread_limit):
+    """The result of ``attention`` when the call is the common case, else None
+    (shortcuts.pxd)."""
+    return _attention_shortcut(_kernels, q, k, v, causal, mask, scale, return_scores,
+                               return_lse, enable_gqa, kv_lengths, window, softcap,
+                               alibi_slopes, sinks, k_scale, v_scale, num_threads,
+                               thread_limit)
+
+
+def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,
+                     enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
+                     return_lse, num_threads, thread_limit):
+    """The result of ``attention_with_kvcache`` for a common serving step,
+    else None before anything is written (shortcuts.pxd)."""
+    return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
+                             scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
+                             v_scale, return_lse, num_threads, thread_limit)
+
+
+def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
+                   cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
+                   v_scale, return_lse, num_threads, thread_limit):
+    """The result of ``attention_with_paged_kvcache`` for a common serving
+    step, else None before anything is written (shortcuts.pxd)."""
+    return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,
+                           v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
+                           sinks, k_scale, v_scale, return_lse, num_threads, thread_limit)

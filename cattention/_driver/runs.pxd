@@ -1,0 +1,77 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""Running a built Problem: with the GIL released, on float32 or float64
+outputs, its batch index freed afterwards; and the run of every table of an
+entry plan."""
+
+cimport numpy as cnp
+from libc.stdlib cimport free
+from cattention._driver.kernel_table cimport ca_kernels, intp_t
+from cattention._driver.problem cimport Problem, RowOptions
+from cattention._driver.schedule cimport compute_problem
+from cattention._driver.from_entries cimport (
+    EntryPlan, EntryTable, free_tables, plan_entries, problem_from_table)
+
+
+cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
+                               cnp.ndarray out, cnp.ndarray scores):
+    """Run with the GIL released on float or double outputs (either may be
+    None); 0, or -1 if memory ran out."""
+    cdef int status
+    cdef int threads = <int>n_threads if n_threads < 1 << 30 else 1 << 30
+    cdef float *out_f32 = NULL
+    cdef float *scores_f32 = NULL
+    cdef double *out_f64 = NULL
+    cdef double *scores_f64 = NULL
+    cdef cnp.ndarray any_output = out if out is not None else scores
+    if cnp.PyArray_TYPE(any_output) == cnp.NPY_FLOAT64:
+        if out is not None:
+            out_f64 = <double *>cnp.PyArray_DATA(out)
+        if scores is not None:
+            scores_f64 = <double *>cnp.PyArray_DATA(scores)
+        with nogil:
+            status = compute_problem(pb, kern, threads, out_f64, scores_f64)
+    else:
+        if out is not None:
+            out_f32 = <float *>cnp.PyArray_DATA(out)
+        if scores is not None:
+            scores_f32 = <float *>cnp.PyArray_DATA(scores)
+        with nogil:
+            status = compute_problem(pb, kern, threads, out_f32, scores_f32)
+    return status
+
+
+cdef inline int run_then_free(Problem *pb, intp_t *index, const ca_kernels *kern,
+                              Py_ssize_t n_threads, cnp.ndarray out,
+                              cnp.ndarray scores) except -1:
+    """Run the Problem, then free the batch index its builder returned;
+    MemoryError if the scratch could not be allocated."""
+    cdef int status
+    try:
+        status = run_on_outputs(pb, kern, n_threads, out, scores)
+    finally:
+        free(index)
+    if status != 0:
+        raise MemoryError("cattention: could not allocate scratch memory")
+    return 0
+
+
+cdef inline int run_plan(const EntryPlan *plan, const RowOptions *row, const ca_kernels *kern,
+                         Py_ssize_t n_threads, cnp.ndarray out) except -1:
+    """Run every table of an entry plan into out (and the plan's LSE)."""
+    cdef EntryTable tables[2]
+    cdef Py_ssize_t n_tables = 0
+    cdef Py_ssize_t i
+    cdef Problem pb
+    cdef intp_t *index
+    if plan_entries(plan, tables, &n_tables) != 0:
+        raise MemoryError("cattention: could not allocate scratch memory")
+    try:
+        for i in range(n_tables):
+            index = problem_from_table(&pb, &tables[i], plan, row)
+            if index == NULL:
+                raise MemoryError("cattention: could not allocate scratch memory")
+            run_then_free(&pb, index, kern, n_threads, out, None)
+    finally:
+        free_tables(tables, n_tables)
+    return 0

@@ -1,0 +1,512 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+# cython: cdivision=True, initializedcheck=False
+"""The compiled shortcut of each layout (dense, contiguous KV cache, paged
+KV cache): the one place that decides whether a call is the common case,
+and for it does what the general path (``_prepare``) would, with no Python
+in between. A shortcut accepts, it never refuses: an array of another
+kind, another layout or a value the general path must look at returns None
+before anything is written, and the general path then checks and runs the
+call. The options a shortcut takes are checked by the general path's own
+checks (checks.pxd); the Problem and the entry tables are built by the same
+builders (from_arrays.pxd, from_entries.pxd), and new rows written by the
+same appends (appends.pxd), so a call gives the same bits either way."""
+
+cimport numpy as cnp
+from libc.stdlib cimport calloc, free, malloc
+from cattention._driver.kernel_table cimport ca_kernels, intp_t
+from cattention._driver.accepts cimport (
+    apart, are_ndarrays, half_holds, new_rows_shaped, output_fits, plain_lengths,
+    serving_step_arrays, serving_step_dtypes, usable_input, writes_apart)
+from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
+from cattention._driver.checks cimport check_flag, check_scale, resolve_threads
+from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
+from cattention._driver.from_entries cimport EntryPlan, Place, stacks_grouped_rows
+from cattention._driver.appends cimport (
+    CacheRows, NewRows, append_rows, cache_rows_of, load_length, new_rows_of, store_lengths)
+from cattention._driver.runs cimport run_plan, run_then_free
+
+
+cdef inline cnp.ndarray np_empty4(Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t n3,
+                                  int type_num):
+    """An uninitialised C-contiguous 4-D output."""
+    cdef cnp.npy_intp dims[4]
+    dims[0], dims[1], dims[2], dims[3] = n0, n1, n2, n3
+    return cnp.PyArray_EMPTY(4, dims, type_num, 0)
+
+
+# ------------------------------------------------------------------ dense
+
+cdef inline object attention_shortcut(
+        const ca_kernels *kern, object q, object k, object v, object causal_flag, object mask,
+        object scale, object scores_flag, object lse_flag, object gqa_flag, object kv_lengths,
+        object window, object softcap, object alibi_slopes, object sinks, object k_scale,
+        object v_scale, object num_threads, object thread_limit):
+    """``attention`` for ndarrays q, k, v of one dtype (float32 or float64)
+    and one ndim, with equal leading dimensions (or, under enable_gqa, H_kv
+    heads on axis -3 dividing q's H), aligned, native, element-multiple
+    strides, nonempty, and no option but causal, scale, return_scores and
+    num_threads; else None."""
+    if (mask is not None or lse_flag is not False or kv_lengths is not None
+            or window is not None or softcap is not None or alibi_slopes is not None
+            or sinks is not None or k_scale is not None or v_scale is not None):
+        return None
+    cdef bint causal = check_flag(causal_flag, "causal")
+    cdef bint return_scores = check_flag(scores_flag, "return_scores")
+    cdef bint grouped = check_flag(gqa_flag, "enable_gqa")
+    if not are_ndarrays(q, k, v):
+        return None
+    cdef cnp.ndarray qa = <cnp.ndarray>q
+    cdef cnp.ndarray ka = <cnp.ndarray>k
+    cdef cnp.ndarray va = <cnp.ndarray>v
+    cdef int type_num = cnp.PyArray_TYPE(qa)
+    cdef int ndim = cnp.PyArray_NDIM(qa)
+    cdef int d
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t shape[64]
+    if type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT64:
+        return None
+    if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim
+            or cnp.PyArray_NDIM(va) != ndim):
+        return None
+    if not (usable_input(qa, type_num) and usable_input(ka, type_num)
+            and usable_input(va, type_num)):
+        return None
+    cdef Py_ssize_t group = 1
+    cdef Py_ssize_t n_kv_heads
+    for d in range(ndim - 2):
+        shape[d] = cnp.PyArray_DIM(qa, d)
+        if grouped and d == ndim - 3:
+            # the head axis: H query heads in groups of H / H_kv per K/V head
+            n_kv_heads = cnp.PyArray_DIM(ka, d)
+            if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0
+                    or shape[d] % n_kv_heads != 0):
+                return None
+            group = shape[d] // n_kv_heads
+        elif cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:
+            return None
+        n_batch *= shape[d]
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, ndim - 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(qa, ndim - 1)
+    cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)
+    cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)
+    if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys
+            or n_batch == 0 or n_queries == 0):
+        return None
+    if not output_fits(<double>n_batch * n_queries
+                       * (n_keys if return_scores and n_keys > d_v else d_v),
+                       cnp.PyArray_ITEMSIZE(qa)):
+        return None
+    cdef RowOptions row
+    plain_row_options(&row, causal, check_scale(scale, d_k, type_num == cnp.NPY_FLOAT32))
+    cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+
+    shape[ndim - 2] = n_queries
+    shape[ndim - 1] = d_v
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+    cdef cnp.ndarray scores = None
+    if return_scores:
+        shape[ndim - 1] = n_keys
+        scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+    cdef Py_ssize_t query_period = 0
+    if stacks_grouped_rows(group, n_queries, False, False):
+        # a decode step: the G query heads' rows stacked as their K/V head's
+        # rows (the outputs, C-contiguous, are the same memory either way)
+        qa = qa.reshape((<object>q).shape[:ndim - 3]
+                        + (shape[ndim - 3] // group, group * n_queries, d_k))
+        shape[ndim - 3] //= group
+        query_period = n_queries
+        group = 1
+    cdef Problem pb
+    cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2,
+                                             shape, group, &row)
+    if query_period > 0:
+        pb.query_period = query_period
+    run_then_free(&pb, index, kern, threads, out, scores)
+    if return_scores:
+        return out, scores
+    return out
+
+
+# ----------------------------------------------------- contiguous KV cache
+
+cdef inline object kvcache_shortcut(
+        const ca_kernels *kern, object q, object k_cache, object v_cache, object cache_lengths,
+        object k_new, object v_new, object causal_flag, object scale, object gqa_flag,
+        object window, object softcap, object alibi_slopes, object sinks, object k_scale,
+        object v_scale, object lse_flag, object num_threads, object thread_limit):
+    """``attention_with_kvcache`` for a serving step of float caches: q
+    float32 or float64 of shape (B, H, T, d_k), caches of q's dtype (or
+    float16 beside a float32 q) of shape (B, H_kv, S_max, d), H a multiple
+    of H_kv, all sizes nonzero, aligned, native, element-multiple strides;
+    cache_lengths int32 or int64 of shape (B,); k_new and v_new None or of
+    the cache dtype (float32 into a float16 cache: converted, no value
+    beyond its range); every array the call writes certainly apart from
+    every other one it touches, the new rows within S_max; no option but
+    causal, scale and num_threads. Else None, before anything is written."""
+    if (window is not None or softcap is not None or alibi_slopes is not None
+            or sinks is not None or k_scale is not None or v_scale is not None
+            or lse_flag is not False):
+        return None
+    if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)
+            or not (causal_flag is True or causal_flag is False)):
+        return None
+    cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
+    cdef int cache_type = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)
+    if not serving_step_dtypes(q_type, cache_type):
+        return None
+    if gqa_flag is not None and gqa_flag is not True:
+        return None
+    cdef bint causal = causal_flag is True
+    cdef bint appending = k_new is not None
+    cdef cnp.ndarray qa = <cnp.ndarray>q
+    cdef cnp.ndarray kc = <cnp.ndarray>k_cache
+    cdef cnp.ndarray vc = <cnp.ndarray>v_cache
+    cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
+    cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
+    cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
+    if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kc) != 4 or cnp.PyArray_NDIM(vc) != 4
+            or cnp.PyArray_NDIM(lengths) != 1):
+        return None
+    if not (usable_input(qa, q_type) and usable_input(kc, cache_type)
+            and usable_input(vc, cache_type)):
+        return None
+    cdef Py_ssize_t n_batch = cnp.PyArray_DIM(kc, 0)
+    cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kc, 1)
+    cdef Py_ssize_t max_keys = cnp.PyArray_DIM(kc, 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(kc, 3)
+    cdef Py_ssize_t d_v = cnp.PyArray_DIM(vc, 3)
+    cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
+    if (cnp.PyArray_DIM(vc, 0) != n_batch or cnp.PyArray_DIM(vc, 1) != n_kv_heads
+            or cnp.PyArray_DIM(vc, 2) != max_keys or cnp.PyArray_DIM(qa, 0) != n_batch
+            or cnp.PyArray_DIM(qa, 3) != d_k or cnp.PyArray_DIM(lengths, 0) != n_batch):
+        return None
+    if (n_batch == 0 or n_heads == 0 or n_kv_heads == 0 or max_keys == 0 or d_k == 0
+            or d_v == 0 or n_queries == 0 or n_heads % n_kv_heads != 0):
+        return None
+    if not plain_lengths(lengths, max_keys):
+        return None
+    cdef Py_ssize_t n_new = 0
+    if appending:
+        if not new_rows_shaped(kn, vn, n_batch, n_kv_heads, d_k, d_v):
+            return None
+        n_new = cnp.PyArray_DIM(kn, 2)
+        if n_new == 0 or not writes_apart(kc, vc, lengths, qa, kn, vn):
+            return None
+        # new float32 rows for a float16 cache are converted as the general
+        # path converts them; one beyond float16's range is its to refuse
+        if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
+            if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32
+                    and usable_input(kn, cnp.NPY_FLOAT32)
+                    and usable_input(vn, cnp.NPY_FLOAT32)):
+                return None
+        elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
+            return None
+    if not output_fits(<double>n_batch * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):
+        return None
+    cdef RowOptions row
+    plain_row_options(&row, causal, check_scale(scale, d_k, q_type == cnp.NPY_FLOAT32))
+    cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+
+    # everything that allocates comes before the append: the grouped rows,
+    # the output, float32 rows for a float16 cache converted as the general
+    # path converts them
+    cdef Py_ssize_t group = n_heads // n_kv_heads
+    cdef Py_ssize_t shape[2]
+    cdef Py_ssize_t query_period = 0
+    shape[0] = n_batch
+    shape[1] = n_heads
+    cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, q_type)
+    if stacks_grouped_rows(group, n_queries, False, False):
+        qa = qa.reshape((n_batch, n_kv_heads, group * n_queries, d_k))
+        shape[1] = n_kv_heads
+        query_period = n_queries
+        group = 1
+    cdef cnp.ndarray k_rows = kn
+    cdef cnp.ndarray v_rows = vn
+    if appending and cache_type != cnp.PyArray_TYPE(kn):
+        if not (half_holds(kn) and half_holds(vn)):
+            return None
+        k_rows = cnp.PyArray_Cast(kn, cnp.NPY_FLOAT16)
+        v_rows = cnp.PyArray_Cast(vn, cnp.NPY_FLOAT16)
+
+    # the lengths before the call, each leaving room for the new rows, the
+    # new rows' places, and the lengths after it of each batch entry
+    cdef Py_ssize_t n_entries = shape[0] * shape[1]
+    cdef intp_t *start = <intp_t *>malloc((3 * n_batch + n_entries) * sizeof(intp_t))
+    if start == NULL:
+        return None
+    cdef intp_t *n_new_of = start + n_batch
+    cdef intp_t *seq_offset = start + 2 * n_batch
+    cdef intp_t *entry_lengths = start + 3 * n_batch
+    cdef Py_ssize_t b, e
+    for b in range(n_batch):
+        start[b] = load_length(lengths, b)
+        n_new_of[b] = n_new
+        if start[b] < 0 or start[b] > max_keys - n_new:
+            free(start)
+            return None
+    for e in range(n_entries):
+        entry_lengths[e] = start[e // shape[1]] + n_new
+
+    # every check has passed: append, advance the lengths, then attend
+    cdef Problem pb
+    cdef intp_t *index
+    cdef CacheRows cache
+    cdef NewRows rows
+    cdef int k_or_v
+    if appending:
+        for k_or_v in range(2):
+            cache_rows_of(&cache, kc if k_or_v == 0 else vc, NULL, 0)
+            new_rows_of(&rows, k_rows if k_or_v == 0 else v_rows, seq_offset)
+            append_rows(&cache, &rows, start, n_new_of, n_batch, n_kv_heads,
+                        d_k if k_or_v == 0 else d_v)
+        store_lengths(lengths, start, n_new)
+    try:
+        index = problem_from_arrays(&pb, qa, kc, vc, None, None, None, 2, shape, group, &row)
+        if query_period > 0:
+            pb.query_period = query_period
+        set_kv_lengths(&pb, entry_lengths, index)
+        run_then_free(&pb, index, kern, threads, out, None)
+    except BaseException:
+        # the computation failed (its memory): the new rows are given back,
+        # their slots free again past the lengths
+        if appending:
+            store_lengths(lengths, start, 0)
+        free(start)
+        raise
+    free(start)
+    return out
+
+
+# ------------------------------------------------------------ paged KV cache
+
+cdef inline intp_t table_entry(cnp.ndarray table, Py_ssize_t s, Py_ssize_t slot) noexcept:
+    """block_table[s, slot] of an aligned int64 or int32 table."""
+    cdef char *at = (<char *>cnp.PyArray_DATA(table) + s * cnp.PyArray_STRIDE(table, 0)
+                     + slot * cnp.PyArray_STRIDE(table, 1))
+    if cnp.PyArray_TYPE(table) == cnp.NPY_INT64:
+        return (<long long *>at)[0]
+    return (<int *>at)[0]
+
+
+cdef inline bint pages_written_once(const intp_t *table, Py_ssize_t n_seq, Py_ssize_t max_pages,
+                                    Py_ssize_t page_size, Py_ssize_t n_pages,
+                                    const intp_t *start, const intp_t *new_length) noexcept:
+    """Each page a sequence writes to is used once in the whole table's used
+    entries, by that sequence's slot: then no new row lands on a row some
+    sequence holds, and no two land on one row. (A page written to and used
+    twice is always one or the other, the general path's to refuse.)"""
+    cdef unsigned char *page_uses = <unsigned char *>calloc(n_pages, 1)
+    cdef Py_ssize_t s, slot, page
+    cdef bint once = True
+    if page_uses == NULL:
+        return False
+    for s in range(n_seq):
+        for slot in range(start[s] // page_size, (new_length[s] - 1) // page_size + 1):
+            page_uses[table[s * max_pages + slot]] = 1
+    for s in range(n_seq):
+        for slot in range((new_length[s] + page_size - 1) // page_size):
+            page = table[s * max_pages + slot]
+            if page_uses[page] == 2:
+                once = False
+                break
+            if page_uses[page] == 1:
+                page_uses[page] = 2
+        if not once:
+            break
+    free(page_uses)
+    return once
+
+
+cdef inline void set_place(Place *place, cnp.ndarray arr, const intp_t *seq_offset,
+                           int t_axis, int h_axis, int page_axis) noexcept:
+    """The Place of arr: element strides of its token, head, feature (last)
+    and page axes (page_axis -1: not paged)."""
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(arr)
+    place.data = <const char *>cnp.PyArray_DATA(arr)
+    place.type_num = cnp.PyArray_TYPE(arr)
+    place.seq_offset = seq_offset
+    place.t_stride = cnp.PyArray_STRIDE(arr, t_axis) // item
+    place.h_stride = cnp.PyArray_STRIDE(arr, h_axis) // item
+    place.col_stride = cnp.PyArray_STRIDE(arr, cnp.PyArray_NDIM(arr) - 1) // item
+    place.page_stride = cnp.PyArray_STRIDE(arr, page_axis) // item if page_axis >= 0 else 0
+
+
+cdef inline object paged_shortcut(
+        const ca_kernels *kern, object q, object k_pages, object v_pages, object block_table,
+        object cache_lengths, object k_new, object v_new, object cu_seqlens_q,
+        object causal_flag, object scale, object window, object softcap, object alibi_slopes,
+        object sinks, object k_scale, object v_scale, object lse_flag, object num_threads,
+        object thread_limit):
+    """``attention_with_paged_kvcache`` for a decode or prefill step of float
+    pages: q float32 or float64 of shape (B, H, T, d_k) (no cu_seqlens_q),
+    pages of q's dtype (or float16 beside a float32 q) of shape (n_pages,
+    H_kv, page_size, d), H a multiple of H_kv, all sizes nonzero, aligned,
+    native, element-multiple strides; block_table int64 or int32 of shape
+    (B, max_pages); cache_lengths int32 or int64 of shape (B,); k_new and
+    v_new None or of the pages' dtype; every array the call writes certainly
+    apart from every other one it touches; each sequence's new rows within
+    its table, every page it reads a page id, and every page it writes to
+    used once (pages_written_once); no option but causal, scale and
+    num_threads. Else None, before anything is written."""
+    if (cu_seqlens_q is not None or window is not None or softcap is not None
+            or alibi_slopes is not None or sinks is not None or k_scale is not None
+            or v_scale is not None or lse_flag is not False):
+        return None
+    if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)
+            or type(block_table) is not cnp.ndarray
+            or not (causal_flag is True or causal_flag is False)):
+        return None
+    cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
+    cdef int page_type = cnp.PyArray_TYPE(<cnp.ndarray>k_pages)
+    if not serving_step_dtypes(q_type, page_type):
+        return None
+    cdef bint appending = k_new is not None
+    cdef cnp.ndarray qa = <cnp.ndarray>q
+    cdef cnp.ndarray kp = <cnp.ndarray>k_pages
+    cdef cnp.ndarray vp = <cnp.ndarray>v_pages
+    cdef cnp.ndarray table = <cnp.ndarray>block_table
+    cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
+    cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
+    cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
+    if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kp) != 4 or cnp.PyArray_NDIM(vp) != 4
+            or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1):
+        return None
+    if not (usable_input(qa, q_type) and usable_input(kp, page_type)
+            and usable_input(vp, page_type)
+            and (usable_input(table, cnp.NPY_INT64) or usable_input(table, cnp.NPY_INT32))):
+        return None
+    cdef Py_ssize_t n_pages = cnp.PyArray_DIM(kp, 0)
+    cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kp, 1)
+    cdef Py_ssize_t page_size = cnp.PyArray_DIM(kp, 2)
+    cdef Py_ssize_t d_k = cnp.PyArray_DIM(kp, 3)
+    cdef Py_ssize_t d_v = cnp.PyArray_DIM(vp, 3)
+    cdef Py_ssize_t n_seq = cnp.PyArray_DIM(table, 0)
+    cdef Py_ssize_t max_pages = cnp.PyArray_DIM(table, 1)
+    cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
+    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
+    if (cnp.PyArray_DIM(vp, 0) != n_pages or cnp.PyArray_DIM(vp, 1) != n_kv_heads
+            or cnp.PyArray_DIM(vp, 2) != page_size or cnp.PyArray_DIM(qa, 0) != n_seq
+            or cnp.PyArray_DIM(qa, 3) != d_k or cnp.PyArray_DIM(lengths, 0) != n_seq):
+        return None
+    if (n_pages == 0 or n_kv_heads == 0 or page_size == 0 or d_k == 0 or d_v == 0
+            or n_seq == 0 or max_pages == 0 or n_heads == 0 or n_queries == 0
+            or n_heads % n_kv_heads != 0):
+        return None
+    # positions a sequence can hold; int32 lengths must hold every one
+    if <double>max_pages * page_size > 4.0e18:
+        return None
+    cdef Py_ssize_t capacity = max_pages * page_size
+    if not plain_lengths(lengths, capacity):
+        return None
+    cdef Py_ssize_t n_new = 0
+    if appending:
+        if not (new_rows_shaped(kn, vn, n_seq, n_kv_heads, d_k, d_v)
+                and cnp.PyArray_DIM(kn, 2) == n_queries):
+            return None
+        n_new = n_queries
+        if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
+            return None
+        if not (writes_apart(kp, vp, lengths, qa, kn, vn)
+                and apart(kp, table) and apart(vp, table) and apart(lengths, table)):
+            return None
+    if not output_fits(<double>n_seq * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):
+        return None
+    cdef RowOptions row
+    plain_row_options(&row, causal_flag is True,
+                      check_scale(scale, d_k, q_type == cnp.NPY_FLOAT32))
+    cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+
+    # one buffer: the table as intp, the old and new lengths, the query rows
+    # and new rows of each sequence, and the places of q, K/V, out and the
+    # new rows
+    cdef intp_t *page_ids = <intp_t *>malloc((n_seq * max_pages + 8 * n_seq) * sizeof(intp_t))
+    if page_ids == NULL:
+        return None
+    cdef intp_t *start = page_ids + n_seq * max_pages
+    cdef intp_t *new_length = start + n_seq
+    cdef intp_t *q_lengths = new_length + n_seq
+    cdef intp_t *n_new_of = q_lengths + n_seq
+    cdef intp_t *q_offset = n_new_of + n_seq
+    cdef intp_t *zeros = q_offset + n_seq
+    cdef intp_t *out_offset = zeros + n_seq
+    cdef intp_t *rows_offset = out_offset + n_seq
+    cdef Py_ssize_t s, slot, page
+    cdef bint declined = False
+    for s in range(n_seq):
+        for slot in range(max_pages):
+            page_ids[s * max_pages + slot] = table_entry(table, s, slot)
+        start[s] = load_length(lengths, s)
+        if start[s] < 0 or start[s] > capacity - n_new:
+            declined = True
+            break
+        new_length[s] = start[s] + n_new
+        # every page the sequence reads is a page id
+        for slot in range((new_length[s] + page_size - 1) // page_size):
+            page = page_ids[s * max_pages + slot]
+            if page < 0 or page >= n_pages:
+                declined = True
+        if declined:
+            break
+    if not declined and appending:
+        declined = not pages_written_once(page_ids, n_seq, max_pages, page_size, n_pages,
+                                          start, new_length)
+    if declined:
+        free(page_ids)
+        return None
+
+    cdef EntryPlan plan
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(qa)
+    for s in range(n_seq):
+        q_lengths[s] = n_queries
+        n_new_of[s] = n_new
+        q_offset[s] = s * (cnp.PyArray_STRIDE(qa, 0) // item)
+        zeros[s] = 0
+        out_offset[s] = s * n_heads * n_queries * d_v
+    plan.n_seq, plan.n_heads, plan.n_kv_heads, plan.d_k, plan.d_v = (
+        n_seq, n_heads, n_kv_heads, d_k, d_v)
+    plan.q_lengths = q_lengths
+    plan.kv_lengths = new_length
+    set_place(&plan.q, qa, q_offset, 2, 1, -1)
+    set_place(&plan.k, kp, zeros, 2, 1, 0)
+    set_place(&plan.v, vp, zeros, 2, 1, 0)
+    plan.lse.data = NULL
+    plan.k_scale.data = NULL
+    plan.v_scale.data = NULL
+    plan.alibi = NULL
+    plan.sinks = NULL
+    plan.page_ids = page_ids
+    plan.pages_per_seq = max_pages
+    plan.page_size = page_size
+    cdef cnp.ndarray out
+    try:
+        out = np_empty4(n_seq, n_heads, n_queries, d_v, q_type)
+    except BaseException:
+        free(page_ids)
+        raise
+    set_place(&plan.out, out, out_offset, 2, 1, -1)
+    plan.out.seq_offset = out_offset
+
+    # every check has passed: append, advance the lengths, then attend
+    cdef CacheRows cache
+    cdef NewRows rows
+    cdef int k_or_v
+    if appending:
+        for k_or_v in range(2):
+            cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)
+            new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)
+            append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,
+                        d_k if k_or_v == 0 else d_v)
+        store_lengths(lengths, start, n_new)
+    try:
+        run_plan(&plan, &row, kern, threads, out)
+    except BaseException:
+        # the computation failed (its memory): the new rows are given back,
+        # their slots free again past the lengths
+        if appending:
+            store_lengths(lengths, start, 0)
+        free(page_ids)
+        raise
+    free(page_ids)
+    return out

@@ -1,0 +1,203 @@
+"""Operands: dtypes, byte order, shapes, compute dtypes, outputs and shared
+memory, each refused with a ValueError or TypeError that names the
+argument, its shape or dtype.
+
+Nothing here computes attention: the functions bring inputs to a compute
+dtype and native byte order (copying only what the kernels cannot read).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+SUPPORTED_DTYPES = (
+    "float16, float32 and float64 (integer and bool inputs are computed as float64)"
+)
+
+
+def as_integer(value: object) -> Optional[int]:
+    """value as a Python int if it is an integer (NumPy's too), else None; a
+    bool is not taken for an integer."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def native(arr: NDArray[Any]) -> NDArray[Any]:
+    """arr in the machine's byte order: a big-endian array (np.load of a
+    ">f4" file, FITS, HDF5, np.frombuffer) is converted, so the kernels
+    never read swapped bytes as numbers."""
+    if arr.dtype.isnative:
+        return arr
+    return arr.astype(arr.dtype.newbyteorder("="))
+
+
+def array(x: object, name: str) -> NDArray[Any]:
+    """np.asarray(x), or an error that names the argument."""
+    try:
+        return np.asarray(x)
+    except ValueError as exc:
+        # e.g. a ragged nested list: NumPy's message does not say which argument
+        raise ValueError(f"{name} is not a regular array: {exc}") from None
+
+
+def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
+    """An operand (q, k, v): a real array of at least 2 dimensions, in
+    native byte order."""
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
+    arr = array(x, name)
+    if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
+        raise TypeError(
+            f"{name} has dtype {arr.dtype}; cattention supports {SUPPORTED_DTYPES}")
+    arr = native(arr)
+    if arr.ndim < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dimensions (..., rows, features); "
+            f"got shape {arr.shape}")
+    return arr
+
+
+def compute_dtype(*arrays: NDArray[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """(compute dtype, result dtype) for the inputs, by np.result_type."""
+    common = np.result_type(*arrays)
+    if common.kind in "iub":
+        return np.dtype(np.float64), np.dtype(np.float64)
+    if common == np.float16:
+        return np.dtype(np.float32), np.dtype(np.float16)
+    return common, common
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """np.broadcast_shapes without its 32-dimension limit (arrays may have
+    64); a ValueError when the shapes do not broadcast."""
+    ndim = max((len(shape) for shape in shapes), default=0)
+    result = [1] * ndim
+    for shape in shapes:
+        for axis, size in enumerate(shape, start=ndim - len(shape)):
+            if size != 1:
+                if result[axis] not in (1, size):
+                    raise ValueError(f"shapes {', '.join(map(str, shapes))} do not broadcast")
+                result[axis] = size
+    return tuple(result)
+
+
+def output(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> NDArray[Any]:
+    """An uninitialised output array; one larger than any NumPy can
+    allocate is refused naming it (NumPy's own message names nothing)."""
+    try:
+        return np.empty(shape, dtype=dtype)
+    except ValueError:
+        raise ValueError(f"{name} would hold {math.prod(shape)} {dtype} values: more bytes "
+                         "than an array can hold") from None
+
+
+def readable_in_place(arr: NDArray[Any]) -> bool:
+    """The kernels read arr where it is: aligned, and every stride a
+    multiple of its itemsize (any other array they would read from a copy)."""
+    return bool(arr.flags.aligned) and not any(s % arr.itemsize for s in arr.strides)
+
+
+def to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
+    """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
+    if arr.dtype != dtype:
+        return arr.astype(dtype)
+    if not readable_in_place(arr):
+        # same bits, aligned and element-strided, so results are unchanged
+        return np.array(arr, order="C")
+    return arr
+
+
+def prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
+                 dtype: np.dtype[Any]) -> NDArray[Any]:
+    """A bool or float mask the driver reads in place, broadcastable to
+    (..., T, S)."""
+    arr = native(array(mask, "mask"))
+    given_shape = arr.shape
+    if arr.dtype == np.bool_:
+        pass
+    elif arr.dtype.kind == "f":
+        if arr.dtype not in (np.float32, np.float64):
+            arr = arr.astype(dtype)
+    else:
+        raise TypeError(
+            f"mask has dtype {arr.dtype}; it must be bool (True = may attend) or "
+            "float (added to the scaled logits, -inf masks)")
+    if arr.ndim < 2:
+        arr = arr.reshape((1,) * (2 - arr.ndim) + arr.shape)
+    if arr.shape[-2] not in (1, n_queries) or arr.shape[-1] not in (1, n_keys):
+        raise ValueError(
+            f"mask of shape {given_shape} does not broadcast to (..., T, S) = "
+            f"(..., {n_queries}, {n_keys})")
+    if not readable_in_place(arr):
+        arr = np.array(arr, order="C")
+    return arr
+
+
+def per_batch_entry(values: ArrayLike, batch_shape: tuple[int, ...], name: str, kinds: str,
+                    kind_text: str, dtype: DTypeLike, hint: str) -> NDArray[Any]:
+    """values broadcast to the batch shape: one per batch entry, C-contiguous."""
+    arr = array(values, name)
+    if arr.dtype.kind not in kinds:
+        raise TypeError(f"{name} must be {kind_text}, got dtype {arr.dtype}")
+    try:
+        full = np.broadcast_to(arr, batch_shape)
+    except ValueError:
+        raise ValueError(
+            f"{name} of shape {arr.shape} does not broadcast to the batch "
+            f"shape {batch_shape} ({hint})") from None
+    return np.ascontiguousarray(full, dtype=dtype).reshape(-1)
+
+
+def _memory_owner(a: NDArray[Any]) -> Optional[NDArray[Any]]:
+    """The ndarray that allocated a's memory, or None when it came from
+    another object (a buffer, a memory map), which may be shared."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a if a.base is None and a.flags.owndata else None
+
+
+def refuse_shared_memory(written: list[tuple[str, Any]],
+                         read: list[tuple[str, Any]]) -> None:
+    """Arrays a call writes in place must not share memory with each other
+    or with the arrays it reads: the result would depend on the order of the
+    writes."""
+    written_owners = [_memory_owner(a) for _, a in written if isinstance(a, np.ndarray)]
+    read_owners = [_memory_owner(a) for _, a in read if isinstance(a, np.ndarray)]
+    if all(o is not None for o in written_owners + read_owners):
+        # each in an allocation of NumPy's own (the common case, fast): apart
+        # unless a written array's allocation holds another array too (read
+        # arrays may share theirs: k_new is v_new)
+        written_ids = [id(o) for o in written_owners]
+        if (len(set(written_ids)) == len(written_ids)
+                and not set(written_ids) & {id(o) for o in read_owners}):
+            return
+    pairs = [(a, b) for i, a in enumerate(written) for b in written[i + 1:]]
+    pairs += [(a, b) for a in written for b in read]
+    for (name_a, a), (name_b, b) in pairs:
+        if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+            continue
+        # exact: views that interleave without overlapping (K and V of one
+        # fused buffer) are not refused
+        if np.shares_memory(a, b):
+            raise ValueError(f"{name_a} and {name_b} share memory, but {name_a} is written "
+                             "in place by this call; pass separate arrays (e.g. a copy of "
+                             f"{name_b})")
+
+
+def gqa_hint(q: NDArray[Any], k: NDArray[Any]) -> str:
+    """A hint when q has a multiple of k's heads but enable_gqa was not given."""
+    if q.ndim >= 3 and k.ndim >= 3:
+        n_heads, n_kv_heads = q.shape[-3], k.shape[-3]
+        if 1 < n_kv_heads < n_heads and n_heads % n_kv_heads == 0:
+            return (f"; q has {n_heads} heads and k {n_kv_heads} (axis -3): pass "
+                    "enable_gqa=True for grouped-query attention")
+    return ""

@@ -1,0 +1,197 @@
+"""What contiguous and paged KV caches share: the checks of their storage
+(dtype, byte order, layout), of their int8 row scales and of the cache
+lengths; the new rows as a cache stores them; and the append itself, with
+the lengths given back if the computation that follows it fails."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._native import driver
+from .arrays import array, readable_in_place
+from .int8 import SCALE_RANGE, cache_rows, scales_in_range
+
+_Array = NDArray[Any]
+
+
+def check_storage(k: object, v: object, names: tuple[str, str], layout: str,
+                  shared: str, what: str) -> tuple[_Array, _Array]:
+    """Two caches (or sets of pages) of one float16, float32, float64 or
+    int8 dtype, 4-D, native, readable where they are, sharing their first
+    three axes (``layout`` names the axes, ``shared`` the first three)."""
+    whole = "every page" if what == "pages" else "the whole cache"
+    for name, cache in zip(names, (k, v)):
+        if not isinstance(cache, np.ndarray) or cache.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D ndarray {layout}; got "
+                             f"{getattr(cache, 'shape', type(cache).__name__)}")
+        if cache.dtype != np.int8 and (cache.dtype.kind != "f"
+                                       or cache.dtype.itemsize not in (2, 4, 8)):
+            raise TypeError(f"{name} has dtype {cache.dtype}; {what} must be float16, "
+                            "float32, float64 or int8 (with scales)")
+        if not cache.dtype.isnative:
+            raise TypeError(
+                f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
+                f"copy {whole} on every call; convert it once, e.g. "
+                f"{name} = {name}.astype({name}.dtype.newbyteorder('='))")
+        if not readable_in_place(cache):
+            raise ValueError(f"{name} must be aligned with strides that are multiples of "
+                             f"its itemsize (reading it otherwise would copy {whole} on "
+                             "every call)")
+    assert isinstance(k, np.ndarray) and isinstance(v, np.ndarray)
+    if k.dtype != v.dtype:
+        raise TypeError(f"{names[0]} ({k.dtype}) and {names[1]} ({v.dtype}) must "
+                        "share one dtype")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{names[0]} {k.shape} and {names[1]} {v.shape} must share "
+                         f"{shared}")
+    return k, v
+
+
+def check_int8_scales(k: _Array, k_scale: object, v_scale: object, q_dtype: np.dtype[Any],
+                      what: str, axes: str) -> None:
+    """int8 caches (or pages) come with float32 scale arrays of their first
+    three axes, the scale of each row, read and written in place."""
+    if q_dtype not in (np.float32, np.float16):
+        raise TypeError(f"int8 {what} need a float32 (or float16) q, got {q_dtype}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"int8 {what} need {name}: a native float32 ndarray of shape "
+                             f"{k.shape[:3]} {axes}, the scale of each row, written as rows "
+                             "are appended")
+        if (not isinstance(scale, np.ndarray) or scale.dtype != np.float32
+                or not scale.dtype.isnative or scale.shape != k.shape[:3]):
+            got = (f"{scale.shape} {scale.dtype}" if isinstance(scale, np.ndarray)
+                   else type(scale).__name__)
+            raise ValueError(f"{name} must be a native float32 ndarray of shape "
+                             f"{k.shape[:3]} {axes}; got {got}")
+        if not readable_in_place(scale):
+            raise ValueError(f"{name} must be aligned with strides that are multiples of 4 "
+                             "(reading it otherwise would copy it on every call)")
+
+
+def check_scales_hold(k_scale: _Array, v_scale: _Array) -> None:
+    """The scales of an int8 cache that is appended to are all in range (a
+    cache's rows are dequantized by them)."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not scales_in_range(scale):
+            raise ValueError(f"{name} must be {SCALE_RANGE} everywhere (zeros where no "
+                             "row is cached yet)")
+
+
+def check_cache_lengths(cache_lengths: object, n_seq: int, capacity: int) -> _Array:
+    """An integer ndarray of one length per sequence, >= 0, whose dtype holds
+    every position (advancing it must not wrap around)."""
+    if (not isinstance(cache_lengths, np.ndarray) or cache_lengths.dtype.kind not in "iu"
+            or cache_lengths.shape != (n_seq,)):
+        given = getattr(cache_lengths, "shape", type(cache_lengths).__name__)
+        if isinstance(cache_lengths, np.ndarray):
+            given = f"{given} {cache_lengths.dtype}"
+        raise ValueError(f"cache_lengths must be an integer ndarray of shape ({n_seq},); "
+                         f"got {given}")
+    if np.iinfo(cache_lengths.dtype).max < capacity:
+        holding = [name for name in ("int16", "uint16", "int32", "uint32", "int64", "uint64")
+                   if np.iinfo(name).max >= capacity]
+        raise TypeError(
+            f"cache_lengths of dtype {cache_lengths.dtype} cannot hold S_max = {capacity} "
+            f"(at most {np.iinfo(cache_lengths.dtype).max}), so advancing it could wrap "
+            f"around; use one of {', '.join(holding)}")
+    if cache_lengths.size and cache_lengths.min() < 0:
+        raise ValueError(f"cache_lengths must be >= 0; got {cache_lengths.tolist()}")
+    return cache_lengths
+
+
+def check_new_rows_dtype(name: str, new: _Array, cache_dtype: np.dtype[Any], what: str) -> None:
+    """New rows a cache can take: float (quantized on append) for an int8
+    cache, else castable to its dtype."""
+    if cache_dtype == np.int8:
+        if new.dtype.kind not in "fiu" or new.dtype == np.int8:
+            raise TypeError(f"{name} of dtype {new.dtype} for "
+                            f"{'an int8 cache' if what == 'caches' else 'int8 pages'}: pass "
+                            "float values, which are quantized as they are appended")
+    elif not np.can_cast(new.dtype, cache_dtype, casting="same_kind"):
+        raise TypeError(f"{name} of dtype {new.dtype} cannot be written into "
+                        f"{what_of(cache_dtype, what)}")
+
+
+def what_of(cache_dtype: np.dtype[Any], what: str) -> str:
+    return f"a {cache_dtype} cache" if what == "caches" else f"{cache_dtype} {what}"
+
+
+def new_rows(k_new: object, v_new: object) -> Optional[tuple[_Array, _Array]]:
+    """k_new and v_new as arrays, both or neither."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is None:
+        return None
+    return array(k_new, "k_new"), array(v_new, "v_new")
+
+
+@dataclasses.dataclass
+class Write:
+    """New rows of one cache array: row t of head h of sequence s at byte
+    seq_offset[s] + t * rows.strides[row_axis] + h * rows.strides[head_axis]
+    of rows, in the cache's dtype, for position start[s] + t."""
+
+    cache: _Array
+    rows: _Array
+    seq_offset: NDArray[np.intp]
+    row_axis: int
+    head_axis: int
+
+
+@dataclasses.dataclass
+class Appends:
+    """What a call writes into its cache: each Write, and the lengths
+    before and after."""
+
+    lengths: _Array                  # the caller's cache_lengths
+    start: NDArray[np.intp]          # before the call
+    n_new: NDArray[np.intp]          # rows each sequence appends
+    writes: list[Write]
+    page_ids: Optional[NDArray[np.intp]] = None   # a paged cache's table, flattened
+    pages_per_seq: int = 0
+
+    @contextlib.contextmanager
+    def written(self) -> Iterator[None]:
+        """Append, advance the lengths, and give the rows back (the lengths
+        put back, the slots past them free again) if the computation in the
+        block fails (its memory)."""
+        if not self.writes:
+            yield
+            return
+        for write in self.writes:
+            driver.append_rows(write.cache, write.rows, write.seq_offset, write.row_axis,
+                               write.head_axis, self.start, self.n_new, self.page_ids,
+                               self.pages_per_seq)
+        # (NumPy's assignment: the lengths may be of any integer dtype and
+        # byte order; every value fits, as checked)
+        self.lengths[...] = self.start + self.n_new
+        try:
+            yield
+        except BaseException:
+            self.lengths[...] = self.start
+            raise
+
+
+def as_stored(name: str, new: _Array, cache: _Array, scale: Optional[_Array],
+              seq_index: NDArray[np.intp]) -> list[Write]:
+    """The Writes of new rows (``new``: (B, H_kv, T_new, d), or packed
+    (total, H_kv, d) with sequence s from index seq_index[s] of its first
+    axis) as the cache stores them: converted to its float dtype, or
+    quantized (int8 rows, and their scales into the scale cache as rows of
+    one feature)."""
+    rows, row_scale = cache_rows(new, cache.dtype, name)
+    row_axis = 2 if new.ndim == 4 else 0
+    writes = [Write(cache, rows, np.ascontiguousarray(seq_index * rows.strides[0], np.intp),
+                    row_axis, 1)]
+    if row_scale is not None and scale is not None:
+        writes.append(Write(scale[..., None], row_scale[..., None],
+                            np.ascontiguousarray(seq_index * row_scale.strides[0], np.intp),
+                            row_axis, 1))
+    return writes

@@ -1,0 +1,171 @@
+"""The options every row of a call obeys (RowOptions), built once per call:
+scale, causal alignment, sliding window, softcap, ALiBi slopes, sinks, and
+the thread count. The scalar checks are the driver's own (``checks.pxd``,
+shared with the compiled shortcuts); the per-entry arrays are broadcast
+here."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Optional, SupportsIndex
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .._native import driver
+from .arrays import array, broadcast_shapes, native, per_batch_entry
+
+
+class ThreadLocalLimit(threading.local):
+    """``local.limit``: the thread count that applies to a call from this
+    Python thread with num_threads=None: limit_threads(), else
+    set_num_threads(), else None (OpenMP's current setting).
+
+    set_num_threads() sets the class attribute, seen by every Python thread;
+    limit_threads() sets an instance attribute, local to the thread, which
+    shadows it. One attribute read answers a call (the shortcuts read it)."""
+
+    limit: Optional[int] = None
+
+
+local = ThreadLocalLimit()
+
+
+@dataclasses.dataclass
+class RowOptions:
+    """What every row of a call obeys: the Python side of the driver's
+    RowOptions (``_driver/problem.pxd``), handed to the run unchanged."""
+
+    causal: bool
+    scale: float                           # multiplies q.k
+    window: tuple[int, int] = (-1, -1)     # (left, right); -1: unbounded
+    softcap: float = 0.0                   # 0: off
+    threads: int = 1
+    alibi: Optional[NDArray[np.float64]] = None   # a slope per batch entry
+    sinks: Optional[NDArray[np.float64]] = None   # a logit per group of query_period rows
+
+
+def row_options(*, causal: bool, scale: object, d_k: int, compute: np.dtype[Any],
+                window: Any, softcap: object,
+                num_threads: Optional[SupportsIndex]) -> RowOptions:
+    """The scalar options, checked; the per-entry ones are set by the
+    layout (per_entry_alibi, per_entry_sinks)."""
+    in_float32 = compute == np.float32
+    left, right = driver.check_window(window, causal)
+    return RowOptions(causal, driver.check_scale(scale, d_k, in_float32), (left, right),
+                      driver.check_softcap(softcap, in_float32),
+                      driver.resolve_threads(num_threads, local.limit))
+
+
+def check_sink_values(sinks: NDArray[np.float64], compute: np.dtype[Any],
+                      ) -> NDArray[np.float64]:
+    """Sink logits join each row's softmax and its log-sum-exp in the
+    compute dtype: NaN, +inf or one above its range would be an infinite
+    log-sum-exp, refused; one below it weighs nothing and becomes -inf, no
+    sink, so that every path gives the bits of no sink (the kernels tell a
+    sink by its float64 value)."""
+    if np.any(np.isnan(sinks)) or np.any(sinks == np.inf):
+        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+    if not sinks.size:
+        return sinks
+    limit = float(np.finfo(compute).max)
+    if float(sinks.max()) > limit:
+        raise ValueError(
+            f"sinks must be at most {limit:.4g} (the largest {compute}, the compute dtype "
+            f"of these inputs); got {float(sinks.max()):.4g}")
+    if float(sinks.min()) < -limit:
+        sinks = np.where(sinks < -limit, -np.inf, sinks)
+    return sinks
+
+
+def check_alibi_values(slopes: NDArray[np.float64], compute: np.dtype[Any]) -> None:
+    """Finite slopes the compute dtype holds: the biases are logits of that
+    dtype, and a slope beyond it makes every bias off the diagonal infinite
+    (NaN rows). A slope within it times a long distance can still leave the
+    dtype's range, as any logit can (a +inf logit makes its row NaN)."""
+    if not np.all(np.isfinite(slopes)):
+        raise ValueError("alibi_slopes must be finite")
+    limit = float(np.finfo(compute).max)
+    if slopes.size and float(np.abs(slopes).max()) > limit:
+        raise ValueError(
+            f"alibi_slopes must lie in [-{limit:.4g}, {limit:.4g}] (the range of {compute}, "
+            f"the compute dtype of these inputs); got {float(np.abs(slopes).max()):.4g} in "
+            "magnitude")
+
+
+_PER_HEAD_HINT = "expected (H,) or (B, H)"
+
+
+def per_entry_sinks(sinks: ArrayLike, batch_shape: tuple[int, ...],
+                    compute: np.dtype[Any]) -> NDArray[np.float64]:
+    """One float64 sink logit per batch entry; -inf is no sink."""
+    full = per_batch_entry(native(array(sinks, "sinks")), batch_shape, "sinks", "fiu",
+                           "real numbers", np.float64, _PER_HEAD_HINT)
+    return check_sink_values(full, compute)
+
+
+def per_entry_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...],
+                    compute: np.dtype[Any]) -> NDArray[np.float64]:
+    """One float64 slope per batch entry."""
+    full = per_batch_entry(alibi_slopes, batch_shape, "alibi_slopes", "fiu",
+                           "real numbers", np.float64, _PER_HEAD_HINT)
+    check_alibi_values(full, compute)
+    return full
+
+
+def per_entry_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
+                         n_keys: int) -> NDArray[np.intp]:
+    """Valid key counts, one intp per batch entry."""
+    given = np.asarray(kv_lengths)
+    full = per_batch_entry(given, batch_shape, "kv_lengths", "iu", "integers",
+                           np.intp, "the dimensions before T")
+    # the range of the values given, in Python ints: a uint64 beyond intp
+    # wraps around in ``full``
+    if full.size and (int(given.min()) < 0 or int(given.max()) > n_keys):
+        raise ValueError(
+            f"kv_lengths must lie in [0, S] = [0, {n_keys}]; got values from "
+            f"{int(given.min())} to {int(given.max())}")
+    return full
+
+
+def lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any],
+                         v: Optional[NDArray[Any]], mask: Optional[ArrayLike] = None,
+                         ) -> NDArray[Any]:
+    """kv_lengths with a 1-D array of length B taken as one length per
+    sequence (the first batch axis), as ``cache_lengths`` is, whatever the
+    other batch dimensions are: with inputs (B, H, T, d) and B == H a bare
+    trailing-axis broadcast would silently read it per head. The batch
+    dimensions are those of q, k, v and the mask (which may bring B alone)."""
+    arr = native(array(kv_lengths, "kv_lengths"))
+    operands = (q, k) if v is None else (q, k, v)
+    leading = [a.shape[:-2] for a in operands]
+    try:
+        mask_shape = np.shape(mask) if mask is not None else ()
+    except ValueError:
+        mask_shape = ()    # not a regular array: reported as the mask's own error
+    if len(mask_shape) > 2:
+        leading.append(mask_shape[:-2])
+    try:
+        batch_shape = broadcast_shapes(*leading)
+    except ValueError:
+        try:
+            # grouped heads (H != H_kv): the dimensions before the head axis
+            # (the mask's too) broadcast, then q's heads
+            before_heads = [a.shape[:-3] for a in operands]
+            if len(mask_shape) > 3:
+                before_heads.append(mask_shape[:-3])
+            batch_shape = broadcast_shapes(*before_heads) + q.shape[-3:-2]
+        except ValueError:
+            # a mismatch, reported later
+            batch_shape = q.shape[:-2]
+    if arr.ndim != 1 or len(batch_shape) < 2 or arr.shape[0] == 1:
+        return arr
+    if arr.shape[0] != batch_shape[0]:
+        raise ValueError(
+            f"kv_lengths of shape {arr.shape} is ambiguous for batch dimensions "
+            f"{batch_shape}: a 1-D kv_lengths holds one length per sequence and must "
+            f"have length B = {batch_shape[0]}; for other layouts pass an array that "
+            f"broadcasts to {batch_shape}, e.g. shape {batch_shape[:1] + batch_shape[1:]} "
+            f"or {(1,) + batch_shape[1:]}")
+    return arr.reshape(arr.shape + (1,) * (len(batch_shape) - 1))

@@ -1,0 +1,191 @@
+"""A step against a paged KV cache, checked once: the pages' own checks
+(caches.py), the block table, the rows each sequence appends and where
+they land, and the attention options, all before anything is written."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, SupportsIndex
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .._native import driver
+from .arrays import array, as_input, refuse_shared_memory
+from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
+                     check_new_rows_dtype, check_storage, new_rows)
+from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
+from .options import row_options
+
+_Array = NDArray[Any]
+_Intp = NDArray[np.intp]
+
+
+def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: ArrayLike,
+                  cache_lengths: object, k_new: Optional[ArrayLike],
+                  v_new: Optional[ArrayLike], *, cu_seqlens_q: Optional[ArrayLike],
+                  causal: object, scale: Optional[float], window: Any,
+                  softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
+                  sinks: Optional[ArrayLike], k_scale: Optional[_Array],
+                  v_scale: Optional[_Array], return_lse: object,
+                  num_threads: Optional[SupportsIndex],
+                  ) -> tuple[EntriesCall, Appends, np.dtype[Any]]:
+    """The entries call over the pages after the append, the append, and
+    the result dtype."""
+    k_pages, v_pages = check_storage(k_pages, v_pages, ("k_pages", "v_pages"),
+                                     "(n_pages, H_kv, page_size, d)",
+                                     "(n_pages, H_kv, page_size)", "pages")
+    if k_pages.shape[2] < 1:
+        raise ValueError(f"page_size (axis 2 of k_pages {k_pages.shape}) must be >= 1")
+    n_pages, n_kv_heads, page_size, d_k = k_pages.shape
+    d_v = v_pages.shape[3]
+    q = as_input(q, "q")
+    table = array(block_table, "block_table")
+    if table.dtype.kind not in "iu" or table.ndim != 2:
+        raise ValueError(f"block_table must be a 2-D integer array (B, max_pages); got "
+                         f"shape {table.shape}, dtype {table.dtype}")
+    n_seq, max_pages = table.shape
+    packed = cu_seqlens_q is not None
+    cu_q = None
+    if packed:
+        if q.ndim != 3 or q.shape[2] != d_k:
+            raise ValueError(f"with cu_seqlens_q, q must be packed (total_q, H, d_k) = "
+                             f"(total_q, H, {d_k}); got {q.shape}")
+        cu_q = cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "total_q (q.shape[0])")
+        if cu_q.size != n_seq + 1:
+            raise ValueError(f"cu_seqlens_q describes {cu_q.size - 1} sequences, "
+                             f"block_table {table.shape} {n_seq}")
+        q_lengths = np.diff(cu_q)
+    else:
+        if q.ndim != 4 or q.shape[0] != n_seq or q.shape[3] != d_k:
+            raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_seq}, H, T, {d_k}) "
+                             f"to match block_table {table.shape} and k_pages "
+                             f"{k_pages.shape} (or be packed, with cu_seqlens_q); got "
+                             f"{q.shape}")
+        q_lengths = np.full(n_seq, q.shape[2], dtype=np.intp)
+    n_heads = q.shape[1]
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(f"the query heads of q {q.shape} must be a multiple of the "
+                         f"key/value heads of k_pages {k_pages.shape}")
+    half = k_pages.dtype == np.float16 and q.dtype in (np.float16, np.float32)
+    int8 = k_pages.dtype == np.int8
+    if int8:
+        check_int8_scales(k_pages, k_scale, v_scale, q.dtype, "pages",
+                          "(n_pages, H_kv, page_size)")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with int8 pages; these are {k_pages.dtype}")
+    if not half and not int8 and np.result_type(q.dtype, k_pages.dtype) != k_pages.dtype:
+        raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
+                        "(copy) every page; pass q in the pages' dtype")
+    lengths = check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
+
+    given = new_rows(k_new, v_new)
+    if given is not None:
+        for name, new, d in zip(("k_new", "v_new"), given, (d_k, d_v)):
+            want = ((q.shape[0], n_kv_heads, d) if packed
+                    else (n_seq, n_kv_heads, q.shape[2], d))
+            if new.shape != want:
+                raise ValueError(f"{name} must have shape {want} to match q {q.shape} and "
+                                 f"the pages; got {new.shape}")
+            check_new_rows_dtype(name, new, k_pages.dtype, "pages")
+        writable = [k_pages, v_pages, lengths] + (
+            [k_scale, v_scale] if int8 else [])
+        if not all(a.flags.writeable for a in writable if a is not None):
+            raise ValueError("k_pages, v_pages, cache_lengths (and k_scale, v_scale) must "
+                             "be writable to append")
+        refuse_shared_memory(
+            [("k_pages", k_pages), ("v_pages", v_pages), ("cache_lengths", lengths)]
+            + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
+            [("q", q), ("k_new", given[0]), ("v_new", given[1])])
+    n_new = q_lengths if given is not None else np.zeros(n_seq, dtype=np.intp)
+    # in Python ints: a uint64 length beyond int64 would wrap around in int64
+    needed = [int(old) + int(new) for old, new in zip(lengths.tolist(), n_new.tolist())]
+    if needed and max(needed) > max_pages * page_size:
+        worst = int(np.argmax(needed))
+        raise ValueError(
+            f"sequence {worst} needs {needed[worst]} positions (cache_lengths "
+            f"{int(lengths[worst])} + {int(n_new[worst])} new) but block_table "
+            f"{table.shape} gives at most {max_pages} pages of {page_size}")
+    old_lengths = lengths.astype(np.int64)
+    new_lengths = old_lengths + n_new
+    # every page a sequence reads must exist
+    used_pages = -(-new_lengths // page_size)
+    in_use = np.arange(max_pages) < used_pages[:, None]
+    bad = in_use & ((table < 0) | (table >= n_pages))
+    if bad.any():
+        b, slot = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {slot}] = {int(table[b, slot])} is not a page id "
+                         f"in [0, {n_pages}) (k_pages has {n_pages} pages), and sequence "
+                         f"{b} uses it")
+    causal = driver.check_flag(causal, "causal")
+    return_lse = driver.check_flag(return_lse, "return_lse")
+    # float16 and int8 pages are computed in float32
+    compute = np.dtype(np.float32) if k_pages.dtype in (np.float16, np.int8) else k_pages.dtype
+    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
+                          softcap=softcap, num_threads=num_threads)
+    head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
+    # a copy, always: cache_lengths, advanced by the append, may be a view of
+    # the caller's table, whose page ids were checked against the old lengths
+    table = np.array(table, dtype=np.intp, order="C")
+    writes = []
+    if given is not None:
+        _refuse_clashing_writes(table, old_lengths, n_new, page_size, n_pages)
+        seq_index = cu_q[:-1] if cu_q is not None else np.arange(n_seq, dtype=np.intp)
+        writes = (as_stored("k_new", given[0], k_pages, k_scale, seq_index)
+                  + as_stored("v_new", given[1], v_pages, v_scale, seq_index))
+    appends = Appends(lengths, old_lengths.astype(np.intp), n_new.astype(np.intp), writes,
+                      table.reshape(-1), max_pages)
+
+    # a float16 q with float16 or int8 pages gives float16, as attention would
+    result = (np.dtype(np.float16) if q.dtype == np.float16 and compute == np.float32
+              and k_pages.dtype != np.float32 else compute)
+    out, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse)
+    zeros = np.zeros(n_seq, dtype=np.intp)
+    call = EntriesCall(
+        queries(q, cu_q, compute), place(k_pages, zeros, 2, 1, 0), place(v_pages, zeros, 2, 1, 0),
+        out, lse,
+        place(k_scale[..., None], zeros, 2, 1, 0) if int8 and k_scale is not None else None,
+        place(v_scale[..., None], zeros, 2, 1, 0) if int8 and v_scale is not None else None,
+        np.ascontiguousarray(q_lengths, np.intp), new_lengths.astype(np.intp), n_heads,
+        n_kv_heads, d_k, d_v, options, table.reshape(-1), max_pages, page_size)
+    return call, appends, result
+
+
+def _refuse_clashing_writes(table: _Intp, old_lengths: NDArray[np.int64], n_new: _Intp,
+                            page_size: int, n_pages: int) -> None:
+    """No two new rows land on one page row, and no new row on a page row
+    some sequence holds (one of its first old_lengths positions): that
+    sequence would read the new row in place of its own, silently. Pages
+    shared for a common prefix are fine as long as every sequence appends
+    past them."""
+    n_seq = table.shape[0]
+    seq_of_row = np.repeat(np.arange(n_seq), n_new)
+    first_row = np.repeat(np.cumsum(n_new) - n_new, n_new)
+    position = old_lengths[seq_of_row] + np.arange(seq_of_row.size) - first_row
+    page = table[seq_of_row, position // page_size]
+    row = position % page_size
+    slots = page * page_size + row
+    if np.unique(slots).size != slots.size:
+        raise ValueError("two new rows would be written to one page row: the block "
+                         "table gives two sequences the same page where both append")
+    held_slots = np.arange(table.shape[1]) < -(-old_lengths // page_size)[:, None]
+    # held table entries are page ids (checked); the others may hold anything
+    written = np.zeros(n_pages, dtype=bool)
+    written[page] = True
+    holder, slot = np.nonzero(held_slots & written[np.where(held_slots, table, 0)])
+    held_page = table[holder, slot]
+    # rows 0 .. held_rows - 1 of held_page are held
+    held_rows = np.minimum(page_size, old_lengths[holder] - slot * page_size)
+    # the most rows any sequence holds of each page written to
+    pages, inverse = np.unique(page, return_inverse=True)
+    most = np.zeros(pages.size, np.int64)
+    np.maximum.at(most, np.searchsorted(pages, held_page), held_rows)
+    clash = np.flatnonzero(row < most[inverse])
+    if clash.size:
+        n = int(clash[0])
+        h = int(np.flatnonzero((held_page == page[n]) & (held_rows > row[n]))[0])
+        raise ValueError(
+            f"sequence {int(seq_of_row[n])}'s new position {int(position[n])} would be "
+            f"written to page {int(page[n])} row {int(row[n])}, which sequence "
+            f"{int(holder[h])} holds (its position "
+            f"{int(slot[h]) * page_size + int(row[n])}): the block table gives a page "
+            "a sequence still holds to later positions")
