@@ -122,7 +122,8 @@ extensions = [
     Extension(
         "cattention.cython_attention",
         sources=["cattention/cython_attention.pyx"],
-        include_dirs=["cattention/include"],
+        include_dirs=["cattention/include", np.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=extra_compile_args,
         extra_link_args=["-fsanitize=address,undefined"] if SANITIZE else [],
     ),

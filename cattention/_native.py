@@ -4,11 +4,10 @@ that its OpenMP threads yield the cores soon.
 After a parallel region GNU OpenMP's worker threads busy-wait for the next
 one, by default for about 300,000 spins (milliseconds). Inside a NumPy
 pipeline the next call is usually a BLAS call, whose own threads then find
-their cores taken, and OpenBLAS's workers spin in turn and take ours: on two
-cores a 150 us decode call beside a 256 x 256 matmul took 4 ms, and the
-matmul 4 ms instead of 0.25 ms. With 1,000 spins (tens of microseconds) our
-threads still catch back-to-back calls of ours, then sleep; the measured
-figures are in BENCHMARKS.md. Every module reaches the extension through
+their cores taken, and OpenBLAS's workers spin in turn and take ours, so
+both calls wait for cores that are only spinning. With 1,000 spins (tens of
+microseconds) our threads still catch back-to-back calls of ours, then
+sleep; the measured figures are in BENCHMARKS.md. Every module reaches the extension through
 this one, so the setting holds whichever is imported first.
 
 libgomp reads ``GOMP_SPINCOUNT`` once, when it is loaded: it is set in the

@@ -33,16 +33,10 @@ with invalid arguments writes nothing; after CATTENTION_ERR_NO_MEMORY the
 outputs are undefined.
 """
 
-cdef extern from "cattention.h":
-    enum:
-        CATTENTION_CAUSAL
-        CATTENTION_OK
-        CATTENTION_ERR_SIZE
-        CATTENTION_ERR_POINTER
-        CATTENTION_ERR_STRIDE
-        CATTENTION_ERR_SCALE
-        CATTENTION_ERR_FLAGS
-        CATTENTION_ERR_NO_MEMORY
+# the flags and status codes (cattention.h), as the driver declares them
+from cattention._driver.extension cimport (
+    CATTENTION_CAUSAL, CATTENTION_ERR_FLAGS, CATTENTION_ERR_NO_MEMORY, CATTENTION_ERR_POINTER,
+    CATTENTION_ERR_SCALE, CATTENTION_ERR_SIZE, CATTENTION_ERR_STRIDE, CATTENTION_OK)
 
 cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
                        Py_ssize_t d_v,

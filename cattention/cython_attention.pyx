@@ -1,10 +1,12 @@
 # cython: language_level=3
-"""The public C-level API (cython_attention.pxd): each function forwards to
-the driver in cattention._attention, which computes through the same path
-as cattention.attention."""
+"""The public C-level API (cython_attention.pxd): each function fills the
+driver's HeadCall and calls its one entry (cattention._driver.extension),
+which computes through the same path as cattention.attention. This module is
+the binary contract other extensions link to, so the driver behind it may
+move without breaking them."""
 
-from cattention._driver.extension cimport attention_f32 as driver_f32
-from cattention._driver.extension cimport attention_f64 as driver_f64
+cimport numpy as cnp
+from cattention._driver.extension cimport HeadCall, head_attention
 
 
 cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
@@ -16,9 +18,11 @@ cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
                        float *out, Py_ssize_t out_row_stride,
                        float *scores, Py_ssize_t scores_row_stride,
                        float *lse, int n_threads) noexcept nogil:
-    return driver_f32(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
-                      v, v_row_stride, scale, flags, out, out_row_stride,
-                      scores, scores_row_stride, lse, n_threads)
+    cdef HeadCall call = HeadCall(
+        cnp.NPY_FLOAT32, n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+        v, v_row_stride, scale, flags, out, out_row_stride, scores, scores_row_stride, lse,
+        n_threads)
+    return head_attention(&call)
 
 
 cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
@@ -30,6 +34,8 @@ cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
                        double *out, Py_ssize_t out_row_stride,
                        double *scores, Py_ssize_t scores_row_stride,
                        double *lse, int n_threads) noexcept nogil:
-    return driver_f64(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
-                      v, v_row_stride, scale, flags, out, out_row_stride,
-                      scores, scores_row_stride, lse, n_threads)
+    cdef HeadCall call = HeadCall(
+        cnp.NPY_FLOAT64, n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
+        v, v_row_stride, scale, flags, out, out_row_stride, scores, scores_row_stride, lse,
+        n_threads)
+    return head_attention(&call)

@@ -40,11 +40,11 @@
 #define CA_PANEL_F64 8
 
 /* Every table's P.V kernels sum runs of this many keys from zero: float32
-   rounding chains of 64 products, not of every key of a 256-key block (on
-   causal 65 x 256 problems with d_v = 5 such chains left the P.V step's
-   max error 2.9x NumPy's on average, runs of 64 1.6x). The tile adds a
-   block's runs together before they join the accumulator, so that the
-   accumulator's own chain stays one addition per block. */
+   rounding chains of 64 products, not of every key of a 256-key block
+   (a chain over the whole block roughly doubled the P.V step's error
+   against NumPy's). The tile adds a block's runs together before they
+   join the accumulator, so that the accumulator's own chain stays one
+   addition per block. */
 #define CA_SUM_KEYS 64
 
 /* ...and every table's score tiles sum runs of this many features of a

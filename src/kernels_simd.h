@@ -31,8 +31,7 @@ _Static_assert(CA_ROW_QUANTUM % CA_TILE_ROWS == 0,
    into L2 (prefetch_ahead) into L1 this many keys ahead, at most
    PREFETCH_KEYS (the score kernel leaves its K rows to L2): half
    the call's keys. A paged cache hands them a page at a time (16 rows for
-   page_size 16), where PREFETCH_KEYS ahead would never be inside the call
-   (a paged decode step took 1.14x the contiguous one, 1.05x with half) */
+   page_size 16), where PREFETCH_KEYS ahead would never be inside the call */
 #define DIRECT_PREFETCH_KEYS(n_keys) ((n_keys) / 2 < PREFETCH_KEYS ? (n_keys) / 2 : PREFETCH_KEYS)
 /* vectors whose e^x exp_sum computes side by side (see exp_vecs) */
 #define CA_EXP_VECS 4
@@ -120,12 +119,10 @@ CA_SIMD_INLINE void prefetch_row(const void *row, ptrdiff_t n_bytes)
 }
 
 /* the other operand's row j, into L2 for the next kernel. Every line of
-   the row, and for every key: a decode step over K and V in memory (128 MiB)
-   took 1.9x as long without these, 1.4x with every other row, 1.7x with
-   one line per row. K and V still in L3 (8 MiB) went 1.2x faster without
-   them there (on a Zen 4 machine later, 1.09x slower, and 1.58x slower over
-   40 layers' caches from memory), and a service's caches come from memory:
-   each layer's cache is read once per token, after all the others. */
+   the row, and for every key: a decode step reads K and V from memory (a
+   service reads each layer's cache once per token, after all the others),
+   and the hardware prefetcher alone leaves the step waiting on rows that
+   stream in; fewer lines per row or fewer rows left it waiting again. */
 CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
                                ptrdiff_t ahead_bytes, ptrdiff_t j)
 {

@@ -68,14 +68,10 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
     const ptrdiff_t n_vecs = d_k / CA_LANES;
     /* q held in registers where its features fill whole vectors and fit:
        one row (decode), or rows in pairs (grouped heads, several queries)
-       where a pair fits. One process, alternating call by call with the
-       loop below (AVX-512, 1 and 2 threads, same bits): K and V in L3
-       0.93-0.95x the time, grouped heads 0.90-0.95x, float16 K/V
-       0.94-0.97x, four queries 0.95-0.98x, from memory 0.95-1.00x; AVX2
-       (a single row up to d_k = 64) unchanged. Several rows each held
-       alone would read the step's keys once per row, where the loop below
-       reads them once per pair (1.10x the time with AVX2, four rows of
-       d_k = 64), so they take the loop. */
+       where a pair fits, so that a key's vectors are loaded once and meet
+       the query in registers (the same bits as the loop below). Several
+       rows each held alone would read the step's keys once per row, where
+       the loop below reads them once per pair, so they take the loop. */
     if (d_k % CA_LANES == 0 && n_vecs >= 1 && n_vecs <= CA_DIRECT_ROW_VECS
         && (n_rows == 1 || n_vecs <= CA_DIRECT_PAIR_VECS)) {
         ptrdiff_t r = 0;
@@ -101,13 +97,9 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
     const CA_MASK tail = CA_V(lanes)(d_k - d_main);
     /* no L1 prefetch of the keys' own rows: but for a chunk's first step,
        P.V of the step before brought them into L2 (prefetch_ahead), and
-       prefetching them into L1 too took load slots the loads need (one
+       prefetching them into L1 too takes load slots the loads need (one
        prefetch per line of K: as many as the vector loads of K with
-       AVX-512, half as many with AVX2).
-       Without it, one process alternating call by call (AVX-512 and AVX2
-       tables, 1 and 2 threads): K and V in L3 0.92-0.98x the time, from
-       memory 0.88-1.01x, float16 from memory 0.87-0.97x, a paged step
-       0.92-0.97x, small steps in L2 0.94-0.99x. int8's kernel keeps its own */
+       AVX-512, half as many with AVX2). int8's kernel keeps its own */
     for (ptrdiff_t j = 0; j < n_keys; j += 4) {
         /* four keys at a time share one horizontal reduction */
         const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;

@@ -82,8 +82,7 @@ CA_SIMD_INLINE void CA_NAME(score_tile)(const CA_T *q, ptrdiff_t ldq, const CA_T
 }
 
 /* K^T features per pass over the rows: the tile's strip of K^T, d_k rows
-   of its panels, stays in L1 while every row tile reads it (32 KiB; with
-   the 4-panel avx512 tile, d_k = 256 in one pass took 1.02x the time) */
+   of its panels, stays in L1 while every row tile reads it (32 KiB) */
 #define CA_SCORE_CHUNK (32768 / (CA_TILE_VECS / CA_VECS_PER_PANEL * CA_PANEL * (ptrdiff_t)sizeof(CA_T)))
 
 /* the score tiles of every row for the NV vectors of columns at kt,
@@ -291,10 +290,9 @@ CA_SIMD_INLINE CA_VEC CA_NAME(exp_vec)(CA_VEC x)
 
 /* CA_EXP_VECS vectors at a time, then one at a time; the sum takes the
    values in index order either way, so the bits are those of one vector at
-   a time. Against that, on a Zen 4 core (rows of 256 logits in L1, eight
-   runs alternating in one process): float 0.85-1.03x the time with AVX2
-   (median 0.90x) and 0.89-1.02x with AVX-512, double 0.77-0.86x and
-   0.88-0.92x */
+   a time. Independent vectors side by side let a core overlap their
+   polynomials' dependency chains, where one vector at a time waits on each
+   step's latency. */
 CA_SIMD_TARGET static CA_T CA_NAME(exp_sum)(CA_T *x, ptrdiff_t n, CA_T shift)
 {
     const CA_VEC shift_v = CA_V(set1)(shift);

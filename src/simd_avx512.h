@@ -18,18 +18,15 @@
 
 /* 32 registers: a tile of 6 rows times four vectors (four panels side by
    side) keeps 24 accumulators, four operand vectors and a broadcast in
-   registers: 10 loads per 24 FMAs, where 12 rows times two vectors take 14.
-   On an Intel Xeon with two 512-bit FMA ports whole calls took 0.92-1.00x
-   the time of the 12 x 2 tile (float64 0.92x: its tile is 32 columns wide
-   instead of 16); on a Zen 4 (512-bit FMAs in two halves, 32 KiB L1d)
-   0.96-1.10x, median 0.99x, each row inside the spread of its runs. */
+   registers: 10 loads per 24 FMAs, where 12 rows times two vectors take 14
+   (fewer loads for two FMA ports to wait on; the float64 tile is 32
+   columns wide instead of 16). */
 #define CA_TILE_ROWS 6
 #define CA_TILE_VECS 4
 /* Decode (score_direct): the most vectors of query features a row keeps
    in registers for a whole call, alone and in a pair of rows (8 each: two
-   rows' 16, eight dot products and a key vector in 32 registers). A row
-   alone holding up to 16 (d_k = 256) ran 1.04-1.06x slower over float32 K
-   in L3 (0.90-0.94x over float16 K), so 8 it is. */
+   rows' 16, eight dot products and a key vector in 32 registers; a row
+   alone holding 16 leaves too few registers for the keys in flight). */
 #define CA_DIRECT_ROW_VECS 8
 #define CA_DIRECT_PAIR_VECS 8
 

@@ -3,16 +3,14 @@
  * calls made between the calls of other libraries (a NumPy pipeline).
  *
  * After a parallel region our idle OpenMP threads spin only briefly (see
- * cattention/_runtime.py), then sleep. Inside a pipeline the call before
+ * cattention/_native.py), then sleep. Inside a pipeline the call before
  * ours is usually a BLAS call that outlasts that spin, and OpenBLAS's own
  * workers keep spinning for about 0.1 s after it, holding a core. Waking our
  * sleeping worker and sharing that core with the spinner then costs more
  * than the worker saves (the spinner makes no system call, so the woken
  * worker runs only once the scheduler preempts it, and the call waits for
- * it at its end): measured on 2 cores, every call up to about 1.5 ms
- * of one-thread work ran as fast or faster on one thread there (a decode
- * step over 1024 keys, 8 heads: 250 us on one thread, 430 us on two).
- * Back to back, our workers are still spinning and two threads halve the
+ * it at its end): calls of up to about a millisecond of one-thread work
+ * ran as fast or faster on one thread there (BENCHMARKS.md). Back to back, our workers are still spinning and two threads halve the
  * time. So: a call that follows our previous call within CA_TEAM_AWAKE_NS,
  * or whose one-thread work is estimated above CA_TEAM_WORTH_WAKING_NS,
  * runs with the threads it was given; any other runs on one thread.

@@ -164,3 +164,31 @@ cdef inline bint new_rows_shaped(cnp.ndarray k_new, cnp.ndarray v_new, Py_ssize_
             and cnp.PyArray_DIM(v_new, 1) == n_kv_heads
             and cnp.PyArray_DIM(v_new, 2) == cnp.PyArray_DIM(k_new, 2)
             and cnp.PyArray_DIM(k_new, 3) == d_k and cnp.PyArray_DIM(v_new, 3) == d_v)
+
+
+cdef inline bint step_arrays_fit(cnp.ndarray q, cnp.ndarray k_store, cnp.ndarray v_store,
+                                 cnp.ndarray lengths, Py_ssize_t n_seq, int q_type,
+                                 int store_type) noexcept:
+    """A serving step's q (n_seq, H, T, d_k) and K/V storage (caches (B,
+    H_kv, S_max, d) or pages (n_pages, H_kv, page_size, d)) as a compiled
+    step reads them: 4-D, usable in place, of one H_kv, S_max (page size)
+    and d_k, every size nonzero, H a multiple of H_kv; lengths 1-D of
+    n_seq (-1: the caches' B)."""
+    if (cnp.PyArray_NDIM(q) != 4 or cnp.PyArray_NDIM(k_store) != 4
+            or cnp.PyArray_NDIM(v_store) != 4 or cnp.PyArray_NDIM(lengths) != 1):
+        return False
+    if n_seq < 0:
+        n_seq = cnp.PyArray_DIM(k_store, 0)
+    if not (usable_input(q, q_type) and usable_input(k_store, store_type)
+            and usable_input(v_store, store_type)):
+        return False
+    cdef Py_ssize_t d
+    for d in range(3):
+        if (cnp.PyArray_DIM(v_store, d) != cnp.PyArray_DIM(k_store, d)
+                or cnp.PyArray_DIM(k_store, d) == 0):
+            return False
+    return (cnp.PyArray_DIM(q, 0) == n_seq and cnp.PyArray_DIM(lengths, 0) == n_seq
+            and n_seq > 0 and cnp.PyArray_DIM(q, 3) == cnp.PyArray_DIM(k_store, 3)
+            and cnp.PyArray_DIM(q, 3) > 0 and cnp.PyArray_DIM(v_store, 3) > 0
+            and cnp.PyArray_DIM(q, 1) > 0 and cnp.PyArray_DIM(q, 2) > 0
+            and cnp.PyArray_DIM(q, 1) % cnp.PyArray_DIM(k_store, 1) == 0)

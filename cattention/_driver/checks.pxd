@@ -107,18 +107,26 @@ cdef inline double check_softcap(object softcap, bint in_float32) except? -1:
     return value
 
 
-cdef inline Py_ssize_t window_side(object side, str name) except -2:
-    """One side of a window: -1 for None (unbounded), else a count >= 0."""
+cdef inline object as_integer(object value):
+    """value as a Python int if it is an integer (NumPy's too), else None; a
+    bool is not taken for an integer."""
     import operator
     import numpy as np
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+cdef inline Py_ssize_t window_side(object side, str name) except -2:
+    """One side of a window: -1 for None (unbounded), else a count >= 0."""
     if side is None:
         return -1
-    if isinstance(side, (bool, np.bool_)):
+    value = as_integer(side)
+    if value is None:
         raise TypeError(f"window {name} must be an integer or None, got {side!r}")
-    try:
-        value = operator.index(side)
-    except TypeError:
-        raise TypeError(f"window {name} must be an integer or None, got {side!r}") from None
     if value < 0:
         raise ValueError(f"window {name} must be >= 0 (or None), got {value}")
     return widest_window() if value > widest_window() else value
@@ -152,14 +160,9 @@ cdef inline Py_ssize_t check_num_threads(object n, str name) except -1:
         value = PyLong_AsLongLongAndOverflow(n, &overflow)
         if overflow == 0 and 1 <= value <= MAX_THREADS:
             return <Py_ssize_t>value
-    import operator
-    import numpy as np
-    if isinstance(n, (bool, np.bool_)):
+    count = as_integer(n)
+    if count is None:
         raise ValueError(f"{name} must be a positive integer thread count, got {n!r}")
-    try:
-        count = operator.index(n)
-    except TypeError:
-        raise ValueError(f"{name} must be a positive integer thread count, got {n!r}") from None
     if count < 1:
         raise ValueError(f"{name} must be a positive integer thread count, got {count}")
     if count > MAX_THREADS:

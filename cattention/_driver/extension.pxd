@@ -1,6 +1,7 @@
 # cython: language_level=3
-"""The driver's C-level entry points (defined in extension.pyx), cimported by
-cattention/cython_attention.pxd, which is what other Cython code uses (the
+"""The driver's C-level entry point (defined in extension.pyx), cimported by
+cattention/cython_attention.pyx, whose attention_f32 / attention_f64 are
+what other Cython code uses (cattention/cython_attention.pxd is the
 contract: arguments, strides, status codes)."""
 
 cdef extern from "cattention.h":
@@ -14,22 +15,26 @@ cdef extern from "cattention.h":
         CATTENTION_ERR_FLAGS
         CATTENTION_ERR_NO_MEMORY
 
-cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
-                       Py_ssize_t d_v,
-                       const float *q, Py_ssize_t q_row_stride,
-                       const float *k, Py_ssize_t k_row_stride,
-                       const float *v, Py_ssize_t v_row_stride,
-                       double scale, int flags,
-                       float *out, Py_ssize_t out_row_stride,
-                       float *scores, Py_ssize_t scores_row_stride,
-                       float *lse, int n_threads) noexcept nogil
 
-cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
-                       Py_ssize_t d_v,
-                       const double *q, Py_ssize_t q_row_stride,
-                       const double *k, Py_ssize_t k_row_stride,
-                       const double *v, Py_ssize_t v_row_stride,
-                       double scale, int flags,
-                       double *out, Py_ssize_t out_row_stride,
-                       double *scores, Py_ssize_t scores_row_stride,
-                       double *lse, int n_threads) noexcept nogil
+cdef struct HeadCall:
+    # one head: the arguments of attention_f32 / attention_f64, with the
+    # element type (NPY_FLOAT32 or NPY_FLOAT64) of every array
+    int type_num
+    Py_ssize_t n_queries, n_keys, d_k, d_v
+    const void *q
+    Py_ssize_t q_row_stride
+    const void *k
+    Py_ssize_t k_row_stride
+    const void *v
+    Py_ssize_t v_row_stride
+    double scale
+    int flags
+    void *out
+    Py_ssize_t out_row_stride
+    void *scores
+    Py_ssize_t scores_row_stride
+    void *lse
+    int n_threads
+
+
+cdef int head_attention(const HeadCall *call) noexcept nogil

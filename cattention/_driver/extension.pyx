@@ -40,7 +40,6 @@ express.
 """
 
 cimport numpy as cnp
-from cython cimport floating
 from libc.math cimport isfinite
 from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
@@ -99,18 +98,10 @@ cdef inline void head_place(Place *place, const void *data, int type_num,
     place.page_stride = 0
 
 
-cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
-                           Py_ssize_t d_v,
-                           const floating *q, Py_ssize_t q_row_stride,
-                           const floating *k, Py_ssize_t k_row_stride,
-                           const floating *v, Py_ssize_t v_row_stride,
-                           double scale, int flags,
-                           floating *out, Py_ssize_t out_row_stride,
-                           floating *scores, Py_ssize_t scores_row_stride,
-                           floating *lse, int n_threads) noexcept nogil:
+cdef int head_attention(const HeadCall *call) noexcept nogil:
     """One head through the same driver as the Python API: a plan of one
     sequence and one head."""
-    cdef int type_num = cnp.NPY_FLOAT32 if floating is float else cnp.NPY_FLOAT64
+    cdef bint in_float32 = call.type_num == cnp.NPY_FLOAT32
     cdef intp_t zero[1]
     cdef intp_t n_rows[1]
     cdef intp_t n_valid[1]
@@ -121,38 +112,40 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
     cdef Problem pb
     cdef intp_t *index
     cdef int status
-    if n_queries < 0 or n_keys < 0 or d_k < 0 or d_v < 0:
+    cdef bint with_out = call.out != NULL
+    if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
         return CATTENTION_ERR_SIZE
-    if flags & ~CATTENTION_CAUSAL:
+    if call.flags & ~CATTENTION_CAUSAL:
         return CATTENTION_ERR_FLAGS
-    if not isfinite(scale) or not holds(scale, floating is float):
+    if not isfinite(call.scale) or not holds(call.scale, in_float32):
         return CATTENTION_ERR_SCALE
-    if out == NULL and scores == NULL:
+    if not with_out and call.scores == NULL:
         return CATTENTION_ERR_POINTER
-    if (missing(q, n_queries, d_k) or missing(k, n_keys, d_k)
-            or (out != NULL and (missing(v, n_keys, d_v) or missing(out, n_queries, d_v)))):
+    if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)
+            or (with_out and (missing(call.v, call.n_keys, call.d_v)
+                              or missing(call.out, call.n_queries, call.d_v)))):
         return CATTENTION_ERR_POINTER
-    if ((out != NULL and out_row_stride < d_v)
-            or (scores != NULL and scores_row_stride < n_keys)):
+    if ((with_out and call.out_row_stride < call.d_v)
+            or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
         return CATTENTION_ERR_STRIDE
-    if n_queries == 0:
+    if call.n_queries == 0:
         return CATTENTION_OK
     zero[0] = 0
-    n_rows[0] = n_queries
-    n_valid[0] = n_keys
-    plain_row_options(&row, (flags & CATTENTION_CAUSAL) != 0, scale)
+    n_rows[0] = call.n_queries
+    n_valid[0] = call.n_keys
+    plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)
     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1
-    plan.d_k = d_k
-    plan.d_v = d_v if out != NULL else 0
+    plan.d_k = call.d_k
+    plan.d_v = call.d_v if with_out else 0
     plan.q_lengths = n_rows
     plan.kv_lengths = n_valid
-    head_place(&plan.q, q, type_num, zero, q_row_stride)
-    head_place(&plan.k, k, type_num, zero, k_row_stride)
+    head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
+    head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
     # SCORES alone: V is not read
-    head_place(&plan.v, v if out != NULL else k, type_num, zero,
-               v_row_stride if out != NULL else k_row_stride)
-    head_place(&plan.out, out, type_num, zero, out_row_stride)
-    head_place(&plan.lse, lse, type_num, zero, 1)
+    head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,
+               call.v_row_stride if with_out else call.k_row_stride)
+    head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)
+    head_place(&plan.lse, call.lse, call.type_num, zero, 1)
     plan.k_scale.data = NULL
     plan.v_scale.data = NULL
     plan.alibi = NULL
@@ -166,39 +159,16 @@ cdef int c_level_attention(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d
     if index == NULL:
         free_tables(tables, n_tables)
         return CATTENTION_ERR_NO_MEMORY
-    pb.ld_scores = scores_row_stride
-    status = compute_problem(&pb, _kernels, n_threads if n_threads >= 1 else 1, out, scores)
+    pb.ld_scores = call.scores_row_stride
+    if in_float32:
+        status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
+                                 <float *>call.out, <float *>call.scores)
+    else:
+        status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
+                                 <double *>call.out, <double *>call.scores)
     free(index)
     free_tables(tables, n_tables)
     return CATTENTION_ERR_NO_MEMORY if status != 0 else CATTENTION_OK
-
-
-cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
-                       Py_ssize_t d_v,
-                       const float *q, Py_ssize_t q_row_stride,
-                       const float *k, Py_ssize_t k_row_stride,
-                       const float *v, Py_ssize_t v_row_stride,
-                       double scale, int flags,
-                       float *out, Py_ssize_t out_row_stride,
-                       float *scores, Py_ssize_t scores_row_stride,
-                       float *lse, int n_threads) noexcept nogil:
-    return c_level_attention(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
-                             v, v_row_stride, scale, flags, out, out_row_stride,
-                             scores, scores_row_stride, lse, n_threads)
-
-
-cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
-                       Py_ssize_t d_v,
-                       const double *q, Py_ssize_t q_row_stride,
-                       const double *k, Py_ssize_t k_row_stride,
-                       const double *v, Py_ssize_t v_row_stride,
-                       double scale, int flags,
-                       double *out, Py_ssize_t out_row_stride,
-                       double *scores, Py_ssize_t scores_row_stride,
-                       double *lse, int n_threads) noexcept nogil:
-    return c_level_attention(n_queries, n_keys, d_k, d_v, q, q_row_stride, k, k_row_stride,
-                             v, v_row_stride, scale, flags, out, out_row_stride,
-                             scores, scores_row_stride, lse, n_threads)
 
 
 # ------------------------------------------------------------ introspection

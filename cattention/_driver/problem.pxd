@@ -201,12 +201,10 @@ cdef inline Py_ssize_t fold_period(Py_ssize_t n_steps) noexcept nogil:
 
     Each block adds one rounded term to a sum that grows, and those
     roundings lean one way (terms of about one size meet a sum of about one
-    magnitude), so a chain's error grows with its length: over 1024 steps of
-    32 keys a row's ATTN had 5x NumPy's RMS error. With totals every g
-    steps, the running chains' roundings are at g / n of the row's scale,
-    g^2 / n of them in all, and the totals' n / g at the row's:
-    g = (n^2 / 2)^(1/3) balances the two (0.44-0.97x NumPy's error on rows
-    of 16,384-131,072 keys; g = sqrt(n) left 0.45-1.11x). Items of at most
+    magnitude), so a chain's error grows with its length, not as a random
+    walk. With totals every g steps, the running chains' roundings are at
+    g / n of the row's scale, g^2 / n of them in all, and the totals' n / g
+    at the row's: g = (n^2 / 2)^(1/3) balances the two. Items of at most
     FOLD_MIN_STEPS never fold: their state is bitwise one chain's."""
     cdef Py_ssize_t g = <Py_ssize_t>ceil(cbrt(0.5 * <double>n_steps * n_steps))
     return g if g > FOLD_MIN_STEPS else FOLD_MIN_STEPS

@@ -59,8 +59,7 @@ cdef inline Py_ssize_t item_rows(const Problem *pb, Py_ssize_t item,
     the packed path.
 
     One batch entry's query blocks follow each other, so the entry's
-    packed K/V stay in cache from one to the next (up to 9% faster, at 1
-    or 2 threads, than taking the entries in turn). Within an entry the
+    packed K/V stay in cache from one to the next. Within an entry the
     last query blocks, which see the most keys under a causal mask, come
     first, so the dynamic schedule ends with cheap ones."""
     cdef Py_ssize_t n_rows
@@ -115,7 +114,7 @@ cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Worksp
     order compute_query_block gives them. Each block fetches the next one's
     query rows, and the last the K and V rows of entry next_b (the one this
     thread likely takes next; -1: none), which packing reads first, often
-    from memory (a BERT-sized batch took about 1.05x as long without)."""
+    from memory."""
     cdef Py_ssize_t key_block, item, packed_block
     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks
     for key_block in range(pb.n_key_blocks):
@@ -307,11 +306,10 @@ cdef inline void order_longest_first(const Problem *pb, const intp_t *group_firs
                                      Py_ssize_t n_groups, GroupOrder *order) noexcept nogil:
     """The groups in the order their items are taken: when groups hold
     several entries (coarse items), those with the most keys first, so that
-    the dynamic schedule ends on short items (a paged batch sorted by length,
-    shortest first, left one thread its longest sequence alone at the end:
-    1.10x the contiguous step at 2 threads, 1.06x in this order). Items of
-    one entry each keep the batch order (in this order a contiguous step at
-    2 threads took 1.05-1.09x as long). The order does not change results."""
+    the dynamic schedule ends on short items (shortest first would leave one
+    thread its longest sequence alone at the end). Items of one entry each
+    keep the batch order, whose neighbours share pages and cache lines. The
+    order does not change results."""
     cdef Py_ssize_t group
     for group in range(n_groups):
         order[group].group = group
@@ -435,9 +433,8 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
     # batch, or many heads), or as many K/V entries of one length for each
     # thread: a work item is a K/V entry with its readers, which packs it
     # and at once computes their query blocks while the packed blocks are
-    # still in cache (packing every entry first wrote them all out to L3 or
-    # memory and read them back: causal (1, 8, 1024, 1024, 64) took 1.06x
-    # as long at one thread and 1.07x at two). Otherwise everything is
+    # still in cache (packing every entry first writes them all out to L3
+    # or memory and reads them back). Otherwise everything is
     # packed first, then query blocks are spread over the threads, which
     # balances them where entries are few or differ in length.
     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0

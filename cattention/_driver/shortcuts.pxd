@@ -16,7 +16,7 @@ from libc.stdlib cimport calloc, free, malloc
 from cattention._driver.kernel_table cimport ca_kernels, intp_t
 from cattention._driver.accepts cimport (
     apart, are_ndarrays, half_holds, new_rows_shaped, output_fits, plain_lengths,
-    serving_step_arrays, serving_step_dtypes, usable_input, writes_apart)
+    serving_step_arrays, serving_step_dtypes, step_arrays_fit, usable_input, writes_apart)
 from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
 from cattention._driver.checks cimport check_flag, check_scale, resolve_threads
 from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
@@ -164,11 +164,7 @@ cdef inline object kvcache_shortcut(
     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
-    if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kc) != 4 or cnp.PyArray_NDIM(vc) != 4
-            or cnp.PyArray_NDIM(lengths) != 1):
-        return None
-    if not (usable_input(qa, q_type) and usable_input(kc, cache_type)
-            and usable_input(vc, cache_type)):
+    if not step_arrays_fit(qa, kc, vc, lengths, -1, q_type, cache_type):
         return None
     cdef Py_ssize_t n_batch = cnp.PyArray_DIM(kc, 0)
     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kc, 1)
@@ -177,13 +173,6 @@ cdef inline object kvcache_shortcut(
     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vc, 3)
     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
-    if (cnp.PyArray_DIM(vc, 0) != n_batch or cnp.PyArray_DIM(vc, 1) != n_kv_heads
-            or cnp.PyArray_DIM(vc, 2) != max_keys or cnp.PyArray_DIM(qa, 0) != n_batch
-            or cnp.PyArray_DIM(qa, 3) != d_k or cnp.PyArray_DIM(lengths, 0) != n_batch):
-        return None
-    if (n_batch == 0 or n_heads == 0 or n_kv_heads == 0 or max_keys == 0 or d_k == 0
-            or d_v == 0 or n_queries == 0 or n_heads % n_kv_heads != 0):
-        return None
     if not plain_lengths(lengths, max_keys):
         return None
     cdef Py_ssize_t n_new = 0
@@ -370,12 +359,12 @@ cdef inline object paged_shortcut(
     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
-    if (cnp.PyArray_NDIM(qa) != 4 or cnp.PyArray_NDIM(kp) != 4 or cnp.PyArray_NDIM(vp) != 4
-            or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1):
+    if cnp.PyArray_NDIM(table) != 2 or not (usable_input(table, cnp.NPY_INT64)
+                                            or usable_input(table, cnp.NPY_INT32)):
         return None
-    if not (usable_input(qa, q_type) and usable_input(kp, page_type)
-            and usable_input(vp, page_type)
-            and (usable_input(table, cnp.NPY_INT64) or usable_input(table, cnp.NPY_INT32))):
+    if (cnp.PyArray_DIM(table, 1) == 0
+            or not step_arrays_fit(qa, kp, vp, lengths, cnp.PyArray_DIM(table, 0), q_type,
+                                   page_type)):
         return None
     cdef Py_ssize_t n_pages = cnp.PyArray_DIM(kp, 0)
     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kp, 1)
@@ -386,14 +375,6 @@ cdef inline object paged_shortcut(
     cdef Py_ssize_t max_pages = cnp.PyArray_DIM(table, 1)
     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
-    if (cnp.PyArray_DIM(vp, 0) != n_pages or cnp.PyArray_DIM(vp, 1) != n_kv_heads
-            or cnp.PyArray_DIM(vp, 2) != page_size or cnp.PyArray_DIM(qa, 0) != n_seq
-            or cnp.PyArray_DIM(qa, 3) != d_k or cnp.PyArray_DIM(lengths, 0) != n_seq):
-        return None
-    if (n_pages == 0 or n_kv_heads == 0 or page_size == 0 or d_k == 0 or d_v == 0
-            or n_seq == 0 or max_pages == 0 or n_heads == 0 or n_queries == 0
-            or n_heads % n_kv_heads != 0):
-        return None
     # positions a sequence can hold; int32 lengths must hold every one
     if <double>max_pages * page_size > 4.0e18:
         return None

@@ -9,7 +9,6 @@ dtype and native byte order (copying only what the kernels cannot read).
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Optional
 
 import numpy as np
@@ -18,17 +17,6 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 SUPPORTED_DTYPES = (
     "float16, float32 and float64 (integer and bool inputs are computed as float64)"
 )
-
-
-def as_integer(value: object) -> Optional[int]:
-    """value as a Python int if it is an integer (NumPy's too), else None; a
-    bool is not taken for an integer."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def native(arr: NDArray[Any]) -> NDArray[Any]:
