@@ -1,5 +1,13 @@
-/* Build facts the run-time report shows (runtime.h). */
+/* Build facts the run-time report shows, and the run-time type number of
+   bfloat16 (runtime.h). */
 #include "runtime.h"
+
+int ca_bfloat16_type = -1;
+
+void ca_set_bfloat16_type(int type_num)
+{
+    ca_bfloat16_type = type_num;
+}
 
 const char *ca_compiler_version(void)
 {

@@ -228,6 +228,23 @@ typedef struct ca_kernels {
                           ptrdiff_t d_v, float *acc, ptrdiff_t ldacc,
                           const void *ahead, ptrdiff_t ahead_stride,
                           ptrdiff_t ahead_bytes);
+
+    /* bfloat16 q, K and V (the upper halves of float32 values), as
+       half_rows_to_f32, score_direct_f16 and pv_direct_f16: converted
+       exactly as they are read, never copied to float32 whole. */
+    void (*bf16_rows_to_f32)(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                             ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
+                             ptrdiff_t ld_dst);
+    void (*score_direct_bf16)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                              const uint16_t *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                              ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
+                              const void *ahead, ptrdiff_t ahead_stride,
+                              ptrdiff_t ahead_bytes);
+    void (*pv_direct_bf16)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                           const uint16_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                           ptrdiff_t d_v, float *acc, ptrdiff_t ldacc,
+                           const void *ahead, ptrdiff_t ahead_stride,
+                           ptrdiff_t ahead_bytes);
 } ca_kernels;
 
 /* The table of one instruction set, from the file that defines a static
@@ -264,6 +281,9 @@ typedef struct ca_kernels {
         .pv_direct_i8 = pv_direct_i8, \
         .score_direct_f16 = score_direct_f16, \
         .pv_direct_f16 = pv_direct_f16, \
+        .bf16_rows_to_f32 = bf16_rows_to_f32, \
+        .score_direct_bf16 = score_direct_bf16, \
+        .pv_direct_bf16 = pv_direct_bf16, \
     }
 
 /* Tables, one per instruction set compiled in (listed in dispatch.c). */

@@ -260,14 +260,18 @@ static void pv_direct_i8(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const 
         }
 }
 
-static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
-                             ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst,
-                             ptrdiff_t ld_dst)
-{
-    for (ptrdiff_t r = 0; r < n_rows; ++r)
-        for (ptrdiff_t c = 0; c < n_cols; ++c)
-            dst[r * ld_dst + c] = ca_half_to_float(src[r * src_row + c * src_col]);
-}
+/* float16 and bfloat16 rows, converted exactly */
+#define CA_DEFINE_ROWS_TO_F32(name, SCALAR) \
+    static void name(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col, \
+                     ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst, ptrdiff_t ld_dst) \
+    { \
+        for (ptrdiff_t r = 0; r < n_rows; ++r) \
+            for (ptrdiff_t c = 0; c < n_cols; ++c) \
+                dst[r * ld_dst + c] = SCALAR(src[r * src_row + c * src_col]); \
+    }
+CA_DEFINE_ROWS_TO_F32(half_rows_to_f32, ca_half_to_float)
+CA_DEFINE_ROWS_TO_F32(bf16_rows_to_f32, ca_bfloat16_to_float)
+#undef CA_DEFINE_ROWS_TO_F32
 
 static void pack_kt_f32(const float *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
                         float *kt, ptrdiff_t kt_panel_stride)
@@ -311,5 +315,6 @@ CA_DEFINE_PORTABLE_KERNELS(double, f64, ca_expd_scalar, CA_PANEL_F64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, float, CA_AS_IS, f32)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, double, CA_AS_IS, f64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_half_to_float, f16)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_bfloat16_to_float, bf16)
 
 CA_DEFINE_KERNEL_TABLE(ca_kernels_baseline, "baseline");

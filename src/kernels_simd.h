@@ -179,7 +179,7 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_DIV_Q_RANGE 0x1p400
 #include "kernels_simd_typed.h"
 
-/* ---- float32 queries, float16 K and V: the decode kernels ------------ */
+/* ---- float32 queries, float16 or bfloat16 K and V: the decode kernels */
 
 #define CA_T float
 #define CA_V(op) vf32_##op
@@ -190,6 +190,11 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_KV_LOAD(p) vf32_load_half(p)
 #define CA_KV_LOAD_LANES(p, m) vf32_load_half_lanes(p, m)
 #define CA_DIRECT_NAME(x) x##_f16
+#include "kernels_simd_direct.h"
+#define CA_KV_T uint16_t
+#define CA_KV_LOAD(p) vf32_load_bf16(p)
+#define CA_KV_LOAD_LANES(p, m) vf32_load_bf16_lanes(p, m)
+#define CA_DIRECT_NAME(x) x##_bf16
 #include "kernels_simd_direct.h"
 #undef CA_T
 #undef CA_V
@@ -202,24 +207,30 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define LANES CA_LANES_F32
 #define PANEL CA_PANEL_F32
 
-CA_SIMD_TARGET static void half_rows_to_f32(const uint16_t *src, ptrdiff_t src_row,
-                                            ptrdiff_t src_col, ptrdiff_t n_rows,
-                                            ptrdiff_t n_cols, float *dst, ptrdiff_t ld_dst)
-{
-    for (ptrdiff_t r = 0; r < n_rows; ++r) {
-        const uint16_t *row = src + r * src_row;
-        float *out = dst + r * ld_dst;
-        ptrdiff_t c = 0;
-        if (src_col == 1) {
-            if (r + PREFETCH_KEYS < n_rows)
-                prefetch_row(src + (r + PREFETCH_KEYS) * src_row, n_cols * 2);
-            for (; c + LANES <= n_cols; c += LANES)
-                vf32_store(out + c, vf32_load_half(row + c));
-        }
-        for (; c < n_cols; ++c)
-            out[c] = ca_half_to_float(row[c * src_col]);
+/* float16 and bfloat16 rows, converted exactly (name: the table entry,
+   LOAD: CA_LANES_F32 values as a vector, SCALAR: one value) */
+#define CA_DEFINE_ROWS_TO_F32(name, LOAD, SCALAR) \
+    CA_SIMD_TARGET static void name(const uint16_t *src, ptrdiff_t src_row, ptrdiff_t src_col, \
+                                    ptrdiff_t n_rows, ptrdiff_t n_cols, float *dst, \
+                                    ptrdiff_t ld_dst) \
+    { \
+        for (ptrdiff_t r = 0; r < n_rows; ++r) { \
+            const uint16_t *row = src + r * src_row; \
+            float *out = dst + r * ld_dst; \
+            ptrdiff_t c = 0; \
+            if (src_col == 1) { \
+                if (r + PREFETCH_KEYS < n_rows) \
+                    prefetch_row(src + (r + PREFETCH_KEYS) * src_row, n_cols * 2); \
+                for (; c + LANES <= n_cols; c += LANES) \
+                    vf32_store(out + c, LOAD(row + c)); \
+            } \
+            for (; c < n_cols; ++c) \
+                out[c] = SCALAR(row[c * src_col]); \
+        } \
     }
-}
+CA_DEFINE_ROWS_TO_F32(half_rows_to_f32, vf32_load_half, ca_half_to_float)
+CA_DEFINE_ROWS_TO_F32(bf16_rows_to_f32, vf32_load_bf16, ca_bfloat16_to_float)
+#undef CA_DEFINE_ROWS_TO_F32
 
 /* int8 rows times their scale: lanes sign-extended, converted and
    multiplied (exact conversion, one rounding, as the portable loop) */

@@ -1,7 +1,8 @@
 /*
  * What the driver needs from its surroundings, beside the kernels: the
- * compiler that built it (build_info.c), fork safety (fork_safety.c), and
- * per-thread scratch and aligned memory (scratch.c).
+ * compiler that built it and the run-time type number of bfloat16
+ * (build_info.c), fork safety (fork_safety.c), and per-thread scratch and
+ * aligned memory (scratch.c).
  */
 #ifndef CATTENTION_RUNTIME_H
 #define CATTENTION_RUNTIME_H
@@ -14,6 +15,13 @@ extern "C" {
 
 /* Compiler that built the extension, e.g. "GCC 12.2.0". */
 const char *ca_compiler_version(void);
+
+/* NumPy's type number of ml_dtypes.bfloat16, or -1 until the Python layer
+   has met it: the type is registered when ml_dtypes is imported, so the
+   driver is told its number. An operand of it is stored as bfloat16 and
+   computed in float32. */
+extern int ca_bfloat16_type;
+void ca_set_bfloat16_type(int type_num);
 
 /* Fork safety. GNU OpenMP cannot start a parallel region in a child forked
    after the parent ran one (the child inherits a thread pool whose threads

@@ -11,6 +11,11 @@ void ca_softcap_f64(double *x, ptrdiff_t n, double cap)
         x[j] = cap * tanh(x[j] / cap);
 }
 
+float ca_bfloat16_to_float(uint16_t b)
+{
+    return ca_f32_from_bits((uint32_t)b << 16);
+}
+
 float ca_half_to_float(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

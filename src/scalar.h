@@ -17,6 +17,9 @@ void ca_softcap_f64(double *x, ptrdiff_t n, double cap);
 /* IEEE binary16 to binary32, exact (subnormals, infinities and NaN kept). */
 float ca_half_to_float(uint16_t h);
 
+/* bfloat16 (the upper half of a binary32) to binary32, exact: a shift. */
+float ca_bfloat16_to_float(uint16_t b);
+
 #ifdef __cplusplus
 }
 #endif

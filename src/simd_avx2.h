@@ -158,6 +158,27 @@ CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 m)
         return vf32_load_half(p);
     return load_half_part(p, __builtin_popcount(lanes));
 }
+/* bfloat16 values are the upper halves of float32 ones: widened and
+   shifted, exactly */
+CA_SIMD_INLINE vf32 vf32_load_bf16(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+__attribute__((noinline)) CA_SIMD_TARGET static vf32 load_bf16_part(const uint16_t *p, int n)
+{
+    uint16_t lanes[CA_LANES_F32] = {0};
+    for (int l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return vf32_load_bf16(lanes);
+}
+CA_SIMD_INLINE vf32 vf32_load_bf16_lanes(const uint16_t *p, mf32 m)
+{
+    const unsigned lanes = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m));
+    if (lanes == 0xFFu)
+        return vf32_load_bf16(p);
+    return load_bf16_part(p, __builtin_popcount(lanes));
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

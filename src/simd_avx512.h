@@ -137,6 +137,18 @@ CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 m)
 {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
+/* bfloat16 values are the upper halves of float32 ones: widened and
+   shifted, exactly */
+CA_SIMD_INLINE vf32 vf32_load_bf16(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+CA_SIMD_INLINE vf32 vf32_load_bf16_lanes(const uint16_t *p, mf32 m)
+{
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));

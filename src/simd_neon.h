@@ -130,6 +130,21 @@ CA_SIMD_INLINE vf32 vf32_load_half_lanes(const uint16_t *p, mf32 n)
         lanes[l] = p[l];
     return vf32_load_half(lanes);
 }
+/* bfloat16 values are the upper halves of float32 ones: widened and
+   shifted, exactly */
+CA_SIMD_INLINE vf32 vf32_load_bf16(const uint16_t *p)
+{
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+CA_SIMD_INLINE vf32 vf32_load_bf16_lanes(const uint16_t *p, mf32 n)
+{
+    if (n == 4)
+        return vf32_load_bf16(p);
+    uint16_t lanes[4] = {0, 0, 0, 0};
+    for (ptrdiff_t l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return vf32_load_bf16(lanes);
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     int32_t word;

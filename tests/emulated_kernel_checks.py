@@ -39,6 +39,7 @@ CHECKS = [
     "pv_direct_f32", "pv_direct_f64", "half_rows_to_f32", "softcap_f32", "pack_kt_f32",
     "pack_v_f32", "int8_rows_to_f32", "score_direct_i8", "pv_direct_i8",
     "score_direct_f16", "pv_direct_f16", "divide_rows_f32", "divide_rows_f64",
+    "bf16_rows_to_f32", "score_direct_bf16", "pv_direct_bf16",
 ]
 
 
@@ -365,42 +366,64 @@ class Checks:
         flat[spots] = edges[:spots.size]
         return rows
 
-    def check_score_direct_f16(self):
-        # every table: float16 keys read in place give the bits of its own
-        # float32 kernel on the converted rows
+    def bf16_rows(self, n_rows, n_cols):
+        """bfloat16 rows (as uint16) with the edge values: zeros of both
+        signs, subnormals, the largest finite, infinities and NaN."""
+        values = (self.rng.standard_normal((n_rows, n_cols)) * 4).astype(np.float32)
+        rows = (values.view(np.uint32) >> 16).astype(np.uint16)
+        edges = np.array([0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7F80, 0x7FC0],
+                         np.uint16)
+        flat = rows.reshape(-1)
+        spots = self.rng.permutation(flat.size)[:min(flat.size // 4, edges.size)]
+        flat[spots] = edges[:spots.size]
+        return rows
+
+    @staticmethod
+    def widened(rows, fmt):
+        """float16 or bfloat16 rows as float32, exactly."""
+        if fmt == "f16":
+            return rows.astype(np.float32)
+        return (rows.astype(np.uint32) << 16).view(np.float32)
+
+    def rows_16(self, fmt, n_rows, n_cols):
+        return self.half_rows(n_rows, n_cols) if fmt == "f16" else self.bf16_rows(n_rows, n_cols)
+
+    def check_score_direct_16(self, fmt):
+        # every table: float16 or bfloat16 keys read in place give the bits
+        # of its own float32 kernel on the converted rows
         for d_k in list(range(1, 18)) + [31, 32, 33, 64, 127, 128]:
             for n_keys in (1, 3, 4, 5, 9):
                 for n_rows in (1, 2, 3):
                     q = self.rng.standard_normal((n_rows, d_k + 1)).astype(np.float32)
-                    k = self.half_rows(n_keys, d_k + 3)
+                    k = self.rows_16(fmt, n_keys, d_k + 3)
                     factor = -0.61
                     lds = n_keys + 2
                     for table in ("baseline", "avx2", "avx512"):
                         out = {name: self.score_direct(table, name, q, k_in, d_k, factor, lds)
-                               for name, k_in in (("score_direct_f16", k),
-                                                  ("score_direct_f32", k.astype(np.float32)))}
-                        if not same_bits(out["score_direct_f16"], out["score_direct_f32"]):
+                               for name, k_in in ((f"score_direct_{fmt}", k),
+                                                  ("score_direct_f32", self.widened(k, fmt)))}
+                        if not same_bits(out[f"score_direct_{fmt}"], out["score_direct_f32"]):
                             self.fail(f"{table}: not the float32 kernel's bits on the "
                                       f"converted keys: d_k={d_k} n_keys={n_keys} "
                                       f"n_rows={n_rows}")
 
-    def check_pv_direct_f16(self):
+    def check_pv_direct_16(self, fmt):
         for d_v in list(range(1, 36)) + [127, 128, 129, 200]:
             for n_keys in (1, 5, 70):
                 n_rows = 2
                 p = self.rng.random((n_rows, n_keys)).astype(np.float32)
                 p[p < 0.25] = 0
-                v = self.half_rows(n_keys, d_v + 1)
+                v = self.rows_16(fmt, n_keys, d_v + 1)
                 # a value row whose weights are all 0 takes no part, NaN or not
                 p[:, 0] = 0
-                v[0, :] = np.nan
+                v[0, :] = 0x7FC0 if fmt == "bf16" else np.nan
                 ldacc = -(-d_v // 16) * 16 + 16
                 acc0 = self.rng.standard_normal((n_rows, ldacc)).astype(np.float32)
                 for table in ("baseline", "avx2", "avx512"):
                     out = {name: self.pv_direct(table, name, p, v_in, d_v, acc0)
-                           for name, v_in in (("pv_direct_f16", v),
-                                              ("pv_direct_f32", v.astype(np.float32)))}
-                    if not same_bits(out["pv_direct_f16"], out["pv_direct_f32"]):
+                           for name, v_in in ((f"pv_direct_{fmt}", v),
+                                              ("pv_direct_f32", self.widened(v, fmt)))}
+                    if not same_bits(out[f"pv_direct_{fmt}"], out["pv_direct_f32"]):
                         self.fail(f"{table}: not the float32 kernel's bits on the converted "
                                   f"values: d_v={d_v} n_keys={n_keys}")
 
@@ -481,7 +504,7 @@ class Checks:
 
     # ---- conversions and packing: exact ----
 
-    def check_half_rows(self):
+    def check_rows_16(self, name):
         every_half = np.arange(1 << 16, dtype=np.uint16)
         cases = [(every_half.reshape(2048, 32), 1, 32)]
         for n_cols in range(1, 41):
@@ -493,7 +516,7 @@ class Checks:
             for table in ("baseline", "avx512"):
                 self.m.reset_arena()
                 dst_at, dst = self.m.empty((n_rows, n_cols + 1), np.float32, fill=9.0)
-                self.call(table, "half_rows_to_f32", [
+                self.call(table, name, [
                     self.ptr(self.m.put(src)), ("i", src.shape[1]), ("i", src_col),
                     ("i", n_rows), ("i", n_cols), self.ptr(dst_at), ("i", n_cols + 1)])
                 out[table] = dst.copy()
@@ -577,16 +600,17 @@ class Checks:
             "divide_rows": lambda: self.check_divide_rows(dtype),
             "score_direct": lambda: self.check_score_direct(dtype),
             "pv_direct": lambda: self.check_pv_direct(dtype),
-            "half_rows_to": self.check_half_rows,
+            "half_rows_to": lambda: self.check_rows_16("half_rows_to_f32"),
+            "bf16_rows_to": lambda: self.check_rows_16("bf16_rows_to_f32"),
             "softcap": self.check_softcap,
             "pack_kt": self.check_pack_kt,
             "pack_v": self.check_pack_v,
             "int8_rows_to": self.check_int8_rows,
         }
-        if name == "score_direct_f16":
-            self.check_score_direct_f16()
-        elif name == "pv_direct_f16":
-            self.check_pv_direct_f16()
+        if name in ("score_direct_f16", "score_direct_bf16"):
+            self.check_score_direct_16(name.rsplit("_", 1)[1])
+        elif name in ("pv_direct_f16", "pv_direct_bf16"):
+            self.check_pv_direct_16(name.rsplit("_", 1)[1])
         elif name == "score_direct_i8":
             self.check_score_direct_i8()
         elif name == "pv_direct_i8":

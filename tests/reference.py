@@ -25,6 +25,7 @@ __all__ = [
     "max_abs_err",
     "assert_matches_reference",
     "assert_bitwise_equal",
+    "assert_bfloat16_matches_reference",
     "make_qkv",
     "shapes_regex",
     "F32_ABS_CAP",
@@ -369,6 +370,52 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
                 f"{name}: float64 error {err:.3g} > {f64_abs_tol:g}")
         else:
             raise AssertionError(f"unexpected result dtype {dtype}")
+
+
+def assert_bfloat16_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
+                                      scale=None, lse=None, **options):
+    """bfloat16 results (ATTN, SCORES; either may be None) are each one
+    rounding, to nearest even, of a float32 result that meets the float32
+    rule against the float64 reference of the upcast inputs: every element
+    lies between the bfloat16 roundings of ``ref - e`` and ``ref + e``, with
+    e the float32 rule's allowed max error (4 x plain float32 NumPy's plus
+    two float32 ulps); the float32 LSE meets that max error itself."""
+    import ml_dtypes
+
+    def upcast(x):
+        x = np.asarray(x)
+        return x.astype(np.float32) if x.dtype == ml_dtypes.bfloat16 else x
+
+    q, k, v = upcast(q), upcast(k), upcast(v)
+    mask = upcast(mask) if mask is not None else None
+    ref = _attention(q, k, v, causal, mask, scale, np.float64, **options)
+    np32 = _attention(q, k, v, causal, mask, scale, np.float32, **options)
+    for i, (name, got) in enumerate((("ATTN", attn), ("SCORES", scores))):
+        if got is None:
+            continue
+        got = np.asarray(got)
+        assert got.dtype == ml_dtypes.bfloat16, f"{name} dtype {got.dtype} is not bfloat16"
+        assert got.shape == ref[i].shape, f"{name} shape {got.shape} != {ref[i].shape}"
+        atol = max(float32_ulp_atol(ref[i]), float32_ulp_atol(v) if i == 0 else 0.0)
+        if i == 1:
+            atol = max(atol, _logit_ulp_atol(q, k, scale, ref[i]))
+        e = F32_RTOL_MAX * max_abs_err(np32[i], ref[i]) + atol
+        low = (ref[i] - e).astype(ml_dtypes.bfloat16).astype(np.float64)
+        high = (ref[i] + e).astype(ml_dtypes.bfloat16).astype(np.float64)
+        got64 = got.astype(np.float64)
+        outside = ~((low <= got64) & (got64 <= high))
+        assert not outside.any(), (
+            f"{name}: {int(outside.sum())} of {got.size} bfloat16 values are no rounding "
+            f"of a float32 result within {e:.3g} of the reference (max error "
+            f"{max_abs_err(got64, ref[i]):.3g})")
+    if lse is not None:
+        lse = np.asarray(lse)
+        assert lse.dtype == np.float32, f"LSE dtype {lse.dtype} is not float32"
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref[2]))
+        finite = np.isfinite(ref[2])
+        e = F32_RTOL_MAX * max_abs_err(np32[2][finite], ref[2][finite]) + float32_ulp_atol(
+            ref[2][finite])
+        assert max_abs_err(lse[finite], ref[2][finite]) <= e
 
 
 def assert_bitwise_equal(actual, expected):

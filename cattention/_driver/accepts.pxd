@@ -7,6 +7,7 @@ sends the call to the general path, which names what is wrong)."""
 
 cimport numpy as cnp
 from libc.math cimport fabs
+from cattention._driver.kernel_table cimport ca_bfloat16_type
 
 
 cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
@@ -138,13 +139,25 @@ cdef inline bint serving_step_arrays(object q, object k_cache, object v_cache, o
     return k_new is None or (type(k_new) is cnp.ndarray and type(v_new) is cnp.ndarray)
 
 
+cdef inline int compute_type(int type_num) noexcept:
+    """The type a shortcut computes arrays of type_num in: float32 and
+    float64 their own, bfloat16 float32; -1 for any other (the general path
+    takes float16 and mixed dtypes)."""
+    if type_num == cnp.NPY_FLOAT32 or type_num == cnp.NPY_FLOAT64:
+        return type_num
+    if type_num == ca_bfloat16_type and type_num >= 0:
+        return cnp.NPY_FLOAT32
+    return -1
+
+
 cdef inline bint serving_step_dtypes(int q_type, int cache_type) noexcept:
-    """q float32 or float64 and caches of q's type, or float16 caches beside
-    a float32 q: the element types a compiled step computes."""
-    if q_type != cnp.NPY_FLOAT32 and q_type != cnp.NPY_FLOAT64:
+    """q float32, float64 or bfloat16 and caches of q's type, or float16 or
+    bfloat16 caches beside a float32 q: the element types a compiled step
+    computes."""
+    if compute_type(q_type) < 0:
         return False
-    return cache_type == q_type or (q_type == cnp.NPY_FLOAT32
-                                    and cache_type == cnp.NPY_FLOAT16)
+    return cache_type == q_type or (q_type == cnp.NPY_FLOAT32 and (
+        cache_type == cnp.NPY_FLOAT16 or cache_type == ca_bfloat16_type))
 
 
 cdef inline bint plain_lengths(cnp.ndarray lengths, Py_ssize_t capacity) noexcept:

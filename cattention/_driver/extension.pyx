@@ -44,7 +44,7 @@ from libc.math cimport isfinite
 from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
-    ca_kernels, ca_kernels_by_name, intp_t)
+    ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, intp_t)
 from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
 from cattention._driver.schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size, compute_problem,
@@ -217,6 +217,13 @@ def set_simd(name):
 
 def compiler():
     return (<bytes>ca_compiler_version()).decode()
+
+
+def register_bfloat16(int type_num):
+    """Tell the driver NumPy's type number of ml_dtypes.bfloat16 (assigned
+    when ml_dtypes is imported): operands of it are stored as bfloat16 and
+    computed in float32, and the shortcuts take them."""
+    ca_set_bfloat16_type(type_num)
 
 
 def openmp_enabled():

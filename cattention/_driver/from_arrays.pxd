@@ -6,9 +6,10 @@ found from the broadcast strides."""
 
 cimport numpy as cnp
 from libc.stdlib cimport malloc
-from cattention._driver.kernel_table cimport intp_t
+from cattention._driver.kernel_table cimport ca_bfloat16_type, intp_t
 from cattention._driver.problem cimport (
-    MASK_BOOL, MASK_F32, MASK_F64, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem,
+    MASK_BOOL, MASK_F32, MASK_F64, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand,
+    Problem,
     RowOptions, problem_finish, problem_init, set_operand)
 
 
@@ -105,13 +106,16 @@ cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, cnp.ndarray 
 
 cdef inline void set_storage(Operand *op, cnp.ndarray arr, cnp.ndarray scale,
                              const intp_t *scale_offsets):
-    """How K or V is stored: the compute dtype, float16, or int8 with its row
-    scales (an array of arr's shape with the features axis of size 1, whose
+    """How q, K or V is stored: the compute dtype, float16, bfloat16, or int8
+    with its row scales
+    (K or V: an array of arr's shape with the features axis of size 1, whose
     batch offsets scale_offsets holds)."""
     cdef int type_num = cnp.PyArray_TYPE(arr)
     cdef int ndim
     if type_num == cnp.NPY_FLOAT16:
         op.storage = STORE_F16
+    elif type_num == ca_bfloat16_type:
+        op.storage = STORE_BF16
     elif type_num == cnp.NPY_INT8:
         op.storage = STORE_I8
         ndim = cnp.PyArray_NDIM(scale)
@@ -169,6 +173,7 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
     cdef Py_ssize_t slot
     fill_batch_offsets(q, n_batch_dims, batch_shape, index)
     set_array_operand(&pb.q, q, index)
+    set_storage(&pb.q, q, None, NULL)
     if mask is not None:
         fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
         set_array_operand(&pb.mask, mask, index + 3 * n_batch)

@@ -24,9 +24,9 @@ paged step; both build the tables here."""
 
 cimport numpy as cnp
 from libc.stdlib cimport free, malloc
-from cattention._driver.kernel_table cimport intp_t
+from cattention._driver.kernel_table cimport ca_bfloat16_type, intp_t
 from cattention._driver.problem cimport (
-    DIRECT_ROWS, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, RowOptions,
+    DIRECT_ROWS, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, RowOptions,
     problem_finish, problem_init, set_operand)
 
 
@@ -36,7 +36,8 @@ cdef struct Place:
     # seq_offset is 0 and rows are found through the pages, page_stride
     # elements per page id); features col_stride apart
     const char *data
-    int type_num                 # NPY_FLOAT32, NPY_FLOAT64, NPY_FLOAT16 or NPY_INT8
+    int type_num                 # NPY_FLOAT32, NPY_FLOAT64, NPY_FLOAT16, bfloat16's
+                                 # (ca_bfloat16_type) or NPY_INT8
     const intp_t *seq_offset
     Py_ssize_t t_stride, h_stride, col_stride, page_stride
 
@@ -236,6 +237,8 @@ cdef inline void set_place_operand(Operand *op, const Place *place, const intp_t
     op.storage = STORE_COMPUTE
     if place.type_num == cnp.NPY_FLOAT16:
         op.storage = STORE_F16
+    elif place.type_num == ca_bfloat16_type:
+        op.storage = STORE_BF16
 
 
 cdef inline void set_kv_operand(Operand *op, const Place *place, const intp_t *offsets,

@@ -11,8 +11,8 @@ from libc.stdint cimport int8_t, uint16_t
 from cattention._driver.kernel_table cimport (
     ca_kernels, ca_prefetch_l1, kernel_pv_direct, kernel_score_direct)
 from cattention._driver.problem cimport (
-    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_F16, STORE_I8, Operand, Problem,
-    entry_rows, out_row_offset)
+    DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_BF16, STORE_F16, STORE_I8, Operand,
+    Problem, entry_rows, out_row_offset)
 from cattention._driver.operands cimport (
     contiguous_run, contiguous_rows, features_contiguous, int8_rows_for_kernel, operand_itemsize,
     row_offset, row_scales, rows_in_place)
@@ -113,13 +113,15 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
     v_rows = contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v)
     v_stride_bytes = pb.v.row_stride * operand_itemsize(pb, &pb.v)
     v_row_bytes = pb.d_v * operand_itemsize(pb, &pb.v)
-    if floating is float and pb.k.storage == STORE_F16 and features_contiguous(&pb.k, pb.d_k):
-        # float16 keys read where they lie (the run is within one page) and
-        # converted in registers: the bits of converting them first
-        kern.score_direct_f16(q_rows, pb.ld_k, n_rows,
-                              <const uint16_t *>pb.k.data + row_offset(&pb.k, b, key0 + j),
-                              pb.k.row_stride, run, pb.d_k, <float>pb.scale, s + j, K_BLOCK,
-                              v_rows, v_stride_bytes, v_row_bytes)
+    if floating is float and features_contiguous(&pb.k, pb.d_k) and (
+            pb.k.storage == STORE_F16 or pb.k.storage == STORE_BF16):
+        # float16 and bfloat16 keys read where they lie (the run is within
+        # one page) and converted in registers: the bits of converting them
+        # first
+        (kern.score_direct_f16 if pb.k.storage == STORE_F16 else kern.score_direct_bf16)(
+            q_rows, pb.ld_k, n_rows, <const uint16_t *>pb.k.data + row_offset(&pb.k, b, key0 + j),
+            pb.k.row_stride, run, pb.d_k, <float>pb.scale, s + j, K_BLOCK, v_rows,
+            v_stride_bytes, v_row_bytes)
         return
     k_rows = rows_in_place(pb, &pb.k, b, key0 + j, run, pb.d_k,
                            <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows, NULL)
@@ -153,12 +155,12 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
         if (next_keys > j if pb.k.page_ids == NULL else next_keys >= j + run) else NULL)
     k_stride_bytes = pb.k.row_stride * operand_itemsize(pb, &pb.k)
     k_row_bytes = pb.d_k * operand_itemsize(pb, &pb.k)
-    if floating is float and pb.v.storage == STORE_F16 and features_contiguous(&pb.v, pb.d_v):
-        # float16 values read where they lie, as score_run's keys
-        kern.pv_direct_f16(s + j, K_BLOCK, n_rows,
-                           <const uint16_t *>pb.v.data + row_offset(&pb.v, b, key0 + j),
-                           pb.v.row_stride, run, pb.d_v, acc, pb.ld_v, next_k, k_stride_bytes,
-                           k_row_bytes)
+    if floating is float and features_contiguous(&pb.v, pb.d_v) and (
+            pb.v.storage == STORE_F16 or pb.v.storage == STORE_BF16):
+        # float16 and bfloat16 values read where they lie, as score_run's keys
+        (kern.pv_direct_f16 if pb.v.storage == STORE_F16 else kern.pv_direct_bf16)(
+            s + j, K_BLOCK, n_rows, <const uint16_t *>pb.v.data + row_offset(&pb.v, b, key0 + j),
+            pb.v.row_stride, run, pb.d_v, acc, pb.ld_v, next_k, k_stride_bytes, k_row_bytes)
         return
     v_rows = rows_in_place(pb, &pb.v, b, key0 + j, run, pb.d_v,
                            <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows, NULL)

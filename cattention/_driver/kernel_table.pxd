@@ -97,6 +97,19 @@ cdef extern from "kernels.h" nogil:
                               Py_ssize_t d_v, double *acc, Py_ssize_t ldacc,
                               const void *ahead, Py_ssize_t ahead_stride,
                               Py_ssize_t ahead_bytes) noexcept nogil
+        void (*bf16_rows_to_f32)(const uint16_t *src, Py_ssize_t src_row, Py_ssize_t src_col,
+                                 Py_ssize_t n_rows, Py_ssize_t n_cols, float *dst,
+                                 Py_ssize_t ld_dst) noexcept nogil
+        void (*score_direct_bf16)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                                  const uint16_t *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                                  Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds,
+                                  const void *ahead, Py_ssize_t ahead_stride,
+                                  Py_ssize_t ahead_bytes) noexcept nogil
+        void (*pv_direct_bf16)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
+                               const uint16_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                               Py_ssize_t d_v, float *acc, Py_ssize_t ldacc,
+                               const void *ahead, Py_ssize_t ahead_stride,
+                               Py_ssize_t ahead_bytes) noexcept nogil
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
@@ -107,11 +120,14 @@ cdef extern from "kernels.h" nogil:
 
 cdef extern from "scalar.h" nogil:
     float ca_half_to_float(uint16_t h)
+    float ca_bfloat16_to_float(uint16_t b)
     void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
 
 
 cdef extern from "runtime.h" nogil:
     const char *ca_compiler_version()
+    int ca_bfloat16_type
+    void ca_set_bfloat16_type(int type_num)
     void ca_note_parallel_region()
     int ca_forked_after_parallel()
     enum: CA_SCRATCH_WORKSPACE

@@ -3,13 +3,15 @@
 """How the rows of an operand are reached: through its batch offsets, or a
 page table for a paged K/V cache (rows contiguous within a page); in place
 when its features are contiguous and its dtype is the compute dtype, else
-copied (strided features, rows of several pages) or converted (float16 K/V,
-int8 K/V times their row scales) into scratch rows, a block at a time."""
+copied (strided features, rows of several pages) or converted (float16 and
+bfloat16 q, K and V, int8 K/V times their row scales) into scratch rows, a
+block at a time."""
 
 from cython cimport floating
 from libc.stdint cimport int8_t, uint16_t
 from cattention._driver.kernel_table cimport intp_t
-from cattention._driver.problem cimport STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem
+from cattention._driver.problem cimport (
+    STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem)
 
 
 cdef inline Py_ssize_t entry_row_offset(const Operand *op, const intp_t *start,
@@ -98,6 +100,11 @@ cdef inline void copy_rows(const Problem *pb, const Operand *op, Py_ssize_t b,
             pb.kern.half_rows_to_f32(<const uint16_t *>op.data + at, op.row_stride,
                                      op.col_stride, n_keys, n_features, copy, ld_copy)
         return
+    if op.storage == STORE_BF16:
+        if floating is float:
+            pb.kern.bf16_rows_to_f32(<const uint16_t *>op.data + at, op.row_stride,
+                                     op.col_stride, n_keys, n_features, copy, ld_copy)
+        return
     if op.storage == STORE_I8:
         if floating is float:
             pb.kern.int8_rows_to_f32(<const int8_t *>op.data + at, op.row_stride,
@@ -129,7 +136,7 @@ cdef inline const char *contiguous_rows(const Problem *pb, const Operand *op,
 
 cdef inline Py_ssize_t operand_itemsize(const Problem *pb, const Operand *op) noexcept nogil:
     """Bytes per element as stored."""
-    if op.storage == STORE_F16:
+    if op.storage == STORE_F16 or op.storage == STORE_BF16:
         return 2
     if op.storage == STORE_I8:
         return 1

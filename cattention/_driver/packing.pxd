@@ -7,19 +7,26 @@ the SIMD P.V tile and added exactly where its weight is nonzero)."""
 
 from cython cimport floating
 from libc.stdint cimport uint8_t, uint16_t
-from cattention._driver.kernel_table cimport CA_PANEL_F32, CA_PANEL_F64, ca_half_to_float
+from cattention._driver.kernel_table cimport (
+    CA_PANEL_F32, CA_PANEL_F64, ca_bfloat16_to_float, ca_half_to_float)
 from cattention._driver.problem cimport (
-    K_BLOCK, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, key_extent, key_first, round_up)
-from cattention._driver.operands cimport row_offset, rows_in_place
+    K_BLOCK, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, key_extent, key_first,
+    round_up)
+from cattention._driver.operands cimport copy_rows, row_offset, rows_in_place
 from cattention._driver.workspace cimport Workspace
 
 
 cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                               Py_ssize_t n_rows, floating *q_packed,
                               Py_ssize_t ld) noexcept nogil:
+    """Query rows row0.. of entry b into q_packed (rows ld apart), features
+    contiguous; float16 and bfloat16 queries converted on the way."""
     cdef const floating *q = <const floating *>pb.q.data + pb.q.batch_offset[b]
     cdef Py_ssize_t i, c
     cdef const floating *q_row
+    if pb.q.storage != STORE_COMPUTE:
+        copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)
+        return
     for i in range(n_rows):
         q_row = q + (row0 + i) * pb.q.row_stride
         for c in range(pb.d_k):
@@ -34,7 +41,7 @@ cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize
     apart) when their features are strided. The score kernels read the same
     values either way; a copy would cost its own pass over Q (3% of a
     BERT-sized call)."""
-    if pb.q.col_stride == 1 or pb.d_k <= 1:
+    if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):
         ldq[0] = pb.q.row_stride
         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
     pack_queries(pb, b, row0, n_rows, q_packed, ld)
@@ -246,7 +253,12 @@ cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_
             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
             if pb.v.storage == STORE_I8:
                 continue  # int8 times a finite scale is finite
-            x = <floating>ca_half_to_float(v_half[at]) if pb.v.storage == STORE_F16 else v[at]
+            if pb.v.storage == STORE_F16:
+                x = <floating>ca_half_to_float(v_half[at])
+            elif pb.v.storage == STORE_BF16:
+                x = <floating>ca_bfloat16_to_float(v_half[at])
+            else:
+                x = v[at]
             if (x - x) == 0:
                 continue
             for i in range(n_rows):

@@ -82,15 +82,16 @@ cdef enum MaskKind:
 
 cdef enum Storage:
     STORE_COMPUTE = 0            # the compute dtype, read in place
-    STORE_F16 = 1                # float16 (with float32 q), converted as read
-    STORE_I8 = 2                 # int8 times one float32 scale per row, likewise
+    STORE_F16 = 1                # float16 (computed in float32), converted as read
+    STORE_I8 = 2                 # int8 times one float32 scale per row (K, V), likewise
+    STORE_BF16 = 3               # bfloat16 (computed in float32), converted as read
 
 cdef struct Operand:
     const char *data
     const intp_t *batch_offset   # element offset of each flattened batch entry
     Py_ssize_t row_stride        # elements
     Py_ssize_t col_stride        # elements
-    int storage                  # Storage of K and V (q and the mask: STORE_COMPUTE)
+    int storage                  # Storage of q, K and V (the mask: STORE_COMPUTE)
     const float *scale           # STORE_I8: the scale of each row, at
     const intp_t *scale_offset   # scale + scale_offset[b] + row * scale_stride
     Py_ssize_t scale_stride

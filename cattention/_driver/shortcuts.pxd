@@ -16,7 +16,8 @@ from libc.stdlib cimport calloc, free, malloc
 from cattention._driver.kernel_table cimport ca_kernels, intp_t
 from cattention._driver.accepts cimport (
     apart, are_ndarrays, half_holds, new_rows_shaped, output_fits, plain_lengths,
-    serving_step_arrays, serving_step_dtypes, step_arrays_fit, usable_input, writes_apart)
+    compute_type, serving_step_arrays, serving_step_dtypes, step_arrays_fit, usable_input,
+    writes_apart)
 from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
 from cattention._driver.checks cimport check_flag, check_scale, resolve_threads
 from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
@@ -59,11 +60,12 @@ cdef inline object attention_shortcut(
     cdef cnp.ndarray ka = <cnp.ndarray>k
     cdef cnp.ndarray va = <cnp.ndarray>v
     cdef int type_num = cnp.PyArray_TYPE(qa)
+    cdef int compute = compute_type(type_num)
     cdef int ndim = cnp.PyArray_NDIM(qa)
     cdef int d
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t shape[64]
-    if type_num != cnp.NPY_FLOAT32 and type_num != cnp.NPY_FLOAT64:
+    if compute < 0:
         return None
     if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim
             or cnp.PyArray_NDIM(va) != ndim):
@@ -94,19 +96,19 @@ cdef inline object attention_shortcut(
         return None
     if not output_fits(<double>n_batch * n_queries
                        * (n_keys if return_scores and n_keys > d_v else d_v),
-                       cnp.PyArray_ITEMSIZE(qa)):
+                       8 if compute == cnp.NPY_FLOAT64 else 4):
         return None
     cdef RowOptions row
-    plain_row_options(&row, causal, check_scale(scale, d_k, type_num == cnp.NPY_FLOAT32))
+    plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
     shape[ndim - 2] = n_queries
     shape[ndim - 1] = d_v
-    cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
     cdef cnp.ndarray scores = None
     if return_scores:
         shape[ndim - 1] = n_keys
-        scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, type_num, 0)
+        scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
     cdef Py_ssize_t query_period = 0
     if stacks_grouped_rows(group, n_queries, False, False):
         # a decode step: the G query heads' rows stacked as their K/V head's
@@ -122,6 +124,11 @@ cdef inline object attention_shortcut(
     if query_period > 0:
         pb.query_period = query_period
     run_then_free(&pb, index, kern, threads, out, scores)
+    if type_num != compute:
+        # bfloat16 in: the results rounded once to it
+        out = cnp.PyArray_Cast(out, type_num)
+        if return_scores:
+            scores = cnp.PyArray_Cast(scores, type_num)
     if return_scores:
         return out, scores
     return out
@@ -194,7 +201,8 @@ cdef inline object kvcache_shortcut(
     if not output_fits(<double>n_batch * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):
         return None
     cdef RowOptions row
-    plain_row_options(&row, causal, check_scale(scale, d_k, q_type == cnp.NPY_FLOAT32))
+    cdef int compute = compute_type(q_type)
+    plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
     # everything that allocates comes before the append: the grouped rows,
@@ -205,7 +213,7 @@ cdef inline object kvcache_shortcut(
     cdef Py_ssize_t query_period = 0
     shape[0] = n_batch
     shape[1] = n_heads
-    cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, q_type)
+    cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, compute)
     if stacks_grouped_rows(group, n_queries, False, False):
         qa = qa.reshape((n_batch, n_kv_heads, group * n_queries, d_k))
         shape[1] = n_kv_heads
@@ -265,6 +273,9 @@ cdef inline object kvcache_shortcut(
         free(start)
         raise
     free(start)
+    if q_type != compute:
+        # bfloat16 in: the result rounded once to it
+        return cnp.PyArray_Cast(out, q_type)
     return out
 
 
@@ -395,8 +406,9 @@ cdef inline object paged_shortcut(
     if not output_fits(<double>n_seq * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):
         return None
     cdef RowOptions row
+    cdef int compute = compute_type(q_type)
     plain_row_options(&row, causal_flag is True,
-                      check_scale(scale, d_k, q_type == cnp.NPY_FLOAT32))
+                      check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
     # one buffer: the table as intp, the old and new lengths, the query rows
@@ -462,7 +474,7 @@ cdef inline object paged_shortcut(
     plan.page_size = page_size
     cdef cnp.ndarray out
     try:
-        out = np_empty4(n_seq, n_heads, n_queries, d_v, q_type)
+        out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
     except BaseException:
         free(page_ids)
         raise
@@ -490,4 +502,7 @@ cdef inline object paged_shortcut(
         free(page_ids)
         raise
     free(page_ids)
+    if q_type != compute:
+        # bfloat16 in: the result rounded once to it
+        return cnp.PyArray_Cast(out, q_type)
     return out

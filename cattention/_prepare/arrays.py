@@ -9,14 +9,37 @@ dtype and native byte order (copying only what the kernels cannot read).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Optional
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from .._native import driver
+
 SUPPORTED_DTYPES = (
-    "float16, float32 and float64 (integer and bool inputs are computed as float64)"
+    "float16, bfloat16 (ml_dtypes), float32 and float64 (integer and bool inputs are "
+    "computed as float64)"
 )
+
+
+def is_bfloat16(dtype: np.dtype[Any]) -> bool:
+    """dtype is ml_dtypes.bfloat16. Its type number is assigned when
+    ml_dtypes is imported, so it is recognised by identity; an array of it
+    exists only once ml_dtypes is imported, and cattention never imports it
+    itself. The driver is told its number, for the shortcuts."""
+    if dtype.kind != "V" or dtype.itemsize != 2 or dtype.name != "bfloat16":
+        return False
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    if ml_dtypes is None or dtype != ml_dtypes.bfloat16:
+        return False
+    driver.register_bfloat16(dtype.num)
+    return True
+
+
+def is_half(dtype: np.dtype[Any]) -> bool:
+    """float16 or bfloat16: stored in 16 bits, computed in float32."""
+    return dtype == np.float16 or is_bfloat16(dtype)
 
 
 def native(arr: NDArray[Any]) -> NDArray[Any]:
@@ -43,7 +66,7 @@ def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
     arr = array(x, name)
-    if arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8:
+    if (arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8) and not is_bfloat16(arr.dtype):
         raise TypeError(
             f"{name} has dtype {arr.dtype}; cattention supports {SUPPORTED_DTYPES}")
     arr = native(arr)
@@ -54,13 +77,14 @@ def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
     return arr
 
 
-def compute_dtype(*arrays: NDArray[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
-    """(compute dtype, result dtype) for the inputs, by np.result_type."""
+def compute_dtype(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """(compute dtype, result dtype) for the inputs (arrays or dtypes), by
+    np.result_type."""
     common = np.result_type(*arrays)
     if common.kind in "iub":
         return np.dtype(np.float64), np.dtype(np.float64)
-    if common == np.float16:
-        return np.dtype(np.float32), np.dtype(np.float16)
+    if is_half(common):
+        return np.dtype(np.float32), common
     return common, common
 
 
@@ -95,8 +119,10 @@ def readable_in_place(arr: NDArray[Any]) -> bool:
 
 
 def to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
-    """arr as dtype, copied only if the dtype differs or the kernel cannot read it."""
-    if arr.dtype != dtype:
+    """arr as dtype, copied only if the dtype differs or the kernel cannot read
+    it; float16 and bfloat16 arrays computed in float32 stay as they are
+    (the driver converts their rows as it reads them)."""
+    if arr.dtype != dtype and not (dtype == np.float32 and is_half(arr.dtype)):
         return arr.astype(dtype)
     if not readable_in_place(arr):
         # same bits, aligned and element-strided, so results are unchanged
@@ -112,7 +138,7 @@ def prepare_mask(mask: ArrayLike, n_queries: int, n_keys: int,
     given_shape = arr.shape
     if arr.dtype == np.bool_:
         pass
-    elif arr.dtype.kind == "f":
+    elif arr.dtype.kind == "f" or is_bfloat16(arr.dtype):
         if arr.dtype not in (np.float32, np.float64):
             arr = arr.astype(dtype)
     else:

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._native import driver
-from .arrays import array, readable_in_place
+from .arrays import array, is_bfloat16, is_half, readable_in_place
 from .int8 import SCALE_RANGE, cache_rows, scales_in_range
 
 _Array = NDArray[Any]
@@ -22,18 +22,18 @@ _Array = NDArray[Any]
 
 def check_storage(k: object, v: object, names: tuple[str, str], layout: str,
                   shared: str, what: str) -> tuple[_Array, _Array]:
-    """Two caches (or sets of pages) of one float16, float32, float64 or
-    int8 dtype, 4-D, native, readable where they are, sharing their first
+    """Two caches (or sets of pages) of one float16, bfloat16, float32,
+    float64 or int8 dtype, 4-D, native, readable where they are, sharing their first
     three axes (``layout`` names the axes, ``shared`` the first three)."""
     whole = "every page" if what == "pages" else "the whole cache"
     for name, cache in zip(names, (k, v)):
         if not isinstance(cache, np.ndarray) or cache.ndim != 4:
             raise ValueError(f"{name} must be a 4-D ndarray {layout}; got "
                              f"{getattr(cache, 'shape', type(cache).__name__)}")
-        if cache.dtype != np.int8 and (cache.dtype.kind != "f"
-                                       or cache.dtype.itemsize not in (2, 4, 8)):
+        if cache.dtype != np.int8 and not is_bfloat16(cache.dtype) and (
+                cache.dtype.kind != "f" or cache.dtype.itemsize not in (2, 4, 8)):
             raise TypeError(f"{name} has dtype {cache.dtype}; {what} must be float16, "
-                            "float32, float64 or int8 (with scales)")
+                            "bfloat16, float32, float64 or int8 (with scales)")
         if not cache.dtype.isnative:
             raise TypeError(
                 f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
@@ -57,8 +57,9 @@ def check_int8_scales(k: _Array, k_scale: object, v_scale: object, q_dtype: np.d
                       what: str, axes: str) -> None:
     """int8 caches (or pages) come with float32 scale arrays of their first
     three axes, the scale of each row, read and written in place."""
-    if q_dtype not in (np.float32, np.float16):
-        raise TypeError(f"int8 {what} need a float32 (or float16) q, got {q_dtype}")
+    if q_dtype != np.float32 and not is_half(q_dtype):
+        raise TypeError(f"int8 {what} need a float32 (or float16) q, or a bfloat16 one, "
+                        f"got {q_dtype}")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             raise ValueError(f"int8 {what} need {name}: a native float32 ndarray of shape "
@@ -110,10 +111,17 @@ def check_new_rows_dtype(name: str, new: _Array, cache_dtype: np.dtype[Any], wha
     """New rows a cache can take: float (quantized on append) for an int8
     cache, else castable to its dtype."""
     if cache_dtype == np.int8:
-        if new.dtype.kind not in "fiu" or new.dtype == np.int8:
+        if (new.dtype.kind not in "fiu" and not is_bfloat16(new.dtype)) or new.dtype == np.int8:
             raise TypeError(f"{name} of dtype {new.dtype} for "
                             f"{'an int8 cache' if what == 'caches' else 'int8 pages'}: pass "
                             "float values, which are quantized as they are appended")
+    elif is_bfloat16(cache_dtype) and not (is_bfloat16(new.dtype) or new.dtype in (
+            np.float32, np.float64)):
+        # float16 values (another 16-bit format) or integers would be rounded
+        # into bfloat16 silently: the caller converts them on purpose
+        raise TypeError(f"{name} of dtype {new.dtype} for "
+                        f"{'a bfloat16 cache' if what == 'caches' else 'bfloat16 pages'}: "
+                        "pass bfloat16, float32 or float64 values")
     elif not np.can_cast(new.dtype, cache_dtype, casting="same_kind"):
         raise TypeError(f"{name} of dtype {new.dtype} cannot be written into "
                         f"{what_of(cache_dtype, what)}")

@@ -30,7 +30,8 @@ _Array = NDArray[Any]
 @dataclasses.dataclass
 class DenseCall:
     """A dense call, checked: operands as the driver reads them (the compute
-    dtype, or float16 / int8 K and V read as they are), their batch, and
+    dtype, or float16 / bfloat16 q, K and V and int8 K and V read as they
+    are, bfloat16 as the uint16 of its bits), their batch, and
     the outputs it fills."""
 
     q: _Array
@@ -45,7 +46,8 @@ class DenseCall:
     kv_lengths: Optional[NDArray[np.intp]]   # per batch entry
     options: RowOptions
     compute: np.dtype[Any]
-    result: np.dtype[Any]            # the dtype returned (float16 in: float16 out)
+    result: np.dtype[Any]            # the dtype returned (float16 or bfloat16 in:
+                                     # the same out)
     result_shape: tuple[int, ...]    # leading shape of the results (the stacked
                                      # batch is q's again)
     want_out: bool
@@ -138,7 +140,7 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
         raise TypeError(f"int8 K/V are computed in float32, but these inputs compute in "
                         f"{compute} (q {q.dtype}, k {k.dtype}"
                         f"{f', v {v.dtype}' if v is not None else ''}); pass float32 q and "
-                        "float32 (or float16, or int8) k and v")
+                        "float32 (or float16, bfloat16 or int8) k and v")
 
     if mask is not None:
         mask = prepare_mask(mask, n_queries, n_keys, compute)
@@ -169,17 +171,13 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
     if sinks is not None:
         options.sinks = per_entry_sinks(sinks, batch_shape, compute)
 
-    # float16 K and V (a halved KV cache) and int8 K or V (with row scales)
-    # are read as they are and converted block by block in the kernels,
-    # never copied to float32 whole
-    floats = [a for a, s in ((k, ks), (v, vs)) if a is not None and s is None]
-    kv_dtype = compute
-    if compute == np.float32 and all(a.dtype == np.float16 for a in floats):
-        kv_dtype = np.dtype(np.float16)
+    # float16 and bfloat16 q, K and V (a halved KV cache) and int8 K or V
+    # (with row scales) are read as they are and converted block by block in
+    # the kernels, never copied to float32 whole
     q = to_compute(q, compute)
-    k = k if ks is not None else to_compute(k, kv_dtype)
+    k = k if ks is not None else to_compute(k, compute)
     if v is not None:
-        v = v if vs is not None else to_compute(v, kv_dtype)
+        v = v if vs is not None else to_compute(v, compute)
     call = DenseCall(q, k, v, mask, ks, vs, batch_shape, group, 0, kv_lengths, options,
                      compute, result, batch_shape, want_out, want_scores, want_lse)
     # the lengths, when given per head, might differ within a group
@@ -236,7 +234,8 @@ def run(call: DenseCall) -> Results:
         scores = scores.reshape(lead + (period, n_keys)) if scores is not None else None
         lse = lse.reshape(lead + (period,)) if lse is not None else None
     if call.result != call.compute:
-        # float16 in: outputs back to float16, the log-sum-exp stays float32
+        # float16 or bfloat16 in: outputs back to it, rounded once (to
+        # nearest even); the log-sum-exp stays float32
         out = out.astype(call.result) if out is not None else None
         scores = scores.astype(call.result) if scores is not None else None
     return out, scores, lse

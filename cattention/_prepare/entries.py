@@ -206,15 +206,12 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
                           softcap=softcap, num_threads=num_threads)
     n_seq = cu_q.size - 1
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
-    kv_dtype = compute
-    if compute == np.float32 and k.dtype == np.float16 and v.dtype == np.float16:
-        kv_dtype = np.dtype(np.float16)
     d_v = v.shape[2]
     out, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse)
     starts_k = cu_k[:-1]
     call = EntriesCall(queries(q, cu_q, compute),
-                       place(to_compute(k, kv_dtype), starts_k, 0, 1),
-                       place(to_compute(v, kv_dtype), starts_k, 0, 1),
+                       place(to_compute(k, compute), starts_k, 0, 1),
+                       place(to_compute(v, compute), starts_k, 0, 1),
                        out, lse, None, None, np.diff(cu_q), np.diff(cu_k), n_heads,
                        n_kv_heads, d_k, d_v, options)
     return call, result

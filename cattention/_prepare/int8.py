@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from .arrays import array
+from .arrays import array, is_half
 
 #: The largest magnitude of a quantized value (symmetric: -127..127).
 INT8_LEVELS = 127
@@ -120,9 +120,9 @@ def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
         raise ValueError(f"{name} is int8 but {scale_name} is missing: pass the float32 "
                          f"scale of each row, shape {operand.shape[:-1]} "
                          "(cattention.quantize_kv returns it)")
-    if q_dtype not in (np.float32, np.float16):
-        raise TypeError(f"int8 {name} needs a float32 (or float16) q, got q of dtype "
-                        f"{q_dtype}; int8 caches are computed in float32")
+    if q_dtype != np.float32 and not is_half(q_dtype):
+        raise TypeError(f"int8 {name} needs a float32 (or float16) q, or a bfloat16 one, got "
+                        f"q of dtype {q_dtype}; int8 caches are computed in float32")
     arr = array(scale, scale_name)
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"{scale_name} must be real numbers, got dtype {arr.dtype}")

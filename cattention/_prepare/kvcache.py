@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import as_input, refuse_shared_memory
+from .arrays import as_input, is_half, refuse_shared_memory
 from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
                      check_new_rows_dtype, check_scales_hold, check_storage, new_rows)
 from .dense import DenseCall, prepare_dense
@@ -34,10 +34,10 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
     if q.ndim != 4 or q.shape[0] != n_batch or q.shape[3] != d_k:
         raise ValueError(f"q must have shape (B, H, T, d_k) = ({n_batch}, H, T, {d_k}) "
                          f"to match k_cache {k_cache.shape}; got {q.shape}")
-    # float16 caches are read as they are (converted block by block, computed
-    # in float32) with a float16 or float32 q; otherwise q must not be wider
-    # than the cache, or the cache would be converted whole
-    half_cache = k_cache.dtype == np.float16 and q.dtype in (np.float16, np.float32)
+    # float16 and bfloat16 caches are read as they are (converted block by
+    # block, computed in float32) with a 16-bit or float32 q; otherwise q must
+    # not be wider than the cache, or the cache would be converted whole
+    half_cache = is_half(k_cache.dtype) and (is_half(q.dtype) or q.dtype == np.float32)
     int8_cache = k_cache.dtype == np.int8
     if int8_cache:
         check_int8_scales(k_cache, k_scale, v_scale, q.dtype, "caches", "(B, H_kv, S_max)")

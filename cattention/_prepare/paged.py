@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import array, as_input, refuse_shared_memory
+from .arrays import array, as_input, compute_dtype, is_half, refuse_shared_memory
 from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
                      check_new_rows_dtype, check_storage, new_rows)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
@@ -66,7 +66,7 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
         raise ValueError(f"the query heads of q {q.shape} must be a multiple of the "
                          f"key/value heads of k_pages {k_pages.shape}")
-    half = k_pages.dtype == np.float16 and q.dtype in (np.float16, np.float32)
+    half = is_half(k_pages.dtype) and (is_half(q.dtype) or q.dtype == np.float32)
     int8 = k_pages.dtype == np.int8
     if int8:
         check_int8_scales(k_pages, k_scale, v_scale, q.dtype, "pages",
@@ -118,8 +118,9 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                          f"{b} uses it")
     causal = driver.check_flag(causal, "causal")
     return_lse = driver.check_flag(return_lse, "return_lse")
-    # float16 and int8 pages are computed in float32
-    compute = np.dtype(np.float32) if k_pages.dtype in (np.float16, np.int8) else k_pages.dtype
+    # float16, bfloat16 and int8 pages are computed in float32
+    compute = (np.dtype(np.float32) if is_half(k_pages.dtype) or k_pages.dtype == np.int8
+               else k_pages.dtype)
     options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
                           softcap=softcap, num_threads=num_threads)
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
@@ -135,9 +136,12 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     appends = Appends(lengths, old_lengths.astype(np.intp), n_new.astype(np.intp), writes,
                       table.reshape(-1), max_pages)
 
-    # a float16 q with float16 or int8 pages gives float16, as attention would
-    result = (np.dtype(np.float16) if q.dtype == np.float16 and compute == np.float32
-              and k_pages.dtype != np.float32 else compute)
+    # a 16-bit q with pages of its dtype or int8 gives its dtype, as attention
+    # would (with float16 and bfloat16 mixed, NumPy's promotion gives float32)
+    result = compute
+    if compute == np.float32:
+        partner = q.dtype if k_pages.dtype == np.int8 else k_pages.dtype
+        result = compute_dtype(q.dtype, partner)[1]
     out, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse)
     zeros = np.zeros(n_seq, dtype=np.intp)
     call = EntriesCall(

@@ -352,18 +352,22 @@ DEFINE_TYPED_CHECKS(double, f64, CA_PANEL_F64, 0x1.0p-52)
 
 /* ---- float32 only ---- */
 
-static void check_half_rows(void)
+/* float16 or bfloat16 rows converted to float32: every 16-bit value, in
+   rows of 32, then random rows, contiguous and strided */
+typedef void (*rows_to_f32)(const uint16_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                            float *, ptrdiff_t);
+
+static void check_rows_16(const char *name, rows_to_f32 ref, rows_to_f32 neon)
 {
-    begin("half_rows_to_f32");
-    /* every half value, in rows of 32, then random rows, contiguous and strided */
+    begin(name);
     uint16_t *every = alloc(sizeof(uint16_t) * 65536);
     float *dst_ref = alloc(sizeof(float) * 65536 * 2), *dst_neon = alloc(sizeof(float) * 65536 * 2);
     for (int i = 0; i < 65536; ++i)
         every[i] = (uint16_t)i;
-    REF->half_rows_to_f32(every, 32, 1, 2048, 32, dst_ref, 32);
-    NEON->half_rows_to_f32(every, 32, 1, 2048, 32, dst_neon, 32);
+    ref(every, 32, 1, 2048, 32, dst_ref, 32);
+    neon(every, 32, 1, 2048, 32, dst_neon, 32);
     for (int i = 0; i < 65536; ++i)
-        CHECK(same_f32(dst_neon[i], dst_ref[i]), "half %#06x: %g vs %g", i,
+        CHECK(same_f32(dst_neon[i], dst_ref[i]), "value %#06x: %g vs %g", i,
               (double)dst_neon[i], (double)dst_ref[i]);
     for (int n_cols = 1; n_cols <= 40; ++n_cols)
         for (int src_col = 1; src_col <= 2; ++src_col) {
@@ -372,8 +376,8 @@ static void check_half_rows(void)
                 every[i] = (uint16_t)(uniform() * 65536);
             for (int i = 0; i < n_rows * ld; ++i)
                 dst_ref[i] = dst_neon[i] = 9.0f;
-            REF->half_rows_to_f32(every, src_row, src_col, n_rows, n_cols, dst_ref, ld);
-            NEON->half_rows_to_f32(every, src_row, src_col, n_rows, n_cols, dst_neon, ld);
+            ref(every, src_row, src_col, n_rows, n_cols, dst_ref, ld);
+            neon(every, src_row, src_col, n_rows, n_cols, dst_neon, ld);
             for (int i = 0; i < n_rows * ld; ++i)
                 CHECK(same_f32(dst_neon[i], dst_ref[i]), "n_cols=%d src_col=%d at %d", n_cols,
                       src_col, i);
@@ -381,14 +385,18 @@ static void check_half_rows(void)
     free(every); free(dst_ref); free(dst_neon);
 }
 
-/* float16 K and V read in place: for each table, the bits of its float32
-   kernels on the converted rows (random halves, some of them NaN, inf,
-   subnormal or zero) */
-static void check_direct_f16(void)
+/* float16 or bfloat16 K and V read in place: for each table, the bits of
+   its float32 kernels on the converted rows (random values, some of them
+   NaN, inf, subnormal or zero) */
+static void check_direct_16(int bfloat16)
 {
-    begin("score_direct_f16 / pv_direct_f16");
+    begin(bfloat16 ? "score_direct_bf16 / pv_direct_bf16"
+                   : "score_direct_f16 / pv_direct_f16");
     const ca_kernels *tables[2] = {REF, NEON};
     const int key_counts[] = {1, 3, 4, 5, 9, 70};
+    /* +inf, NaN, a subnormal, -0, then ordinary values around 1 */
+    const uint16_t edges[2][4] = {{0x7C00, 0x7E00, 0x0003, 0x8000},
+                                  {0x7F80, 0x7FC0, 0x0003, 0x8000}};
     for (int width = 1; width <= 135; width += width < 35 ? 1 : 31)
         for (int ki = 0; ki < 6; ++ki) {
             const int n_keys = key_counts[ki], n_rows = 3, ld = width + 3;
@@ -403,9 +411,12 @@ static void check_direct_f16(void)
                 q[i] = (float)normal();
             for (int i = 0; i < n_keys * ld; ++i) {
                 const double u = uniform();
-                kv[i] = u < 0.02 ? 0x7C00 : u < 0.04 ? 0x7E00 : u < 0.06 ? 0x0003
-                        : u < 0.08 ? 0x8000 : (uint16_t)(0x3000 + (int)(uniform() * 0x1800));
-                kv32[i] = ca_half_to_float(kv[i]);
+                const int ordinary = bfloat16 ? 0x3F00 + (int)(uniform() * 0x100)
+                                              : 0x3000 + (int)(uniform() * 0x1800);
+                kv[i] = u < 0.02 ? edges[bfloat16][0] : u < 0.04 ? edges[bfloat16][1]
+                        : u < 0.06 ? edges[bfloat16][2] : u < 0.08 ? edges[bfloat16][3]
+                        : (uint16_t)ordinary;
+                kv32[i] = bfloat16 ? ca_bfloat16_to_float(kv[i]) : ca_half_to_float(kv[i]);
             }
             for (int i = 0; i < n_rows * n_keys; ++i) {
                 const double x = uniform();
@@ -413,8 +424,8 @@ static void check_direct_f16(void)
             }
             for (int t = 0; t < 2; ++t) {
                 const ca_kernels *kern = tables[t];
-                kern->score_direct_f16(q, ld, n_rows, kv, ld, n_keys, width, -0.61f, s16, lds,
-                                       kv, ld * 2, 64);
+                (bfloat16 ? kern->score_direct_bf16 : kern->score_direct_f16)(
+                    q, ld, n_rows, kv, ld, n_keys, width, -0.61f, s16, lds, kv, ld * 2, 64);
                 kern->score_direct_f32(q, ld, n_rows, kv32, ld, n_keys, width, -0.61f, s32, lds,
                                        kv32, ld * 4, 64);
                 for (int i = 0; i < n_rows * lds; ++i)
@@ -422,8 +433,8 @@ static void check_direct_f16(void)
                           kern->name, width, n_keys, i, (double)s16[i], (double)s32[i]);
                 for (int i = 0; i < n_rows * ldacc; ++i)
                     acc16[i] = acc32[i] = (float)(i % 7) - 3.0f;
-                kern->pv_direct_f16(p, n_keys, n_rows, kv, ld, n_keys, width, acc16, ldacc, kv,
-                                    ld * 2, 64);
+                (bfloat16 ? kern->pv_direct_bf16 : kern->pv_direct_f16)(
+                    p, n_keys, n_rows, kv, ld, n_keys, width, acc16, ldacc, kv, ld * 2, 64);
                 kern->pv_direct_f32(p, n_keys, n_rows, kv32, ld, n_keys, width, acc32, ldacc,
                                     kv32, ld * 4, 64);
                 for (int i = 0; i < n_rows * ldacc; ++i)
@@ -598,8 +609,10 @@ int main(void)
     check_divide_rows_f64();
     check_direct_f32();
     check_direct_f64();
-    check_half_rows();
-    check_direct_f16();
+    check_rows_16("half_rows_to_f32", REF->half_rows_to_f32, NEON->half_rows_to_f32);
+    check_rows_16("bf16_rows_to_f32", REF->bf16_rows_to_f32, NEON->bf16_rows_to_f32);
+    check_direct_16(0);
+    check_direct_16(1);
     check_int8();
     check_softcap();
     check_packing();
