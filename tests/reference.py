@@ -65,11 +65,13 @@ F32_RTOL_MAX = 4.0
 
 
 def float32_ulp_atol(ref):
-    """Two float32 ulps at the largest magnitude of the reference."""
+    """Two float32 ulps at the largest finite magnitude of the reference (a
+    NaN or inf in it, e.g. in a value the padding hides, has no magnitude)."""
     ref = np.asarray(ref, dtype=np.float64)
-    if ref.size == 0:
+    finite = ref[np.isfinite(ref)]
+    if finite.size == 0:
         return 0.0
-    return 2.0 * float(np.spacing(np.float32(np.max(np.abs(ref)))))
+    return 2.0 * float(np.spacing(np.float32(np.max(np.abs(finite)))))
 
 
 def _logit_ulp_atol(q, k, scale, ref_scores):
@@ -152,12 +154,18 @@ def _positions(batch, T, S, kv_lengths):
     return n_valid, pos
 
 
-def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slopes):
+def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slopes,
+                      kv_starts=None):
     """Visibility (batch + (T, S) bool) and the additive ALiBi term (float64
     or None), written out explicitly for every option."""
     n_valid, pos = _positions(batch, T, S, kv_lengths)
     j = np.arange(S)[None, :]
     visible = np.broadcast_to(j < n_valid, batch + (T, S))
+    if kv_starts is not None:
+        # left padding: keys before the start do not exist; positions stay
+        # those of the end of the valid range
+        first = np.broadcast_to(np.asarray(kv_starts), batch).astype(np.int64)[..., None, None]
+        visible = visible & (j >= first)
     if causal:
         visible = visible & (j <= pos)
     if window is not None:
@@ -179,7 +187,7 @@ def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slope
 
 
 def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None,
-               softcap=None, alibi_slopes=None, sinks=None):
+               softcap=None, alibi_slopes=None, sinks=None, kv_starts=None):
     """(attn, scores, lse) in dtype. Per logit: scale * q.k, softcap, + ALiBi,
     + additive mask; keys outside causal / window / kv_lengths / bool mask
     take no part; a sink joins each row's softmax as one more logit with no
@@ -201,7 +209,7 @@ def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None
     scale = dtype(scale)
 
     batch = _batch_shape(q, k, v, mask)
-    for option in (kv_lengths, alibi_slopes, sinks):
+    for option in (kv_lengths, alibi_slopes, sinks, kv_starts):
         if option is not None:
             batch = np.broadcast_shapes(batch, np.shape(option))
     q = np.broadcast_to(q, batch + (T, d_k))
@@ -209,7 +217,7 @@ def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None
     v = np.broadcast_to(v, batch + (S, d_v))
 
     visible, alibi = _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window,
-                                       alibi_slopes)
+                                       alibi_slopes, kv_starts)
     additive = None
     if mask is not None and np.asarray(mask).dtype != np.bool_:
         additive = np.asarray(mask).astype(dtype)

@@ -31,7 +31,8 @@ def attention(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+    v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]: ...
 
 
@@ -44,7 +45,8 @@ def attention(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+    v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -57,7 +59,8 @@ def attention(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+    v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -70,7 +73,8 @@ def attention(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+    v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
            NDArray[np.floating[Any]]]: ...
 
@@ -84,7 +88,8 @@ def attention(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+    v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
 
 
@@ -96,7 +101,8 @@ def attention(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    v_scale: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
+    v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Scaled dot-product attention.
 
@@ -160,6 +166,15 @@ def attention(
         padding, as in a batched KV cache); the others take no part. With
         ``causal=True`` the alignment uses the valid length: key j is visible
         to query i iff ``j <= i + (kv_lengths[b] - T)``. Values in [0, S].
+    kv_starts : array_like of int, optional
+        The first valid key of each batch entry (left padding: a batch
+        ``generate`` pads on the left; FlashAttention's ``cache_leftpad``),
+        shaped and read as ``kv_lengths``: batch entry b has only the keys
+        ``kv_starts[b] <= j < kv_lengths[b]``. The alignment stays
+        against the end of that range, so a left-padded row's positions,
+        its window and its ALiBi distances are those of the same row
+        without the padding. Key blocks before the start are never read.
+        Values in [0, S]; a start at or past the end leaves no key.
     window : (int or None, int or None), optional
         Sliding-window (local) attention: key j is visible to query i iff
         ``i + off - left <= j <= i + off + right`` with ``off = S - T`` (or
@@ -192,6 +207,13 @@ def attention(
         sees no key is zero. The log-sum-exp includes the sink, so chunks
         combine with :func:`merge` when exactly one chunk is given the
         sinks.
+    out : ndarray, optional
+        Where to write ATTN (NumPy's ``out=``): of the result's shape and
+        dtype, any strides (e.g. ``y.transpose(0, 2, 1, 3)`` of a
+        ``(B, T, H, d_v)`` array ``y``, the layout models want), writable,
+        sharing no memory with the inputs. It is returned; its values are
+        bitwise those of the call without ``out=``. A call refused for its
+        arguments writes nothing.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()`` (which
         :func:`limit_threads` sets for the calling Python thread). A call
@@ -272,9 +294,10 @@ def attention(
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    fast = driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
-                                     enable_gqa, kv_lengths, window, softcap, alibi_slopes,
-                                     sinks, k_scale, v_scale, num_threads, local.limit)
+    fast = (driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
+                                      enable_gqa, kv_lengths, window, softcap, alibi_slopes,
+                                      sinks, k_scale, v_scale, num_threads, local.limit)
+            if kv_starts is None and out is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     causal = driver.check_flag(causal, "causal")
@@ -287,12 +310,13 @@ def attention(
         q, k, v, causal=causal, mask=mask, scale=scale, want_out=True,
         want_scores=return_scores, want_lse=return_lse, enable_gqa=enable_gqa,
         num_threads=num_threads, kv_lengths=kv_lengths, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    out, scores, lse = dense.run(call)
-    result = (out,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
+        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        kv_starts=kv_starts, out=out)
+    attn, scores, lse = dense.run(call)
+    result = (attn,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     # run fills every array it is asked for
     return cast("NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]",
-                result if len(result) > 1 else out)
+                result if len(result) > 1 else attn)
 
 
 def attention_scores(

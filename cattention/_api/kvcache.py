@@ -25,6 +25,7 @@ def attention_with_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]: ...
 
@@ -39,6 +40,7 @@ def attention_with_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -53,6 +55,7 @@ def attention_with_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> (NDArray[np.floating[Any]]
       | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
@@ -67,6 +70,7 @@ def attention_with_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
@@ -114,6 +118,14 @@ def attention_with_kvcache(
         None (the default) infers grouped-query attention from the head
         counts (H a multiple of H_kv); True requires it; False requires
         H == H_kv.
+    kv_starts : array_like of int, shape (B,), optional
+        The first valid position of each sequence (left padding,
+        FlashAttention's ``cache_leftpad``): sequence b attends to positions
+        ``kv_starts[b] <= j < cache_lengths[b]`` (after the update), aligned
+        against the end, as :func:`cattention.attention`'s ``kv_starts``.
+    out : ndarray, shape (B, H, T, d_v), optional
+        Where to write ATTN, as :func:`cattention.attention`'s ``out``
+        (any strides; not the caches, the lengths or the scales).
 
     Returns
     -------
@@ -160,19 +172,20 @@ def attention_with_kvcache(
     >>> out.shape, lengths
     ((1, 2, 3, 8), array([3]))
     """
-    fast = driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
-                                   scale, enable_gqa, window, softcap, alibi_slopes, sinks,
-                                   k_scale, v_scale, return_lse, num_threads, local.limit)
+    fast = (driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
+                                    scale, enable_gqa, window, softcap, alibi_slopes, sinks,
+                                    k_scale, v_scale, return_lse, num_threads, local.limit)
+            if kv_starts is None and out is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends = prepare_kvcache(
         q, k_cache, v_cache, cache_lengths, k_new, v_new, causal=causal, scale=scale,
         enable_gqa=enable_gqa, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-        num_threads=num_threads)
+        num_threads=num_threads, kv_starts=kv_starts, out=out)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
-        out, _, lse = dense.run(call)
+        attn, _, lse = dense.run(call)
     if call.want_lse:
-        return out, lse  # type: ignore[return-value]
-    return out  # type: ignore[return-value]
+        return attn, lse  # type: ignore[return-value]
+    return attn  # type: ignore[return-value]

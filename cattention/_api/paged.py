@@ -30,6 +30,7 @@ def attention_with_paged_kvcache(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[False] = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
@@ -44,6 +45,7 @@ def attention_with_paged_kvcache(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[True],
     num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
@@ -58,6 +60,7 @@ def attention_with_paged_kvcache(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
@@ -71,6 +74,7 @@ def attention_with_paged_kvcache(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
+    kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
@@ -115,6 +119,13 @@ def attention_with_paged_kvcache(
         tokens (a prompt chunk, 1 for a decoding sequence, or 0).
     causal, scale, window, softcap, return_lse, num_threads
         As in :func:`cattention.attention`.
+    kv_starts : array_like of int, shape (B,), optional
+        The first valid position of each sequence (left padding): sequence
+        b attends to positions ``kv_starts[b] <= j < cache_lengths[b]``
+        (after the update), aligned against the end; the pages before it
+        are never read.
+    out : ndarray, shape of q with d_v last, optional
+        Where to write ATTN, as :func:`cattention.attention`'s ``out``.
     alibi_slopes, sinks : array_like, shape (H,), optional
         One ALiBi slope, or one sink logit (-inf: none), per query head.
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
@@ -168,19 +179,21 @@ def attention_with_paged_kvcache(
     >>> lengths
     array([3, 9])
     """
-    fast = driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
-                                 cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
-                                 sinks, k_scale, v_scale, return_lse, num_threads, local.limit)
+    fast = (driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
+                                  v_new, cu_seqlens_q, causal, scale, window, softcap,
+                                  alibi_slopes, sinks, k_scale, v_scale, return_lse,
+                                  num_threads, local.limit)
+            if kv_starts is None and out is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends, result = prepare_paged(
         q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
         cu_seqlens_q=cu_seqlens_q, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        return_lse=return_lse, num_threads=num_threads)
+        return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
-        out, lse = entries.run(call, result)
+        attn, lse = entries.run(call, result)
     if lse is not None:
-        return out, lse
-    return out
+        return attn, lse
+    return attn

@@ -23,6 +23,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    out: Optional[NDArray[Any]] = None,
     return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
 
@@ -34,6 +35,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    out: Optional[NDArray[Any]] = None,
     return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
 
@@ -45,6 +47,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    out: Optional[NDArray[Any]] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
 
@@ -55,6 +58,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    out: Optional[NDArray[Any]] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
     """Attention over a batch of sequences of different lengths, packed
@@ -86,6 +90,8 @@ def attention_varlen(
         h // (H // H_kv).
     return_lse : bool, default False
         Also return the log-sum-exp of each row, shape (total_q, H).
+    out : ndarray, shape (total_q, H, d_v), optional
+        Where to write ATTN, as :func:`cattention.attention`'s ``out``.
 
     Returns
     -------
@@ -115,8 +121,8 @@ def attention_varlen(
     call, result = entries.prepare_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
-        return_lse=return_lse, num_threads=num_threads)
-    out, lse = entries.run(call, result)
+        return_lse=return_lse, num_threads=num_threads, out=out)
+    attn, lse = entries.run(call, result)
     if lse is not None:
-        return out, lse
-    return out
+        return attn, lse
+    return attn

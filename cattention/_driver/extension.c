@@ -2213,6 +2213,7 @@ struct __pyx_t_10cattention_7_driver_7problem_Problem {
   int causal;
   double scale;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *kv_length;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *kv_start;
   Py_ssize_t query_period;
   Py_ssize_t window_left;
   Py_ssize_t window_right;
@@ -2328,6 +2329,7 @@ struct __pyx_t_10cattention_7_driver_12from_entries_EntryPlan {
   Py_ssize_t d_v;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *q_lengths;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *kv_lengths;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *kv_starts;
   struct __pyx_t_10cattention_7_driver_12from_entries_Place q;
   struct __pyx_t_10cattention_7_driver_12from_entries_Place k;
   struct __pyx_t_10cattention_7_driver_12from_entries_Place v;
@@ -2342,7 +2344,7 @@ struct __pyx_t_10cattention_7_driver_12from_entries_EntryPlan {
   Py_ssize_t page_size;
 };
 
-/* "cattention/_driver/from_entries.pxd":58
+/* "cattention/_driver/from_entries.pxd":59
  * 
  * 
  * cdef struct EntryTable:             # <<<<<<<<<<<<<<
@@ -2366,6 +2368,7 @@ struct __pyx_t_10cattention_7_driver_12from_entries_EntryTable {
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *page_first;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *k_scale_offset;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *v_scale_offset;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t *kv_start;
   double *alibi;
   double *sinks;
   Py_ssize_t q_row_stride;
@@ -2440,7 +2443,7 @@ struct __pyx_t_10cattention_7_driver_9extension_HeadCall {
   int n_threads;
 };
 
-/* "cattention/_driver/extension.pyx":414
+/* "cattention/_driver/extension.pyx":424
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -4678,6 +4681,8 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_11from_arrays_fill
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_storage(struct __pyx_t_10cattention_7_driver_7problem_Operand *, PyArrayObject *, PyArrayObject *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *); /*proto*/
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_spread_over_groups(__pyx_t_10cattention_7_driver_12kernel_table_intp_t *, Py_ssize_t, Py_ssize_t, Py_ssize_t); /*proto*/
 static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays(struct __pyx_t_10cattention_7_driver_7problem_Problem *, PyArrayObject *, PyArrayObject *, PyArrayObject *, PyArrayObject *, PyArrayObject *, PyArrayObject *, Py_ssize_t, Py_ssize_t const *, Py_ssize_t, struct __pyx_t_10cattention_7_driver_7problem_RowOptions const *); /*proto*/
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_out_offsets(struct __pyx_t_10cattention_7_driver_7problem_Problem *, PyArrayObject *, Py_ssize_t, Py_ssize_t const *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t *); /*proto*/
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_starts(struct __pyx_t_10cattention_7_driver_7problem_Problem *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *); /*proto*/
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_lengths(struct __pyx_t_10cattention_7_driver_7problem_Problem *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t *); /*proto*/
 
 /* Module declarations from "cattention._driver.from_entries" */
@@ -4873,7 +4878,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_n, PyObject *__pyx_v_name); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_limit); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows(CYTHON_UNUSED PyObject *__pyx_self, Py_ssize_t __pyx_v_group, Py_ssize_t __pyx_v_n_rows, int __pyx_v_has_mask, int __pyx_v_has_alibi); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_call); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_52__defaults__(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_cache, PyArrayObject *__pyx_v_rows, __Pyx_memviewslice __pyx_v_seq_offset, int __pyx_v_row_axis, int __pyx_v_head_axis, __Pyx_memviewslice __pyx_v_start, __Pyx_memviewslice __pyx_v_n_new, __Pyx_memviewslice __pyx_v_page_ids, Py_ssize_t __pyx_v_pages_per_seq); /* proto */
@@ -5056,7 +5061,7 @@ namespace {
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[4];
     PyObject *__pyx_codeobj_tab[26];
-    PyObject *__pyx_string_tab[280];
+    PyObject *__pyx_string_tab[281];
     PyObject *__pyx_number_tab[4];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -5263,129 +5268,130 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_kern __pyx_string_tab[154]
 #define __pyx_n_u_kv_group __pyx_string_tab[155]
 #define __pyx_n_u_kv_lengths __pyx_string_tab[156]
-#define __pyx_n_u_kvcache_shortcut __pyx_string_tab[157]
-#define __pyx_n_u_left __pyx_string_tab[158]
-#define __pyx_n_u_limit __pyx_string_tab[159]
-#define __pyx_n_u_lse __pyx_string_tab[160]
-#define __pyx_n_u_lse_offset __pyx_string_tab[161]
-#define __pyx_n_u_mask __pyx_string_tab[162]
-#define __pyx_n_u_max __pyx_string_tab[163]
-#define __pyx_n_u_max_threads __pyx_string_tab[164]
-#define __pyx_n_u_memview __pyx_string_tab[165]
-#define __pyx_n_u_mode __pyx_string_tab[166]
-#define __pyx_n_u_n __pyx_string_tab[167]
-#define __pyx_n_u_n_batch_dims __pyx_string_tab[168]
-#define __pyx_n_u_n_heads __pyx_string_tab[169]
-#define __pyx_n_u_n_kv_heads __pyx_string_tab[170]
-#define __pyx_n_u_n_new __pyx_string_tab[171]
-#define __pyx_n_u_n_rows __pyx_string_tab[172]
-#define __pyx_n_u_n_seq __pyx_string_tab[173]
-#define __pyx_n_u_n_threads __pyx_string_tab[174]
-#define __pyx_n_u_name __pyx_string_tab[175]
-#define __pyx_n_u_names __pyx_string_tab[176]
-#define __pyx_n_u_ndim __pyx_string_tab[177]
-#define __pyx_n_u_num_threads __pyx_string_tab[178]
-#define __pyx_n_u_numbers __pyx_string_tab[179]
-#define __pyx_n_u_numpy __pyx_string_tab[180]
-#define __pyx_n_u_obj __pyx_string_tab[181]
-#define __pyx_n_u_openmp_enabled __pyx_string_tab[182]
-#define __pyx_n_u_openmp_runtime __pyx_string_tab[183]
-#define __pyx_n_u_openmp_version __pyx_string_tab[184]
-#define __pyx_n_u_operator __pyx_string_tab[185]
-#define __pyx_n_u_options __pyx_string_tab[186]
-#define __pyx_n_u_out __pyx_string_tab[187]
-#define __pyx_n_u_out_offset __pyx_string_tab[188]
-#define __pyx_n_u_pack __pyx_string_tab[189]
-#define __pyx_n_u_page_ids __pyx_string_tab[190]
-#define __pyx_n_u_page_size __pyx_string_tab[191]
-#define __pyx_n_u_page_stride __pyx_string_tab[192]
-#define __pyx_n_u_paged_shortcut __pyx_string_tab[193]
-#define __pyx_n_u_pages_per_seq __pyx_string_tab[194]
-#define __pyx_n_u_pb __pyx_string_tab[195]
-#define __pyx_n_u_plan __pyx_string_tab[196]
-#define __pyx_n_u_pop __pyx_string_tab[197]
-#define __pyx_n_u_q __pyx_string_tab[198]
-#define __pyx_n_u_q_lengths __pyx_string_tab[199]
-#define __pyx_n_u_q_offset __pyx_string_tab[200]
-#define __pyx_n_u_query_period __pyx_string_tab[201]
-#define __pyx_n_u_register __pyx_string_tab[202]
-#define __pyx_n_u_register_bfloat16 __pyx_string_tab[203]
-#define __pyx_n_u_replace __pyx_string_tab[204]
-#define __pyx_n_u_reshape __pyx_string_tab[205]
-#define __pyx_n_u_resolve_threads __pyx_string_tab[206]
-#define __pyx_n_u_return_lse __pyx_string_tab[207]
-#define __pyx_n_u_return_scores __pyx_string_tab[208]
-#define __pyx_n_u_right __pyx_string_tab[209]
-#define __pyx_n_u_row __pyx_string_tab[210]
-#define __pyx_n_u_row_axis __pyx_string_tab[211]
-#define __pyx_n_u_rows __pyx_string_tab[212]
-#define __pyx_n_u_run_arrays __pyx_string_tab[213]
-#define __pyx_n_u_run_entries __pyx_string_tab[214]
-#define __pyx_n_u_scale __pyx_string_tab[215]
-#define __pyx_n_u_scores __pyx_string_tab[216]
-#define __pyx_n_u_seq_offset __pyx_string_tab[217]
-#define __pyx_n_u_serial_ns __pyx_string_tab[218]
-#define __pyx_n_u_set_simd __pyx_string_tab[219]
-#define __pyx_n_u_setdefault __pyx_string_tab[220]
-#define __pyx_n_u_shape __pyx_string_tab[221]
-#define __pyx_n_u_simd_tile __pyx_string_tab[222]
-#define __pyx_n_u_sinks __pyx_string_tab[223]
-#define __pyx_n_u_size __pyx_string_tab[224]
-#define __pyx_n_u_smallest_subnormal __pyx_string_tab[225]
-#define __pyx_n_u_softcap __pyx_string_tab[226]
-#define __pyx_n_u_src __pyx_string_tab[227]
-#define __pyx_n_u_stacks_grouped_rows __pyx_string_tab[228]
-#define __pyx_n_u_start __pyx_string_tab[229]
-#define __pyx_n_u_step __pyx_string_tab[230]
-#define __pyx_n_u_stop __pyx_string_tab[231]
-#define __pyx_n_u_struct __pyx_string_tab[232]
-#define __pyx_n_u_t_stride __pyx_string_tab[233]
-#define __pyx_n_u_team_size __pyx_string_tab[234]
-#define __pyx_n_u_thread_limit __pyx_string_tab[235]
-#define __pyx_n_u_threads __pyx_string_tab[236]
-#define __pyx_n_u_tile __pyx_string_tab[237]
-#define __pyx_n_u_type_num __pyx_string_tab[238]
-#define __pyx_n_u_unpack __pyx_string_tab[239]
-#define __pyx_n_u_update __pyx_string_tab[240]
-#define __pyx_n_u_v __pyx_string_tab[241]
-#define __pyx_n_u_v_cache __pyx_string_tab[242]
-#define __pyx_n_u_v_new __pyx_string_tab[243]
-#define __pyx_n_u_v_offset __pyx_string_tab[244]
-#define __pyx_n_u_v_pages __pyx_string_tab[245]
-#define __pyx_n_u_v_scale __pyx_string_tab[246]
-#define __pyx_n_u_v_scale_offset __pyx_string_tab[247]
-#define __pyx_n_u_value __pyx_string_tab[248]
-#define __pyx_n_u_values __pyx_string_tab[249]
-#define __pyx_n_u_window_2 __pyx_string_tab[250]
-#define __pyx_n_u_x __pyx_string_tab[251]
-#define __pyx_n_b_O __pyx_string_tab[252]
-#define __pyx_kp_b_int_struct___pyx_t_10cattention __pyx_string_tab[253]
-#define __pyx_kp_b_iso88591_3aq __pyx_string_tab[254]
-#define __pyx_kp_b_iso88591_4q __pyx_string_tab[255]
-#define __pyx_kp_b_iso88591_awa __pyx_string_tab[256]
-#define __pyx_kp_b_iso88591_q_uA __pyx_string_tab[257]
-#define __pyx_kp_b_iso88591_1 __pyx_string_tab[258]
-#define __pyx_kp_b_iso88591_1M __pyx_string_tab[259]
-#define __pyx_kp_b_iso88591_q_xz __pyx_string_tab[260]
-#define __pyx_kp_b_iso88591_G_c __pyx_string_tab[261]
-#define __pyx_kp_b_iso88591_4q_2 __pyx_string_tab[262]
-#define __pyx_kp_b_iso88591_G86 __pyx_string_tab[263]
-#define __pyx_kp_b_iso88591_6_6 __pyx_string_tab[264]
-#define __pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q __pyx_string_tab[265]
-#define __pyx_kp_b_iso88591_q_q_a __pyx_string_tab[266]
-#define __pyx_kp_b_iso88591_q_1 __pyx_string_tab[267]
-#define __pyx_kp_b_iso88591_G_Cwawa __pyx_string_tab[268]
-#define __pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa __pyx_string_tab[269]
-#define __pyx_kp_b_iso88591_a_D_D_0_A __pyx_string_tab[270]
-#define __pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa __pyx_string_tab[271]
-#define __pyx_kp_b_iso88591__8 __pyx_string_tab[272]
-#define __pyx_kp_b_iso88591_AU_4AQ_uCq_j_q __pyx_string_tab[273]
-#define __pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q __pyx_string_tab[274]
-#define __pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_q __pyx_string_tab[275]
-#define __pyx_kp_b_iso88591_az_Cs_q_81_WIYa __pyx_string_tab[276]
-#define __pyx_kp_b_iso88591_4xq_4xq_t1_A_d_d_A_d_A_d_A_D_D __pyx_string_tab[277]
-#define __pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_AQd_S __pyx_string_tab[278]
-#define __pyx_kp_b_iso88591_Qc __pyx_string_tab[279]
+#define __pyx_n_u_kv_starts __pyx_string_tab[157]
+#define __pyx_n_u_kvcache_shortcut __pyx_string_tab[158]
+#define __pyx_n_u_left __pyx_string_tab[159]
+#define __pyx_n_u_limit __pyx_string_tab[160]
+#define __pyx_n_u_lse __pyx_string_tab[161]
+#define __pyx_n_u_lse_offset __pyx_string_tab[162]
+#define __pyx_n_u_mask __pyx_string_tab[163]
+#define __pyx_n_u_max __pyx_string_tab[164]
+#define __pyx_n_u_max_threads __pyx_string_tab[165]
+#define __pyx_n_u_memview __pyx_string_tab[166]
+#define __pyx_n_u_mode __pyx_string_tab[167]
+#define __pyx_n_u_n __pyx_string_tab[168]
+#define __pyx_n_u_n_batch_dims __pyx_string_tab[169]
+#define __pyx_n_u_n_heads __pyx_string_tab[170]
+#define __pyx_n_u_n_kv_heads __pyx_string_tab[171]
+#define __pyx_n_u_n_new __pyx_string_tab[172]
+#define __pyx_n_u_n_rows __pyx_string_tab[173]
+#define __pyx_n_u_n_seq __pyx_string_tab[174]
+#define __pyx_n_u_n_threads __pyx_string_tab[175]
+#define __pyx_n_u_name __pyx_string_tab[176]
+#define __pyx_n_u_names __pyx_string_tab[177]
+#define __pyx_n_u_ndim __pyx_string_tab[178]
+#define __pyx_n_u_num_threads __pyx_string_tab[179]
+#define __pyx_n_u_numbers __pyx_string_tab[180]
+#define __pyx_n_u_numpy __pyx_string_tab[181]
+#define __pyx_n_u_obj __pyx_string_tab[182]
+#define __pyx_n_u_openmp_enabled __pyx_string_tab[183]
+#define __pyx_n_u_openmp_runtime __pyx_string_tab[184]
+#define __pyx_n_u_openmp_version __pyx_string_tab[185]
+#define __pyx_n_u_operator __pyx_string_tab[186]
+#define __pyx_n_u_options __pyx_string_tab[187]
+#define __pyx_n_u_out __pyx_string_tab[188]
+#define __pyx_n_u_out_offset __pyx_string_tab[189]
+#define __pyx_n_u_pack __pyx_string_tab[190]
+#define __pyx_n_u_page_ids __pyx_string_tab[191]
+#define __pyx_n_u_page_size __pyx_string_tab[192]
+#define __pyx_n_u_page_stride __pyx_string_tab[193]
+#define __pyx_n_u_paged_shortcut __pyx_string_tab[194]
+#define __pyx_n_u_pages_per_seq __pyx_string_tab[195]
+#define __pyx_n_u_pb __pyx_string_tab[196]
+#define __pyx_n_u_plan __pyx_string_tab[197]
+#define __pyx_n_u_pop __pyx_string_tab[198]
+#define __pyx_n_u_q __pyx_string_tab[199]
+#define __pyx_n_u_q_lengths __pyx_string_tab[200]
+#define __pyx_n_u_q_offset __pyx_string_tab[201]
+#define __pyx_n_u_query_period __pyx_string_tab[202]
+#define __pyx_n_u_register __pyx_string_tab[203]
+#define __pyx_n_u_register_bfloat16 __pyx_string_tab[204]
+#define __pyx_n_u_replace __pyx_string_tab[205]
+#define __pyx_n_u_reshape __pyx_string_tab[206]
+#define __pyx_n_u_resolve_threads __pyx_string_tab[207]
+#define __pyx_n_u_return_lse __pyx_string_tab[208]
+#define __pyx_n_u_return_scores __pyx_string_tab[209]
+#define __pyx_n_u_right __pyx_string_tab[210]
+#define __pyx_n_u_row __pyx_string_tab[211]
+#define __pyx_n_u_row_axis __pyx_string_tab[212]
+#define __pyx_n_u_rows __pyx_string_tab[213]
+#define __pyx_n_u_run_arrays __pyx_string_tab[214]
+#define __pyx_n_u_run_entries __pyx_string_tab[215]
+#define __pyx_n_u_scale __pyx_string_tab[216]
+#define __pyx_n_u_scores __pyx_string_tab[217]
+#define __pyx_n_u_seq_offset __pyx_string_tab[218]
+#define __pyx_n_u_serial_ns __pyx_string_tab[219]
+#define __pyx_n_u_set_simd __pyx_string_tab[220]
+#define __pyx_n_u_setdefault __pyx_string_tab[221]
+#define __pyx_n_u_shape __pyx_string_tab[222]
+#define __pyx_n_u_simd_tile __pyx_string_tab[223]
+#define __pyx_n_u_sinks __pyx_string_tab[224]
+#define __pyx_n_u_size __pyx_string_tab[225]
+#define __pyx_n_u_smallest_subnormal __pyx_string_tab[226]
+#define __pyx_n_u_softcap __pyx_string_tab[227]
+#define __pyx_n_u_src __pyx_string_tab[228]
+#define __pyx_n_u_stacks_grouped_rows __pyx_string_tab[229]
+#define __pyx_n_u_start __pyx_string_tab[230]
+#define __pyx_n_u_step __pyx_string_tab[231]
+#define __pyx_n_u_stop __pyx_string_tab[232]
+#define __pyx_n_u_struct __pyx_string_tab[233]
+#define __pyx_n_u_t_stride __pyx_string_tab[234]
+#define __pyx_n_u_team_size __pyx_string_tab[235]
+#define __pyx_n_u_thread_limit __pyx_string_tab[236]
+#define __pyx_n_u_threads __pyx_string_tab[237]
+#define __pyx_n_u_tile __pyx_string_tab[238]
+#define __pyx_n_u_type_num __pyx_string_tab[239]
+#define __pyx_n_u_unpack __pyx_string_tab[240]
+#define __pyx_n_u_update __pyx_string_tab[241]
+#define __pyx_n_u_v __pyx_string_tab[242]
+#define __pyx_n_u_v_cache __pyx_string_tab[243]
+#define __pyx_n_u_v_new __pyx_string_tab[244]
+#define __pyx_n_u_v_offset __pyx_string_tab[245]
+#define __pyx_n_u_v_pages __pyx_string_tab[246]
+#define __pyx_n_u_v_scale __pyx_string_tab[247]
+#define __pyx_n_u_v_scale_offset __pyx_string_tab[248]
+#define __pyx_n_u_value __pyx_string_tab[249]
+#define __pyx_n_u_values __pyx_string_tab[250]
+#define __pyx_n_u_window_2 __pyx_string_tab[251]
+#define __pyx_n_u_x __pyx_string_tab[252]
+#define __pyx_n_b_O __pyx_string_tab[253]
+#define __pyx_kp_b_int_struct___pyx_t_10cattention __pyx_string_tab[254]
+#define __pyx_kp_b_iso88591_3aq __pyx_string_tab[255]
+#define __pyx_kp_b_iso88591_4q __pyx_string_tab[256]
+#define __pyx_kp_b_iso88591_awa __pyx_string_tab[257]
+#define __pyx_kp_b_iso88591_q_uA __pyx_string_tab[258]
+#define __pyx_kp_b_iso88591_1 __pyx_string_tab[259]
+#define __pyx_kp_b_iso88591_1M __pyx_string_tab[260]
+#define __pyx_kp_b_iso88591_q_xz __pyx_string_tab[261]
+#define __pyx_kp_b_iso88591_G_c __pyx_string_tab[262]
+#define __pyx_kp_b_iso88591_4q_2 __pyx_string_tab[263]
+#define __pyx_kp_b_iso88591_G86 __pyx_string_tab[264]
+#define __pyx_kp_b_iso88591_6_6 __pyx_string_tab[265]
+#define __pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q __pyx_string_tab[266]
+#define __pyx_kp_b_iso88591_q_q_a __pyx_string_tab[267]
+#define __pyx_kp_b_iso88591_q_1 __pyx_string_tab[268]
+#define __pyx_kp_b_iso88591_G_Cwawa __pyx_string_tab[269]
+#define __pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa __pyx_string_tab[270]
+#define __pyx_kp_b_iso88591_a_D_D_0_A __pyx_string_tab[271]
+#define __pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa __pyx_string_tab[272]
+#define __pyx_kp_b_iso88591__8 __pyx_string_tab[273]
+#define __pyx_kp_b_iso88591_AU_4AQ_uCq_j_q __pyx_string_tab[274]
+#define __pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q __pyx_string_tab[275]
+#define __pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_q __pyx_string_tab[276]
+#define __pyx_kp_b_iso88591_az_Cs_q_81_WIYa __pyx_string_tab[277]
+#define __pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D __pyx_string_tab[278]
+#define __pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_AQd_S __pyx_string_tab[279]
+#define __pyx_kp_b_iso88591_Qc __pyx_string_tab[280]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_1 __pyx_number_tab[2]
@@ -5436,7 +5442,7 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
   for (int i=0; i<26; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<280; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<281; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -5492,7 +5498,7 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
   for (int i=0; i<26; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<280; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<281; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -22085,7 +22091,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":195
+/* "cattention/_driver/problem.pxd":196
  * 
  * 
  * cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22096,7 +22102,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
 static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_round_up(Py_ssize_t __pyx_v_n, Py_ssize_t __pyx_v_m) {
   Py_ssize_t __pyx_r;
 
-  /* "cattention/_driver/problem.pxd":196
+  /* "cattention/_driver/problem.pxd":197
  * 
  * cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
  *     return ((n + m - 1) // m) * m             # <<<<<<<<<<<<<<
@@ -22109,7 +22115,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_round_up(
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":195
+  /* "cattention/_driver/problem.pxd":196
  * 
  * 
  * cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22122,7 +22128,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_round_up(
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":199
+/* "cattention/_driver/problem.pxd":200
  * 
  * 
  * cdef inline Py_ssize_t fold_period(Py_ssize_t n_steps) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22136,7 +22142,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":210
+  /* "cattention/_driver/problem.pxd":211
  *     at the row's: g = (n^2 / 2)^(1/3) balances the two. Items of at most
  *     FOLD_MIN_STEPS never fold: their state is bitwise one chain's."""
  *     cdef Py_ssize_t g = <Py_ssize_t>ceil(cbrt(0.5 * <double>n_steps * n_steps))             # <<<<<<<<<<<<<<
@@ -22145,7 +22151,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
 */
   __pyx_v_g = ((Py_ssize_t)ceil(cbrt(((0.5 * ((double)__pyx_v_n_steps)) * __pyx_v_n_steps))));
 
-  /* "cattention/_driver/problem.pxd":211
+  /* "cattention/_driver/problem.pxd":212
  *     FOLD_MIN_STEPS never fold: their state is bitwise one chain's."""
  *     cdef Py_ssize_t g = <Py_ssize_t>ceil(cbrt(0.5 * <double>n_steps * n_steps))
  *     return g if g > FOLD_MIN_STEPS else FOLD_MIN_STEPS             # <<<<<<<<<<<<<<
@@ -22167,7 +22173,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":199
+  /* "cattention/_driver/problem.pxd":200
  * 
  * 
  * cdef inline Py_ssize_t fold_period(Py_ssize_t n_steps) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22181,7 +22187,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":214
+/* "cattention/_driver/problem.pxd":215
  * 
  * 
  * cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_queries,             # <<<<<<<<<<<<<<
@@ -22196,7 +22202,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
   double const *__pyx_t_4;
   double const *__pyx_t_5;
 
-  /* "cattention/_driver/problem.pxd":221
+  /* "cattention/_driver/problem.pxd":222
  *     ATTN and SCORES rows). Callers then set operands and the layout and call
  *     problem_finish."""
  *     memset(pb, 0, sizeof(Problem))             # <<<<<<<<<<<<<<
@@ -22205,7 +22211,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   (void)(memset(__pyx_v_pb, 0, (sizeof(struct __pyx_t_10cattention_7_driver_7problem_Problem))));
 
-  /* "cattention/_driver/problem.pxd":222
+  /* "cattention/_driver/problem.pxd":223
  *     problem_finish."""
  *     memset(pb, 0, sizeof(Problem))
  *     pb.n_batch = n_batch             # <<<<<<<<<<<<<<
@@ -22214,7 +22220,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_batch = __pyx_v_n_batch;
 
-  /* "cattention/_driver/problem.pxd":223
+  /* "cattention/_driver/problem.pxd":224
  *     memset(pb, 0, sizeof(Problem))
  *     pb.n_batch = n_batch
  *     pb.n_queries = n_queries             # <<<<<<<<<<<<<<
@@ -22223,7 +22229,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_queries = __pyx_v_n_queries;
 
-  /* "cattention/_driver/problem.pxd":224
+  /* "cattention/_driver/problem.pxd":225
  *     pb.n_batch = n_batch
  *     pb.n_queries = n_queries
  *     pb.n_keys = n_keys             # <<<<<<<<<<<<<<
@@ -22232,7 +22238,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_keys = __pyx_v_n_keys;
 
-  /* "cattention/_driver/problem.pxd":225
+  /* "cattention/_driver/problem.pxd":226
  *     pb.n_queries = n_queries
  *     pb.n_keys = n_keys
  *     pb.d_k = d_k             # <<<<<<<<<<<<<<
@@ -22241,7 +22247,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->d_k = __pyx_v_d_k;
 
-  /* "cattention/_driver/problem.pxd":226
+  /* "cattention/_driver/problem.pxd":227
  *     pb.n_keys = n_keys
  *     pb.d_k = d_k
  *     pb.d_v = d_v             # <<<<<<<<<<<<<<
@@ -22250,7 +22256,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->d_v = __pyx_v_d_v;
 
-  /* "cattention/_driver/problem.pxd":227
+  /* "cattention/_driver/problem.pxd":228
  *     pb.d_k = d_k
  *     pb.d_v = d_v
  *     pb.causal = row.causal             # <<<<<<<<<<<<<<
@@ -22261,7 +22267,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->causal = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":228
+  /* "cattention/_driver/problem.pxd":229
  *     pb.d_v = d_v
  *     pb.causal = row.causal
  *     pb.scale = row.scale             # <<<<<<<<<<<<<<
@@ -22272,7 +22278,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->scale = __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":229
+  /* "cattention/_driver/problem.pxd":230
  *     pb.causal = row.causal
  *     pb.scale = row.scale
  *     pb.window_left = row.window_left             # <<<<<<<<<<<<<<
@@ -22283,7 +22289,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->window_left = __pyx_t_3;
 
-  /* "cattention/_driver/problem.pxd":230
+  /* "cattention/_driver/problem.pxd":231
  *     pb.scale = row.scale
  *     pb.window_left = row.window_left
  *     pb.window_right = row.window_right             # <<<<<<<<<<<<<<
@@ -22294,7 +22300,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->window_right = __pyx_t_3;
 
-  /* "cattention/_driver/problem.pxd":231
+  /* "cattention/_driver/problem.pxd":232
  *     pb.window_left = row.window_left
  *     pb.window_right = row.window_right
  *     pb.softcap = row.softcap             # <<<<<<<<<<<<<<
@@ -22305,7 +22311,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->softcap = __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":232
+  /* "cattention/_driver/problem.pxd":233
  *     pb.window_right = row.window_right
  *     pb.softcap = row.softcap
  *     pb.alibi_slope = row.alibi_slope             # <<<<<<<<<<<<<<
@@ -22316,7 +22322,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->alibi_slope = __pyx_t_4;
 
-  /* "cattention/_driver/problem.pxd":233
+  /* "cattention/_driver/problem.pxd":234
  *     pb.softcap = row.softcap
  *     pb.alibi_slope = row.alibi_slope
  *     pb.sink = row.sink             # <<<<<<<<<<<<<<
@@ -22327,7 +22333,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->sink = __pyx_t_5;
 
-  /* "cattention/_driver/problem.pxd":234
+  /* "cattention/_driver/problem.pxd":235
  *     pb.alibi_slope = row.alibi_slope
  *     pb.sink = row.sink
  *     pb.mask_kind = MASK_NONE             # <<<<<<<<<<<<<<
@@ -22336,7 +22342,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->mask_kind = __pyx_e_10cattention_7_driver_7problem_MASK_NONE;
 
-  /* "cattention/_driver/problem.pxd":235
+  /* "cattention/_driver/problem.pxd":236
  *     pb.sink = row.sink
  *     pb.mask_kind = MASK_NONE
  *     pb.query_period = n_queries             # <<<<<<<<<<<<<<
@@ -22345,7 +22351,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->query_period = __pyx_v_n_queries;
 
-  /* "cattention/_driver/problem.pxd":236
+  /* "cattention/_driver/problem.pxd":237
  *     pb.mask_kind = MASK_NONE
  *     pb.query_period = n_queries
  *     pb.ld_out = d_v             # <<<<<<<<<<<<<<
@@ -22354,7 +22360,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->ld_out = __pyx_v_d_v;
 
-  /* "cattention/_driver/problem.pxd":237
+  /* "cattention/_driver/problem.pxd":238
  *     pb.query_period = n_queries
  *     pb.ld_out = d_v
  *     pb.ld_scores = n_keys             # <<<<<<<<<<<<<<
@@ -22363,7 +22369,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->ld_scores = __pyx_v_n_keys;
 
-  /* "cattention/_driver/problem.pxd":238
+  /* "cattention/_driver/problem.pxd":239
  *     pb.ld_out = d_v
  *     pb.ld_scores = n_keys
  *     pb.ld_lse = 1             # <<<<<<<<<<<<<<
@@ -22372,7 +22378,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->ld_lse = 1;
 
-  /* "cattention/_driver/problem.pxd":239
+  /* "cattention/_driver/problem.pxd":240
  *     pb.ld_scores = n_keys
  *     pb.ld_lse = 1
  *     pb.n_kv = n_batch             # <<<<<<<<<<<<<<
@@ -22381,7 +22387,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_kv = __pyx_v_n_batch;
 
-  /* "cattention/_driver/problem.pxd":214
+  /* "cattention/_driver/problem.pxd":215
  * 
  * 
  * cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_queries,             # <<<<<<<<<<<<<<
@@ -22392,7 +22398,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":242
+/* "cattention/_driver/problem.pxd":243
  * 
  * 
  * cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22402,7 +22408,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_options(struct __pyx_t_10cattention_7_driver_7problem_RowOptions *__pyx_v_row, int __pyx_v_causal, double __pyx_v_scale) {
 
-  /* "cattention/_driver/problem.pxd":244
+  /* "cattention/_driver/problem.pxd":245
  * cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:
  *     """Row options with no window, softcap, ALiBi or sinks."""
  *     row.causal = causal             # <<<<<<<<<<<<<<
@@ -22411,7 +22417,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->causal = __pyx_v_causal;
 
-  /* "cattention/_driver/problem.pxd":245
+  /* "cattention/_driver/problem.pxd":246
  *     """Row options with no window, softcap, ALiBi or sinks."""
  *     row.causal = causal
  *     row.scale = scale             # <<<<<<<<<<<<<<
@@ -22420,7 +22426,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->scale = __pyx_v_scale;
 
-  /* "cattention/_driver/problem.pxd":246
+  /* "cattention/_driver/problem.pxd":247
  *     row.causal = causal
  *     row.scale = scale
  *     row.window_left = -1             # <<<<<<<<<<<<<<
@@ -22429,7 +22435,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->window_left = -1L;
 
-  /* "cattention/_driver/problem.pxd":247
+  /* "cattention/_driver/problem.pxd":248
  *     row.scale = scale
  *     row.window_left = -1
  *     row.window_right = -1             # <<<<<<<<<<<<<<
@@ -22438,7 +22444,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->window_right = -1L;
 
-  /* "cattention/_driver/problem.pxd":248
+  /* "cattention/_driver/problem.pxd":249
  *     row.window_left = -1
  *     row.window_right = -1
  *     row.softcap = 0             # <<<<<<<<<<<<<<
@@ -22447,7 +22453,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->softcap = 0.0;
 
-  /* "cattention/_driver/problem.pxd":249
+  /* "cattention/_driver/problem.pxd":250
  *     row.window_right = -1
  *     row.softcap = 0
  *     row.alibi_slope = NULL             # <<<<<<<<<<<<<<
@@ -22456,7 +22462,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->alibi_slope = NULL;
 
-  /* "cattention/_driver/problem.pxd":250
+  /* "cattention/_driver/problem.pxd":251
  *     row.softcap = 0
  *     row.alibi_slope = NULL
  *     row.sink = NULL             # <<<<<<<<<<<<<<
@@ -22465,7 +22471,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->sink = NULL;
 
-  /* "cattention/_driver/problem.pxd":242
+  /* "cattention/_driver/problem.pxd":243
  * 
  * 
  * cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22476,7 +22482,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":253
+/* "cattention/_driver/problem.pxd":254
  * 
  * 
  * cdef inline void problem_finish(Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22488,7 +22494,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":255
+  /* "cattention/_driver/problem.pxd":256
  * cdef inline void problem_finish(Problem *pb) noexcept nogil:
  *     """Derived sizes: the packed K/V layout."""
  *     pb.ld_k = pb.d_k if pb.d_k > 0 else 1             # <<<<<<<<<<<<<<
@@ -22507,7 +22513,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
   __pyx_v_pb->ld_k = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":256
+  /* "cattention/_driver/problem.pxd":257
  *     """Derived sizes: the packed K/V layout."""
  *     pb.ld_k = pb.d_k if pb.d_k > 0 else 1
  *     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD             # <<<<<<<<<<<<<<
@@ -22526,7 +22532,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
   __pyx_v_pb->ld_v = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":257
+  /* "cattention/_driver/problem.pxd":258
  *     pb.ld_k = pb.d_k if pb.d_k > 0 else 1
  *     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
  *     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK             # <<<<<<<<<<<<<<
@@ -22535,7 +22541,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 */
   __pyx_v_pb->n_key_blocks = (((__pyx_v_pb->n_keys + __pyx_e_10cattention_7_driver_7problem_K_BLOCK) - 1) / __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/problem.pxd":258
+  /* "cattention/_driver/problem.pxd":259
  *     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
  *     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
  *     pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)             # <<<<<<<<<<<<<<
@@ -22554,7 +22560,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
   __pyx_v_pb->block_keys = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":259
+  /* "cattention/_driver/problem.pxd":260
  *     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
  *     pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)
  *     pb.fold_steps = fold_period(pb.n_key_blocks)             # <<<<<<<<<<<<<<
@@ -22563,7 +22569,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 */
   __pyx_v_pb->fold_steps = __pyx_f_10cattention_7_driver_7problem_fold_period(__pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/problem.pxd":253
+  /* "cattention/_driver/problem.pxd":254
  * 
  * 
  * cdef inline void problem_finish(Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22574,7 +22580,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":262
+/* "cattention/_driver/problem.pxd":263
  * 
  * 
  * cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,             # <<<<<<<<<<<<<<
@@ -22584,7 +22590,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(struct __pyx_t_10cattention_7_driver_7problem_Operand *__pyx_v_op, void const *__pyx_v_data, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_batch_offset, Py_ssize_t __pyx_v_row_stride, Py_ssize_t __pyx_v_col_stride) {
 
-  /* "cattention/_driver/problem.pxd":264
+  /* "cattention/_driver/problem.pxd":265
  * cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,
  *                              Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
  *     op.data = <const char *>data             # <<<<<<<<<<<<<<
@@ -22593,7 +22599,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->data = ((char const *)__pyx_v_data);
 
-  /* "cattention/_driver/problem.pxd":265
+  /* "cattention/_driver/problem.pxd":266
  *                              Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
  *     op.data = <const char *>data
  *     op.batch_offset = batch_offset             # <<<<<<<<<<<<<<
@@ -22602,7 +22608,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->batch_offset = __pyx_v_batch_offset;
 
-  /* "cattention/_driver/problem.pxd":266
+  /* "cattention/_driver/problem.pxd":267
  *     op.data = <const char *>data
  *     op.batch_offset = batch_offset
  *     op.row_stride = row_stride             # <<<<<<<<<<<<<<
@@ -22611,7 +22617,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->row_stride = __pyx_v_row_stride;
 
-  /* "cattention/_driver/problem.pxd":267
+  /* "cattention/_driver/problem.pxd":268
  *     op.batch_offset = batch_offset
  *     op.row_stride = row_stride
  *     op.col_stride = col_stride             # <<<<<<<<<<<<<<
@@ -22620,7 +22626,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->col_stride = __pyx_v_col_stride;
 
-  /* "cattention/_driver/problem.pxd":262
+  /* "cattention/_driver/problem.pxd":263
  * 
  * 
  * cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,             # <<<<<<<<<<<<<<
@@ -22631,7 +22637,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":270
+/* "cattention/_driver/problem.pxd":271
  * 
  * 
  * cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22644,7 +22650,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_entry_row
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":272
+  /* "cattention/_driver/problem.pxd":273
  * cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:
  *     """Query rows of batch entry b."""
  *     return pb.q_length[b] if pb.q_length != NULL else pb.n_queries             # <<<<<<<<<<<<<<
@@ -22666,7 +22672,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_entry_row
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":270
+  /* "cattention/_driver/problem.pxd":271
  * 
  * 
  * cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22679,7 +22685,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_entry_row
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":275
+/* "cattention/_driver/problem.pxd":276
  * 
  * 
  * cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22692,7 +22698,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_query_per
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":278
+  /* "cattention/_driver/problem.pxd":279
  *     """Positions of entry b's query rows before they repeat (stacked heads):
  *     its own row count for entries of their own lengths."""
  *     return pb.q_length[b] if pb.q_length != NULL else pb.query_period             # <<<<<<<<<<<<<<
@@ -22714,7 +22720,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_query_per
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":275
+  /* "cattention/_driver/problem.pxd":276
  * 
  * 
  * cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22727,7 +22733,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_query_per
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":281
+/* "cattention/_driver/problem.pxd":282
  * 
  * 
  * cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
@@ -22739,7 +22745,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   Py_ssize_t __pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":284
+  /* "cattention/_driver/problem.pxd":285
  *                                       Py_ssize_t row) noexcept nogil:
  *     """Element offset of ATTN row ``row`` of batch entry b."""
  *     if pb.out_offset != NULL:             # <<<<<<<<<<<<<<
@@ -22751,7 +22757,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/problem.pxd":285
+    /* "cattention/_driver/problem.pxd":286
  *     """Element offset of ATTN row ``row`` of batch entry b."""
  *     if pb.out_offset != NULL:
  *         return pb.out_offset[b] + row * pb.ld_out             # <<<<<<<<<<<<<<
@@ -22764,7 +22770,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/problem.pxd":284
+    /* "cattention/_driver/problem.pxd":285
  *                                       Py_ssize_t row) noexcept nogil:
  *     """Element offset of ATTN row ``row`` of batch entry b."""
  *     if pb.out_offset != NULL:             # <<<<<<<<<<<<<<
@@ -22773,7 +22779,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
 */
   }
 
-  /* "cattention/_driver/problem.pxd":286
+  /* "cattention/_driver/problem.pxd":287
  *     if pb.out_offset != NULL:
  *         return pb.out_offset[b] + row * pb.ld_out
  *     return (b * pb.n_queries + row) * pb.ld_out             # <<<<<<<<<<<<<<
@@ -22786,7 +22792,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":281
+  /* "cattention/_driver/problem.pxd":282
  * 
  * 
  * cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
@@ -22799,7 +22805,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":289
+/* "cattention/_driver/problem.pxd":290
  * 
  * 
  * cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22812,7 +22818,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_exten
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":291
+  /* "cattention/_driver/problem.pxd":292
  * cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:
  *     """Keys of packed K/V entry kv that may be read (the rest may not exist)."""
  *     return pb.kv_extent[kv] if pb.kv_extent != NULL else pb.n_keys             # <<<<<<<<<<<<<<
@@ -22834,7 +22840,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_exten
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":289
+  /* "cattention/_driver/problem.pxd":290
  * 
  * 
  * cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22847,7 +22853,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_exten
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":294
+/* "cattention/_driver/problem.pxd":295
  * 
  * 
  * cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22860,7 +22866,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_first
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":296
+  /* "cattention/_driver/problem.pxd":297
  * cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:
  *     """The first key of packed K/V entry kv that may be read."""
  *     return pb.kv_first[kv] if pb.kv_first != NULL else 0             # <<<<<<<<<<<<<<
@@ -22880,7 +22886,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_first
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":294
+  /* "cattention/_driver/problem.pxd":295
  * 
  * 
  * cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -29653,6 +29659,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
   Py_ssize_t __pyx_v_hi;
   Py_ssize_t __pyx_v_position;
   Py_ssize_t __pyx_v_n_valid;
+  Py_ssize_t __pyx_v_start;
   Py_ssize_t __pyx_v_period;
   Py_ssize_t __pyx_v_offset;
   Py_ssize_t __pyx_t_1;
@@ -29661,12 +29668,12 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
   Py_ssize_t __pyx_t_4;
   int __pyx_t_5;
 
-  /* "cattention/_driver/visibility.pxd":21
- *     given (right padding, as in a batched KV cache)."""
+  /* "cattention/_driver/visibility.pxd":22
+ *     KV cache); the alignment is against the end of that range."""
  *     cdef Py_ssize_t i, lo, hi, position
  *     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
  *     cdef Py_ssize_t period = query_period_of(pb, b)
- *     # alignment is bottom-right: the queries are the last T positions of the
 */
   __pyx_t_2 = (__pyx_v_pb->kv_length != NULL);
 
@@ -29680,16 +29687,35 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 
   __pyx_v_n_valid = __pyx_t_1;
 
-  /* "cattention/_driver/visibility.pxd":22
+  /* "cattention/_driver/visibility.pxd":23
  *     cdef Py_ssize_t i, lo, hi, position
  *     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t period = query_period_of(pb, b)
+ *     # alignment is bottom-right: the queries are the last T positions of the
+*/
+  __pyx_t_2 = (__pyx_v_pb->kv_start != NULL);
+
+  if (__pyx_t_2) {
+
+    __pyx_t_1 = (__pyx_v_pb->kv_start[__pyx_v_b]);
+  } else {
+
+    __pyx_t_1 = 0;
+  }
+
+  __pyx_v_start = __pyx_t_1;
+
+  /* "cattention/_driver/visibility.pxd":24
+ *     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
  *     cdef Py_ssize_t period = query_period_of(pb, b)             # <<<<<<<<<<<<<<
  *     # alignment is bottom-right: the queries are the last T positions of the
  *     # valid keys, so query row r sits at key position r + (n_valid - T)
 */
   __pyx_v_period = __pyx_f_10cattention_7_driver_7problem_query_period_of(__pyx_v_pb, __pyx_v_b);
 
-  /* "cattention/_driver/visibility.pxd":25
+  /* "cattention/_driver/visibility.pxd":27
  *     # alignment is bottom-right: the queries are the last T positions of the
  *     # valid keys, so query row r sits at key position r + (n_valid - T)
  *     cdef Py_ssize_t offset = n_valid - period             # <<<<<<<<<<<<<<
@@ -29698,12 +29724,12 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
   __pyx_v_offset = (__pyx_v_n_valid - __pyx_v_period);
 
-  /* "cattention/_driver/visibility.pxd":26
+  /* "cattention/_driver/visibility.pxd":28
  *     # valid keys, so query row r sits at key position r + (n_valid - T)
  *     cdef Py_ssize_t offset = n_valid - period
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
  *         position = (row0 + i) % period + offset
- *         lo = 0
+ *         lo = start
 */
 
   __pyx_t_1 = __pyx_v_n_rows;
@@ -29712,35 +29738,35 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_i = __pyx_t_4;
 
-    /* "cattention/_driver/visibility.pxd":27
+    /* "cattention/_driver/visibility.pxd":29
  *     cdef Py_ssize_t offset = n_valid - period
  *     for i in range(n_rows):
  *         position = (row0 + i) % period + offset             # <<<<<<<<<<<<<<
- *         lo = 0
+ *         lo = start
  *         hi = n_valid
 */
     __pyx_v_position = (((__pyx_v_row0 + __pyx_v_i) % __pyx_v_period) + __pyx_v_offset);
 
-    /* "cattention/_driver/visibility.pxd":28
+    /* "cattention/_driver/visibility.pxd":30
  *     for i in range(n_rows):
  *         position = (row0 + i) % period + offset
- *         lo = 0             # <<<<<<<<<<<<<<
+ *         lo = start             # <<<<<<<<<<<<<<
  *         hi = n_valid
  *         if pb.causal and position + 1 < hi:
 */
-    __pyx_v_lo = 0;
+    __pyx_v_lo = __pyx_v_start;
 
-    /* "cattention/_driver/visibility.pxd":29
+    /* "cattention/_driver/visibility.pxd":31
  *         position = (row0 + i) % period + offset
- *         lo = 0
+ *         lo = start
  *         hi = n_valid             # <<<<<<<<<<<<<<
  *         if pb.causal and position + 1 < hi:
  *             hi = position + 1
 */
     __pyx_v_hi = __pyx_v_n_valid;
 
-    /* "cattention/_driver/visibility.pxd":30
- *         lo = 0
+    /* "cattention/_driver/visibility.pxd":32
+ *         lo = start
  *         hi = n_valid
  *         if pb.causal and position + 1 < hi:             # <<<<<<<<<<<<<<
  *             hi = position + 1
@@ -29765,7 +29791,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/visibility.pxd":31
+      /* "cattention/_driver/visibility.pxd":33
  *         hi = n_valid
  *         if pb.causal and position + 1 < hi:
  *             hi = position + 1             # <<<<<<<<<<<<<<
@@ -29774,8 +29800,8 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
       __pyx_v_hi = (__pyx_v_position + 1);
 
-      /* "cattention/_driver/visibility.pxd":30
- *         lo = 0
+      /* "cattention/_driver/visibility.pxd":32
+ *         lo = start
  *         hi = n_valid
  *         if pb.causal and position + 1 < hi:             # <<<<<<<<<<<<<<
  *             hi = position + 1
@@ -29783,7 +29809,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":32
+    /* "cattention/_driver/visibility.pxd":34
  *         if pb.causal and position + 1 < hi:
  *             hi = position + 1
  *         if pb.window_right >= 0 and position + pb.window_right + 1 < hi:             # <<<<<<<<<<<<<<
@@ -29809,7 +29835,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/visibility.pxd":33
+      /* "cattention/_driver/visibility.pxd":35
  *             hi = position + 1
  *         if pb.window_right >= 0 and position + pb.window_right + 1 < hi:
  *             hi = position + pb.window_right + 1             # <<<<<<<<<<<<<<
@@ -29818,7 +29844,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
       __pyx_v_hi = ((__pyx_v_position + __pyx_v_pb->window_right) + 1);
 
-      /* "cattention/_driver/visibility.pxd":32
+      /* "cattention/_driver/visibility.pxd":34
  *         if pb.causal and position + 1 < hi:
  *             hi = position + 1
  *         if pb.window_right >= 0 and position + pb.window_right + 1 < hi:             # <<<<<<<<<<<<<<
@@ -29827,7 +29853,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":34
+    /* "cattention/_driver/visibility.pxd":36
  *         if pb.window_right >= 0 and position + pb.window_right + 1 < hi:
  *             hi = position + pb.window_right + 1
  *         if pb.window_left >= 0 and position - pb.window_left > lo:             # <<<<<<<<<<<<<<
@@ -29853,7 +29879,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/visibility.pxd":35
+      /* "cattention/_driver/visibility.pxd":37
  *             hi = position + pb.window_right + 1
  *         if pb.window_left >= 0 and position - pb.window_left > lo:
  *             lo = position - pb.window_left             # <<<<<<<<<<<<<<
@@ -29862,7 +29888,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
       __pyx_v_lo = (__pyx_v_position - __pyx_v_pb->window_left);
 
-      /* "cattention/_driver/visibility.pxd":34
+      /* "cattention/_driver/visibility.pxd":36
  *         if pb.window_right >= 0 and position + pb.window_right + 1 < hi:
  *             hi = position + pb.window_right + 1
  *         if pb.window_left >= 0 and position - pb.window_left > lo:             # <<<<<<<<<<<<<<
@@ -29871,7 +29897,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":36
+    /* "cattention/_driver/visibility.pxd":38
  *         if pb.window_left >= 0 and position - pb.window_left > lo:
  *             lo = position - pb.window_left
  *         if hi < 0:             # <<<<<<<<<<<<<<
@@ -29883,7 +29909,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/visibility.pxd":37
+      /* "cattention/_driver/visibility.pxd":39
  *             lo = position - pb.window_left
  *         if hi < 0:
  *             hi = 0             # <<<<<<<<<<<<<<
@@ -29892,7 +29918,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
       __pyx_v_hi = 0;
 
-      /* "cattention/_driver/visibility.pxd":36
+      /* "cattention/_driver/visibility.pxd":38
  *         if pb.window_left >= 0 and position - pb.window_left > lo:
  *             lo = position - pb.window_left
  *         if hi < 0:             # <<<<<<<<<<<<<<
@@ -29901,7 +29927,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":38
+    /* "cattention/_driver/visibility.pxd":40
  *         if hi < 0:
  *             hi = 0
  *         if lo > hi:             # <<<<<<<<<<<<<<
@@ -29913,7 +29939,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/visibility.pxd":39
+      /* "cattention/_driver/visibility.pxd":41
  *             hi = 0
  *         if lo > hi:
  *             lo = hi             # <<<<<<<<<<<<<<
@@ -29922,7 +29948,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
       __pyx_v_lo = __pyx_v_hi;
 
-      /* "cattention/_driver/visibility.pxd":38
+      /* "cattention/_driver/visibility.pxd":40
  *         if hi < 0:
  *             hi = 0
  *         if lo > hi:             # <<<<<<<<<<<<<<
@@ -29931,7 +29957,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":40
+    /* "cattention/_driver/visibility.pxd":42
  *         if lo > hi:
  *             lo = hi
  *         row_lo[i] = lo             # <<<<<<<<<<<<<<
@@ -29940,7 +29966,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 */
     (__pyx_v_row_lo[__pyx_v_i]) = __pyx_v_lo;
 
-    /* "cattention/_driver/visibility.pxd":41
+    /* "cattention/_driver/visibility.pxd":43
  *             lo = hi
  *         row_lo[i] = lo
  *         row_hi[i] = hi             # <<<<<<<<<<<<<<
@@ -29967,9 +29993,10 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_10visibility_visible_ran
 
 
 
+
 }
 
-/* "cattention/_driver/visibility.pxd":44
+/* "cattention/_driver/visibility.pxd":46
  * 
  * 
  * cdef inline bint sees_a_key(const Problem *pb, Py_ssize_t b, Py_ssize_t row) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -29991,7 +30018,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_t_4;
   double __pyx_t_5;
 
-  /* "cattention/_driver/visibility.pxd":53
+  /* "cattention/_driver/visibility.pxd":55
  *     cdef intp_t lo, hi
  *     cdef Py_ssize_t j, m_row
  *     cdef Py_ssize_t m_col = pb.mask.col_stride             # <<<<<<<<<<<<<<
@@ -30002,7 +30029,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 
   __pyx_v_m_col = __pyx_t_1;
 
-  /* "cattention/_driver/visibility.pxd":55
+  /* "cattention/_driver/visibility.pxd":57
  *     cdef Py_ssize_t m_col = pb.mask.col_stride
  *     cdef double bias
  *     visible_ranges(pb, b, row, 1, &lo, &hi)             # <<<<<<<<<<<<<<
@@ -30011,7 +30038,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
   __pyx_f_10cattention_7_driver_10visibility_visible_ranges(__pyx_v_pb, __pyx_v_b, __pyx_v_row, 1, (&__pyx_v_lo), (&__pyx_v_hi));
 
-  /* "cattention/_driver/visibility.pxd":56
+  /* "cattention/_driver/visibility.pxd":58
  *     cdef double bias
  *     visible_ranges(pb, b, row, 1, &lo, &hi)
  *     if hi <= lo:             # <<<<<<<<<<<<<<
@@ -30023,7 +30050,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/visibility.pxd":57
+    /* "cattention/_driver/visibility.pxd":59
  *     visible_ranges(pb, b, row, 1, &lo, &hi)
  *     if hi <= lo:
  *         return False             # <<<<<<<<<<<<<<
@@ -30036,7 +30063,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/visibility.pxd":56
+    /* "cattention/_driver/visibility.pxd":58
  *     cdef double bias
  *     visible_ranges(pb, b, row, 1, &lo, &hi)
  *     if hi <= lo:             # <<<<<<<<<<<<<<
@@ -30045,7 +30072,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
   }
 
-  /* "cattention/_driver/visibility.pxd":58
+  /* "cattention/_driver/visibility.pxd":60
  *     if hi <= lo:
  *         return False
  *     if pb.mask_kind == MASK_NONE:             # <<<<<<<<<<<<<<
@@ -30057,7 +30084,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/visibility.pxd":59
+    /* "cattention/_driver/visibility.pxd":61
  *         return False
  *     if pb.mask_kind == MASK_NONE:
  *         return True             # <<<<<<<<<<<<<<
@@ -30070,7 +30097,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/visibility.pxd":58
+    /* "cattention/_driver/visibility.pxd":60
  *     if hi <= lo:
  *         return False
  *     if pb.mask_kind == MASK_NONE:             # <<<<<<<<<<<<<<
@@ -30079,7 +30106,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
   }
 
-  /* "cattention/_driver/visibility.pxd":60
+  /* "cattention/_driver/visibility.pxd":62
  *     if pb.mask_kind == MASK_NONE:
  *         return True
  *     m_row = pb.mask.batch_offset[b] + row * pb.mask.row_stride             # <<<<<<<<<<<<<<
@@ -30088,7 +30115,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
   __pyx_v_m_row = ((__pyx_v_pb->mask.batch_offset[__pyx_v_b]) + (__pyx_v_row * __pyx_v_pb->mask.row_stride));
 
-  /* "cattention/_driver/visibility.pxd":61
+  /* "cattention/_driver/visibility.pxd":63
  *         return True
  *     m_row = pb.mask.batch_offset[b] + row * pb.mask.row_stride
  *     for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -30102,7 +30129,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   for (__pyx_t_1 = __pyx_v_lo; __pyx_t_1 < __pyx_t_4; __pyx_t_1+=1) {
     __pyx_v_j = __pyx_t_1;
 
-    /* "cattention/_driver/visibility.pxd":62
+    /* "cattention/_driver/visibility.pxd":64
  *     m_row = pb.mask.batch_offset[b] + row * pb.mask.row_stride
  *     for j in range(lo, hi):
  *         if pb.mask_kind == MASK_BOOL:             # <<<<<<<<<<<<<<
@@ -30112,7 +30139,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
     switch (__pyx_v_pb->mask_kind) {
       case __pyx_e_10cattention_7_driver_7problem_MASK_BOOL:
 
-      /* "cattention/_driver/visibility.pxd":63
+      /* "cattention/_driver/visibility.pxd":65
  *     for j in range(lo, hi):
  *         if pb.mask_kind == MASK_BOOL:
  *             if (<const uint8_t *>pb.mask.data)[m_row + j * m_col]:             # <<<<<<<<<<<<<<
@@ -30124,7 +30151,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/visibility.pxd":64
+        /* "cattention/_driver/visibility.pxd":66
  *         if pb.mask_kind == MASK_BOOL:
  *             if (<const uint8_t *>pb.mask.data)[m_row + j * m_col]:
  *                 return True             # <<<<<<<<<<<<<<
@@ -30137,7 +30164,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
         }
         goto __pyx_L0;
 
-        /* "cattention/_driver/visibility.pxd":63
+        /* "cattention/_driver/visibility.pxd":65
  *     for j in range(lo, hi):
  *         if pb.mask_kind == MASK_BOOL:
  *             if (<const uint8_t *>pb.mask.data)[m_row + j * m_col]:             # <<<<<<<<<<<<<<
@@ -30146,7 +30173,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
       }
 
-      /* "cattention/_driver/visibility.pxd":62
+      /* "cattention/_driver/visibility.pxd":64
  *     m_row = pb.mask.batch_offset[b] + row * pb.mask.row_stride
  *     for j in range(lo, hi):
  *         if pb.mask_kind == MASK_BOOL:             # <<<<<<<<<<<<<<
@@ -30156,7 +30183,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
       break;
       case __pyx_e_10cattention_7_driver_7problem_MASK_F32:
 
-      /* "cattention/_driver/visibility.pxd":66
+      /* "cattention/_driver/visibility.pxd":68
  *                 return True
  *         elif pb.mask_kind == MASK_F32:
  *             if (<const float *>pb.mask.data)[m_row + j * m_col] != -INFINITY:             # <<<<<<<<<<<<<<
@@ -30168,7 +30195,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/visibility.pxd":67
+        /* "cattention/_driver/visibility.pxd":69
  *         elif pb.mask_kind == MASK_F32:
  *             if (<const float *>pb.mask.data)[m_row + j * m_col] != -INFINITY:
  *                 return True             # <<<<<<<<<<<<<<
@@ -30181,7 +30208,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
         }
         goto __pyx_L0;
 
-        /* "cattention/_driver/visibility.pxd":66
+        /* "cattention/_driver/visibility.pxd":68
  *                 return True
  *         elif pb.mask_kind == MASK_F32:
  *             if (<const float *>pb.mask.data)[m_row + j * m_col] != -INFINITY:             # <<<<<<<<<<<<<<
@@ -30190,7 +30217,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
       }
 
-      /* "cattention/_driver/visibility.pxd":65
+      /* "cattention/_driver/visibility.pxd":67
  *             if (<const uint8_t *>pb.mask.data)[m_row + j * m_col]:
  *                 return True
  *         elif pb.mask_kind == MASK_F32:             # <<<<<<<<<<<<<<
@@ -30200,7 +30227,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
       break;
       default:
 
-      /* "cattention/_driver/visibility.pxd":69
+      /* "cattention/_driver/visibility.pxd":71
  *                 return True
  *         else:
  *             bias = (<const double *>pb.mask.data)[m_row + j * m_col]             # <<<<<<<<<<<<<<
@@ -30209,7 +30236,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
 */
       __pyx_v_bias = (((double const *)__pyx_v_pb->mask.data)[(__pyx_v_m_row + (__pyx_v_j * __pyx_v_m_col))]);
 
-      /* "cattention/_driver/visibility.pxd":70
+      /* "cattention/_driver/visibility.pxd":72
  *         else:
  *             bias = (<const double *>pb.mask.data)[m_row + j * m_col]
  *             if (<float>bias if pb.itemsize == 4 else bias) != -INFINITY:             # <<<<<<<<<<<<<<
@@ -30232,7 +30259,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/visibility.pxd":71
+        /* "cattention/_driver/visibility.pxd":73
  *             bias = (<const double *>pb.mask.data)[m_row + j * m_col]
  *             if (<float>bias if pb.itemsize == 4 else bias) != -INFINITY:
  *                 return True             # <<<<<<<<<<<<<<
@@ -30245,7 +30272,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
         }
         goto __pyx_L0;
 
-        /* "cattention/_driver/visibility.pxd":70
+        /* "cattention/_driver/visibility.pxd":72
  *         else:
  *             bias = (<const double *>pb.mask.data)[m_row + j * m_col]
  *             if (<float>bias if pb.itemsize == 4 else bias) != -INFINITY:             # <<<<<<<<<<<<<<
@@ -30258,7 +30285,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   }
 
 
-  /* "cattention/_driver/visibility.pxd":72
+  /* "cattention/_driver/visibility.pxd":74
  *             if (<float>bias if pb.itemsize == 4 else bias) != -INFINITY:
  *                 return True
  *     return False             # <<<<<<<<<<<<<<
@@ -30271,7 +30298,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/visibility.pxd":44
+  /* "cattention/_driver/visibility.pxd":46
  * 
  * 
  * cdef inline bint sees_a_key(const Problem *pb, Py_ssize_t b, Py_ssize_t row) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -30290,27 +30317,28 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_10visibility_sees_a_key(s
   return __pyx_r;
 }
 
-/* "cattention/_driver/visibility.pxd":75
+/* "cattention/_driver/visibility.pxd":77
  * 
  * 
  * cdef inline Py_ssize_t first_visible_key(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
- *     """No query row of batch entry b sees a key before this one: the start
- *     of its sliding window at its first position (visible_ranges' lo for a
+ *     """No query row of batch entry b sees a key before this one: its first
+ *     valid key, or the start of its sliding window at its first position
 */
 
 static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_10visibility_first_visible_key(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, Py_ssize_t __pyx_v_b) {
   Py_ssize_t __pyx_v_n_valid;
+  Py_ssize_t __pyx_v_start;
   Py_ssize_t __pyx_v_first;
   Py_ssize_t __pyx_r;
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/visibility.pxd":79
- *     of its sliding window at its first position (visible_ranges' lo for a
- *     row at position offset), 0 without a window's left side."""
+  /* "cattention/_driver/visibility.pxd":81
+ *     valid key, or the start of its sliding window at its first position
+ *     (visible_ranges' lo for a row at position offset) if that is later."""
  *     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
  *     cdef Py_ssize_t first
- *     if pb.window_left < 0:
 */
   __pyx_t_2 = (__pyx_v_pb->kv_length != NULL);
 
@@ -30324,11 +30352,30 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_10visibility_first
 
   __pyx_v_n_valid = __pyx_t_1;
 
-  /* "cattention/_driver/visibility.pxd":81
+  /* "cattention/_driver/visibility.pxd":82
+ *     (visible_ranges' lo for a row at position offset) if that is later."""
  *     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t first
+ *     if pb.window_left < 0:
+*/
+  __pyx_t_2 = (__pyx_v_pb->kv_start != NULL);
+
+  if (__pyx_t_2) {
+
+    __pyx_t_1 = (__pyx_v_pb->kv_start[__pyx_v_b]);
+  } else {
+
+    __pyx_t_1 = 0;
+  }
+
+  __pyx_v_start = __pyx_t_1;
+
+  /* "cattention/_driver/visibility.pxd":84
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
  *     cdef Py_ssize_t first
  *     if pb.window_left < 0:             # <<<<<<<<<<<<<<
- *         return 0
+ *         return start
  *     first = n_valid - query_period_of(pb, b) - pb.window_left
 */
   __pyx_t_2 = (__pyx_v_pb->window_left < 0);
@@ -30336,52 +30383,52 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_10visibility_first
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/visibility.pxd":82
+    /* "cattention/_driver/visibility.pxd":85
  *     cdef Py_ssize_t first
  *     if pb.window_left < 0:
- *         return 0             # <<<<<<<<<<<<<<
+ *         return start             # <<<<<<<<<<<<<<
  *     first = n_valid - query_period_of(pb, b) - pb.window_left
- *     return first if first > 0 else 0
+ *     return first if first > start else start
 */
     {
 
-      __pyx_r = 0;
+      __pyx_r = __pyx_v_start;
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/visibility.pxd":81
- *     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+    /* "cattention/_driver/visibility.pxd":84
+ *     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
  *     cdef Py_ssize_t first
  *     if pb.window_left < 0:             # <<<<<<<<<<<<<<
- *         return 0
+ *         return start
  *     first = n_valid - query_period_of(pb, b) - pb.window_left
 */
   }
 
-  /* "cattention/_driver/visibility.pxd":83
+  /* "cattention/_driver/visibility.pxd":86
  *     if pb.window_left < 0:
- *         return 0
+ *         return start
  *     first = n_valid - query_period_of(pb, b) - pb.window_left             # <<<<<<<<<<<<<<
- *     return first if first > 0 else 0
+ *     return first if first > start else start
  * 
 */
   __pyx_v_first = ((__pyx_v_n_valid - __pyx_f_10cattention_7_driver_7problem_query_period_of(__pyx_v_pb, __pyx_v_b)) - __pyx_v_pb->window_left);
 
-  /* "cattention/_driver/visibility.pxd":84
- *         return 0
+  /* "cattention/_driver/visibility.pxd":87
+ *         return start
  *     first = n_valid - query_period_of(pb, b) - pb.window_left
- *     return first if first > 0 else 0             # <<<<<<<<<<<<<<
+ *     return first if first > start else start             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = (__pyx_v_first > 0);
+  __pyx_t_2 = (__pyx_v_first > __pyx_v_start);
 
   if (__pyx_t_2) {
 
     __pyx_t_1 = __pyx_v_first;
   } else {
 
-    __pyx_t_1 = 0;
+    __pyx_t_1 = __pyx_v_start;
   }
 
   {
@@ -30389,22 +30436,23 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_10visibility_first
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/visibility.pxd":75
+  /* "cattention/_driver/visibility.pxd":77
  * 
  * 
  * cdef inline Py_ssize_t first_visible_key(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
- *     """No query row of batch entry b sees a key before this one: the start
- *     of its sliding window at its first position (visible_ranges' lo for a
+ *     """No query row of batch entry b sees a key before this one: its first
+ *     valid key, or the start of its sliding window at its first position
 */
 
   /* function exit code */
   __pyx_L0:;
 
 
+
   return __pyx_r;
 }
 
-/* "cattention/_driver/visibility.pxd":87
+/* "cattention/_driver/visibility.pxd":90
  * 
  * 
  * cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -30434,7 +30482,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/visibility.pxd":104
+  /* "cattention/_driver/visibility.pxd":107
  *     cdef const float *mask_f32
  *     cdef const double *mask_f64
  *     cdef Py_ssize_t m_row, m_col = pb.mask.col_stride             # <<<<<<<<<<<<<<
@@ -30445,7 +30493,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 
   __pyx_v_m_col = __pyx_t_1;
 
-  /* "cattention/_driver/visibility.pxd":106
+  /* "cattention/_driver/visibility.pxd":109
  *     cdef Py_ssize_t m_row, m_col = pb.mask.col_stride
  *     cdef double bias
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -30459,7 +30507,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/visibility.pxd":107
+    /* "cattention/_driver/visibility.pxd":110
  *     cdef double bias
  *     for i in range(n_rows):
  *         s_row = s + i * lds             # <<<<<<<<<<<<<<
@@ -30468,7 +30516,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_s_row = (__pyx_v_s + (__pyx_v_i * __pyx_v_lds));
 
-    /* "cattention/_driver/visibility.pxd":110
+    /* "cattention/_driver/visibility.pxd":113
  *         # the row's visible keys within this block, clipped to it (a window
  *         # can start past the block's end)
  *         lo = row_lo[i] - key0             # <<<<<<<<<<<<<<
@@ -30477,7 +30525,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_lo = ((__pyx_v_row_lo[__pyx_v_i]) - __pyx_v_key0);
 
-    /* "cattention/_driver/visibility.pxd":111
+    /* "cattention/_driver/visibility.pxd":114
  *         # can start past the block's end)
  *         lo = row_lo[i] - key0
  *         hi = row_hi[i] - key0             # <<<<<<<<<<<<<<
@@ -30486,7 +30534,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_hi = ((__pyx_v_row_hi[__pyx_v_i]) - __pyx_v_key0);
 
-    /* "cattention/_driver/visibility.pxd":112
+    /* "cattention/_driver/visibility.pxd":115
  *         lo = row_lo[i] - key0
  *         hi = row_hi[i] - key0
  *         if lo < 0:             # <<<<<<<<<<<<<<
@@ -30498,7 +30546,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":113
+      /* "cattention/_driver/visibility.pxd":116
  *         hi = row_hi[i] - key0
  *         if lo < 0:
  *             lo = 0             # <<<<<<<<<<<<<<
@@ -30507,7 +30555,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_lo = 0;
 
-      /* "cattention/_driver/visibility.pxd":112
+      /* "cattention/_driver/visibility.pxd":115
  *         lo = row_lo[i] - key0
  *         hi = row_hi[i] - key0
  *         if lo < 0:             # <<<<<<<<<<<<<<
@@ -30516,7 +30564,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":114
+    /* "cattention/_driver/visibility.pxd":117
  *         if lo < 0:
  *             lo = 0
  *         if lo > n_keys:             # <<<<<<<<<<<<<<
@@ -30528,7 +30576,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":115
+      /* "cattention/_driver/visibility.pxd":118
  *             lo = 0
  *         if lo > n_keys:
  *             lo = n_keys             # <<<<<<<<<<<<<<
@@ -30537,7 +30585,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_lo = __pyx_v_n_keys;
 
-      /* "cattention/_driver/visibility.pxd":114
+      /* "cattention/_driver/visibility.pxd":117
  *         if lo < 0:
  *             lo = 0
  *         if lo > n_keys:             # <<<<<<<<<<<<<<
@@ -30546,7 +30594,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":116
+    /* "cattention/_driver/visibility.pxd":119
  *         if lo > n_keys:
  *             lo = n_keys
  *         if hi > n_keys:             # <<<<<<<<<<<<<<
@@ -30558,7 +30606,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":117
+      /* "cattention/_driver/visibility.pxd":120
  *             lo = n_keys
  *         if hi > n_keys:
  *             hi = n_keys             # <<<<<<<<<<<<<<
@@ -30567,7 +30615,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_hi = __pyx_v_n_keys;
 
-      /* "cattention/_driver/visibility.pxd":116
+      /* "cattention/_driver/visibility.pxd":119
  *         if lo > n_keys:
  *             lo = n_keys
  *         if hi > n_keys:             # <<<<<<<<<<<<<<
@@ -30576,7 +30624,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":118
+    /* "cattention/_driver/visibility.pxd":121
  *         if hi > n_keys:
  *             hi = n_keys
  *         if hi < lo:             # <<<<<<<<<<<<<<
@@ -30588,7 +30636,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":119
+      /* "cattention/_driver/visibility.pxd":122
  *             hi = n_keys
  *         if hi < lo:
  *             hi = lo             # <<<<<<<<<<<<<<
@@ -30597,7 +30645,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_hi = __pyx_v_lo;
 
-      /* "cattention/_driver/visibility.pxd":118
+      /* "cattention/_driver/visibility.pxd":121
  *         if hi > n_keys:
  *             hi = n_keys
  *         if hi < lo:             # <<<<<<<<<<<<<<
@@ -30606,7 +30654,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":120
+    /* "cattention/_driver/visibility.pxd":123
  *         if hi < lo:
  *             hi = lo
  *         for j in range(lo):             # <<<<<<<<<<<<<<
@@ -30620,7 +30668,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_j = __pyx_t_7;
 
-      /* "cattention/_driver/visibility.pxd":121
+      /* "cattention/_driver/visibility.pxd":124
  *             hi = lo
  *         for j in range(lo):
  *             s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -30631,7 +30679,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     }
 
 
-    /* "cattention/_driver/visibility.pxd":122
+    /* "cattention/_driver/visibility.pxd":125
  *         for j in range(lo):
  *             s_row[j] = -INFINITY
  *         for j in range(hi, n_keys):             # <<<<<<<<<<<<<<
@@ -30645,7 +30693,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     for (__pyx_t_7 = __pyx_v_hi; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_j = __pyx_t_7;
 
-      /* "cattention/_driver/visibility.pxd":123
+      /* "cattention/_driver/visibility.pxd":126
  *             s_row[j] = -INFINITY
  *         for j in range(hi, n_keys):
  *             s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -30656,7 +30704,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     }
 
 
-    /* "cattention/_driver/visibility.pxd":124
+    /* "cattention/_driver/visibility.pxd":127
  *         for j in range(hi, n_keys):
  *             s_row[j] = -INFINITY
  *         if hi == lo:             # <<<<<<<<<<<<<<
@@ -30668,7 +30716,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":125
+      /* "cattention/_driver/visibility.pxd":128
  *             s_row[j] = -INFINITY
  *         if hi == lo:
  *             continue             # <<<<<<<<<<<<<<
@@ -30677,7 +30725,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       goto __pyx_L3_continue;
 
-      /* "cattention/_driver/visibility.pxd":124
+      /* "cattention/_driver/visibility.pxd":127
  *         for j in range(hi, n_keys):
  *             s_row[j] = -INFINITY
  *         if hi == lo:             # <<<<<<<<<<<<<<
@@ -30686,7 +30734,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":126
+    /* "cattention/_driver/visibility.pxd":129
  *         if hi == lo:
  *             continue
  *         if pb.softcap > 0:             # <<<<<<<<<<<<<<
@@ -30698,7 +30746,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":127
+      /* "cattention/_driver/visibility.pxd":130
  *             continue
  *         if pb.softcap > 0:
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)             # <<<<<<<<<<<<<<
@@ -30707,7 +30755,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_softcap(__pyx_v_pb->kern, (__pyx_v_s_row + __pyx_v_lo), (__pyx_v_hi - __pyx_v_lo), __pyx_v_pb->softcap);
 
-      /* "cattention/_driver/visibility.pxd":126
+      /* "cattention/_driver/visibility.pxd":129
  *         if hi == lo:
  *             continue
  *         if pb.softcap > 0:             # <<<<<<<<<<<<<<
@@ -30716,7 +30764,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":128
+    /* "cattention/_driver/visibility.pxd":131
  *         if pb.softcap > 0:
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
  *         if pb.alibi_slope != NULL:             # <<<<<<<<<<<<<<
@@ -30728,7 +30776,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":129
+      /* "cattention/_driver/visibility.pxd":132
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
  *         if pb.alibi_slope != NULL:
  *             slope = pb.alibi_slope[b]             # <<<<<<<<<<<<<<
@@ -30737,7 +30785,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_slope = (__pyx_v_pb->alibi_slope[__pyx_v_b]);
 
-      /* "cattention/_driver/visibility.pxd":131
+      /* "cattention/_driver/visibility.pxd":134
  *             slope = pb.alibi_slope[b]
  *             position = (row0 + i) % query_period_of(pb, b) + (
  *                 (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)             # <<<<<<<<<<<<<<
@@ -30755,7 +30803,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":130
+      /* "cattention/_driver/visibility.pxd":133
  *         if pb.alibi_slope != NULL:
  *             slope = pb.alibi_slope[b]
  *             position = (row0 + i) % query_period_of(pb, b) + (             # <<<<<<<<<<<<<<
@@ -30765,7 +30813,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       __pyx_v_position = (((__pyx_v_row0 + __pyx_v_i) % __pyx_f_10cattention_7_driver_7problem_query_period_of(__pyx_v_pb, __pyx_v_b)) + (__pyx_t_5 - __pyx_f_10cattention_7_driver_7problem_query_period_of(__pyx_v_pb, __pyx_v_b)));
 
 
-      /* "cattention/_driver/visibility.pxd":133
+      /* "cattention/_driver/visibility.pxd":136
  *                 (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
  *                 - query_period_of(pb, b))
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -30779,7 +30827,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":134
+        /* "cattention/_driver/visibility.pxd":137
  *                 - query_period_of(pb, b))
  *             for j in range(lo, hi):
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))             # <<<<<<<<<<<<<<
@@ -30790,7 +30838,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":128
+      /* "cattention/_driver/visibility.pxd":131
  *         if pb.softcap > 0:
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
  *         if pb.alibi_slope != NULL:             # <<<<<<<<<<<<<<
@@ -30799,7 +30847,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":135
+    /* "cattention/_driver/visibility.pxd":138
  *             for j in range(lo, hi):
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
  *         if pb.mask_kind == MASK_NONE:             # <<<<<<<<<<<<<<
@@ -30811,7 +30859,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":136
+      /* "cattention/_driver/visibility.pxd":139
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
  *         if pb.mask_kind == MASK_NONE:
  *             continue             # <<<<<<<<<<<<<<
@@ -30820,7 +30868,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       goto __pyx_L3_continue;
 
-      /* "cattention/_driver/visibility.pxd":135
+      /* "cattention/_driver/visibility.pxd":138
  *             for j in range(lo, hi):
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
  *         if pb.mask_kind == MASK_NONE:             # <<<<<<<<<<<<<<
@@ -30829,7 +30877,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":137
+    /* "cattention/_driver/visibility.pxd":140
  *         if pb.mask_kind == MASK_NONE:
  *             continue
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col             # <<<<<<<<<<<<<<
@@ -30838,7 +30886,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_m_row = (((__pyx_v_pb->mask.batch_offset[__pyx_v_b]) + ((__pyx_v_row0 + __pyx_v_i) * __pyx_v_pb->mask.row_stride)) + (__pyx_v_key0 * __pyx_v_m_col));
 
-    /* "cattention/_driver/visibility.pxd":138
+    /* "cattention/_driver/visibility.pxd":141
  *             continue
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
  *         if pb.mask_kind == MASK_BOOL:             # <<<<<<<<<<<<<<
@@ -30848,7 +30896,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
     switch (__pyx_v_pb->mask_kind) {
       case __pyx_e_10cattention_7_driver_7problem_MASK_BOOL:
 
-      /* "cattention/_driver/visibility.pxd":139
+      /* "cattention/_driver/visibility.pxd":142
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
  *         if pb.mask_kind == MASK_BOOL:
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row             # <<<<<<<<<<<<<<
@@ -30857,7 +30905,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_mask_bool = (((uint8_t const *)__pyx_v_pb->mask.data) + __pyx_v_m_row);
 
-      /* "cattention/_driver/visibility.pxd":140
+      /* "cattention/_driver/visibility.pxd":143
  *         if pb.mask_kind == MASK_BOOL:
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -30871,7 +30919,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":141
+        /* "cattention/_driver/visibility.pxd":144
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 if not mask_bool[j * m_col]:             # <<<<<<<<<<<<<<
@@ -30883,7 +30931,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
         if (__pyx_t_4) {
 
 
-          /* "cattention/_driver/visibility.pxd":142
+          /* "cattention/_driver/visibility.pxd":145
  *             for j in range(lo, hi):
  *                 if not mask_bool[j * m_col]:
  *                     s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -30892,7 +30940,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
           (__pyx_v_s_row[__pyx_v_j]) = (-INFINITY);
 
-          /* "cattention/_driver/visibility.pxd":141
+          /* "cattention/_driver/visibility.pxd":144
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 if not mask_bool[j * m_col]:             # <<<<<<<<<<<<<<
@@ -30903,7 +30951,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":138
+      /* "cattention/_driver/visibility.pxd":141
  *             continue
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
  *         if pb.mask_kind == MASK_BOOL:             # <<<<<<<<<<<<<<
@@ -30913,7 +30961,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       break;
       case __pyx_e_10cattention_7_driver_7problem_MASK_F32:
 
-      /* "cattention/_driver/visibility.pxd":144
+      /* "cattention/_driver/visibility.pxd":147
  *                     s_row[j] = -INFINITY
  *         elif pb.mask_kind == MASK_F32:
  *             mask_f32 = <const float *>pb.mask.data + m_row             # <<<<<<<<<<<<<<
@@ -30922,7 +30970,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_mask_f32 = (((float const *)__pyx_v_pb->mask.data) + __pyx_v_m_row);
 
-      /* "cattention/_driver/visibility.pxd":145
+      /* "cattention/_driver/visibility.pxd":148
  *         elif pb.mask_kind == MASK_F32:
  *             mask_f32 = <const float *>pb.mask.data + m_row
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -30936,7 +30984,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":146
+        /* "cattention/_driver/visibility.pxd":149
  *             mask_f32 = <const float *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 bias = mask_f32[j * m_col]             # <<<<<<<<<<<<<<
@@ -30945,7 +30993,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
         __pyx_v_bias = (__pyx_v_mask_f32[(__pyx_v_j * __pyx_v_m_col)]);
 
-        /* "cattention/_driver/visibility.pxd":147
+        /* "cattention/_driver/visibility.pxd":150
  *             for j in range(lo, hi):
  *                 bias = mask_f32[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -30957,7 +31005,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
         if (__pyx_t_4) {
 
 
-          /* "cattention/_driver/visibility.pxd":148
+          /* "cattention/_driver/visibility.pxd":151
  *                 bias = mask_f32[j * m_col]
  *                 if bias == -INFINITY:
  *                     s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -30966,7 +31014,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
           (__pyx_v_s_row[__pyx_v_j]) = (-INFINITY);
 
-          /* "cattention/_driver/visibility.pxd":147
+          /* "cattention/_driver/visibility.pxd":150
  *             for j in range(lo, hi):
  *                 bias = mask_f32[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -30976,7 +31024,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
           goto __pyx_L24;
         }
 
-        /* "cattention/_driver/visibility.pxd":150
+        /* "cattention/_driver/visibility.pxd":153
  *                     s_row[j] = -INFINITY
  *                 else:
  *                     s_row[j] = s_row[j] + <floating>bias             # <<<<<<<<<<<<<<
@@ -30990,7 +31038,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":143
+      /* "cattention/_driver/visibility.pxd":146
  *                 if not mask_bool[j * m_col]:
  *                     s_row[j] = -INFINITY
  *         elif pb.mask_kind == MASK_F32:             # <<<<<<<<<<<<<<
@@ -31000,7 +31048,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       break;
       default:
 
-      /* "cattention/_driver/visibility.pxd":152
+      /* "cattention/_driver/visibility.pxd":155
  *                     s_row[j] = s_row[j] + <floating>bias
  *         else:
  *             mask_f64 = <const double *>pb.mask.data + m_row             # <<<<<<<<<<<<<<
@@ -31009,7 +31057,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_mask_f64 = (((double const *)__pyx_v_pb->mask.data) + __pyx_v_m_row);
 
-      /* "cattention/_driver/visibility.pxd":153
+      /* "cattention/_driver/visibility.pxd":156
  *         else:
  *             mask_f64 = <const double *>pb.mask.data + m_row
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -31023,7 +31071,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":154
+        /* "cattention/_driver/visibility.pxd":157
  *             mask_f64 = <const double *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 bias = mask_f64[j * m_col]             # <<<<<<<<<<<<<<
@@ -31032,7 +31080,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
         __pyx_v_bias = (__pyx_v_mask_f64[(__pyx_v_j * __pyx_v_m_col)]);
 
-        /* "cattention/_driver/visibility.pxd":155
+        /* "cattention/_driver/visibility.pxd":158
  *             for j in range(lo, hi):
  *                 bias = mask_f64[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -31044,7 +31092,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
         if (__pyx_t_4) {
 
 
-          /* "cattention/_driver/visibility.pxd":156
+          /* "cattention/_driver/visibility.pxd":159
  *                 bias = mask_f64[j * m_col]
  *                 if bias == -INFINITY:
  *                     s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -31053,7 +31101,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
 */
           (__pyx_v_s_row[__pyx_v_j]) = (-INFINITY);
 
-          /* "cattention/_driver/visibility.pxd":155
+          /* "cattention/_driver/visibility.pxd":158
  *             for j in range(lo, hi):
  *                 bias = mask_f64[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -31063,7 +31111,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
           goto __pyx_L27;
         }
 
-        /* "cattention/_driver/visibility.pxd":158
+        /* "cattention/_driver/visibility.pxd":161
  *                     s_row[j] = -INFINITY
  *                 else:
  *                     s_row[j] = s_row[j] + <floating>bias             # <<<<<<<<<<<<<<
@@ -31080,7 +31128,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility
   }
 
 
-  /* "cattention/_driver/visibility.pxd":87
+  /* "cattention/_driver/visibility.pxd":90
  * 
  * 
  * cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -31126,7 +31174,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/visibility.pxd":104
+  /* "cattention/_driver/visibility.pxd":107
  *     cdef const float *mask_f32
  *     cdef const double *mask_f64
  *     cdef Py_ssize_t m_row, m_col = pb.mask.col_stride             # <<<<<<<<<<<<<<
@@ -31137,7 +31185,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 
   __pyx_v_m_col = __pyx_t_1;
 
-  /* "cattention/_driver/visibility.pxd":106
+  /* "cattention/_driver/visibility.pxd":109
  *     cdef Py_ssize_t m_row, m_col = pb.mask.col_stride
  *     cdef double bias
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -31151,7 +31199,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/visibility.pxd":107
+    /* "cattention/_driver/visibility.pxd":110
  *     cdef double bias
  *     for i in range(n_rows):
  *         s_row = s + i * lds             # <<<<<<<<<<<<<<
@@ -31160,7 +31208,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_s_row = (__pyx_v_s + (__pyx_v_i * __pyx_v_lds));
 
-    /* "cattention/_driver/visibility.pxd":110
+    /* "cattention/_driver/visibility.pxd":113
  *         # the row's visible keys within this block, clipped to it (a window
  *         # can start past the block's end)
  *         lo = row_lo[i] - key0             # <<<<<<<<<<<<<<
@@ -31169,7 +31217,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_lo = ((__pyx_v_row_lo[__pyx_v_i]) - __pyx_v_key0);
 
-    /* "cattention/_driver/visibility.pxd":111
+    /* "cattention/_driver/visibility.pxd":114
  *         # can start past the block's end)
  *         lo = row_lo[i] - key0
  *         hi = row_hi[i] - key0             # <<<<<<<<<<<<<<
@@ -31178,7 +31226,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_hi = ((__pyx_v_row_hi[__pyx_v_i]) - __pyx_v_key0);
 
-    /* "cattention/_driver/visibility.pxd":112
+    /* "cattention/_driver/visibility.pxd":115
  *         lo = row_lo[i] - key0
  *         hi = row_hi[i] - key0
  *         if lo < 0:             # <<<<<<<<<<<<<<
@@ -31190,7 +31238,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":113
+      /* "cattention/_driver/visibility.pxd":116
  *         hi = row_hi[i] - key0
  *         if lo < 0:
  *             lo = 0             # <<<<<<<<<<<<<<
@@ -31199,7 +31247,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_lo = 0;
 
-      /* "cattention/_driver/visibility.pxd":112
+      /* "cattention/_driver/visibility.pxd":115
  *         lo = row_lo[i] - key0
  *         hi = row_hi[i] - key0
  *         if lo < 0:             # <<<<<<<<<<<<<<
@@ -31208,7 +31256,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":114
+    /* "cattention/_driver/visibility.pxd":117
  *         if lo < 0:
  *             lo = 0
  *         if lo > n_keys:             # <<<<<<<<<<<<<<
@@ -31220,7 +31268,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":115
+      /* "cattention/_driver/visibility.pxd":118
  *             lo = 0
  *         if lo > n_keys:
  *             lo = n_keys             # <<<<<<<<<<<<<<
@@ -31229,7 +31277,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_lo = __pyx_v_n_keys;
 
-      /* "cattention/_driver/visibility.pxd":114
+      /* "cattention/_driver/visibility.pxd":117
  *         if lo < 0:
  *             lo = 0
  *         if lo > n_keys:             # <<<<<<<<<<<<<<
@@ -31238,7 +31286,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":116
+    /* "cattention/_driver/visibility.pxd":119
  *         if lo > n_keys:
  *             lo = n_keys
  *         if hi > n_keys:             # <<<<<<<<<<<<<<
@@ -31250,7 +31298,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":117
+      /* "cattention/_driver/visibility.pxd":120
  *             lo = n_keys
  *         if hi > n_keys:
  *             hi = n_keys             # <<<<<<<<<<<<<<
@@ -31259,7 +31307,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_hi = __pyx_v_n_keys;
 
-      /* "cattention/_driver/visibility.pxd":116
+      /* "cattention/_driver/visibility.pxd":119
  *         if lo > n_keys:
  *             lo = n_keys
  *         if hi > n_keys:             # <<<<<<<<<<<<<<
@@ -31268,7 +31316,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":118
+    /* "cattention/_driver/visibility.pxd":121
  *         if hi > n_keys:
  *             hi = n_keys
  *         if hi < lo:             # <<<<<<<<<<<<<<
@@ -31280,7 +31328,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":119
+      /* "cattention/_driver/visibility.pxd":122
  *             hi = n_keys
  *         if hi < lo:
  *             hi = lo             # <<<<<<<<<<<<<<
@@ -31289,7 +31337,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_hi = __pyx_v_lo;
 
-      /* "cattention/_driver/visibility.pxd":118
+      /* "cattention/_driver/visibility.pxd":121
  *         if hi > n_keys:
  *             hi = n_keys
  *         if hi < lo:             # <<<<<<<<<<<<<<
@@ -31298,7 +31346,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":120
+    /* "cattention/_driver/visibility.pxd":123
  *         if hi < lo:
  *             hi = lo
  *         for j in range(lo):             # <<<<<<<<<<<<<<
@@ -31312,7 +31360,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_j = __pyx_t_7;
 
-      /* "cattention/_driver/visibility.pxd":121
+      /* "cattention/_driver/visibility.pxd":124
  *             hi = lo
  *         for j in range(lo):
  *             s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -31323,7 +31371,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     }
 
 
-    /* "cattention/_driver/visibility.pxd":122
+    /* "cattention/_driver/visibility.pxd":125
  *         for j in range(lo):
  *             s_row[j] = -INFINITY
  *         for j in range(hi, n_keys):             # <<<<<<<<<<<<<<
@@ -31337,7 +31385,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     for (__pyx_t_7 = __pyx_v_hi; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_j = __pyx_t_7;
 
-      /* "cattention/_driver/visibility.pxd":123
+      /* "cattention/_driver/visibility.pxd":126
  *             s_row[j] = -INFINITY
  *         for j in range(hi, n_keys):
  *             s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -31348,7 +31396,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     }
 
 
-    /* "cattention/_driver/visibility.pxd":124
+    /* "cattention/_driver/visibility.pxd":127
  *         for j in range(hi, n_keys):
  *             s_row[j] = -INFINITY
  *         if hi == lo:             # <<<<<<<<<<<<<<
@@ -31360,7 +31408,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":125
+      /* "cattention/_driver/visibility.pxd":128
  *             s_row[j] = -INFINITY
  *         if hi == lo:
  *             continue             # <<<<<<<<<<<<<<
@@ -31369,7 +31417,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       goto __pyx_L3_continue;
 
-      /* "cattention/_driver/visibility.pxd":124
+      /* "cattention/_driver/visibility.pxd":127
  *         for j in range(hi, n_keys):
  *             s_row[j] = -INFINITY
  *         if hi == lo:             # <<<<<<<<<<<<<<
@@ -31378,7 +31426,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":126
+    /* "cattention/_driver/visibility.pxd":129
  *         if hi == lo:
  *             continue
  *         if pb.softcap > 0:             # <<<<<<<<<<<<<<
@@ -31390,7 +31438,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":127
+      /* "cattention/_driver/visibility.pxd":130
  *             continue
  *         if pb.softcap > 0:
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)             # <<<<<<<<<<<<<<
@@ -31399,7 +31447,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_softcap(__pyx_v_pb->kern, (__pyx_v_s_row + __pyx_v_lo), (__pyx_v_hi - __pyx_v_lo), __pyx_v_pb->softcap);
 
-      /* "cattention/_driver/visibility.pxd":126
+      /* "cattention/_driver/visibility.pxd":129
  *         if hi == lo:
  *             continue
  *         if pb.softcap > 0:             # <<<<<<<<<<<<<<
@@ -31408,7 +31456,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":128
+    /* "cattention/_driver/visibility.pxd":131
  *         if pb.softcap > 0:
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
  *         if pb.alibi_slope != NULL:             # <<<<<<<<<<<<<<
@@ -31420,7 +31468,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":129
+      /* "cattention/_driver/visibility.pxd":132
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
  *         if pb.alibi_slope != NULL:
  *             slope = pb.alibi_slope[b]             # <<<<<<<<<<<<<<
@@ -31429,7 +31477,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_slope = (__pyx_v_pb->alibi_slope[__pyx_v_b]);
 
-      /* "cattention/_driver/visibility.pxd":131
+      /* "cattention/_driver/visibility.pxd":134
  *             slope = pb.alibi_slope[b]
  *             position = (row0 + i) % query_period_of(pb, b) + (
  *                 (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)             # <<<<<<<<<<<<<<
@@ -31447,7 +31495,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":130
+      /* "cattention/_driver/visibility.pxd":133
  *         if pb.alibi_slope != NULL:
  *             slope = pb.alibi_slope[b]
  *             position = (row0 + i) % query_period_of(pb, b) + (             # <<<<<<<<<<<<<<
@@ -31457,7 +31505,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       __pyx_v_position = (((__pyx_v_row0 + __pyx_v_i) % __pyx_f_10cattention_7_driver_7problem_query_period_of(__pyx_v_pb, __pyx_v_b)) + (__pyx_t_5 - __pyx_f_10cattention_7_driver_7problem_query_period_of(__pyx_v_pb, __pyx_v_b)));
 
 
-      /* "cattention/_driver/visibility.pxd":133
+      /* "cattention/_driver/visibility.pxd":136
  *                 (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
  *                 - query_period_of(pb, b))
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -31471,7 +31519,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":134
+        /* "cattention/_driver/visibility.pxd":137
  *                 - query_period_of(pb, b))
  *             for j in range(lo, hi):
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))             # <<<<<<<<<<<<<<
@@ -31482,7 +31530,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":128
+      /* "cattention/_driver/visibility.pxd":131
  *         if pb.softcap > 0:
  *             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
  *         if pb.alibi_slope != NULL:             # <<<<<<<<<<<<<<
@@ -31491,7 +31539,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":135
+    /* "cattention/_driver/visibility.pxd":138
  *             for j in range(lo, hi):
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
  *         if pb.mask_kind == MASK_NONE:             # <<<<<<<<<<<<<<
@@ -31503,7 +31551,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/visibility.pxd":136
+      /* "cattention/_driver/visibility.pxd":139
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
  *         if pb.mask_kind == MASK_NONE:
  *             continue             # <<<<<<<<<<<<<<
@@ -31512,7 +31560,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       goto __pyx_L3_continue;
 
-      /* "cattention/_driver/visibility.pxd":135
+      /* "cattention/_driver/visibility.pxd":138
  *             for j in range(lo, hi):
  *                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
  *         if pb.mask_kind == MASK_NONE:             # <<<<<<<<<<<<<<
@@ -31521,7 +31569,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     }
 
-    /* "cattention/_driver/visibility.pxd":137
+    /* "cattention/_driver/visibility.pxd":140
  *         if pb.mask_kind == MASK_NONE:
  *             continue
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col             # <<<<<<<<<<<<<<
@@ -31530,7 +31578,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
     __pyx_v_m_row = (((__pyx_v_pb->mask.batch_offset[__pyx_v_b]) + ((__pyx_v_row0 + __pyx_v_i) * __pyx_v_pb->mask.row_stride)) + (__pyx_v_key0 * __pyx_v_m_col));
 
-    /* "cattention/_driver/visibility.pxd":138
+    /* "cattention/_driver/visibility.pxd":141
  *             continue
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
  *         if pb.mask_kind == MASK_BOOL:             # <<<<<<<<<<<<<<
@@ -31540,7 +31588,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
     switch (__pyx_v_pb->mask_kind) {
       case __pyx_e_10cattention_7_driver_7problem_MASK_BOOL:
 
-      /* "cattention/_driver/visibility.pxd":139
+      /* "cattention/_driver/visibility.pxd":142
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
  *         if pb.mask_kind == MASK_BOOL:
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row             # <<<<<<<<<<<<<<
@@ -31549,7 +31597,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_mask_bool = (((uint8_t const *)__pyx_v_pb->mask.data) + __pyx_v_m_row);
 
-      /* "cattention/_driver/visibility.pxd":140
+      /* "cattention/_driver/visibility.pxd":143
  *         if pb.mask_kind == MASK_BOOL:
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -31563,7 +31611,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":141
+        /* "cattention/_driver/visibility.pxd":144
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 if not mask_bool[j * m_col]:             # <<<<<<<<<<<<<<
@@ -31575,7 +31623,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
         if (__pyx_t_4) {
 
 
-          /* "cattention/_driver/visibility.pxd":142
+          /* "cattention/_driver/visibility.pxd":145
  *             for j in range(lo, hi):
  *                 if not mask_bool[j * m_col]:
  *                     s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -31584,7 +31632,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
           (__pyx_v_s_row[__pyx_v_j]) = (-INFINITY);
 
-          /* "cattention/_driver/visibility.pxd":141
+          /* "cattention/_driver/visibility.pxd":144
  *             mask_bool = <const uint8_t *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 if not mask_bool[j * m_col]:             # <<<<<<<<<<<<<<
@@ -31595,7 +31643,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":138
+      /* "cattention/_driver/visibility.pxd":141
  *             continue
  *         m_row = pb.mask.batch_offset[b] + (row0 + i) * pb.mask.row_stride + key0 * m_col
  *         if pb.mask_kind == MASK_BOOL:             # <<<<<<<<<<<<<<
@@ -31605,7 +31653,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       break;
       case __pyx_e_10cattention_7_driver_7problem_MASK_F32:
 
-      /* "cattention/_driver/visibility.pxd":144
+      /* "cattention/_driver/visibility.pxd":147
  *                     s_row[j] = -INFINITY
  *         elif pb.mask_kind == MASK_F32:
  *             mask_f32 = <const float *>pb.mask.data + m_row             # <<<<<<<<<<<<<<
@@ -31614,7 +31662,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_mask_f32 = (((float const *)__pyx_v_pb->mask.data) + __pyx_v_m_row);
 
-      /* "cattention/_driver/visibility.pxd":145
+      /* "cattention/_driver/visibility.pxd":148
  *         elif pb.mask_kind == MASK_F32:
  *             mask_f32 = <const float *>pb.mask.data + m_row
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -31628,7 +31676,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":146
+        /* "cattention/_driver/visibility.pxd":149
  *             mask_f32 = <const float *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 bias = mask_f32[j * m_col]             # <<<<<<<<<<<<<<
@@ -31637,7 +31685,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
         __pyx_v_bias = (__pyx_v_mask_f32[(__pyx_v_j * __pyx_v_m_col)]);
 
-        /* "cattention/_driver/visibility.pxd":147
+        /* "cattention/_driver/visibility.pxd":150
  *             for j in range(lo, hi):
  *                 bias = mask_f32[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -31649,7 +31697,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
         if (__pyx_t_4) {
 
 
-          /* "cattention/_driver/visibility.pxd":148
+          /* "cattention/_driver/visibility.pxd":151
  *                 bias = mask_f32[j * m_col]
  *                 if bias == -INFINITY:
  *                     s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -31658,7 +31706,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
           (__pyx_v_s_row[__pyx_v_j]) = (-INFINITY);
 
-          /* "cattention/_driver/visibility.pxd":147
+          /* "cattention/_driver/visibility.pxd":150
  *             for j in range(lo, hi):
  *                 bias = mask_f32[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -31668,7 +31716,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
           goto __pyx_L24;
         }
 
-        /* "cattention/_driver/visibility.pxd":150
+        /* "cattention/_driver/visibility.pxd":153
  *                     s_row[j] = -INFINITY
  *                 else:
  *                     s_row[j] = s_row[j] + <floating>bias             # <<<<<<<<<<<<<<
@@ -31682,7 +31730,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       }
 
 
-      /* "cattention/_driver/visibility.pxd":143
+      /* "cattention/_driver/visibility.pxd":146
  *                 if not mask_bool[j * m_col]:
  *                     s_row[j] = -INFINITY
  *         elif pb.mask_kind == MASK_F32:             # <<<<<<<<<<<<<<
@@ -31692,7 +31740,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       break;
       default:
 
-      /* "cattention/_driver/visibility.pxd":152
+      /* "cattention/_driver/visibility.pxd":155
  *                     s_row[j] = s_row[j] + <floating>bias
  *         else:
  *             mask_f64 = <const double *>pb.mask.data + m_row             # <<<<<<<<<<<<<<
@@ -31701,7 +31749,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
       __pyx_v_mask_f64 = (((double const *)__pyx_v_pb->mask.data) + __pyx_v_m_row);
 
-      /* "cattention/_driver/visibility.pxd":153
+      /* "cattention/_driver/visibility.pxd":156
  *         else:
  *             mask_f64 = <const double *>pb.mask.data + m_row
  *             for j in range(lo, hi):             # <<<<<<<<<<<<<<
@@ -31715,7 +31763,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
       for (__pyx_t_7 = __pyx_v_lo; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_j = __pyx_t_7;
 
-        /* "cattention/_driver/visibility.pxd":154
+        /* "cattention/_driver/visibility.pxd":157
  *             mask_f64 = <const double *>pb.mask.data + m_row
  *             for j in range(lo, hi):
  *                 bias = mask_f64[j * m_col]             # <<<<<<<<<<<<<<
@@ -31724,7 +31772,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
         __pyx_v_bias = (__pyx_v_mask_f64[(__pyx_v_j * __pyx_v_m_col)]);
 
-        /* "cattention/_driver/visibility.pxd":155
+        /* "cattention/_driver/visibility.pxd":158
  *             for j in range(lo, hi):
  *                 bias = mask_f64[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -31736,7 +31784,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
         if (__pyx_t_4) {
 
 
-          /* "cattention/_driver/visibility.pxd":156
+          /* "cattention/_driver/visibility.pxd":159
  *                 bias = mask_f64[j * m_col]
  *                 if bias == -INFINITY:
  *                     s_row[j] = -INFINITY             # <<<<<<<<<<<<<<
@@ -31745,7 +31793,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
 */
           (__pyx_v_s_row[__pyx_v_j]) = (-INFINITY);
 
-          /* "cattention/_driver/visibility.pxd":155
+          /* "cattention/_driver/visibility.pxd":158
  *             for j in range(lo, hi):
  *                 bias = mask_f64[j * m_col]
  *                 if bias == -INFINITY:             # <<<<<<<<<<<<<<
@@ -31755,7 +31803,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
           goto __pyx_L27;
         }
 
-        /* "cattention/_driver/visibility.pxd":158
+        /* "cattention/_driver/visibility.pxd":161
  *                     s_row[j] = -INFINITY
  *                 else:
  *                     s_row[j] = s_row[j] + <floating>bias             # <<<<<<<<<<<<<<
@@ -31772,7 +31820,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility
   }
 
 
-  /* "cattention/_driver/visibility.pxd":87
+  /* "cattention/_driver/visibility.pxd":90
  * 
  * 
  * cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -52511,7 +52559,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes             # <<<<<<<<<<<<<<
  *     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
- *     # with a sliding window, the key blocks before every reader's window
+ *     # with a sliding window or left padding, the key blocks before every
 */
   __pyx_v_pb->packed_v = (__pyx_v_packed + __pyx_v_k_bytes);
 
@@ -52519,28 +52567,36 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes
  *     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)             # <<<<<<<<<<<<<<
- *     # with a sliding window, the key blocks before every reader's window
- *     # are not packed (a prompt chunk at the end of a long cache)
+ *     # with a sliding window or left padding, the key blocks before every
+ *     # reader's first key are not packed (a prompt chunk at the end of a long
 */
   __pyx_v_pb->value_nonfinite = ((uint8_t *)((__pyx_v_packed + __pyx_v_k_bytes) + __pyx_v_v_bytes));
 
-  /* "cattention/_driver/schedule.pxd":464
- *     # with a sliding window, the key blocks before every reader's window
- *     # are not packed (a prompt chunk at the end of a long cache)
+  /* "cattention/_driver/schedule.pxd":465
+ *     # reader's first key are not packed (a prompt chunk at the end of a long
+ *     # cache, the padding of a batch)
  *     cdef intp_t *kv_first = NULL             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
 */
   __pyx_v_kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":466
+  /* "cattention/_driver/schedule.pxd":467
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:             # <<<<<<<<<<<<<<
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
 */
   __pyx_t_3 = (__pyx_v_pb->window_left >= 0);
+
+  if (!__pyx_t_3) {
+
+  } else {
+
+    goto __pyx_L21_next_and;
+  }
+  __pyx_t_3 = (__pyx_v_pb->kv_start != NULL);
 
   if (__pyx_t_3) {
 
@@ -52550,6 +52606,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 
     goto __pyx_L20_bool_binop_done;
   }
+  __pyx_L21_next_and:;
   __pyx_t_3 = (!__pyx_v_pb->direct);
 
 
@@ -52559,17 +52616,17 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":467
+    /* "cattention/_driver/schedule.pxd":468
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))             # <<<<<<<<<<<<<<
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
 */
     __pyx_v_kv_first = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((__pyx_v_pb->n_kv * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
-    /* "cattention/_driver/schedule.pxd":468
- *     if pb.window_left >= 0 and not pb.direct:
+    /* "cattention/_driver/schedule.pxd":469
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
@@ -52580,7 +52637,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":469
+      /* "cattention/_driver/schedule.pxd":470
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -52589,7 +52646,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-      /* "cattention/_driver/schedule.pxd":470
+      /* "cattention/_driver/schedule.pxd":471
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1             # <<<<<<<<<<<<<<
@@ -52602,8 +52659,8 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":468
- *     if pb.window_left >= 0 and not pb.direct:
+      /* "cattention/_driver/schedule.pxd":469
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
@@ -52611,7 +52668,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":471
+    /* "cattention/_driver/schedule.pxd":472
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1
  *         for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -52625,7 +52682,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_kv = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":472
+      /* "cattention/_driver/schedule.pxd":473
  *             return -1
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys             # <<<<<<<<<<<<<<
@@ -52639,7 +52696,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":473
+    /* "cattention/_driver/schedule.pxd":474
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -52653,7 +52710,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_b = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":474
+      /* "cattention/_driver/schedule.pxd":475
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)             # <<<<<<<<<<<<<<
@@ -52662,7 +52719,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_first = __pyx_f_10cattention_7_driver_10visibility_first_visible_key(__pyx_v_pb, __pyx_v_b);
 
-      /* "cattention/_driver/schedule.pxd":475
+      /* "cattention/_driver/schedule.pxd":476
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -52674,7 +52731,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/schedule.pxd":476
+        /* "cattention/_driver/schedule.pxd":477
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first             # <<<<<<<<<<<<<<
@@ -52683,7 +52740,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
         (__pyx_v_kv_first[(__pyx_v_pb->kv_of_batch[__pyx_v_b])]) = __pyx_v_first;
 
-        /* "cattention/_driver/schedule.pxd":475
+        /* "cattention/_driver/schedule.pxd":476
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -52694,7 +52751,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":477
+    /* "cattention/_driver/schedule.pxd":478
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first             # <<<<<<<<<<<<<<
@@ -52703,16 +52760,16 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->kv_first = __pyx_v_kv_first;
 
-    /* "cattention/_driver/schedule.pxd":466
+    /* "cattention/_driver/schedule.pxd":467
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:             # <<<<<<<<<<<<<<
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":478
+  /* "cattention/_driver/schedule.pxd":479
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -52723,18 +52780,18 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   } else {
 
     __pyx_t_2 = __pyx_v_per_entry;
-    goto __pyx_L29_bool_binop_done;
+    goto __pyx_L30_bool_binop_done;
   }
   __pyx_t_3 = (__pyx_v_n_workers <= 1);
 
 
   __pyx_t_2 = __pyx_t_3;
 
-  __pyx_L29_bool_binop_done:;
+  __pyx_L30_bool_binop_done:;
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":479
+    /* "cattention/_driver/schedule.pxd":480
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -52743,7 +52800,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":480
+    /* "cattention/_driver/schedule.pxd":481
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -52755,7 +52812,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":481
+      /* "cattention/_driver/schedule.pxd":482
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -52764,17 +52821,17 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":480
+      /* "cattention/_driver/schedule.pxd":481
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
  *             status = -1
  *         else:
 */
-      goto __pyx_L31;
+      goto __pyx_L32;
     }
 
-    /* "cattention/_driver/schedule.pxd":483
+    /* "cattention/_driver/schedule.pxd":484
  *             status = -1
  *         else:
  *             for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -52789,7 +52846,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_kv = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":484
+        /* "cattention/_driver/schedule.pxd":485
  *         else:
  *             for kv in range(pb.n_kv):
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -52800,7 +52857,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":486
+      /* "cattention/_driver/schedule.pxd":487
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -52809,19 +52866,19 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
     }
-    __pyx_L31:;
+    __pyx_L32:;
 
-    /* "cattention/_driver/schedule.pxd":478
+    /* "cattention/_driver/schedule.pxd":479
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:
 */
-    goto __pyx_L28;
+    goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":487
+  /* "cattention/_driver/schedule.pxd":488
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -52833,7 +52890,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":488
+    /* "cattention/_driver/schedule.pxd":489
  *             workspace_delete(ws)
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -52842,7 +52899,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":489
+    /* "cattention/_driver/schedule.pxd":490
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -52854,7 +52911,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":490
+      /* "cattention/_driver/schedule.pxd":491
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -52863,17 +52920,17 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":489
+      /* "cattention/_driver/schedule.pxd":490
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
  *             status = -1
  *         else:
 */
-      goto __pyx_L34;
+      goto __pyx_L35;
     }
 
-    /* "cattention/_driver/schedule.pxd":492
+    /* "cattention/_driver/schedule.pxd":493
  *             status = -1
  *         else:
  *             for packed_block in range(n_packed):             # <<<<<<<<<<<<<<
@@ -52888,7 +52945,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_packed_block = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":493
+        /* "cattention/_driver/schedule.pxd":494
  *         else:
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))             # <<<<<<<<<<<<<<
@@ -52899,7 +52956,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":494
+      /* "cattention/_driver/schedule.pxd":495
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):             # <<<<<<<<<<<<<<
@@ -52913,7 +52970,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_item = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":495
+        /* "cattention/_driver/schedule.pxd":496
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -52922,7 +52979,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
         __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + 1), __pyx_v_n_query_blocks, 0);
 
-        /* "cattention/_driver/schedule.pxd":496
+        /* "cattention/_driver/schedule.pxd":497
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
@@ -52933,7 +52990,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":497
+      /* "cattention/_driver/schedule.pxd":498
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -52942,19 +52999,19 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
     }
-    __pyx_L34:;
+    __pyx_L35:;
 
-    /* "cattention/_driver/schedule.pxd":487
+    /* "cattention/_driver/schedule.pxd":488
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
 */
-    goto __pyx_L28;
+    goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":498
+  /* "cattention/_driver/schedule.pxd":499
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)
  *     elif per_entry:             # <<<<<<<<<<<<<<
@@ -52963,7 +53020,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   if (__pyx_v_per_entry) {
 
-    /* "cattention/_driver/schedule.pxd":499
+    /* "cattention/_driver/schedule.pxd":500
  *             workspace_delete(ws)
  *     elif per_entry:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
@@ -52972,7 +53029,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":500
+    /* "cattention/_driver/schedule.pxd":501
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -52996,7 +53053,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":501
+                  /* "cattention/_driver/schedule.pxd":502
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -53005,7 +53062,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":502
+                  /* "cattention/_driver/schedule.pxd":503
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53017,7 +53074,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":503
+                    /* "cattention/_driver/schedule.pxd":504
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -53026,7 +53083,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":502
+                    /* "cattention/_driver/schedule.pxd":503
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53035,7 +53092,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":504
+                  /* "cattention/_driver/schedule.pxd":505
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -53055,7 +53112,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_kv = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":505
+                                  /* "cattention/_driver/schedule.pxd":506
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53067,7 +53124,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":507
+                                    /* "cattention/_driver/schedule.pxd":508
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out entries in turn
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -53076,7 +53133,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_whole_entry(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, (__pyx_v_kv * __pyx_v_group), __pyx_v_group, __pyx_v_n_query_blocks, ((__pyx_v_kv + __pyx_v_n_workers) * __pyx_v_group), __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":505
+                                    /* "cattention/_driver/schedule.pxd":506
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53090,7 +53147,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":509
+                  /* "cattention/_driver/schedule.pxd":510
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                         (kv + n_workers) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -53108,7 +53165,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":500
+        /* "cattention/_driver/schedule.pxd":501
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53119,23 +53176,23 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           /*normal exit:*/{
             __Pyx_FastGIL_Forget();
             __Pyx_RestoreUnknownThread(_save);
-            goto __pyx_L41;
+            goto __pyx_L42;
           }
-          __pyx_L41:;
+          __pyx_L42:;
         }
     }
 
-    /* "cattention/_driver/schedule.pxd":498
+    /* "cattention/_driver/schedule.pxd":499
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)
  *     elif per_entry:             # <<<<<<<<<<<<<<
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
 */
-    goto __pyx_L28;
+    goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":511
+  /* "cattention/_driver/schedule.pxd":512
  *             workspace_delete(ws)
  *     else:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
@@ -53145,7 +53202,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   /*else*/ {
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":512
+    /* "cattention/_driver/schedule.pxd":513
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53169,7 +53226,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":514
+                  /* "cattention/_driver/schedule.pxd":515
  *         with parallel(num_threads=n_workers):
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -53178,7 +53235,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":515
+                  /* "cattention/_driver/schedule.pxd":516
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53190,7 +53247,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":516
+                    /* "cattention/_driver/schedule.pxd":517
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -53199,7 +53256,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":515
+                    /* "cattention/_driver/schedule.pxd":516
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53208,7 +53265,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":517
+                  /* "cattention/_driver/schedule.pxd":518
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):             # <<<<<<<<<<<<<<
@@ -53228,7 +53285,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_packed_block = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":518
+                                  /* "cattention/_driver/schedule.pxd":519
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53240,7 +53297,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":519
+                                    /* "cattention/_driver/schedule.pxd":520
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:
  *                     pack_block(pb, ws, packed_block,             # <<<<<<<<<<<<<<
@@ -53249,7 +53306,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack_block(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block, ((float *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block)));
 
-                                    /* "cattention/_driver/schedule.pxd":518
+                                    /* "cattention/_driver/schedule.pxd":519
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53263,7 +53320,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":522
+                  /* "cattention/_driver/schedule.pxd":523
  *                                <floating *>packed_keys(pb, ws, packed_block))
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -53283,7 +53340,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_item = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":523
+                                  /* "cattention/_driver/schedule.pxd":524
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53295,7 +53352,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":525
+                                    /* "cattention/_driver/schedule.pxd":526
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -53304,7 +53361,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + __pyx_v_n_workers), __pyx_v_n_query_blocks, 0);
 
-                                    /* "cattention/_driver/schedule.pxd":526
+                                    /* "cattention/_driver/schedule.pxd":527
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
@@ -53313,7 +53370,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_query_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_item, __pyx_v_n_query_blocks, __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":523
+                                    /* "cattention/_driver/schedule.pxd":524
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53327,7 +53384,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":527
+                  /* "cattention/_driver/schedule.pxd":528
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -53345,7 +53402,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":512
+        /* "cattention/_driver/schedule.pxd":513
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53356,15 +53413,15 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           /*normal exit:*/{
             __Pyx_FastGIL_Forget();
             __Pyx_RestoreUnknownThread(_save);
-            goto __pyx_L58;
+            goto __pyx_L59;
           }
-          __pyx_L58:;
+          __pyx_L59:;
         }
     }
   }
-  __pyx_L28:;
+  __pyx_L29:;
 
-  /* "cattention/_driver/schedule.pxd":528
+  /* "cattention/_driver/schedule.pxd":529
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)
  *     pb.kv_first = NULL             # <<<<<<<<<<<<<<
@@ -53373,7 +53430,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":529
+  /* "cattention/_driver/schedule.pxd":530
  *             workspace_delete(ws)
  *     pb.kv_first = NULL
  *     free(kv_first)             # <<<<<<<<<<<<<<
@@ -53382,7 +53439,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   free(__pyx_v_kv_first);
 
-  /* "cattention/_driver/schedule.pxd":530
+  /* "cattention/_driver/schedule.pxd":531
  *     pb.kv_first = NULL
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -53390,7 +53447,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-  /* "cattention/_driver/schedule.pxd":531
+  /* "cattention/_driver/schedule.pxd":532
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *     return status             # <<<<<<<<<<<<<<
@@ -53920,7 +53977,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes             # <<<<<<<<<<<<<<
  *     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
- *     # with a sliding window, the key blocks before every reader's window
+ *     # with a sliding window or left padding, the key blocks before every
 */
   __pyx_v_pb->packed_v = (__pyx_v_packed + __pyx_v_k_bytes);
 
@@ -53928,28 +53985,36 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes
  *     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)             # <<<<<<<<<<<<<<
- *     # with a sliding window, the key blocks before every reader's window
- *     # are not packed (a prompt chunk at the end of a long cache)
+ *     # with a sliding window or left padding, the key blocks before every
+ *     # reader's first key are not packed (a prompt chunk at the end of a long
 */
   __pyx_v_pb->value_nonfinite = ((uint8_t *)((__pyx_v_packed + __pyx_v_k_bytes) + __pyx_v_v_bytes));
 
-  /* "cattention/_driver/schedule.pxd":464
- *     # with a sliding window, the key blocks before every reader's window
- *     # are not packed (a prompt chunk at the end of a long cache)
+  /* "cattention/_driver/schedule.pxd":465
+ *     # reader's first key are not packed (a prompt chunk at the end of a long
+ *     # cache, the padding of a batch)
  *     cdef intp_t *kv_first = NULL             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
 */
   __pyx_v_kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":466
+  /* "cattention/_driver/schedule.pxd":467
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:             # <<<<<<<<<<<<<<
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
 */
   __pyx_t_3 = (__pyx_v_pb->window_left >= 0);
+
+  if (!__pyx_t_3) {
+
+  } else {
+
+    goto __pyx_L21_next_and;
+  }
+  __pyx_t_3 = (__pyx_v_pb->kv_start != NULL);
 
   if (__pyx_t_3) {
 
@@ -53959,6 +54024,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 
     goto __pyx_L20_bool_binop_done;
   }
+  __pyx_L21_next_and:;
   __pyx_t_3 = (!__pyx_v_pb->direct);
 
 
@@ -53968,17 +54034,17 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":467
+    /* "cattention/_driver/schedule.pxd":468
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))             # <<<<<<<<<<<<<<
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
 */
     __pyx_v_kv_first = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((__pyx_v_pb->n_kv * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
-    /* "cattention/_driver/schedule.pxd":468
- *     if pb.window_left >= 0 and not pb.direct:
+    /* "cattention/_driver/schedule.pxd":469
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
@@ -53989,7 +54055,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":469
+      /* "cattention/_driver/schedule.pxd":470
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -53998,7 +54064,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-      /* "cattention/_driver/schedule.pxd":470
+      /* "cattention/_driver/schedule.pxd":471
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1             # <<<<<<<<<<<<<<
@@ -54011,8 +54077,8 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":468
- *     if pb.window_left >= 0 and not pb.direct:
+      /* "cattention/_driver/schedule.pxd":469
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
@@ -54020,7 +54086,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":471
+    /* "cattention/_driver/schedule.pxd":472
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1
  *         for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -54034,7 +54100,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_kv = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":472
+      /* "cattention/_driver/schedule.pxd":473
  *             return -1
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys             # <<<<<<<<<<<<<<
@@ -54048,7 +54114,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":473
+    /* "cattention/_driver/schedule.pxd":474
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -54062,7 +54128,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_b = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":474
+      /* "cattention/_driver/schedule.pxd":475
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)             # <<<<<<<<<<<<<<
@@ -54071,7 +54137,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_first = __pyx_f_10cattention_7_driver_10visibility_first_visible_key(__pyx_v_pb, __pyx_v_b);
 
-      /* "cattention/_driver/schedule.pxd":475
+      /* "cattention/_driver/schedule.pxd":476
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -54083,7 +54149,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/schedule.pxd":476
+        /* "cattention/_driver/schedule.pxd":477
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first             # <<<<<<<<<<<<<<
@@ -54092,7 +54158,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
         (__pyx_v_kv_first[(__pyx_v_pb->kv_of_batch[__pyx_v_b])]) = __pyx_v_first;
 
-        /* "cattention/_driver/schedule.pxd":475
+        /* "cattention/_driver/schedule.pxd":476
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -54103,7 +54169,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":477
+    /* "cattention/_driver/schedule.pxd":478
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first             # <<<<<<<<<<<<<<
@@ -54112,16 +54178,16 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->kv_first = __pyx_v_kv_first;
 
-    /* "cattention/_driver/schedule.pxd":466
+    /* "cattention/_driver/schedule.pxd":467
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
- *     if pb.window_left >= 0 and not pb.direct:             # <<<<<<<<<<<<<<
+ *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":478
+  /* "cattention/_driver/schedule.pxd":479
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -54132,18 +54198,18 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   } else {
 
     __pyx_t_2 = __pyx_v_per_entry;
-    goto __pyx_L29_bool_binop_done;
+    goto __pyx_L30_bool_binop_done;
   }
   __pyx_t_3 = (__pyx_v_n_workers <= 1);
 
 
   __pyx_t_2 = __pyx_t_3;
 
-  __pyx_L29_bool_binop_done:;
+  __pyx_L30_bool_binop_done:;
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":479
+    /* "cattention/_driver/schedule.pxd":480
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54152,7 +54218,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":480
+    /* "cattention/_driver/schedule.pxd":481
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54164,7 +54230,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":481
+      /* "cattention/_driver/schedule.pxd":482
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -54173,17 +54239,17 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":480
+      /* "cattention/_driver/schedule.pxd":481
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
  *             status = -1
  *         else:
 */
-      goto __pyx_L31;
+      goto __pyx_L32;
     }
 
-    /* "cattention/_driver/schedule.pxd":483
+    /* "cattention/_driver/schedule.pxd":484
  *             status = -1
  *         else:
  *             for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -54198,7 +54264,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_kv = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":484
+        /* "cattention/_driver/schedule.pxd":485
  *         else:
  *             for kv in range(pb.n_kv):
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -54209,7 +54275,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":486
+      /* "cattention/_driver/schedule.pxd":487
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -54218,19 +54284,19 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
     }
-    __pyx_L31:;
+    __pyx_L32:;
 
-    /* "cattention/_driver/schedule.pxd":478
+    /* "cattention/_driver/schedule.pxd":479
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:
 */
-    goto __pyx_L28;
+    goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":487
+  /* "cattention/_driver/schedule.pxd":488
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -54242,7 +54308,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":488
+    /* "cattention/_driver/schedule.pxd":489
  *             workspace_delete(ws)
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54251,7 +54317,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":489
+    /* "cattention/_driver/schedule.pxd":490
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54263,7 +54329,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":490
+      /* "cattention/_driver/schedule.pxd":491
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -54272,17 +54338,17 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":489
+      /* "cattention/_driver/schedule.pxd":490
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
  *             status = -1
  *         else:
 */
-      goto __pyx_L34;
+      goto __pyx_L35;
     }
 
-    /* "cattention/_driver/schedule.pxd":492
+    /* "cattention/_driver/schedule.pxd":493
  *             status = -1
  *         else:
  *             for packed_block in range(n_packed):             # <<<<<<<<<<<<<<
@@ -54297,7 +54363,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_packed_block = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":493
+        /* "cattention/_driver/schedule.pxd":494
  *         else:
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))             # <<<<<<<<<<<<<<
@@ -54308,7 +54374,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":494
+      /* "cattention/_driver/schedule.pxd":495
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):             # <<<<<<<<<<<<<<
@@ -54322,7 +54388,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_item = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":495
+        /* "cattention/_driver/schedule.pxd":496
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -54331,7 +54397,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
         __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + 1), __pyx_v_n_query_blocks, 0);
 
-        /* "cattention/_driver/schedule.pxd":496
+        /* "cattention/_driver/schedule.pxd":497
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
@@ -54342,7 +54408,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":497
+      /* "cattention/_driver/schedule.pxd":498
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -54351,19 +54417,19 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
     }
-    __pyx_L34:;
+    __pyx_L35:;
 
-    /* "cattention/_driver/schedule.pxd":487
+    /* "cattention/_driver/schedule.pxd":488
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
 */
-    goto __pyx_L28;
+    goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":498
+  /* "cattention/_driver/schedule.pxd":499
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)
  *     elif per_entry:             # <<<<<<<<<<<<<<
@@ -54372,7 +54438,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   if (__pyx_v_per_entry) {
 
-    /* "cattention/_driver/schedule.pxd":499
+    /* "cattention/_driver/schedule.pxd":500
  *             workspace_delete(ws)
  *     elif per_entry:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
@@ -54381,7 +54447,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":500
+    /* "cattention/_driver/schedule.pxd":501
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54405,7 +54471,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":501
+                  /* "cattention/_driver/schedule.pxd":502
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54414,7 +54480,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":502
+                  /* "cattention/_driver/schedule.pxd":503
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54426,7 +54492,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":503
+                    /* "cattention/_driver/schedule.pxd":504
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -54435,7 +54501,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":502
+                    /* "cattention/_driver/schedule.pxd":503
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54444,7 +54510,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":504
+                  /* "cattention/_driver/schedule.pxd":505
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -54464,7 +54530,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_kv = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":505
+                                  /* "cattention/_driver/schedule.pxd":506
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54476,7 +54542,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":507
+                                    /* "cattention/_driver/schedule.pxd":508
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out entries in turn
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -54485,7 +54551,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_compute_whole_entry(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, (__pyx_v_kv * __pyx_v_group), __pyx_v_group, __pyx_v_n_query_blocks, ((__pyx_v_kv + __pyx_v_n_workers) * __pyx_v_group), __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":505
+                                    /* "cattention/_driver/schedule.pxd":506
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54499,7 +54565,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":509
+                  /* "cattention/_driver/schedule.pxd":510
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                         (kv + n_workers) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -54517,7 +54583,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":500
+        /* "cattention/_driver/schedule.pxd":501
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54528,23 +54594,23 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           /*normal exit:*/{
             __Pyx_FastGIL_Forget();
             __Pyx_RestoreUnknownThread(_save);
-            goto __pyx_L41;
+            goto __pyx_L42;
           }
-          __pyx_L41:;
+          __pyx_L42:;
         }
     }
 
-    /* "cattention/_driver/schedule.pxd":498
+    /* "cattention/_driver/schedule.pxd":499
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)
  *     elif per_entry:             # <<<<<<<<<<<<<<
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
 */
-    goto __pyx_L28;
+    goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":511
+  /* "cattention/_driver/schedule.pxd":512
  *             workspace_delete(ws)
  *     else:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
@@ -54554,7 +54620,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   /*else*/ {
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":512
+    /* "cattention/_driver/schedule.pxd":513
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54578,7 +54644,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":514
+                  /* "cattention/_driver/schedule.pxd":515
  *         with parallel(num_threads=n_workers):
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54587,7 +54653,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":515
+                  /* "cattention/_driver/schedule.pxd":516
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54599,7 +54665,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":516
+                    /* "cattention/_driver/schedule.pxd":517
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -54608,7 +54674,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":515
+                    /* "cattention/_driver/schedule.pxd":516
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54617,7 +54683,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":517
+                  /* "cattention/_driver/schedule.pxd":518
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):             # <<<<<<<<<<<<<<
@@ -54637,7 +54703,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_packed_block = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":518
+                                  /* "cattention/_driver/schedule.pxd":519
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54649,7 +54715,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":519
+                                    /* "cattention/_driver/schedule.pxd":520
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:
  *                     pack_block(pb, ws, packed_block,             # <<<<<<<<<<<<<<
@@ -54658,7 +54724,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack_block(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block, ((double *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block)));
 
-                                    /* "cattention/_driver/schedule.pxd":518
+                                    /* "cattention/_driver/schedule.pxd":519
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54672,7 +54738,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":522
+                  /* "cattention/_driver/schedule.pxd":523
  *                                <floating *>packed_keys(pb, ws, packed_block))
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -54692,7 +54758,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_item = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":523
+                                  /* "cattention/_driver/schedule.pxd":524
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54704,7 +54770,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":525
+                                    /* "cattention/_driver/schedule.pxd":526
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -54713,7 +54779,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + __pyx_v_n_workers), __pyx_v_n_query_blocks, 0);
 
-                                    /* "cattention/_driver/schedule.pxd":526
+                                    /* "cattention/_driver/schedule.pxd":527
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
@@ -54722,7 +54788,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_compute_query_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_item, __pyx_v_n_query_blocks, __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":523
+                                    /* "cattention/_driver/schedule.pxd":524
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54736,7 +54802,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":527
+                  /* "cattention/_driver/schedule.pxd":528
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -54754,7 +54820,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":512
+        /* "cattention/_driver/schedule.pxd":513
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54765,15 +54831,15 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           /*normal exit:*/{
             __Pyx_FastGIL_Forget();
             __Pyx_RestoreUnknownThread(_save);
-            goto __pyx_L58;
+            goto __pyx_L59;
           }
-          __pyx_L58:;
+          __pyx_L59:;
         }
     }
   }
-  __pyx_L28:;
+  __pyx_L29:;
 
-  /* "cattention/_driver/schedule.pxd":528
+  /* "cattention/_driver/schedule.pxd":529
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)
  *     pb.kv_first = NULL             # <<<<<<<<<<<<<<
@@ -54782,7 +54848,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":529
+  /* "cattention/_driver/schedule.pxd":530
  *             workspace_delete(ws)
  *     pb.kv_first = NULL
  *     free(kv_first)             # <<<<<<<<<<<<<<
@@ -54791,7 +54857,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   free(__pyx_v_kv_first);
 
-  /* "cattention/_driver/schedule.pxd":530
+  /* "cattention/_driver/schedule.pxd":531
  *     pb.kv_first = NULL
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -54799,7 +54865,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-  /* "cattention/_driver/schedule.pxd":531
+  /* "cattention/_driver/schedule.pxd":532
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *     return status             # <<<<<<<<<<<<<<
@@ -58682,7 +58748,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
  *                  cnp.PyArray_DIM(q, q.ndim - 1),
  *                  cnp.PyArray_DIM(v, v.ndim - 1) if v is not None else 0, row)             # <<<<<<<<<<<<<<
  *     # offsets of q, k, v, mask, k_scale, v_scale; kv_of_batch; kv_source;
- *     # room for kv_extent (set_kv_lengths) (n_kv <= n_batch)
+ *     # room for kv_extent (set_kv_lengths) (n_kv <= n_batch) and for the
 */
   __pyx_t_4 = (((PyObject *)__pyx_v_v) != Py_None);
   if (__pyx_t_4) {
@@ -58704,10 +58770,10 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   __pyx_f_10cattention_7_driver_7problem_problem_init(__pyx_v_pb, __pyx_v_n_batch, PyArray_DIM(__pyx_v_q, (__pyx_f_5numpy_7ndarray_4ndim___get__(__pyx_v_q) - 2)), PyArray_DIM(__pyx_v_k, (__pyx_f_5numpy_7ndarray_4ndim___get__(__pyx_v_k) - 2)), PyArray_DIM(__pyx_v_q, (__pyx_f_5numpy_7ndarray_4ndim___get__(__pyx_v_q) - 1)), __pyx_t_1, __pyx_v_row);
 
 
-  /* "cattention/_driver/from_arrays.pxd":168
- *     # offsets of q, k, v, mask, k_scale, v_scale; kv_of_batch; kv_source;
- *     # room for kv_extent (set_kv_lengths) (n_kv <= n_batch)
- *     cdef intp_t *index = <intp_t *>malloc(9 * max(n_batch, 1) * sizeof(intp_t))             # <<<<<<<<<<<<<<
+  /* "cattention/_driver/from_arrays.pxd":169
+ *     # room for kv_extent (set_kv_lengths) (n_kv <= n_batch) and for the
+ *     # offsets of a strided ATTN (set_out_offsets)
+ *     cdef intp_t *index = <intp_t *>malloc(10 * max(n_batch, 1) * sizeof(intp_t))             # <<<<<<<<<<<<<<
  *     if index == NULL:
  *         raise MemoryError()
 */
@@ -58725,12 +58791,12 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     __pyx_t_2 = __pyx_t_1;
   }
 
-  __pyx_v_index = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc(((9 * __pyx_t_2) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
+  __pyx_v_index = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc(((10 * __pyx_t_2) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
 
-  /* "cattention/_driver/from_arrays.pxd":169
- *     # room for kv_extent (set_kv_lengths) (n_kv <= n_batch)
- *     cdef intp_t *index = <intp_t *>malloc(9 * max(n_batch, 1) * sizeof(intp_t))
+  /* "cattention/_driver/from_arrays.pxd":170
+ *     # offsets of a strided ATTN (set_out_offsets)
+ *     cdef intp_t *index = <intp_t *>malloc(10 * max(n_batch, 1) * sizeof(intp_t))
  *     if index == NULL:             # <<<<<<<<<<<<<<
  *         raise MemoryError()
  *     cdef intp_t *kv_of_batch = index + 6 * n_batch
@@ -58740,25 +58806,25 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":170
- *     cdef intp_t *index = <intp_t *>malloc(9 * max(n_batch, 1) * sizeof(intp_t))
+    /* "cattention/_driver/from_arrays.pxd":171
+ *     cdef intp_t *index = <intp_t *>malloc(10 * max(n_batch, 1) * sizeof(intp_t))
  *     if index == NULL:
  *         raise MemoryError()             # <<<<<<<<<<<<<<
  *     cdef intp_t *kv_of_batch = index + 6 * n_batch
  *     cdef intp_t *kv_source = index + 7 * n_batch
 */
-    PyErr_NoMemory(); __PYX_ERR(4, 170, __pyx_L1_error)
+    PyErr_NoMemory(); __PYX_ERR(4, 171, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":169
- *     # room for kv_extent (set_kv_lengths) (n_kv <= n_batch)
- *     cdef intp_t *index = <intp_t *>malloc(9 * max(n_batch, 1) * sizeof(intp_t))
+    /* "cattention/_driver/from_arrays.pxd":170
+ *     # offsets of a strided ATTN (set_out_offsets)
+ *     cdef intp_t *index = <intp_t *>malloc(10 * max(n_batch, 1) * sizeof(intp_t))
  *     if index == NULL:             # <<<<<<<<<<<<<<
  *         raise MemoryError()
  *     cdef intp_t *kv_of_batch = index + 6 * n_batch
 */
   }
 
-  /* "cattention/_driver/from_arrays.pxd":171
+  /* "cattention/_driver/from_arrays.pxd":172
  *     if index == NULL:
  *         raise MemoryError()
  *     cdef intp_t *kv_of_batch = index + 6 * n_batch             # <<<<<<<<<<<<<<
@@ -58767,7 +58833,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_kv_of_batch = (__pyx_v_index + (6 * __pyx_v_n_batch));
 
-  /* "cattention/_driver/from_arrays.pxd":172
+  /* "cattention/_driver/from_arrays.pxd":173
  *         raise MemoryError()
  *     cdef intp_t *kv_of_batch = index + 6 * n_batch
  *     cdef intp_t *kv_source = index + 7 * n_batch             # <<<<<<<<<<<<<<
@@ -58776,34 +58842,34 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_kv_source = (__pyx_v_index + (7 * __pyx_v_n_batch));
 
-  /* "cattention/_driver/from_arrays.pxd":174
+  /* "cattention/_driver/from_arrays.pxd":175
  *     cdef intp_t *kv_source = index + 7 * n_batch
  *     cdef Py_ssize_t slot
  *     fill_batch_offsets(q, n_batch_dims, batch_shape, index)             # <<<<<<<<<<<<<<
  *     set_array_operand(&pb.q, q, index)
  *     set_storage(&pb.q, q, None, NULL)
 */
-  __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_q, __pyx_v_n_batch_dims, __pyx_v_batch_shape, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 174, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_q, __pyx_v_n_batch_dims, __pyx_v_batch_shape, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 175, __pyx_L1_error)
 
-  /* "cattention/_driver/from_arrays.pxd":175
+  /* "cattention/_driver/from_arrays.pxd":176
  *     cdef Py_ssize_t slot
  *     fill_batch_offsets(q, n_batch_dims, batch_shape, index)
  *     set_array_operand(&pb.q, q, index)             # <<<<<<<<<<<<<<
  *     set_storage(&pb.q, q, None, NULL)
  *     if mask is not None:
 */
-  __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->q), __pyx_v_q, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 175, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->q), __pyx_v_q, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 176, __pyx_L1_error)
 
-  /* "cattention/_driver/from_arrays.pxd":176
+  /* "cattention/_driver/from_arrays.pxd":177
  *     fill_batch_offsets(q, n_batch_dims, batch_shape, index)
  *     set_array_operand(&pb.q, q, index)
  *     set_storage(&pb.q, q, None, NULL)             # <<<<<<<<<<<<<<
  *     if mask is not None:
  *         fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
 */
-  __pyx_f_10cattention_7_driver_11from_arrays_set_storage((&__pyx_v_pb->q), __pyx_v_q, ((PyArrayObject *)Py_None), NULL); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 176, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_11from_arrays_set_storage((&__pyx_v_pb->q), __pyx_v_q, ((PyArrayObject *)Py_None), NULL); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 177, __pyx_L1_error)
 
-  /* "cattention/_driver/from_arrays.pxd":177
+  /* "cattention/_driver/from_arrays.pxd":178
  *     set_array_operand(&pb.q, q, index)
  *     set_storage(&pb.q, q, None, NULL)
  *     if mask is not None:             # <<<<<<<<<<<<<<
@@ -58814,25 +58880,25 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":178
+    /* "cattention/_driver/from_arrays.pxd":179
  *     set_storage(&pb.q, q, None, NULL)
  *     if mask is not None:
  *         fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)             # <<<<<<<<<<<<<<
  *         set_array_operand(&pb.mask, mask, index + 3 * n_batch)
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_mask, __pyx_v_n_batch_dims, __pyx_v_batch_shape, (__pyx_v_index + (3 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 178, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_mask, __pyx_v_n_batch_dims, __pyx_v_batch_shape, (__pyx_v_index + (3 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 179, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":179
+    /* "cattention/_driver/from_arrays.pxd":180
  *     if mask is not None:
  *         fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
  *         set_array_operand(&pb.mask, mask, index + 3 * n_batch)             # <<<<<<<<<<<<<<
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
  *             pb.mask_kind = MASK_BOOL
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->mask), __pyx_v_mask, (__pyx_v_index + (3 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 179, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->mask), __pyx_v_mask, (__pyx_v_index + (3 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 180, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":180
+    /* "cattention/_driver/from_arrays.pxd":181
  *         fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
  *         set_array_operand(&pb.mask, mask, index + 3 * n_batch)
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:             # <<<<<<<<<<<<<<
@@ -58844,7 +58910,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_arrays.pxd":181
+      /* "cattention/_driver/from_arrays.pxd":182
  *         set_array_operand(&pb.mask, mask, index + 3 * n_batch)
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
  *             pb.mask_kind = MASK_BOOL             # <<<<<<<<<<<<<<
@@ -58853,7 +58919,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
       __pyx_v_pb->mask_kind = __pyx_e_10cattention_7_driver_7problem_MASK_BOOL;
 
-      /* "cattention/_driver/from_arrays.pxd":180
+      /* "cattention/_driver/from_arrays.pxd":181
  *         fill_batch_offsets(mask, n_batch_dims, batch_shape, index + 3 * n_batch)
  *         set_array_operand(&pb.mask, mask, index + 3 * n_batch)
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:             # <<<<<<<<<<<<<<
@@ -58863,7 +58929,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
       goto __pyx_L8;
     }
 
-    /* "cattention/_driver/from_arrays.pxd":182
+    /* "cattention/_driver/from_arrays.pxd":183
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
  *             pb.mask_kind = MASK_BOOL
  *         elif cnp.PyArray_TYPE(mask) == cnp.NPY_FLOAT32:             # <<<<<<<<<<<<<<
@@ -58875,7 +58941,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_arrays.pxd":183
+      /* "cattention/_driver/from_arrays.pxd":184
  *             pb.mask_kind = MASK_BOOL
  *         elif cnp.PyArray_TYPE(mask) == cnp.NPY_FLOAT32:
  *             pb.mask_kind = MASK_F32             # <<<<<<<<<<<<<<
@@ -58884,7 +58950,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
       __pyx_v_pb->mask_kind = __pyx_e_10cattention_7_driver_7problem_MASK_F32;
 
-      /* "cattention/_driver/from_arrays.pxd":182
+      /* "cattention/_driver/from_arrays.pxd":183
  *         if cnp.PyArray_TYPE(mask) == cnp.NPY_BOOL:
  *             pb.mask_kind = MASK_BOOL
  *         elif cnp.PyArray_TYPE(mask) == cnp.NPY_FLOAT32:             # <<<<<<<<<<<<<<
@@ -58894,7 +58960,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
       goto __pyx_L8;
     }
 
-    /* "cattention/_driver/from_arrays.pxd":185
+    /* "cattention/_driver/from_arrays.pxd":186
  *             pb.mask_kind = MASK_F32
  *         else:
  *             pb.mask_kind = MASK_F64             # <<<<<<<<<<<<<<
@@ -58906,7 +58972,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     }
     __pyx_L8:;
 
-    /* "cattention/_driver/from_arrays.pxd":177
+    /* "cattention/_driver/from_arrays.pxd":178
  *     set_array_operand(&pb.q, q, index)
  *     set_storage(&pb.q, q, None, NULL)
  *     if mask is not None:             # <<<<<<<<<<<<<<
@@ -58915,16 +58981,16 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_arrays.pxd":189
+  /* "cattention/_driver/from_arrays.pxd":190
  *     # heads; float16 and int8 K and V (with float32 q) are converted block
  *     # by block as they are read
  *     fill_batch_offsets(k, n_batch_dims, kv_shape, index + n_batch)             # <<<<<<<<<<<<<<
  *     if v is not None:
  *         fill_batch_offsets(v, n_batch_dims, kv_shape, index + 2 * n_batch)
 */
-  __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_k, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + __pyx_v_n_batch)); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 189, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_k, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + __pyx_v_n_batch)); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 190, __pyx_L1_error)
 
-  /* "cattention/_driver/from_arrays.pxd":190
+  /* "cattention/_driver/from_arrays.pxd":191
  *     # by block as they are read
  *     fill_batch_offsets(k, n_batch_dims, kv_shape, index + n_batch)
  *     if v is not None:             # <<<<<<<<<<<<<<
@@ -58935,16 +59001,16 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":191
+    /* "cattention/_driver/from_arrays.pxd":192
  *     fill_batch_offsets(k, n_batch_dims, kv_shape, index + n_batch)
  *     if v is not None:
  *         fill_batch_offsets(v, n_batch_dims, kv_shape, index + 2 * n_batch)             # <<<<<<<<<<<<<<
  *     if k_scale is not None:
  *         fill_batch_offsets(k_scale, n_batch_dims, kv_shape, index + 4 * n_batch)
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_v, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + (2 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 191, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_v, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + (2 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 192, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":190
+    /* "cattention/_driver/from_arrays.pxd":191
  *     # by block as they are read
  *     fill_batch_offsets(k, n_batch_dims, kv_shape, index + n_batch)
  *     if v is not None:             # <<<<<<<<<<<<<<
@@ -58953,7 +59019,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_arrays.pxd":192
+  /* "cattention/_driver/from_arrays.pxd":193
  *     if v is not None:
  *         fill_batch_offsets(v, n_batch_dims, kv_shape, index + 2 * n_batch)
  *     if k_scale is not None:             # <<<<<<<<<<<<<<
@@ -58964,16 +59030,16 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":193
+    /* "cattention/_driver/from_arrays.pxd":194
  *         fill_batch_offsets(v, n_batch_dims, kv_shape, index + 2 * n_batch)
  *     if k_scale is not None:
  *         fill_batch_offsets(k_scale, n_batch_dims, kv_shape, index + 4 * n_batch)             # <<<<<<<<<<<<<<
  *     if v_scale is not None:
  *         fill_batch_offsets(v_scale, n_batch_dims, kv_shape, index + 5 * n_batch)
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_k_scale, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + (4 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 193, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_k_scale, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + (4 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 194, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":192
+    /* "cattention/_driver/from_arrays.pxd":193
  *     if v is not None:
  *         fill_batch_offsets(v, n_batch_dims, kv_shape, index + 2 * n_batch)
  *     if k_scale is not None:             # <<<<<<<<<<<<<<
@@ -58982,7 +59048,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_arrays.pxd":194
+  /* "cattention/_driver/from_arrays.pxd":195
  *     if k_scale is not None:
  *         fill_batch_offsets(k_scale, n_batch_dims, kv_shape, index + 4 * n_batch)
  *     if v_scale is not None:             # <<<<<<<<<<<<<<
@@ -58993,16 +59059,16 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":195
+    /* "cattention/_driver/from_arrays.pxd":196
  *         fill_batch_offsets(k_scale, n_batch_dims, kv_shape, index + 4 * n_batch)
  *     if v_scale is not None:
  *         fill_batch_offsets(v_scale, n_batch_dims, kv_shape, index + 5 * n_batch)             # <<<<<<<<<<<<<<
  *     for b in range(n_batch):
  *         kv_source[b] = -1
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + (5 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 195, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_kv_shape, (__pyx_v_index + (5 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 196, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":194
+    /* "cattention/_driver/from_arrays.pxd":195
  *     if k_scale is not None:
  *         fill_batch_offsets(k_scale, n_batch_dims, kv_shape, index + 4 * n_batch)
  *     if v_scale is not None:             # <<<<<<<<<<<<<<
@@ -59011,7 +59077,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_arrays.pxd":196
+  /* "cattention/_driver/from_arrays.pxd":197
  *     if v_scale is not None:
  *         fill_batch_offsets(v_scale, n_batch_dims, kv_shape, index + 5 * n_batch)
  *     for b in range(n_batch):             # <<<<<<<<<<<<<<
@@ -59025,7 +59091,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_1; __pyx_t_3+=1) {
     __pyx_v_b = __pyx_t_3;
 
-    /* "cattention/_driver/from_arrays.pxd":197
+    /* "cattention/_driver/from_arrays.pxd":198
  *         fill_batch_offsets(v_scale, n_batch_dims, kv_shape, index + 5 * n_batch)
  *     for b in range(n_batch):
  *         kv_source[b] = -1             # <<<<<<<<<<<<<<
@@ -59036,17 +59102,17 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   }
 
 
-  /* "cattention/_driver/from_arrays.pxd":198
+  /* "cattention/_driver/from_arrays.pxd":199
  *     for b in range(n_batch):
  *         kv_source[b] = -1
  *     pb.n_kv = fill_shared_kv(k, v, k_scale, v_scale, n_batch_dims, kv_shape, kv_of_batch,             # <<<<<<<<<<<<<<
  *                              kv_source)
  *     if kv_group > 1:
 */
-  __pyx_t_2 = __pyx_f_10cattention_7_driver_11from_arrays_fill_shared_kv(__pyx_v_k, __pyx_v_v, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_kv_shape, __pyx_v_kv_of_batch, __pyx_v_kv_source); if (unlikely(__pyx_t_2 == ((Py_ssize_t)-1L) && PyErr_Occurred())) __PYX_ERR(4, 198, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_10cattention_7_driver_11from_arrays_fill_shared_kv(__pyx_v_k, __pyx_v_v, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_kv_shape, __pyx_v_kv_of_batch, __pyx_v_kv_source); if (unlikely(__pyx_t_2 == ((Py_ssize_t)-1L) && PyErr_Occurred())) __PYX_ERR(4, 199, __pyx_L1_error)
   __pyx_v_pb->n_kv = __pyx_t_2;
 
-  /* "cattention/_driver/from_arrays.pxd":200
+  /* "cattention/_driver/from_arrays.pxd":201
  *     pb.n_kv = fill_shared_kv(k, v, k_scale, v_scale, n_batch_dims, kv_shape, kv_of_batch,
  *                              kv_source)
  *     if kv_group > 1:             # <<<<<<<<<<<<<<
@@ -59058,7 +59124,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":201
+    /* "cattention/_driver/from_arrays.pxd":202
  *                              kv_source)
  *     if kv_group > 1:
  *         for slot in range(1, 6):             # <<<<<<<<<<<<<<
@@ -59068,7 +59134,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     for (__pyx_t_2 = 1; __pyx_t_2 < 6; __pyx_t_2+=1) {
       __pyx_v_slot = __pyx_t_2;
 
-      /* "cattention/_driver/from_arrays.pxd":202
+      /* "cattention/_driver/from_arrays.pxd":203
  *     if kv_group > 1:
  *         for slot in range(1, 6):
  *             if slot != 3:             # <<<<<<<<<<<<<<
@@ -59080,7 +59146,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/from_arrays.pxd":203
+        /* "cattention/_driver/from_arrays.pxd":204
  *         for slot in range(1, 6):
  *             if slot != 3:
  *                 spread_over_groups(index + slot * n_batch, n_batch,             # <<<<<<<<<<<<<<
@@ -59089,7 +59155,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
         __pyx_f_10cattention_7_driver_11from_arrays_spread_over_groups((__pyx_v_index + (__pyx_v_slot * __pyx_v_n_batch)), __pyx_v_n_batch, (__pyx_v_batch_shape[(__pyx_v_n_batch_dims - 1)]), __pyx_v_kv_group);
 
-        /* "cattention/_driver/from_arrays.pxd":202
+        /* "cattention/_driver/from_arrays.pxd":203
  *     if kv_group > 1:
  *         for slot in range(1, 6):
  *             if slot != 3:             # <<<<<<<<<<<<<<
@@ -59099,7 +59165,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
       }
     }
 
-    /* "cattention/_driver/from_arrays.pxd":205
+    /* "cattention/_driver/from_arrays.pxd":206
  *                 spread_over_groups(index + slot * n_batch, n_batch,
  *                                    batch_shape[n_batch_dims - 1], kv_group)
  *         spread_over_groups(kv_of_batch, n_batch, batch_shape[n_batch_dims - 1], kv_group)             # <<<<<<<<<<<<<<
@@ -59108,7 +59174,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
     __pyx_f_10cattention_7_driver_11from_arrays_spread_over_groups(__pyx_v_kv_of_batch, __pyx_v_n_batch, (__pyx_v_batch_shape[(__pyx_v_n_batch_dims - 1)]), __pyx_v_kv_group);
 
-    /* "cattention/_driver/from_arrays.pxd":207
+    /* "cattention/_driver/from_arrays.pxd":208
  *         spread_over_groups(kv_of_batch, n_batch, batch_shape[n_batch_dims - 1], kv_group)
  *         # the first query entry reading each packed K/V
  *         for b in range(n_batch):             # <<<<<<<<<<<<<<
@@ -59122,7 +59188,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_1; __pyx_t_3+=1) {
       __pyx_v_b = __pyx_t_3;
 
-      /* "cattention/_driver/from_arrays.pxd":208
+      /* "cattention/_driver/from_arrays.pxd":209
  *         # the first query entry reading each packed K/V
  *         for b in range(n_batch):
  *             kv_source[b] = -1             # <<<<<<<<<<<<<<
@@ -59133,7 +59199,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     }
 
 
-    /* "cattention/_driver/from_arrays.pxd":209
+    /* "cattention/_driver/from_arrays.pxd":210
  *         for b in range(n_batch):
  *             kv_source[b] = -1
  *         for b in range(n_batch):             # <<<<<<<<<<<<<<
@@ -59147,7 +59213,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_1; __pyx_t_3+=1) {
       __pyx_v_b = __pyx_t_3;
 
-      /* "cattention/_driver/from_arrays.pxd":210
+      /* "cattention/_driver/from_arrays.pxd":211
  *             kv_source[b] = -1
  *         for b in range(n_batch):
  *             if kv_source[kv_of_batch[b]] < 0:             # <<<<<<<<<<<<<<
@@ -59159,7 +59225,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/from_arrays.pxd":211
+        /* "cattention/_driver/from_arrays.pxd":212
  *         for b in range(n_batch):
  *             if kv_source[kv_of_batch[b]] < 0:
  *                 kv_source[kv_of_batch[b]] = b             # <<<<<<<<<<<<<<
@@ -59168,7 +59234,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
         (__pyx_v_kv_source[(__pyx_v_kv_of_batch[__pyx_v_b])]) = __pyx_v_b;
 
-        /* "cattention/_driver/from_arrays.pxd":210
+        /* "cattention/_driver/from_arrays.pxd":211
  *             kv_source[b] = -1
  *         for b in range(n_batch):
  *             if kv_source[kv_of_batch[b]] < 0:             # <<<<<<<<<<<<<<
@@ -59179,7 +59245,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     }
 
 
-    /* "cattention/_driver/from_arrays.pxd":200
+    /* "cattention/_driver/from_arrays.pxd":201
  *     pb.n_kv = fill_shared_kv(k, v, k_scale, v_scale, n_batch_dims, kv_shape, kv_of_batch,
  *                              kv_source)
  *     if kv_group > 1:             # <<<<<<<<<<<<<<
@@ -59188,25 +59254,25 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_arrays.pxd":212
+  /* "cattention/_driver/from_arrays.pxd":213
  *             if kv_source[kv_of_batch[b]] < 0:
  *                 kv_source[kv_of_batch[b]] = b
  *     set_array_operand(&pb.k, k, index + n_batch)             # <<<<<<<<<<<<<<
  *     set_storage(&pb.k, k, k_scale, index + 4 * n_batch)
  *     if v is not None:
 */
-  __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->k), __pyx_v_k, (__pyx_v_index + __pyx_v_n_batch)); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 212, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->k), __pyx_v_k, (__pyx_v_index + __pyx_v_n_batch)); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 213, __pyx_L1_error)
 
-  /* "cattention/_driver/from_arrays.pxd":213
+  /* "cattention/_driver/from_arrays.pxd":214
  *                 kv_source[kv_of_batch[b]] = b
  *     set_array_operand(&pb.k, k, index + n_batch)
  *     set_storage(&pb.k, k, k_scale, index + 4 * n_batch)             # <<<<<<<<<<<<<<
  *     if v is not None:
  *         set_array_operand(&pb.v, v, index + 2 * n_batch)
 */
-  __pyx_f_10cattention_7_driver_11from_arrays_set_storage((&__pyx_v_pb->k), __pyx_v_k, __pyx_v_k_scale, (__pyx_v_index + (4 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 213, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_11from_arrays_set_storage((&__pyx_v_pb->k), __pyx_v_k, __pyx_v_k_scale, (__pyx_v_index + (4 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 214, __pyx_L1_error)
 
-  /* "cattention/_driver/from_arrays.pxd":214
+  /* "cattention/_driver/from_arrays.pxd":215
  *     set_array_operand(&pb.k, k, index + n_batch)
  *     set_storage(&pb.k, k, k_scale, index + 4 * n_batch)
  *     if v is not None:             # <<<<<<<<<<<<<<
@@ -59217,25 +59283,25 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_arrays.pxd":215
+    /* "cattention/_driver/from_arrays.pxd":216
  *     set_storage(&pb.k, k, k_scale, index + 4 * n_batch)
  *     if v is not None:
  *         set_array_operand(&pb.v, v, index + 2 * n_batch)             # <<<<<<<<<<<<<<
  *         set_storage(&pb.v, v, v_scale, index + 5 * n_batch)
  *     else:
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->v), __pyx_v_v, (__pyx_v_index + (2 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 215, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_set_array_operand((&__pyx_v_pb->v), __pyx_v_v, (__pyx_v_index + (2 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 216, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":216
+    /* "cattention/_driver/from_arrays.pxd":217
  *     if v is not None:
  *         set_array_operand(&pb.v, v, index + 2 * n_batch)
  *         set_storage(&pb.v, v, v_scale, index + 5 * n_batch)             # <<<<<<<<<<<<<<
  *     else:
  *         pb.v = pb.k
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_set_storage((&__pyx_v_pb->v), __pyx_v_v, __pyx_v_v_scale, (__pyx_v_index + (5 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 216, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_set_storage((&__pyx_v_pb->v), __pyx_v_v, __pyx_v_v_scale, (__pyx_v_index + (5 * __pyx_v_n_batch))); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 217, __pyx_L1_error)
 
-    /* "cattention/_driver/from_arrays.pxd":214
+    /* "cattention/_driver/from_arrays.pxd":215
  *     set_array_operand(&pb.k, k, index + n_batch)
  *     set_storage(&pb.k, k, k_scale, index + 4 * n_batch)
  *     if v is not None:             # <<<<<<<<<<<<<<
@@ -59245,7 +59311,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     goto __pyx_L23;
   }
 
-  /* "cattention/_driver/from_arrays.pxd":218
+  /* "cattention/_driver/from_arrays.pxd":219
  *         set_storage(&pb.v, v, v_scale, index + 5 * n_batch)
  *     else:
  *         pb.v = pb.k             # <<<<<<<<<<<<<<
@@ -59259,7 +59325,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   }
   __pyx_L23:;
 
-  /* "cattention/_driver/from_arrays.pxd":219
+  /* "cattention/_driver/from_arrays.pxd":220
  *     else:
  *         pb.v = pb.k
  *     pb.kv_of_batch = kv_of_batch             # <<<<<<<<<<<<<<
@@ -59268,7 +59334,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_pb->kv_of_batch = __pyx_v_kv_of_batch;
 
-  /* "cattention/_driver/from_arrays.pxd":220
+  /* "cattention/_driver/from_arrays.pxd":221
  *         pb.v = pb.k
  *     pb.kv_of_batch = kv_of_batch
  *     pb.kv_source = kv_source             # <<<<<<<<<<<<<<
@@ -59277,7 +59343,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_pb->kv_source = __pyx_v_kv_source;
 
-  /* "cattention/_driver/from_arrays.pxd":221
+  /* "cattention/_driver/from_arrays.pxd":222
  *     pb.kv_of_batch = kv_of_batch
  *     pb.kv_source = kv_source
  *     problem_finish(pb)             # <<<<<<<<<<<<<<
@@ -59286,7 +59352,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_f_10cattention_7_driver_7problem_problem_finish(__pyx_v_pb);
 
-  /* "cattention/_driver/from_arrays.pxd":222
+  /* "cattention/_driver/from_arrays.pxd":223
  *     pb.kv_source = kv_source
  *     problem_finish(pb)
  *     return index             # <<<<<<<<<<<<<<
@@ -59324,7 +59390,115 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   return __pyx_r;
 }
 
-/* "cattention/_driver/from_arrays.pxd":225
+/* "cattention/_driver/from_arrays.pxd":226
+ * 
+ * 
+ * cdef inline void set_out_offsets(Problem *pb, cnp.ndarray out, Py_ssize_t n_batch_dims,             # <<<<<<<<<<<<<<
+ *                                  const Py_ssize_t *batch_shape, intp_t *index):
+ *     """ATTN rows written into out as laid out (any strides, features
+*/
+
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_out_offsets(struct __pyx_t_10cattention_7_driver_7problem_Problem *__pyx_v_pb, PyArrayObject *__pyx_v_out, Py_ssize_t __pyx_v_n_batch_dims, Py_ssize_t const *__pyx_v_batch_shape, __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_index) {
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_out_offset;
+  int __pyx_v_ndim;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+
+  /* "cattention/_driver/from_arrays.pxd":232
+ *     apart. index is problem_from_arrays' table (its last n_batch slots hold
+ *     the offsets)."""
+ *     cdef intp_t *out_offset = index + 9 * pb.n_batch             # <<<<<<<<<<<<<<
+ *     cdef int ndim = cnp.PyArray_NDIM(out)
+ *     fill_batch_offsets(out, n_batch_dims, batch_shape, out_offset)
+*/
+  __pyx_v_out_offset = (__pyx_v_index + (9 * __pyx_v_pb->n_batch));
+
+  /* "cattention/_driver/from_arrays.pxd":233
+ *     the offsets)."""
+ *     cdef intp_t *out_offset = index + 9 * pb.n_batch
+ *     cdef int ndim = cnp.PyArray_NDIM(out)             # <<<<<<<<<<<<<<
+ *     fill_batch_offsets(out, n_batch_dims, batch_shape, out_offset)
+ *     pb.out_offset = out_offset
+*/
+  __pyx_v_ndim = PyArray_NDIM(__pyx_v_out);
+
+  /* "cattention/_driver/from_arrays.pxd":234
+ *     cdef intp_t *out_offset = index + 9 * pb.n_batch
+ *     cdef int ndim = cnp.PyArray_NDIM(out)
+ *     fill_batch_offsets(out, n_batch_dims, batch_shape, out_offset)             # <<<<<<<<<<<<<<
+ *     pb.out_offset = out_offset
+ *     pb.ld_out = cnp.PyArray_STRIDE(out, ndim - 2) // cnp.PyArray_ITEMSIZE(out)
+*/
+  __pyx_f_10cattention_7_driver_11from_arrays_fill_batch_offsets(__pyx_v_out, __pyx_v_n_batch_dims, __pyx_v_batch_shape, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(4, 234, __pyx_L1_error)
+
+  /* "cattention/_driver/from_arrays.pxd":235
+ *     cdef int ndim = cnp.PyArray_NDIM(out)
+ *     fill_batch_offsets(out, n_batch_dims, batch_shape, out_offset)
+ *     pb.out_offset = out_offset             # <<<<<<<<<<<<<<
+ *     pb.ld_out = cnp.PyArray_STRIDE(out, ndim - 2) // cnp.PyArray_ITEMSIZE(out)
+ * 
+*/
+  __pyx_v_pb->out_offset = __pyx_v_out_offset;
+
+  /* "cattention/_driver/from_arrays.pxd":236
+ *     fill_batch_offsets(out, n_batch_dims, batch_shape, out_offset)
+ *     pb.out_offset = out_offset
+ *     pb.ld_out = cnp.PyArray_STRIDE(out, ndim - 2) // cnp.PyArray_ITEMSIZE(out)             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_v_pb->ld_out = (PyArray_STRIDE(__pyx_v_out, (__pyx_v_ndim - 2)) / PyArray_ITEMSIZE(__pyx_v_out));
+
+  /* "cattention/_driver/from_arrays.pxd":226
+ * 
+ * 
+ * cdef inline void set_out_offsets(Problem *pb, cnp.ndarray out, Py_ssize_t n_batch_dims,             # <<<<<<<<<<<<<<
+ *                                  const Py_ssize_t *batch_shape, intp_t *index):
+ *     """ATTN rows written into out as laid out (any strides, features
+*/
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("cattention._driver.from_arrays.set_out_offsets", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_L0:;
+
+
+
+}
+
+/* "cattention/_driver/from_arrays.pxd":239
+ * 
+ * 
+ * cdef inline void set_kv_starts(Problem *pb, const intp_t *kv_start) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """Entry b's keys before kv_start[b] take no part (left padding)."""
+ *     pb.kv_start = kv_start
+*/
+
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_starts(struct __pyx_t_10cattention_7_driver_7problem_Problem *__pyx_v_pb, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_kv_start) {
+
+  /* "cattention/_driver/from_arrays.pxd":241
+ * cdef inline void set_kv_starts(Problem *pb, const intp_t *kv_start) noexcept nogil:
+ *     """Entry b's keys before kv_start[b] take no part (left padding)."""
+ *     pb.kv_start = kv_start             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_v_pb->kv_start = __pyx_v_kv_start;
+
+  /* "cattention/_driver/from_arrays.pxd":239
+ * 
+ * 
+ * cdef inline void set_kv_starts(Problem *pb, const intp_t *kv_start) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """Entry b's keys before kv_start[b] take no part (left padding)."""
+ *     pb.kv_start = kv_start
+*/
+
+  /* function exit code */
+}
+
+/* "cattention/_driver/from_arrays.pxd":244
  * 
  * 
  * cdef inline void set_kv_lengths(Problem *pb, const intp_t *kv_length,             # <<<<<<<<<<<<<<
@@ -59341,7 +59515,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
   Py_ssize_t __pyx_t_3;
   int __pyx_t_4;
 
-  /* "cattention/_driver/from_arrays.pxd":232
+  /* "cattention/_driver/from_arrays.pxd":251
  *     not the cache. index is problem_from_arrays' table (its last n_batch
  *     slots hold the extents)."""
  *     cdef intp_t *kv_extent = index + 8 * pb.n_batch             # <<<<<<<<<<<<<<
@@ -59350,7 +59524,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
 */
   __pyx_v_kv_extent = (__pyx_v_index + (8 * __pyx_v_pb->n_batch));
 
-  /* "cattention/_driver/from_arrays.pxd":234
+  /* "cattention/_driver/from_arrays.pxd":253
  *     cdef intp_t *kv_extent = index + 8 * pb.n_batch
  *     cdef Py_ssize_t b, kv
  *     pb.kv_length = kv_length             # <<<<<<<<<<<<<<
@@ -59359,7 +59533,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
 */
   __pyx_v_pb->kv_length = __pyx_v_kv_length;
 
-  /* "cattention/_driver/from_arrays.pxd":235
+  /* "cattention/_driver/from_arrays.pxd":254
  *     cdef Py_ssize_t b, kv
  *     pb.kv_length = kv_length
  *     for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -59373,7 +59547,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_kv = __pyx_t_3;
 
-    /* "cattention/_driver/from_arrays.pxd":236
+    /* "cattention/_driver/from_arrays.pxd":255
  *     pb.kv_length = kv_length
  *     for kv in range(pb.n_kv):
  *         kv_extent[kv] = 0             # <<<<<<<<<<<<<<
@@ -59384,7 +59558,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
   }
 
 
-  /* "cattention/_driver/from_arrays.pxd":237
+  /* "cattention/_driver/from_arrays.pxd":256
  *     for kv in range(pb.n_kv):
  *         kv_extent[kv] = 0
  *     for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -59398,7 +59572,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_b = __pyx_t_3;
 
-    /* "cattention/_driver/from_arrays.pxd":238
+    /* "cattention/_driver/from_arrays.pxd":257
  *         kv_extent[kv] = 0
  *     for b in range(pb.n_batch):
  *         kv = pb.kv_of_batch[b]             # <<<<<<<<<<<<<<
@@ -59407,7 +59581,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
 */
     __pyx_v_kv = (__pyx_v_pb->kv_of_batch[__pyx_v_b]);
 
-    /* "cattention/_driver/from_arrays.pxd":239
+    /* "cattention/_driver/from_arrays.pxd":258
  *     for b in range(pb.n_batch):
  *         kv = pb.kv_of_batch[b]
  *         if kv_length[b] > kv_extent[kv]:             # <<<<<<<<<<<<<<
@@ -59419,7 +59593,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_arrays.pxd":240
+      /* "cattention/_driver/from_arrays.pxd":259
  *         kv = pb.kv_of_batch[b]
  *         if kv_length[b] > kv_extent[kv]:
  *             kv_extent[kv] = kv_length[b]             # <<<<<<<<<<<<<<
@@ -59427,7 +59601,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
 */
       (__pyx_v_kv_extent[__pyx_v_kv]) = (__pyx_v_kv_length[__pyx_v_b]);
 
-      /* "cattention/_driver/from_arrays.pxd":239
+      /* "cattention/_driver/from_arrays.pxd":258
  *     for b in range(pb.n_batch):
  *         kv = pb.kv_of_batch[b]
  *         if kv_length[b] > kv_extent[kv]:             # <<<<<<<<<<<<<<
@@ -59438,14 +59612,14 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
   }
 
 
-  /* "cattention/_driver/from_arrays.pxd":241
+  /* "cattention/_driver/from_arrays.pxd":260
  *         if kv_length[b] > kv_extent[kv]:
  *             kv_extent[kv] = kv_length[b]
  *     pb.kv_extent = kv_extent             # <<<<<<<<<<<<<<
 */
   __pyx_v_pb->kv_extent = __pyx_v_kv_extent;
 
-  /* "cattention/_driver/from_arrays.pxd":225
+  /* "cattention/_driver/from_arrays.pxd":244
  * 
  * 
  * cdef inline void set_kv_lengths(Problem *pb, const intp_t *kv_length,             # <<<<<<<<<<<<<<
@@ -59459,7 +59633,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_11from_arrays_set_kv_len
 
 }
 
-/* "cattention/_driver/from_entries.pxd":79
+/* "cattention/_driver/from_entries.pxd":81
  * 
  * 
  * cdef inline bint stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask,             # <<<<<<<<<<<<<<
@@ -59472,7 +59646,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacks_gro
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/from_entries.pxd":85
+  /* "cattention/_driver/from_entries.pxd":87
  *     them): only a decode-sized stack, and only when every row's logits come
  *     from its K/V head alone (no mask or ALiBi of its own query head)."""
  *     return 1 < group and group * n_rows <= DIRECT_ROWS and not has_mask and not has_alibi             # <<<<<<<<<<<<<<
@@ -59520,7 +59694,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacks_gro
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/from_entries.pxd":79
+  /* "cattention/_driver/from_entries.pxd":81
  * 
  * 
  * cdef inline bint stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask,             # <<<<<<<<<<<<<<
@@ -59533,7 +59707,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacks_gro
   return __pyx_r;
 }
 
-/* "cattention/_driver/from_entries.pxd":88
+/* "cattention/_driver/from_entries.pxd":90
  * 
  * 
  * cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_option_values,             # <<<<<<<<<<<<<<
@@ -59552,12 +59726,12 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_t_4;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_t_5;
 
-  /* "cattention/_driver/from_entries.pxd":92
+  /* "cattention/_driver/from_entries.pxd":94
  *     """Allocate the arrays of an n_entries table (and n_option_values sinks,
  *     n_entries ALiBi slopes); 0, or -1 if there is no memory."""
  *     cdef Py_ssize_t n = n_entries if n_entries > 0 else 1             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)
- *     t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
+ *     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
 */
   __pyx_t_2 = (__pyx_v_n_entries > 0);
 
@@ -59571,11 +59745,11 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
 
   __pyx_v_n = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":93
+  /* "cattention/_driver/from_entries.pxd":95
  *     n_entries ALiBi slopes); 0, or -1 if there is no memory."""
  *     cdef Py_ssize_t n = n_entries if n_entries > 0 else 1
  *     cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)             # <<<<<<<<<<<<<<
- *     t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
+ *     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
  *     if t.storage == NULL:
 */
   if (__pyx_v_with_alibi) {
@@ -59588,18 +59762,18 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   __pyx_v_n_doubles = (__pyx_v_n_option_values + __pyx_t_1);
 
 
-  /* "cattention/_driver/from_entries.pxd":94
+  /* "cattention/_driver/from_entries.pxd":96
  *     cdef Py_ssize_t n = n_entries if n_entries > 0 else 1
  *     cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)
- *     t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))             # <<<<<<<<<<<<<<
+ *     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))             # <<<<<<<<<<<<<<
  *     if t.storage == NULL:
  *         return -1
 */
-  __pyx_v_t->storage = malloc((((11 * __pyx_v_n) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t))) + ((__pyx_v_n_doubles + 1) * (sizeof(double)))));
+  __pyx_v_t->storage = malloc((((12 * __pyx_v_n) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t))) + ((__pyx_v_n_doubles + 1) * (sizeof(double)))));
 
-  /* "cattention/_driver/from_entries.pxd":95
+  /* "cattention/_driver/from_entries.pxd":97
  *     cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)
- *     t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
+ *     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
  *     if t.storage == NULL:             # <<<<<<<<<<<<<<
  *         return -1
  *     cdef intp_t *slots = <intp_t *>t.storage
@@ -59609,8 +59783,8 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/from_entries.pxd":96
- *     t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
+    /* "cattention/_driver/from_entries.pxd":98
+ *     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
  *     if t.storage == NULL:
  *         return -1             # <<<<<<<<<<<<<<
  *     cdef intp_t *slots = <intp_t *>t.storage
@@ -59622,16 +59796,16 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/from_entries.pxd":95
+    /* "cattention/_driver/from_entries.pxd":97
  *     cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)
- *     t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
+ *     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
  *     if t.storage == NULL:             # <<<<<<<<<<<<<<
  *         return -1
  *     cdef intp_t *slots = <intp_t *>t.storage
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":97
+  /* "cattention/_driver/from_entries.pxd":99
  *     if t.storage == NULL:
  *         return -1
  *     cdef intp_t *slots = <intp_t *>t.storage             # <<<<<<<<<<<<<<
@@ -59640,7 +59814,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
 */
   __pyx_v_slots = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)__pyx_v_t->storage);
 
-  /* "cattention/_driver/from_entries.pxd":98
+  /* "cattention/_driver/from_entries.pxd":100
  *         return -1
  *     cdef intp_t *slots = <intp_t *>t.storage
  *     t.q_offset, t.k_offset, t.v_offset = slots, slots + n, slots + 2 * n             # <<<<<<<<<<<<<<
@@ -59657,7 +59831,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   __pyx_v_t->k_offset = __pyx_t_4;
   __pyx_v_t->v_offset = __pyx_t_5;
 
-  /* "cattention/_driver/from_entries.pxd":99
+  /* "cattention/_driver/from_entries.pxd":101
  *     cdef intp_t *slots = <intp_t *>t.storage
  *     t.q_offset, t.k_offset, t.v_offset = slots, slots + n, slots + 2 * n
  *     t.kv_index, t.kv_length, t.out_offset = slots + 3 * n, slots + 4 * n, slots + 5 * n             # <<<<<<<<<<<<<<
@@ -59674,12 +59848,12 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   __pyx_v_t->kv_length = __pyx_t_4;
   __pyx_v_t->out_offset = __pyx_t_3;
 
-  /* "cattention/_driver/from_entries.pxd":100
+  /* "cattention/_driver/from_entries.pxd":102
  *     t.q_offset, t.k_offset, t.v_offset = slots, slots + n, slots + 2 * n
  *     t.kv_index, t.kv_length, t.out_offset = slots + 3 * n, slots + 4 * n, slots + 5 * n
  *     t.q_rows, t.lse_offset, t.page_first = slots + 6 * n, slots + 7 * n, slots + 8 * n             # <<<<<<<<<<<<<<
  *     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n
- *     t.sinks = <double *>(slots + 11 * n)
+ *     t.kv_start = slots + 11 * n
 */
   __pyx_t_3 = (__pyx_v_slots + (6 * __pyx_v_n));
 
@@ -59691,12 +59865,12 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   __pyx_v_t->lse_offset = __pyx_t_4;
   __pyx_v_t->page_first = __pyx_t_5;
 
-  /* "cattention/_driver/from_entries.pxd":101
+  /* "cattention/_driver/from_entries.pxd":103
  *     t.kv_index, t.kv_length, t.out_offset = slots + 3 * n, slots + 4 * n, slots + 5 * n
  *     t.q_rows, t.lse_offset, t.page_first = slots + 6 * n, slots + 7 * n, slots + 8 * n
  *     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n             # <<<<<<<<<<<<<<
- *     t.sinks = <double *>(slots + 11 * n)
- *     t.alibi = t.sinks + n_option_values
+ *     t.kv_start = slots + 11 * n
+ *     t.sinks = <double *>(slots + 12 * n)
 */
   __pyx_t_5 = (__pyx_v_slots + (9 * __pyx_v_n));
 
@@ -59705,26 +59879,35 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   __pyx_v_t->k_scale_offset = __pyx_t_5;
   __pyx_v_t->v_scale_offset = __pyx_t_4;
 
-  /* "cattention/_driver/from_entries.pxd":102
+  /* "cattention/_driver/from_entries.pxd":104
  *     t.q_rows, t.lse_offset, t.page_first = slots + 6 * n, slots + 7 * n, slots + 8 * n
  *     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n
- *     t.sinks = <double *>(slots + 11 * n)             # <<<<<<<<<<<<<<
+ *     t.kv_start = slots + 11 * n             # <<<<<<<<<<<<<<
+ *     t.sinks = <double *>(slots + 12 * n)
+ *     t.alibi = t.sinks + n_option_values
+*/
+  __pyx_v_t->kv_start = (__pyx_v_slots + (11 * __pyx_v_n));
+
+  /* "cattention/_driver/from_entries.pxd":105
+ *     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n
+ *     t.kv_start = slots + 11 * n
+ *     t.sinks = <double *>(slots + 12 * n)             # <<<<<<<<<<<<<<
  *     t.alibi = t.sinks + n_option_values
  *     t.n_entries = n_entries
 */
-  __pyx_v_t->sinks = ((double *)(__pyx_v_slots + (11 * __pyx_v_n)));
+  __pyx_v_t->sinks = ((double *)(__pyx_v_slots + (12 * __pyx_v_n)));
 
-  /* "cattention/_driver/from_entries.pxd":103
- *     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n
- *     t.sinks = <double *>(slots + 11 * n)
+  /* "cattention/_driver/from_entries.pxd":106
+ *     t.kv_start = slots + 11 * n
+ *     t.sinks = <double *>(slots + 12 * n)
  *     t.alibi = t.sinks + n_option_values             # <<<<<<<<<<<<<<
  *     t.n_entries = n_entries
  *     return 0
 */
   __pyx_v_t->alibi = (__pyx_v_t->sinks + __pyx_v_n_option_values);
 
-  /* "cattention/_driver/from_entries.pxd":104
- *     t.sinks = <double *>(slots + 11 * n)
+  /* "cattention/_driver/from_entries.pxd":107
+ *     t.sinks = <double *>(slots + 12 * n)
  *     t.alibi = t.sinks + n_option_values
  *     t.n_entries = n_entries             # <<<<<<<<<<<<<<
  *     return 0
@@ -59732,7 +59915,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
 */
   __pyx_v_t->n_entries = __pyx_v_n_entries;
 
-  /* "cattention/_driver/from_entries.pxd":105
+  /* "cattention/_driver/from_entries.pxd":108
  *     t.alibi = t.sinks + n_option_values
  *     t.n_entries = n_entries
  *     return 0             # <<<<<<<<<<<<<<
@@ -59745,7 +59928,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/from_entries.pxd":88
+  /* "cattention/_driver/from_entries.pxd":90
  * 
  * 
  * cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_option_values,             # <<<<<<<<<<<<<<
@@ -59761,7 +59944,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
   return __pyx_r;
 }
 
-/* "cattention/_driver/from_entries.pxd":108
+/* "cattention/_driver/from_entries.pxd":111
  * 
  * 
  * cdef inline void set_kv_place(const EntryPlan *plan, EntryTable *t, Py_ssize_t e,             # <<<<<<<<<<<<<<
@@ -59770,9 +59953,10 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_table_new(
 */
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_place(struct __pyx_t_10cattention_7_driver_12from_entries_EntryPlan const *__pyx_v_plan, struct __pyx_t_10cattention_7_driver_12from_entries_EntryTable *__pyx_v_t, Py_ssize_t __pyx_v_e, Py_ssize_t __pyx_v_s, Py_ssize_t __pyx_v_kv_head) {
-  int __pyx_t_1;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_t_1;
+  int __pyx_t_2;
 
-  /* "cattention/_driver/from_entries.pxd":111
+  /* "cattention/_driver/from_entries.pxd":114
  *                               Py_ssize_t s, Py_ssize_t kv_head) noexcept nogil:
  *     """Where entry e (sequence s, K/V head kv_head) reads K, V and their scales."""
  *     t.k_offset[e] = plan.k.seq_offset[s] + kv_head * plan.k.h_stride             # <<<<<<<<<<<<<<
@@ -59781,46 +59965,66 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_pl
 */
   (__pyx_v_t->k_offset[__pyx_v_e]) = ((__pyx_v_plan->k.seq_offset[__pyx_v_s]) + (__pyx_v_kv_head * __pyx_v_plan->k.h_stride));
 
-  /* "cattention/_driver/from_entries.pxd":112
+  /* "cattention/_driver/from_entries.pxd":115
  *     """Where entry e (sequence s, K/V head kv_head) reads K, V and their scales."""
  *     t.k_offset[e] = plan.k.seq_offset[s] + kv_head * plan.k.h_stride
  *     t.v_offset[e] = plan.v.seq_offset[s] + kv_head * plan.v.h_stride             # <<<<<<<<<<<<<<
  *     t.kv_length[e] = plan.kv_lengths[s]
- *     t.page_first[e] = s * plan.pages_per_seq
+ *     t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0
 */
   (__pyx_v_t->v_offset[__pyx_v_e]) = ((__pyx_v_plan->v.seq_offset[__pyx_v_s]) + (__pyx_v_kv_head * __pyx_v_plan->v.h_stride));
 
-  /* "cattention/_driver/from_entries.pxd":113
+  /* "cattention/_driver/from_entries.pxd":116
  *     t.k_offset[e] = plan.k.seq_offset[s] + kv_head * plan.k.h_stride
  *     t.v_offset[e] = plan.v.seq_offset[s] + kv_head * plan.v.h_stride
  *     t.kv_length[e] = plan.kv_lengths[s]             # <<<<<<<<<<<<<<
+ *     t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0
  *     t.page_first[e] = s * plan.pages_per_seq
- *     if plan.k_scale.data != NULL:
 */
   (__pyx_v_t->kv_length[__pyx_v_e]) = (__pyx_v_plan->kv_lengths[__pyx_v_s]);
 
-  /* "cattention/_driver/from_entries.pxd":114
+  /* "cattention/_driver/from_entries.pxd":117
  *     t.v_offset[e] = plan.v.seq_offset[s] + kv_head * plan.v.h_stride
  *     t.kv_length[e] = plan.kv_lengths[s]
+ *     t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0             # <<<<<<<<<<<<<<
+ *     t.page_first[e] = s * plan.pages_per_seq
+ *     if plan.k_scale.data != NULL:
+*/
+  __pyx_t_2 = (__pyx_v_plan->kv_starts != NULL);
+
+  if (__pyx_t_2) {
+
+    __pyx_t_1 = (__pyx_v_plan->kv_starts[__pyx_v_s]);
+  } else {
+
+    __pyx_t_1 = 0;
+  }
+
+  (__pyx_v_t->kv_start[__pyx_v_e]) = __pyx_t_1;
+
+
+  /* "cattention/_driver/from_entries.pxd":118
+ *     t.kv_length[e] = plan.kv_lengths[s]
+ *     t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0
  *     t.page_first[e] = s * plan.pages_per_seq             # <<<<<<<<<<<<<<
  *     if plan.k_scale.data != NULL:
  *         t.k_scale_offset[e] = plan.k_scale.seq_offset[s] + kv_head * plan.k_scale.h_stride
 */
   (__pyx_v_t->page_first[__pyx_v_e]) = (__pyx_v_s * __pyx_v_plan->pages_per_seq);
 
-  /* "cattention/_driver/from_entries.pxd":115
- *     t.kv_length[e] = plan.kv_lengths[s]
+  /* "cattention/_driver/from_entries.pxd":119
+ *     t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0
  *     t.page_first[e] = s * plan.pages_per_seq
  *     if plan.k_scale.data != NULL:             # <<<<<<<<<<<<<<
  *         t.k_scale_offset[e] = plan.k_scale.seq_offset[s] + kv_head * plan.k_scale.h_stride
  *         t.v_scale_offset[e] = plan.v_scale.seq_offset[s] + kv_head * plan.v_scale.h_stride
 */
-  __pyx_t_1 = (__pyx_v_plan->k_scale.data != NULL);
+  __pyx_t_2 = (__pyx_v_plan->k_scale.data != NULL);
 
-  if (__pyx_t_1) {
+  if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/from_entries.pxd":116
+    /* "cattention/_driver/from_entries.pxd":120
  *     t.page_first[e] = s * plan.pages_per_seq
  *     if plan.k_scale.data != NULL:
  *         t.k_scale_offset[e] = plan.k_scale.seq_offset[s] + kv_head * plan.k_scale.h_stride             # <<<<<<<<<<<<<<
@@ -59829,7 +60033,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_pl
 */
     (__pyx_v_t->k_scale_offset[__pyx_v_e]) = ((__pyx_v_plan->k_scale.seq_offset[__pyx_v_s]) + (__pyx_v_kv_head * __pyx_v_plan->k_scale.h_stride));
 
-    /* "cattention/_driver/from_entries.pxd":117
+    /* "cattention/_driver/from_entries.pxd":121
  *     if plan.k_scale.data != NULL:
  *         t.k_scale_offset[e] = plan.k_scale.seq_offset[s] + kv_head * plan.k_scale.h_stride
  *         t.v_scale_offset[e] = plan.v_scale.seq_offset[s] + kv_head * plan.v_scale.h_stride             # <<<<<<<<<<<<<<
@@ -59838,8 +60042,8 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_pl
 */
     (__pyx_v_t->v_scale_offset[__pyx_v_e]) = ((__pyx_v_plan->v_scale.seq_offset[__pyx_v_s]) + (__pyx_v_kv_head * __pyx_v_plan->v_scale.h_stride));
 
-    /* "cattention/_driver/from_entries.pxd":115
- *     t.kv_length[e] = plan.kv_lengths[s]
+    /* "cattention/_driver/from_entries.pxd":119
+ *     t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0
  *     t.page_first[e] = s * plan.pages_per_seq
  *     if plan.k_scale.data != NULL:             # <<<<<<<<<<<<<<
  *         t.k_scale_offset[e] = plan.k_scale.seq_offset[s] + kv_head * plan.k_scale.h_stride
@@ -59847,7 +60051,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_pl
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":108
+  /* "cattention/_driver/from_entries.pxd":111
  * 
  * 
  * cdef inline void set_kv_place(const EntryPlan *plan, EntryTable *t, Py_ssize_t e,             # <<<<<<<<<<<<<<
@@ -59858,7 +60062,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_pl
   /* function exit code */
 }
 
-/* "cattention/_driver/from_entries.pxd":120
+/* "cattention/_driver/from_entries.pxd":124
  * 
  * 
  * cdef inline int stacked_table(const EntryPlan *plan, EntryTable *t,             # <<<<<<<<<<<<<<
@@ -59885,7 +60089,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   Py_ssize_t __pyx_t_9;
   Py_ssize_t __pyx_t_10;
 
-  /* "cattention/_driver/from_entries.pxd":124
+  /* "cattention/_driver/from_entries.pxd":128
  *     """Entries (sequence, K/V head) with the G query heads of one new token
  *     as rows, for the sequences of one query row."""
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads             # <<<<<<<<<<<<<<
@@ -59894,7 +60098,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
   __pyx_v_group = (__pyx_v_plan->n_heads / __pyx_v_plan->n_kv_heads);
 
-  /* "cattention/_driver/from_entries.pxd":125
+  /* "cattention/_driver/from_entries.pxd":129
  *     as rows, for the sequences of one query row."""
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef Py_ssize_t s, kv_head, g, head, e = 0             # <<<<<<<<<<<<<<
@@ -59903,7 +60107,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
   __pyx_v_e = 0;
 
-  /* "cattention/_driver/from_entries.pxd":127
+  /* "cattention/_driver/from_entries.pxd":131
  *     cdef Py_ssize_t s, kv_head, g, head, e = 0
  *     if table_new(t, n_stacked * plan.n_kv_heads,
  *                  n_stacked * plan.n_heads if plan.sinks != NULL else 0, False) != 0:             # <<<<<<<<<<<<<<
@@ -59921,7 +60125,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":126
+  /* "cattention/_driver/from_entries.pxd":130
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef Py_ssize_t s, kv_head, g, head, e = 0
  *     if table_new(t, n_stacked * plan.n_kv_heads,             # <<<<<<<<<<<<<<
@@ -59934,7 +60138,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/from_entries.pxd":128
+    /* "cattention/_driver/from_entries.pxd":132
  *     if table_new(t, n_stacked * plan.n_kv_heads,
  *                  n_stacked * plan.n_heads if plan.sinks != NULL else 0, False) != 0:
  *         return -1             # <<<<<<<<<<<<<<
@@ -59947,7 +60151,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/from_entries.pxd":126
+    /* "cattention/_driver/from_entries.pxd":130
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef Py_ssize_t s, kv_head, g, head, e = 0
  *     if table_new(t, n_stacked * plan.n_kv_heads,             # <<<<<<<<<<<<<<
@@ -59956,7 +60160,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":129
+  /* "cattention/_driver/from_entries.pxd":133
  *                  n_stacked * plan.n_heads if plan.sinks != NULL else 0, False) != 0:
  *         return -1
  *     t.n_queries = group             # <<<<<<<<<<<<<<
@@ -59965,7 +60169,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
   __pyx_v_t->n_queries = __pyx_v_group;
 
-  /* "cattention/_driver/from_entries.pxd":130
+  /* "cattention/_driver/from_entries.pxd":134
  *         return -1
  *     t.n_queries = group
  *     t.n_keys = 0             # <<<<<<<<<<<<<<
@@ -59974,7 +60178,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
   __pyx_v_t->n_keys = 0;
 
-  /* "cattention/_driver/from_entries.pxd":131
+  /* "cattention/_driver/from_entries.pxd":135
  *     t.n_queries = group
  *     t.n_keys = 0
  *     t.query_period = 1             # <<<<<<<<<<<<<<
@@ -59983,7 +60187,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
   __pyx_v_t->query_period = 1;
 
-  /* "cattention/_driver/from_entries.pxd":132
+  /* "cattention/_driver/from_entries.pxd":136
  *     t.n_keys = 0
  *     t.query_period = 1
  *     t.q_row_stride = plan.q.h_stride             # <<<<<<<<<<<<<<
@@ -59994,7 +60198,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 
   __pyx_v_t->q_row_stride = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":133
+  /* "cattention/_driver/from_entries.pxd":137
  *     t.query_period = 1
  *     t.q_row_stride = plan.q.h_stride
  *     t.ld_out = plan.out.h_stride             # <<<<<<<<<<<<<<
@@ -60005,7 +60209,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 
   __pyx_v_t->ld_out = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":134
+  /* "cattention/_driver/from_entries.pxd":138
  *     t.q_row_stride = plan.q.h_stride
  *     t.ld_out = plan.out.h_stride
  *     t.ld_lse = plan.lse.h_stride if plan.lse.data != NULL else 1             # <<<<<<<<<<<<<<
@@ -60024,7 +60228,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 
   __pyx_v_t->ld_lse = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":135
+  /* "cattention/_driver/from_entries.pxd":139
  *     t.ld_out = plan.out.h_stride
  *     t.ld_lse = plan.lse.h_stride if plan.lse.data != NULL else 1
  *     for s in range(plan.n_seq):             # <<<<<<<<<<<<<<
@@ -60038,7 +60242,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_s = __pyx_t_4;
 
-    /* "cattention/_driver/from_entries.pxd":137
+    /* "cattention/_driver/from_entries.pxd":141
  *     for s in range(plan.n_seq):
  *         # the longest sequence of the call, stacked or not, sizes the keys
  *         if plan.kv_lengths[s] > t.n_keys:             # <<<<<<<<<<<<<<
@@ -60050,7 +60254,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/from_entries.pxd":138
+      /* "cattention/_driver/from_entries.pxd":142
  *         # the longest sequence of the call, stacked or not, sizes the keys
  *         if plan.kv_lengths[s] > t.n_keys:
  *             t.n_keys = plan.kv_lengths[s]             # <<<<<<<<<<<<<<
@@ -60059,7 +60263,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       __pyx_v_t->n_keys = (__pyx_v_plan->kv_lengths[__pyx_v_s]);
 
-      /* "cattention/_driver/from_entries.pxd":137
+      /* "cattention/_driver/from_entries.pxd":141
  *     for s in range(plan.n_seq):
  *         # the longest sequence of the call, stacked or not, sizes the keys
  *         if plan.kv_lengths[s] > t.n_keys:             # <<<<<<<<<<<<<<
@@ -60068,7 +60272,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":139
+    /* "cattention/_driver/from_entries.pxd":143
  *         if plan.kv_lengths[s] > t.n_keys:
  *             t.n_keys = plan.kv_lengths[s]
  *         if plan.q_lengths[s] != 1:             # <<<<<<<<<<<<<<
@@ -60080,7 +60284,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/from_entries.pxd":140
+      /* "cattention/_driver/from_entries.pxd":144
  *             t.n_keys = plan.kv_lengths[s]
  *         if plan.q_lengths[s] != 1:
  *             continue             # <<<<<<<<<<<<<<
@@ -60089,7 +60293,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       goto __pyx_L4_continue;
 
-      /* "cattention/_driver/from_entries.pxd":139
+      /* "cattention/_driver/from_entries.pxd":143
  *         if plan.kv_lengths[s] > t.n_keys:
  *             t.n_keys = plan.kv_lengths[s]
  *         if plan.q_lengths[s] != 1:             # <<<<<<<<<<<<<<
@@ -60098,7 +60302,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":141
+    /* "cattention/_driver/from_entries.pxd":145
  *         if plan.q_lengths[s] != 1:
  *             continue
  *         for kv_head in range(plan.n_kv_heads):             # <<<<<<<<<<<<<<
@@ -60112,7 +60316,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_kv_head = __pyx_t_7;
 
-      /* "cattention/_driver/from_entries.pxd":142
+      /* "cattention/_driver/from_entries.pxd":146
  *             continue
  *         for kv_head in range(plan.n_kv_heads):
  *             head = kv_head * group             # <<<<<<<<<<<<<<
@@ -60121,7 +60325,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       __pyx_v_head = (__pyx_v_kv_head * __pyx_v_group);
 
-      /* "cattention/_driver/from_entries.pxd":143
+      /* "cattention/_driver/from_entries.pxd":147
  *         for kv_head in range(plan.n_kv_heads):
  *             head = kv_head * group
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride             # <<<<<<<<<<<<<<
@@ -60130,7 +60334,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       (__pyx_v_t->q_offset[__pyx_v_e]) = ((__pyx_v_plan->q.seq_offset[__pyx_v_s]) + (__pyx_v_head * __pyx_v_plan->q.h_stride));
 
-      /* "cattention/_driver/from_entries.pxd":144
+      /* "cattention/_driver/from_entries.pxd":148
  *             head = kv_head * group
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride             # <<<<<<<<<<<<<<
@@ -60139,7 +60343,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       (__pyx_v_t->out_offset[__pyx_v_e]) = ((__pyx_v_plan->out.seq_offset[__pyx_v_s]) + (__pyx_v_head * __pyx_v_plan->out.h_stride));
 
-      /* "cattention/_driver/from_entries.pxd":145
+      /* "cattention/_driver/from_entries.pxd":149
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride
  *             if plan.lse.data != NULL:             # <<<<<<<<<<<<<<
@@ -60151,7 +60355,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/from_entries.pxd":146
+        /* "cattention/_driver/from_entries.pxd":150
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride
  *             if plan.lse.data != NULL:
  *                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride             # <<<<<<<<<<<<<<
@@ -60160,7 +60364,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
         (__pyx_v_t->lse_offset[__pyx_v_e]) = ((__pyx_v_plan->lse.seq_offset[__pyx_v_s]) + (__pyx_v_head * __pyx_v_plan->lse.h_stride));
 
-        /* "cattention/_driver/from_entries.pxd":145
+        /* "cattention/_driver/from_entries.pxd":149
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride
  *             if plan.lse.data != NULL:             # <<<<<<<<<<<<<<
@@ -60169,7 +60373,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       }
 
-      /* "cattention/_driver/from_entries.pxd":147
+      /* "cattention/_driver/from_entries.pxd":151
  *             if plan.lse.data != NULL:
  *                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride
  *             t.kv_index[e] = e             # <<<<<<<<<<<<<<
@@ -60178,7 +60382,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       (__pyx_v_t->kv_index[__pyx_v_e]) = __pyx_v_e;
 
-      /* "cattention/_driver/from_entries.pxd":148
+      /* "cattention/_driver/from_entries.pxd":152
  *                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride
  *             t.kv_index[e] = e
  *             set_kv_place(plan, t, e, s, kv_head)             # <<<<<<<<<<<<<<
@@ -60187,7 +60391,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       __pyx_f_10cattention_7_driver_12from_entries_set_kv_place(__pyx_v_plan, __pyx_v_t, __pyx_v_e, __pyx_v_s, __pyx_v_kv_head);
 
-      /* "cattention/_driver/from_entries.pxd":149
+      /* "cattention/_driver/from_entries.pxd":153
  *             t.kv_index[e] = e
  *             set_kv_place(plan, t, e, s, kv_head)
  *             if plan.sinks != NULL:             # <<<<<<<<<<<<<<
@@ -60199,7 +60403,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/from_entries.pxd":150
+        /* "cattention/_driver/from_entries.pxd":154
  *             set_kv_place(plan, t, e, s, kv_head)
  *             if plan.sinks != NULL:
  *                 for g in range(group):             # <<<<<<<<<<<<<<
@@ -60213,7 +60417,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
         for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
           __pyx_v_g = __pyx_t_10;
 
-          /* "cattention/_driver/from_entries.pxd":151
+          /* "cattention/_driver/from_entries.pxd":155
  *             if plan.sinks != NULL:
  *                 for g in range(group):
  *                     t.sinks[e * group + g] = plan.sinks[s * plan.n_heads + head + g]             # <<<<<<<<<<<<<<
@@ -60224,7 +60428,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
         }
 
 
-        /* "cattention/_driver/from_entries.pxd":149
+        /* "cattention/_driver/from_entries.pxd":153
  *             t.kv_index[e] = e
  *             set_kv_place(plan, t, e, s, kv_head)
  *             if plan.sinks != NULL:             # <<<<<<<<<<<<<<
@@ -60233,7 +60437,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 */
       }
 
-      /* "cattention/_driver/from_entries.pxd":152
+      /* "cattention/_driver/from_entries.pxd":156
  *                 for g in range(group):
  *                     t.sinks[e * group + g] = plan.sinks[s * plan.n_heads + head + g]
  *             e += 1             # <<<<<<<<<<<<<<
@@ -60247,7 +60451,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":153
+  /* "cattention/_driver/from_entries.pxd":157
  *                     t.sinks[e * group + g] = plan.sinks[s * plan.n_heads + head + g]
  *             e += 1
  *     t.n_kv = t.n_entries             # <<<<<<<<<<<<<<
@@ -60258,7 +60462,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
 
   __pyx_v_t->n_kv = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":154
+  /* "cattention/_driver/from_entries.pxd":158
  *             e += 1
  *     t.n_kv = t.n_entries
  *     return 0             # <<<<<<<<<<<<<<
@@ -60271,7 +60475,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/from_entries.pxd":120
+  /* "cattention/_driver/from_entries.pxd":124
  * 
  * 
  * cdef inline int stacked_table(const EntryPlan *plan, EntryTable *t,             # <<<<<<<<<<<<<<
@@ -60290,7 +60494,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_stacked_ta
   return __pyx_r;
 }
 
-/* "cattention/_driver/from_entries.pxd":157
+/* "cattention/_driver/from_entries.pxd":161
  * 
  * 
  * cdef inline int per_head_table(const EntryPlan *plan, EntryTable *t, Py_ssize_t n_rest,             # <<<<<<<<<<<<<<
@@ -60315,7 +60519,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   Py_ssize_t __pyx_t_7;
   Py_ssize_t __pyx_t_8;
 
-  /* "cattention/_driver/from_entries.pxd":161
+  /* "cattention/_driver/from_entries.pxd":165
  *     """Entries (sequence, query head), each with its sequence's rows, for the
  *     sequences not stacked."""
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads             # <<<<<<<<<<<<<<
@@ -60324,7 +60528,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_group = (__pyx_v_plan->n_heads / __pyx_v_plan->n_kv_heads);
 
-  /* "cattention/_driver/from_entries.pxd":162
+  /* "cattention/_driver/from_entries.pxd":166
  *     sequences not stacked."""
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef Py_ssize_t s, head, at, e = 0             # <<<<<<<<<<<<<<
@@ -60333,7 +60537,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_e = 0;
 
-  /* "cattention/_driver/from_entries.pxd":163
+  /* "cattention/_driver/from_entries.pxd":167
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef Py_ssize_t s, head, at, e = 0
  *     cdef Py_ssize_t rest = 0             # <<<<<<<<<<<<<<
@@ -60342,7 +60546,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_rest = 0;
 
-  /* "cattention/_driver/from_entries.pxd":164
+  /* "cattention/_driver/from_entries.pxd":168
  *     cdef Py_ssize_t s, head, at, e = 0
  *     cdef Py_ssize_t rest = 0
  *     if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads if plan.sinks != NULL else 0,             # <<<<<<<<<<<<<<
@@ -60360,7 +60564,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":165
+  /* "cattention/_driver/from_entries.pxd":169
  *     cdef Py_ssize_t rest = 0
  *     if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads if plan.sinks != NULL else 0,
  *                  plan.alibi != NULL) != 0:             # <<<<<<<<<<<<<<
@@ -60371,7 +60575,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 
 
 
-  /* "cattention/_driver/from_entries.pxd":164
+  /* "cattention/_driver/from_entries.pxd":168
  *     cdef Py_ssize_t s, head, at, e = 0
  *     cdef Py_ssize_t rest = 0
  *     if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads if plan.sinks != NULL else 0,             # <<<<<<<<<<<<<<
@@ -60381,7 +60585,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/from_entries.pxd":166
+    /* "cattention/_driver/from_entries.pxd":170
  *     if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads if plan.sinks != NULL else 0,
  *                  plan.alibi != NULL) != 0:
  *         return -1             # <<<<<<<<<<<<<<
@@ -60394,7 +60598,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/from_entries.pxd":164
+    /* "cattention/_driver/from_entries.pxd":168
  *     cdef Py_ssize_t s, head, at, e = 0
  *     cdef Py_ssize_t rest = 0
  *     if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads if plan.sinks != NULL else 0,             # <<<<<<<<<<<<<<
@@ -60403,7 +60607,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":167
+  /* "cattention/_driver/from_entries.pxd":171
  *                  plan.alibi != NULL) != 0:
  *         return -1
  *     t.n_queries = 0             # <<<<<<<<<<<<<<
@@ -60412,7 +60616,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_t->n_queries = 0;
 
-  /* "cattention/_driver/from_entries.pxd":168
+  /* "cattention/_driver/from_entries.pxd":172
  *         return -1
  *     t.n_queries = 0
  *     t.n_keys = 0             # <<<<<<<<<<<<<<
@@ -60421,7 +60625,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_t->n_keys = 0;
 
-  /* "cattention/_driver/from_entries.pxd":169
+  /* "cattention/_driver/from_entries.pxd":173
  *     t.n_queries = 0
  *     t.n_keys = 0
  *     t.query_period = 0             # <<<<<<<<<<<<<<
@@ -60430,7 +60634,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_t->query_period = 0;
 
-  /* "cattention/_driver/from_entries.pxd":170
+  /* "cattention/_driver/from_entries.pxd":174
  *     t.n_keys = 0
  *     t.query_period = 0
  *     t.q_row_stride = plan.q.t_stride             # <<<<<<<<<<<<<<
@@ -60441,7 +60645,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 
   __pyx_v_t->q_row_stride = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":171
+  /* "cattention/_driver/from_entries.pxd":175
  *     t.query_period = 0
  *     t.q_row_stride = plan.q.t_stride
  *     t.ld_out = plan.out.t_stride             # <<<<<<<<<<<<<<
@@ -60452,7 +60656,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 
   __pyx_v_t->ld_out = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":172
+  /* "cattention/_driver/from_entries.pxd":176
  *     t.q_row_stride = plan.q.t_stride
  *     t.ld_out = plan.out.t_stride
  *     t.ld_lse = plan.lse.t_stride if plan.lse.data != NULL else 1             # <<<<<<<<<<<<<<
@@ -60471,7 +60675,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 
   __pyx_v_t->ld_lse = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":173
+  /* "cattention/_driver/from_entries.pxd":177
  *     t.ld_out = plan.out.t_stride
  *     t.ld_lse = plan.lse.t_stride if plan.lse.data != NULL else 1
  *     for s in range(plan.n_seq):             # <<<<<<<<<<<<<<
@@ -60485,7 +60689,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_s = __pyx_t_4;
 
-    /* "cattention/_driver/from_entries.pxd":174
+    /* "cattention/_driver/from_entries.pxd":178
  *     t.ld_lse = plan.lse.t_stride if plan.lse.data != NULL else 1
  *     for s in range(plan.n_seq):
  *         if plan.q_lengths[s] <= (1 if stacking else 0):             # <<<<<<<<<<<<<<
@@ -60505,7 +60709,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/from_entries.pxd":175
+      /* "cattention/_driver/from_entries.pxd":179
  *     for s in range(plan.n_seq):
  *         if plan.q_lengths[s] <= (1 if stacking else 0):
  *             continue             # <<<<<<<<<<<<<<
@@ -60514,7 +60718,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       goto __pyx_L4_continue;
 
-      /* "cattention/_driver/from_entries.pxd":174
+      /* "cattention/_driver/from_entries.pxd":178
  *     t.ld_lse = plan.lse.t_stride if plan.lse.data != NULL else 1
  *     for s in range(plan.n_seq):
  *         if plan.q_lengths[s] <= (1 if stacking else 0):             # <<<<<<<<<<<<<<
@@ -60523,7 +60727,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":176
+    /* "cattention/_driver/from_entries.pxd":180
  *         if plan.q_lengths[s] <= (1 if stacking else 0):
  *             continue
  *         if plan.q_lengths[s] > t.n_queries:             # <<<<<<<<<<<<<<
@@ -60535,7 +60739,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/from_entries.pxd":177
+      /* "cattention/_driver/from_entries.pxd":181
  *             continue
  *         if plan.q_lengths[s] > t.n_queries:
  *             t.n_queries = plan.q_lengths[s]             # <<<<<<<<<<<<<<
@@ -60544,7 +60748,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       __pyx_v_t->n_queries = (__pyx_v_plan->q_lengths[__pyx_v_s]);
 
-      /* "cattention/_driver/from_entries.pxd":176
+      /* "cattention/_driver/from_entries.pxd":180
  *         if plan.q_lengths[s] <= (1 if stacking else 0):
  *             continue
  *         if plan.q_lengths[s] > t.n_queries:             # <<<<<<<<<<<<<<
@@ -60553,7 +60757,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":178
+    /* "cattention/_driver/from_entries.pxd":182
  *         if plan.q_lengths[s] > t.n_queries:
  *             t.n_queries = plan.q_lengths[s]
  *         if plan.kv_lengths[s] > t.n_keys:             # <<<<<<<<<<<<<<
@@ -60565,7 +60769,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/from_entries.pxd":179
+      /* "cattention/_driver/from_entries.pxd":183
  *             t.n_queries = plan.q_lengths[s]
  *         if plan.kv_lengths[s] > t.n_keys:
  *             t.n_keys = plan.kv_lengths[s]             # <<<<<<<<<<<<<<
@@ -60574,7 +60778,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       __pyx_v_t->n_keys = (__pyx_v_plan->kv_lengths[__pyx_v_s]);
 
-      /* "cattention/_driver/from_entries.pxd":178
+      /* "cattention/_driver/from_entries.pxd":182
  *         if plan.q_lengths[s] > t.n_queries:
  *             t.n_queries = plan.q_lengths[s]
  *         if plan.kv_lengths[s] > t.n_keys:             # <<<<<<<<<<<<<<
@@ -60583,7 +60787,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":180
+    /* "cattention/_driver/from_entries.pxd":184
  *         if plan.kv_lengths[s] > t.n_keys:
  *             t.n_keys = plan.kv_lengths[s]
  *         for head in range(plan.n_heads):             # <<<<<<<<<<<<<<
@@ -60597,7 +60801,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
     for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_head = __pyx_t_8;
 
-      /* "cattention/_driver/from_entries.pxd":181
+      /* "cattention/_driver/from_entries.pxd":185
  *             t.n_keys = plan.kv_lengths[s]
  *         for head in range(plan.n_heads):
  *             at = s * plan.n_heads + head             # <<<<<<<<<<<<<<
@@ -60606,7 +60810,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       __pyx_v_at = ((__pyx_v_s * __pyx_v_plan->n_heads) + __pyx_v_head);
 
-      /* "cattention/_driver/from_entries.pxd":182
+      /* "cattention/_driver/from_entries.pxd":186
  *         for head in range(plan.n_heads):
  *             at = s * plan.n_heads + head
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride             # <<<<<<<<<<<<<<
@@ -60615,7 +60819,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       (__pyx_v_t->q_offset[__pyx_v_e]) = ((__pyx_v_plan->q.seq_offset[__pyx_v_s]) + (__pyx_v_head * __pyx_v_plan->q.h_stride));
 
-      /* "cattention/_driver/from_entries.pxd":183
+      /* "cattention/_driver/from_entries.pxd":187
  *             at = s * plan.n_heads + head
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride
  *             t.q_rows[e] = plan.q_lengths[s]             # <<<<<<<<<<<<<<
@@ -60624,7 +60828,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       (__pyx_v_t->q_rows[__pyx_v_e]) = (__pyx_v_plan->q_lengths[__pyx_v_s]);
 
-      /* "cattention/_driver/from_entries.pxd":184
+      /* "cattention/_driver/from_entries.pxd":188
  *             t.q_offset[e] = plan.q.seq_offset[s] + head * plan.q.h_stride
  *             t.q_rows[e] = plan.q_lengths[s]
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride             # <<<<<<<<<<<<<<
@@ -60633,7 +60837,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       (__pyx_v_t->out_offset[__pyx_v_e]) = ((__pyx_v_plan->out.seq_offset[__pyx_v_s]) + (__pyx_v_head * __pyx_v_plan->out.h_stride));
 
-      /* "cattention/_driver/from_entries.pxd":185
+      /* "cattention/_driver/from_entries.pxd":189
  *             t.q_rows[e] = plan.q_lengths[s]
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride
  *             if plan.lse.data != NULL:             # <<<<<<<<<<<<<<
@@ -60645,7 +60849,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/from_entries.pxd":186
+        /* "cattention/_driver/from_entries.pxd":190
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride
  *             if plan.lse.data != NULL:
  *                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride             # <<<<<<<<<<<<<<
@@ -60654,7 +60858,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
         (__pyx_v_t->lse_offset[__pyx_v_e]) = ((__pyx_v_plan->lse.seq_offset[__pyx_v_s]) + (__pyx_v_head * __pyx_v_plan->lse.h_stride));
 
-        /* "cattention/_driver/from_entries.pxd":185
+        /* "cattention/_driver/from_entries.pxd":189
  *             t.q_rows[e] = plan.q_lengths[s]
  *             t.out_offset[e] = plan.out.seq_offset[s] + head * plan.out.h_stride
  *             if plan.lse.data != NULL:             # <<<<<<<<<<<<<<
@@ -60663,7 +60867,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       }
 
-      /* "cattention/_driver/from_entries.pxd":187
+      /* "cattention/_driver/from_entries.pxd":191
  *             if plan.lse.data != NULL:
  *                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride
  *             t.kv_index[e] = rest * plan.n_kv_heads + head // group             # <<<<<<<<<<<<<<
@@ -60672,7 +60876,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       (__pyx_v_t->kv_index[__pyx_v_e]) = ((__pyx_v_rest * __pyx_v_plan->n_kv_heads) + (__pyx_v_head / __pyx_v_group));
 
-      /* "cattention/_driver/from_entries.pxd":188
+      /* "cattention/_driver/from_entries.pxd":192
  *                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride
  *             t.kv_index[e] = rest * plan.n_kv_heads + head // group
  *             set_kv_place(plan, t, e, s, head // group)             # <<<<<<<<<<<<<<
@@ -60681,7 +60885,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       __pyx_f_10cattention_7_driver_12from_entries_set_kv_place(__pyx_v_plan, __pyx_v_t, __pyx_v_e, __pyx_v_s, (__pyx_v_head / __pyx_v_group));
 
-      /* "cattention/_driver/from_entries.pxd":189
+      /* "cattention/_driver/from_entries.pxd":193
  *             t.kv_index[e] = rest * plan.n_kv_heads + head // group
  *             set_kv_place(plan, t, e, s, head // group)
  *             if plan.alibi != NULL:             # <<<<<<<<<<<<<<
@@ -60693,7 +60897,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/from_entries.pxd":190
+        /* "cattention/_driver/from_entries.pxd":194
  *             set_kv_place(plan, t, e, s, head // group)
  *             if plan.alibi != NULL:
  *                 t.alibi[e] = plan.alibi[at]             # <<<<<<<<<<<<<<
@@ -60702,7 +60906,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
         (__pyx_v_t->alibi[__pyx_v_e]) = (__pyx_v_plan->alibi[__pyx_v_at]);
 
-        /* "cattention/_driver/from_entries.pxd":189
+        /* "cattention/_driver/from_entries.pxd":193
  *             t.kv_index[e] = rest * plan.n_kv_heads + head // group
  *             set_kv_place(plan, t, e, s, head // group)
  *             if plan.alibi != NULL:             # <<<<<<<<<<<<<<
@@ -60711,7 +60915,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       }
 
-      /* "cattention/_driver/from_entries.pxd":191
+      /* "cattention/_driver/from_entries.pxd":195
  *             if plan.alibi != NULL:
  *                 t.alibi[e] = plan.alibi[at]
  *             if plan.sinks != NULL:             # <<<<<<<<<<<<<<
@@ -60723,7 +60927,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/from_entries.pxd":192
+        /* "cattention/_driver/from_entries.pxd":196
  *                 t.alibi[e] = plan.alibi[at]
  *             if plan.sinks != NULL:
  *                 t.sinks[e] = plan.sinks[at]             # <<<<<<<<<<<<<<
@@ -60732,7 +60936,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
         (__pyx_v_t->sinks[__pyx_v_e]) = (__pyx_v_plan->sinks[__pyx_v_at]);
 
-        /* "cattention/_driver/from_entries.pxd":191
+        /* "cattention/_driver/from_entries.pxd":195
  *             if plan.alibi != NULL:
  *                 t.alibi[e] = plan.alibi[at]
  *             if plan.sinks != NULL:             # <<<<<<<<<<<<<<
@@ -60741,7 +60945,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
       }
 
-      /* "cattention/_driver/from_entries.pxd":193
+      /* "cattention/_driver/from_entries.pxd":197
  *             if plan.sinks != NULL:
  *                 t.sinks[e] = plan.sinks[at]
  *             e += 1             # <<<<<<<<<<<<<<
@@ -60752,7 +60956,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
     }
 
 
-    /* "cattention/_driver/from_entries.pxd":194
+    /* "cattention/_driver/from_entries.pxd":198
  *                 t.sinks[e] = plan.sinks[at]
  *             e += 1
  *         rest += 1             # <<<<<<<<<<<<<<
@@ -60764,7 +60968,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":195
+  /* "cattention/_driver/from_entries.pxd":199
  *             e += 1
  *         rest += 1
  *     t.n_kv = n_rest * plan.n_kv_heads             # <<<<<<<<<<<<<<
@@ -60773,7 +60977,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
 */
   __pyx_v_t->n_kv = (__pyx_v_n_rest * __pyx_v_plan->n_kv_heads);
 
-  /* "cattention/_driver/from_entries.pxd":196
+  /* "cattention/_driver/from_entries.pxd":200
  *         rest += 1
  *     t.n_kv = n_rest * plan.n_kv_heads
  *     return 0             # <<<<<<<<<<<<<<
@@ -60786,7 +60990,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/from_entries.pxd":157
+  /* "cattention/_driver/from_entries.pxd":161
  * 
  * 
  * cdef inline int per_head_table(const EntryPlan *plan, EntryTable *t, Py_ssize_t n_rest,             # <<<<<<<<<<<<<<
@@ -60805,7 +61009,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_per_head_t
   return __pyx_r;
 }
 
-/* "cattention/_driver/from_entries.pxd":199
+/* "cattention/_driver/from_entries.pxd":203
  * 
  * 
  * cdef inline int plan_entries(const EntryPlan *plan, EntryTable *tables,             # <<<<<<<<<<<<<<
@@ -60827,7 +61031,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   int __pyx_t_5;
   long __pyx_t_6;
 
-  /* "cattention/_driver/from_entries.pxd":203
+  /* "cattention/_driver/from_entries.pxd":207
  *     """The (up to two) tables of a plan, into tables[0..n_tables); free them
  *     with free_tables. 0, or -1 if there is no memory."""
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads             # <<<<<<<<<<<<<<
@@ -60836,7 +61040,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
   __pyx_v_group = (__pyx_v_plan->n_heads / __pyx_v_plan->n_kv_heads);
 
-  /* "cattention/_driver/from_entries.pxd":204
+  /* "cattention/_driver/from_entries.pxd":208
  *     with free_tables. 0, or -1 if there is no memory."""
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef bint stacking = stacks_grouped_rows(group, 1, False, plan.alibi != NULL)             # <<<<<<<<<<<<<<
@@ -60845,7 +61049,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
   __pyx_v_stacking = __pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, 1, 0, (__pyx_v_plan->alibi != NULL));
 
-  /* "cattention/_driver/from_entries.pxd":205
+  /* "cattention/_driver/from_entries.pxd":209
  *     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
  *     cdef bint stacking = stacks_grouped_rows(group, 1, False, plan.alibi != NULL)
  *     cdef Py_ssize_t s, n_stacked = 0, n_rest = 0             # <<<<<<<<<<<<<<
@@ -60855,7 +61059,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   __pyx_v_n_stacked = 0;
   __pyx_v_n_rest = 0;
 
-  /* "cattention/_driver/from_entries.pxd":206
+  /* "cattention/_driver/from_entries.pxd":210
  *     cdef bint stacking = stacks_grouped_rows(group, 1, False, plan.alibi != NULL)
  *     cdef Py_ssize_t s, n_stacked = 0, n_rest = 0
  *     for s in range(plan.n_seq):             # <<<<<<<<<<<<<<
@@ -60869,7 +61073,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_s = __pyx_t_3;
 
-    /* "cattention/_driver/from_entries.pxd":207
+    /* "cattention/_driver/from_entries.pxd":211
  *     cdef Py_ssize_t s, n_stacked = 0, n_rest = 0
  *     for s in range(plan.n_seq):
  *         if stacking and plan.q_lengths[s] == 1:             # <<<<<<<<<<<<<<
@@ -60891,7 +61095,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_entries.pxd":208
+      /* "cattention/_driver/from_entries.pxd":212
  *     for s in range(plan.n_seq):
  *         if stacking and plan.q_lengths[s] == 1:
  *             n_stacked += 1             # <<<<<<<<<<<<<<
@@ -60900,7 +61104,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
       __pyx_v_n_stacked = (__pyx_v_n_stacked + 1);
 
-      /* "cattention/_driver/from_entries.pxd":207
+      /* "cattention/_driver/from_entries.pxd":211
  *     cdef Py_ssize_t s, n_stacked = 0, n_rest = 0
  *     for s in range(plan.n_seq):
  *         if stacking and plan.q_lengths[s] == 1:             # <<<<<<<<<<<<<<
@@ -60910,7 +61114,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
       goto __pyx_L5;
     }
 
-    /* "cattention/_driver/from_entries.pxd":209
+    /* "cattention/_driver/from_entries.pxd":213
  *         if stacking and plan.q_lengths[s] == 1:
  *             n_stacked += 1
  *         elif plan.q_lengths[s] > 0:             # <<<<<<<<<<<<<<
@@ -60922,7 +61126,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_entries.pxd":210
+      /* "cattention/_driver/from_entries.pxd":214
  *             n_stacked += 1
  *         elif plan.q_lengths[s] > 0:
  *             n_rest += 1             # <<<<<<<<<<<<<<
@@ -60931,7 +61135,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
       __pyx_v_n_rest = (__pyx_v_n_rest + 1);
 
-      /* "cattention/_driver/from_entries.pxd":209
+      /* "cattention/_driver/from_entries.pxd":213
  *         if stacking and plan.q_lengths[s] == 1:
  *             n_stacked += 1
  *         elif plan.q_lengths[s] > 0:             # <<<<<<<<<<<<<<
@@ -60943,7 +61147,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":211
+  /* "cattention/_driver/from_entries.pxd":215
  *         elif plan.q_lengths[s] > 0:
  *             n_rest += 1
  *     n_tables[0] = 0             # <<<<<<<<<<<<<<
@@ -60952,7 +61156,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
   (__pyx_v_n_tables[0]) = 0;
 
-  /* "cattention/_driver/from_entries.pxd":212
+  /* "cattention/_driver/from_entries.pxd":216
  *             n_rest += 1
  *     n_tables[0] = 0
  *     if n_stacked > 0:             # <<<<<<<<<<<<<<
@@ -60964,7 +61168,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_entries.pxd":213
+    /* "cattention/_driver/from_entries.pxd":217
  *     n_tables[0] = 0
  *     if n_stacked > 0:
  *         if stacked_table(plan, &tables[0], n_stacked) != 0:             # <<<<<<<<<<<<<<
@@ -60976,7 +61180,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_entries.pxd":214
+      /* "cattention/_driver/from_entries.pxd":218
  *     if n_stacked > 0:
  *         if stacked_table(plan, &tables[0], n_stacked) != 0:
  *             return -1             # <<<<<<<<<<<<<<
@@ -60989,7 +61193,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/from_entries.pxd":213
+      /* "cattention/_driver/from_entries.pxd":217
  *     n_tables[0] = 0
  *     if n_stacked > 0:
  *         if stacked_table(plan, &tables[0], n_stacked) != 0:             # <<<<<<<<<<<<<<
@@ -60998,7 +61202,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":215
+    /* "cattention/_driver/from_entries.pxd":219
  *         if stacked_table(plan, &tables[0], n_stacked) != 0:
  *             return -1
  *         n_tables[0] = 1             # <<<<<<<<<<<<<<
@@ -61007,7 +61211,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
     (__pyx_v_n_tables[0]) = 1;
 
-    /* "cattention/_driver/from_entries.pxd":212
+    /* "cattention/_driver/from_entries.pxd":216
  *             n_rest += 1
  *     n_tables[0] = 0
  *     if n_stacked > 0:             # <<<<<<<<<<<<<<
@@ -61016,7 +61220,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":216
+  /* "cattention/_driver/from_entries.pxd":220
  *             return -1
  *         n_tables[0] = 1
  *     if n_rest > 0:             # <<<<<<<<<<<<<<
@@ -61028,7 +61232,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/from_entries.pxd":217
+    /* "cattention/_driver/from_entries.pxd":221
  *         n_tables[0] = 1
  *     if n_rest > 0:
  *         if per_head_table(plan, &tables[n_tables[0]], n_rest, stacking) != 0:             # <<<<<<<<<<<<<<
@@ -61040,7 +61244,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/from_entries.pxd":218
+      /* "cattention/_driver/from_entries.pxd":222
  *     if n_rest > 0:
  *         if per_head_table(plan, &tables[n_tables[0]], n_rest, stacking) != 0:
  *             free_tables(tables, n_tables[0])             # <<<<<<<<<<<<<<
@@ -61049,7 +61253,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
       __pyx_f_10cattention_7_driver_12from_entries_free_tables(__pyx_v_tables, (__pyx_v_n_tables[0]));
 
-      /* "cattention/_driver/from_entries.pxd":219
+      /* "cattention/_driver/from_entries.pxd":223
  *         if per_head_table(plan, &tables[n_tables[0]], n_rest, stacking) != 0:
  *             free_tables(tables, n_tables[0])
  *             n_tables[0] = 0             # <<<<<<<<<<<<<<
@@ -61058,7 +61262,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
       (__pyx_v_n_tables[0]) = 0;
 
-      /* "cattention/_driver/from_entries.pxd":220
+      /* "cattention/_driver/from_entries.pxd":224
  *             free_tables(tables, n_tables[0])
  *             n_tables[0] = 0
  *             return -1             # <<<<<<<<<<<<<<
@@ -61071,7 +61275,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/from_entries.pxd":217
+      /* "cattention/_driver/from_entries.pxd":221
  *         n_tables[0] = 1
  *     if n_rest > 0:
  *         if per_head_table(plan, &tables[n_tables[0]], n_rest, stacking) != 0:             # <<<<<<<<<<<<<<
@@ -61080,7 +61284,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":221
+    /* "cattention/_driver/from_entries.pxd":225
  *             n_tables[0] = 0
  *             return -1
  *         n_tables[0] += 1             # <<<<<<<<<<<<<<
@@ -61091,7 +61295,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
     __pyx_t_6 = 0;
     (__pyx_v_n_tables[__pyx_t_6]) = ((__pyx_v_n_tables[__pyx_t_6]) + 1);
 
-    /* "cattention/_driver/from_entries.pxd":216
+    /* "cattention/_driver/from_entries.pxd":220
  *             return -1
  *         n_tables[0] = 1
  *     if n_rest > 0:             # <<<<<<<<<<<<<<
@@ -61100,7 +61304,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":222
+  /* "cattention/_driver/from_entries.pxd":226
  *             return -1
  *         n_tables[0] += 1
  *     return 0             # <<<<<<<<<<<<<<
@@ -61113,7 +61317,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/from_entries.pxd":199
+  /* "cattention/_driver/from_entries.pxd":203
  * 
  * 
  * cdef inline int plan_entries(const EntryPlan *plan, EntryTable *tables,             # <<<<<<<<<<<<<<
@@ -61131,7 +61335,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_12from_entries_plan_entri
   return __pyx_r;
 }
 
-/* "cattention/_driver/from_entries.pxd":225
+/* "cattention/_driver/from_entries.pxd":229
  * 
  * 
  * cdef inline void free_tables(EntryTable *tables, Py_ssize_t n_tables) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -61145,7 +61349,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_free_tabl
   Py_ssize_t __pyx_t_2;
   Py_ssize_t __pyx_t_3;
 
-  /* "cattention/_driver/from_entries.pxd":227
+  /* "cattention/_driver/from_entries.pxd":231
  * cdef inline void free_tables(EntryTable *tables, Py_ssize_t n_tables) noexcept nogil:
  *     cdef Py_ssize_t i
  *     for i in range(n_tables):             # <<<<<<<<<<<<<<
@@ -61159,7 +61363,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_free_tabl
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/from_entries.pxd":228
+    /* "cattention/_driver/from_entries.pxd":232
  *     cdef Py_ssize_t i
  *     for i in range(n_tables):
  *         free(tables[i].storage)             # <<<<<<<<<<<<<<
@@ -61168,7 +61372,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_free_tabl
 */
     free((__pyx_v_tables[__pyx_v_i]).storage);
 
-    /* "cattention/_driver/from_entries.pxd":229
+    /* "cattention/_driver/from_entries.pxd":233
  *     for i in range(n_tables):
  *         free(tables[i].storage)
  *         tables[i].storage = NULL             # <<<<<<<<<<<<<<
@@ -61179,7 +61383,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_free_tabl
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":225
+  /* "cattention/_driver/from_entries.pxd":229
  * 
  * 
  * cdef inline void free_tables(EntryTable *tables, Py_ssize_t n_tables) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -61191,7 +61395,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_free_tabl
 
 }
 
-/* "cattention/_driver/from_entries.pxd":232
+/* "cattention/_driver/from_entries.pxd":236
  * 
  * 
  * cdef inline void set_place_operand(Operand *op, const Place *place, const intp_t *offsets,             # <<<<<<<<<<<<<<
@@ -61202,7 +61406,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_free_tabl
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place_operand(struct __pyx_t_10cattention_7_driver_7problem_Operand *__pyx_v_op, struct __pyx_t_10cattention_7_driver_12from_entries_Place const *__pyx_v_place, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_offsets, Py_ssize_t __pyx_v_row_stride) {
   int __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":236
+  /* "cattention/_driver/from_entries.pxd":240
  *     """An operand of a plan whose entry b starts at offsets[b], rows
  *     row_stride apart."""
  *     set_operand(op, place.data, offsets, row_stride, place.col_stride)             # <<<<<<<<<<<<<<
@@ -61211,7 +61415,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
 */
   __pyx_f_10cattention_7_driver_7problem_set_operand(__pyx_v_op, __pyx_v_place->data, __pyx_v_offsets, __pyx_v_row_stride, __pyx_v_place->col_stride);
 
-  /* "cattention/_driver/from_entries.pxd":237
+  /* "cattention/_driver/from_entries.pxd":241
  *     row_stride apart."""
  *     set_operand(op, place.data, offsets, row_stride, place.col_stride)
  *     op.storage = STORE_COMPUTE             # <<<<<<<<<<<<<<
@@ -61220,7 +61424,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
 */
   __pyx_v_op->storage = __pyx_e_10cattention_7_driver_7problem_STORE_COMPUTE;
 
-  /* "cattention/_driver/from_entries.pxd":238
+  /* "cattention/_driver/from_entries.pxd":242
  *     set_operand(op, place.data, offsets, row_stride, place.col_stride)
  *     op.storage = STORE_COMPUTE
  *     if place.type_num == cnp.NPY_FLOAT16:             # <<<<<<<<<<<<<<
@@ -61232,7 +61436,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/from_entries.pxd":239
+    /* "cattention/_driver/from_entries.pxd":243
  *     op.storage = STORE_COMPUTE
  *     if place.type_num == cnp.NPY_FLOAT16:
  *         op.storage = STORE_F16             # <<<<<<<<<<<<<<
@@ -61241,7 +61445,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
 */
     __pyx_v_op->storage = __pyx_e_10cattention_7_driver_7problem_STORE_F16;
 
-    /* "cattention/_driver/from_entries.pxd":238
+    /* "cattention/_driver/from_entries.pxd":242
  *     set_operand(op, place.data, offsets, row_stride, place.col_stride)
  *     op.storage = STORE_COMPUTE
  *     if place.type_num == cnp.NPY_FLOAT16:             # <<<<<<<<<<<<<<
@@ -61251,7 +61455,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
     goto __pyx_L3;
   }
 
-  /* "cattention/_driver/from_entries.pxd":240
+  /* "cattention/_driver/from_entries.pxd":244
  *     if place.type_num == cnp.NPY_FLOAT16:
  *         op.storage = STORE_F16
  *     elif place.type_num == ca_bfloat16_type:             # <<<<<<<<<<<<<<
@@ -61263,7 +61467,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/from_entries.pxd":241
+    /* "cattention/_driver/from_entries.pxd":245
  *         op.storage = STORE_F16
  *     elif place.type_num == ca_bfloat16_type:
  *         op.storage = STORE_BF16             # <<<<<<<<<<<<<<
@@ -61272,7 +61476,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
 */
     __pyx_v_op->storage = __pyx_e_10cattention_7_driver_7problem_STORE_BF16;
 
-    /* "cattention/_driver/from_entries.pxd":240
+    /* "cattention/_driver/from_entries.pxd":244
  *     if place.type_num == cnp.NPY_FLOAT16:
  *         op.storage = STORE_F16
  *     elif place.type_num == ca_bfloat16_type:             # <<<<<<<<<<<<<<
@@ -61282,7 +61486,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
   }
   __pyx_L3:;
 
-  /* "cattention/_driver/from_entries.pxd":232
+  /* "cattention/_driver/from_entries.pxd":236
  * 
  * 
  * cdef inline void set_place_operand(Operand *op, const Place *place, const intp_t *offsets,             # <<<<<<<<<<<<<<
@@ -61293,7 +61497,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_place
   /* function exit code */
 }
 
-/* "cattention/_driver/from_entries.pxd":244
+/* "cattention/_driver/from_entries.pxd":248
  * 
  * 
  * cdef inline void set_kv_operand(Operand *op, const Place *place, const intp_t *offsets,             # <<<<<<<<<<<<<<
@@ -61307,7 +61511,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_3;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_t_4;
 
-  /* "cattention/_driver/from_entries.pxd":248
+  /* "cattention/_driver/from_entries.pxd":252
  *                                 const EntryPlan *plan, const EntryTable *t) noexcept nogil:
  *     """K or V of a plan: its int8 row scales, and its pages when paged."""
  *     set_place_operand(op, place, offsets, place.t_stride)             # <<<<<<<<<<<<<<
@@ -61316,7 +61520,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 */
   __pyx_f_10cattention_7_driver_12from_entries_set_place_operand(__pyx_v_op, __pyx_v_place, __pyx_v_offsets, __pyx_v_place->t_stride);
 
-  /* "cattention/_driver/from_entries.pxd":249
+  /* "cattention/_driver/from_entries.pxd":253
  *     """K or V of a plan: its int8 row scales, and its pages when paged."""
  *     set_place_operand(op, place, offsets, place.t_stride)
  *     if place.type_num == cnp.NPY_INT8:             # <<<<<<<<<<<<<<
@@ -61328,7 +61532,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/from_entries.pxd":250
+    /* "cattention/_driver/from_entries.pxd":254
  *     set_place_operand(op, place, offsets, place.t_stride)
  *     if place.type_num == cnp.NPY_INT8:
  *         op.storage = STORE_I8             # <<<<<<<<<<<<<<
@@ -61337,7 +61541,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 */
     __pyx_v_op->storage = __pyx_e_10cattention_7_driver_7problem_STORE_I8;
 
-    /* "cattention/_driver/from_entries.pxd":251
+    /* "cattention/_driver/from_entries.pxd":255
  *     if place.type_num == cnp.NPY_INT8:
  *         op.storage = STORE_I8
  *         op.scale = <const float *>scale.data             # <<<<<<<<<<<<<<
@@ -61346,7 +61550,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 */
     __pyx_v_op->scale = ((float const *)__pyx_v_scale->data);
 
-    /* "cattention/_driver/from_entries.pxd":252
+    /* "cattention/_driver/from_entries.pxd":256
  *         op.storage = STORE_I8
  *         op.scale = <const float *>scale.data
  *         op.scale_offset = scale_offsets             # <<<<<<<<<<<<<<
@@ -61355,7 +61559,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 */
     __pyx_v_op->scale_offset = __pyx_v_scale_offsets;
 
-    /* "cattention/_driver/from_entries.pxd":253
+    /* "cattention/_driver/from_entries.pxd":257
  *         op.scale = <const float *>scale.data
  *         op.scale_offset = scale_offsets
  *         op.scale_stride = scale.t_stride             # <<<<<<<<<<<<<<
@@ -61366,7 +61570,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 
     __pyx_v_op->scale_stride = __pyx_t_2;
 
-    /* "cattention/_driver/from_entries.pxd":254
+    /* "cattention/_driver/from_entries.pxd":258
  *         op.scale_offset = scale_offsets
  *         op.scale_stride = scale.t_stride
  *         op.scale_page_stride = scale.page_stride             # <<<<<<<<<<<<<<
@@ -61377,7 +61581,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 
     __pyx_v_op->scale_page_stride = __pyx_t_2;
 
-    /* "cattention/_driver/from_entries.pxd":249
+    /* "cattention/_driver/from_entries.pxd":253
  *     """K or V of a plan: its int8 row scales, and its pages when paged."""
  *     set_place_operand(op, place, offsets, place.t_stride)
  *     if place.type_num == cnp.NPY_INT8:             # <<<<<<<<<<<<<<
@@ -61386,7 +61590,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":255
+  /* "cattention/_driver/from_entries.pxd":259
  *         op.scale_stride = scale.t_stride
  *         op.scale_page_stride = scale.page_stride
  *     if plan.page_ids != NULL:             # <<<<<<<<<<<<<<
@@ -61398,7 +61602,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/from_entries.pxd":256
+    /* "cattention/_driver/from_entries.pxd":260
  *         op.scale_page_stride = scale.page_stride
  *     if plan.page_ids != NULL:
  *         op.page_ids = plan.page_ids             # <<<<<<<<<<<<<<
@@ -61409,7 +61613,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 
     __pyx_v_op->page_ids = __pyx_t_3;
 
-    /* "cattention/_driver/from_entries.pxd":257
+    /* "cattention/_driver/from_entries.pxd":261
  *     if plan.page_ids != NULL:
  *         op.page_ids = plan.page_ids
  *         op.page_first = t.page_first             # <<<<<<<<<<<<<<
@@ -61420,7 +61624,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 
     __pyx_v_op->page_first = __pyx_t_4;
 
-    /* "cattention/_driver/from_entries.pxd":258
+    /* "cattention/_driver/from_entries.pxd":262
  *         op.page_ids = plan.page_ids
  *         op.page_first = t.page_first
  *         op.page_size = plan.page_size             # <<<<<<<<<<<<<<
@@ -61431,7 +61635,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 
     __pyx_v_op->page_size = __pyx_t_2;
 
-    /* "cattention/_driver/from_entries.pxd":259
+    /* "cattention/_driver/from_entries.pxd":263
  *         op.page_first = t.page_first
  *         op.page_size = plan.page_size
  *         op.page_stride = place.page_stride             # <<<<<<<<<<<<<<
@@ -61442,7 +61646,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 
     __pyx_v_op->page_stride = __pyx_t_2;
 
-    /* "cattention/_driver/from_entries.pxd":255
+    /* "cattention/_driver/from_entries.pxd":259
  *         op.scale_stride = scale.t_stride
  *         op.scale_page_stride = scale.page_stride
  *     if plan.page_ids != NULL:             # <<<<<<<<<<<<<<
@@ -61451,7 +61655,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":244
+  /* "cattention/_driver/from_entries.pxd":248
  * 
  * 
  * cdef inline void set_kv_operand(Operand *op, const Place *place, const intp_t *offsets,             # <<<<<<<<<<<<<<
@@ -61462,7 +61666,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_12from_entries_set_kv_op
   /* function exit code */
 }
 
-/* "cattention/_driver/from_entries.pxd":262
+/* "cattention/_driver/from_entries.pxd":266
  * 
  * 
  * cdef inline intp_t *problem_from_table(Problem *pb, const EntryTable *t, const EntryPlan *plan,             # <<<<<<<<<<<<<<
@@ -61486,7 +61690,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/from_entries.pxd":267
+  /* "cattention/_driver/from_entries.pxd":271
  *     the K/V sharing index it builds (kv_source and kv_extent of each packed
  *     K/V entry), for the caller to free() after the call; NULL: no memory."""
  *     cdef Py_ssize_t n_kv = t.n_kv             # <<<<<<<<<<<<<<
@@ -61497,7 +61701,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
   __pyx_v_n_kv = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":269
+  /* "cattention/_driver/from_entries.pxd":273
  *     cdef Py_ssize_t n_kv = t.n_kv
  *     cdef Py_ssize_t b, kv
  *     problem_init(pb, t.n_entries, t.n_queries, t.n_keys, plan.d_k, plan.d_v, row)             # <<<<<<<<<<<<<<
@@ -61506,7 +61710,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_f_10cattention_7_driver_7problem_problem_init(__pyx_v_pb, __pyx_v_t->n_entries, __pyx_v_t->n_queries, __pyx_v_t->n_keys, __pyx_v_plan->d_k, __pyx_v_plan->d_v, __pyx_v_row);
 
-  /* "cattention/_driver/from_entries.pxd":270
+  /* "cattention/_driver/from_entries.pxd":274
  *     cdef Py_ssize_t b, kv
  *     problem_init(pb, t.n_entries, t.n_queries, t.n_keys, plan.d_k, plan.d_v, row)
  *     pb.alibi_slope = t.alibi if plan.alibi != NULL else NULL             # <<<<<<<<<<<<<<
@@ -61525,7 +61729,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
   __pyx_v_pb->alibi_slope = __pyx_t_2;
 
-  /* "cattention/_driver/from_entries.pxd":271
+  /* "cattention/_driver/from_entries.pxd":275
  *     problem_init(pb, t.n_entries, t.n_queries, t.n_keys, plan.d_k, plan.d_v, row)
  *     pb.alibi_slope = t.alibi if plan.alibi != NULL else NULL
  *     pb.sink = t.sinks if plan.sinks != NULL else NULL             # <<<<<<<<<<<<<<
@@ -61544,7 +61748,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
   __pyx_v_pb->sink = __pyx_t_2;
 
-  /* "cattention/_driver/from_entries.pxd":272
+  /* "cattention/_driver/from_entries.pxd":276
  *     pb.alibi_slope = t.alibi if plan.alibi != NULL else NULL
  *     pb.sink = t.sinks if plan.sinks != NULL else NULL
  *     set_place_operand(&pb.q, &plan.q, t.q_offset, t.q_row_stride)             # <<<<<<<<<<<<<<
@@ -61553,7 +61757,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_f_10cattention_7_driver_12from_entries_set_place_operand((&__pyx_v_pb->q), (&__pyx_v_plan->q), __pyx_v_t->q_offset, __pyx_v_t->q_row_stride);
 
-  /* "cattention/_driver/from_entries.pxd":273
+  /* "cattention/_driver/from_entries.pxd":277
  *     pb.sink = t.sinks if plan.sinks != NULL else NULL
  *     set_place_operand(&pb.q, &plan.q, t.q_offset, t.q_row_stride)
  *     set_kv_operand(&pb.k, &plan.k, t.k_offset, &plan.k_scale, t.k_scale_offset, plan, t)             # <<<<<<<<<<<<<<
@@ -61562,29 +61766,61 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_f_10cattention_7_driver_12from_entries_set_kv_operand((&__pyx_v_pb->k), (&__pyx_v_plan->k), __pyx_v_t->k_offset, (&__pyx_v_plan->k_scale), __pyx_v_t->k_scale_offset, __pyx_v_plan, __pyx_v_t);
 
-  /* "cattention/_driver/from_entries.pxd":274
+  /* "cattention/_driver/from_entries.pxd":278
  *     set_place_operand(&pb.q, &plan.q, t.q_offset, t.q_row_stride)
  *     set_kv_operand(&pb.k, &plan.k, t.k_offset, &plan.k_scale, t.k_scale_offset, plan, t)
  *     set_kv_operand(&pb.v, &plan.v, t.v_offset, &plan.v_scale, t.v_scale_offset, plan, t)             # <<<<<<<<<<<<<<
  *     pb.kv_length = t.kv_length
- *     if t.query_period == 0:
+ *     if plan.kv_starts != NULL:
 */
   __pyx_f_10cattention_7_driver_12from_entries_set_kv_operand((&__pyx_v_pb->v), (&__pyx_v_plan->v), __pyx_v_t->v_offset, (&__pyx_v_plan->v_scale), __pyx_v_t->v_scale_offset, __pyx_v_plan, __pyx_v_t);
 
-  /* "cattention/_driver/from_entries.pxd":275
+  /* "cattention/_driver/from_entries.pxd":279
  *     set_kv_operand(&pb.k, &plan.k, t.k_offset, &plan.k_scale, t.k_scale_offset, plan, t)
  *     set_kv_operand(&pb.v, &plan.v, t.v_offset, &plan.v_scale, t.v_scale_offset, plan, t)
  *     pb.kv_length = t.kv_length             # <<<<<<<<<<<<<<
- *     if t.query_period == 0:
- *         pb.q_length = t.q_rows
+ *     if plan.kv_starts != NULL:
+ *         pb.kv_start = t.kv_start
 */
   __pyx_t_4 = __pyx_v_t->kv_length;
 
   __pyx_v_pb->kv_length = __pyx_t_4;
 
-  /* "cattention/_driver/from_entries.pxd":276
+  /* "cattention/_driver/from_entries.pxd":280
  *     set_kv_operand(&pb.v, &plan.v, t.v_offset, &plan.v_scale, t.v_scale_offset, plan, t)
  *     pb.kv_length = t.kv_length
+ *     if plan.kv_starts != NULL:             # <<<<<<<<<<<<<<
+ *         pb.kv_start = t.kv_start
+ *     if t.query_period == 0:
+*/
+  __pyx_t_3 = (__pyx_v_plan->kv_starts != NULL);
+
+  if (__pyx_t_3) {
+
+
+    /* "cattention/_driver/from_entries.pxd":281
+ *     pb.kv_length = t.kv_length
+ *     if plan.kv_starts != NULL:
+ *         pb.kv_start = t.kv_start             # <<<<<<<<<<<<<<
+ *     if t.query_period == 0:
+ *         pb.q_length = t.q_rows
+*/
+    __pyx_t_4 = __pyx_v_t->kv_start;
+
+    __pyx_v_pb->kv_start = __pyx_t_4;
+
+    /* "cattention/_driver/from_entries.pxd":280
+ *     set_kv_operand(&pb.v, &plan.v, t.v_offset, &plan.v_scale, t.v_scale_offset, plan, t)
+ *     pb.kv_length = t.kv_length
+ *     if plan.kv_starts != NULL:             # <<<<<<<<<<<<<<
+ *         pb.kv_start = t.kv_start
+ *     if t.query_period == 0:
+*/
+  }
+
+  /* "cattention/_driver/from_entries.pxd":282
+ *     if plan.kv_starts != NULL:
+ *         pb.kv_start = t.kv_start
  *     if t.query_period == 0:             # <<<<<<<<<<<<<<
  *         pb.q_length = t.q_rows
  *     else:
@@ -61594,8 +61830,8 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_3) {
 
 
-    /* "cattention/_driver/from_entries.pxd":277
- *     pb.kv_length = t.kv_length
+    /* "cattention/_driver/from_entries.pxd":283
+ *         pb.kv_start = t.kv_start
  *     if t.query_period == 0:
  *         pb.q_length = t.q_rows             # <<<<<<<<<<<<<<
  *     else:
@@ -61605,17 +61841,17 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
     __pyx_v_pb->q_length = __pyx_t_4;
 
-    /* "cattention/_driver/from_entries.pxd":276
- *     set_kv_operand(&pb.v, &plan.v, t.v_offset, &plan.v_scale, t.v_scale_offset, plan, t)
- *     pb.kv_length = t.kv_length
+    /* "cattention/_driver/from_entries.pxd":282
+ *     if plan.kv_starts != NULL:
+ *         pb.kv_start = t.kv_start
  *     if t.query_period == 0:             # <<<<<<<<<<<<<<
  *         pb.q_length = t.q_rows
  *     else:
 */
-    goto __pyx_L3;
+    goto __pyx_L4;
   }
 
-  /* "cattention/_driver/from_entries.pxd":279
+  /* "cattention/_driver/from_entries.pxd":285
  *         pb.q_length = t.q_rows
  *     else:
  *         pb.query_period = t.query_period             # <<<<<<<<<<<<<<
@@ -61627,9 +61863,9 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
     __pyx_v_pb->query_period = __pyx_t_1;
   }
-  __pyx_L3:;
+  __pyx_L4:;
 
-  /* "cattention/_driver/from_entries.pxd":280
+  /* "cattention/_driver/from_entries.pxd":286
  *     else:
  *         pb.query_period = t.query_period
  *     pb.out_offset = t.out_offset             # <<<<<<<<<<<<<<
@@ -61640,7 +61876,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
   __pyx_v_pb->out_offset = __pyx_t_4;
 
-  /* "cattention/_driver/from_entries.pxd":281
+  /* "cattention/_driver/from_entries.pxd":287
  *         pb.query_period = t.query_period
  *     pb.out_offset = t.out_offset
  *     pb.ld_out = t.ld_out             # <<<<<<<<<<<<<<
@@ -61651,7 +61887,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
   __pyx_v_pb->ld_out = __pyx_t_1;
 
-  /* "cattention/_driver/from_entries.pxd":282
+  /* "cattention/_driver/from_entries.pxd":288
  *     pb.out_offset = t.out_offset
  *     pb.ld_out = t.ld_out
  *     if plan.lse.data != NULL:             # <<<<<<<<<<<<<<
@@ -61663,7 +61899,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_3) {
 
 
-    /* "cattention/_driver/from_entries.pxd":283
+    /* "cattention/_driver/from_entries.pxd":289
  *     pb.ld_out = t.ld_out
  *     if plan.lse.data != NULL:
  *         pb.lse = <void *>plan.lse.data             # <<<<<<<<<<<<<<
@@ -61672,7 +61908,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
     __pyx_v_pb->lse = ((void *)__pyx_v_plan->lse.data);
 
-    /* "cattention/_driver/from_entries.pxd":284
+    /* "cattention/_driver/from_entries.pxd":290
  *     if plan.lse.data != NULL:
  *         pb.lse = <void *>plan.lse.data
  *         pb.lse_offset = t.lse_offset             # <<<<<<<<<<<<<<
@@ -61683,7 +61919,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
     __pyx_v_pb->lse_offset = __pyx_t_4;
 
-    /* "cattention/_driver/from_entries.pxd":285
+    /* "cattention/_driver/from_entries.pxd":291
  *         pb.lse = <void *>plan.lse.data
  *         pb.lse_offset = t.lse_offset
  *         pb.ld_lse = t.ld_lse             # <<<<<<<<<<<<<<
@@ -61694,7 +61930,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
     __pyx_v_pb->ld_lse = __pyx_t_1;
 
-    /* "cattention/_driver/from_entries.pxd":282
+    /* "cattention/_driver/from_entries.pxd":288
  *     pb.out_offset = t.out_offset
  *     pb.ld_out = t.ld_out
  *     if plan.lse.data != NULL:             # <<<<<<<<<<<<<<
@@ -61703,7 +61939,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":288
+  /* "cattention/_driver/from_entries.pxd":294
  *     # entries reading the same K/V (grouped query heads) share one packed
  *     # copy, packed up to the longest length any of them sees
  *     cdef intp_t *index = <intp_t *>malloc(2 * max(n_kv, 1) * sizeof(intp_t))             # <<<<<<<<<<<<<<
@@ -61727,7 +61963,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   __pyx_v_index = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc(((2 * __pyx_t_6) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
 
-  /* "cattention/_driver/from_entries.pxd":289
+  /* "cattention/_driver/from_entries.pxd":295
  *     # copy, packed up to the longest length any of them sees
  *     cdef intp_t *index = <intp_t *>malloc(2 * max(n_kv, 1) * sizeof(intp_t))
  *     if index == NULL:             # <<<<<<<<<<<<<<
@@ -61739,7 +61975,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   if (__pyx_t_3) {
 
 
-    /* "cattention/_driver/from_entries.pxd":290
+    /* "cattention/_driver/from_entries.pxd":296
  *     cdef intp_t *index = <intp_t *>malloc(2 * max(n_kv, 1) * sizeof(intp_t))
  *     if index == NULL:
  *         return NULL             # <<<<<<<<<<<<<<
@@ -61752,7 +61988,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/from_entries.pxd":289
+    /* "cattention/_driver/from_entries.pxd":295
  *     # copy, packed up to the longest length any of them sees
  *     cdef intp_t *index = <intp_t *>malloc(2 * max(n_kv, 1) * sizeof(intp_t))
  *     if index == NULL:             # <<<<<<<<<<<<<<
@@ -61761,7 +61997,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   }
 
-  /* "cattention/_driver/from_entries.pxd":291
+  /* "cattention/_driver/from_entries.pxd":297
  *     if index == NULL:
  *         return NULL
  *     cdef intp_t *kv_source = index             # <<<<<<<<<<<<<<
@@ -61770,7 +62006,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_kv_source = __pyx_v_index;
 
-  /* "cattention/_driver/from_entries.pxd":292
+  /* "cattention/_driver/from_entries.pxd":298
  *         return NULL
  *     cdef intp_t *kv_source = index
  *     cdef intp_t *kv_extent = index + n_kv             # <<<<<<<<<<<<<<
@@ -61779,7 +62015,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_kv_extent = (__pyx_v_index + __pyx_v_n_kv);
 
-  /* "cattention/_driver/from_entries.pxd":293
+  /* "cattention/_driver/from_entries.pxd":299
  *     cdef intp_t *kv_source = index
  *     cdef intp_t *kv_extent = index + n_kv
  *     for kv in range(n_kv):             # <<<<<<<<<<<<<<
@@ -61793,7 +62029,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_1; __pyx_t_7+=1) {
     __pyx_v_kv = __pyx_t_7;
 
-    /* "cattention/_driver/from_entries.pxd":294
+    /* "cattention/_driver/from_entries.pxd":300
  *     cdef intp_t *kv_extent = index + n_kv
  *     for kv in range(n_kv):
  *         kv_source[kv] = -1             # <<<<<<<<<<<<<<
@@ -61802,7 +62038,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
     (__pyx_v_kv_source[__pyx_v_kv]) = -1L;
 
-    /* "cattention/_driver/from_entries.pxd":295
+    /* "cattention/_driver/from_entries.pxd":301
  *     for kv in range(n_kv):
  *         kv_source[kv] = -1
  *         kv_extent[kv] = 0             # <<<<<<<<<<<<<<
@@ -61813,7 +62049,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":296
+  /* "cattention/_driver/from_entries.pxd":302
  *         kv_source[kv] = -1
  *         kv_extent[kv] = 0
  *     for b in range(t.n_entries):             # <<<<<<<<<<<<<<
@@ -61827,7 +62063,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_1; __pyx_t_7+=1) {
     __pyx_v_b = __pyx_t_7;
 
-    /* "cattention/_driver/from_entries.pxd":297
+    /* "cattention/_driver/from_entries.pxd":303
  *         kv_extent[kv] = 0
  *     for b in range(t.n_entries):
  *         kv = t.kv_index[b]             # <<<<<<<<<<<<<<
@@ -61836,7 +62072,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
     __pyx_v_kv = (__pyx_v_t->kv_index[__pyx_v_b]);
 
-    /* "cattention/_driver/from_entries.pxd":298
+    /* "cattention/_driver/from_entries.pxd":304
  *     for b in range(t.n_entries):
  *         kv = t.kv_index[b]
  *         if kv_source[kv] < 0:             # <<<<<<<<<<<<<<
@@ -61848,7 +62084,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     if (__pyx_t_3) {
 
 
-      /* "cattention/_driver/from_entries.pxd":299
+      /* "cattention/_driver/from_entries.pxd":305
  *         kv = t.kv_index[b]
  *         if kv_source[kv] < 0:
  *             kv_source[kv] = b             # <<<<<<<<<<<<<<
@@ -61857,7 +62093,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
       (__pyx_v_kv_source[__pyx_v_kv]) = __pyx_v_b;
 
-      /* "cattention/_driver/from_entries.pxd":298
+      /* "cattention/_driver/from_entries.pxd":304
  *     for b in range(t.n_entries):
  *         kv = t.kv_index[b]
  *         if kv_source[kv] < 0:             # <<<<<<<<<<<<<<
@@ -61866,7 +62102,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
     }
 
-    /* "cattention/_driver/from_entries.pxd":300
+    /* "cattention/_driver/from_entries.pxd":306
  *         if kv_source[kv] < 0:
  *             kv_source[kv] = b
  *         if t.kv_length[b] > kv_extent[kv]:             # <<<<<<<<<<<<<<
@@ -61878,7 +62114,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
     if (__pyx_t_3) {
 
 
-      /* "cattention/_driver/from_entries.pxd":301
+      /* "cattention/_driver/from_entries.pxd":307
  *             kv_source[kv] = b
  *         if t.kv_length[b] > kv_extent[kv]:
  *             kv_extent[kv] = t.kv_length[b]             # <<<<<<<<<<<<<<
@@ -61887,7 +62123,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
       (__pyx_v_kv_extent[__pyx_v_kv]) = (__pyx_v_t->kv_length[__pyx_v_b]);
 
-      /* "cattention/_driver/from_entries.pxd":300
+      /* "cattention/_driver/from_entries.pxd":306
  *         if kv_source[kv] < 0:
  *             kv_source[kv] = b
  *         if t.kv_length[b] > kv_extent[kv]:             # <<<<<<<<<<<<<<
@@ -61898,7 +62134,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   }
 
 
-  /* "cattention/_driver/from_entries.pxd":302
+  /* "cattention/_driver/from_entries.pxd":308
  *         if t.kv_length[b] > kv_extent[kv]:
  *             kv_extent[kv] = t.kv_length[b]
  *     pb.n_kv = n_kv             # <<<<<<<<<<<<<<
@@ -61907,7 +62143,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_pb->n_kv = __pyx_v_n_kv;
 
-  /* "cattention/_driver/from_entries.pxd":303
+  /* "cattention/_driver/from_entries.pxd":309
  *             kv_extent[kv] = t.kv_length[b]
  *     pb.n_kv = n_kv
  *     pb.kv_of_batch = t.kv_index             # <<<<<<<<<<<<<<
@@ -61918,7 +62154,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 
   __pyx_v_pb->kv_of_batch = __pyx_t_4;
 
-  /* "cattention/_driver/from_entries.pxd":304
+  /* "cattention/_driver/from_entries.pxd":310
  *     pb.n_kv = n_kv
  *     pb.kv_of_batch = t.kv_index
  *     pb.kv_source = kv_source             # <<<<<<<<<<<<<<
@@ -61927,7 +62163,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_pb->kv_source = __pyx_v_kv_source;
 
-  /* "cattention/_driver/from_entries.pxd":305
+  /* "cattention/_driver/from_entries.pxd":311
  *     pb.kv_of_batch = t.kv_index
  *     pb.kv_source = kv_source
  *     pb.kv_extent = kv_extent             # <<<<<<<<<<<<<<
@@ -61936,7 +62172,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_v_pb->kv_extent = __pyx_v_kv_extent;
 
-  /* "cattention/_driver/from_entries.pxd":306
+  /* "cattention/_driver/from_entries.pxd":312
  *     pb.kv_source = kv_source
  *     pb.kv_extent = kv_extent
  *     problem_finish(pb)             # <<<<<<<<<<<<<<
@@ -61944,7 +62180,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
 */
   __pyx_f_10cattention_7_driver_7problem_problem_finish(__pyx_v_pb);
 
-  /* "cattention/_driver/from_entries.pxd":307
+  /* "cattention/_driver/from_entries.pxd":313
  *     pb.kv_extent = kv_extent
  *     problem_finish(pb)
  *     return index             # <<<<<<<<<<<<<<
@@ -61955,7 +62191,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/from_entries.pxd":262
+  /* "cattention/_driver/from_entries.pxd":266
  * 
  * 
  * cdef inline intp_t *problem_from_table(Problem *pb, const EntryTable *t, const EntryPlan *plan,             # <<<<<<<<<<<<<<
@@ -71279,7 +71515,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *         n_seq, n_heads, n_kv_heads, d_k, d_v)
  *     plan.q_lengths = q_lengths             # <<<<<<<<<<<<<<
  *     plan.kv_lengths = new_length
- *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
+ *     plan.kv_starts = NULL
 */
   __pyx_v_plan.q_lengths = __pyx_v_q_lengths;
 
@@ -71287,22 +71523,31 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *         n_seq, n_heads, n_kv_heads, d_k, d_v)
  *     plan.q_lengths = q_lengths
  *     plan.kv_lengths = new_length             # <<<<<<<<<<<<<<
+ *     plan.kv_starts = NULL
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
- *     set_place(&plan.k, kp, zeros, 2, 1, 0)
 */
   __pyx_v_plan.kv_lengths = __pyx_v_new_length;
 
   /* "cattention/_driver/shortcuts.pxd":464
  *     plan.q_lengths = q_lengths
  *     plan.kv_lengths = new_length
+ *     plan.kv_starts = NULL             # <<<<<<<<<<<<<<
+ *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
+ *     set_place(&plan.k, kp, zeros, 2, 1, 0)
+*/
+  __pyx_v_plan.kv_starts = NULL;
+
+  /* "cattention/_driver/shortcuts.pxd":465
+ *     plan.kv_lengths = new_length
+ *     plan.kv_starts = NULL
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)             # <<<<<<<<<<<<<<
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.q), __pyx_v_qa, __pyx_v_q_offset, 2, 1, -1);
 
-  /* "cattention/_driver/shortcuts.pxd":465
- *     plan.kv_lengths = new_length
+  /* "cattention/_driver/shortcuts.pxd":466
+ *     plan.kv_starts = NULL
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)             # <<<<<<<<<<<<<<
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)
@@ -71310,7 +71555,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.k), __pyx_v_kp, __pyx_v_zeros, 2, 1, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":466
+  /* "cattention/_driver/shortcuts.pxd":467
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)             # <<<<<<<<<<<<<<
@@ -71319,7 +71564,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.v), __pyx_v_vp, __pyx_v_zeros, 2, 1, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":467
+  /* "cattention/_driver/shortcuts.pxd":468
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)
  *     plan.lse.data = NULL             # <<<<<<<<<<<<<<
@@ -71328,7 +71573,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.lse.data = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":468
+  /* "cattention/_driver/shortcuts.pxd":469
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)
  *     plan.lse.data = NULL
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -71337,7 +71582,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":469
+  /* "cattention/_driver/shortcuts.pxd":470
  *     plan.lse.data = NULL
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -71346,7 +71591,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":470
+  /* "cattention/_driver/shortcuts.pxd":471
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL             # <<<<<<<<<<<<<<
@@ -71355,7 +71600,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.alibi = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":471
+  /* "cattention/_driver/shortcuts.pxd":472
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL
  *     plan.sinks = NULL             # <<<<<<<<<<<<<<
@@ -71364,7 +71609,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.sinks = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":472
+  /* "cattention/_driver/shortcuts.pxd":473
  *     plan.alibi = NULL
  *     plan.sinks = NULL
  *     plan.page_ids = page_ids             # <<<<<<<<<<<<<<
@@ -71373,7 +71618,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.page_ids = __pyx_v_page_ids;
 
-  /* "cattention/_driver/shortcuts.pxd":473
+  /* "cattention/_driver/shortcuts.pxd":474
  *     plan.sinks = NULL
  *     plan.page_ids = page_ids
  *     plan.pages_per_seq = max_pages             # <<<<<<<<<<<<<<
@@ -71382,7 +71627,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.pages_per_seq = __pyx_v_max_pages;
 
-  /* "cattention/_driver/shortcuts.pxd":474
+  /* "cattention/_driver/shortcuts.pxd":475
  *     plan.page_ids = page_ids
  *     plan.pages_per_seq = max_pages
  *     plan.page_size = page_size             # <<<<<<<<<<<<<<
@@ -71391,7 +71636,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.page_size = __pyx_v_page_size;
 
-  /* "cattention/_driver/shortcuts.pxd":476
+  /* "cattention/_driver/shortcuts.pxd":477
  *     plan.page_size = page_size
  *     cdef cnp.ndarray out
  *     try:             # <<<<<<<<<<<<<<
@@ -71407,19 +71652,19 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __Pyx_XGOTREF(__pyx_t_14);
     /*try:*/ {
 
-      /* "cattention/_driver/shortcuts.pxd":477
+      /* "cattention/_driver/shortcuts.pxd":478
  *     cdef cnp.ndarray out
  *     try:
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)             # <<<<<<<<<<<<<<
  *     except BaseException:
  *         free(page_ids)
 */
-      __pyx_t_4 = ((PyObject *)__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(__pyx_v_n_seq, __pyx_v_n_heads, __pyx_v_n_queries, __pyx_v_d_v, __pyx_v_compute)); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 477, __pyx_L62_error)
+      __pyx_t_4 = ((PyObject *)__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(__pyx_v_n_seq, __pyx_v_n_heads, __pyx_v_n_queries, __pyx_v_d_v, __pyx_v_compute)); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 478, __pyx_L62_error)
       __Pyx_GOTREF(__pyx_t_4);
       __pyx_v_out = ((PyArrayObject *)__pyx_t_4);
       __pyx_t_4 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":476
+      /* "cattention/_driver/shortcuts.pxd":477
  *     plan.page_size = page_size
  *     cdef cnp.ndarray out
  *     try:             # <<<<<<<<<<<<<<
@@ -71434,7 +71679,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __pyx_L62_error:;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":478
+    /* "cattention/_driver/shortcuts.pxd":479
  *     try:
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
  *     except BaseException:             # <<<<<<<<<<<<<<
@@ -71444,12 +71689,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __pyx_t_15 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_15) {
       __Pyx_AddTraceback("cattention._driver.shortcuts.paged_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_4, &__pyx_t_16, &__pyx_t_17) < 0) __PYX_ERR(7, 478, __pyx_L64_except_error)
+      if (__Pyx_GetException(&__pyx_t_4, &__pyx_t_16, &__pyx_t_17) < 0) __PYX_ERR(7, 479, __pyx_L64_except_error)
       __Pyx_XGOTREF(__pyx_t_4);
       __Pyx_XGOTREF(__pyx_t_16);
       __Pyx_XGOTREF(__pyx_t_17);
 
-      /* "cattention/_driver/shortcuts.pxd":479
+      /* "cattention/_driver/shortcuts.pxd":480
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
  *     except BaseException:
  *         free(page_ids)             # <<<<<<<<<<<<<<
@@ -71458,7 +71703,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       free(__pyx_v_page_ids);
 
-      /* "cattention/_driver/shortcuts.pxd":480
+      /* "cattention/_driver/shortcuts.pxd":481
  *     except BaseException:
  *         free(page_ids)
  *         raise             # <<<<<<<<<<<<<<
@@ -71470,11 +71715,11 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       __Pyx_XGIVEREF(__pyx_t_17);
       __Pyx_ErrRestoreWithState(__pyx_t_4, __pyx_t_16, __pyx_t_17);
       __pyx_t_4 = 0;  __pyx_t_16 = 0;  __pyx_t_17 = 0; 
-      __PYX_ERR(7, 480, __pyx_L64_except_error)
+      __PYX_ERR(7, 481, __pyx_L64_except_error)
     }
     goto __pyx_L64_except_error;
 
-    /* "cattention/_driver/shortcuts.pxd":476
+    /* "cattention/_driver/shortcuts.pxd":477
  *     plan.page_size = page_size
  *     cdef cnp.ndarray out
  *     try:             # <<<<<<<<<<<<<<
@@ -71490,7 +71735,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __pyx_L67_try_end:;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":481
+  /* "cattention/_driver/shortcuts.pxd":482
  *         free(page_ids)
  *         raise
  *     set_place(&plan.out, out, out_offset, 2, 1, -1)             # <<<<<<<<<<<<<<
@@ -71499,7 +71744,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.out), __pyx_v_out, __pyx_v_out_offset, 2, 1, -1);
 
-  /* "cattention/_driver/shortcuts.pxd":482
+  /* "cattention/_driver/shortcuts.pxd":483
  *         raise
  *     set_place(&plan.out, out, out_offset, 2, 1, -1)
  *     plan.out.seq_offset = out_offset             # <<<<<<<<<<<<<<
@@ -71508,7 +71753,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.out.seq_offset = __pyx_v_out_offset;
 
-  /* "cattention/_driver/shortcuts.pxd":488
+  /* "cattention/_driver/shortcuts.pxd":489
  *     cdef NewRows rows
  *     cdef int k_or_v
  *     if appending:             # <<<<<<<<<<<<<<
@@ -71517,7 +71762,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   if (__pyx_v_appending) {
 
-    /* "cattention/_driver/shortcuts.pxd":489
+    /* "cattention/_driver/shortcuts.pxd":490
  *     cdef int k_or_v
  *     if appending:
  *         for k_or_v in range(2):             # <<<<<<<<<<<<<<
@@ -71527,7 +71772,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     for (__pyx_t_15 = 0; __pyx_t_15 < 2; __pyx_t_15+=1) {
       __pyx_v_k_or_v = __pyx_t_15;
 
-      /* "cattention/_driver/shortcuts.pxd":490
+      /* "cattention/_driver/shortcuts.pxd":491
  *     if appending:
  *         for k_or_v in range(2):
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)             # <<<<<<<<<<<<<<
@@ -71547,7 +71792,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_cache), ((PyArrayObject *)__pyx_t_17), __pyx_v_page_ids, __pyx_v_max_pages);
       __Pyx_DECREF(__pyx_t_17); __pyx_t_17 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":491
+      /* "cattention/_driver/shortcuts.pxd":492
  *         for k_or_v in range(2):
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)             # <<<<<<<<<<<<<<
@@ -71567,7 +71812,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       __pyx_f_10cattention_7_driver_7appends_new_rows_of((&__pyx_v_rows), ((PyArrayObject *)__pyx_t_17), __pyx_v_rows_offset);
       __Pyx_DECREF(__pyx_t_17); __pyx_t_17 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":493
+      /* "cattention/_driver/shortcuts.pxd":494
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)
  *             append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,
  *                         d_k if k_or_v == 0 else d_v)             # <<<<<<<<<<<<<<
@@ -71585,7 +71830,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       }
 
 
-      /* "cattention/_driver/shortcuts.pxd":492
+      /* "cattention/_driver/shortcuts.pxd":493
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)
  *             append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,             # <<<<<<<<<<<<<<
@@ -71596,7 +71841,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
     }
 
-    /* "cattention/_driver/shortcuts.pxd":494
+    /* "cattention/_driver/shortcuts.pxd":495
  *             append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)             # <<<<<<<<<<<<<<
@@ -71605,7 +71850,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     __pyx_f_10cattention_7_driver_7appends_store_lengths(__pyx_v_lengths, __pyx_v_start, __pyx_v_n_new);
 
-    /* "cattention/_driver/shortcuts.pxd":488
+    /* "cattention/_driver/shortcuts.pxd":489
  *     cdef NewRows rows
  *     cdef int k_or_v
  *     if appending:             # <<<<<<<<<<<<<<
@@ -71614,7 +71859,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":495
+  /* "cattention/_driver/shortcuts.pxd":496
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -71630,17 +71875,17 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __Pyx_XGOTREF(__pyx_t_12);
     /*try:*/ {
 
-      /* "cattention/_driver/shortcuts.pxd":496
+      /* "cattention/_driver/shortcuts.pxd":497
  *         store_lengths(lengths, start, n_new)
  *     try:
  *         run_plan(&plan, &row, kern, threads, out)             # <<<<<<<<<<<<<<
  *     except BaseException:
  *         # the computation failed (its memory): the new rows are given back,
 */
-      __pyx_t_15 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_kern, __pyx_v_threads, __pyx_v_out); if (unlikely(__pyx_t_15 == ((int)-1))) __PYX_ERR(7, 496, __pyx_L73_error)
+      __pyx_t_15 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_kern, __pyx_v_threads, __pyx_v_out); if (unlikely(__pyx_t_15 == ((int)-1))) __PYX_ERR(7, 497, __pyx_L73_error)
 
 
-      /* "cattention/_driver/shortcuts.pxd":495
+      /* "cattention/_driver/shortcuts.pxd":496
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -71657,7 +71902,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __Pyx_XDECREF(__pyx_t_17); __pyx_t_17 = 0;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":497
+    /* "cattention/_driver/shortcuts.pxd":498
  *     try:
  *         run_plan(&plan, &row, kern, threads, out)
  *     except BaseException:             # <<<<<<<<<<<<<<
@@ -71667,12 +71912,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __pyx_t_15 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
     if (__pyx_t_15) {
       __Pyx_AddTraceback("cattention._driver.shortcuts.paged_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_17, &__pyx_t_16, &__pyx_t_4) < 0) __PYX_ERR(7, 497, __pyx_L75_except_error)
+      if (__Pyx_GetException(&__pyx_t_17, &__pyx_t_16, &__pyx_t_4) < 0) __PYX_ERR(7, 498, __pyx_L75_except_error)
       __Pyx_XGOTREF(__pyx_t_17);
       __Pyx_XGOTREF(__pyx_t_16);
       __Pyx_XGOTREF(__pyx_t_4);
 
-      /* "cattention/_driver/shortcuts.pxd":500
+      /* "cattention/_driver/shortcuts.pxd":501
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
  *         if appending:             # <<<<<<<<<<<<<<
@@ -71681,7 +71926,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       if (__pyx_v_appending) {
 
-        /* "cattention/_driver/shortcuts.pxd":501
+        /* "cattention/_driver/shortcuts.pxd":502
  *         # their slots free again past the lengths
  *         if appending:
  *             store_lengths(lengths, start, 0)             # <<<<<<<<<<<<<<
@@ -71690,7 +71935,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
         __pyx_f_10cattention_7_driver_7appends_store_lengths(__pyx_v_lengths, __pyx_v_start, 0);
 
-        /* "cattention/_driver/shortcuts.pxd":500
+        /* "cattention/_driver/shortcuts.pxd":501
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
  *         if appending:             # <<<<<<<<<<<<<<
@@ -71699,7 +71944,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":502
+      /* "cattention/_driver/shortcuts.pxd":503
  *         if appending:
  *             store_lengths(lengths, start, 0)
  *         free(page_ids)             # <<<<<<<<<<<<<<
@@ -71708,7 +71953,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       free(__pyx_v_page_ids);
 
-      /* "cattention/_driver/shortcuts.pxd":503
+      /* "cattention/_driver/shortcuts.pxd":504
  *             store_lengths(lengths, start, 0)
  *         free(page_ids)
  *         raise             # <<<<<<<<<<<<<<
@@ -71720,11 +71965,11 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       __Pyx_XGIVEREF(__pyx_t_4);
       __Pyx_ErrRestoreWithState(__pyx_t_17, __pyx_t_16, __pyx_t_4);
       __pyx_t_17 = 0;  __pyx_t_16 = 0;  __pyx_t_4 = 0; 
-      __PYX_ERR(7, 503, __pyx_L75_except_error)
+      __PYX_ERR(7, 504, __pyx_L75_except_error)
     }
     goto __pyx_L75_except_error;
 
-    /* "cattention/_driver/shortcuts.pxd":495
+    /* "cattention/_driver/shortcuts.pxd":496
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -71740,7 +71985,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __pyx_L78_try_end:;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":504
+  /* "cattention/_driver/shortcuts.pxd":505
  *         free(page_ids)
  *         raise
  *     free(page_ids)             # <<<<<<<<<<<<<<
@@ -71749,7 +71994,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   free(__pyx_v_page_ids);
 
-  /* "cattention/_driver/shortcuts.pxd":505
+  /* "cattention/_driver/shortcuts.pxd":506
  *         raise
  *     free(page_ids)
  *     if q_type != compute:             # <<<<<<<<<<<<<<
@@ -71761,13 +72006,13 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":507
+    /* "cattention/_driver/shortcuts.pxd":508
  *     if q_type != compute:
  *         # bfloat16 in: the result rounded once to it
  *         return cnp.PyArray_Cast(out, q_type)             # <<<<<<<<<<<<<<
  *     return out
 */
-    __pyx_t_4 = PyArray_Cast(__pyx_v_out, __pyx_v_q_type); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 507, __pyx_L1_error)
+    __pyx_t_4 = PyArray_Cast(__pyx_v_out, __pyx_v_q_type); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 508, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     {
       PyObject *__pyx_temp;
@@ -71780,7 +72025,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __pyx_t_4 = 0;
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":505
+    /* "cattention/_driver/shortcuts.pxd":506
  *         raise
  *     free(page_ids)
  *     if q_type != compute:             # <<<<<<<<<<<<<<
@@ -71789,7 +72034,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":508
+  /* "cattention/_driver/shortcuts.pxd":509
  *         # bfloat16 in: the result rounded once to it
  *         return cnp.PyArray_Cast(out, q_type)
  *     return out             # <<<<<<<<<<<<<<
@@ -71869,7 +72114,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":85
+/* "cattention/_driver/extension.pyx":86
  * # ------------------------------------------- C-level API (extension.pxd)
  * 
  * cdef inline bint missing(const void *data, Py_ssize_t n_rows,             # <<<<<<<<<<<<<<
@@ -71882,7 +72127,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/extension.pyx":87
+  /* "cattention/_driver/extension.pyx":88
  * cdef inline bint missing(const void *data, Py_ssize_t n_rows,
  *                          Py_ssize_t n_features) noexcept nogil:
  *     return data == NULL and n_rows > 0 and n_features > 0             # <<<<<<<<<<<<<<
@@ -71920,7 +72165,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":85
+  /* "cattention/_driver/extension.pyx":86
  * # ------------------------------------------- C-level API (extension.pxd)
  * 
  * cdef inline bint missing(const void *data, Py_ssize_t n_rows,             # <<<<<<<<<<<<<<
@@ -71933,7 +72178,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":90
+/* "cattention/_driver/extension.pyx":91
  * 
  * 
  * cdef inline void head_place(Place *place, const void *data, int type_num,             # <<<<<<<<<<<<<<
@@ -71943,7 +72188,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(struct __pyx_t_10cattention_7_driver_12from_entries_Place *__pyx_v_place, void const *__pyx_v_data, int __pyx_v_type_num, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_zero, Py_ssize_t __pyx_v_row_stride) {
 
-  /* "cattention/_driver/extension.pyx":92
+  /* "cattention/_driver/extension.pyx":93
  * cdef inline void head_place(Place *place, const void *data, int type_num,
  *                             const intp_t *zero, Py_ssize_t row_stride) noexcept nogil:
  *     place.data = <const char *>data             # <<<<<<<<<<<<<<
@@ -71952,7 +72197,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->data = ((char const *)__pyx_v_data);
 
-  /* "cattention/_driver/extension.pyx":93
+  /* "cattention/_driver/extension.pyx":94
  *                             const intp_t *zero, Py_ssize_t row_stride) noexcept nogil:
  *     place.data = <const char *>data
  *     place.type_num = type_num             # <<<<<<<<<<<<<<
@@ -71961,7 +72206,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->type_num = __pyx_v_type_num;
 
-  /* "cattention/_driver/extension.pyx":94
+  /* "cattention/_driver/extension.pyx":95
  *     place.data = <const char *>data
  *     place.type_num = type_num
  *     place.seq_offset = zero             # <<<<<<<<<<<<<<
@@ -71970,7 +72215,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->seq_offset = __pyx_v_zero;
 
-  /* "cattention/_driver/extension.pyx":95
+  /* "cattention/_driver/extension.pyx":96
  *     place.type_num = type_num
  *     place.seq_offset = zero
  *     place.t_stride = row_stride             # <<<<<<<<<<<<<<
@@ -71979,7 +72224,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->t_stride = __pyx_v_row_stride;
 
-  /* "cattention/_driver/extension.pyx":96
+  /* "cattention/_driver/extension.pyx":97
  *     place.seq_offset = zero
  *     place.t_stride = row_stride
  *     place.h_stride = 0             # <<<<<<<<<<<<<<
@@ -71988,7 +72233,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->h_stride = 0;
 
-  /* "cattention/_driver/extension.pyx":97
+  /* "cattention/_driver/extension.pyx":98
  *     place.t_stride = row_stride
  *     place.h_stride = 0
  *     place.col_stride = 1             # <<<<<<<<<<<<<<
@@ -71997,7 +72242,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->col_stride = 1;
 
-  /* "cattention/_driver/extension.pyx":98
+  /* "cattention/_driver/extension.pyx":99
  *     place.h_stride = 0
  *     place.col_stride = 1
  *     place.page_stride = 0             # <<<<<<<<<<<<<<
@@ -72006,7 +72251,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->page_stride = 0;
 
-  /* "cattention/_driver/extension.pyx":90
+  /* "cattention/_driver/extension.pyx":91
  * 
  * 
  * cdef inline void head_place(Place *place, const void *data, int type_num,             # <<<<<<<<<<<<<<
@@ -72017,7 +72262,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
   /* function exit code */
 }
 
-/* "cattention/_driver/extension.pyx":101
+/* "cattention/_driver/extension.pyx":102
  * 
  * 
  * cdef int head_attention(const HeadCall *call) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -72048,7 +72293,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   int __pyx_t_7;
   int __pyx_t_8;
 
-  /* "cattention/_driver/extension.pyx":104
+  /* "cattention/_driver/extension.pyx":105
  *     """One head through the same driver as the Python API: a plan of one
  *     sequence and one head."""
  *     cdef bint in_float32 = call.type_num == cnp.NPY_FLOAT32             # <<<<<<<<<<<<<<
@@ -72057,7 +72302,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_in_float32 = (__pyx_v_call->type_num == NPY_FLOAT32);
 
-  /* "cattention/_driver/extension.pyx":110
+  /* "cattention/_driver/extension.pyx":111
  *     cdef EntryPlan plan
  *     cdef EntryTable tables[2]
  *     cdef Py_ssize_t n_tables = 0             # <<<<<<<<<<<<<<
@@ -72066,7 +72311,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_n_tables = 0;
 
-  /* "cattention/_driver/extension.pyx":115
+  /* "cattention/_driver/extension.pyx":116
  *     cdef intp_t *index
  *     cdef int status
  *     cdef bint with_out = call.out != NULL             # <<<<<<<<<<<<<<
@@ -72075,7 +72320,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_with_out = (__pyx_v_call->out != NULL);
 
-  /* "cattention/_driver/extension.pyx":116
+  /* "cattention/_driver/extension.pyx":117
  *     cdef int status
  *     cdef bint with_out = call.out != NULL
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:             # <<<<<<<<<<<<<<
@@ -72121,7 +72366,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":117
+    /* "cattention/_driver/extension.pyx":118
  *     cdef bint with_out = call.out != NULL
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
  *         return CATTENTION_ERR_SIZE             # <<<<<<<<<<<<<<
@@ -72134,7 +72379,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":116
+    /* "cattention/_driver/extension.pyx":117
  *     cdef int status
  *     cdef bint with_out = call.out != NULL
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:             # <<<<<<<<<<<<<<
@@ -72143,7 +72388,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":118
+  /* "cattention/_driver/extension.pyx":119
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
  *         return CATTENTION_ERR_SIZE
  *     if call.flags & ~CATTENTION_CAUSAL:             # <<<<<<<<<<<<<<
@@ -72155,7 +72400,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":119
+    /* "cattention/_driver/extension.pyx":120
  *         return CATTENTION_ERR_SIZE
  *     if call.flags & ~CATTENTION_CAUSAL:
  *         return CATTENTION_ERR_FLAGS             # <<<<<<<<<<<<<<
@@ -72168,7 +72413,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":118
+    /* "cattention/_driver/extension.pyx":119
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
  *         return CATTENTION_ERR_SIZE
  *     if call.flags & ~CATTENTION_CAUSAL:             # <<<<<<<<<<<<<<
@@ -72177,7 +72422,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":120
+  /* "cattention/_driver/extension.pyx":121
  *     if call.flags & ~CATTENTION_CAUSAL:
  *         return CATTENTION_ERR_FLAGS
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):             # <<<<<<<<<<<<<<
@@ -72203,7 +72448,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":121
+    /* "cattention/_driver/extension.pyx":122
  *         return CATTENTION_ERR_FLAGS
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):
  *         return CATTENTION_ERR_SCALE             # <<<<<<<<<<<<<<
@@ -72216,7 +72461,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":120
+    /* "cattention/_driver/extension.pyx":121
  *     if call.flags & ~CATTENTION_CAUSAL:
  *         return CATTENTION_ERR_FLAGS
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):             # <<<<<<<<<<<<<<
@@ -72225,7 +72470,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":122
+  /* "cattention/_driver/extension.pyx":123
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):
  *         return CATTENTION_ERR_SCALE
  *     if not with_out and call.scores == NULL:             # <<<<<<<<<<<<<<
@@ -72251,7 +72496,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":123
+    /* "cattention/_driver/extension.pyx":124
  *         return CATTENTION_ERR_SCALE
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER             # <<<<<<<<<<<<<<
@@ -72264,7 +72509,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":122
+    /* "cattention/_driver/extension.pyx":123
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):
  *         return CATTENTION_ERR_SCALE
  *     if not with_out and call.scores == NULL:             # <<<<<<<<<<<<<<
@@ -72273,7 +72518,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":124
+  /* "cattention/_driver/extension.pyx":125
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)             # <<<<<<<<<<<<<<
@@ -72291,7 +72536,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     goto __pyx_L16_bool_binop_done;
   }
 
-  /* "cattention/_driver/extension.pyx":125
+  /* "cattention/_driver/extension.pyx":126
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)
  *             or (with_out and (missing(call.v, call.n_keys, call.d_v)             # <<<<<<<<<<<<<<
@@ -72315,7 +72560,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     goto __pyx_L16_bool_binop_done;
   }
 
-  /* "cattention/_driver/extension.pyx":126
+  /* "cattention/_driver/extension.pyx":127
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)
  *             or (with_out and (missing(call.v, call.n_keys, call.d_v)
  *                               or missing(call.out, call.n_queries, call.d_v)))):             # <<<<<<<<<<<<<<
@@ -72339,7 +72584,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_L16_bool_binop_done:;
 
-  /* "cattention/_driver/extension.pyx":124
+  /* "cattention/_driver/extension.pyx":125
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)             # <<<<<<<<<<<<<<
@@ -72349,7 +72594,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":127
+    /* "cattention/_driver/extension.pyx":128
  *             or (with_out and (missing(call.v, call.n_keys, call.d_v)
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER             # <<<<<<<<<<<<<<
@@ -72362,7 +72607,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":124
+    /* "cattention/_driver/extension.pyx":125
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)             # <<<<<<<<<<<<<<
@@ -72371,7 +72616,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":128
+  /* "cattention/_driver/extension.pyx":129
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)             # <<<<<<<<<<<<<<
@@ -72394,7 +72639,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   __pyx_L23_next_or:;
 
-  /* "cattention/_driver/extension.pyx":129
+  /* "cattention/_driver/extension.pyx":130
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):             # <<<<<<<<<<<<<<
@@ -72418,7 +72663,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_L22_bool_binop_done:;
 
-  /* "cattention/_driver/extension.pyx":128
+  /* "cattention/_driver/extension.pyx":129
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)             # <<<<<<<<<<<<<<
@@ -72428,7 +72673,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":130
+    /* "cattention/_driver/extension.pyx":131
  *     if ((with_out and call.out_row_stride < call.d_v)
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
  *         return CATTENTION_ERR_STRIDE             # <<<<<<<<<<<<<<
@@ -72441,7 +72686,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":128
+    /* "cattention/_driver/extension.pyx":129
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)             # <<<<<<<<<<<<<<
@@ -72450,7 +72695,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":131
+  /* "cattention/_driver/extension.pyx":132
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
  *         return CATTENTION_ERR_STRIDE
  *     if call.n_queries == 0:             # <<<<<<<<<<<<<<
@@ -72462,7 +72707,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":132
+    /* "cattention/_driver/extension.pyx":133
  *         return CATTENTION_ERR_STRIDE
  *     if call.n_queries == 0:
  *         return CATTENTION_OK             # <<<<<<<<<<<<<<
@@ -72475,7 +72720,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":131
+    /* "cattention/_driver/extension.pyx":132
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
  *         return CATTENTION_ERR_STRIDE
  *     if call.n_queries == 0:             # <<<<<<<<<<<<<<
@@ -72484,7 +72729,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":133
+  /* "cattention/_driver/extension.pyx":134
  *     if call.n_queries == 0:
  *         return CATTENTION_OK
  *     zero[0] = 0             # <<<<<<<<<<<<<<
@@ -72493,7 +72738,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   (__pyx_v_zero[0]) = 0;
 
-  /* "cattention/_driver/extension.pyx":134
+  /* "cattention/_driver/extension.pyx":135
  *         return CATTENTION_OK
  *     zero[0] = 0
  *     n_rows[0] = call.n_queries             # <<<<<<<<<<<<<<
@@ -72505,7 +72750,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   (__pyx_v_n_rows[0]) = __pyx_t_3;
 
 
-  /* "cattention/_driver/extension.pyx":135
+  /* "cattention/_driver/extension.pyx":136
  *     zero[0] = 0
  *     n_rows[0] = call.n_queries
  *     n_valid[0] = call.n_keys             # <<<<<<<<<<<<<<
@@ -72517,7 +72762,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   (__pyx_v_n_valid[0]) = __pyx_t_3;
 
 
-  /* "cattention/_driver/extension.pyx":136
+  /* "cattention/_driver/extension.pyx":137
  *     n_rows[0] = call.n_queries
  *     n_valid[0] = call.n_keys
  *     plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)             # <<<<<<<<<<<<<<
@@ -72526,7 +72771,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_7problem_plain_row_options((&__pyx_v_row), ((__pyx_v_call->flags & CATTENTION_CAUSAL) != 0), __pyx_v_call->scale);
 
-  /* "cattention/_driver/extension.pyx":137
+  /* "cattention/_driver/extension.pyx":138
  *     n_valid[0] = call.n_keys
  *     plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1             # <<<<<<<<<<<<<<
@@ -72543,7 +72788,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   __pyx_v_plan.n_heads = __pyx_t_4;
   __pyx_v_plan.n_kv_heads = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":138
+  /* "cattention/_driver/extension.pyx":139
  *     plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1
  *     plan.d_k = call.d_k             # <<<<<<<<<<<<<<
@@ -72554,7 +72799,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_v_plan.d_k = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":139
+  /* "cattention/_driver/extension.pyx":140
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v if with_out else 0             # <<<<<<<<<<<<<<
@@ -72570,35 +72815,44 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   __pyx_v_plan.d_v = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":140
+  /* "cattention/_driver/extension.pyx":141
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v if with_out else 0
  *     plan.q_lengths = n_rows             # <<<<<<<<<<<<<<
  *     plan.kv_lengths = n_valid
- *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
+ *     plan.kv_starts = NULL
 */
   __pyx_v_plan.q_lengths = __pyx_v_n_rows;
 
-  /* "cattention/_driver/extension.pyx":141
+  /* "cattention/_driver/extension.pyx":142
  *     plan.d_v = call.d_v if with_out else 0
  *     plan.q_lengths = n_rows
  *     plan.kv_lengths = n_valid             # <<<<<<<<<<<<<<
+ *     plan.kv_starts = NULL
  *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
- *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
 */
   __pyx_v_plan.kv_lengths = __pyx_v_n_valid;
 
-  /* "cattention/_driver/extension.pyx":142
+  /* "cattention/_driver/extension.pyx":143
  *     plan.q_lengths = n_rows
  *     plan.kv_lengths = n_valid
+ *     plan.kv_starts = NULL             # <<<<<<<<<<<<<<
+ *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
+ *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
+*/
+  __pyx_v_plan.kv_starts = NULL;
+
+  /* "cattention/_driver/extension.pyx":144
+ *     plan.kv_lengths = n_valid
+ *     plan.kv_starts = NULL
  *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)             # <<<<<<<<<<<<<<
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
  *     # SCORES alone: V is not read
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.q), __pyx_v_call->q, __pyx_v_call->type_num, __pyx_v_zero, __pyx_v_call->q_row_stride);
 
-  /* "cattention/_driver/extension.pyx":143
- *     plan.kv_lengths = n_valid
+  /* "cattention/_driver/extension.pyx":145
+ *     plan.kv_starts = NULL
  *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)             # <<<<<<<<<<<<<<
  *     # SCORES alone: V is not read
@@ -72606,7 +72860,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.k), __pyx_v_call->k, __pyx_v_call->type_num, __pyx_v_zero, __pyx_v_call->k_row_stride);
 
-  /* "cattention/_driver/extension.pyx":145
+  /* "cattention/_driver/extension.pyx":147
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
  *     # SCORES alone: V is not read
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,             # <<<<<<<<<<<<<<
@@ -72621,7 +72875,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     __pyx_t_6 = __pyx_v_call->k;
   }
 
-  /* "cattention/_driver/extension.pyx":146
+  /* "cattention/_driver/extension.pyx":148
  *     # SCORES alone: V is not read
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,
  *                call.v_row_stride if with_out else call.k_row_stride)             # <<<<<<<<<<<<<<
@@ -72636,7 +72890,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     __pyx_t_5 = __pyx_v_call->k_row_stride;
   }
 
-  /* "cattention/_driver/extension.pyx":145
+  /* "cattention/_driver/extension.pyx":147
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
  *     # SCORES alone: V is not read
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,             # <<<<<<<<<<<<<<
@@ -72647,7 +72901,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
 
 
-  /* "cattention/_driver/extension.pyx":147
+  /* "cattention/_driver/extension.pyx":149
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,
  *                call.v_row_stride if with_out else call.k_row_stride)
  *     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)             # <<<<<<<<<<<<<<
@@ -72656,7 +72910,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.out), __pyx_v_call->out, __pyx_v_call->type_num, __pyx_v_zero, __pyx_v_call->out_row_stride);
 
-  /* "cattention/_driver/extension.pyx":148
+  /* "cattention/_driver/extension.pyx":150
  *                call.v_row_stride if with_out else call.k_row_stride)
  *     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)
  *     head_place(&plan.lse, call.lse, call.type_num, zero, 1)             # <<<<<<<<<<<<<<
@@ -72665,7 +72919,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.lse), __pyx_v_call->lse, __pyx_v_call->type_num, __pyx_v_zero, 1);
 
-  /* "cattention/_driver/extension.pyx":149
+  /* "cattention/_driver/extension.pyx":151
  *     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)
  *     head_place(&plan.lse, call.lse, call.type_num, zero, 1)
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -72674,7 +72928,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":150
+  /* "cattention/_driver/extension.pyx":152
  *     head_place(&plan.lse, call.lse, call.type_num, zero, 1)
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -72683,7 +72937,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":151
+  /* "cattention/_driver/extension.pyx":153
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL             # <<<<<<<<<<<<<<
@@ -72692,7 +72946,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.alibi = NULL;
 
-  /* "cattention/_driver/extension.pyx":152
+  /* "cattention/_driver/extension.pyx":154
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL
  *     plan.sinks = NULL             # <<<<<<<<<<<<<<
@@ -72701,7 +72955,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.sinks = NULL;
 
-  /* "cattention/_driver/extension.pyx":153
+  /* "cattention/_driver/extension.pyx":155
  *     plan.alibi = NULL
  *     plan.sinks = NULL
  *     plan.page_ids = NULL             # <<<<<<<<<<<<<<
@@ -72710,7 +72964,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.page_ids = NULL;
 
-  /* "cattention/_driver/extension.pyx":154
+  /* "cattention/_driver/extension.pyx":156
  *     plan.sinks = NULL
  *     plan.page_ids = NULL
  *     plan.pages_per_seq = 0             # <<<<<<<<<<<<<<
@@ -72719,7 +72973,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.pages_per_seq = 0;
 
-  /* "cattention/_driver/extension.pyx":155
+  /* "cattention/_driver/extension.pyx":157
  *     plan.page_ids = NULL
  *     plan.pages_per_seq = 0
  *     plan.page_size = 0             # <<<<<<<<<<<<<<
@@ -72728,7 +72982,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.page_size = 0;
 
-  /* "cattention/_driver/extension.pyx":156
+  /* "cattention/_driver/extension.pyx":158
  *     plan.pages_per_seq = 0
  *     plan.page_size = 0
  *     if plan_entries(&plan, tables, &n_tables) != 0:             # <<<<<<<<<<<<<<
@@ -72740,7 +72994,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":157
+    /* "cattention/_driver/extension.pyx":159
  *     plan.page_size = 0
  *     if plan_entries(&plan, tables, &n_tables) != 0:
  *         return CATTENTION_ERR_NO_MEMORY             # <<<<<<<<<<<<<<
@@ -72753,7 +73007,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":156
+    /* "cattention/_driver/extension.pyx":158
  *     plan.pages_per_seq = 0
  *     plan.page_size = 0
  *     if plan_entries(&plan, tables, &n_tables) != 0:             # <<<<<<<<<<<<<<
@@ -72762,7 +73016,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":158
+  /* "cattention/_driver/extension.pyx":160
  *     if plan_entries(&plan, tables, &n_tables) != 0:
  *         return CATTENTION_ERR_NO_MEMORY
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)             # <<<<<<<<<<<<<<
@@ -72771,7 +73025,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_index = __pyx_f_10cattention_7_driver_12from_entries_problem_from_table((&__pyx_v_pb), (&(__pyx_v_tables[0])), (&__pyx_v_plan), (&__pyx_v_row));
 
-  /* "cattention/_driver/extension.pyx":159
+  /* "cattention/_driver/extension.pyx":161
  *         return CATTENTION_ERR_NO_MEMORY
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)
  *     if index == NULL:             # <<<<<<<<<<<<<<
@@ -72783,7 +73037,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":160
+    /* "cattention/_driver/extension.pyx":162
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)
  *     if index == NULL:
  *         free_tables(tables, n_tables)             # <<<<<<<<<<<<<<
@@ -72792,7 +73046,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
     __pyx_f_10cattention_7_driver_12from_entries_free_tables(__pyx_v_tables, __pyx_v_n_tables);
 
-    /* "cattention/_driver/extension.pyx":161
+    /* "cattention/_driver/extension.pyx":163
  *     if index == NULL:
  *         free_tables(tables, n_tables)
  *         return CATTENTION_ERR_NO_MEMORY             # <<<<<<<<<<<<<<
@@ -72805,7 +73059,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":159
+    /* "cattention/_driver/extension.pyx":161
  *         return CATTENTION_ERR_NO_MEMORY
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)
  *     if index == NULL:             # <<<<<<<<<<<<<<
@@ -72814,7 +73068,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":162
+  /* "cattention/_driver/extension.pyx":164
  *         free_tables(tables, n_tables)
  *         return CATTENTION_ERR_NO_MEMORY
  *     pb.ld_scores = call.scores_row_stride             # <<<<<<<<<<<<<<
@@ -72825,7 +73079,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_v_pb.ld_scores = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":163
+  /* "cattention/_driver/extension.pyx":165
  *         return CATTENTION_ERR_NO_MEMORY
  *     pb.ld_scores = call.scores_row_stride
  *     if in_float32:             # <<<<<<<<<<<<<<
@@ -72834,7 +73088,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   if (__pyx_v_in_float32) {
 
-    /* "cattention/_driver/extension.pyx":164
+    /* "cattention/_driver/extension.pyx":166
  *     pb.ld_scores = call.scores_row_stride
  *     if in_float32:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,             # <<<<<<<<<<<<<<
@@ -72852,7 +73106,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
 
 
-    /* "cattention/_driver/extension.pyx":165
+    /* "cattention/_driver/extension.pyx":167
  *     if in_float32:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
  *                                  <float *>call.out, <float *>call.scores)             # <<<<<<<<<<<<<<
@@ -72862,7 +73116,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     __pyx_v_status = __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_problem((&__pyx_v_pb), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_7, ((float *)__pyx_v_call->out), ((float *)__pyx_v_call->scores));
 
 
-    /* "cattention/_driver/extension.pyx":163
+    /* "cattention/_driver/extension.pyx":165
  *         return CATTENTION_ERR_NO_MEMORY
  *     pb.ld_scores = call.scores_row_stride
  *     if in_float32:             # <<<<<<<<<<<<<<
@@ -72872,7 +73126,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/extension.pyx":167
+  /* "cattention/_driver/extension.pyx":169
  *                                  <float *>call.out, <float *>call.scores)
  *     else:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,             # <<<<<<<<<<<<<<
@@ -72891,7 +73145,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
 
 
-    /* "cattention/_driver/extension.pyx":168
+    /* "cattention/_driver/extension.pyx":170
  *     else:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
  *                                  <double *>call.out, <double *>call.scores)             # <<<<<<<<<<<<<<
@@ -72903,7 +73157,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   __pyx_L29:;
 
-  /* "cattention/_driver/extension.pyx":169
+  /* "cattention/_driver/extension.pyx":171
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
  *                                  <double *>call.out, <double *>call.scores)
  *     free(index)             # <<<<<<<<<<<<<<
@@ -72912,7 +73166,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   free(__pyx_v_index);
 
-  /* "cattention/_driver/extension.pyx":170
+  /* "cattention/_driver/extension.pyx":172
  *                                  <double *>call.out, <double *>call.scores)
  *     free(index)
  *     free_tables(tables, n_tables)             # <<<<<<<<<<<<<<
@@ -72921,7 +73175,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_12from_entries_free_tables(__pyx_v_tables, __pyx_v_n_tables);
 
-  /* "cattention/_driver/extension.pyx":171
+  /* "cattention/_driver/extension.pyx":173
  *     free(index)
  *     free_tables(tables, n_tables)
  *     return CATTENTION_ERR_NO_MEMORY if status != 0 else CATTENTION_OK             # <<<<<<<<<<<<<<
@@ -72943,7 +73197,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":101
+  /* "cattention/_driver/extension.pyx":102
  * 
  * 
  * cdef int head_attention(const HeadCall *call) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -72968,7 +73222,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":176
+/* "cattention/_driver/extension.pyx":178
  * # ------------------------------------------------------------ introspection
  * 
  * def get_simd():             # <<<<<<<<<<<<<<
@@ -73003,20 +73257,20 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_get_simd(CYTHON_UNUSE
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("get_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":178
+  /* "cattention/_driver/extension.pyx":180
  * def get_simd():
  *     """Name of the kernel table in use."""
  *     return (<bytes>_kernels.name).decode()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBytes_FromString(__pyx_v_10cattention_7_driver_9extension__kernels->name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 178, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBytes_FromString(__pyx_v_10cattention_7_driver_9extension__kernels->name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 180, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if (unlikely(__pyx_t_1 == Py_None)) {
     PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-    __PYX_ERR(0, 178, __pyx_L1_error)
+    __PYX_ERR(0, 180, __pyx_L1_error)
   }
-  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 178, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 180, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
@@ -73030,7 +73284,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_get_simd(CYTHON_UNUSE
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":176
+  /* "cattention/_driver/extension.pyx":178
  * # ------------------------------------------------------------ introspection
  * 
  * def get_simd():             # <<<<<<<<<<<<<<
@@ -73050,7 +73304,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_get_simd(CYTHON_UNUSE
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":181
+/* "cattention/_driver/extension.pyx":183
  * 
  * 
  * def available_simd():             # <<<<<<<<<<<<<<
@@ -73092,7 +73346,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("available_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":184
+  /* "cattention/_driver/extension.pyx":186
  *     """Names of the kernel tables this CPU can run, best last."""
  *     cdef const char *names[8]
  *     cdef int n = ca_available_kernels(names, 8)             # <<<<<<<<<<<<<<
@@ -73101,7 +73355,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
 */
   __pyx_v_n = ca_available_kernels(__pyx_v_names, 8);
 
-  /* "cattention/_driver/extension.pyx":185
+  /* "cattention/_driver/extension.pyx":187
  *     cdef const char *names[8]
  *     cdef int n = ca_available_kernels(names, 8)
  *     return [(<bytes>names[i]).decode() for i in range(n)]             # <<<<<<<<<<<<<<
@@ -73109,7 +73363,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 185, __pyx_L1_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 187, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
 
     __pyx_t_2 = __pyx_v_n;
@@ -73117,17 +73371,17 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
 
     for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
       __pyx_7genexpr__pyx_v_i = __pyx_t_4;
-      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_7genexpr__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 185, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_7genexpr__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 187, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       if (unlikely(__pyx_t_5 == Py_None)) {
         PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-        __PYX_ERR(0, 185, __pyx_L1_error)
+        __PYX_ERR(0, 187, __pyx_L1_error)
       }
-      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 185, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 187, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_GIVEREF(__pyx_t_6);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 185, __pyx_L1_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 187, __pyx_L1_error)
       __pyx_t_6 = 0;
     }
 
@@ -73143,7 +73397,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":181
+  /* "cattention/_driver/extension.pyx":183
  * 
  * 
  * def available_simd():             # <<<<<<<<<<<<<<
@@ -73167,7 +73421,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":188
+/* "cattention/_driver/extension.pyx":190
  * 
  * 
  * def compiled_simd():             # <<<<<<<<<<<<<<
@@ -73209,7 +73463,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("compiled_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":192
+  /* "cattention/_driver/extension.pyx":194
  *     not, best last."""
  *     cdef const char *names[8]
  *     cdef int n = ca_compiled_kernels(names, 8)             # <<<<<<<<<<<<<<
@@ -73218,7 +73472,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
 */
   __pyx_v_n = ca_compiled_kernels(__pyx_v_names, 8);
 
-  /* "cattention/_driver/extension.pyx":193
+  /* "cattention/_driver/extension.pyx":195
  *     cdef const char *names[8]
  *     cdef int n = ca_compiled_kernels(names, 8)
  *     return [(<bytes>names[i]).decode() for i in range(n)]             # <<<<<<<<<<<<<<
@@ -73226,7 +73480,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 193, __pyx_L1_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 195, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
 
     __pyx_t_2 = __pyx_v_n;
@@ -73234,17 +73488,17 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
 
     for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
       __pyx_8genexpr1__pyx_v_i = __pyx_t_4;
-      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_8genexpr1__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 193, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_8genexpr1__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 195, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       if (unlikely(__pyx_t_5 == Py_None)) {
         PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-        __PYX_ERR(0, 193, __pyx_L1_error)
+        __PYX_ERR(0, 195, __pyx_L1_error)
       }
-      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 193, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 195, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_GIVEREF(__pyx_t_6);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 193, __pyx_L1_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 195, __pyx_L1_error)
       __pyx_t_6 = 0;
     }
 
@@ -73260,7 +73514,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":188
+  /* "cattention/_driver/extension.pyx":190
  * 
  * 
  * def compiled_simd():             # <<<<<<<<<<<<<<
@@ -73284,7 +73538,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":196
+/* "cattention/_driver/extension.pyx":198
  * 
  * 
  * def simd_tile():             # <<<<<<<<<<<<<<
@@ -73322,7 +73576,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("simd_tile", 0);
 
-  /* "cattention/_driver/extension.pyx":199
+  /* "cattention/_driver/extension.pyx":201
  *     """The register tile of the table in use: (rows, float32 columns,
  *     float64 columns)."""
  *     cdef const ca_kernel_tile *tile = <const ca_kernel_tile *>_kernels             # <<<<<<<<<<<<<<
@@ -73331,27 +73585,27 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
 */
   __pyx_v_tile = ((ca_kernels const *)__pyx_v_10cattention_7_driver_9extension__kernels);
 
-  /* "cattention/_driver/extension.pyx":200
+  /* "cattention/_driver/extension.pyx":202
  *     float64 columns)."""
  *     cdef const ca_kernel_tile *tile = <const ca_kernel_tile *>_kernels
  *     return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_rows); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_rows); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 202, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f32); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f32); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 202, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 202, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 202, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 200, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
@@ -73366,7 +73620,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":196
+  /* "cattention/_driver/extension.pyx":198
  * 
  * 
  * def simd_tile():             # <<<<<<<<<<<<<<
@@ -73389,7 +73643,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":203
+/* "cattention/_driver/extension.pyx":205
  * 
  * 
  * def set_simd(name):             # <<<<<<<<<<<<<<
@@ -73437,32 +73691,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 203, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 205, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 203, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 205, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "set_simd", 0) < (0)) __PYX_ERR(0, 203, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "set_simd", 0) < (0)) __PYX_ERR(0, 205, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, i); __PYX_ERR(0, 203, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, i); __PYX_ERR(0, 205, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 203, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 205, __pyx_L3_error)
     }
     __pyx_v_name = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 203, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 205, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -73504,33 +73758,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("set_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":209
+  /* "cattention/_driver/extension.pyx":211
  *     cannot run it."""
  *     global _kernels
  *     cdef bytes encoded = str(name).encode()             # <<<<<<<<<<<<<<
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:
 */
-  __pyx_t_1 = __Pyx_PyObject_Unicode(__pyx_v_name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 209, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_Unicode(__pyx_v_name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 211, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = PyUnicode_AsEncodedString(((PyObject*)__pyx_t_1), NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 209, __pyx_L1_error)
+  __pyx_t_2 = PyUnicode_AsEncodedString(((PyObject*)__pyx_t_1), NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 211, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_encoded = ((PyObject*)__pyx_t_2);
   __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":210
+  /* "cattention/_driver/extension.pyx":212
  *     global _kernels
  *     cdef bytes encoded = str(name).encode()
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)             # <<<<<<<<<<<<<<
  *     if kern == NULL:
  *         raise ValueError(
 */
-  __pyx_t_3 = __Pyx_PyBytes_AsString(__pyx_v_encoded); if (unlikely((!__pyx_t_3) && PyErr_Occurred())) __PYX_ERR(0, 210, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyBytes_AsString(__pyx_v_encoded); if (unlikely((!__pyx_t_3) && PyErr_Occurred())) __PYX_ERR(0, 212, __pyx_L1_error)
   __pyx_v_kern = ca_kernels_by_name(__pyx_t_3);
 
 
-  /* "cattention/_driver/extension.pyx":211
+  /* "cattention/_driver/extension.pyx":213
  *     cdef bytes encoded = str(name).encode()
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:             # <<<<<<<<<<<<<<
@@ -73542,7 +73796,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "cattention/_driver/extension.pyx":212
+    /* "cattention/_driver/extension.pyx":214
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:
  *         raise ValueError(             # <<<<<<<<<<<<<<
@@ -73551,29 +73805,29 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
 */
     __pyx_t_1 = NULL;
 
-    /* "cattention/_driver/extension.pyx":213
+    /* "cattention/_driver/extension.pyx":215
  *     if kern == NULL:
  *         raise ValueError(
  *             f"SIMD level {name!r} is not available on this CPU; "             # <<<<<<<<<<<<<<
  *             f"available: {available_simd()}")
  *     _kernels = kern
 */
-    __pyx_t_5 = __Pyx_PyObject_FormatSimpleAndDecref(PyObject_Repr(__pyx_v_name), __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 213, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_FormatSimpleAndDecref(PyObject_Repr(__pyx_v_name), __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 215, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
 
-    /* "cattention/_driver/extension.pyx":214
+    /* "cattention/_driver/extension.pyx":216
  *         raise ValueError(
  *             f"SIMD level {name!r} is not available on this CPU; "
  *             f"available: {available_simd()}")             # <<<<<<<<<<<<<<
  *     _kernels = kern
  * 
 */
-    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_available_simd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 214, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_available_simd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 216, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyObject_CallNoArg(__pyx_t_6); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 214, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_CallNoArg(__pyx_t_6); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 216, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_7, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 214, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_7, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 216, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_SIMD_level;
@@ -73581,7 +73835,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
     __pyx_t_8[2] = __pyx_mstate_global->__pyx_kp_u_is_not_available_on_this_CPU_av;
     __pyx_t_8[3] = __pyx_t_6;
 
-    /* "cattention/_driver/extension.pyx":213
+    /* "cattention/_driver/extension.pyx":215
  *     if kern == NULL:
  *         raise ValueError(
  *             f"SIMD level {name!r} is not available on this CPU; "             # <<<<<<<<<<<<<<
@@ -73597,7 +73851,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
     __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_8[1]) | __Pyx_PyUnicode_KIND_04(__pyx_t_8[3]);
     #endif
     __pyx_t_7 = __Pyx_PyUnicode_Join(__pyx_t_8, 4, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 213, __pyx_L1_error)
+    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 215, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
@@ -73607,14 +73861,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
       __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_11, (2-__pyx_t_11) | (__pyx_t_11*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
       __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 212, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 214, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 212, __pyx_L1_error)
+    __PYX_ERR(0, 214, __pyx_L1_error)
 
-    /* "cattention/_driver/extension.pyx":211
+    /* "cattention/_driver/extension.pyx":213
  *     cdef bytes encoded = str(name).encode()
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:             # <<<<<<<<<<<<<<
@@ -73623,7 +73877,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
 */
   }
 
-  /* "cattention/_driver/extension.pyx":215
+  /* "cattention/_driver/extension.pyx":217
  *             f"SIMD level {name!r} is not available on this CPU; "
  *             f"available: {available_simd()}")
  *     _kernels = kern             # <<<<<<<<<<<<<<
@@ -73632,7 +73886,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
 */
   __pyx_v_10cattention_7_driver_9extension__kernels = __pyx_v_kern;
 
-  /* "cattention/_driver/extension.pyx":203
+  /* "cattention/_driver/extension.pyx":205
  * 
  * 
  * def set_simd(name):             # <<<<<<<<<<<<<<
@@ -73659,7 +73913,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":218
+/* "cattention/_driver/extension.pyx":220
  * 
  * 
  * def compiler():             # <<<<<<<<<<<<<<
@@ -73693,20 +73947,20 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_10compiler(CYTHON_UNU
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("compiler", 0);
 
-  /* "cattention/_driver/extension.pyx":219
+  /* "cattention/_driver/extension.pyx":221
  * 
  * def compiler():
  *     return (<bytes>ca_compiler_version()).decode()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBytes_FromString(ca_compiler_version()); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBytes_FromString(ca_compiler_version()); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 221, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if (unlikely(__pyx_t_1 == Py_None)) {
     PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-    __PYX_ERR(0, 219, __pyx_L1_error)
+    __PYX_ERR(0, 221, __pyx_L1_error)
   }
-  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 221, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
@@ -73720,7 +73974,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_10compiler(CYTHON_UNU
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":218
+  /* "cattention/_driver/extension.pyx":220
  * 
  * 
  * def compiler():             # <<<<<<<<<<<<<<
@@ -73740,7 +73994,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_10compiler(CYTHON_UNU
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":222
+/* "cattention/_driver/extension.pyx":224
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
@@ -73788,32 +74042,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_type_num,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 222, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 224, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 222, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 224, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "register_bfloat16", 0) < (0)) __PYX_ERR(0, 222, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "register_bfloat16", 0) < (0)) __PYX_ERR(0, 224, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, i); __PYX_ERR(0, 222, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, i); __PYX_ERR(0, 224, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 222, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 224, __pyx_L3_error)
     }
-    __pyx_v_type_num = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_type_num == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 222, __pyx_L3_error)
+    __pyx_v_type_num = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_type_num == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 224, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 222, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 224, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -73840,7 +74094,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12register_bfloat16(C
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("register_bfloat16", 0);
 
-  /* "cattention/_driver/extension.pyx":226
+  /* "cattention/_driver/extension.pyx":228
  *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
  *     computed in float32, and the shortcuts take them."""
  *     ca_set_bfloat16_type(type_num)             # <<<<<<<<<<<<<<
@@ -73849,7 +74103,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12register_bfloat16(C
 */
   ca_set_bfloat16_type(__pyx_v_type_num);
 
-  /* "cattention/_driver/extension.pyx":222
+  /* "cattention/_driver/extension.pyx":224
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
@@ -73864,7 +74118,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12register_bfloat16(C
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":229
+/* "cattention/_driver/extension.pyx":231
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
@@ -73897,14 +74151,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14openmp_enabled(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_enabled", 0);
 
-  /* "cattention/_driver/extension.pyx":230
+  /* "cattention/_driver/extension.pyx":232
  * 
  * def openmp_enabled():
  *     return bool(CA_HAVE_OPENMP)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(CA_HAVE_OPENMP != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 230, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(CA_HAVE_OPENMP != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 232, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -73917,7 +74171,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14openmp_enabled(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":229
+  /* "cattention/_driver/extension.pyx":231
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
@@ -73936,7 +74190,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14openmp_enabled(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":233
+/* "cattention/_driver/extension.pyx":235
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
@@ -73972,7 +74226,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_version", 0);
 
-  /* "cattention/_driver/extension.pyx":234
+  /* "cattention/_driver/extension.pyx":236
  * 
  * def openmp_version():
  *     return int(CA_OPENMP_VERSION)             # <<<<<<<<<<<<<<
@@ -73980,7 +74234,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
  * 
 */
   __pyx_t_2 = NULL;
-  __pyx_t_3 = __Pyx_PyLong_From_int(CA_OPENMP_VERSION); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 234, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(CA_OPENMP_VERSION); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 236, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 1;
   {
@@ -73988,7 +74242,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(&PyLong_Type), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 234, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 236, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -74002,7 +74256,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":233
+  /* "cattention/_driver/extension.pyx":235
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
@@ -74023,7 +74277,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":237
+/* "cattention/_driver/extension.pyx":239
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
@@ -74061,14 +74315,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_runtime", 0);
 
-  /* "cattention/_driver/extension.pyx":240
+  /* "cattention/_driver/extension.pyx":242
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
  *     return (<bytes>ca_openmp_runtime()).decode(errors="replace")             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_3 = __Pyx_PyBytes_FromString(ca_openmp_runtime()); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 240, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyBytes_FromString(ca_openmp_runtime()); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 242, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -74079,13 +74333,13 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_replace};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 240, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 242, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_errors};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+1, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 240, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 242, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -74095,10 +74349,10 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
     #endif
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 240, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 242, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyUnicode_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("str", __pyx_t_1))) __PYX_ERR(0, 240, __pyx_L1_error)
+  if (!(likely(PyUnicode_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("str", __pyx_t_1))) __PYX_ERR(0, 242, __pyx_L1_error)
   {
     PyObject *__pyx_temp;
     {
@@ -74110,7 +74364,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":237
+  /* "cattention/_driver/extension.pyx":239
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
@@ -74132,7 +74386,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":243
+/* "cattention/_driver/extension.pyx":245
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
@@ -74167,7 +74421,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("max_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":246
+  /* "cattention/_driver/extension.pyx":248
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -74179,7 +74433,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":247
+    /* "cattention/_driver/extension.pyx":249
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():
  *         return 1             # <<<<<<<<<<<<<<
@@ -74197,7 +74451,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":246
+    /* "cattention/_driver/extension.pyx":248
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -74206,14 +74460,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":248
+  /* "cattention/_driver/extension.pyx":250
  *     if ca_forked_after_parallel():
  *         return 1
  *     return omp_get_max_threads()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyLong_From_int(omp_get_max_threads()); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 248, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(omp_get_max_threads()); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 250, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   {
     PyObject *__pyx_temp;
@@ -74226,7 +74480,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":243
+  /* "cattention/_driver/extension.pyx":245
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
@@ -74245,7 +74499,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":251
+/* "cattention/_driver/extension.pyx":253
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
@@ -74294,39 +74548,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_n_threads,&__pyx_mstate_global->__pyx_n_u_serial_ns,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 251, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 253, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 253, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 253, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "team_size", 0) < (0)) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "team_size", 0) < (0)) __PYX_ERR(0, 253, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, i); __PYX_ERR(0, 251, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, i); __PYX_ERR(0, 253, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 253, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 253, __pyx_L3_error)
     }
-    __pyx_v_n_threads = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_n_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
-    __pyx_v_serial_ns = __Pyx_PyFloat_AsDouble(values[1]); if (unlikely((__pyx_v_serial_ns == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
+    __pyx_v_n_threads = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_n_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 253, __pyx_L3_error)
+    __pyx_v_serial_ns = __Pyx_PyFloat_AsDouble(values[1]); if (unlikely((__pyx_v_serial_ns == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 253, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 251, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 253, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -74358,14 +74612,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22team_size(CYTHON_UN
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("team_size", 0);
 
-  /* "cattention/_driver/extension.pyx":254
+  /* "cattention/_driver/extension.pyx":256
  *     """Threads a call of estimated one-thread time serial_ns (in ns) allowed
  *     n_threads would start now (src/team.h); for tests."""
  *     return ca_team_size(n_threads, serial_ns)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(ca_team_size(__pyx_v_n_threads, __pyx_v_serial_ns)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 254, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(ca_team_size(__pyx_v_n_threads, __pyx_v_serial_ns)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 256, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -74378,7 +74632,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22team_size(CYTHON_UN
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":251
+  /* "cattention/_driver/extension.pyx":253
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
@@ -74397,7 +74651,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22team_size(CYTHON_UN
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":257
+/* "cattention/_driver/extension.pyx":259
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -74431,14 +74685,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24forked_after_parall
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("forked_after_parallel", 0);
 
-  /* "cattention/_driver/extension.pyx":259
+  /* "cattention/_driver/extension.pyx":261
  * def forked_after_parallel():
  *     """True in a child process forked after a parallel region had run."""
  *     return bool(ca_forked_after_parallel())             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(ca_forked_after_parallel() != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 259, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(ca_forked_after_parallel() != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 261, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -74451,7 +74705,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24forked_after_parall
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":257
+  /* "cattention/_driver/extension.pyx":259
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -74470,7 +74724,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24forked_after_parall
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":265
+/* "cattention/_driver/extension.pyx":267
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
@@ -74518,39 +74772,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_value,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 265, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 267, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 267, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 265, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 267, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_flag", 0) < (0)) __PYX_ERR(0, 265, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_flag", 0) < (0)) __PYX_ERR(0, 267, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, i); __PYX_ERR(0, 265, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, i); __PYX_ERR(0, 267, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 265, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 267, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 265, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 267, __pyx_L3_error)
     }
     __pyx_v_value = values[0];
     __pyx_v_name = ((PyObject*)values[1]);
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 265, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 267, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -74561,7 +74815,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 265, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 267, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_26check_flag(__pyx_self, __pyx_v_value, __pyx_v_name);
 
   /* function exit code */
@@ -74591,15 +74845,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26check_flag(CYTHON_U
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_flag", 0);
 
-  /* "cattention/_driver/extension.pyx":266
+  /* "cattention/_driver/extension.pyx":268
  * 
  * def check_flag(value, str name):
  *     return _check_flag(value, name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_value, __pyx_v_name); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 266, __pyx_L1_error)
-  __pyx_t_2 = __Pyx_PyBool_FromLong(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 266, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_value, __pyx_v_name); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 268, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyBool_FromLong(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 268, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -74613,7 +74867,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26check_flag(CYTHON_U
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":265
+  /* "cattention/_driver/extension.pyx":267
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
@@ -74632,7 +74886,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26check_flag(CYTHON_U
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":269
+/* "cattention/_driver/extension.pyx":271
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
@@ -74681,46 +74935,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_d_k,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 269, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 271, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 269, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 271, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 269, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 271, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 269, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 271, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_scale", 0) < (0)) __PYX_ERR(0, 269, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_scale", 0) < (0)) __PYX_ERR(0, 271, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, i); __PYX_ERR(0, 269, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, i); __PYX_ERR(0, 271, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 269, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 271, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 269, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 271, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 269, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 271, __pyx_L3_error)
     }
     __pyx_v_scale = values[0];
-    __pyx_v_d_k = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_d_k == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 269, __pyx_L3_error)
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 269, __pyx_L3_error)
+    __pyx_v_d_k = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_d_k == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 271, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 271, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 269, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 271, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -74753,15 +75007,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_scale(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_scale", 0);
 
-  /* "cattention/_driver/extension.pyx":270
+  /* "cattention/_driver/extension.pyx":272
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):
  *     return _check_scale(scale, d_k, in_float32)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 270, __pyx_L1_error)
-  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 270, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 272, __pyx_L1_error)
+  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 272, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -74775,7 +75029,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_scale(CYTHON_
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":269
+  /* "cattention/_driver/extension.pyx":271
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
@@ -74794,7 +75048,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_scale(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":273
+/* "cattention/_driver/extension.pyx":275
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
@@ -74842,39 +75096,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 273, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 275, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 273, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 273, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 275, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_softcap", 0) < (0)) __PYX_ERR(0, 273, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_softcap", 0) < (0)) __PYX_ERR(0, 275, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, i); __PYX_ERR(0, 273, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, i); __PYX_ERR(0, 275, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 273, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 275, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 273, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 275, __pyx_L3_error)
     }
     __pyx_v_softcap = values[0];
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 273, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 275, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 273, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 275, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -74906,15 +75160,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_softcap(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_softcap", 0);
 
-  /* "cattention/_driver/extension.pyx":274
+  /* "cattention/_driver/extension.pyx":276
  * 
  * def check_softcap(softcap, bint in_float32):
  *     return _check_softcap(softcap, in_float32)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_softcap(__pyx_v_softcap, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 274, __pyx_L1_error)
-  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 274, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_softcap(__pyx_v_softcap, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 276, __pyx_L1_error)
+  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 276, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -74928,7 +75182,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_softcap(CYTHO
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":273
+  /* "cattention/_driver/extension.pyx":275
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
@@ -74947,7 +75201,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_softcap(CYTHO
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":277
+/* "cattention/_driver/extension.pyx":279
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
@@ -74995,39 +75249,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_causal,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 277, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 279, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 279, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 279, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_window", 0) < (0)) __PYX_ERR(0, 277, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_window", 0) < (0)) __PYX_ERR(0, 279, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, i); __PYX_ERR(0, 277, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, i); __PYX_ERR(0, 279, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 279, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 279, __pyx_L3_error)
     }
     __pyx_v_window = values[0];
-    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 277, __pyx_L3_error)
+    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 279, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 277, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 279, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -75063,33 +75317,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_window", 0);
 
-  /* "cattention/_driver/extension.pyx":279
+  /* "cattention/_driver/extension.pyx":281
  * def check_window(window, bint causal):
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)             # <<<<<<<<<<<<<<
  *     return left, right
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_window(__pyx_v_window, __pyx_v_causal, (&__pyx_v_left), (&__pyx_v_right)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 279, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_window(__pyx_v_window, __pyx_v_causal, (&__pyx_v_left), (&__pyx_v_right)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 281, __pyx_L1_error)
 
 
-  /* "cattention/_driver/extension.pyx":280
+  /* "cattention/_driver/extension.pyx":282
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)
  *     return left, right             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_v_left); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 280, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_v_left); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 282, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_right); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 280, __pyx_L1_error)
+  __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_right); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 282, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 280, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 282, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 280, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 282, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_3) != (0)) __PYX_ERR(0, 280, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_3) != (0)) __PYX_ERR(0, 282, __pyx_L1_error);
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
   {
@@ -75103,7 +75357,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":277
+  /* "cattention/_driver/extension.pyx":279
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
@@ -75126,7 +75380,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":283
+/* "cattention/_driver/extension.pyx":285
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -75174,35 +75428,35 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 283, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 285, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 285, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 285, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_num_threads", 0) < (0)) __PYX_ERR(0, 283, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_num_threads", 0) < (0)) __PYX_ERR(0, 285, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject*)((PyObject*)__pyx_mstate_global->__pyx_n_u_num_threads)));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, i); __PYX_ERR(0, 283, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, i); __PYX_ERR(0, 285, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 285, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 283, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 285, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -75213,7 +75467,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 283, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 285, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -75224,7 +75478,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 283, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 285, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_34check_num_threads(__pyx_self, __pyx_v_n, __pyx_v_name);
 
   /* function exit code */
@@ -75254,15 +75508,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(C
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_num_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":284
+  /* "cattention/_driver/extension.pyx":286
  * 
  * def check_num_threads(n, str name="num_threads"):
  *     return _check_num_threads(n, name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_num_threads(__pyx_v_n, __pyx_v_name); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 284, __pyx_L1_error)
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 284, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_num_threads(__pyx_v_n, __pyx_v_name); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 286, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 286, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -75276,7 +75530,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(C
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":283
+  /* "cattention/_driver/extension.pyx":285
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -75295,7 +75549,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(C
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":287
+/* "cattention/_driver/extension.pyx":289
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
@@ -75343,39 +75597,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 287, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 289, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 287, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 289, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 287, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 289, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "resolve_threads", 0) < (0)) __PYX_ERR(0, 287, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "resolve_threads", 0) < (0)) __PYX_ERR(0, 289, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, i); __PYX_ERR(0, 287, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, i); __PYX_ERR(0, 289, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 287, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 289, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 287, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 289, __pyx_L3_error)
     }
     __pyx_v_num_threads = values[0];
     __pyx_v_limit = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 287, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 289, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -75406,15 +75660,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("resolve_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":288
+  /* "cattention/_driver/extension.pyx":290
  * 
  * def resolve_threads(num_threads, limit):
  *     return _resolve_threads(num_threads, limit)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_limit); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 288, __pyx_L1_error)
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 288, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_limit); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 290, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 290, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -75428,7 +75682,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":287
+  /* "cattention/_driver/extension.pyx":289
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
@@ -75447,7 +75701,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":291
+/* "cattention/_driver/extension.pyx":293
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):             # <<<<<<<<<<<<<<
@@ -75497,53 +75751,53 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_group,&__pyx_mstate_global->__pyx_n_u_n_rows,&__pyx_mstate_global->__pyx_n_u_has_mask,&__pyx_mstate_global->__pyx_n_u_has_alibi,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 291, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 293, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 291, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 293, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 291, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 293, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 291, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 293, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 291, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 293, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "stacks_grouped_rows", 0) < (0)) __PYX_ERR(0, 291, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "stacks_grouped_rows", 0) < (0)) __PYX_ERR(0, 293, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 4; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, i); __PYX_ERR(0, 291, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, i); __PYX_ERR(0, 293, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 4)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 291, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 293, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 291, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 293, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 291, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 293, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 291, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 293, __pyx_L3_error)
     }
-    __pyx_v_group = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 291, __pyx_L3_error)
-    __pyx_v_n_rows = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_rows == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 291, __pyx_L3_error)
-    __pyx_v_has_mask = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_has_mask == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 291, __pyx_L3_error)
-    __pyx_v_has_alibi = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_has_alibi == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 291, __pyx_L3_error)
+    __pyx_v_group = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
+    __pyx_v_n_rows = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_rows == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
+    __pyx_v_has_mask = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_has_mask == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
+    __pyx_v_has_alibi = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_has_alibi == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 291, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 293, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -75577,14 +75831,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("stacks_grouped_rows", 0);
 
-  /* "cattention/_driver/extension.pyx":292
+  /* "cattention/_driver/extension.pyx":294
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):
  *     return _stacks_grouped_rows(group, n_rows, has_mask, has_alibi)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask, __pyx_v_has_alibi)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 292, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask, __pyx_v_has_alibi)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 294, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -75597,7 +75851,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":291
+  /* "cattention/_driver/extension.pyx":293
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):             # <<<<<<<<<<<<<<
@@ -75616,7 +75870,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":297
+/* "cattention/_driver/extension.pyx":299
  * # ------------------------------------------------------------ the runs
  * 
  * cdef inline void read_row_options(object options, RowOptions *row,             # <<<<<<<<<<<<<<
@@ -75644,40 +75898,40 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("read_row_options", 0);
 
-  /* "cattention/_driver/extension.pyx":300
+  /* "cattention/_driver/extension.pyx":302
  *                                   const double[::1] alibi, const double[::1] sinks):
  *     """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
  *     row.causal = options.causal             # <<<<<<<<<<<<<<
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 300, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 300, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->causal = __pyx_t_2;
 
-  /* "cattention/_driver/extension.pyx":301
+  /* "cattention/_driver/extension.pyx":303
  *     """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
  *     row.causal = options.causal
  *     row.scale = options.scale             # <<<<<<<<<<<<<<
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 301, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 303, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->scale = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":302
+  /* "cattention/_driver/extension.pyx":304
  *     row.causal = options.causal
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window             # <<<<<<<<<<<<<<
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_window_2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_window_2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
     PyObject* sequence = __pyx_t_1;
@@ -75685,7 +75939,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 302, __pyx_L1_error)
+      __PYX_ERR(0, 304, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -75695,22 +75949,22 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
       __Pyx_INCREF(__pyx_t_5);
     } else {
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 302, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
       __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 302, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 304, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_5);
     }
     #else
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 302, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 302, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 304, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_6 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 302, __pyx_L1_error)
+    __pyx_t_6 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 304, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_7 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6);
@@ -75718,7 +75972,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     __Pyx_GOTREF(__pyx_t_4);
     index = 1; __pyx_t_5 = __pyx_t_7(__pyx_t_6); if (unlikely(!__pyx_t_5)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_5);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_7(__pyx_t_6), 2) < (0)) __PYX_ERR(0, 302, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_7(__pyx_t_6), 2) < (0)) __PYX_ERR(0, 304, __pyx_L1_error)
     __pyx_t_7 = NULL;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     goto __pyx_L4_unpacking_done;
@@ -75726,30 +75980,30 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 302, __pyx_L1_error)
+    __PYX_ERR(0, 304, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
-  __pyx_t_8 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_8 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_8 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_5); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_5); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   __pyx_v_row->window_left = __pyx_t_8;
   __pyx_v_row->window_right = __pyx_t_9;
 
-  /* "cattention/_driver/extension.pyx":303
+  /* "cattention/_driver/extension.pyx":305
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap             # <<<<<<<<<<<<<<
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
  *     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_softcap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_softcap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->softcap = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":304
+  /* "cattention/_driver/extension.pyx":306
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL             # <<<<<<<<<<<<<<
@@ -75783,7 +76037,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 
   __pyx_v_row->alibi_slope = __pyx_t_10;
 
-  /* "cattention/_driver/extension.pyx":305
+  /* "cattention/_driver/extension.pyx":307
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
  *     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL             # <<<<<<<<<<<<<<
@@ -75817,7 +76071,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 
   __pyx_v_row->sink = __pyx_t_13;
 
-  /* "cattention/_driver/extension.pyx":297
+  /* "cattention/_driver/extension.pyx":299
  * # ------------------------------------------------------------ the runs
  * 
  * cdef inline void read_row_options(object options, RowOptions *row,             # <<<<<<<<<<<<<<
@@ -75838,7 +76092,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
   __Pyx_RefNannyFinishContext();
 }
 
-/* "cattention/_driver/extension.pyx":308
+/* "cattention/_driver/extension.pyx":310
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
@@ -75854,7 +76108,7 @@ PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_40run_arrays, "Run a dense call (``_prepare/dense.py``) into C-contiguous ``out``\n    (n_batch, T, d_v), ``scores`` (n_batch, T, S) and ``lse`` (n_batch, T)\n    of the compute dtype, any of them None.\n\n    Preconditions (checked by the caller): q, k, v share the compute dtype\n    (or k and v are float16 or int8 with a float32 q), are in native byte\n    order, aligned, their strides multiples of the itemsize, their leading\n    dimensions broadcast to ``batch_shape`` (k and v with H / kv_group heads\n    on its last axis); ``mask`` is None or an aligned native bool, float32\n    or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None\n    or n_batch valid key counts in [0, S]; ``query_period`` > 0 says the\n    rows are stacked groups of that many positions; the options\047 alibi is\n    one slope per batch entry and its sinks one logit per group of\n    query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales\n    of int8 ``k`` / ``v``, of their shape with a last axis of size 1.");
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_40run_arrays, "Run a dense call (``_prepare/dense.py``) into ``out`` (batch + (T,\n    d_v): C-contiguous, or any non-negative strides with contiguous\n    features), C-contiguous ``scores`` (n_batch, T, S) and ``lse`` (n_batch,\n    T) of the compute dtype, any of them None.\n\n    Preconditions (checked by the caller): q, k, v share the compute dtype\n    (or k and v are float16 or int8 with a float32 q), are in native byte\n    order, aligned, their strides multiples of the itemsize, their leading\n    dimensions broadcast to ``batch_shape`` (k and v with H / kv_group heads\n    on its last axis); ``mask`` is None or an aligned native bool, float32\n    or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None\n    or n_batch valid key counts in [0, S], ``kv_starts`` None or the first\n    valid key of each batch entry; ``query_period`` > 0 says the\n    rows are stacked groups of that many positions; the options\047 alibi is\n    one slope per batch entry and its sinks one logit per group of\n    query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales\n    of int8 ``k`` / ``v``, of their shape with a last axis of size 1.");
 static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_41run_arrays = {"run_arrays", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_41run_arrays, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_40run_arrays};
 static PyObject *__pyx_pw_10cattention_7_driver_9extension_41run_arrays(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
@@ -75873,6 +76127,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   Py_ssize_t __pyx_v_kv_group;
   Py_ssize_t __pyx_v_query_period;
   __Pyx_memviewslice __pyx_v_kv_lengths = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_kv_starts = { 0, 0, { 0 }, { 0 }, { 0 } };
   PyObject *__pyx_v_options = 0;
   PyArrayObject *__pyx_v_out = 0;
   PyArrayObject *__pyx_v_scores = 0;
@@ -75881,7 +76136,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[14] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0};
+  PyObject* values[15] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -75897,106 +76152,112 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_batch_shape,&__pyx_mstate_global->__pyx_n_u_kv_group,&__pyx_mstate_global->__pyx_n_u_query_period,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_options,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_scores,&__pyx_mstate_global->__pyx_n_u_lse,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_batch_shape,&__pyx_mstate_global->__pyx_n_u_kv_group,&__pyx_mstate_global->__pyx_n_u_query_period,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_kv_starts,&__pyx_mstate_global->__pyx_n_u_options,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_scores,&__pyx_mstate_global->__pyx_n_u_lse,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 308, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 310, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
+        case 15:
+        values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 310, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 308, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 310, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_arrays", 0) < (0)) __PYX_ERR(0, 308, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 14; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 14, 14, i); __PYX_ERR(0, 308, __pyx_L3_error) }
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_arrays", 0) < (0)) __PYX_ERR(0, 310, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 15; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, i); __PYX_ERR(0, 310, __pyx_L3_error) }
       }
-    } else if (unlikely(__pyx_nargs != 14)) {
+    } else if (unlikely(__pyx_nargs != 15)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 310, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 308, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 310, __pyx_L3_error)
+      values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 310, __pyx_L3_error)
     }
     __pyx_v_q = ((PyArrayObject *)values[0]);
     __pyx_v_k = ((PyArrayObject *)values[1]);
@@ -76005,17 +76266,18 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_k_scale = ((PyArrayObject *)values[4]);
     __pyx_v_v_scale = ((PyArrayObject *)values[5]);
     __pyx_v_batch_shape = ((PyObject*)values[6]);
-    __pyx_v_kv_group = __Pyx_PyIndex_AsSsize_t(values[7]); if (unlikely((__pyx_v_kv_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L3_error)
-    __pyx_v_query_period = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_query_period == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 310, __pyx_L3_error)
-    __pyx_v_kv_lengths = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[9], 0); if (unlikely(!__pyx_v_kv_lengths.memview)) __PYX_ERR(0, 311, __pyx_L3_error)
-    __pyx_v_options = values[10];
-    __pyx_v_out = ((PyArrayObject *)values[11]);
-    __pyx_v_scores = ((PyArrayObject *)values[12]);
-    __pyx_v_lse = ((PyArrayObject *)values[13]);
+    __pyx_v_kv_group = __Pyx_PyIndex_AsSsize_t(values[7]); if (unlikely((__pyx_v_kv_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L3_error)
+    __pyx_v_query_period = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_query_period == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L3_error)
+    __pyx_v_kv_lengths = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[9], 0); if (unlikely(!__pyx_v_kv_lengths.memview)) __PYX_ERR(0, 313, __pyx_L3_error)
+    __pyx_v_kv_starts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[10], 0); if (unlikely(!__pyx_v_kv_starts.memview)) __PYX_ERR(0, 313, __pyx_L3_error)
+    __pyx_v_options = values[11];
+    __pyx_v_out = ((PyArrayObject *)values[12]);
+    __pyx_v_scores = ((PyArrayObject *)values[13]);
+    __pyx_v_lse = ((PyArrayObject *)values[14]);
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 14, 14, __pyx_nargs); __PYX_ERR(0, 308, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, __pyx_nargs); __PYX_ERR(0, 310, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -76023,21 +76285,22 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     Py_XDECREF(values[__pyx_temp]);
   }
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_lengths, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_starts, 1);
   __Pyx_AddTraceback("cattention._driver.extension.run_arrays", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_q), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "q", 0))) __PYX_ERR(0, 308, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k", 0))) __PYX_ERR(0, 308, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v", 0))) __PYX_ERR(0, 308, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_mask), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "mask", 0))) __PYX_ERR(0, 308, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k_scale", 0))) __PYX_ERR(0, 309, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v_scale", 0))) __PYX_ERR(0, 309, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_batch_shape), (&PyTuple_Type), 1, "batch_shape", 1))) __PYX_ERR(0, 309, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_out), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "out", 0))) __PYX_ERR(0, 311, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_scores), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "scores", 0))) __PYX_ERR(0, 312, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_lse), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "lse", 0))) __PYX_ERR(0, 312, __pyx_L1_error)
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_40run_arrays(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_batch_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_v_kv_lengths, __pyx_v_options, __pyx_v_out, __pyx_v_scores, __pyx_v_lse);
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_q), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "q", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_mask), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "mask", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k_scale", 0))) __PYX_ERR(0, 311, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v_scale", 0))) __PYX_ERR(0, 311, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_batch_shape), (&PyTuple_Type), 1, "batch_shape", 1))) __PYX_ERR(0, 311, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_out), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "out", 0))) __PYX_ERR(0, 314, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_scores), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "scores", 0))) __PYX_ERR(0, 314, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_lse), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "lse", 0))) __PYX_ERR(0, 314, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_40run_arrays(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_batch_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_v_kv_lengths, __pyx_v_kv_starts, __pyx_v_options, __pyx_v_out, __pyx_v_scores, __pyx_v_lse);
 
   /* function exit code */
   goto __pyx_L0;
@@ -76055,11 +76318,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 
 
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_lengths, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_starts, 1);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse) {
   __Pyx_memviewslice __pyx_v_alibi = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_sinks = { 0, 0, { 0 }, { 0 }, { 0 } };
   struct __pyx_t_10cattention_7_driver_7problem_RowOptions __pyx_v_row;
@@ -76088,37 +76352,37 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("run_arrays", 0);
 
-  /* "cattention/_driver/extension.pyx":328
+  /* "cattention/_driver/extension.pyx":332
  *     query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
  *     of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
  *     cdef const double[::1] alibi = options.alibi             # <<<<<<<<<<<<<<
  *     cdef const double[::1] sinks = options.sinks
  *     cdef RowOptions row
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 328, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 328, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_alibi = __pyx_t_2;
   __pyx_t_2.memview = NULL;
   __pyx_t_2.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":329
+  /* "cattention/_driver/extension.pyx":333
  *     of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
  *     cdef const double[::1] alibi = options.alibi
  *     cdef const double[::1] sinks = options.sinks             # <<<<<<<<<<<<<<
  *     cdef RowOptions row
  *     cdef Problem pb
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 333, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 333, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_sinks = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":332
+  /* "cattention/_driver/extension.pyx":336
  *     cdef RowOptions row
  *     cdef Problem pb
  *     cdef Py_ssize_t n_batch_dims = len(batch_shape)             # <<<<<<<<<<<<<<
@@ -76127,12 +76391,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   if (unlikely(__pyx_v_batch_shape == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 332, __pyx_L1_error)
+    __PYX_ERR(0, 336, __pyx_L1_error)
   }
-  __pyx_t_4 = __Pyx_PyTuple_GET_SIZE(__pyx_v_batch_shape); if (unlikely(__pyx_t_4 == ((Py_ssize_t)-1))) __PYX_ERR(0, 332, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyTuple_GET_SIZE(__pyx_v_batch_shape); if (unlikely(__pyx_t_4 == ((Py_ssize_t)-1))) __PYX_ERR(0, 336, __pyx_L1_error)
   __pyx_v_n_batch_dims = __pyx_t_4;
 
-  /* "cattention/_driver/extension.pyx":335
+  /* "cattention/_driver/extension.pyx":339
  *     cdef Py_ssize_t shape[64]
  *     cdef Py_ssize_t d
  *     for d in range(n_batch_dims):             # <<<<<<<<<<<<<<
@@ -76146,7 +76410,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_d = __pyx_t_6;
 
-    /* "cattention/_driver/extension.pyx":336
+    /* "cattention/_driver/extension.pyx":340
  *     cdef Py_ssize_t d
  *     for d in range(n_batch_dims):
  *         shape[d] = batch_shape[d]             # <<<<<<<<<<<<<<
@@ -76155,34 +76419,34 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
     if (unlikely(__pyx_v_batch_shape == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 336, __pyx_L1_error)
+      __PYX_ERR(0, 340, __pyx_L1_error)
     }
-    __pyx_t_7 = __Pyx_PyIndex_AsSsize_t(__Pyx_PyTuple_GET_ITEM(__pyx_v_batch_shape, __pyx_v_d)); if (unlikely((__pyx_t_7 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 336, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyIndex_AsSsize_t(__Pyx_PyTuple_GET_ITEM(__pyx_v_batch_shape, __pyx_v_d)); if (unlikely((__pyx_t_7 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 340, __pyx_L1_error)
     (__pyx_v_shape[__pyx_v_d]) = __pyx_t_7;
 
   }
 
 
-  /* "cattention/_driver/extension.pyx":337
+  /* "cattention/_driver/extension.pyx":341
  *     for d in range(n_batch_dims):
  *         shape[d] = batch_shape[d]
  *     read_row_options(options, &row, alibi, sinks)             # <<<<<<<<<<<<<<
  *     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
  *                                              n_batch_dims, shape, kv_group, &row)
 */
-  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_v_options, (&__pyx_v_row), __pyx_v_alibi, __pyx_v_sinks); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 337, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_v_options, (&__pyx_v_row), __pyx_v_alibi, __pyx_v_sinks); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 341, __pyx_L1_error)
 
-  /* "cattention/_driver/extension.pyx":338
+  /* "cattention/_driver/extension.pyx":342
  *         shape[d] = batch_shape[d]
  *     read_row_options(options, &row, alibi, sinks)
  *     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,             # <<<<<<<<<<<<<<
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
 */
-  __pyx_t_8 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_kv_group, (&__pyx_v_row)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 338, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_kv_group, (&__pyx_v_row)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 342, __pyx_L1_error)
   __pyx_v_index = __pyx_t_8;
 
-  /* "cattention/_driver/extension.pyx":340
+  /* "cattention/_driver/extension.pyx":344
  *     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL             # <<<<<<<<<<<<<<
@@ -76200,7 +76464,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 
   __pyx_v_pb.lse = __pyx_t_9;
 
-  /* "cattention/_driver/extension.pyx":341
+  /* "cattention/_driver/extension.pyx":345
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
  *     if query_period > 0:             # <<<<<<<<<<<<<<
@@ -76212,7 +76476,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   if (__pyx_t_10) {
 
 
-    /* "cattention/_driver/extension.pyx":342
+    /* "cattention/_driver/extension.pyx":346
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
  *     if query_period > 0:
  *         pb.query_period = query_period             # <<<<<<<<<<<<<<
@@ -76221,7 +76485,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
     __pyx_v_pb.query_period = __pyx_v_query_period;
 
-    /* "cattention/_driver/extension.pyx":341
+    /* "cattention/_driver/extension.pyx":345
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
  *     if query_period > 0:             # <<<<<<<<<<<<<<
@@ -76230,12 +76494,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   }
 
-  /* "cattention/_driver/extension.pyx":343
+  /* "cattention/_driver/extension.pyx":347
  *     if query_period > 0:
  *         pb.query_period = query_period
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:             # <<<<<<<<<<<<<<
  *         set_kv_lengths(&pb, &kv_lengths[0], index)
- *     run_then_free(&pb, index, _kernels, options.threads, out, scores)
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:
 */
   __pyx_t_11 = (((PyObject *) __pyx_v_kv_lengths.memview) != Py_None);
 
@@ -76256,41 +76520,129 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   if (__pyx_t_10) {
 
 
-    /* "cattention/_driver/extension.pyx":344
+    /* "cattention/_driver/extension.pyx":348
  *         pb.query_period = query_period
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
  *         set_kv_lengths(&pb, &kv_lengths[0], index)             # <<<<<<<<<<<<<<
- *     run_then_free(&pb, index, _kernels, options.threads, out, scores)
- * 
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:
+ *         set_kv_starts(&pb, &kv_starts[0])
 */
     __pyx_t_12 = 0;
     __pyx_f_10cattention_7_driver_11from_arrays_set_kv_lengths((&__pyx_v_pb), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_lengths.data) + __pyx_t_12)) )))), __pyx_v_index);
 
-    /* "cattention/_driver/extension.pyx":343
+    /* "cattention/_driver/extension.pyx":347
  *     if query_period > 0:
  *         pb.query_period = query_period
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:             # <<<<<<<<<<<<<<
  *         set_kv_lengths(&pb, &kv_lengths[0], index)
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:
+*/
+  }
+
+  /* "cattention/_driver/extension.pyx":349
+ *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
+ *         set_kv_lengths(&pb, &kv_lengths[0], index)
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:             # <<<<<<<<<<<<<<
+ *         set_kv_starts(&pb, &kv_starts[0])
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+*/
+  __pyx_t_11 = (((PyObject *) __pyx_v_kv_starts.memview) != Py_None);
+
+  if (__pyx_t_11) {
+
+  } else {
+
+    __pyx_t_10 = __pyx_t_11;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_11 = ((__pyx_v_kv_starts.shape[0]) > 0);
+
+
+  __pyx_t_10 = __pyx_t_11;
+
+  __pyx_L10_bool_binop_done:;
+  if (__pyx_t_10) {
+
+
+    /* "cattention/_driver/extension.pyx":350
+ *         set_kv_lengths(&pb, &kv_lengths[0], index)
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:
+ *         set_kv_starts(&pb, &kv_starts[0])             # <<<<<<<<<<<<<<
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+ *         set_out_offsets(&pb, out, n_batch_dims, shape, index)
+*/
+    __pyx_t_12 = 0;
+    __pyx_f_10cattention_7_driver_11from_arrays_set_kv_starts((&__pyx_v_pb), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_starts.data) + __pyx_t_12)) )))));
+
+    /* "cattention/_driver/extension.pyx":349
+ *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
+ *         set_kv_lengths(&pb, &kv_lengths[0], index)
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:             # <<<<<<<<<<<<<<
+ *         set_kv_starts(&pb, &kv_starts[0])
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+*/
+  }
+
+  /* "cattention/_driver/extension.pyx":351
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:
+ *         set_kv_starts(&pb, &kv_starts[0])
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):             # <<<<<<<<<<<<<<
+ *         set_out_offsets(&pb, out, n_batch_dims, shape, index)
+ *     run_then_free(&pb, index, _kernels, options.threads, out, scores)
+*/
+  __pyx_t_11 = (((PyObject *)__pyx_v_out) != Py_None);
+  if (__pyx_t_11) {
+
+  } else {
+
+    __pyx_t_10 = __pyx_t_11;
+
+    goto __pyx_L13_bool_binop_done;
+  }
+  __pyx_t_11 = (!PyArray_IS_C_CONTIGUOUS(__pyx_v_out));
+
+
+  __pyx_t_10 = __pyx_t_11;
+
+  __pyx_L13_bool_binop_done:;
+  if (__pyx_t_10) {
+
+
+    /* "cattention/_driver/extension.pyx":352
+ *         set_kv_starts(&pb, &kv_starts[0])
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+ *         set_out_offsets(&pb, out, n_batch_dims, shape, index)             # <<<<<<<<<<<<<<
+ *     run_then_free(&pb, index, _kernels, options.threads, out, scores)
+ * 
+*/
+    __pyx_f_10cattention_7_driver_11from_arrays_set_out_offsets((&__pyx_v_pb), __pyx_v_out, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 352, __pyx_L1_error)
+
+    /* "cattention/_driver/extension.pyx":351
+ *     if kv_starts is not None and kv_starts.shape[0] > 0:
+ *         set_kv_starts(&pb, &kv_starts[0])
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):             # <<<<<<<<<<<<<<
+ *         set_out_offsets(&pb, out, n_batch_dims, shape, index)
  *     run_then_free(&pb, index, _kernels, options.threads, out, scores)
 */
   }
 
-  /* "cattention/_driver/extension.pyx":345
- *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
- *         set_kv_lengths(&pb, &kv_lengths[0], index)
+  /* "cattention/_driver/extension.pyx":353
+ *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+ *         set_out_offsets(&pb, out, n_batch_dims, shape, index)
  *     run_then_free(&pb, index, _kernels, options.threads, out, scores)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 345, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 353, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_4 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 345, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_4 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 353, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_13 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_4, __pyx_v_out, __pyx_v_scores); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 345, __pyx_L1_error)
+  __pyx_t_13 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_4, __pyx_v_out, __pyx_v_scores); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 353, __pyx_L1_error)
 
 
 
-  /* "cattention/_driver/extension.pyx":308
+  /* "cattention/_driver/extension.pyx":310
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
@@ -76321,7 +76673,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":348
+/* "cattention/_driver/extension.pyx":356
  * 
  * 
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):             # <<<<<<<<<<<<<<
@@ -76340,20 +76692,20 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("read_place", 0);
 
-  /* "cattention/_driver/extension.pyx":350
+  /* "cattention/_driver/extension.pyx":358
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):
  *     """The Place of a ``_prepare.entries.Place``."""
  *     cdef cnp.ndarray arr = given.array             # <<<<<<<<<<<<<<
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 358, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 350, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 358, __pyx_L1_error)
   __pyx_v_arr = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "cattention/_driver/extension.pyx":351
+  /* "cattention/_driver/extension.pyx":359
  *     """The Place of a ``_prepare.entries.Place``."""
  *     cdef cnp.ndarray arr = given.array
  *     place.data = <const char *>cnp.PyArray_DATA(arr)             # <<<<<<<<<<<<<<
@@ -76362,7 +76714,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
   __pyx_v_place->data = ((char const *)PyArray_DATA(__pyx_v_arr));
 
-  /* "cattention/_driver/extension.pyx":352
+  /* "cattention/_driver/extension.pyx":360
  *     cdef cnp.ndarray arr = given.array
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)             # <<<<<<<<<<<<<<
@@ -76371,7 +76723,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
   __pyx_v_place->type_num = PyArray_TYPE(__pyx_v_arr);
 
-  /* "cattention/_driver/extension.pyx":353
+  /* "cattention/_driver/extension.pyx":361
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = &seq_offset[0]             # <<<<<<<<<<<<<<
@@ -76381,59 +76733,59 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   __pyx_t_2 = 0;
   __pyx_v_place->seq_offset = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_seq_offset.data) + __pyx_t_2)) ))));
 
-  /* "cattention/_driver/extension.pyx":354
+  /* "cattention/_driver/extension.pyx":362
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = &seq_offset[0]
  *     place.t_stride = given.t_stride             # <<<<<<<<<<<<<<
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_t_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 354, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_t_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 362, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 354, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 362, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->t_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":355
+  /* "cattention/_driver/extension.pyx":363
  *     place.seq_offset = &seq_offset[0]
  *     place.t_stride = given.t_stride
  *     place.h_stride = given.h_stride             # <<<<<<<<<<<<<<
  *     place.col_stride = given.col_stride
  *     place.page_stride = given.page_stride
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_h_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 355, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_h_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 363, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 355, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->h_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":356
+  /* "cattention/_driver/extension.pyx":364
  *     place.t_stride = given.t_stride
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride             # <<<<<<<<<<<<<<
  *     place.page_stride = given.page_stride
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_col_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 356, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_col_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 364, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 356, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->col_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":357
+  /* "cattention/_driver/extension.pyx":365
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride
  *     place.page_stride = given.page_stride             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_page_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 357, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_page_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 357, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->page_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":348
+  /* "cattention/_driver/extension.pyx":356
  * 
  * 
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):             # <<<<<<<<<<<<<<
@@ -76452,7 +76804,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   __Pyx_RefNannyFinishContext();
 }
 
-/* "cattention/_driver/extension.pyx":360
+/* "cattention/_driver/extension.pyx":368
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
@@ -76500,32 +76852,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_call,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 360, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 368, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 360, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 368, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_entries", 0) < (0)) __PYX_ERR(0, 360, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_entries", 0) < (0)) __PYX_ERR(0, 368, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, i); __PYX_ERR(0, 360, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, i); __PYX_ERR(0, 368, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 360, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 368, __pyx_L3_error)
     }
     __pyx_v_call = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 360, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 368, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -76551,6 +76903,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __Pyx_memviewslice __pyx_v_sinks = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_q_lengths = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_kv_lengths = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_v_kv_starts = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_page_ids = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_q_offset = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_k_offset = { 0, 0, { 0 }, { 0 }, { 0 } };
@@ -76575,312 +76928,330 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __Pyx_memviewslice __pyx_t_10 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_11 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_12 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  int __pyx_t_13;
-  __Pyx_memviewslice __pyx_t_14 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  __Pyx_memviewslice __pyx_t_13 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_t_14;
   __Pyx_memviewslice __pyx_t_15 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_16 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_17 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_18 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_19 = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_t_20 = { 0, 0, { 0 }, { 0 }, { 0 } };
-  Py_ssize_t __pyx_t_21;
-  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_22;
-  Py_ssize_t __pyx_t_23;
-  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_24;
-  double const *__pyx_t_25;
-  double const *__pyx_t_26;
-  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_27;
-  int __pyx_t_28;
+  __Pyx_memviewslice __pyx_t_21 = { 0, 0, { 0 }, { 0 }, { 0 } };
+  Py_ssize_t __pyx_t_22;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_23;
+  Py_ssize_t __pyx_t_24;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_25;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_26;
+  int __pyx_t_27;
+  double const *__pyx_t_28;
+  double const *__pyx_t_29;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_30;
+  int __pyx_t_31;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("run_entries", 0);
 
-  /* "cattention/_driver/extension.pyx":367
+  /* "cattention/_driver/extension.pyx":375
  *     native byte order and aligned; the options' alibi and sinks are None or
  *     one value per (sequence, query head)."""
  *     cdef const double[::1] alibi = call.options.alibi             # <<<<<<<<<<<<<<
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 367, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 367, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 367, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_alibi = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":368
+  /* "cattention/_driver/extension.pyx":376
  *     one value per (sequence, query head)."""
  *     cdef const double[::1] alibi = call.options.alibi
  *     cdef const double[::1] sinks = call.options.sinks             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 368, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 368, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_4 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_4.memview)) __PYX_ERR(0, 368, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_4.memview)) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_sinks = __pyx_t_4;
   __pyx_t_4.memview = NULL;
   __pyx_t_4.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":369
+  /* "cattention/_driver/extension.pyx":377
  *     cdef const double[::1] alibi = call.options.alibi
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
- *     cdef const intp_t[::1] page_ids = call.page_ids
+ *     cdef const intp_t[::1] kv_starts = call.kv_starts
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 369, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 369, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 377, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_q_lengths = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":370
+  /* "cattention/_driver/extension.pyx":378
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths             # <<<<<<<<<<<<<<
+ *     cdef const intp_t[::1] kv_starts = call.kv_starts
  *     cdef const intp_t[::1] page_ids = call.page_ids
- *     # the places' offsets, held here while the plan points into them
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 370, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 370, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 378, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_kv_lengths = __pyx_t_6;
   __pyx_t_6.memview = NULL;
   __pyx_t_6.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":371
+  /* "cattention/_driver/extension.pyx":379
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
+ *     cdef const intp_t[::1] kv_starts = call.kv_starts             # <<<<<<<<<<<<<<
+ *     cdef const intp_t[::1] page_ids = call.page_ids
+ *     # the places' offsets, held here while the plan points into them
+*/
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_starts); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 379, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  __pyx_t_7 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_7.memview)) __PYX_ERR(0, 379, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  __pyx_v_kv_starts = __pyx_t_7;
+  __pyx_t_7.memview = NULL;
+  __pyx_t_7.data = NULL;
+
+  /* "cattention/_driver/extension.pyx":380
+ *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
+ *     cdef const intp_t[::1] kv_starts = call.kv_starts
  *     cdef const intp_t[::1] page_ids = call.page_ids             # <<<<<<<<<<<<<<
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_ids); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 371, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_ids); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 380, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_7.memview)) __PYX_ERR(0, 371, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 380, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_v_page_ids = __pyx_t_7;
-  __pyx_t_7.memview = NULL;
-  __pyx_t_7.data = NULL;
+  __pyx_v_page_ids = __pyx_t_8;
+  __pyx_t_8.memview = NULL;
+  __pyx_t_8.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":373
+  /* "cattention/_driver/extension.pyx":382
  *     cdef const intp_t[::1] page_ids = call.page_ids
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 373, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 373, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 373, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_q_offset = __pyx_t_8;
-  __pyx_t_8.memview = NULL;
-  __pyx_t_8.data = NULL;
+  __pyx_v_q_offset = __pyx_t_9;
+  __pyx_t_9.memview = NULL;
+  __pyx_t_9.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":374
+  /* "cattention/_driver/extension.pyx":383
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 374, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 383, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 374, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 383, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 374, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 383, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_v_k_offset = __pyx_t_9;
-  __pyx_t_9.memview = NULL;
-  __pyx_t_9.data = NULL;
+  __pyx_v_k_offset = __pyx_t_10;
+  __pyx_t_10.memview = NULL;
+  __pyx_t_10.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":375
+  /* "cattention/_driver/extension.pyx":384
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_v_offset = __pyx_t_10;
-  __pyx_t_10.memview = NULL;
-  __pyx_t_10.data = NULL;
+  __pyx_v_v_offset = __pyx_t_11;
+  __pyx_t_11.memview = NULL;
+  __pyx_t_11.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":376
+  /* "cattention/_driver/extension.pyx":385
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_v_out_offset = __pyx_t_11;
-  __pyx_t_11.memview = NULL;
-  __pyx_t_11.data = NULL;
+  __pyx_v_out_offset = __pyx_t_12;
+  __pyx_t_12.memview = NULL;
+  __pyx_t_12.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":377
+  /* "cattention/_driver/extension.pyx":386
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 386, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_13 = (__pyx_t_1 != Py_None);
+  __pyx_t_14 = (__pyx_t_1 != Py_None);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  if (__pyx_t_13) {
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
+  if (__pyx_t_14) {
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 386, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 377, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 386, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_14 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_14.memview)) __PYX_ERR(0, 377, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 386, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_12 = __pyx_t_14;
-    __pyx_t_14.memview = NULL;
-    __pyx_t_14.data = NULL;
+    __pyx_t_13 = __pyx_t_15;
+    __pyx_t_15.memview = NULL;
+    __pyx_t_15.data = NULL;
   } else {
-    __pyx_t_14 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_14.memview)) __PYX_ERR(0, 377, __pyx_L1_error)
-    __pyx_t_12 = __pyx_t_14;
-    __pyx_t_14.memview = NULL;
-    __pyx_t_14.data = NULL;
+    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 386, __pyx_L1_error)
+    __pyx_t_13 = __pyx_t_15;
+    __pyx_t_15.memview = NULL;
+    __pyx_t_15.data = NULL;
   }
 
-  __pyx_v_lse_offset = __pyx_t_12;
-  __pyx_t_12.memview = NULL;
-  __pyx_t_12.data = NULL;
+  __pyx_v_lse_offset = __pyx_t_13;
+  __pyx_t_13.memview = NULL;
+  __pyx_t_13.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":378
+  /* "cattention/_driver/extension.pyx":387
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None             # <<<<<<<<<<<<<<
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_13 = (__pyx_t_2 != Py_None);
+  __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  if (__pyx_t_13) {
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 378, __pyx_L1_error)
+  if (__pyx_t_14) {
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_16 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_16.memview)) __PYX_ERR(0, 378, __pyx_L1_error)
+    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 387, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_15 = __pyx_t_16;
-    __pyx_t_16.memview = NULL;
-    __pyx_t_16.data = NULL;
+    __pyx_t_16 = __pyx_t_17;
+    __pyx_t_17.memview = NULL;
+    __pyx_t_17.data = NULL;
   } else {
 
-    /* "cattention/_driver/extension.pyx":379
+    /* "cattention/_driver/extension.pyx":388
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
  *                                              else None)
 */
-    __pyx_t_16 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_16.memview)) __PYX_ERR(0, 379, __pyx_L1_error)
-    __pyx_t_15 = __pyx_t_16;
-    __pyx_t_16.memview = NULL;
-    __pyx_t_16.data = NULL;
+    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 388, __pyx_L1_error)
+    __pyx_t_16 = __pyx_t_17;
+    __pyx_t_17.memview = NULL;
+    __pyx_t_17.data = NULL;
   }
 
-  __pyx_v_k_scale_offset = __pyx_t_15;
-  __pyx_t_15.memview = NULL;
-  __pyx_t_15.data = NULL;
+  __pyx_v_k_scale_offset = __pyx_t_16;
+  __pyx_t_16.memview = NULL;
+  __pyx_t_16.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":380
+  /* "cattention/_driver/extension.pyx":389
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None             # <<<<<<<<<<<<<<
  *                                              else None)
  *     cdef EntryPlan plan
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 380, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_13 = (__pyx_t_1 != Py_None);
+  __pyx_t_14 = (__pyx_t_1 != Py_None);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  if (__pyx_t_13) {
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 380, __pyx_L1_error)
+  if (__pyx_t_14) {
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 380, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_18 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_18.memview)) __PYX_ERR(0, 380, __pyx_L1_error)
+    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_17 = __pyx_t_18;
-    __pyx_t_18.memview = NULL;
-    __pyx_t_18.data = NULL;
+    __pyx_t_18 = __pyx_t_19;
+    __pyx_t_19.memview = NULL;
+    __pyx_t_19.data = NULL;
   } else {
 
-    /* "cattention/_driver/extension.pyx":381
+    /* "cattention/_driver/extension.pyx":390
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
  *                                              else None)             # <<<<<<<<<<<<<<
  *     cdef EntryPlan plan
  *     cdef RowOptions row
 */
-    __pyx_t_18 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_18.memview)) __PYX_ERR(0, 381, __pyx_L1_error)
-    __pyx_t_17 = __pyx_t_18;
-    __pyx_t_18.memview = NULL;
-    __pyx_t_18.data = NULL;
+    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 390, __pyx_L1_error)
+    __pyx_t_18 = __pyx_t_19;
+    __pyx_t_19.memview = NULL;
+    __pyx_t_19.data = NULL;
   }
 
-  __pyx_v_v_scale_offset = __pyx_t_17;
-  __pyx_t_17.memview = NULL;
-  __pyx_t_17.data = NULL;
+  __pyx_v_v_scale_offset = __pyx_t_18;
+  __pyx_t_18.memview = NULL;
+  __pyx_t_18.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":384
+  /* "cattention/_driver/extension.pyx":393
  *     cdef EntryPlan plan
  *     cdef RowOptions row
  *     read_row_options(call.options, &row, None, None)             # <<<<<<<<<<<<<<
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 393, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 384, __pyx_L1_error)
-  __pyx_t_20 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_20.memview)) __PYX_ERR(0, 384, __pyx_L1_error)
-  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_t_2, (&__pyx_v_row), __pyx_t_19, __pyx_t_20); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 384, __pyx_L1_error)
+  __pyx_t_20 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_20.memview)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_21 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_21.memview)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_t_2, (&__pyx_v_row), __pyx_t_20, __pyx_t_21); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 393, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_19, 1);; __pyx_t_19.memview = NULL; __pyx_t_19.data = NULL;
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_20, 1);; __pyx_t_20.memview = NULL; __pyx_t_20.data = NULL;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_21, 1);; __pyx_t_21.memview = NULL; __pyx_t_21.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":385
+  /* "cattention/_driver/extension.pyx":394
  *     cdef RowOptions row
  *     read_row_options(call.options, &row, None, None)
  *     plan.n_seq = q_lengths.shape[0]             # <<<<<<<<<<<<<<
@@ -76889,147 +77260,181 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.n_seq = (__pyx_v_q_lengths.shape[0]);
 
-  /* "cattention/_driver/extension.pyx":386
+  /* "cattention/_driver/extension.pyx":395
  *     read_row_options(call.options, &row, None, None)
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads             # <<<<<<<<<<<<<<
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_plan.n_heads = __pyx_t_21;
+  __pyx_v_plan.n_heads = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":387
+  /* "cattention/_driver/extension.pyx":396
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads
  *     plan.n_kv_heads = call.n_kv_heads             # <<<<<<<<<<<<<<
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_kv_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_kv_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 396, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 396, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_plan.n_kv_heads = __pyx_t_21;
+  __pyx_v_plan.n_kv_heads = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":388
+  /* "cattention/_driver/extension.pyx":397
  *     plan.n_heads = call.n_heads
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k             # <<<<<<<<<<<<<<
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 388, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 388, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_plan.d_k = __pyx_t_21;
+  __pyx_v_plan.d_k = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":389
+  /* "cattention/_driver/extension.pyx":398
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v             # <<<<<<<<<<<<<<
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_plan.d_v = __pyx_t_21;
+  __pyx_v_plan.d_v = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":390
+  /* "cattention/_driver/extension.pyx":399
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
- *     read_place(&plan.q, call.q, q_offset)
+ *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
 */
-  __pyx_t_13 = (__pyx_v_plan.n_seq > 0);
+  __pyx_t_14 = (__pyx_v_plan.n_seq > 0);
 
-  if (__pyx_t_13) {
-    __pyx_t_23 = 0;
+  if (__pyx_t_14) {
+    __pyx_t_24 = 0;
 
-    __pyx_t_22 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_q_lengths.data) + __pyx_t_23)) ))));
+    __pyx_t_23 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_q_lengths.data) + __pyx_t_24)) ))));
   } else {
 
-    __pyx_t_22 = NULL;
+    __pyx_t_23 = NULL;
   }
 
-  __pyx_v_plan.q_lengths = __pyx_t_22;
+  __pyx_v_plan.q_lengths = __pyx_t_23;
 
-  /* "cattention/_driver/extension.pyx":391
+  /* "cattention/_driver/extension.pyx":400
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
+ *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
+ *     read_place(&plan.q, call.q, q_offset)
+*/
+  __pyx_t_14 = (__pyx_v_plan.n_seq > 0);
+
+  if (__pyx_t_14) {
+    __pyx_t_24 = 0;
+
+    __pyx_t_25 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_lengths.data) + __pyx_t_24)) ))));
+  } else {
+
+    __pyx_t_25 = NULL;
+  }
+
+  __pyx_v_plan.kv_lengths = __pyx_t_25;
+
+  /* "cattention/_driver/extension.pyx":401
+ *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
+ *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
+ *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)
 */
-  __pyx_t_13 = (__pyx_v_plan.n_seq > 0);
+  __pyx_t_27 = (((PyObject *) __pyx_v_kv_starts.memview) != Py_None);
 
-  if (__pyx_t_13) {
-    __pyx_t_23 = 0;
+  if (__pyx_t_27) {
 
-    __pyx_t_24 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_lengths.data) + __pyx_t_23)) ))));
   } else {
 
-    __pyx_t_24 = NULL;
+    __pyx_t_14 = __pyx_t_27;
+
+    goto __pyx_L3_bool_binop_done;
+  }
+  __pyx_t_27 = (__pyx_v_plan.n_seq > 0);
+
+
+  __pyx_t_14 = __pyx_t_27;
+
+  __pyx_L3_bool_binop_done:;
+  if (__pyx_t_14) {
+    __pyx_t_24 = 0;
+
+    __pyx_t_26 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_starts.data) + __pyx_t_24)) ))));
+  } else {
+
+    __pyx_t_26 = NULL;
   }
 
-  __pyx_v_plan.kv_lengths = __pyx_t_24;
+  __pyx_v_plan.kv_starts = __pyx_t_26;
 
-  /* "cattention/_driver/extension.pyx":392
- *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
+  /* "cattention/_driver/extension.pyx":402
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
+ *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
  *     read_place(&plan.q, call.q, q_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 392, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.q), __pyx_t_2, __pyx_v_q_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 392, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.q), __pyx_t_2, __pyx_v_q_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":393
- *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
+  /* "cattention/_driver/extension.pyx":403
+ *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 403, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k), __pyx_t_2, __pyx_v_k_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k), __pyx_t_2, __pyx_v_k_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 403, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":394
+  /* "cattention/_driver/extension.pyx":404
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 394, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v), __pyx_t_2, __pyx_v_v_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 394, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v), __pyx_t_2, __pyx_v_v_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":395
+  /* "cattention/_driver/extension.pyx":405
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)             # <<<<<<<<<<<<<<
  *     plan.lse.data = NULL
  *     if call.lse is not None:
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 405, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.out), __pyx_t_2, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.out), __pyx_t_2, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 405, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":396
+  /* "cattention/_driver/extension.pyx":406
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL             # <<<<<<<<<<<<<<
@@ -77038,33 +77443,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.lse.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":397
+  /* "cattention/_driver/extension.pyx":407
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
  *     if call.lse is not None:             # <<<<<<<<<<<<<<
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 407, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_13 = (__pyx_t_2 != Py_None);
+  __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  if (__pyx_t_13) {
+  if (__pyx_t_14) {
 
 
-    /* "cattention/_driver/extension.pyx":398
+    /* "cattention/_driver/extension.pyx":408
  *     plan.lse.data = NULL
  *     if call.lse is not None:
  *         read_place(&plan.lse, call.lse, lse_offset)             # <<<<<<<<<<<<<<
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 408, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.lse), __pyx_t_2, __pyx_v_lse_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 398, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.lse), __pyx_t_2, __pyx_v_lse_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 408, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":397
+    /* "cattention/_driver/extension.pyx":407
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
  *     if call.lse is not None:             # <<<<<<<<<<<<<<
@@ -77073,7 +77478,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":399
+  /* "cattention/_driver/extension.pyx":409
  *     if call.lse is not None:
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -77082,7 +77487,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":400
+  /* "cattention/_driver/extension.pyx":410
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -77091,45 +77496,45 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":401
+  /* "cattention/_driver/extension.pyx":411
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:             # <<<<<<<<<<<<<<
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 401, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 411, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_13 = (__pyx_t_2 != Py_None);
+  __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  if (__pyx_t_13) {
+  if (__pyx_t_14) {
 
 
-    /* "cattention/_driver/extension.pyx":402
+    /* "cattention/_driver/extension.pyx":412
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)             # <<<<<<<<<<<<<<
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 402, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 412, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k_scale), __pyx_t_2, __pyx_v_k_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 402, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k_scale), __pyx_t_2, __pyx_v_k_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 412, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":403
+    /* "cattention/_driver/extension.pyx":413
  *     if call.k_scale is not None:
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)             # <<<<<<<<<<<<<<
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 403, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 413, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v_scale), __pyx_t_2, __pyx_v_v_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 403, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v_scale), __pyx_t_2, __pyx_v_v_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 413, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":401
+    /* "cattention/_driver/extension.pyx":411
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:             # <<<<<<<<<<<<<<
@@ -77138,118 +77543,118 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":404
+  /* "cattention/_driver/extension.pyx":414
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL             # <<<<<<<<<<<<<<
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
 */
-  __pyx_t_13 = (((PyObject *) __pyx_v_alibi.memview) != Py_None);
+  __pyx_t_14 = (((PyObject *) __pyx_v_alibi.memview) != Py_None);
 
-  if (__pyx_t_13) {
-    __pyx_t_23 = 0;
+  if (__pyx_t_14) {
+    __pyx_t_24 = 0;
 
-    __pyx_t_25 = (&(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_alibi.data) + __pyx_t_23)) ))));
+    __pyx_t_28 = (&(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_alibi.data) + __pyx_t_24)) ))));
   } else {
 
-    __pyx_t_25 = NULL;
+    __pyx_t_28 = NULL;
   }
 
-  __pyx_v_plan.alibi = __pyx_t_25;
+  __pyx_v_plan.alibi = __pyx_t_28;
 
-  /* "cattention/_driver/extension.pyx":405
+  /* "cattention/_driver/extension.pyx":415
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL             # <<<<<<<<<<<<<<
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq
 */
-  __pyx_t_13 = (((PyObject *) __pyx_v_sinks.memview) != Py_None);
+  __pyx_t_14 = (((PyObject *) __pyx_v_sinks.memview) != Py_None);
 
-  if (__pyx_t_13) {
-    __pyx_t_23 = 0;
+  if (__pyx_t_14) {
+    __pyx_t_24 = 0;
 
-    __pyx_t_26 = (&(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_sinks.data) + __pyx_t_23)) ))));
+    __pyx_t_29 = (&(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_sinks.data) + __pyx_t_24)) ))));
   } else {
 
-    __pyx_t_26 = NULL;
+    __pyx_t_29 = NULL;
   }
 
-  __pyx_v_plan.sinks = __pyx_t_26;
+  __pyx_v_plan.sinks = __pyx_t_29;
 
-  /* "cattention/_driver/extension.pyx":406
+  /* "cattention/_driver/extension.pyx":416
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL             # <<<<<<<<<<<<<<
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size
 */
-  __pyx_t_13 = (((PyObject *) __pyx_v_page_ids.memview) != Py_None);
+  __pyx_t_14 = (((PyObject *) __pyx_v_page_ids.memview) != Py_None);
 
-  if (__pyx_t_13) {
-    __pyx_t_23 = 0;
+  if (__pyx_t_14) {
+    __pyx_t_24 = 0;
 
-    __pyx_t_27 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_page_ids.data) + __pyx_t_23)) ))));
+    __pyx_t_30 = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_page_ids.data) + __pyx_t_24)) ))));
   } else {
 
-    __pyx_t_27 = NULL;
+    __pyx_t_30 = NULL;
   }
 
-  __pyx_v_plan.page_ids = __pyx_t_27;
+  __pyx_v_plan.page_ids = __pyx_t_30;
 
-  /* "cattention/_driver/extension.pyx":407
+  /* "cattention/_driver/extension.pyx":417
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq             # <<<<<<<<<<<<<<
  *     plan.page_size = call.page_size
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_pages_per_seq); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 407, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_pages_per_seq); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 417, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 407, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_plan.pages_per_seq = __pyx_t_21;
+  __pyx_v_plan.pages_per_seq = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":408
+  /* "cattention/_driver/extension.pyx":418
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size             # <<<<<<<<<<<<<<
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
  * 
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 408, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 418, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 408, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 418, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_v_plan.page_size = __pyx_t_21;
+  __pyx_v_plan.page_size = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":409
+  /* "cattention/_driver/extension.pyx":419
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_21 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_21 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  if (!(likely(((__pyx_t_2) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_2, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 409, __pyx_L1_error)
-  __pyx_t_28 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_21, ((PyArrayObject *)__pyx_t_2)); if (unlikely(__pyx_t_28 == ((int)-1))) __PYX_ERR(0, 409, __pyx_L1_error)
+  if (!(likely(((__pyx_t_2) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_2, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_31 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_22, ((PyArrayObject *)__pyx_t_2)); if (unlikely(__pyx_t_31 == ((int)-1))) __PYX_ERR(0, 419, __pyx_L1_error)
 
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
 
-  /* "cattention/_driver/extension.pyx":360
+  /* "cattention/_driver/extension.pyx":368
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
@@ -77273,13 +77678,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_10, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_11, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_12, 1);
-  __PYX_XCLEAR_MEMVIEW(&__pyx_t_14, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_13, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_15, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_16, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_17, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_18, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_19, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_20, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_21, 1);
   __Pyx_AddTraceback("cattention._driver.extension.run_entries", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = NULL;
   __pyx_L0:;
@@ -77287,6 +77693,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_sinks, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_q_lengths, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_lengths, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_kv_starts, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_page_ids, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_q_offset, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_k_offset, 1);
@@ -77302,7 +77709,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":414
+/* "cattention/_driver/extension.pyx":424
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -77320,41 +77727,41 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52__defaults__(CYTHON
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__defaults__", 0);
-  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 414, __pyx_L1_error)
+  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
-  /* "cattention/_driver/extension.pyx":417
+  /* "cattention/_driver/extension.pyx":427
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
  *                 Py_ssize_t pages_per_seq=0):             # <<<<<<<<<<<<<<
  *     """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
  *     of head h of sequence s, at byte seq_offset[s] + t * rows.strides[row_axis]
 */
-  __pyx_t_2 = PyLong_FromSsize_t(((Py_ssize_t)0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(((Py_ssize_t)0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 427, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "cattention/_driver/extension.pyx":414
+  /* "cattention/_driver/extension.pyx":424
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
-  __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 414, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 414, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 414, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
-  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 414, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 414, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
   __Pyx_INCREF(Py_None);
   __Pyx_GIVEREF(Py_None);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_None) != (0)) __PYX_ERR(0, 414, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_None) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
   __pyx_t_3 = 0;
   {
     PyObject *__pyx_temp;
@@ -77429,104 +77836,104 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_cache,&__pyx_mstate_global->__pyx_n_u_rows,&__pyx_mstate_global->__pyx_n_u_seq_offset,&__pyx_mstate_global->__pyx_n_u_row_axis,&__pyx_mstate_global->__pyx_n_u_head_axis,&__pyx_mstate_global->__pyx_n_u_start,&__pyx_mstate_global->__pyx_n_u_n_new,&__pyx_mstate_global->__pyx_n_u_page_ids,&__pyx_mstate_global->__pyx_n_u_pages_per_seq,0};
     struct __pyx_defaults *__pyx_dynamic_args = __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self);
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 414, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 424, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "append_rows", 0) < (0)) __PYX_ERR(0, 414, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "append_rows", 0) < (0)) __PYX_ERR(0, 424, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 7; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, i); __PYX_ERR(0, 414, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, i); __PYX_ERR(0, 424, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 424, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 424, __pyx_L3_error)
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 424, __pyx_L3_error)
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 424, __pyx_L3_error)
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 424, __pyx_L3_error)
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 424, __pyx_L3_error)
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 424, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 414, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 424, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     __pyx_v_cache = ((PyArrayObject *)values[0]);
     __pyx_v_rows = ((PyArrayObject *)values[1]);
-    __pyx_v_seq_offset = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[2], 0); if (unlikely(!__pyx_v_seq_offset.memview)) __PYX_ERR(0, 414, __pyx_L3_error)
-    __pyx_v_row_axis = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_row_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 415, __pyx_L3_error)
-    __pyx_v_head_axis = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_head_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 415, __pyx_L3_error)
-    __pyx_v_start = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[5], 0); if (unlikely(!__pyx_v_start.memview)) __PYX_ERR(0, 415, __pyx_L3_error)
-    __pyx_v_n_new = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[6], 0); if (unlikely(!__pyx_v_n_new.memview)) __PYX_ERR(0, 416, __pyx_L3_error)
+    __pyx_v_seq_offset = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[2], 0); if (unlikely(!__pyx_v_seq_offset.memview)) __PYX_ERR(0, 424, __pyx_L3_error)
+    __pyx_v_row_axis = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_row_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 425, __pyx_L3_error)
+    __pyx_v_head_axis = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_head_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 425, __pyx_L3_error)
+    __pyx_v_start = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[5], 0); if (unlikely(!__pyx_v_start.memview)) __PYX_ERR(0, 425, __pyx_L3_error)
+    __pyx_v_n_new = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[6], 0); if (unlikely(!__pyx_v_n_new.memview)) __PYX_ERR(0, 426, __pyx_L3_error)
     if (values[7]) {
-      __pyx_v_page_ids = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[7], 0); if (unlikely(!__pyx_v_page_ids.memview)) __PYX_ERR(0, 416, __pyx_L3_error)
+      __pyx_v_page_ids = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[7], 0); if (unlikely(!__pyx_v_page_ids.memview)) __PYX_ERR(0, 426, __pyx_L3_error)
     } else {
       __pyx_v_page_ids = __pyx_dynamic_args->arg0;
       __PYX_INC_MEMVIEW(&__pyx_v_page_ids, 1);
     }
     if (values[8]) {
-      __pyx_v_pages_per_seq = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_pages_per_seq == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L3_error)
+      __pyx_v_pages_per_seq = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_pages_per_seq == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 427, __pyx_L3_error)
     } else {
       __pyx_v_pages_per_seq = ((Py_ssize_t)((Py_ssize_t)0));
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, __pyx_nargs); __PYX_ERR(0, 414, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, __pyx_nargs); __PYX_ERR(0, 424, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -77541,8 +77948,8 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cache), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cache", 0))) __PYX_ERR(0, 414, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_rows), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "rows", 0))) __PYX_ERR(0, 414, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cache), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cache", 0))) __PYX_ERR(0, 424, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_rows), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "rows", 0))) __PYX_ERR(0, 424, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_44append_rows(__pyx_self, __pyx_v_cache, __pyx_v_rows, __pyx_v_seq_offset, __pyx_v_row_axis, __pyx_v_head_axis, __pyx_v_start, __pyx_v_n_new, __pyx_v_page_ids, __pyx_v_pages_per_seq);
 
   /* function exit code */
@@ -77581,7 +77988,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   Py_ssize_t __pyx_t_4;
   __Pyx_RefNannySetupContext("append_rows", 0);
 
-  /* "cattention/_driver/extension.pyx":425
+  /* "cattention/_driver/extension.pyx":435
  *     cdef CacheRows dst
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]             # <<<<<<<<<<<<<<
@@ -77590,7 +77997,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_n_seq = (__pyx_v_start.shape[0]);
 
-  /* "cattention/_driver/extension.pyx":426
+  /* "cattention/_driver/extension.pyx":436
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:             # <<<<<<<<<<<<<<
@@ -77602,7 +78009,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":427
+    /* "cattention/_driver/extension.pyx":437
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:
  *         return             # <<<<<<<<<<<<<<
@@ -77619,7 +78026,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":426
+    /* "cattention/_driver/extension.pyx":436
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:             # <<<<<<<<<<<<<<
@@ -77628,7 +78035,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":428
+  /* "cattention/_driver/extension.pyx":438
  *     if n_seq == 0:
  *         return
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)             # <<<<<<<<<<<<<<
@@ -77649,7 +78056,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_dst), __pyx_v_cache, __pyx_t_2, __pyx_v_pages_per_seq);
 
 
-  /* "cattention/_driver/extension.pyx":429
+  /* "cattention/_driver/extension.pyx":439
  *         return
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
  *     src.data = <const char *>cnp.PyArray_DATA(rows)             # <<<<<<<<<<<<<<
@@ -77658,7 +78065,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.data = ((char const *)PyArray_DATA(__pyx_v_rows));
 
-  /* "cattention/_driver/extension.pyx":430
+  /* "cattention/_driver/extension.pyx":440
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
  *     src.data = <const char *>cnp.PyArray_DATA(rows)
  *     src.seq_offset = &seq_offset[0]             # <<<<<<<<<<<<<<
@@ -77668,7 +78075,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   __pyx_t_3 = 0;
   __pyx_v_src.seq_offset = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_seq_offset.data) + __pyx_t_3)) ))));
 
-  /* "cattention/_driver/extension.pyx":431
+  /* "cattention/_driver/extension.pyx":441
  *     src.data = <const char *>cnp.PyArray_DATA(rows)
  *     src.seq_offset = &seq_offset[0]
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)             # <<<<<<<<<<<<<<
@@ -77677,7 +78084,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.head_stride = PyArray_STRIDE(__pyx_v_rows, __pyx_v_head_axis);
 
-  /* "cattention/_driver/extension.pyx":432
+  /* "cattention/_driver/extension.pyx":442
  *     src.seq_offset = &seq_offset[0]
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)             # <<<<<<<<<<<<<<
@@ -77686,7 +78093,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.row_stride = PyArray_STRIDE(__pyx_v_rows, __pyx_v_row_axis);
 
-  /* "cattention/_driver/extension.pyx":433
+  /* "cattention/_driver/extension.pyx":443
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)             # <<<<<<<<<<<<<<
@@ -77695,7 +78102,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.col_stride = PyArray_STRIDE(__pyx_v_rows, (PyArray_NDIM(__pyx_v_rows) - 1));
 
-  /* "cattention/_driver/extension.pyx":434
+  /* "cattention/_driver/extension.pyx":444
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
  *     _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),             # <<<<<<<<<<<<<<
@@ -77705,7 +78112,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   __pyx_t_3 = 0;
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":435
+  /* "cattention/_driver/extension.pyx":445
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
  *     _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),
  *                  cnp.PyArray_DIM(cache, 3))             # <<<<<<<<<<<<<<
@@ -77714,7 +78121,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_f_10cattention_7_driver_7appends_append_rows((&__pyx_v_dst), (&__pyx_v_src), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_start.data) + __pyx_t_3)) )))), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_n_new.data) + __pyx_t_4)) )))), __pyx_v_n_seq, PyArray_DIM(__pyx_v_cache, 1), PyArray_DIM(__pyx_v_cache, 3));
 
-  /* "cattention/_driver/extension.pyx":414
+  /* "cattention/_driver/extension.pyx":424
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -77733,7 +78140,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":440
+/* "cattention/_driver/extension.pyx":450
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
@@ -77798,128 +78205,128 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_return_scores,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 440, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 450, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 440, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 450, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "attention_shortcut", 0) < (0)) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "attention_shortcut", 0) < (0)) __PYX_ERR(0, 450, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 18; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, i); __PYX_ERR(0, 440, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, i); __PYX_ERR(0, 450, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 18)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 450, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 440, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 450, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k = values[1];
@@ -77942,7 +78349,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 440, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 450, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -77972,14 +78379,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("attention_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":445
+  /* "cattention/_driver/extension.pyx":455
  *     """The result of ``attention`` when the call is the common case, else None
  *     (shortcuts.pxd)."""
  *     return _attention_shortcut(_kernels, q, k, v, causal, mask, scale, return_scores,             # <<<<<<<<<<<<<<
  *                                return_lse, enable_gqa, kv_lengths, window, softcap,
  *                                alibi_slopes, sinks, k_scale, v_scale, num_threads,
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 445, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 455, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -77992,7 +78399,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":440
+  /* "cattention/_driver/extension.pyx":450
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
@@ -78011,7 +78418,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":451
+/* "cattention/_driver/extension.pyx":461
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
@@ -78076,292 +78483,9 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_cache,&__pyx_mstate_global->__pyx_n_u_v_cache,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 451, __pyx_L3_error)
-    if (__pyx_kwds_len > 0) {
-      switch (__pyx_nargs) {
-        case 18:
-        values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 17:
-        values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 16:
-        values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 15:
-        values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 14:
-        values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 13:
-        values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 12:
-        values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 11:
-        values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case 10:
-        values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  9:
-        values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  8:
-        values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  7:
-        values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  6:
-        values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  5:
-        values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  4:
-        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  3:
-        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  2:
-        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  1:
-        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 451, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
-        case  0: break;
-        default: goto __pyx_L5_argtuple_error;
-      }
-      const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "kvcache_shortcut", 0) < (0)) __PYX_ERR(0, 451, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 18; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 18, 18, i); __PYX_ERR(0, 451, __pyx_L3_error) }
-      }
-    } else if (unlikely(__pyx_nargs != 18)) {
-      goto __pyx_L5_argtuple_error;
-    } else {
-      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 451, __pyx_L3_error)
-      values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 451, __pyx_L3_error)
-    }
-    __pyx_v_q = values[0];
-    __pyx_v_k_cache = values[1];
-    __pyx_v_v_cache = values[2];
-    __pyx_v_cache_lengths = values[3];
-    __pyx_v_k_new = values[4];
-    __pyx_v_v_new = values[5];
-    __pyx_v_causal = values[6];
-    __pyx_v_scale = values[7];
-    __pyx_v_enable_gqa = values[8];
-    __pyx_v_window = values[9];
-    __pyx_v_softcap = values[10];
-    __pyx_v_alibi_slopes = values[11];
-    __pyx_v_sinks = values[12];
-    __pyx_v_k_scale = values[13];
-    __pyx_v_v_scale = values[14];
-    __pyx_v_return_lse = values[15];
-    __pyx_v_num_threads = values[16];
-    __pyx_v_thread_limit = values[17];
-  }
-  goto __pyx_L6_skip;
-  __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 451, __pyx_L3_error)
-  __pyx_L6_skip:;
-  goto __pyx_L4_argument_unpacking_done;
-  __pyx_L3_error:;
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_AddTraceback("cattention._driver.extension.kvcache_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __Pyx_RefNannyFinishContext();
-  return NULL;
-  __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
-
-  /* function exit code */
-  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
-    Py_XDECREF(values[__pyx_temp]);
-  }
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
-  PyObject *__pyx_r = NULL;
-  __Pyx_RefNannyDeclarations
-  PyObject *__pyx_t_1 = NULL;
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  __Pyx_RefNannySetupContext("kvcache_shortcut", 0);
-
-  /* "cattention/_driver/extension.pyx":456
- *     """The result of ``attention_with_kvcache`` for a common serving step,
- *     else None before anything is written (shortcuts.pxd)."""
- *     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,             # <<<<<<<<<<<<<<
- *                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
- *                              v_scale, return_lse, num_threads, thread_limit)
-*/
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 456, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_1);
-  {
-    PyObject *__pyx_temp;
-    {
-      __pyx_temp = __pyx_r;
-      __pyx_r = __pyx_t_1;
-    }
-    __Pyx_XDECREF(__pyx_temp);
-  }
-  __pyx_t_1 = 0;
-  goto __pyx_L0;
-
-  /* "cattention/_driver/extension.pyx":451
- * 
- * 
- * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
- *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
- *                      return_lse, num_threads, thread_limit):
-*/
-
-  /* function exit code */
-  __pyx_L1_error:;
-  __Pyx_XDECREF(__pyx_t_1);
-  __Pyx_AddTraceback("cattention._driver.extension.kvcache_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-  __pyx_r = NULL;
-  __pyx_L0:;
-  __Pyx_XGIVEREF(__pyx_r);
-  __Pyx_RefNannyFinishContext();
-  return __pyx_r;
-}
-
-/* "cattention/_driver/extension.pyx":461
- * 
- * 
- * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
- *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
- *                    v_scale, return_lse, num_threads, thread_limit):
-*/
-
-/* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut(PyObject *__pyx_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_50paged_shortcut, "The result of ``attention_with_paged_kvcache`` for a common serving\n    step, else None before anything is written (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_51paged_shortcut = {"paged_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_50paged_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut(PyObject *__pyx_self, 
-#if CYTHON_VECTORCALL
-PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
-#else
-PyObject *__pyx_args, PyObject *__pyx_kwds
-#endif
-) {
-  PyObject *__pyx_v_q = 0;
-  PyObject *__pyx_v_k_pages = 0;
-  PyObject *__pyx_v_v_pages = 0;
-  PyObject *__pyx_v_block_table = 0;
-  PyObject *__pyx_v_cache_lengths = 0;
-  PyObject *__pyx_v_k_new = 0;
-  PyObject *__pyx_v_v_new = 0;
-  PyObject *__pyx_v_cu_seqlens_q = 0;
-  PyObject *__pyx_v_causal = 0;
-  PyObject *__pyx_v_scale = 0;
-  PyObject *__pyx_v_window = 0;
-  PyObject *__pyx_v_softcap = 0;
-  PyObject *__pyx_v_alibi_slopes = 0;
-  PyObject *__pyx_v_sinks = 0;
-  PyObject *__pyx_v_k_scale = 0;
-  PyObject *__pyx_v_v_scale = 0;
-  PyObject *__pyx_v_return_lse = 0;
-  PyObject *__pyx_v_num_threads = 0;
-  PyObject *__pyx_v_thread_limit = 0;
-  #if !CYTHON_VECTORCALL
-  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
-  #endif
-  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[19] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
-  int __pyx_lineno = 0;
-  const char *__pyx_filename = NULL;
-  int __pyx_clineno = 0;
-  PyObject *__pyx_r = 0;
-  __Pyx_RefNannyDeclarations
-  __Pyx_RefNannySetupContext("paged_shortcut (wrapper)", 0);
-  #if !CYTHON_VECTORCALL
-  #if CYTHON_ASSUME_SAFE_SIZE
-  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
-  #else
-  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
-  #endif
-  #endif
-  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
-  {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_pages,&__pyx_mstate_global->__pyx_n_u_v_pages,&__pyx_mstate_global->__pyx_n_u_block_table,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_cu_seqlens_q,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
-    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
     if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 461, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
-        case 19:
-        values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 461, __pyx_L3_error)
-        CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
         if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 461, __pyx_L3_error)
@@ -78438,11 +78562,11 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "paged_shortcut", 0) < (0)) __PYX_ERR(0, 461, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 19; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 19, 19, i); __PYX_ERR(0, 461, __pyx_L3_error) }
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "kvcache_shortcut", 0) < (0)) __PYX_ERR(0, 461, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 18; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 18, 18, i); __PYX_ERR(0, 461, __pyx_L3_error) }
       }
-    } else if (unlikely(__pyx_nargs != 19)) {
+    } else if (unlikely(__pyx_nargs != 18)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
@@ -78481,8 +78605,291 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
       if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 461, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
       if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 461, __pyx_L3_error)
+    }
+    __pyx_v_q = values[0];
+    __pyx_v_k_cache = values[1];
+    __pyx_v_v_cache = values[2];
+    __pyx_v_cache_lengths = values[3];
+    __pyx_v_k_new = values[4];
+    __pyx_v_v_new = values[5];
+    __pyx_v_causal = values[6];
+    __pyx_v_scale = values[7];
+    __pyx_v_enable_gqa = values[8];
+    __pyx_v_window = values[9];
+    __pyx_v_softcap = values[10];
+    __pyx_v_alibi_slopes = values[11];
+    __pyx_v_sinks = values[12];
+    __pyx_v_k_scale = values[13];
+    __pyx_v_v_scale = values[14];
+    __pyx_v_return_lse = values[15];
+    __pyx_v_num_threads = values[16];
+    __pyx_v_thread_limit = values[17];
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 461, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("cattention._driver.extension.kvcache_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("kvcache_shortcut", 0);
+
+  /* "cattention/_driver/extension.pyx":466
+ *     """The result of ``attention_with_kvcache`` for a common serving step,
+ *     else None before anything is written (shortcuts.pxd)."""
+ *     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,             # <<<<<<<<<<<<<<
+ *                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
+ *                              v_scale, return_lse, num_threads, thread_limit)
+*/
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 466, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_1;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_1 = 0;
+  goto __pyx_L0;
+
+  /* "cattention/_driver/extension.pyx":461
+ * 
+ * 
+ * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
+ *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
+ *                      return_lse, num_threads, thread_limit):
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_AddTraceback("cattention._driver.extension.kvcache_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "cattention/_driver/extension.pyx":471
+ * 
+ * 
+ * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
+ *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
+ *                    v_scale, return_lse, num_threads, thread_limit):
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_50paged_shortcut, "The result of ``attention_with_paged_kvcache`` for a common serving\n    step, else None before anything is written (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_51paged_shortcut = {"paged_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_50paged_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v_q = 0;
+  PyObject *__pyx_v_k_pages = 0;
+  PyObject *__pyx_v_v_pages = 0;
+  PyObject *__pyx_v_block_table = 0;
+  PyObject *__pyx_v_cache_lengths = 0;
+  PyObject *__pyx_v_k_new = 0;
+  PyObject *__pyx_v_v_new = 0;
+  PyObject *__pyx_v_cu_seqlens_q = 0;
+  PyObject *__pyx_v_causal = 0;
+  PyObject *__pyx_v_scale = 0;
+  PyObject *__pyx_v_window = 0;
+  PyObject *__pyx_v_softcap = 0;
+  PyObject *__pyx_v_alibi_slopes = 0;
+  PyObject *__pyx_v_sinks = 0;
+  PyObject *__pyx_v_k_scale = 0;
+  PyObject *__pyx_v_v_scale = 0;
+  PyObject *__pyx_v_return_lse = 0;
+  PyObject *__pyx_v_num_threads = 0;
+  PyObject *__pyx_v_thread_limit = 0;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[19] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("paged_shortcut (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_pages,&__pyx_mstate_global->__pyx_n_u_v_pages,&__pyx_mstate_global->__pyx_n_u_block_table,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_cu_seqlens_q,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 471, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case 19:
+        values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 18:
+        values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 17:
+        values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 16:
+        values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 15:
+        values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 14:
+        values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 13:
+        values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 12:
+        values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 11:
+        values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 10:
+        values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  9:
+        values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  8:
+        values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  7:
+        values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  6:
+        values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  5:
+        values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  4:
+        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 471, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "paged_shortcut", 0) < (0)) __PYX_ERR(0, 471, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 19; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 19, 19, i); __PYX_ERR(0, 471, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 19)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 471, __pyx_L3_error)
+      values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 471, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 471, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k_pages = values[1];
@@ -78506,7 +78913,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 19, 19, __pyx_nargs); __PYX_ERR(0, 461, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 19, 19, __pyx_nargs); __PYX_ERR(0, 471, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -78536,14 +78943,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("paged_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":466
+  /* "cattention/_driver/extension.pyx":476
  *     """The result of ``attention_with_paged_kvcache`` for a common serving
  *     step, else None before anything is written (shortcuts.pxd)."""
  *     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,             # <<<<<<<<<<<<<<
  *                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
  *                            sinks, k_scale, v_scale, return_lse, num_threads, thread_limit)
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 466, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -78556,7 +78963,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":461
+  /* "cattention/_driver/extension.pyx":471
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
@@ -79936,14 +80343,14 @@ static int __Pyx_modinit_Exttype___pyx_defaults(__pyx_mstatetype *__pyx_mstate) 
   __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_defaults", 0);
   /*--- Exttype __pyx_defaults ---*/
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10cattention_7_driver_9extension___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 414, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10cattention_7_driver_9extension___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 424, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = &__pyx_type_10cattention_7_driver_9extension___pyx_defaults;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults) < (0)) __PYX_ERR(0, 414, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults) < (0)) __PYX_ERR(0, 424, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults);
@@ -81114,17 +81521,17 @@ __Pyx_RefNannySetupContext("PyInit_extension", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Enum, __pyx_t_4) < (0)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":78
+  /* "cattention/_driver/extension.pyx":79
  *         int tile_cols_f64
  * 
  * cnp.import_array()             # <<<<<<<<<<<<<<
  * 
  * cdef const ca_kernels *_kernels = ca_default_kernels()
 */
-  __pyx_t_9 = __pyx_f_5numpy_import_array(); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 78, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_5numpy_import_array(); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 79, __pyx_L1_error)
 
 
-  /* "cattention/_driver/extension.pyx":80
+  /* "cattention/_driver/extension.pyx":81
  * cnp.import_array()
  * 
  * cdef const ca_kernels *_kernels = ca_default_kernels()             # <<<<<<<<<<<<<<
@@ -81133,410 +81540,410 @@ __Pyx_RefNannySetupContext("PyInit_extension", 0);
 */
   __pyx_v_10cattention_7_driver_9extension__kernels = ca_default_kernels();
 
-  /* "cattention/_driver/extension.pyx":176
+  /* "cattention/_driver/extension.pyx":178
  * # ------------------------------------------------------------ introspection
  * 
  * def get_simd():             # <<<<<<<<<<<<<<
  *     """Name of the kernel table in use."""
  *     return (<bytes>_kernels.name).decode()
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_1get_simd, 0, __pyx_mstate_global->__pyx_n_u_get_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 176, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_1get_simd, 0, __pyx_mstate_global->__pyx_n_u_get_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 178, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_get_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 176, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_get_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 178, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":181
+  /* "cattention/_driver/extension.pyx":183
  * 
  * 
  * def available_simd():             # <<<<<<<<<<<<<<
  *     """Names of the kernel tables this CPU can run, best last."""
  *     cdef const char *names[8]
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_3available_simd, 0, __pyx_mstate_global->__pyx_n_u_available_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 181, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_3available_simd, 0, __pyx_mstate_global->__pyx_n_u_available_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 183, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_available_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 181, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_available_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 183, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":188
+  /* "cattention/_driver/extension.pyx":190
  * 
  * 
  * def compiled_simd():             # <<<<<<<<<<<<<<
  *     """Names of the kernel tables compiled in, whether this CPU runs them or
  *     not, best last."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_5compiled_simd, 0, __pyx_mstate_global->__pyx_n_u_compiled_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 188, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_5compiled_simd, 0, __pyx_mstate_global->__pyx_n_u_compiled_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 190, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiled_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 188, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiled_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 190, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":196
+  /* "cattention/_driver/extension.pyx":198
  * 
  * 
  * def simd_tile():             # <<<<<<<<<<<<<<
  *     """The register tile of the table in use: (rows, float32 columns,
  *     float64 columns)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_7simd_tile, 0, __pyx_mstate_global->__pyx_n_u_simd_tile, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 196, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_7simd_tile, 0, __pyx_mstate_global->__pyx_n_u_simd_tile, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_simd_tile, __pyx_t_4) < (0)) __PYX_ERR(0, 196, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_simd_tile, __pyx_t_4) < (0)) __PYX_ERR(0, 198, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":203
+  /* "cattention/_driver/extension.pyx":205
  * 
  * 
  * def set_simd(name):             # <<<<<<<<<<<<<<
  *     """Use the kernel table called ``name`` (for tests and benchmarks).
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_9set_simd, 0, __pyx_mstate_global->__pyx_n_u_set_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 203, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_9set_simd, 0, __pyx_mstate_global->__pyx_n_u_set_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 205, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_set_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 203, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_set_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 205, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":218
+  /* "cattention/_driver/extension.pyx":220
  * 
  * 
  * def compiler():             # <<<<<<<<<<<<<<
  *     return (<bytes>ca_compiler_version()).decode()
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_11compiler, 0, __pyx_mstate_global->__pyx_n_u_compiler, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 218, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_11compiler, 0, __pyx_mstate_global->__pyx_n_u_compiler, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 220, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiler, __pyx_t_4) < (0)) __PYX_ERR(0, 218, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiler, __pyx_t_4) < (0)) __PYX_ERR(0, 220, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":222
+  /* "cattention/_driver/extension.pyx":224
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
  *     """Tell the driver NumPy's type number of ml_dtypes.bfloat16 (assigned
  *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_13register_bfloat16, 0, __pyx_mstate_global->__pyx_n_u_register_bfloat16, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 222, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_13register_bfloat16, 0, __pyx_mstate_global->__pyx_n_u_register_bfloat16, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 224, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_register_bfloat16, __pyx_t_4) < (0)) __PYX_ERR(0, 222, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_register_bfloat16, __pyx_t_4) < (0)) __PYX_ERR(0, 224, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":229
+  /* "cattention/_driver/extension.pyx":231
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
  *     return bool(CA_HAVE_OPENMP)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_15openmp_enabled, 0, __pyx_mstate_global->__pyx_n_u_openmp_enabled, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 229, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_15openmp_enabled, 0, __pyx_mstate_global->__pyx_n_u_openmp_enabled, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 231, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_enabled, __pyx_t_4) < (0)) __PYX_ERR(0, 229, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_enabled, __pyx_t_4) < (0)) __PYX_ERR(0, 231, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":233
+  /* "cattention/_driver/extension.pyx":235
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
  *     return int(CA_OPENMP_VERSION)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_17openmp_version, 0, __pyx_mstate_global->__pyx_n_u_openmp_version, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_17openmp_version, 0, __pyx_mstate_global->__pyx_n_u_openmp_version, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 235, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_version, __pyx_t_4) < (0)) __PYX_ERR(0, 233, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_version, __pyx_t_4) < (0)) __PYX_ERR(0, 235, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":237
+  /* "cattention/_driver/extension.pyx":239
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_19openmp_runtime, 0, __pyx_mstate_global->__pyx_n_u_openmp_runtime, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 237, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_19openmp_runtime, 0, __pyx_mstate_global->__pyx_n_u_openmp_runtime, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 239, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_runtime, __pyx_t_4) < (0)) __PYX_ERR(0, 237, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_runtime, __pyx_t_4) < (0)) __PYX_ERR(0, 239, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":243
+  /* "cattention/_driver/extension.pyx":245
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_21max_threads, 0, __pyx_mstate_global->__pyx_n_u_max_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 243, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_21max_threads, 0, __pyx_mstate_global->__pyx_n_u_max_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_max_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 243, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_max_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":251
+  /* "cattention/_driver/extension.pyx":253
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
  *     """Threads a call of estimated one-thread time serial_ns (in ns) allowed
  *     n_threads would start now (src/team.h); for tests."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_23team_size, 0, __pyx_mstate_global->__pyx_n_u_team_size, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 251, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_23team_size, 0, __pyx_mstate_global->__pyx_n_u_team_size, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_team_size, __pyx_t_4) < (0)) __PYX_ERR(0, 251, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_team_size, __pyx_t_4) < (0)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":257
+  /* "cattention/_driver/extension.pyx":259
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
  *     """True in a child process forked after a parallel region had run."""
  *     return bool(ca_forked_after_parallel())
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_25forked_after_parallel, 0, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 257, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_25forked_after_parallel, 0, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, __pyx_t_4) < (0)) __PYX_ERR(0, 257, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, __pyx_t_4) < (0)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":265
+  /* "cattention/_driver/extension.pyx":267
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
  *     return _check_flag(value, name)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_27check_flag, 0, __pyx_mstate_global->__pyx_n_u_check_flag, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 265, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_27check_flag, 0, __pyx_mstate_global->__pyx_n_u_check_flag, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 267, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_flag, __pyx_t_4) < (0)) __PYX_ERR(0, 265, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_flag, __pyx_t_4) < (0)) __PYX_ERR(0, 267, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":269
+  /* "cattention/_driver/extension.pyx":271
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
  *     return _check_scale(scale, d_k, in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_29check_scale, 0, __pyx_mstate_global->__pyx_n_u_check_scale, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 269, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_29check_scale, 0, __pyx_mstate_global->__pyx_n_u_check_scale, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 271, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_scale, __pyx_t_4) < (0)) __PYX_ERR(0, 269, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_scale, __pyx_t_4) < (0)) __PYX_ERR(0, 271, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":273
+  /* "cattention/_driver/extension.pyx":275
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
  *     return _check_softcap(softcap, in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_31check_softcap, 0, __pyx_mstate_global->__pyx_n_u_check_softcap, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 273, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_31check_softcap, 0, __pyx_mstate_global->__pyx_n_u_check_softcap, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_softcap, __pyx_t_4) < (0)) __PYX_ERR(0, 273, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_softcap, __pyx_t_4) < (0)) __PYX_ERR(0, 275, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":277
+  /* "cattention/_driver/extension.pyx":279
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_33check_window, 0, __pyx_mstate_global->__pyx_n_u_check_window, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 277, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_33check_window, 0, __pyx_mstate_global->__pyx_n_u_check_window, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 279, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_window, __pyx_t_4) < (0)) __PYX_ERR(0, 277, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_window, __pyx_t_4) < (0)) __PYX_ERR(0, 279, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":283
+  /* "cattention/_driver/extension.pyx":285
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
  *     return _check_num_threads(n, name)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_35check_num_threads, 0, __pyx_mstate_global->__pyx_n_u_check_num_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 283, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_35check_num_threads, 0, __pyx_mstate_global->__pyx_n_u_check_num_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 285, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_4, __pyx_mstate_global->__pyx_tuple[3]);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_num_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 283, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_num_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 285, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":287
+  /* "cattention/_driver/extension.pyx":289
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
  *     return _resolve_threads(num_threads, limit)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_37resolve_threads, 0, __pyx_mstate_global->__pyx_n_u_resolve_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 287, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_37resolve_threads, 0, __pyx_mstate_global->__pyx_n_u_resolve_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 289, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_resolve_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 287, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_resolve_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 289, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":291
+  /* "cattention/_driver/extension.pyx":293
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):             # <<<<<<<<<<<<<<
  *     return _stacks_grouped_rows(group, n_rows, has_mask, has_alibi)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_39stacks_grouped_rows, 0, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 291, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_39stacks_grouped_rows, 0, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 293, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 291, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 293, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":308
+  /* "cattention/_driver/extension.pyx":310
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
  *                cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
  *                Py_ssize_t kv_group, Py_ssize_t query_period,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_41run_arrays, 0, __pyx_mstate_global->__pyx_n_u_run_arrays, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 308, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_41run_arrays, 0, __pyx_mstate_global->__pyx_n_u_run_arrays, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 310, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_arrays, __pyx_t_4) < (0)) __PYX_ERR(0, 308, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_arrays, __pyx_t_4) < (0)) __PYX_ERR(0, 310, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":360
+  /* "cattention/_driver/extension.pyx":368
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
  *     """Run an entries call (``_prepare/entries.py``: packed sequences, paged
  *     caches) into its out (and lse). Preconditions (checked by the caller):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_43run_entries, 0, __pyx_mstate_global->__pyx_n_u_run_entries, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 360, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_43run_entries, 0, __pyx_mstate_global->__pyx_n_u_run_entries, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_entries, __pyx_t_4) < (0)) __PYX_ERR(0, 360, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_entries, __pyx_t_4) < (0)) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":414
+  /* "cattention/_driver/extension.pyx":424
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_45append_rows, 0, __pyx_mstate_global->__pyx_n_u_append_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 414, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_45append_rows, 0, __pyx_mstate_global->__pyx_n_u_append_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 414, __pyx_L1_error)
+  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 424, __pyx_L1_error)
 
-  /* "cattention/_driver/extension.pyx":416
+  /* "cattention/_driver/extension.pyx":426
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,             # <<<<<<<<<<<<<<
  *                 Py_ssize_t pages_per_seq=0):
  *     """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
 */
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 416, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_t_4)->arg0 = __pyx_t_10;
 
   __pyx_t_10.memview = NULL;
   __pyx_t_10.data = NULL;
   __Pyx_CyFunction_SetDefaultsGetter(__pyx_t_4, __pyx_pf_10cattention_7_driver_9extension_52__defaults__);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_append_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 414, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_append_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":440
+  /* "cattention/_driver/extension.pyx":450
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
  *                        kv_lengths, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
  *                        num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_47attention_shortcut, 0, __pyx_mstate_global->__pyx_n_u_attention_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 440, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_47attention_shortcut, 0, __pyx_mstate_global->__pyx_n_u_attention_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 450, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_attention_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 440, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_attention_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 450, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":451
+  /* "cattention/_driver/extension.pyx":461
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
  *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
  *                      return_lse, num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_49kvcache_shortcut, 0, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 451, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_49kvcache_shortcut, 0, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 461, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 451, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 461, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":461
+  /* "cattention/_driver/extension.pyx":471
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
  *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
  *                    v_scale, return_lse, num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_51paged_shortcut, 0, __pyx_mstate_global->__pyx_n_u_paged_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 461, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_51paged_shortcut, 0, __pyx_mstate_global->__pyx_n_u_paged_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 471, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_paged_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 461, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_paged_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 471, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "cattention/_driver/extension.pyx":1
@@ -81655,7 +82062,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   if (__Pyx_PyTuple_SET_ITEM(__pyx_mstate_global->__pyx_tuple[1], 0, __pyx_mstate_global->__pyx_slice[0]) != (0)) __PYX_ERR(1, 763, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[1]);
 
-  /* "cattention/_driver/extension.pyx":240
+  /* "cattention/_driver/extension.pyx":242
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
  *     return (<bytes>ca_openmp_runtime()).decode(errors="replace")             # <<<<<<<<<<<<<<
@@ -81664,12 +82071,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_errors};
-    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 240, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 242, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[2]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[2]);
 
-  /* "cattention/_driver/extension.pyx":283
+  /* "cattention/_driver/extension.pyx":285
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -81678,7 +82085,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {((PyObject*)__pyx_mstate_global->__pyx_n_u_num_threads)};
-    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 283, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 285, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[3]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[3]);
@@ -81742,38 +82149,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{23},{65},{6},{42},{25},{9},{29},{37},{46},{33},{17},{51},{8},{2},{6},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{4},{25},{179},{11},{1},{13},{8},{32},{45},{15},{127},{7},{6},{2},{9},{50},{39},{34},{26},{46},{30},{37},{7},{49},{5},{8},{4},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{12},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{5},{12},{15},{11},{5},{18},{18},{14},{4},{11},{11},{5},{1},{5},{13},{4},{28},{6},{10},{17},{11},{13},{12},{18},{10},{13},{8},{5},{12},{1},{3},{3},{6},{3},{5},{15},{10},{6},{7},{9},{5},{6},{5},{5},{7},{7},{21},{6},{7},{8},{5},{8},{9},{8},{9},{1},{2},{10},{5},{5},{8},{1},{7},{5},{8},{7},{7},{14},{4},{8},{10},{16},{4},{5},{3},{10},{4},{3},{11},{7},{4},{1},{12},{7},{10},{5},{6},{5},{9},{4},{5},{4},{11},{7},{5},{3},{14},{14},{14},{8},{7},{3},{10},{4},{8},{9},{11},{14},{13},{2},{4},{3},{1},{9},{8},{12},{8},{17},{7},{7},{15},{10},{13},{5},{3},{8},{4},{10},{11},{5},{6},{10},{9},{8},{10},{5},{9},{5},{4},{18},{7},{3},{19},{5},{4},{4},{6},{8},{9},{12},{7},{4},{8},{6},{6},{1},{7},{5},{8},{7},{7},{14},{5},{6},{6},{1}};
-    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{85},{11},{11},{13},{15},{13},{14},{18},{16},{14},{15},{26},{188},{25},{15},{22},{43},{28},{43},{11},{65},{55},{55},{53},{534},{206},{17}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{23},{65},{6},{42},{25},{9},{29},{37},{46},{33},{17},{51},{8},{2},{6},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{4},{25},{179},{11},{1},{13},{8},{32},{45},{15},{127},{7},{6},{2},{9},{50},{39},{34},{26},{46},{30},{37},{7},{49},{5},{8},{4},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{12},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{5},{12},{15},{11},{5},{18},{18},{14},{4},{11},{11},{5},{1},{5},{13},{4},{28},{6},{10},{17},{11},{13},{12},{18},{10},{13},{8},{5},{12},{1},{3},{3},{6},{3},{5},{15},{10},{6},{7},{9},{5},{6},{5},{5},{7},{7},{21},{6},{7},{8},{5},{8},{9},{8},{9},{1},{2},{10},{5},{5},{8},{1},{7},{5},{8},{7},{7},{14},{4},{8},{10},{9},{16},{4},{5},{3},{10},{4},{3},{11},{7},{4},{1},{12},{7},{10},{5},{6},{5},{9},{4},{5},{4},{11},{7},{5},{3},{14},{14},{14},{8},{7},{3},{10},{4},{8},{9},{11},{14},{13},{2},{4},{3},{1},{9},{8},{12},{8},{17},{7},{7},{15},{10},{13},{5},{3},{8},{4},{10},{11},{5},{6},{10},{9},{8},{10},{5},{9},{5},{4},{18},{7},{3},{19},{5},{4},{4},{6},{8},{9},{12},{7},{4},{8},{6},{6},{1},{7},{5},{8},{7},{7},{14},{5},{6},{6},{1}};
+    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{85},{11},{11},{13},{15},{13},{14},{18},{16},{14},{15},{26},{188},{25},{15},{22},{43},{28},{43},{11},{65},{55},{55},{53},{573},{283},{17}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2640 bytes) */
-static const char cstring[] = "x\332\225VKw\023G\026\306g\014\026o\234\004\022\223!\224\301\3016\203\025\014\006\302c\310\361\330\204xNH0\2170d\222S\247\324]\222\032\265\272\245\256n\331f^,\265\354e/{\331\313^j\351\245\226Zj\231\237\300O\230\357V\265d\22309g|\344\356[U\267n\335\373\335\357\336j\306\026\276oI\357\321\343y\305\\\247\351\204\213WX\315\017\031[\010\353\222Y~\263\025\205\222\331\341NK2\277\3120\251$s<\314\252\305;\314\t\025k\212\232\347\204\221-Y3R!\214\320:\373;\023!\273\272\315\034\305<\230\023\035\341\270\242\342\302\210\007#\230]{\374\374\356\336\364\0356\322\014d+\300\031^\250\265a\311\230\255\310=\341\376\237\331U\266\340\007\354;\337\223#\177G\213\202U|\337e\013\317\202\010\207\005\354k\341\252\367(\265|\345\204N\207N\010eM\006p*\220\302F\304\221\027\376Z\333\033k\025\207\376Z!dM_\355\233\250:\200\244\320\022\314\213\232\025:\301\367\231+\202\032\226aF\260\252\353c\243_y%\255\360\376\025f\264\313w\330\275G\262\351\007;?8r\213 \277g\371^\350\324\"?R\360\304f\266\023\320\206_O;\336hA\205\201cK{\2372\271\375{\353\357\316\2155\357\177\265&<\235=\245\234\032\362\3463\302h\311\367\334\035\326\324Nv\340\344\206\327\021\256c\003\002\033!\313\355\026\366\302\324\2745O\347\316#\3300\020\336\274\211o\244\254\352\242\245\323+\266\221x\302\224\376\231\006f\234\033\003\334w>\030\030\326\201\325\332NX\007\177\260\301\226\256\203%\021J\270B\316\343H\312!R\365\370\301\343\245\225/Wt(\201$p\025SQ\305r\021\205T\204h%r\334\020G\023\251U\231mT\331\216\0371O\302i\204\330\202\336\376\r\240\274\307\224\014I`\363\032\020\021:\276\307\261\335\361j\363\005\206\344/vk\272\225\237n<Zg\256\354H\227\375,\0104\267\210E\3306\207\001i\2110\004\307a\346\013n\007\330\033|!\2671\2430Sn\355l\357\255\337!J\272\266\251\"\327\365\261\"\231\262\020\272U/\222`\371\256K\036\370\236*\213\212e\363\006A\204\022ik\020\032\254.\340\234A|\241\\._a\317\256\260\253\213z\321\214\237\322\030E\242|\035\245-\253\"rC\034#P\203\313_\250v\020.\300\354\"\331\215<,;\236\264\357\026Pi%\244\335u,\047twlGQ\351J\217\2365\313QF\262=\177l\227""\363@\332\221%9gv\244a\363|o\tY\3548@\212s\213\312\207s@\326\332)s\313\017d\271\211}\216\010\002\261\303\252\350\031&UN\263\005r\355W\213\232\"\254\377F\303\270\370\276\342T~5\264D\353}\215\301\250\025y3\332\221\216\204\354\2163a\\\262E(\312\357Y5\230\023\316\246\300Ty\013\325\345o\261\3425:v\217\373\013\256\254\242\377\004N\255\036.\002`\2478z\365\351\332\306\306\003\327uZ\312QO@\250\247\262\035I\317\222\324&\312{\035\203\363\307;\333\370_GE\360\357\300\251\047\262\312y\301Z\000\016p\211\327{BM\206\010\263I\0236\355\301_5\362,zcI\215v\031 Ij\n\307\323o\337\216\\\275\346\211\246y\323\361\234\203\276\034\230:c\271.\255\206\212\232fTX$\221\352\317H\221\327r\254\006\254=\360Fz\035}\001\220\215v$\334\321\021#\336\214%K\267\204}\023r\233\006\250\327\261[j_\030cyo_(\025\305\345(b\220\037\2411H\024\021\232T\305\321\017\256\\\037}b\224S^\211\252U\024r\013\267\246\315\003\177Ki\n\010\265\343Y\216_\036\333P\343\n\346\252\016\350\254(\034\337v\\9M\273\"\224\254P\025s\315\222\n\3147\270\016\232.0nY\202\200\243\007w\245W\013\353\304bw\2571\224\213\306Q\0367\016KDpS\303\315\253\256\250\031\211\0205\227\2332\023\272\032\n\321\320\337\014\014\047-\027\316s\244\030M\333\202\203V\003\355\205\033\372\322\347\000U\226\366\277\030\004\372\306\264\"@\333\206\237\212\267\321\342\0326\357\220:\256\024\025\352\217\007\375 \220\315}gz\002\257\265\0058\0145\363\264%\234\325]]\006\001\312\231\036\nuX\365)\034\245/\314\353\327\364\353\346\n\356\225\006\\\021Ut~\336\022\001\300\221.&\321\001\212+\007\374\325\236\326\220\222V\275\210\241.\024\327y%\241)T\243\016d8\335B\216c#\354\342\020`!\267\2510\224y\274\226\215\006\327\331h\020\317\033\334\257VA\246\006N\256IU\200Z\274Fk2\360\032\035\256O\307\273Hb\243cr:\"\005\325\273\376\360\302\275\201_\261\227\034k\212m\374F\271C\253\247\313\226.Y\317\343\2068\266\323T\036\247\000\360\302\021\205\004\377<\315L\217\222\342\215,P=\320\277\302\375\336\334\307\n\323\341\224n\243\310\016\310\3565[\274\350\332\305(@\216\235\246,F`\035\361\r#\344\n\204o\351\273""\007\274\307\257\010\240\005\342\0204\334\261\225~\023\204F\320i \321\036\203\240A\3440G\016\267*-Wx-\277\325n\217@k\027V\321\362\202\035\322s|;\2205G!\367\2437\257\350\324-\337\304\027\244\013\352\342+\222\352\n/\337\355\310Q\260\201\014\243\300\343@\272\220\024\335\033J\367[@\206\237\346\002\241\207\230\271\256m-\241\350\002G*\235`\263\007\256\026n\301\030z\005\367\224*\030\207wq\327i\037h\212\207(\026\345x\rEH\250&\321\025\215\007\037\032\036q\326-JQ\005\026\032\024\372\245\341\2154-\006S\270\305B\331R\241\217\377 \262\302\260\0002\224\242\251\3015\001r\315\245\"X:R\327\035r\213\026\013\263Q\013W\225\354t\014\225;D\225N\021D\307P\271c8\334y\207\312\370f\213\244~(\323%\266\277\307\0271[0\256\260\242\235\363\345\253{\355\211\337*\372\023\277=nP\374\033x\265\206\310\361M\343\341\346\273\274x\300T\337h\323\233\211\341\344\321\356\365\256\350\266\215\270\322m\307\023F\274\033\213x+\021fp/n\047SI\224\256\232\341\375d:YL\227\365`p\364\323d9y\224M\027\243\363I;\235J\267\263\327==s\254\373p\360\341\245\324\312>\316a\370\027s\306\340\324B\246GX\215\277Ln\246\037\233\341t<\035/$\013\351lz3\233\316f\351\250\2331\314\374\262\376`xj\372\355\251\003\007\317%\017\3223i;\203\345\2517\235\356\323xbX:<\324\033g\343\033\360\261\235\226\262\211\354L\266\323\233\352\275\356\237\351\267Iq{p\222\245\307\263\315L\320\350\337\361f\374*\235H\2471\030L\315$\347\365\206\266\036}\222\234\204\365CZq4:\234\237\353\211^g\367\311.tN\305\0238\353s\340q0\331Ld\272\234\256c\373\351Lda~\247\367S\177\272\077\077\330|2\374\210\341\000\035\325\333C\007\016\226\006S\200eX:\331mk\214>#\\i\341\230F\366(AI\303\343\004\326\\\272\226n\301\336V^(}0\230\376<\335Lk\331&\001r\255\373\"~\000\374/&/\240\030f7\362\203\371\346Hu~p\351~O\020\352\353\361\261d}\300\256\346\2239\222\366\266\244\315\314\245\253\351\213l\365\367\315@u&\231H\000\373\333#\007\016\036\032N\316$\037&\253\311\363t>\003b\027\006\027V\362\325|\223\200\214\272k\010\250t\242\373*\231\030\036\233\201\265\331\341\314\331\244L\3319I\224\"\003\307\272_""%\263\311\235\364)p\234\351-\355\376g\360\303\213\341\247\027\322r^B\212\266ww\006\2177i\274\230\335\316\277\335=\336\337,\266\r\216\376\021\247\376\230\252l1\277\335\373\276\177k\360\344\345\340\345\217\303ss\351\267\330zx\367\263\376\026\231:w)u\363\245^{\274\r\340&\257\263\017\263\265L\345\013\275K\273SH\333\371?e\367\362\177\356~\331_\036\236_\312^\344\033\275\227\273bx\236a\323\211\003\007\347\322\025\020\026\251\2718\022\346\201\310\362pr!\233$\264.\245v6\373\213~]\030\215\337\025Hq=\237\030\t\047{\341\356\215\376T\37759<\271\224=\313?\351\235\357O\3667\006\317\177\032\374\364\363\360\332\365\367\317R\nO\307\253\361\263\344,\210\365\300\260\262\324=\034\317$\227\014aK\335\243\361J\254gO\3046\360\2060\325\r\343\345w\204\343`\270\203R8\004\377\346\363\017\362[\275Y\263C\304\257\323\351\364\022\234|\230_\313_\364\340\372\t\252\376x2^O&\223\365t\342\377\231\370:\231K\252\351*\231\236\354~\023\257\022\047\302\356\215x\n\016\226>@A.c\317\241\304\306\201\023\244T\212K\311~\201\264o\307\017\223\345=\355#\351\\\372\n@\376fB\303`\n\357\020\016}\230\335!\016\376\217\311c\300\360o(\317j\272\201d\377\225*\2424(\315$\037%\233\006\236g\3114\025\311jw\263[\205\356\363\3442\312\270\224\037\351\315\365\354\335Y\260b\201Xq\213Z\320EzQb\346\322\353\251H\333$\036\356\036\354>\047\007\207\245\3430!\343\273\340\034\222\362\021l\275\204\030\301\025$bf0s%[E\333\261\363\213\371\323\336\037z7wg\372\263\303\245\273\275[\273\227\373\253}8s\350M\rM\3548|\255\353\\\235\355-\023.\377\212\377\022\213a\351\310\340\310Y\312\361\324\233\177\304\363\311i y9\373:\237\315\257\347\225\0360:\203|\266\221\024*\223\266\241\252i\204+\350\334\257\262)\364\340\323=180C\321\242\355\234\3031V:\375_\233X$\023";
-    PyObject *data = __Pyx_DecompressString(cstring, 2640, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2721 bytes) */
+static const char cstring[] = "x\332\225VKw\023G\026\306g\014\022o\034\002\304d\010ep\374`\260\202\301@0\014s\034\333!\236\023\022\314#\014\231\344\364)u\227\244F\255n\251\253[\266\231\027K-{\331\313^\366\262\227Zj\251\245\226Z\346\047\360\023\346\273U-\331$L\316\031\037\271\373V\325\255[\367~\367\273\267\232\261\205\357\233\302}\374d^2\307n\330\301\342uV\365\002\306\026\202\232`\246\327h\206\201`V\260\327\024\314\2530LJ\301l\027\263rq\225\331\201d\r^u\355 \264\004k\2042\200\021Zg\177g<`7v\231-\231\013s\274\315m\207\227\035\030qa\004\263\353O^\334\337\237^e#M_4}\234\341\006J\033\226\264\331\262\330\027\036\376\231\335`\013\236\317\276\363\\1\362w\264\310Y\331\363\034\266\360\334\017q\230\317\276\346\216\374\200R\323\223v`\267\351\204@T\205\017\247|\301-D\034\272\301\257\265\335\261V~\350\257\025\002\326\360\344\201\211\212\rHr-\316\334\260Q\246\023<\2179\334\257b\031f8\2538\0366z\345\327\302\014\036^gZ\273\264\312\036<\026\r\317\337\373\301\026;\004\371\003\323s\003\273\032z\241\204\047\026\263l\2376\374z\332vG\0132\360mKX\007\224\311\355\337[\177\177n\254\371\360/\353\334U\331\223\322\256\"o\036#\214\226<\327\331c\r\345d\033Nn\271m\356\330\026 \260\020\262\330mb/L\315\233\363t\356<\202\r|\356\316\353\370F\312\262\306\233*\275|\027\211\047L\351\237)`\306\271\321\300}\347\201\201A\rX\255\357\0055\360\007\033,\341\330X\342\201\200+\344<\216\244\034\"UO6\237,\255|\271\242B\361\005\201+\231\014\313\246\203(\204$D\313\241\355\0048\232H-Kl\253\302\366\274\220\271\002N#\304&\364\016n\000\345]&E@\002\233W\200\360\300\366\\\003\333m\267:\237cH\376b\267\242[\351\331\326\343\r\346\210\266p\330\317\234@s\362X\270e\0310 L\036\004\3408\314|aX>\366\372_\210]\314H\314\224\232{\273\373\353\253DI\307\322U\3448\036V\004\223&B7ky\022L\317q\310\003\317\225%^6-\243N\020\241DZ\n\204:\253q8\247\021_(\225J\327\331\363\353\354\306\242Z\324\343g4F\221HOEi\211\n\017\235\000\307p\324\340\362\027\262\345\007\0130\273HvC\027\313\266+\254\3739TJ\tiwl\323\016\234=\313\226T\272\302\245g\325\264\245\226,\327\033\3335\014_X\241)""\014\203Y\241\202\315\365\334%d\261m\003)\3030\251|\014\003\2205\367J\206\351\371\242\324\300>\233\373>\337c\025\364\014\235*\273\321\004\271\016\252\205\r\036\324~\243\241]\374PqJ\257\022\230\274\371\241\306\240\325\362\274i\355PEBv\307\231\320.Y<\340\245\017\254j\314\tg]`\262\264\203\352\362vX\376\032\035\273\317\375\005GT\320\177|\273Z\013\026\001\260\235\037\275\366l}kk\323q\354\246\264\345S\020\352\231h\205\3025\005\265\211\322~\3070\214\047{\273\370\337@E\030\337\201SOE\3050r\326\002p\200K\274\336\027\252\"@\230\r\232\260h\017\376*\241k\322\033Kr\264K\003IR\203\333\256z{V\350\2505\2277\364\233\2167\014\320\327\000\246\366X\256\t\263.\303\206\036\345\026I\244\372\323R\3506m\263\016k\233\356H\257\255.\000\262\321\n\2713:b\304\233\261d\252\226p`B\354\322\000\365:vK\036\010c,\357\357\013\204\244\270lI\014\362B4\006\201\"B\223*\333\352aH\307C\237\030\345\324(\207\225\n\n\271\211[\3232|oG*\np\271\347\232\266W\032\333\220\343\n6d\r\320\231a0\276\355\014i7\2542\227\242LUl(\226\224a\276n\250\240\351\0023L\223\023p\3640\034\341V\203\032\261\330\331o\014\245\274q\224\306\215\303\344!\334Tp\033\025\207W\265D\210\352\313M\352\tU\r\271\250\351\257\007\232\223\246\003\347\r\244\030M\333\204\203f\035\355\305\320\364\245\317\001\252,\345\177>\360\325\215i\206\200\266\005?\245\321B\213\253[F\233\324q\245\310@}<\250\007\201\254\357;\335\023\214j\213\203\303P\323OK\300Y\325\325\205\357\243\234\351!Q\207\025\217\302\221\352\302\274uS\275\356\254\340^\251\303\025^A\3477\232\334\0078\302\301$:@~\345\200\277\312\323*R\322\254\3451\324\2704T^IhpY\257\001\031\203n!\333\266\020v~\010\260\020\273T\030R?\336\210z\335P\331\250\023\317\353\206W\251\200Lu\234\\\0252\0075\177\215\326\204\357\326\333\206:\035\357<\211\220\300@\364\244z[\047w\304\016*|\365\005\206\013\004\277\334\010y\330\340\273\370\215\222\210\236O\267.\335\266\256kh\006YvC\272\006E\202\027N\310%8\352*\212\272\224\035wd\201\n\203\376%.\372\306\001z\350V\047U?E\232\300z\267\3214\362\366\235\217|$\333n\210|\004\372\021\3610B""\322\300\374\246\272\204P\000\370\345\0014\301 \302\310\260-\251\336\204\245\026T>H\264\306 (4\r\230#\207\233\345\246\303\335\246\327l\265F\350\265r\253\350}\376\036\351\331\236\345\213\252-A\202\321\333(\253\034.\337\301\247\244\003\016\343s\222\n\014/\317i\213Q\260\276\010B\3375\200t.I\272@\244j\274\200\014?E\nB\0171\033\252\310\225\204\352\363m!U\246\365\036\270\232\273\005ch\032\206+eN=\274\363KO\371@SF\200\252\221\266[\227\204\204l\020o\321\201\360\305\341\022y\235\274&\245o\202\047h\234\232@B\367\032M\235@4e\340\341\337\017\315 \310\201\014\004o(pu\200\206\342R\036,\035\251\n\020\271E\257\205\331\260\211;K\264\333\232\323m\242J;\017\242\2559\335\326dn\277\307i|\274\205B=\244n\027\273\337\343\323\230-hWX\336\327\215\345\033\373}\312\270\2337*\343\336\270S\031\337\300\253uD\216\217\033\027W\340\265\305C\272\014G\233\336N\014\047\217wnux\247\245\305\225N+\232\320\342\375\210G;1\327\203\007Q+.\304a\262\246\207\017\343\251x1YV\203\301\361O\343\345\370q:\225\217.\307\255\244\220\354\246o\272j\346D\347\321\340\354\\b\246\0272\030\376E\23718\263\220\252\021V\243/\343;\311\005=\234\212\246\242\205x!\231I\356\244S\351\014\035u\047\202\231_66\207g\246\336\2359t\370R\274\231\234OZ),\027\336\266;\317\242\211a\361\350Pm\234\211n\303\307VRL\047\322\363\351^\267\320}\323?\337o\221\342\356\3404KN\246\333)\247\321\277\243\355\350u2\221La0(L\307\227\325\206\226\032}\022\237\206\365#Jq4:\232]\352\362n\273\367\264\007\2353\321\004\316\372\034x\034\216\267c\221,\047\033\330~.\345i\220\255v\177\352O\365\347\007\333O\207\0373\034\240\242zw\344\320\341\342\240\000X\206\305\323\235\226\302\3503\302\225\026N(d\217\023\2244<I`\315&\353\311\016\354\355d\271\322G\203\251\317\223\355\244\232n\023 7;/\243M\340\1775~\t\305 \275\235\035\316\266G\252\363\203\271\207]N\250oD\047\342\215\001\273\221MfH\332\273\24223\233\254%/\323\265\3377\003\325\351x\"\006\354\357\216\035:|d89\035\237\215\327\342\027\311|\n\304\256\014\256\254dk\3316\001\031v\326\021P\361T\347u<1<1\rk3\303\351\213q\211\262s\232(""E\006Nt\376\022\317\304\253\3113\3408\335]\352\375g\360\303\313\341\247W\222RVD\212v{{\203\047\3334^L\357e\337\366N\366\267\363m\203\343\177\304\251?&2]\314\356u\277\357\337\035<}5x\365\343\360\322l\362-\266\036\355}\326\337!S\227\346\022\047[\352\266\306\333\000n\374&=\233\256\2472[\350\316\365\nH\333\345?\245\017\262\177\366\276\354/\017//\245/\263\255\356\253\036\037^f\330t\352\320\341\331d\005\204Ej\256\216\204y \262<\234\\H\047\t\255|4\227X\351\314/\352u\205\246\177+\220\376F61\022Nw\203\336\355~\241\377\206\374\236\\J\237g\237t/\367\047\373[\203\027?\r~\372yx\363\326\207g)\223\347\242\265\350y|\021\374\332\324\344,v\216F\323\361\234\346m\261s<Z\211\324\354\251\310\002\354\020\n\235 Z~O8\t\242\333\250\210#\360o>\373(\273\333\235\321;x\364&\231J\346\340\344\243\354f\366\262\273\366\276\366\353\254\220\205\335\215\336d\357Q\377f\377\345\340\371\213\341\344)j\022\321d\264\021O\306\033\311\304\3773\361u<\033W\022u\306d\347\233h\215\250\023tnG\005\004P\374\010u\273\214=Gb\013\016M\220R1*\306\007\005\322\276\027=\212\227\367\265\217%\263\360r\342\267\023\n&]\237Gp\350\243t\225\250\372?&O\000\343\277\241\212+\311\0268\361W*\234\342\2408\035\177\034ok@\236\307STKk\235\355N\005\272/\342k\250\366bv\254;\333\265z3 \317u\"\317]\352TW\351E\211\233Mn%<i\221x\264s\270\363\202\034\034\026O\302\204\210\356\203\232H\332\307\260\365\nb\010W\220\250\351\301\364\365t\r\335\311\312\256f\317\272\177\350\336\351M\367g\206K\367\273w{\327\372k}8s\344m\025\275\356$|\255\251\\^\354.\023.\377\212\276\212\370\260xlp\354\"q\240\360\366\037\321||\016H^K\277\316f\262[Y\271\013\214\316#\337-$\205\252\251\245\031]x\373&\272\200\016\366<\231N\347\262\211\354l\366U\006C\347@\001\036\005\350\347[h8\\C\177\027\300\005\361\335\301\225\325\356\014\216-^\200\261\t`\364\002%\\\310Z\243\346\273\202\333\342uZ@\337?\327\345\203C\323\004\035Z\335%\370l&S\377\005\256\020Xw";
+    PyObject *data = __Pyx_DecompressString(cstring, 2721, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3573 bytes) */
-static const char cstring[] = "\377  (OpenM\377P\047s limi\177t), got\024\000\377the comp\377ute dtyp\337e of \022\000se\367 in\023\000s): \377its magn\377itude mu\363stB\000\034\001 [ a\377t 0x is \375nL\000availa\313blB\000nB\000\023\000CP\267U; \016\006: \"\005r\377epresentn)\002in Q\003be\000\006\377 >= 0 (o?r None\250\005x\002\376#\000a bool \357(Tru\257\000r F\367als\022\020posi\367tiv\310\001tege\275r\327\000read\357\000u\023nt\374\004J\006n\357\000 \003n\004\236\021\rt mo\371\000\242\006f\365i\220 e\304#a nu\373mb^\001oo la\337rge f\271\000a \367flo\241 obje\337ct>, \362#.:\377 <Memory\357View\357!<co\377ntiguous\377 and dir\354-\001\007\rin\021\005str/ided\"\010 \251 \004\031\363><(\tA\006>?Ca\275n\271Bssig\265@o\375 \240!-only \365m\240\002v\242\000Inva\327lid\200 d\360\000ex\271p\315\000|\000\047c\047t\001\047>\352\000tran\047\322c%\005oshap\244bax\240`\230\305A\311A\245\001a \223F\263#N\355o\377`th\315`Cyt\373ho\212@s del\235i\321 ate\210\000\355\001c\375t\277Ban PEPo-484\247\"re\331!\377s subcla\357sses\301\204\001bui\363lt\327`\321\204\001s. I\377f you ne\236\261 to p%\000%\tt\177hen set\370\204\001\373 \047\214\"ation\377_typing\047\360\212D\310a;\000\352b.SIM\377D level \353]a\261!l\376Dadd\373_n\315\000catte\376\324@on/_dri\277ver/ex\017\000s^V\000.pyx\026\007:\217\204\001\273ld\300\205\003llo7\000e\377 scratch\236\376$coll\301`\221\000s\177.abcd_k\363\205\001\3570 (q\254bk h\363av1\000\355\"(...\177, T, 0)\311b\372\n\003S\014\001), so\376\341\002default\376d\000ale 1/s\257qrt(T\000)\313\206\001u}n\034\000ined;\244$\371c!\001\364@licit\337lydis\345\206\001en\336\353\206\001gcis\004\003dn\373o P\005__red\377uce__ du\373e \362 non-t\376\205 ial __c\376\273\205\001__numpy\377._core.m\376\215\000iarray \357fail\245Cimp\367ort\033\tumat\305h\021\016s\236\002\232\207\005\221\206\tso\037ftcap\333\207\006\362h\276\206\003$\266\206\004\217\211\003u\317\002\254\001a\202E\215\003\037data.\013\020\340\204\003\262\206\001\376\217\206\003s.windo\343w \000\004\255\210\005\362\204\007(le\377ft, ""righ\177t) pair\212\212\003\377ASCIIEll\377ipsisRea\377lSequenc\365e\243\207\001.\250\207\007__Py\375x\001\000Dict_N>\321`Ref__\257\204\004\356 \354\332 \205\205\001__\001\005get/item\r\001d0\001\027\000\317func\035\001\030\000st\343at1\002\345#3\001mai\275n\003\002odulM\002n[am\002\003ewT\001p~\000\372\321 i\003\006hecks\301u`\000\026\001K\004!\001\321\213\001__~+\001unpickK\000\313En \005v\374\212\002\244\001qu#al[\005\260e\271fc\216\207\002\313\001\366\314dex\330\001set_\216\217\005set\276\006\003\006.\007t\267est\214 is\345ao\377utineabc\337alibi\000\002_s\337lopes\352E_b\377ufferapp\377end_rows\376\221\204\002asyncio\257.cor>\003s\331\206\006_\377shortcut\376\374\214\006_simdba\327seb\302\206\001_\207\211\002bl\317ock_\361\214\002\275\214\001_c\347cac\266 \001\001_le\257ngth\302\204\001l\257\207\007.:\262\207\004.\260\207\006cau\244\0002\001?k_flag\004\003\316!\013th\331\214\001s\025\003\211\205\002\004\004\371\204\003\374-\003\225\204\003cline_\336\340@trac\236\000ck\017col_\316\213\003\213\217\001\370\205\001\273\002\276\006\004rcoun\333\000_\367seq\245\000s_qd\377d_kd_vde\177codedst\270\217\002\342\275\217\002_\342 \352\214\003\230\207\003_gq\347aen#\001\000\003den\373um\331 teerr\373or\000\002sfinf\265o\313\001s\254\215\00232\263\215\0026\3774forked_\377after_pa\377rallelfo/rmat\354\213\004g\202`\346!\355g\220@ph\275\004has\371_\330B\005\001maskh\373eaC\000xisii\357din_^\004ind\353ex\225\205\001s\000\002ize\367kk_\216Bk_ne\377wk_offse\373tkw\000gesk_\370\336\207\002\000\004\024\005ernkv1_y\002\005\000\276Dkv\324B\214f\374\354\206\001\364\221\002lselse\\Q\004\225\001max\000\000_\265D\327mem\351\215\001m\321 nn\375_\263cdimsn_\240\275\001\004\000h\000\003\004\235\000n\225\204\002nb\221An:\005\243\206\001\247\206\001sn5\000\364\213h\231\220\003s\351\211\002objo?penmp_\257\212\004\007\004\177runtime\025\004\267ver\245\214\001op\250Ao\367rop\214\215\001sout\367out\222$pack\267pag\307`ds\003\002s\220\300 \003\003\232\220\002\030\001d\221\205\006&\001s\371_L\000""\302apbpla\277npopqq\362\204\005q\276\350$query$\001i\377odregist\354\246`\001\004_b\314\221\00216r\275e=\000cere\337\217\002r\277esolve\277%r\377eturn_ls\325e\003\004s\333\213\001s\353\211\002ro\037wrow_\216\220\001\324\206\001\361\000\365_\355\213\002s\006\001entrgies\306\213\002.\003se\217\005\376J\000ial_nss\216\353dset\275\215\004\343\220\002\353\206\001_\377tilesink\355s\206!sm\253\204\001st_\257subn\260\204\001l\203\214\004s\257rcst\271 s\262ce\276\335\207\003start\352\000p\367sto\001\000ruct}t\215\206\004team_\331!\302\336\206\003_\300\226\002\351\206\004o\001\340\211\002nu\367mun\217Aupda\257tevv\305\204\003v\307\204\001v\212\304\204\004v\305\204\003v\305\204\003\000\004\024\005a\257luev\001\001s\273\214\003x\377Oint (stz\207\001 \277\212\003t_10\316\220\007\333_7\322\220\004_9\321\220\006_H\377eadCall \377const *)\371\000\370\205\003\205\221\005\200\001\330\004\013\277\2103\210a\210q\005\0034\357\210q\220\001\020\003;\220a\357\220w\230a\035\003<\220q\277\230\007\230u\240A,\003>\277\230\021\230)\2401:\002\320\377\013\033\2301\230M\250\021\376\007\004\037\230q\240\007\240x\367\250z\270\r\002\014\210G\320\177\023&\240c\250\027\260V\000y\340l\000a\000\320\020(\250\t\002~\033\000\2208\2306\240\027\t\003\377\021\220\021\220(\230(\240\177!\2406\250\021\250!\231\001\3736\220V\000\340DE\330\020\377\021\360\020\000\005\035\230E\337\240\026\240q\250\266\000\007\200\377v\210S\220\001\330\010\t\273\330\0045\001!\2205\241\000q\377\240\010\250\001\250\026\250y\377\270\007\270z\310\026\310q\377\330\004\007\200x\320\017 \277\240\r\250Q\250a\n\001~\377\220Q\220j\240\001\240\021>\030\000\320\007\031\230\037,\002%\001_\320\007\030\230\017[\000\006$\002\376\006\005\t\260\035\270a\270vw\300R\300J\000\020\220\001\242\000\375%\215 \005\230Q\230e\240\3671\240Dm\000\025\250a\250\377t\260:\270\\\310\021\310\177\047\320QR\330\024 ^\000\376\321\002\360\006\000\005\010\320\007\336\224 \330\010\017\210\214\000\013\320\263\013\036\324!\025\001\014\210\326!\013\364\307!$\001\r\251!$\240C""\240\315wM\000w\260\372 :\001\022\320\377\021%\240Q\240g\250Q\276\252A2\210W\220E\375 #\373\230W&\000t\2505\260\005\373\260Q#\005\047\320&>\270\376\342\000\014\210D\220\014\230D\277\320 0\260\004\260\262@\360\367\010\000\005D\000$\240A\240\347W\250A)\033(\000\031\230\001\375\230\315@\360\n\000\005\006\330\377\004\031\230\023\230A\230U\367\240\047\250\257 \"\320\"4\367\260A\260\210\000\007\200u\210\375C\316\000\010\016\210j\230\001\367\330\014\031\222`!\330\031\032\263\230.\232A\350\000\200\001=\001\014\377\210?\230!\230:\240S\377\250\t\260\031\270-\300\177\377\320VW\330\033\"\240.\373\260\010\240@x\300y\320P\375Q\014\001)\2509\260L\300w\r\310Q0\004\320\013\034s\000\377Z\240s\250)\2609\270\377O\3107\320RY\320Y\277Z\330\035$\240L8\000\t\357\300\036\310wG\001\035&\240\237l\260-\270q.\006\332 \230\377z\250\023\250C\250s\260\337(\270&\300\007\264@\037+\377\250<\260|\3008\3101\377\330\037-\250W\260I\270\277Y\300a\330\037 \240\000\016\377\000\005$\2404\240x\250\372\247`#\001\005\047\240t\2501\337\330\004(\250\004\252!&\240_d\250!\340\004\003\001\"\010\005\270\000\006\r\002%\001D\260\001,\003D\377\260\017\270t\3005\310\007\373\310z\255\001\004-\250T\260\377\030\270\037\310\004\310I\320\377U\\\320\\]\33023\371\330\001\022\250a\025\220A\220T\273\230\032\326`E\250\026\221\001\010\277\210\t\220\031\230&\253\204\003\010\377\210\013\2204\220q\330\004\177\010\210\016\220d\230!\005\001\237\007\210t\2201\000\006\027\001\r\377\220Q\220i\230q\240\006~\266\000\047\260\022\2607\270$\002\377\016\220a\220z\240\021\240\375&\324\000G\2602\260W\270\372\210`\016\372\206\001\220\004\220D\230\177\004\230D\240\001\330\004\000\016~\t\026F\230$\230f\240\314`\277\010\210\004\210H\220\325`\007\277\200t\2105\220\007\236\000\010\337\022\220!\2201S\000\006\230\365dn\000\001\256\001\010\220\010\230\374\000\006\275\206\002t\2109\220G\230\3731\330%\006\n\240$\240j\250\306 \000\016\356\000\t\362\205\004\006r\000G3\250:\200\204\001\230!\021\220\212\206\001\010\n]\014\301 X\230Q\232\000I\352@\375J\216\205""\001\010\320\010\031\230\024\373\230Q\231#T\230\021\330\004\177\014\210A\210Q\210f\355 \377U\230*\240D\250\010\260\377\n\270$\270d\300!\200\327\001\360(\222a7\377\207\001#\240\374\004\000\301\206\001$\2403\240a\240}q\314\206\001\t\210\005\210U\334\001\367\330\010\r@\000e\220;\230\277a\230q\330\004\024\271@Y\356\010\000u\240G\273a\031\320\031\377,\250A\250Q\250d\260\377#\260S\270\003\2706\300\377\031\310!\330-;\2707\377\300*\310A\310Q\330\004\377\006\200g\210S\220\r\230\267Q\230h\247B\032\270\364`\007\377\200}\220B\220a\330\010\357\n\320\n\032\340A\007\200{\357\220\047\230\025\307 *\250F\377\260!\2603\260b\270\001\177\330\010\026\220a\220q\264@\237A\230Z\240q\245\204\003\203\211\0034\377\220w\230j\250\007\250z\177\270\025\270a\320\000\031\352\001\377\013\320\013\035\230Q\230c\003\240\021";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3573, 4740);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3675 bytes) */
+static const char cstring[] = "\377  (OpenM\377P\047s limi\177t), got\024\000\377the comp\377ute dtyp\337e of \022\000se\367 in\023\000s): \377its magn\377itude mu\363stB\000\034\001 [ a\377t 0x is \375nL\000availa\313blB\000nB\000\023\000CP\267U; \016\006: \"\005r\377epresentn)\002in Q\003be\000\006\377 >= 0 (o?r None\250\005x\002\376#\000a bool \357(Tru\257\000r F\367als\022\020posi\367tiv\310\001tege\275r\327\000read\357\000u\023nt\374\004J\006n\357\000 \003n\004\236\021\rt mo\371\000\242\006f\365i\220 e\304#a nu\373mb^\001oo la\337rge f\271\000a \367flo\241 obje\337ct>, \362#.:\377 <Memory\357View\357!<co\377ntiguous\377 and dir\354-\001\007\rin\021\005str/ided\"\010 \251 \004\031\363><(\tA\006>?Ca\275n\271Bssig\265@o\375 \240!-only \365m\240\002v\242\000Inva\327lid\200 d\360\000ex\271p\315\000|\000\047c\047t\001\047>\352\000tran\047\322c%\005oshap\244bax\240`\230\305A\311A\245\001a \223F\263#N\355o\377`th\315`Cyt\373ho\212@s del\235i\321 ate\210\000\355\001c\375t\277Ban PEPo-484\247\"re\331!\377s subcla\357sses\301\204\001bui\363lt\327`\321\204\001s. I\377f you ne\236\261 to p%\000%\tt\177hen set\370\204\001\373 \047\214\"ation\377_typing\047\360\212D\310a;\000\352b.SIM\377D level \353]a\261!l\376Dadd\373_n\315\000catte\376\324@on/_dri\277ver/ex\017\000s^V\000.pyx\026\007:\217\204\001\273ld\300\205\003llo7\000e\377 scratch\236\376$coll\301`\221\000s\177.abcd_k\363\205\001\3570 (q\254bk h\363av1\000\355\"(...\177, T, 0)\311b\372\n\003S\014\001), so\376\341\002default\376d\000ale 1/s\257qrt(T\000)\313\206\001u}n\034\000ined;\244$\371c!\001\364@licit\337lydis\345\206\001en\336\353\206\001gcis\004\003dn\373o P\005__red\377uce__ du\373e \362 non-t\376\205 ial __c\376\273\205\001__numpy\377._core.m\376\215\000iarray \357fail\245Cimp\367ort\033\tumat\305h\021\016s\236\002\232\207\005\221\206\tso\037ftcap\333\207\006\362h\276\206\003$\266\206\004\217\211\003u\317\002\254\001a\202E\215\003\037data.\013\020\340\204\003\262\206\001\376\217\206\003s.windo\343w \000\004\255\210\005\362\204\007(le\377ft, ""righ\177t) pair\212\212\003\377ASCIIEll\377ipsisRea\377lSequenc\365e\243\207\001.\250\207\007__Py\375x\001\000Dict_N>\321`Ref__\257\204\004\356 \354\332 \205\205\001__\001\005get/item\r\001d0\001\027\000\317func\035\001\030\000st\343at1\002\345#3\001mai\275n\003\002odulM\002n[am\002\003ewT\001p~\000\372\321 i\003\006hecks\301u`\000\026\001K\004!\001\321\213\001__~+\001unpickK\000\313En \005v\374\212\002\244\001qu#al[\005\260e\271fc\216\207\002\313\001\366\314dex\330\001set_\216\217\005set\276\006\003\006.\007t\267est\214 is\345ao\377utineabc\337alibi\000\002_s\337lopes\352E_b\377ufferapp\377end_rows\376\221\204\002asyncio\257.cor>\003s\331\206\006_\377shortcut\376\374\214\006_simdba\327seb\302\206\001_\207\211\002bl\317ock_\361\214\002\275\214\001_c\347cac\266 \001\001_le\257ngth\302\204\001l\257\207\007.:\262\207\004.\260\207\006cau\244\0002\001?k_flag\004\003\316!\013th\331\214\001s\025\003\211\205\002\004\004\371\204\003\374-\003\225\204\003cline_\336\340@trac\236\000ck\017col_\316\213\003\213\217\001\370\205\001\273\002\276\006\004rcoun\333\000_\367seq\245\000s_qd\377d_kd_vde\177codedst\270\217\002\342\275\217\002_\342 \352\214\003\230\207\003_gq\347aen#\001\000\003den\373um\331 teerr\373or\000\002sfinf\265o\313\001s\254\215\00232\263\215\0026\3774forked_\377after_pa\377rallelfo/rmat\354\213\004g\202`\346!\355g\220@ph\275\004has\371_\330B\005\001maskh\373eaC\000xisii\357din_^\004ind\353ex\225\205\001s\000\002ize\367kk_\216Bk_ne\377wk_offse\373tkw\000gesk_\370\336\207\002\000\004\024\005ernkv\341_y\002\005\000\276D\017\000sta\037rtskv\335B\225f\365\206\001~\375\221\002lselseZ\004\256\236\001max\000\000_\276Dm\353em\362\215\001m\332 nn_~\274cdimsn_\306\001P\004\000q\000\003\004\246\000n\236\204\002n\232A1n:\005\254\206\001\260\206\001sn5\000\224h\372\242\220\003s\362\211\002objop\237enmp_\270\212\004\007\004r\277untime\025\004v\333er\256\214\001op\261Aor\373op\225\215\001souto\373ut\233$packp[ag\320`ds\003\002s\311 \310\003\003\243\220\002\030\001d\232\205\006&""\001s_\374L\000\313apbplan_popqq\373\204\005q\361$\337query$\001io\177dregist\257`\366\001\004_b\325\221\00216re\336=\000cere\350\217\002re\337solve\277%re\377turn_lse\352\003\004s\344\213\001s\364\211\002row\217row_\227\220\001\335\206\001\361\000_\372\366\213\002s\006\001entri3es\317\213\002.\003se\217\005J\000\177ial_nss\364d\307set\306\215\004\354\220\002\364\206\001_t\377ilesinks\366\206!sm\264\204\001st_s\327ubn\271\204\001l\214\214\004srWcst\271 s\273ce\346\207\003~\265ctepsto\001\000\337ructt\226\206\004te\047am_\331!\347\206\003_\311\226\002\362\206\004|o\001\351\211\002numun\217A\377updatevv\252\316\204\003v\320\204\001v\315\204\004v\316\204\003v\370\316\204\003\000\004\024\005aluev\372\001\001s\304\214\003xOint\257 (st\207\001 \310\212\003t\267_10\327\220\007_7\333\220\004_\3759\332\220\006_HeadC\377all cons\237t *)\000\201\206\003\216\221\005\200\377\001\330\004\013\2103\210a\373\210q\005\0034\210q\220\001\376\020\003;\220a\220w\230a\376\035\003<\220q\230\007\230u\373\240A,\003>\230\021\230)\373\2401:\002\320\013\033\2301\357\230M\250\021\007\004\037\230q\177\240\007\240x\250z\270\r\002\377\014\210G\320\023&\240c\227\250\027\260V\000\340l\000a\000\320\347\020(\250\t\002\033\000\2208\230\3676\240\027\t\003\021\220\021\220\377(\230(\240!\2406\250\267\021\250!\231\0016\220V\000\340\377DE\330\020\021\360\020\000\377\005\035\230E\240\026\240q\375\250\266\000\007\200v\210S\220\277\001\330\010\t\330\0045\001!\373\2205\241\000q\240\010\250\001\377\250\026\250y\270\007\270z\377\310\026\310q\330\004\007\200\377x\320\017 \240\r\250Q\373\250a\n\001~\220Q\220j\357\240\001\240\021\030\000\320\007\031\363\230\037,\002%\001\320\007\030\230\345\017[\000\006$\002\006\005\t\260\035\177\270a\270v\300R\300J\000\327\020\220\001\242\000%\215 \005\230\177Q\230e\2401\240Dm\000\377\025\250a\250t\260:\270\377\\\310\021\310\047\320QR\347\330\024 ^\000\321\002\360\006\000\357\005\010\320\007\224 \330\010\017=\210\214\000\013\320\013\036\324!\025\001K\014\210\326!\013\307!$\001\r""\251!\337$\240C\240wM\000w\260\374\372 :\001\022\320\021%\240Q\357\240g\250Q\252A2\210W\273\220E\375 #\230W&\000t\277\2505\260\005\260Q#\005\047\357\320&>\270\342\000\014\210D\377\220\014\230D\320 0\260{\004\260\262@\360\010\000\005D\000\177$\240A\240W\250A)\033\336(\000\031\230\001\230\315@\360\n\377\000\005\006\330\004\031\230\023\177\230A\230U\240\047\250\257 \177\"\320\"4\260A\260\210\000\337\007\200u\210C\316\000\010\016\177\210j\230\001\330\014\031\222`?!\330\031\032\230.\232A\350\000\373\200\001=\001\014\210?\230!\377\230:\240S\250\t\260\031\377\270-\300\177\320VW\330\277\033\"\240.\260\010\240@x\337\300y\320PQ\014\001)\250\1779\260L\300\r\310Q0\004\367\320\013\034s\000Z\240s\250\377)\2609\270O\3107\320\377RY\320YZ\330\035$\373\240L8\000\t\300\036\310w\376G\001\035&\240l\260-\270\371q.\006\332 \230z\250\023\250\377C\250s\260(\270&\300\375\007\264@\037+\250<\260|\377\3008\3101\330\037-\250\377W\260I\270Y\300a\330\373\037 \240\000\016\000\005$\240\2574\240x\250\247`#\001\005\047\377\240t\2501\330\004(\250\371\004\252!\007\004&\240d\250!\013\340\004\003\001\"\301!\000\006\t\006,\001\367D\260\0013\003D\260\017\270\177t\3005\310\007\310z\264\001\377\004-\250T\260\030\270\037\377\310\004\310I\320U\\\320?\\]\33023\330\001\022\257a\177\025\220A\220T\230\032\335`\367E\250\026\230\001\010\210\t\220\367\031\230&\262\204\003\010\210\013\220\3774\220q\330\004\010\210\016\357\220d\230!\005\001\007\210t\363\2201\000\006\027\001\r\220Q\220\337i\230q\240\006\266\000\047\260\357\022\2607\270$\002\016\220a\277\220z\240\021\240&\333\000G\277\2602\260W\270A \013j\377\260\007\260u\270D\300\004\377\300G\3102\310W\320T\357U\330\004\016\241\207\001\220\004\220\177D\230\004\230D\240\001\000\016~\007\030F\230$\230f\240_\002\357\004\210H\220\374`\007\200t\357\2105\220\007\276\000\010\022\220w!\2201S\000\006\230d\216\000=\001\316\001\010\220\010\230\000\006\344\206\002\377t\2109\220G\2301\330>%\006\n\240$\240j\346 \000\016\352\216 \t\231\206\004\006r\000G\250:L\247\204\001\270!\021\220""\261\206\001\010\n\014\341 WX\230Q\232\000I\221`J\265\205\001\377\010\320\010\031\230\024\230Q\376\271#T\230\021\330\004\014\210\337A\210Q\210f\215@U\230\377*\240D\250\010\260\n\270\377$\270d\300!\200\001\3605,\271a7\246\210\001#\240\004\000\350\206\001\177$\2403\240a\240q\363\206\001\337\t\210\005\210U\334\001\330\010\375\r@\000e\220;\230a\230\257q\330\004\024\331@Y\010\000u\373\240G\342a\031\320\031,\250\377A\250Q\250d\260#\260\377S\270\003\2706\300\031\310\377!\330-;\2707\300*\377\310A\310Q\330\004\006\200\377g\210S\220\r\230Q\230\335h\307B\032\2701\324\210\001}\220\377B\220a\330\010\n\320\n\375\032\200a\007\200{\220\047\230\375\025\307 *\250F\260!\260\3773\260b\270\001\330\010\026\357\220a\220q\264@A\230Z\373\240q\314\204\003\007\200z\220\027\377\230\005\230T\240\031\250&\177\260\001\260\023\260B\260F\000\377\025\220Q\220a\220t\230\2771\230I\240Q\240\250\211\002t\373\2107\266 t\2307\320\"\367:\270!t\000\010\027\220q\273\230\001\241 U\240.\245`q\376\365\211\0054\220w\230j\250\007\377\250z\270\025\270a\320\000\375\031\267!\013\320\013\035\230Q\017\230c\240\021";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3675, 4865);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (4740 bytes) */
-static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of these inputs): its magnitude must lie in [ at 0x is not available on this CPU; available:  is not representable in  must be  must be >= 0 (or None), got  must be a bool (True or False), got  must be a positive integer thread count, got  must be an integer or None, got  must be at most  must be finite, got a number too large for a float object>, , got .: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNone or a positive numberNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.SIMD level ]a real numberadd_notecattention/_driver/extension.pyxcattention: could not allocate scratch memorycollections.abcd_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the default scale 1/sqrt(d_k) is undefined; pass scale explicitlydisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importscale must be finite, got softcap must be a positive finite number, got unable to allocate array data.unable to allocate shape and strides.window window must be None or a (left, right) pair, got ASCIIEllipsisRealSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_capi____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcalibialibi_slopesallocate_bufferappend_rowsarrayasyncio.coroutinesattention_shortcutavailable_simdbasebatch_shapeblock_tablebool_ccachecache_lengthscallcattention.""_driver.extensioncausalcheck_flagcheck_num_threadscheck_scalecheck_softcapcheck_windowcline_in_tracebackcol_stridecompiled_simdcompilercountcu_seqlens_qdd_kd_vdecodedstdtypedtype_is_objectenable_gqaencodeencodedenumerateerrorerrorsfinfoflagsfloat32float64forked_after_parallelformatfortranget_simdgrouph_stridehas_alibihas_maskhead_axisiidin_float32indexitemsitemsizekk_cachek_newk_offsetk_pagesk_scalek_scale_offsetkernkv_groupkv_lengthskvcache_shortcutleftlimitlselse_offsetmaskmaxmax_threadsmemviewmodenn_batch_dimsn_headsn_kv_headsn_newn_rowsn_seqn_threadsnamenamesndimnum_threadsnumbersnumpyobjopenmp_enabledopenmp_runtimeopenmp_versionoperatoroptionsoutout_offsetpackpage_idspage_sizepage_stridepaged_shortcutpages_per_seqpbplanpopqq_lengthsq_offsetquery_periodregisterregister_bfloat16replacereshaperesolve_threadsreturn_lsereturn_scoresrightrowrow_axisrowsrun_arraysrun_entriesscalescoresseq_offsetserial_nsset_simdsetdefaultshapesimd_tilesinkssizesmallest_subnormalsoftcapsrcstacks_grouped_rowsstartstepstopstructt_strideteam_sizethread_limitthreadstiletype_numunpackupdatevv_cachev_newv_offsetv_pagesv_scalev_scale_offsetvaluevalueswindowxOint (struct __pyx_t_10cattention_7_driver_9extension_HeadCall const *)\000head_attention\200\001\330\004\013\2103\210a\210q\200\001\330\004\013\2104\210q\220\001\200\001\330\004\013\210;\220a\220w\230a\200\001\330\004\013\210<\220q\230\007\230u\240A\200\001\330\004\013\210>\230\021\230)\2401\200\001\330\004\013\320\013\033\2301\230M\250\021\200\001\330\004\013\320\013\037\230q\240\007\240x\250z\270\021\200\001\330\004\014\210G\320\023&\240c\250\027\260\001\200\001\340\004\013\2104\210q\320\020(\250\001\200\001\340\004\014\210G\2208\2306\240\027\250\001\200\001\340\004\021\220\021\220(\230(\240!\2406\250\021\250!\330\004\013\2106\220\021\200\001\340DE\330\020\021\360\020\000\005\035\230E\240\026\240q\250\001\330\004\007\200v\210S\220\001\330\010\t\330\004\021\220\021\220!\2205\230\007\230q\240\010\250\001\250\026\250y\270\007\270z\310\026""\310q\330\004\007\200x\320\017 \240\r\250Q\250a\330\004\007\200~\220Q\220j\240\001\240\021\330\004\007\320\007\031\230\037\250\001\250\026\250q\330\004\007\320\007\030\230\017\240q\250\006\250a\330\004\007\320\007\030\230\017\240q\250\t\260\035\270a\270v\300R\300q\330\004\020\220\001\220\021\220%\220q\230\005\230Q\230e\2401\240D\250\001\250\025\250a\250t\260:\270\\\310\021\310\047\320QR\330\024 \240\001\240\027\250\001\200\001\360\006\000\005\010\320\007\037\230q\330\010\017\210q\330\004\013\320\013\036\230a\200\001\360\006\000\005\014\210<\220q\230\013\2401\200\001\360\006\000\005\r\210G\320\023$\240C\240w\250a\250w\260a\200\001\360\006\000\005\022\320\021%\240Q\240g\250Q\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\006\000\005\047\320&>\270a\330\004\014\210D\220\014\230D\320 0\260\004\260A\200\001\360\010\000\005\022\320\021$\240A\240W\250A\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\010\000\005\031\230\001\230\021\200\001\360\n\000\005\006\330\004\031\230\023\230A\230U\240\047\250\021\330\004\"\320\"4\260A\260Q\330\004\007\200u\210C\210q\330\010\016\210j\230\001\330\014\031\230\021\230!\330\031\032\230.\250\001\330\004\017\210q\200\001\360\n\000\005\014\210?\230!\230:\240S\250\t\260\031\270-\300\177\320VW\330\033\"\240.\260\010\270\007\270x\300y\320PQ\330\033\"\240)\2509\260L\300\r\310Q\200\001\360\n\000\005\014\320\013\034\230A\230Z\240s\250)\2609\270O\3107\320RY\320YZ\330\035$\240L\260\010\270\t\300\036\310w\320VW\330\035&\240l\260-\270q\200\001\360\n\000\005\014\320\013\036\230a\230z\250\023\250C\250s\260(\270&\300\007\300q\330\037+\250<\260|\3008\3101\330\037-\250W\260I\270Y\300a\330\037 \200\001\360\016\000\005$\2404\240x\250q\330\004#\2404\240x\250q\330\004\047\240t\2501\330\004(\250\004\250A\330\004&\240d\250!\340\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004(\250\004\250D\260\001\330\004(\250\004\250D\260\017\270t\3005\310\007\310z""\320YZ\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\360\006\000\005\025\220A\220T\230\032\2401\240E\250\026\250q\330\004\010\210\t\220\031\230&\240\001\240\021\330\004\010\210\013\2204\220q\330\004\010\210\016\220d\230!\330\004\010\210\007\210t\2201\330\004\010\210\007\210t\2201\330\004\010\210\r\220Q\220i\230q\240\006\240d\250\047\260\022\2607\270!\330\004\010\210\016\220a\220z\240\021\240&\250\004\250G\2602\260W\270A\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220F\230$\230f\240A\330\004\010\210\004\210H\220A\330\004\007\200t\2105\220\007\220q\330\010\022\220!\2201\220D\230\006\230d\240&\250\001\330\004\010\210\010\220\010\230\001\330\004\010\210\010\220\010\230\001\330\004\007\200t\2109\220G\2301\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\014\220A\220X\230Q\230f\240I\250W\260J\270a\330\004\010\320\010\031\230\024\230Q\330\004\010\210\r\220T\230\021\330\004\014\210A\210Q\210f\220A\220U\230*\240D\250\010\260\n\270$\270d\300!\200\001\360(\000\005$\2407\250!\330\004#\2407\250!\360\006\000\005$\2403\240a\240q\360\006\000\005\t\210\005\210U\220!\2201\330\010\r\210Q\210e\220;\230a\230q\330\004\024\220A\220Y\230a\230u\240G\2501\330\004\031\320\031,\250A\250Q\250d\260#\260S\270\003\2706\300\031\310!\330-;\2707\300*\310A\310Q\330\004\006\200g\210S\220\r\230Q\230h\240d\250\047\260\032\2701\330\004\007\200}\220B\220a\330\010\n\320\n\032\230!\330\004\007\200{\220\047\230\025\230d\240*\250F\260!\2603\260b\270\001\330\010\026\220a\220q\230\004\230A\230Z\240q\250\004\250A\330\004\021\220\021\220!\2204\220w\230j\250\007\250z\270\025\270a\320\000\031""\230\021\330\004\013\320\013\035\230Q\230c\240\021";
+    #else /* compression: none (4865 bytes) */
+static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of these inputs): its magnitude must lie in [ at 0x is not available on this CPU; available:  is not representable in  must be  must be >= 0 (or None), got  must be a bool (True or False), got  must be a positive integer thread count, got  must be an integer or None, got  must be at most  must be finite, got a number too large for a float object>, , got .: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNone or a positive numberNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.SIMD level ]a real numberadd_notecattention/_driver/extension.pyxcattention: could not allocate scratch memorycollections.abcd_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the default scale 1/sqrt(d_k) is undefined; pass scale explicitlydisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importscale must be finite, got softcap must be a positive finite number, got unable to allocate array data.unable to allocate shape and strides.window window must be None or a (left, right) pair, got ASCIIEllipsisRealSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_capi____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcalibialibi_slopesallocate_bufferappend_rowsarrayasyncio.coroutinesattention_shortcutavailable_simdbasebatch_shapeblock_tablebool_ccachecache_lengthscallcattention.""_driver.extensioncausalcheck_flagcheck_num_threadscheck_scalecheck_softcapcheck_windowcline_in_tracebackcol_stridecompiled_simdcompilercountcu_seqlens_qdd_kd_vdecodedstdtypedtype_is_objectenable_gqaencodeencodedenumerateerrorerrorsfinfoflagsfloat32float64forked_after_parallelformatfortranget_simdgrouph_stridehas_alibihas_maskhead_axisiidin_float32indexitemsitemsizekk_cachek_newk_offsetk_pagesk_scalek_scale_offsetkernkv_groupkv_lengthskv_startskvcache_shortcutleftlimitlselse_offsetmaskmaxmax_threadsmemviewmodenn_batch_dimsn_headsn_kv_headsn_newn_rowsn_seqn_threadsnamenamesndimnum_threadsnumbersnumpyobjopenmp_enabledopenmp_runtimeopenmp_versionoperatoroptionsoutout_offsetpackpage_idspage_sizepage_stridepaged_shortcutpages_per_seqpbplanpopqq_lengthsq_offsetquery_periodregisterregister_bfloat16replacereshaperesolve_threadsreturn_lsereturn_scoresrightrowrow_axisrowsrun_arraysrun_entriesscalescoresseq_offsetserial_nsset_simdsetdefaultshapesimd_tilesinkssizesmallest_subnormalsoftcapsrcstacks_grouped_rowsstartstepstopstructt_strideteam_sizethread_limitthreadstiletype_numunpackupdatevv_cachev_newv_offsetv_pagesv_scalev_scale_offsetvaluevalueswindowxOint (struct __pyx_t_10cattention_7_driver_9extension_HeadCall const *)\000head_attention\200\001\330\004\013\2103\210a\210q\200\001\330\004\013\2104\210q\220\001\200\001\330\004\013\210;\220a\220w\230a\200\001\330\004\013\210<\220q\230\007\230u\240A\200\001\330\004\013\210>\230\021\230)\2401\200\001\330\004\013\320\013\033\2301\230M\250\021\200\001\330\004\013\320\013\037\230q\240\007\240x\250z\270\021\200\001\330\004\014\210G\320\023&\240c\250\027\260\001\200\001\340\004\013\2104\210q\320\020(\250\001\200\001\340\004\014\210G\2208\2306\240\027\250\001\200\001\340\004\021\220\021\220(\230(\240!\2406\250\021\250!\330\004\013\2106\220\021\200\001\340DE\330\020\021\360\020\000\005\035\230E\240\026\240q\250\001\330\004\007\200v\210S\220\001\330\010\t\330\004\021\220\021\220!\2205\230\007\230q\240\010\250\001\250\026\250y\270\007\270z""\310\026\310q\330\004\007\200x\320\017 \240\r\250Q\250a\330\004\007\200~\220Q\220j\240\001\240\021\330\004\007\320\007\031\230\037\250\001\250\026\250q\330\004\007\320\007\030\230\017\240q\250\006\250a\330\004\007\320\007\030\230\017\240q\250\t\260\035\270a\270v\300R\300q\330\004\020\220\001\220\021\220%\220q\230\005\230Q\230e\2401\240D\250\001\250\025\250a\250t\260:\270\\\310\021\310\047\320QR\330\024 \240\001\240\027\250\001\200\001\360\006\000\005\010\320\007\037\230q\330\010\017\210q\330\004\013\320\013\036\230a\200\001\360\006\000\005\014\210<\220q\230\013\2401\200\001\360\006\000\005\r\210G\320\023$\240C\240w\250a\250w\260a\200\001\360\006\000\005\022\320\021%\240Q\240g\250Q\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\006\000\005\047\320&>\270a\330\004\014\210D\220\014\230D\320 0\260\004\260A\200\001\360\010\000\005\022\320\021$\240A\240W\250A\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\010\000\005\031\230\001\230\021\200\001\360\n\000\005\006\330\004\031\230\023\230A\230U\240\047\250\021\330\004\"\320\"4\260A\260Q\330\004\007\200u\210C\210q\330\010\016\210j\230\001\330\014\031\230\021\230!\330\031\032\230.\250\001\330\004\017\210q\200\001\360\n\000\005\014\210?\230!\230:\240S\250\t\260\031\270-\300\177\320VW\330\033\"\240.\260\010\270\007\270x\300y\320PQ\330\033\"\240)\2509\260L\300\r\310Q\200\001\360\n\000\005\014\320\013\034\230A\230Z\240s\250)\2609\270O\3107\320RY\320YZ\330\035$\240L\260\010\270\t\300\036\310w\320VW\330\035&\240l\260-\270q\200\001\360\n\000\005\014\320\013\036\230a\230z\250\023\250C\250s\260(\270&\300\007\300q\330\037+\250<\260|\3008\3101\330\037-\250W\260I\270Y\300a\330\037 \200\001\360\016\000\005$\2404\240x\250q\330\004#\2404\240x\250q\330\004\047\240t\2501\330\004(\250\004\250A\330\004\047\240t\2501\330\004&\240d\250!\340\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004(\250\004\250D\260\001\330\004(\250\004\250D""\260\017\270t\3005\310\007\310z\320YZ\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\360\006\000\005\025\220A\220T\230\032\2401\240E\250\026\250q\330\004\010\210\t\220\031\230&\240\001\240\021\330\004\010\210\013\2204\220q\330\004\010\210\016\220d\230!\330\004\010\210\007\210t\2201\330\004\010\210\007\210t\2201\330\004\010\210\r\220Q\220i\230q\240\006\240d\250\047\260\022\2607\270!\330\004\010\210\016\220a\220z\240\021\240&\250\004\250G\2602\260W\270A\330\004\010\210\r\220Q\220i\230q\240\006\240j\260\007\260u\270D\300\004\300G\3102\310W\320TU\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220F\230$\230f\240A\330\004\010\210\004\210H\220A\330\004\007\200t\2105\220\007\220q\330\010\022\220!\2201\220D\230\006\230d\240&\250\001\330\004\010\210\010\220\010\230\001\330\004\010\210\010\220\010\230\001\330\004\007\200t\2109\220G\2301\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\014\220A\220X\230Q\230f\240I\250W\260J\270a\330\004\010\320\010\031\230\024\230Q\330\004\010\210\r\220T\230\021\330\004\014\210A\210Q\210f\220A\220U\230*\240D\250\010\260\n\270$\270d\300!\200\001\360,\000\005$\2407\250!\330\004#\2407\250!\360\006\000\005$\2403\240a\240q\360\006\000\005\t\210\005\210U\220!\2201\330\010\r\210Q\210e\220;\230a\230q\330\004\024\220A\220Y\230a\230u\240G\2501\330\004\031\320\031,\250A\250Q\250d\260#\260S\270\003\2706\300\031\310!\330-;\2707\300*\310A\310Q\330\004\006\200g\210S\220\r\230Q\230h\240d\250\047\260\032\2701\330\004\007\200}\220B\220a\330\010\n\320\n\032\230!\330\004\007\200{\220\047\230\025\230d\240*\250F\260!\2603\260b\270\001\330\010\026""\220a\220q\230\004\230A\230Z\240q\250\004\250A\330\004\007\200z\220\027\230\005\230T\240\031\250&\260\001\260\023\260B\260a\330\010\025\220Q\220a\220t\2301\230I\240Q\240a\330\004\007\200t\2107\220%\220t\2307\320\":\270!\2701\330\010\027\220q\230\001\230\024\230U\240.\260\007\260q\330\004\021\220\021\220!\2204\220w\230j\250\007\250z\270\025\270a\320\000\031\230\021\330\004\013\320\013\035\230Q\230c\240\021";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 252; i++) {
+    for (int i = 0; i < 253; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 53) PyUnicode_InternInPlace(&string);
@@ -81784,8 +82191,8 @@ static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of t
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 252; i < 280; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-252].length;
+    for (int i = 253; i < 281; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-253].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -81795,14 +82202,14 @@ static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of t
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 280; i++) {
+    for (Py_ssize_t i = 0; i < 281; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 252;
+      PyObject **table = stringtab + 253;
       for (Py_ssize_t i=0; i<28; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
@@ -81890,132 +82297,132 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 176};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 178};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_get_simd, __pyx_mstate->__pyx_kp_b_iso88591_G86, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 181};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 183};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_names, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_available_simd, __pyx_mstate->__pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 188};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 190};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_names, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_compiled_simd, __pyx_mstate->__pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 196};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 198};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_tile};
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_simd_tile, __pyx_mstate->__pyx_kp_b_iso88591_a_D_D_0_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 203};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 205};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_name, __pyx_mstate->__pyx_n_u_encoded, __pyx_mstate->__pyx_n_u_kern};
     __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_set_simd, __pyx_mstate->__pyx_kp_b_iso88591_AU_4AQ_uCq_j_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 218};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 220};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_compiler, __pyx_mstate->__pyx_kp_b_iso88591_G_c, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 222};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 224};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_type_num};
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_register_bfloat16, __pyx_mstate->__pyx_kp_b_iso88591__8, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 229};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 231};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_enabled, __pyx_mstate->__pyx_kp_b_iso88591_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 233};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 235};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_version, __pyx_mstate->__pyx_kp_b_iso88591_3aq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 237};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 239};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_runtime, __pyx_mstate->__pyx_kp_b_iso88591_G_Cwawa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 243};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 245};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_max_threads, __pyx_mstate->__pyx_kp_b_iso88591_q_q_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 251};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 253};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n_threads, __pyx_mstate->__pyx_n_u_serial_ns};
     __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_team_size, __pyx_mstate->__pyx_kp_b_iso88591_q_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 257};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 259};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_forked_after_parallel, __pyx_mstate->__pyx_kp_b_iso88591_4q_2, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 265};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 267};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_value, __pyx_mstate->__pyx_n_u_name};
     __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_flag, __pyx_mstate->__pyx_kp_b_iso88591_awa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 269};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 271};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_d_k, __pyx_mstate->__pyx_n_u_in_float32};
     __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_scale, __pyx_mstate->__pyx_kp_b_iso88591_q_uA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 273};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 275};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_in_float32};
     __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_softcap, __pyx_mstate->__pyx_kp_b_iso88591_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 277};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 279};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_left, __pyx_mstate->__pyx_n_u_right};
     __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_window, __pyx_mstate->__pyx_kp_b_iso88591_6_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 283};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 285};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_name};
     __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_num_threads, __pyx_mstate->__pyx_kp_b_iso88591_Qc, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 287};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 289};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_limit};
     __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_resolve_threads, __pyx_mstate->__pyx_kp_b_iso88591_1M, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 291};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 293};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_group, __pyx_mstate->__pyx_n_u_n_rows, __pyx_mstate->__pyx_n_u_has_mask, __pyx_mstate->__pyx_n_u_has_alibi};
     __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_stacks_grouped_rows, __pyx_mstate->__pyx_kp_b_iso88591_q_xz, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {14, 0, 0, 22, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 308};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_batch_shape, __pyx_mstate->__pyx_n_u_kv_group, __pyx_mstate->__pyx_n_u_query_period, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_options, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_scores, __pyx_mstate->__pyx_n_u_lse, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_row, __pyx_mstate->__pyx_n_u_pb, __pyx_mstate->__pyx_n_u_n_batch_dims, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_index};
+    const __Pyx_PyCode_New_function_description descr = {15, 0, 0, 23, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 310};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_batch_shape, __pyx_mstate->__pyx_n_u_kv_group, __pyx_mstate->__pyx_n_u_query_period, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_options, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_scores, __pyx_mstate->__pyx_n_u_lse, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_row, __pyx_mstate->__pyx_n_u_pb, __pyx_mstate->__pyx_n_u_n_batch_dims, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_index};
     __pyx_mstate_global->__pyx_codeobj_tab[20] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_arrays, __pyx_mstate->__pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_AQd_S, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[20])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 360};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_call, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_q_lengths, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_q_offset, __pyx_mstate->__pyx_n_u_k_offset, __pyx_mstate->__pyx_n_u_v_offset, __pyx_mstate->__pyx_n_u_out_offset, __pyx_mstate->__pyx_n_u_lse_offset, __pyx_mstate->__pyx_n_u_k_scale_offset, __pyx_mstate->__pyx_n_u_v_scale_offset, __pyx_mstate->__pyx_n_u_plan, __pyx_mstate->__pyx_n_u_row};
-    __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_entries, __pyx_mstate->__pyx_kp_b_iso88591_4xq_4xq_t1_A_d_d_A_d_A_d_A_D_D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 368};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_call, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_q_lengths, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_q_offset, __pyx_mstate->__pyx_n_u_k_offset, __pyx_mstate->__pyx_n_u_v_offset, __pyx_mstate->__pyx_n_u_out_offset, __pyx_mstate->__pyx_n_u_lse_offset, __pyx_mstate->__pyx_n_u_k_scale_offset, __pyx_mstate->__pyx_n_u_v_scale_offset, __pyx_mstate->__pyx_n_u_plan, __pyx_mstate->__pyx_n_u_row};
+    __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_entries, __pyx_mstate->__pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {9, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 414};
+    const __Pyx_PyCode_New_function_description descr = {9, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 424};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cache, __pyx_mstate->__pyx_n_u_rows, __pyx_mstate->__pyx_n_u_seq_offset, __pyx_mstate->__pyx_n_u_row_axis, __pyx_mstate->__pyx_n_u_head_axis, __pyx_mstate->__pyx_n_u_start, __pyx_mstate->__pyx_n_u_n_new, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_pages_per_seq, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n_seq};
     __pyx_mstate_global->__pyx_codeobj_tab[22] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_append_rows, __pyx_mstate->__pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[22])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 440};
+    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 450};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_return_scores, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
     __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_attention_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_az_Cs_q_81_WIYa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 451};
+    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 461};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_cache, __pyx_mstate->__pyx_n_u_v_cache, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
     __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_kvcache_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {19, 0, 0, 19, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 461};
+    const __Pyx_PyCode_New_function_description descr = {19, 0, 0, 19, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 471};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_pages, __pyx_mstate->__pyx_n_u_v_pages, __pyx_mstate->__pyx_n_u_block_table, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_cu_seqlens_q, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
     __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_paged_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
   }

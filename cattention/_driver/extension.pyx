@@ -53,7 +53,8 @@ from cattention._driver.checks cimport (
     check_flag as _check_flag, check_num_threads as _check_num_threads, check_scale as _check_scale,
     check_softcap as _check_softcap, check_window as _check_window, holds,
     resolve_threads as _resolve_threads)
-from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
+from cattention._driver.from_arrays cimport (
+    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets)
 from cattention._driver.from_entries cimport (
     EntryPlan, EntryTable, Place, free_tables, plan_entries, problem_from_table,
     stacks_grouped_rows as _stacks_grouped_rows)
@@ -139,6 +140,7 @@ cdef int head_attention(const HeadCall *call) noexcept nogil:
     plan.d_v = call.d_v if with_out else 0
     plan.q_lengths = n_rows
     plan.kv_lengths = n_valid
+    plan.kv_starts = NULL
     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
     # SCORES alone: V is not read
@@ -308,11 +310,12 @@ cdef inline void read_row_options(object options, RowOptions *row,
 def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
                cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
                Py_ssize_t kv_group, Py_ssize_t query_period,
-               const intp_t[::1] kv_lengths, object options, cnp.ndarray out,
-               cnp.ndarray scores, cnp.ndarray lse):
-    """Run a dense call (``_prepare/dense.py``) into C-contiguous ``out``
-    (n_batch, T, d_v), ``scores`` (n_batch, T, S) and ``lse`` (n_batch, T)
-    of the compute dtype, any of them None.
+               const intp_t[::1] kv_lengths, const intp_t[::1] kv_starts, object options,
+               cnp.ndarray out, cnp.ndarray scores, cnp.ndarray lse):
+    """Run a dense call (``_prepare/dense.py``) into ``out`` (batch + (T,
+    d_v): C-contiguous, or any non-negative strides with contiguous
+    features), C-contiguous ``scores`` (n_batch, T, S) and ``lse`` (n_batch,
+    T) of the compute dtype, any of them None.
 
     Preconditions (checked by the caller): q, k, v share the compute dtype
     (or k and v are float16 or int8 with a float32 q), are in native byte
@@ -320,7 +323,8 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
     dimensions broadcast to ``batch_shape`` (k and v with H / kv_group heads
     on its last axis); ``mask`` is None or an aligned native bool, float32
     or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None
-    or n_batch valid key counts in [0, S]; ``query_period`` > 0 says the
+    or n_batch valid key counts in [0, S], ``kv_starts`` None or the first
+    valid key of each batch entry; ``query_period`` > 0 says the
     rows are stacked groups of that many positions; the options' alibi is
     one slope per batch entry and its sinks one logit per group of
     query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
@@ -342,6 +346,10 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
         pb.query_period = query_period
     if kv_lengths is not None and kv_lengths.shape[0] > 0:
         set_kv_lengths(&pb, &kv_lengths[0], index)
+    if kv_starts is not None and kv_starts.shape[0] > 0:
+        set_kv_starts(&pb, &kv_starts[0])
+    if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+        set_out_offsets(&pb, out, n_batch_dims, shape, index)
     run_then_free(&pb, index, _kernels, options.threads, out, scores)
 
 
@@ -368,6 +376,7 @@ def run_entries(object call):
     cdef const double[::1] sinks = call.options.sinks
     cdef const intp_t[::1] q_lengths = call.q_lengths
     cdef const intp_t[::1] kv_lengths = call.kv_lengths
+    cdef const intp_t[::1] kv_starts = call.kv_starts
     cdef const intp_t[::1] page_ids = call.page_ids
     # the places' offsets, held here while the plan points into them
     cdef const intp_t[::1] q_offset = call.q.seq_offset
@@ -389,6 +398,7 @@ def run_entries(object call):
     plan.d_v = call.d_v
     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
+    plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
     read_place(&plan.q, call.q, q_offset)
     read_place(&plan.k, call.k, k_offset)
     read_place(&plan.v, call.v, v_offset)

@@ -164,8 +164,9 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
                  cnp.PyArray_DIM(q, q.ndim - 1),
                  cnp.PyArray_DIM(v, v.ndim - 1) if v is not None else 0, row)
     # offsets of q, k, v, mask, k_scale, v_scale; kv_of_batch; kv_source;
-    # room for kv_extent (set_kv_lengths) (n_kv <= n_batch)
-    cdef intp_t *index = <intp_t *>malloc(9 * max(n_batch, 1) * sizeof(intp_t))
+    # room for kv_extent (set_kv_lengths) (n_kv <= n_batch) and for the
+    # offsets of a strided ATTN (set_out_offsets)
+    cdef intp_t *index = <intp_t *>malloc(10 * max(n_batch, 1) * sizeof(intp_t))
     if index == NULL:
         raise MemoryError()
     cdef intp_t *kv_of_batch = index + 6 * n_batch
@@ -220,6 +221,24 @@ cdef inline intp_t *problem_from_arrays(Problem *pb, cnp.ndarray q, cnp.ndarray 
     pb.kv_source = kv_source
     problem_finish(pb)
     return index
+
+
+cdef inline void set_out_offsets(Problem *pb, cnp.ndarray out, Py_ssize_t n_batch_dims,
+                                 const Py_ssize_t *batch_shape, intp_t *index):
+    """ATTN rows written into out as laid out (any strides, features
+    contiguous): each batch entry's rows from its offset, a row stride
+    apart. index is problem_from_arrays' table (its last n_batch slots hold
+    the offsets)."""
+    cdef intp_t *out_offset = index + 9 * pb.n_batch
+    cdef int ndim = cnp.PyArray_NDIM(out)
+    fill_batch_offsets(out, n_batch_dims, batch_shape, out_offset)
+    pb.out_offset = out_offset
+    pb.ld_out = cnp.PyArray_STRIDE(out, ndim - 2) // cnp.PyArray_ITEMSIZE(out)
+
+
+cdef inline void set_kv_starts(Problem *pb, const intp_t *kv_start) noexcept nogil:
+    """Entry b's keys before kv_start[b] take no part (left padding)."""
+    pb.kv_start = kv_start
 
 
 cdef inline void set_kv_lengths(Problem *pb, const intp_t *kv_length,

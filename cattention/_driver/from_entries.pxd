@@ -45,7 +45,8 @@ cdef struct Place:
 cdef struct EntryPlan:
     Py_ssize_t n_seq, n_heads, n_kv_heads, d_k, d_v
     const intp_t *q_lengths      # query rows of each sequence
-    const intp_t *kv_lengths     # valid keys of each sequence
+    const intp_t *kv_lengths     # valid keys of each sequence...
+    const intp_t *kv_starts      # ...from this one (left padding), or NULL: 0
     Place q, k, v, out
     Place lse                    # data NULL: no LSE
     Place k_scale, v_scale       # int8 K/V: their float32 row scales (data NULL: none)
@@ -70,6 +71,7 @@ cdef struct EntryTable:
     intp_t *page_first
     intp_t *k_scale_offset
     intp_t *v_scale_offset
+    intp_t *kv_start
     double *alibi
     double *sinks                # per group of query_period rows
     Py_ssize_t q_row_stride, ld_out, ld_lse
@@ -91,7 +93,7 @@ cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_opti
     n_entries ALiBi slopes); 0, or -1 if there is no memory."""
     cdef Py_ssize_t n = n_entries if n_entries > 0 else 1
     cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)
-    t.storage = malloc(11 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
+    t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
     if t.storage == NULL:
         return -1
     cdef intp_t *slots = <intp_t *>t.storage
@@ -99,7 +101,8 @@ cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_opti
     t.kv_index, t.kv_length, t.out_offset = slots + 3 * n, slots + 4 * n, slots + 5 * n
     t.q_rows, t.lse_offset, t.page_first = slots + 6 * n, slots + 7 * n, slots + 8 * n
     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n
-    t.sinks = <double *>(slots + 11 * n)
+    t.kv_start = slots + 11 * n
+    t.sinks = <double *>(slots + 12 * n)
     t.alibi = t.sinks + n_option_values
     t.n_entries = n_entries
     return 0
@@ -111,6 +114,7 @@ cdef inline void set_kv_place(const EntryPlan *plan, EntryTable *t, Py_ssize_t e
     t.k_offset[e] = plan.k.seq_offset[s] + kv_head * plan.k.h_stride
     t.v_offset[e] = plan.v.seq_offset[s] + kv_head * plan.v.h_stride
     t.kv_length[e] = plan.kv_lengths[s]
+    t.kv_start[e] = plan.kv_starts[s] if plan.kv_starts != NULL else 0
     t.page_first[e] = s * plan.pages_per_seq
     if plan.k_scale.data != NULL:
         t.k_scale_offset[e] = plan.k_scale.seq_offset[s] + kv_head * plan.k_scale.h_stride
@@ -273,6 +277,8 @@ cdef inline intp_t *problem_from_table(Problem *pb, const EntryTable *t, const E
     set_kv_operand(&pb.k, &plan.k, t.k_offset, &plan.k_scale, t.k_scale_offset, plan, t)
     set_kv_operand(&pb.v, &plan.v, t.v_offset, &plan.v_scale, t.v_scale_offset, plan, t)
     pb.kv_length = t.kv_length
+    if plan.kv_starts != NULL:
+        pb.kv_start = t.kv_start
     if t.query_period == 0:
         pb.q_length = t.q_rows
     else:

@@ -133,6 +133,7 @@ cdef struct Problem:
     bint causal
     double scale                 # multiplies q.k
     const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
+    const intp_t *kv_start       # and the first of them (left padding), or NULL (0)
     Py_ssize_t query_period      # query rows are positions 0..period-1 repeated
                                  # (grouped-query heads stacked as rows); = T
     Py_ssize_t window_left       # sliding window: keys at most this far before

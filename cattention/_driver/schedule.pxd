@@ -459,11 +459,12 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
     pb.packed_k = packed
     pb.packed_v = packed + k_bytes
     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)
-    # with a sliding window, the key blocks before every reader's window
-    # are not packed (a prompt chunk at the end of a long cache)
+    # with a sliding window or left padding, the key blocks before every
+    # reader's first key are not packed (a prompt chunk at the end of a long
+    # cache, the padding of a batch)
     cdef intp_t *kv_first = NULL
     cdef Py_ssize_t kv, first
-    if pb.window_left >= 0 and not pb.direct:
+    if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
         if kv_first == NULL:
             ca_scratch_release(CA_SCRATCH_PACKED, packed)

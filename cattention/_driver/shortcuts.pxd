@@ -461,6 +461,7 @@ cdef inline object paged_shortcut(
         n_seq, n_heads, n_kv_heads, d_k, d_v)
     plan.q_lengths = q_lengths
     plan.kv_lengths = new_length
+    plan.kv_starts = NULL
     set_place(&plan.q, qa, q_offset, 2, 1, -1)
     set_place(&plan.k, kp, zeros, 2, 1, 0)
     set_place(&plan.v, vp, zeros, 2, 1, 0)

@@ -15,17 +15,19 @@ from cattention._driver.problem cimport MASK_BOOL, MASK_F32, MASK_NONE, Problem,
 cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                                 Py_ssize_t n_rows, intp_t *row_lo, intp_t *row_hi) noexcept nogil:
     """Keys each query row of batch entry b may see before the explicit mask:
-    [row_lo, row_hi). Only the first kv_length[b] keys exist when lengths are
-    given (right padding, as in a batched KV cache)."""
+    [row_lo, row_hi). Only the keys kv_start[b] .. kv_length[b] exist when
+    starts and lengths are given (left and right padding, as in a batched
+    KV cache); the alignment is against the end of that range."""
     cdef Py_ssize_t i, lo, hi, position
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+    cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
     cdef Py_ssize_t period = query_period_of(pb, b)
     # alignment is bottom-right: the queries are the last T positions of the
     # valid keys, so query row r sits at key position r + (n_valid - T)
     cdef Py_ssize_t offset = n_valid - period
     for i in range(n_rows):
         position = (row0 + i) % period + offset
-        lo = 0
+        lo = start
         hi = n_valid
         if pb.causal and position + 1 < hi:
             hi = position + 1
@@ -73,15 +75,16 @@ cdef inline bint sees_a_key(const Problem *pb, Py_ssize_t b, Py_ssize_t row) noe
 
 
 cdef inline Py_ssize_t first_visible_key(const Problem *pb, Py_ssize_t b) noexcept nogil:
-    """No query row of batch entry b sees a key before this one: the start
-    of its sliding window at its first position (visible_ranges' lo for a
-    row at position offset), 0 without a window's left side."""
+    """No query row of batch entry b sees a key before this one: its first
+    valid key, or the start of its sliding window at its first position
+    (visible_ranges' lo for a row at position offset) if that is later."""
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+    cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
     cdef Py_ssize_t first
     if pb.window_left < 0:
-        return 0
+        return start
     first = n_valid - query_period_of(pb, b) - pb.window_left
-    return first if first > 0 else 0
+    return first if first > start else start
 
 
 cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,

@@ -112,6 +112,39 @@ def output(shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> NDArray[A
                          "than an array can hold") from None
 
 
+def check_out(out: object, shape: tuple[int, ...], dtype: np.dtype[Any],
+              read: list[tuple[str, Any]]) -> NDArray[Any]:
+    """out= (NumPy's convention): an ndarray of the result's shape and dtype,
+    any strides, writable, sharing no memory with what the call reads; a
+    call refused writes nothing."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"out has shape {out.shape}; the result has shape {shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}; the result has dtype {dtype} (out= "
+                        "takes the result's dtype, as NumPy's ufuncs do with casting)")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only")
+    # a broadcast out would take several rows in one place
+    if any(s == 0 for s, n in zip(out.strides, out.shape) if n > 1):
+        raise ValueError("out has a zero stride (a broadcast view): its rows would overlap")
+    for name, arr in read:
+        if isinstance(arr, np.ndarray) and np.shares_memory(out, arr):
+            raise ValueError(f"out and {name} share memory; the call reads {name} while it "
+                             "writes out: pass a separate array")
+    return out
+
+
+def writes_in_place(out: NDArray[Any]) -> bool:
+    """The driver writes ATTN into out as it lies: aligned, native, every
+    stride a non-negative multiple of the itemsize, features contiguous."""
+    last = out.strides[-1] if out.ndim else out.itemsize
+    return (bool(out.flags.aligned) and out.dtype.isnative
+            and all(s >= 0 and s % out.itemsize == 0 for s in out.strides)
+            and (last == out.itemsize or out.shape[-1] <= 1))
+
+
 def readable_in_place(arr: NDArray[Any]) -> bool:
     """The kernels read arr where it is: aligned, and every stride a
     multiple of its itemsize (any other array they would read from a copy)."""

@@ -18,11 +18,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import (array, as_input, broadcast_shapes, compute_dtype, gqa_hint, output,
-                     prepare_mask, to_compute)
+from .arrays import (array, as_input, broadcast_shapes, check_out, compute_dtype, gqa_hint,
+                     output, prepare_mask, to_compute, writes_in_place)
 from .int8 import int8_scale
-from .options import (RowOptions, lengths_per_sequence, per_entry_alibi, per_entry_kv_lengths,
-                      per_entry_sinks, row_options)
+from .options import (RowOptions, per_entry_alibi, per_entry_key_positions, per_entry_sinks,
+                      per_sequence, row_options)
 
 _Array = NDArray[Any]
 
@@ -44,6 +44,7 @@ class DenseCall:
     kv_group: int                    # G > 1: query head h reads K/V head h // G
     query_period: int                # > 0: rows are stacked groups of this many positions
     kv_lengths: Optional[NDArray[np.intp]]   # per batch entry
+    kv_starts: Optional[NDArray[np.intp]]    # per batch entry
     options: RowOptions
     compute: np.dtype[Any]
     result: np.dtype[Any]            # the dtype returned (float16 or bfloat16 in:
@@ -53,6 +54,7 @@ class DenseCall:
     want_out: bool
     want_scores: bool
     want_lse: bool
+    out: Optional[_Array] = None     # the caller's array for ATTN (out=)
 
 
 Results = tuple[Optional[_Array], Optional[_Array], Optional[_Array]]
@@ -102,7 +104,8 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
                   num_threads: Optional[SupportsIndex], kv_lengths: Optional[ArrayLike],
                   window: Any, softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
                   sinks: Optional[ArrayLike], k_scale: Optional[ArrayLike],
-                  v_scale: Optional[ArrayLike]) -> DenseCall:
+                  v_scale: Optional[ArrayLike], kv_starts: Optional[ArrayLike] = None,
+                  out: Optional[_Array] = None) -> DenseCall:
     """Every check of a dense call, in the order its errors are reported."""
     q = as_input(q, "q")
     k = as_input(k, "k")
@@ -115,14 +118,16 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
     elif v_scale is not None:
         raise ValueError("v_scale is given without v")
     if kv_lengths is not None:
-        kv_lengths = lengths_per_sequence(kv_lengths, q, k, v, mask)
-    given_lengths = kv_lengths
+        kv_lengths = per_sequence(kv_lengths, q, k, v, mask, "kv_lengths")
+    if kv_starts is not None:
+        kv_starts = per_sequence(kv_starts, q, k, v, mask, "kv_starts")
+    given = [a for a in (kv_lengths, kv_starts) if a is not None]
     operands = (q, k) if v is None else (q, k, v)
     compute, result = compute_dtype(*operands)
     group = _group_heads(q, k, v) if enable_gqa else 1
     n_heads = q.shape[-3] if enable_gqa else 1
     if enable_gqa:
-        for what, arr in (("mask", mask), ("kv_lengths", kv_lengths),
+        for what, arr in (("mask", mask), ("kv_lengths", kv_lengths), ("kv_starts", kv_starts),
                           ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
             _per_query_head(arr, n_heads, what, q.shape)
 
@@ -165,7 +170,9 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
     options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
                           softcap=softcap, num_threads=num_threads)
     if kv_lengths is not None:
-        kv_lengths = per_entry_kv_lengths(kv_lengths, batch_shape, n_keys)
+        kv_lengths = per_entry_key_positions(kv_lengths, batch_shape, n_keys, "kv_lengths")
+    if kv_starts is not None:
+        kv_starts = per_entry_key_positions(kv_starts, batch_shape, n_keys, "kv_starts")
     if alibi_slopes is not None:
         options.alibi = per_entry_alibi(alibi_slopes, batch_shape, compute)
     if sinks is not None:
@@ -178,13 +185,18 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
     k = k if ks is not None else to_compute(k, compute)
     if v is not None:
         v = v if vs is not None else to_compute(v, compute)
-    call = DenseCall(q, k, v, mask, ks, vs, batch_shape, group, 0, kv_lengths, options,
-                     compute, result, batch_shape, want_out, want_scores, want_lse)
-    # the lengths, when given per head, might differ within a group
-    lengths_per_kv_head = given_lengths is None or given_lengths.ndim == 0 or (
-        given_lengths.shape[-1] == 1)
+    if out is not None:
+        d_v = v.shape[-1] if v is not None else 0
+        out = check_out(out, batch_shape + (n_queries, d_v), result,
+                        [("q", q), ("k", k), ("v", v), ("mask", mask), ("k_scale", ks),
+                         ("v_scale", vs)])
+    call = DenseCall(q, k, v, mask, ks, vs, batch_shape, group, 0, kv_lengths, kv_starts,
+                     options, compute, result, batch_shape, want_out, want_scores, want_lse,
+                     out)
+    # lengths and starts given per head might differ within a group
+    per_kv_head = all(a.ndim == 0 or a.shape[-1] == 1 for a in given)
     if (driver.stacks_grouped_rows(group, n_queries, mask is not None,
-                                   alibi_slopes is not None) and lengths_per_kv_head):
+                                   alibi_slopes is not None) and per_kv_head):
         _stack_grouped_rows(call)
     return call
 
@@ -204,20 +216,46 @@ def _stack_grouped_rows(call: DenseCall) -> None:
     call.batch_shape = call.batch_shape[:-1] + (n_kv_heads,)
     if call.kv_lengths is not None:
         call.kv_lengths = np.ascontiguousarray(call.kv_lengths[::group])
+    if call.kv_starts is not None:
+        call.kv_starts = np.ascontiguousarray(call.kv_starts[::group])
     # the sinks, one per (K/V head, g), are already one per group of
     # query_period rows
     call.kv_group = 1
     call.query_period = n_queries
 
 
+def _attn_in_place(call: DenseCall, shape: tuple[int, ...]) -> Optional[_Array]:
+    """The caller's out= as the driver writes ATTN: a view of it in the
+    driver's batch layout (stacked rows too) when its dtype is the compute
+    dtype and its strides are ones the driver writes (aligned, non-negative
+    element strides, contiguous features); else None (computed aside, then
+    copied in)."""
+    out = call.out
+    if out is None or out.dtype != call.compute or not writes_in_place(out):
+        return None
+    view = out.view()
+    try:
+        # (setting the shape refuses where the view would need a copy)
+        view.shape = shape
+    except AttributeError:
+        return None
+    return view
+
+
 def run(call: DenseCall) -> Results:
-    """(ATTN, SCORES, LSE) of a prepared dense call, each None unless asked for."""
+    """(ATTN, SCORES, LSE) of a prepared dense call, each None unless asked
+    for; ATTN in the caller's out= array when given."""
     rows = call.q.shape[-2]
     n_keys = call.k.shape[-2]
     d_v = call.v.shape[-1] if call.v is not None else 0
     batch = call.batch_shape
-    out = (output(batch + (rows, d_v), call.compute, "the output")
-           if call.want_out else None)
+    out = None
+    in_place = False
+    if call.want_out:
+        out = _attn_in_place(call, batch + (rows, d_v))
+        in_place = out is not None
+        if out is None:
+            out = output(batch + (rows, d_v), call.compute, "the output")
     scores = (output(batch + (rows, n_keys), call.compute, "SCORES")
               if call.want_scores else None)
     lse = (output(batch + (rows,), call.compute, "the log-sum-exp")
@@ -225,7 +263,7 @@ def run(call: DenseCall) -> Results:
     if rows > 0 and math.prod(batch) > 0:
         driver.run_arrays(call.q, call.k, call.v, call.mask, call.k_scale, call.v_scale,
                           batch, call.kv_group, call.query_period, call.kv_lengths,
-                          call.options, out, scores, lse)
+                          call.kv_starts, call.options, out, scores, lse)
     if call.query_period:
         # stacked rows back to q's heads: (..., H_kv, G * T, *) -> (..., H, T, *)
         lead = call.result_shape
@@ -233,10 +271,16 @@ def run(call: DenseCall) -> Results:
         out = out.reshape(lead + (period, d_v)) if out is not None else None
         scores = scores.reshape(lead + (period, n_keys)) if scores is not None else None
         lse = lse.reshape(lead + (period,)) if lse is not None else None
-    if call.result != call.compute:
-        # float16 or bfloat16 in: outputs back to it, rounded once (to
-        # nearest even); the log-sum-exp stays float32
-        out = out.astype(call.result) if out is not None else None
-        scores = scores.astype(call.result) if scores is not None else None
+    if call.out is not None and out is not None:
+        if not in_place:
+            # another dtype (rounded once, to nearest even) or layout
+            np.copyto(call.out, out, casting="same_kind")
+        out = call.out
+    elif call.result != call.compute and out is not None:
+        # float16 or bfloat16 in: ATTN back to it, rounded once (to nearest
+        # even)
+        out = out.astype(call.result)
+    if call.result != call.compute and scores is not None:
+        # so is SCORES; the log-sum-exp stays float32
+        scores = scores.astype(call.result)
     return out, scores, lse
-

@@ -14,7 +14,8 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import array, as_input, compute_dtype, output, to_compute
+from .arrays import (array, as_input, check_out, compute_dtype, output, to_compute,
+                     writes_in_place)
 from .options import RowOptions, check_alibi_values, check_sink_values, row_options
 
 _Array = NDArray[Any]
@@ -67,6 +68,8 @@ class EntriesCall:
     page_ids: Optional[_Intp] = None     # a paged K/V's block table, flattened
     pages_per_seq: int = 0
     page_size: int = 0
+    kv_starts: Optional[_Intp] = None    # the first valid key of each sequence
+    out_given: Optional[_Array] = None   # the caller's out=, when out is not it
 
 
 def cu_seqlens(values: object, name: str, total: int, total_name: str) -> _Intp:
@@ -121,17 +124,22 @@ def head_options(options: RowOptions, alibi_slopes: Optional[ArrayLike],
 
 
 def outputs(q: _Array, cu_q: Optional[_Intp], n_seq: int, n_heads: int, d_v: int,
-            compute: np.dtype[Any], want_lse: bool) -> tuple[Place, Optional[Place]]:
+            compute: np.dtype[Any], want_lse: bool,
+            given: Optional[_Array] = None) -> tuple[Place, Optional[Place]]:
     """ATTN (and LSE) in q's layout, packed ((total_q, H, ...), sequence i
-    from row cu_q[i]) or padded ((n_seq, H, T, ...)), as Places."""
+    from row cu_q[i]) or padded ((n_seq, H, T, ...)), as Places: ATTN in the
+    caller's out= (given, checked) where the driver writes it as it lies."""
     if cu_q is not None:
-        out = output((q.shape[0], n_heads, d_v), compute, "the output")
+        out = (given if given is not None and given.dtype == compute
+               and writes_in_place(given)
+               else output((q.shape[0], n_heads, d_v), compute, "the output"))
         lse = output((q.shape[0], n_heads), compute, "the log-sum-exp") if want_lse else None
         starts = cu_q[:-1]
         return (place(out, starts, 0, 1),
                 place(lse, starts, 0, 1) if lse is not None else None)
     n_queries = q.shape[2]
-    out = output((n_seq, n_heads, n_queries, d_v), compute, "the output")
+    out = (given if given is not None and given.dtype == compute and writes_in_place(given)
+           else output((n_seq, n_heads, n_queries, d_v), compute, "the output"))
     lse = (output((n_seq, n_heads, n_queries), compute, "the log-sum-exp")
            if want_lse else None)
     seqs = np.arange(n_seq, dtype=np.intp)
@@ -147,12 +155,18 @@ def queries(q: _Array, cu_q: Optional[_Intp], compute: np.dtype[Any]) -> Place:
 
 
 def run(call: EntriesCall, result: np.dtype[Any]) -> tuple[_Array, Optional[_Array]]:
-    """ATTN (as ``result``) and the LSE (or None) of a checked call."""
+    """ATTN (as ``result``, in the caller's out= when given) and the LSE (or
+    None) of a checked call."""
     out = call.out.array
     lse = call.lse.array if call.lse is not None else None
     # with d_v = 0 there is no output to write, but there are LSEs
     if out.size or (lse is not None and lse.size):
         driver.run_entries(call)
+    if call.out_given is not None:
+        if out is not call.out_given:
+            # another dtype (rounded once, to nearest even) or layout
+            np.copyto(call.out_given, out, casting="same_kind")
+        return call.out_given, lse
     if result != out.dtype:
         out = out.astype(result)
     return out, lse
@@ -162,7 +176,8 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
                    cu_seqlens_k: ArrayLike, *, causal: object, scale: Optional[float],
                    window: Any, softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
                    sinks: Optional[ArrayLike], enable_gqa: object, return_lse: object,
-                   num_threads: Any) -> tuple[EntriesCall, np.dtype[Any]]:
+                   num_threads: Any, out: Optional[_Array] = None,
+                   ) -> tuple[EntriesCall, np.dtype[Any]]:
     """A packed variable-length call, checked; and its result dtype."""
     q = as_input(q, "q")
     k = as_input(k, "k")
@@ -207,11 +222,13 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
     n_seq = cu_q.size - 1
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
     d_v = v.shape[2]
-    out, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse)
+    if out is not None:
+        out = check_out(out, (total_q, n_heads, d_v), result, [("q", q), ("k", k), ("v", v)])
+    attn, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse, out)
     starts_k = cu_k[:-1]
     call = EntriesCall(queries(q, cu_q, compute),
                        place(to_compute(k, compute), starts_k, 0, 1),
                        place(to_compute(v, compute), starts_k, 0, 1),
-                       out, lse, None, None, np.diff(cu_q), np.diff(cu_k), n_heads,
-                       n_kv_heads, d_k, d_v, options)
+                       attn, lse, None, None, np.diff(cu_q), np.diff(cu_k), n_heads,
+                       n_kv_heads, d_k, d_v, options, out_given=out)
     return call, result

@@ -24,7 +24,8 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
                     softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
                     sinks: Optional[ArrayLike], k_scale: Optional[_Array],
                     v_scale: Optional[_Array], return_lse: bool,
-                    num_threads: Optional[SupportsIndex]) -> tuple[DenseCall, Appends]:
+                    num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
+                    out: Optional[_Array] = None) -> tuple[DenseCall, Appends]:
     """The dense call over the cache after the append, and the append."""
     k_cache, v_cache = check_storage(k_cache, v_cache, ("k_cache", "v_cache"),
                                      "(B, H_kv, S_max, d)", "(B, H_kv, S_max)", "KV caches")
@@ -102,6 +103,12 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         writes = (as_stored("k_new", k_rows, k_cache, k_scale, sequences)
                   + as_stored("v_new", v_rows, v_cache, v_scale, sequences))
     appends = Appends(lengths, start, np.full(n_batch, n_new, dtype=np.intp), writes)
+    if isinstance(out, np.ndarray):
+        # out= must not be the cache or the lengths (named so here; prepare_dense
+        # checks it against what it reads)
+        refuse_shared_memory([("out", out)], [("k_cache", k_cache), ("v_cache", v_cache),
+                                              ("cache_lengths", lengths), ("k_scale", k_scale),
+                                              ("v_scale", v_scale)])
     # the attention over the cache as it will be after the append
     causal = driver.check_flag(causal, "causal")
     return_lse = driver.check_flag(return_lse, "return_lse")
@@ -109,5 +116,17 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
                          want_out=True, want_scores=False, want_lse=return_lse, enable_gqa=True,
                          num_threads=num_threads, kv_lengths=start + n_new, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                         k_scale=k_scale, v_scale=v_scale)
+                         k_scale=k_scale, v_scale=v_scale,
+                         kv_starts=_per_sequence(kv_starts, n_batch), out=out)
     return call, appends
+
+
+def _per_sequence(kv_starts: Optional[ArrayLike], n_batch: int) -> Optional[ArrayLike]:
+    """kv_starts of a cache: one per sequence (B,), as cache_lengths."""
+    if kv_starts is None:
+        return None
+    starts = np.asarray(kv_starts)
+    if starts.ndim > 1 or (starts.ndim == 1 and starts.shape[0] != n_batch):
+        raise ValueError(f"kv_starts must hold one start per sequence, shape ({n_batch},); "
+                         f"got shape {starts.shape}")
+    return starts

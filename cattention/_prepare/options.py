@@ -114,30 +114,32 @@ def per_entry_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...],
     return full
 
 
-def per_entry_kv_lengths(kv_lengths: ArrayLike, batch_shape: tuple[int, ...],
-                         n_keys: int) -> NDArray[np.intp]:
-    """Valid key counts, one intp per batch entry."""
-    given = np.asarray(kv_lengths)
-    full = per_batch_entry(given, batch_shape, "kv_lengths", "iu", "integers",
+def per_entry_key_positions(values: ArrayLike, batch_shape: tuple[int, ...], n_keys: int,
+                            name: str) -> NDArray[np.intp]:
+    """kv_lengths or kv_starts: a key position in [0, S], one intp per batch
+    entry."""
+    given = np.asarray(values)
+    full = per_batch_entry(given, batch_shape, name, "iu", "integers",
                            np.intp, "the dimensions before T")
     # the range of the values given, in Python ints: a uint64 beyond intp
     # wraps around in ``full``
     if full.size and (int(given.min()) < 0 or int(given.max()) > n_keys):
         raise ValueError(
-            f"kv_lengths must lie in [0, S] = [0, {n_keys}]; got values from "
+            f"{name} must lie in [0, S] = [0, {n_keys}]; got values from "
             f"{int(given.min())} to {int(given.max())}")
     return full
 
 
-def lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any],
-                         v: Optional[NDArray[Any]], mask: Optional[ArrayLike] = None,
-                         ) -> NDArray[Any]:
-    """kv_lengths with a 1-D array of length B taken as one length per
-    sequence (the first batch axis), as ``cache_lengths`` is, whatever the
-    other batch dimensions are: with inputs (B, H, T, d) and B == H a bare
-    trailing-axis broadcast would silently read it per head. The batch
-    dimensions are those of q, k, v and the mask (which may bring B alone)."""
-    arr = native(array(kv_lengths, "kv_lengths"))
+def per_sequence(values: ArrayLike, q: NDArray[Any], k: NDArray[Any],
+                 v: Optional[NDArray[Any]], mask: Optional[ArrayLike] = None,
+                 name: str = "kv_lengths") -> NDArray[Any]:
+    """kv_lengths or kv_starts with a 1-D array of length B taken as one
+    value per sequence (the first batch axis), as ``cache_lengths`` is,
+    whatever the other batch dimensions are: with inputs (B, H, T, d) and
+    B == H a bare trailing-axis broadcast would silently read it per head.
+    The batch dimensions are those of q, k, v and the mask (which may bring
+    B alone)."""
+    arr = native(array(values, name))
     operands = (q, k) if v is None else (q, k, v)
     leading = [a.shape[:-2] for a in operands]
     try:
@@ -163,8 +165,9 @@ def lengths_per_sequence(kv_lengths: ArrayLike, q: NDArray[Any], k: NDArray[Any]
         return arr
     if arr.shape[0] != batch_shape[0]:
         raise ValueError(
-            f"kv_lengths of shape {arr.shape} is ambiguous for batch dimensions "
-            f"{batch_shape}: a 1-D kv_lengths holds one length per sequence and must "
+            f"{name} of shape {arr.shape} is ambiguous for batch dimensions "
+            f"{batch_shape}: a 1-D {name} holds one "
+            f"{'length' if name == 'kv_lengths' else 'start'} per sequence and must "
             f"have length B = {batch_shape[0]}; for other layouts pass an array that "
             f"broadcasts to {batch_shape}, e.g. shape {batch_shape[:1] + batch_shape[1:]} "
             f"or {(1,) + batch_shape[1:]}")

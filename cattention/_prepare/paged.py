@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import array, as_input, compute_dtype, is_half, refuse_shared_memory
+from .arrays import array, as_input, check_out, compute_dtype, is_half, refuse_shared_memory
 from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
                      check_new_rows_dtype, check_storage, new_rows)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
@@ -27,7 +27,8 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                   softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
                   sinks: Optional[ArrayLike], k_scale: Optional[_Array],
                   v_scale: Optional[_Array], return_lse: object,
-                  num_threads: Optional[SupportsIndex],
+                  num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
+                  out: Optional[_Array] = None,
                   ) -> tuple[EntriesCall, Appends, np.dtype[Any]]:
     """The entries call over the pages after the append, the append, and
     the result dtype."""
@@ -142,15 +143,31 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     if compute == np.float32:
         partner = q.dtype if k_pages.dtype == np.int8 else k_pages.dtype
         result = compute_dtype(q.dtype, partner)[1]
-    out, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse)
+    if out is not None:
+        out = check_out(out, q.shape[:-1] + (d_v,), result,
+                        [("q", q), ("k_pages", k_pages), ("v_pages", v_pages),
+                         ("cache_lengths", lengths), ("k_scale", k_scale), ("v_scale", v_scale)]
+                        + ([("k_new", given[0]), ("v_new", given[1])] if given else []))
+    starts = None
+    if kv_starts is not None:
+        starts = np.asarray(kv_starts)
+        if starts.shape != (n_seq,) or starts.dtype.kind not in "iu":
+            raise ValueError(f"kv_starts must be integers, one start per sequence, shape "
+                             f"({n_seq},); got shape {starts.shape}, dtype {starts.dtype}")
+        if n_seq and (int(starts.min()) < 0 or int(starts.max()) > max_pages * page_size):
+            raise ValueError(f"kv_starts must lie in [0, {max_pages * page_size}] (the "
+                             f"positions block_table {table.shape} gives); got values from "
+                             f"{int(starts.min())} to {int(starts.max())}")
+        starts = starts.astype(np.intp)
+    attn, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse, out)
     zeros = np.zeros(n_seq, dtype=np.intp)
     call = EntriesCall(
         queries(q, cu_q, compute), place(k_pages, zeros, 2, 1, 0), place(v_pages, zeros, 2, 1, 0),
-        out, lse,
+        attn, lse,
         place(k_scale[..., None], zeros, 2, 1, 0) if int8 and k_scale is not None else None,
         place(v_scale[..., None], zeros, 2, 1, 0) if int8 and v_scale is not None else None,
         np.ascontiguousarray(q_lengths, np.intp), new_lengths.astype(np.intp), n_heads,
-        n_kv_heads, d_k, d_v, options, table.reshape(-1), max_pages, page_size)
+        n_kv_heads, d_k, d_v, options, table.reshape(-1), max_pages, page_size, starts, out)
     return call, appends, result
 
 
