@@ -201,6 +201,16 @@ def simd_tile():
     return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)
 
 
+def loop_flops(long n_steps):
+    """Run the multiply-add loop of the table in use n_steps times on this
+    thread (the benchmark times it: the rate no kernel of the table can
+    pass); returns the floating-point operations done."""
+    cdef double flops
+    with nogil:
+        flops = _kernels.loop_flops(n_steps)
+    return flops
+
+
 def set_simd(name):
     """Use the kernel table called ``name`` (for tests and benchmarks).
 
