@@ -368,7 +368,10 @@ record() {  # record WHEEL WHERE PYTHON LOG SECONDS
     local counts fingerprints
     counts=$(grep -E '^[0-9]+ (passed|failed)|^=* *[0-9]+ (passed|failed)' "$4" | tail -n1 \
              | tr -d '=' | sed 's/ in [0-9.]*s.*//')
-    fingerprints=$(grep -E 'fingerprints compared' "$4" | sed 's/ fingerprints compared over tables/ fingerprints (/; s/: /): /')
+    fingerprints=$(grep -E 'fingerprints compared' "$4" | sed 's/ fingerprints compared over tables / fingerprints (/; s/: /): /')
+    if grep -q 'the differences are all float64 softcap cases' "$4"; then
+        fingerprints+=", all float64 softcap (libm's tanh)"
+    fi
     RESULTS+=("$(basename "$1") | $2 | $3 | ${counts:-no tests} | ${fingerprints:-no fingerprints} | $5 s")
 }
 
