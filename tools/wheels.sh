@@ -214,12 +214,13 @@ chroot_cpython() {  # chroot_cpython VERSION SUITE: CPython compiled from Debian
     printf 'deb-src %s %s main\n' "$(mirror)" "$suite" \
         > "$X86_ROOT/etc/apt/sources.list.d/cpython-$suite.list"
     in_chroot "$X86_ROOT" apt-get update -q
-    local src=/opt/src/python$version tarball
+    local src=/opt/src/python$version file
     rm -rf "$X86_ROOT$src" && mkdir -p "$X86_ROOT$src"
     in_chroot "$X86_ROOT" sh -ec "cd $src && apt-get source -q --download-only python$version/$suite"
     # only the upstream tarball (orig) is used: a plain configure and make
-    tarball=$(ls "$X86_ROOT$src"/python"$version"_*.orig.tar.* | grep -v '\.asc$')
-    tar -xf "$tarball" -C "$X86_ROOT$src"
+    for file in "$X86_ROOT$src/python${version}_"*.orig.tar.*; do
+        case $file in *.asc) ;; *) tar -xf "$file" -C "$X86_ROOT$src" ;; esac
+    done
     in_chroot "$X86_ROOT" sh -ec "cd $src/Python-*/
         ./configure -q --prefix=$prefix --with-ensurepip=install > ../configure.log
         make -s -j$(nproc) > ../make.log 2>&1 || { tail -50 ../make.log; exit 1; }
