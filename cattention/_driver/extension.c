@@ -2506,7 +2506,7 @@ struct __pyx_t_10cattention_7_driver_9extension_HeadCall {
   int n_threads;
 };
 
-/* "cattention/_driver/extension.pyx":437
+/* "cattention/_driver/extension.pyx":443
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -4981,30 +4981,31 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_8loop_flops(CYTHON_UNUSED PyObject *__pyx_self, long __pyx_v_n_steps); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_10set_simd(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_name); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_12compiler(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_14register_bfloat16(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_type_num); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_24team_size(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_n_threads, double __pyx_v_serial_ns); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_26forked_after_parallel(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_flag(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_value, PyObject *__pyx_v_name); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_scale(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_scale, Py_ssize_t __pyx_v_d_k, int __pyx_v_in_float32); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_softcap(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_softcap, int __pyx_v_in_float32); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_window(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_window, int __pyx_v_causal); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_num_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_n, PyObject *__pyx_v_name); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_38resolve_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_limit); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_40check_key_positions(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_values, Py_ssize_t __pyx_v_n_keys, PyObject *__pyx_v_name); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_slopes, int __pyx_v_in_float32); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_sinks(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_sinks, int __pyx_v_in_float32); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_46stacks_grouped_rows(CYTHON_UNUSED PyObject *__pyx_self, Py_ssize_t __pyx_v_group, Py_ssize_t __pyx_v_n_rows, int __pyx_v_has_mask); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_call); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_60__defaults__(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_cache, PyArrayObject *__pyx_v_rows, __Pyx_memviewslice __pyx_v_seq_offset, int __pyx_v_row_axis, int __pyx_v_head_axis, __Pyx_memviewslice __pyx_v_start, __Pyx_memviewslice __pyx_v_n_new, __Pyx_memviewslice __pyx_v_page_ids, Py_ssize_t __pyx_v_pages_per_seq); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_58paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_14simd_note(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_16register_bfloat16(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_type_num); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_enabled(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_version(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_22openmp_runtime(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_24max_threads(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_26team_size(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_n_threads, double __pyx_v_serial_ns); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_28forked_after_parallel(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_flag(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_value, PyObject *__pyx_v_name); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_scale(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_scale, Py_ssize_t __pyx_v_d_k, int __pyx_v_in_float32); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_softcap(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_softcap, int __pyx_v_in_float32); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_window(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_window, int __pyx_v_causal); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_38check_num_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_n, PyObject *__pyx_v_name); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_40resolve_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_limit); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_key_positions(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_values, Py_ssize_t __pyx_v_n_keys, PyObject *__pyx_v_name); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_alibi_slopes(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_slopes, int __pyx_v_in_float32); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_46check_sinks(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_sinks, int __pyx_v_in_float32); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_48stacks_grouped_rows(CYTHON_UNUSED PyObject *__pyx_self, Py_ssize_t __pyx_v_group, Py_ssize_t __pyx_v_n_rows, int __pyx_v_has_mask); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_52run_entries(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_call); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_62__defaults__(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_54append_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_cache, PyArrayObject *__pyx_v_rows, __Pyx_memviewslice __pyx_v_seq_offset, int __pyx_v_row_axis, int __pyx_v_head_axis, __Pyx_memviewslice __pyx_v_start, __Pyx_memviewslice __pyx_v_n_new, __Pyx_memviewslice __pyx_v_page_ids, Py_ssize_t __pyx_v_pages_per_seq); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_56attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_58kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_60paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
 static PyObject *__pyx_tp_new__initialisation_10cattention_7_driver_9extension___pyx_defaults(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
     PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
@@ -5180,8 +5181,8 @@ namespace {
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_values;
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[4];
-    PyObject *__pyx_codeobj_tab[30];
-    PyObject *__pyx_string_tab[304];
+    PyObject *__pyx_codeobj_tab[31];
+    PyObject *__pyx_string_tab[306];
     PyObject *__pyx_number_tab[4];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -5471,70 +5472,72 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_set_simd __pyx_string_tab[237]
 #define __pyx_n_u_setdefault __pyx_string_tab[238]
 #define __pyx_n_u_shape __pyx_string_tab[239]
-#define __pyx_n_u_simd_tile __pyx_string_tab[240]
-#define __pyx_n_u_sinks __pyx_string_tab[241]
-#define __pyx_n_u_size __pyx_string_tab[242]
-#define __pyx_n_u_slopes __pyx_string_tab[243]
-#define __pyx_n_u_smallest_subnormal __pyx_string_tab[244]
-#define __pyx_n_u_softcap __pyx_string_tab[245]
-#define __pyx_n_u_src __pyx_string_tab[246]
-#define __pyx_n_u_stacks_grouped_rows __pyx_string_tab[247]
-#define __pyx_n_u_start __pyx_string_tab[248]
-#define __pyx_n_u_step __pyx_string_tab[249]
-#define __pyx_n_u_stop __pyx_string_tab[250]
-#define __pyx_n_u_struct __pyx_string_tab[251]
-#define __pyx_n_u_t_stride __pyx_string_tab[252]
-#define __pyx_n_u_team_size __pyx_string_tab[253]
-#define __pyx_n_u_thread_limit __pyx_string_tab[254]
-#define __pyx_n_u_threads __pyx_string_tab[255]
-#define __pyx_n_u_tile __pyx_string_tab[256]
-#define __pyx_n_u_type_num __pyx_string_tab[257]
-#define __pyx_n_u_unpack __pyx_string_tab[258]
-#define __pyx_n_u_update __pyx_string_tab[259]
-#define __pyx_n_u_v __pyx_string_tab[260]
-#define __pyx_n_u_v_cache __pyx_string_tab[261]
-#define __pyx_n_u_v_new __pyx_string_tab[262]
-#define __pyx_n_u_v_offset __pyx_string_tab[263]
-#define __pyx_n_u_v_pages __pyx_string_tab[264]
-#define __pyx_n_u_v_scale __pyx_string_tab[265]
-#define __pyx_n_u_v_scale_offset __pyx_string_tab[266]
-#define __pyx_n_u_value __pyx_string_tab[267]
-#define __pyx_n_u_values __pyx_string_tab[268]
-#define __pyx_n_u_view __pyx_string_tab[269]
-#define __pyx_n_u_window_2 __pyx_string_tab[270]
-#define __pyx_n_u_x __pyx_string_tab[271]
-#define __pyx_n_b_O __pyx_string_tab[272]
-#define __pyx_kp_b_int_struct___pyx_t_10cattention __pyx_string_tab[273]
-#define __pyx_kp_b_iso88591_3aq __pyx_string_tab[274]
-#define __pyx_kp_b_iso88591_4q __pyx_string_tab[275]
-#define __pyx_kp_b_iso88591_awa __pyx_string_tab[276]
-#define __pyx_kp_b_iso88591_q_uA __pyx_string_tab[277]
-#define __pyx_kp_b_iso88591_1 __pyx_string_tab[278]
-#define __pyx_kp_b_iso88591_1M __pyx_string_tab[279]
-#define __pyx_kp_b_iso88591_q_xq __pyx_string_tab[280]
-#define __pyx_kp_b_iso88591_G_c __pyx_string_tab[281]
-#define __pyx_kp_b_iso88591_q_e6_V1D __pyx_string_tab[282]
-#define __pyx_kp_b_iso88591_q_q_fF_86_vQdRS __pyx_string_tab[283]
-#define __pyx_kp_b_iso88591_vV1HF_atST __pyx_string_tab[284]
-#define __pyx_kp_b_iso88591_4q_2 __pyx_string_tab[285]
-#define __pyx_kp_b_iso88591_G86 __pyx_string_tab[286]
-#define __pyx_kp_b_iso88591_6_6 __pyx_string_tab[287]
-#define __pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q __pyx_string_tab[288]
-#define __pyx_kp_b_iso88591_q_q_a __pyx_string_tab[289]
-#define __pyx_kp_b_iso88591_q_1 __pyx_string_tab[290]
-#define __pyx_kp_b_iso88591_G_Cwawa __pyx_string_tab[291]
-#define __pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa __pyx_string_tab[292]
-#define __pyx_kp_b_iso88591_a_D_D_0_A __pyx_string_tab[293]
-#define __pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa __pyx_string_tab[294]
-#define __pyx_kp_b_iso88591__8 __pyx_string_tab[295]
-#define __pyx_kp_b_iso88591_AU_4AQ_uCq_j_q __pyx_string_tab[296]
-#define __pyx_kp_b_iso88591_S_VW_xyPQ_9KuLPQ __pyx_string_tab[297]
-#define __pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_k_l_q __pyx_string_tab[298]
-#define __pyx_kp_b_iso88591_az_Cs_q_81_WIYkQR_A __pyx_string_tab[299]
-#define __pyx_kp_b_iso88591_1A_1 __pyx_string_tab[300]
-#define __pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D __pyx_string_tab[301]
-#define __pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_Qc_CvY __pyx_string_tab[302]
-#define __pyx_kp_b_iso88591_Qc __pyx_string_tab[303]
+#define __pyx_n_u_simd_note __pyx_string_tab[240]
+#define __pyx_n_u_simd_tile __pyx_string_tab[241]
+#define __pyx_n_u_sinks __pyx_string_tab[242]
+#define __pyx_n_u_size __pyx_string_tab[243]
+#define __pyx_n_u_slopes __pyx_string_tab[244]
+#define __pyx_n_u_smallest_subnormal __pyx_string_tab[245]
+#define __pyx_n_u_softcap __pyx_string_tab[246]
+#define __pyx_n_u_src __pyx_string_tab[247]
+#define __pyx_n_u_stacks_grouped_rows __pyx_string_tab[248]
+#define __pyx_n_u_start __pyx_string_tab[249]
+#define __pyx_n_u_step __pyx_string_tab[250]
+#define __pyx_n_u_stop __pyx_string_tab[251]
+#define __pyx_n_u_struct __pyx_string_tab[252]
+#define __pyx_n_u_t_stride __pyx_string_tab[253]
+#define __pyx_n_u_team_size __pyx_string_tab[254]
+#define __pyx_n_u_thread_limit __pyx_string_tab[255]
+#define __pyx_n_u_threads __pyx_string_tab[256]
+#define __pyx_n_u_tile __pyx_string_tab[257]
+#define __pyx_n_u_type_num __pyx_string_tab[258]
+#define __pyx_n_u_unpack __pyx_string_tab[259]
+#define __pyx_n_u_update __pyx_string_tab[260]
+#define __pyx_n_u_v __pyx_string_tab[261]
+#define __pyx_n_u_v_cache __pyx_string_tab[262]
+#define __pyx_n_u_v_new __pyx_string_tab[263]
+#define __pyx_n_u_v_offset __pyx_string_tab[264]
+#define __pyx_n_u_v_pages __pyx_string_tab[265]
+#define __pyx_n_u_v_scale __pyx_string_tab[266]
+#define __pyx_n_u_v_scale_offset __pyx_string_tab[267]
+#define __pyx_n_u_value __pyx_string_tab[268]
+#define __pyx_n_u_values __pyx_string_tab[269]
+#define __pyx_n_u_view __pyx_string_tab[270]
+#define __pyx_n_u_window_2 __pyx_string_tab[271]
+#define __pyx_n_u_x __pyx_string_tab[272]
+#define __pyx_n_b_O __pyx_string_tab[273]
+#define __pyx_kp_b_int_struct___pyx_t_10cattention __pyx_string_tab[274]
+#define __pyx_kp_b_iso88591_3aq __pyx_string_tab[275]
+#define __pyx_kp_b_iso88591_4q __pyx_string_tab[276]
+#define __pyx_kp_b_iso88591_awa __pyx_string_tab[277]
+#define __pyx_kp_b_iso88591_q_uA __pyx_string_tab[278]
+#define __pyx_kp_b_iso88591_1 __pyx_string_tab[279]
+#define __pyx_kp_b_iso88591_1M __pyx_string_tab[280]
+#define __pyx_kp_b_iso88591_q_xq __pyx_string_tab[281]
+#define __pyx_kp_b_iso88591_G_c __pyx_string_tab[282]
+#define __pyx_kp_b_iso88591_q_e6_V1D __pyx_string_tab[283]
+#define __pyx_kp_b_iso88591_q_q_fF_86_vQdRS __pyx_string_tab[284]
+#define __pyx_kp_b_iso88591_vV1HF_atST __pyx_string_tab[285]
+#define __pyx_kp_b_iso88591_4q_2 __pyx_string_tab[286]
+#define __pyx_kp_b_iso88591_G86 __pyx_string_tab[287]
+#define __pyx_kp_b_iso88591_6_6 __pyx_string_tab[288]
+#define __pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q __pyx_string_tab[289]
+#define __pyx_kp_b_iso88591_q_q_a __pyx_string_tab[290]
+#define __pyx_kp_b_iso88591_q_1 __pyx_string_tab[291]
+#define __pyx_kp_b_iso88591_G_s __pyx_string_tab[292]
+#define __pyx_kp_b_iso88591_G_Cwawa __pyx_string_tab[293]
+#define __pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa __pyx_string_tab[294]
+#define __pyx_kp_b_iso88591_a_D_D_0_A __pyx_string_tab[295]
+#define __pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa __pyx_string_tab[296]
+#define __pyx_kp_b_iso88591__8 __pyx_string_tab[297]
+#define __pyx_kp_b_iso88591_AU_4AQ_uCq_j_q __pyx_string_tab[298]
+#define __pyx_kp_b_iso88591_S_VW_xyPQ_9KuLPQ __pyx_string_tab[299]
+#define __pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_k_l_q __pyx_string_tab[300]
+#define __pyx_kp_b_iso88591_az_Cs_q_81_WIYkQR_A __pyx_string_tab[301]
+#define __pyx_kp_b_iso88591_1A_1 __pyx_string_tab[302]
+#define __pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D __pyx_string_tab[303]
+#define __pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_Qc_CvY __pyx_string_tab[304]
+#define __pyx_kp_b_iso88591_Qc __pyx_string_tab[305]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_1 __pyx_number_tab[2]
@@ -5584,8 +5587,8 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<30; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<304; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<31; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<306; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -5640,8 +5643,8 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<30; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<304; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<31; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<306; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -81466,22 +81469,104 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12compiler(CYTHON_UNU
 /* "cattention/_driver/extension.pyx":233
  * 
  * 
+ * def simd_note():             # <<<<<<<<<<<<<<
+ *     """Why a table this CPU has the instructions for is not available
+ *     (the AMX table when the OS or Linux refuses the tile state), or ""."""
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_15simd_note(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_14simd_note, "Why a table this CPU has the instructions for is not available\n    (the AMX table when the OS or Linux refuses the tile state), or \"\".");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_15simd_note = {"simd_note", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_15simd_note, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_14simd_note};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_15simd_note(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("simd_note (wrapper)", 0);
+  __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_14simd_note(__pyx_self);
+
+  /* function exit code */
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_14simd_note(CYTHON_UNUSED PyObject *__pyx_self) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("simd_note", 0);
+
+  /* "cattention/_driver/extension.pyx":236
+ *     """Why a table this CPU has the instructions for is not available
+ *     (the AMX table when the OS or Linux refuses the tile state), or ""."""
+ *     return (<bytes>ca_simd_note()).decode()             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_t_1 = __Pyx_PyBytes_FromString(ca_simd_note()); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 236, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  if (unlikely(__pyx_t_1 == Py_None)) {
+    PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
+    __PYX_ERR(0, 236, __pyx_L1_error)
+  }
+  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 236, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_2;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_2 = 0;
+  goto __pyx_L0;
+
+  /* "cattention/_driver/extension.pyx":233
+ * 
+ * 
+ * def simd_note():             # <<<<<<<<<<<<<<
+ *     """Why a table this CPU has the instructions for is not available
+ *     (the AMX table when the OS or Linux refuses the tile state), or ""."""
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_AddTraceback("cattention._driver.extension.simd_note", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "cattention/_driver/extension.pyx":239
+ * 
+ * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
  *     """Tell the driver NumPy's type number of ml_dtypes.bfloat16 (assigned
  *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_15register_bfloat16(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_17register_bfloat16(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_14register_bfloat16, "Tell the driver NumPy\047s type number of ml_dtypes.bfloat16 (assigned\n    when ml_dtypes is imported): operands of it are stored as bfloat16 and\n    computed in float32, and the shortcuts take them.");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_15register_bfloat16 = {"register_bfloat16", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_15register_bfloat16, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_14register_bfloat16};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_15register_bfloat16(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_16register_bfloat16, "Tell the driver NumPy\047s type number of ml_dtypes.bfloat16 (assigned\n    when ml_dtypes is imported): operands of it are stored as bfloat16 and\n    computed in float32, and the shortcuts take them.");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_17register_bfloat16 = {"register_bfloat16", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_17register_bfloat16, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_16register_bfloat16};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_17register_bfloat16(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -81511,32 +81596,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_type_num,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 233, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 239, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 233, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 239, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "register_bfloat16", 0) < (0)) __PYX_ERR(0, 233, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "register_bfloat16", 0) < (0)) __PYX_ERR(0, 239, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, i); __PYX_ERR(0, 233, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, i); __PYX_ERR(0, 239, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 233, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 239, __pyx_L3_error)
     }
-    __pyx_v_type_num = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_type_num == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 233, __pyx_L3_error)
+    __pyx_v_type_num = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_type_num == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 239, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 233, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 239, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -81547,7 +81632,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_14register_bfloat16(__pyx_self, __pyx_v_type_num);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_16register_bfloat16(__pyx_self, __pyx_v_type_num);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -81558,12 +81643,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_14register_bfloat16(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_type_num) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_16register_bfloat16(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_type_num) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("register_bfloat16", 0);
 
-  /* "cattention/_driver/extension.pyx":237
+  /* "cattention/_driver/extension.pyx":243
  *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
  *     computed in float32, and the shortcuts take them."""
  *     ca_set_bfloat16_type(type_num)             # <<<<<<<<<<<<<<
@@ -81572,7 +81657,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14register_bfloat16(C
 */
   ca_set_bfloat16_type(__pyx_v_type_num);
 
-  /* "cattention/_driver/extension.pyx":233
+  /* "cattention/_driver/extension.pyx":239
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
@@ -81587,7 +81672,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14register_bfloat16(C
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":240
+/* "cattention/_driver/extension.pyx":246
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
@@ -81596,22 +81681,22 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14register_bfloat16(C
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_17openmp_enabled(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_17openmp_enabled = {"openmp_enabled", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_17openmp_enabled, METH_NOARGS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_17openmp_enabled(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_19openmp_enabled(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_19openmp_enabled = {"openmp_enabled", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_19openmp_enabled, METH_NOARGS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_19openmp_enabled(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("openmp_enabled (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(__pyx_self);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_18openmp_enabled(__pyx_self);
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_enabled(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -81620,14 +81705,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_enabled", 0);
 
-  /* "cattention/_driver/extension.pyx":241
+  /* "cattention/_driver/extension.pyx":247
  * 
  * def openmp_enabled():
  *     return bool(CA_HAVE_OPENMP)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(CA_HAVE_OPENMP != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(CA_HAVE_OPENMP != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 247, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -81640,7 +81725,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":240
+  /* "cattention/_driver/extension.pyx":246
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
@@ -81659,7 +81744,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":244
+/* "cattention/_driver/extension.pyx":250
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
@@ -81668,22 +81753,22 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_enabled(CYTH
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_19openmp_version(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_19openmp_version = {"openmp_version", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_19openmp_version, METH_NOARGS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_19openmp_version(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_21openmp_version(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_21openmp_version = {"openmp_version", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_21openmp_version, METH_NOARGS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_21openmp_version(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("openmp_version (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_18openmp_version(__pyx_self);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_20openmp_version(__pyx_self);
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_version(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -81695,7 +81780,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_version", 0);
 
-  /* "cattention/_driver/extension.pyx":245
+  /* "cattention/_driver/extension.pyx":251
  * 
  * def openmp_version():
  *     return int(CA_OPENMP_VERSION)             # <<<<<<<<<<<<<<
@@ -81703,7 +81788,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTH
  * 
 */
   __pyx_t_2 = NULL;
-  __pyx_t_3 = __Pyx_PyLong_From_int(CA_OPENMP_VERSION); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 245, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(CA_OPENMP_VERSION); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 251, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 1;
   {
@@ -81711,7 +81796,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTH
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(&PyLong_Type), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 245, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 251, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -81725,7 +81810,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":244
+  /* "cattention/_driver/extension.pyx":250
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
@@ -81746,7 +81831,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":248
+/* "cattention/_driver/extension.pyx":254
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
@@ -81755,23 +81840,23 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_version(CYTH
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_21openmp_runtime(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_20openmp_runtime, "Path of the loaded OpenMP runtime library (\"\" for a serial build or\n    when the platform cannot tell).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_21openmp_runtime = {"openmp_runtime", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_21openmp_runtime, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_20openmp_runtime};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_21openmp_runtime(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_23openmp_runtime(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_22openmp_runtime, "Path of the loaded OpenMP runtime library (\"\" for a serial build or\n    when the platform cannot tell).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_23openmp_runtime = {"openmp_runtime", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_23openmp_runtime, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_22openmp_runtime};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_23openmp_runtime(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("openmp_runtime (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(__pyx_self);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_22openmp_runtime(__pyx_self);
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_22openmp_runtime(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -81784,14 +81869,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_runtime", 0);
 
-  /* "cattention/_driver/extension.pyx":251
+  /* "cattention/_driver/extension.pyx":257
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
  *     return (<bytes>ca_openmp_runtime()).decode(errors="replace")             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_3 = __Pyx_PyBytes_FromString(ca_openmp_runtime()); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 251, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyBytes_FromString(ca_openmp_runtime()); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 257, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -81802,13 +81887,13 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTH
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_replace};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 251, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 257, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_errors};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+1, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 251, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 257, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -81818,10 +81903,10 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTH
     #endif
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 251, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 257, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyUnicode_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("str", __pyx_t_1))) __PYX_ERR(0, 251, __pyx_L1_error)
+  if (!(likely(PyUnicode_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("str", __pyx_t_1))) __PYX_ERR(0, 257, __pyx_L1_error)
   {
     PyObject *__pyx_temp;
     {
@@ -81833,7 +81918,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":248
+  /* "cattention/_driver/extension.pyx":254
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
@@ -81855,7 +81940,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":254
+/* "cattention/_driver/extension.pyx":260
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
@@ -81864,23 +81949,23 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20openmp_runtime(CYTH
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_23max_threads(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_22max_threads, "OpenMP\047s current maximum for a parallel region started by this thread,\n    or 1 in a child forked after a parallel region (calls run serially there).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_23max_threads = {"max_threads", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_23max_threads, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_22max_threads};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_23max_threads(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_25max_threads(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_24max_threads, "OpenMP\047s current maximum for a parallel region started by this thread,\n    or 1 in a child forked after a parallel region (calls run serially there).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_25max_threads = {"max_threads", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_25max_threads, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_24max_threads};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_25max_threads(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("max_threads (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_22max_threads(__pyx_self);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_24max_threads(__pyx_self);
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_24max_threads(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
@@ -81890,7 +81975,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("max_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":257
+  /* "cattention/_driver/extension.pyx":263
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -81902,7 +81987,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":258
+    /* "cattention/_driver/extension.pyx":264
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():
  *         return 1             # <<<<<<<<<<<<<<
@@ -81920,7 +82005,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":257
+    /* "cattention/_driver/extension.pyx":263
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -81929,14 +82014,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":259
+  /* "cattention/_driver/extension.pyx":265
  *     if ca_forked_after_parallel():
  *         return 1
  *     return omp_get_max_threads()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyLong_From_int(omp_get_max_threads()); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 259, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(omp_get_max_threads()); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 265, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   {
     PyObject *__pyx_temp;
@@ -81949,7 +82034,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":254
+  /* "cattention/_driver/extension.pyx":260
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
@@ -81968,7 +82053,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":262
+/* "cattention/_driver/extension.pyx":268
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
@@ -81977,16 +82062,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22max_threads(CYTHON_
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_25team_size(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_27team_size(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_24team_size, "Threads a call of estimated one-thread time serial_ns (in ns) allowed\n    n_threads would start now (src/team.h); for tests.");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_25team_size = {"team_size", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_25team_size, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_24team_size};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_25team_size(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_26team_size, "Threads a call of estimated one-thread time serial_ns (in ns) allowed\n    n_threads would start now (src/team.h); for tests.");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_27team_size = {"team_size", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_27team_size, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_26team_size};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_27team_size(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -82017,39 +82102,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_n_threads,&__pyx_mstate_global->__pyx_n_u_serial_ns,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 262, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 268, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 262, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 268, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 262, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 268, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "team_size", 0) < (0)) __PYX_ERR(0, 262, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "team_size", 0) < (0)) __PYX_ERR(0, 268, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, i); __PYX_ERR(0, 262, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, i); __PYX_ERR(0, 268, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 262, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 268, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 262, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 268, __pyx_L3_error)
     }
-    __pyx_v_n_threads = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_n_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 262, __pyx_L3_error)
-    __pyx_v_serial_ns = __Pyx_PyFloat_AsDouble(values[1]); if (unlikely((__pyx_v_serial_ns == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 262, __pyx_L3_error)
+    __pyx_v_n_threads = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_n_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 268, __pyx_L3_error)
+    __pyx_v_serial_ns = __Pyx_PyFloat_AsDouble(values[1]); if (unlikely((__pyx_v_serial_ns == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 268, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 262, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 268, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -82060,7 +82145,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_24team_size(__pyx_self, __pyx_v_n_threads, __pyx_v_serial_ns);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_26team_size(__pyx_self, __pyx_v_n_threads, __pyx_v_serial_ns);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -82072,7 +82157,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_24team_size(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_n_threads, double __pyx_v_serial_ns) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_26team_size(CYTHON_UNUSED PyObject *__pyx_self, int __pyx_v_n_threads, double __pyx_v_serial_ns) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -82081,14 +82166,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24team_size(CYTHON_UN
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("team_size", 0);
 
-  /* "cattention/_driver/extension.pyx":265
+  /* "cattention/_driver/extension.pyx":271
  *     """Threads a call of estimated one-thread time serial_ns (in ns) allowed
  *     n_threads would start now (src/team.h); for tests."""
  *     return ca_team_size(n_threads, serial_ns)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(ca_team_size(__pyx_v_n_threads, __pyx_v_serial_ns)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 265, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(ca_team_size(__pyx_v_n_threads, __pyx_v_serial_ns)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 271, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -82101,7 +82186,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24team_size(CYTHON_UN
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":262
+  /* "cattention/_driver/extension.pyx":268
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
@@ -82120,7 +82205,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24team_size(CYTHON_UN
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":268
+/* "cattention/_driver/extension.pyx":274
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -82129,23 +82214,23 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24team_size(CYTHON_UN
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_27forked_after_parallel(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_26forked_after_parallel, "True in a child process forked after a parallel region had run.");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_27forked_after_parallel = {"forked_after_parallel", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_27forked_after_parallel, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_26forked_after_parallel};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_27forked_after_parallel(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_29forked_after_parallel(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_28forked_after_parallel, "True in a child process forked after a parallel region had run.");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_29forked_after_parallel = {"forked_after_parallel", (PyCFunction)__pyx_pw_10cattention_7_driver_9extension_29forked_after_parallel, METH_NOARGS, __pyx_doc_10cattention_7_driver_9extension_28forked_after_parallel};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_29forked_after_parallel(PyObject *__pyx_self, CYTHON_UNUSED PyObject *unused) {
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
   PyObject *__pyx_r = 0;
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("forked_after_parallel (wrapper)", 0);
   __pyx_kwvalues = __Pyx_KwValues_VARARGS(__pyx_args, __pyx_nargs);
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_26forked_after_parallel(__pyx_self);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_28forked_after_parallel(__pyx_self);
 
   /* function exit code */
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_26forked_after_parallel(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_28forked_after_parallel(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -82154,14 +82239,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26forked_after_parall
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("forked_after_parallel", 0);
 
-  /* "cattention/_driver/extension.pyx":270
+  /* "cattention/_driver/extension.pyx":276
  * def forked_after_parallel():
  *     """True in a child process forked after a parallel region had run."""
  *     return bool(ca_forked_after_parallel())             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(ca_forked_after_parallel() != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 270, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(ca_forked_after_parallel() != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 276, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -82174,7 +82259,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26forked_after_parall
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":268
+  /* "cattention/_driver/extension.pyx":274
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -82193,7 +82278,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26forked_after_parall
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":276
+/* "cattention/_driver/extension.pyx":282
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
@@ -82202,15 +82287,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26forked_after_parall
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_29check_flag(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_31check_flag(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_29check_flag = {"check_flag", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_29check_flag, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_29check_flag(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_31check_flag = {"check_flag", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_31check_flag, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_31check_flag(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -82241,39 +82326,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_value,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 276, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 282, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 276, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 282, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 276, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 282, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_flag", 0) < (0)) __PYX_ERR(0, 276, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_flag", 0) < (0)) __PYX_ERR(0, 282, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, i); __PYX_ERR(0, 276, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, i); __PYX_ERR(0, 282, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 276, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 282, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 276, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 282, __pyx_L3_error)
     }
     __pyx_v_value = values[0];
     __pyx_v_name = ((PyObject*)values[1]);
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 276, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 282, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -82284,8 +82369,8 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 276, __pyx_L1_error)
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_28check_flag(__pyx_self, __pyx_v_value, __pyx_v_name);
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 282, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_30check_flag(__pyx_self, __pyx_v_value, __pyx_v_name);
 
   /* function exit code */
   goto __pyx_L0;
@@ -82304,7 +82389,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_flag(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_value, PyObject *__pyx_v_name) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_flag(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_value, PyObject *__pyx_v_name) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
@@ -82314,15 +82399,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_flag(CYTHON_U
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_flag", 0);
 
-  /* "cattention/_driver/extension.pyx":277
+  /* "cattention/_driver/extension.pyx":283
  * 
  * def check_flag(value, str name):
  *     return _check_flag(value, name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_value, __pyx_v_name); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 277, __pyx_L1_error)
-  __pyx_t_2 = __Pyx_PyBool_FromLong(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 277, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_value, __pyx_v_name); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 283, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyBool_FromLong(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 283, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -82336,7 +82421,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_flag(CYTHON_U
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":276
+  /* "cattention/_driver/extension.pyx":282
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
@@ -82355,7 +82440,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_flag(CYTHON_U
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":280
+/* "cattention/_driver/extension.pyx":286
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
@@ -82364,15 +82449,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_flag(CYTHON_U
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_31check_scale(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_33check_scale(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_31check_scale = {"check_scale", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_31check_scale, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_31check_scale(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_33check_scale = {"check_scale", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_33check_scale, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_33check_scale(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -82404,46 +82489,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_d_k,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 280, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 286, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 280, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 286, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 280, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 286, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 280, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 286, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_scale", 0) < (0)) __PYX_ERR(0, 280, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_scale", 0) < (0)) __PYX_ERR(0, 286, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, i); __PYX_ERR(0, 280, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, i); __PYX_ERR(0, 286, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 280, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 286, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 280, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 286, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 280, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 286, __pyx_L3_error)
     }
     __pyx_v_scale = values[0];
-    __pyx_v_d_k = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_d_k == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 280, __pyx_L3_error)
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 280, __pyx_L3_error)
+    __pyx_v_d_k = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_d_k == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 286, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 286, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 280, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 286, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -82454,7 +82539,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_30check_scale(__pyx_self, __pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_32check_scale(__pyx_self, __pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -82466,7 +82551,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_scale(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_scale, Py_ssize_t __pyx_v_d_k, int __pyx_v_in_float32) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_scale(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_scale, Py_ssize_t __pyx_v_d_k, int __pyx_v_in_float32) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   double __pyx_t_1;
@@ -82476,15 +82561,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_scale(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_scale", 0);
 
-  /* "cattention/_driver/extension.pyx":281
+  /* "cattention/_driver/extension.pyx":287
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):
  *     return _check_scale(scale, d_k, in_float32)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 281, __pyx_L1_error)
-  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 281, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 287, __pyx_L1_error)
+  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 287, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -82498,7 +82583,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_scale(CYTHON_
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":280
+  /* "cattention/_driver/extension.pyx":286
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
@@ -82517,7 +82602,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_scale(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":284
+/* "cattention/_driver/extension.pyx":290
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
@@ -82526,15 +82611,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_scale(CYTHON_
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_33check_softcap(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_35check_softcap(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_33check_softcap = {"check_softcap", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_33check_softcap, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_33check_softcap(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_35check_softcap = {"check_softcap", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_35check_softcap, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_35check_softcap(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -82565,39 +82650,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 284, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 290, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 284, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 290, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 284, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 290, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_softcap", 0) < (0)) __PYX_ERR(0, 284, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_softcap", 0) < (0)) __PYX_ERR(0, 290, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, i); __PYX_ERR(0, 284, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, i); __PYX_ERR(0, 290, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 284, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 290, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 284, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 290, __pyx_L3_error)
     }
     __pyx_v_softcap = values[0];
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 284, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 290, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 284, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 290, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -82608,7 +82693,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_32check_softcap(__pyx_self, __pyx_v_softcap, __pyx_v_in_float32);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_34check_softcap(__pyx_self, __pyx_v_softcap, __pyx_v_in_float32);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -82619,7 +82704,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_softcap(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_softcap, int __pyx_v_in_float32) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_softcap(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_softcap, int __pyx_v_in_float32) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   double __pyx_t_1;
@@ -82629,15 +82714,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_softcap(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_softcap", 0);
 
-  /* "cattention/_driver/extension.pyx":285
+  /* "cattention/_driver/extension.pyx":291
  * 
  * def check_softcap(softcap, bint in_float32):
  *     return _check_softcap(softcap, in_float32)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_softcap(__pyx_v_softcap, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 285, __pyx_L1_error)
-  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 285, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_softcap(__pyx_v_softcap, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 291, __pyx_L1_error)
+  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 291, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -82651,7 +82736,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_softcap(CYTHO
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":284
+  /* "cattention/_driver/extension.pyx":290
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
@@ -82670,7 +82755,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_softcap(CYTHO
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":288
+/* "cattention/_driver/extension.pyx":294
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
@@ -82679,15 +82764,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_softcap(CYTHO
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_35check_window(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_37check_window(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_35check_window = {"check_window", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_35check_window, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_35check_window(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_37check_window = {"check_window", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_37check_window, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_37check_window(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -82718,39 +82803,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_causal,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 288, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 294, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 288, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 294, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 288, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 294, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_window", 0) < (0)) __PYX_ERR(0, 288, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_window", 0) < (0)) __PYX_ERR(0, 294, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, i); __PYX_ERR(0, 288, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, i); __PYX_ERR(0, 294, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 288, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 294, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 288, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 294, __pyx_L3_error)
     }
     __pyx_v_window = values[0];
-    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 288, __pyx_L3_error)
+    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 294, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 288, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 294, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -82761,7 +82846,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_34check_window(__pyx_self, __pyx_v_window, __pyx_v_causal);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_36check_window(__pyx_self, __pyx_v_window, __pyx_v_causal);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -82772,7 +82857,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_window(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_window, int __pyx_v_causal) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_window(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_window, int __pyx_v_causal) {
   Py_ssize_t __pyx_v_left;
   Py_ssize_t __pyx_v_right;
   PyObject *__pyx_r = NULL;
@@ -82786,33 +82871,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_window(CYTHON
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_window", 0);
 
-  /* "cattention/_driver/extension.pyx":290
+  /* "cattention/_driver/extension.pyx":296
  * def check_window(window, bint causal):
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)             # <<<<<<<<<<<<<<
  *     return left, right
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_window(__pyx_v_window, __pyx_v_causal, (&__pyx_v_left), (&__pyx_v_right)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 290, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_window(__pyx_v_window, __pyx_v_causal, (&__pyx_v_left), (&__pyx_v_right)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 296, __pyx_L1_error)
 
 
-  /* "cattention/_driver/extension.pyx":291
+  /* "cattention/_driver/extension.pyx":297
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)
  *     return left, right             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_v_left); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 291, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_v_left); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_right); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 291, __pyx_L1_error)
+  __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_right); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 291, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 291, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 297, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_3) != (0)) __PYX_ERR(0, 291, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_3) != (0)) __PYX_ERR(0, 297, __pyx_L1_error);
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
   {
@@ -82826,7 +82911,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_window(CYTHON
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":288
+  /* "cattention/_driver/extension.pyx":294
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
@@ -82849,7 +82934,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_window(CYTHON
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":294
+/* "cattention/_driver/extension.pyx":300
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -82858,15 +82943,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_window(CYTHON
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_37check_num_threads(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_39check_num_threads(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_37check_num_threads = {"check_num_threads", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_37check_num_threads, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_37check_num_threads(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_39check_num_threads = {"check_num_threads", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_39check_num_threads, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_39check_num_threads(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -82897,35 +82982,35 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 294, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 300, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 294, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 300, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 294, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 300, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_num_threads", 0) < (0)) __PYX_ERR(0, 294, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_num_threads", 0) < (0)) __PYX_ERR(0, 300, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject*)((PyObject*)__pyx_mstate_global->__pyx_n_u_num_threads)));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, i); __PYX_ERR(0, 294, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, i); __PYX_ERR(0, 300, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 294, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 300, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 294, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 300, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -82936,7 +83021,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 294, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 300, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -82947,8 +83032,8 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 294, __pyx_L1_error)
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_36check_num_threads(__pyx_self, __pyx_v_n, __pyx_v_name);
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 300, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_38check_num_threads(__pyx_self, __pyx_v_n, __pyx_v_name);
 
   /* function exit code */
   goto __pyx_L0;
@@ -82967,7 +83052,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_num_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_n, PyObject *__pyx_v_name) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_38check_num_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_n, PyObject *__pyx_v_name) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   Py_ssize_t __pyx_t_1;
@@ -82977,15 +83062,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_num_threads(C
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_num_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":295
+  /* "cattention/_driver/extension.pyx":301
  * 
  * def check_num_threads(n, str name="num_threads"):
  *     return _check_num_threads(n, name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_num_threads(__pyx_v_n, __pyx_v_name); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 295, __pyx_L1_error)
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 295, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_num_threads(__pyx_v_n, __pyx_v_name); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 301, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 301, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -82999,7 +83084,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_num_threads(C
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":294
+  /* "cattention/_driver/extension.pyx":300
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -83018,7 +83103,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_num_threads(C
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":298
+/* "cattention/_driver/extension.pyx":304
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
@@ -83027,15 +83112,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36check_num_threads(C
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_39resolve_threads(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_41resolve_threads(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_39resolve_threads = {"resolve_threads", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_39resolve_threads, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_39resolve_threads(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_41resolve_threads = {"resolve_threads", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_41resolve_threads, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_41resolve_threads(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -83066,39 +83151,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 298, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 304, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 298, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 304, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 298, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 304, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "resolve_threads", 0) < (0)) __PYX_ERR(0, 298, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "resolve_threads", 0) < (0)) __PYX_ERR(0, 304, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, i); __PYX_ERR(0, 298, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, i); __PYX_ERR(0, 304, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 298, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 304, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 298, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 304, __pyx_L3_error)
     }
     __pyx_v_num_threads = values[0];
     __pyx_v_limit = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 298, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 304, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -83109,7 +83194,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_38resolve_threads(__pyx_self, __pyx_v_num_threads, __pyx_v_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_40resolve_threads(__pyx_self, __pyx_v_num_threads, __pyx_v_limit);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -83119,7 +83204,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_38resolve_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_40resolve_threads(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_limit) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   Py_ssize_t __pyx_t_1;
@@ -83129,15 +83214,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38resolve_threads(CYT
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("resolve_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":299
+  /* "cattention/_driver/extension.pyx":305
  * 
  * def resolve_threads(num_threads, limit):
  *     return _resolve_threads(num_threads, limit)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_limit); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 299, __pyx_L1_error)
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 299, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_limit); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 305, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -83151,7 +83236,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38resolve_threads(CYT
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":298
+  /* "cattention/_driver/extension.pyx":304
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
@@ -83170,7 +83255,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38resolve_threads(CYT
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":302
+/* "cattention/_driver/extension.pyx":308
  * 
  * 
  * def check_key_positions(const intp_t[::1] values, Py_ssize_t n_keys, str name):             # <<<<<<<<<<<<<<
@@ -83179,15 +83264,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38resolve_threads(CYT
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_41check_key_positions(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_43check_key_positions(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_41check_key_positions = {"check_key_positions", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_41check_key_positions, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_41check_key_positions(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_43check_key_positions = {"check_key_positions", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_43check_key_positions, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_43check_key_positions(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -83219,46 +83304,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_values,&__pyx_mstate_global->__pyx_n_u_n_keys,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 302, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 308, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 302, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 308, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 302, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 308, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 302, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 308, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_key_positions", 0) < (0)) __PYX_ERR(0, 302, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_key_positions", 0) < (0)) __PYX_ERR(0, 308, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_key_positions", 1, 3, 3, i); __PYX_ERR(0, 302, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_key_positions", 1, 3, 3, i); __PYX_ERR(0, 308, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 302, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 308, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 302, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 308, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 302, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 308, __pyx_L3_error)
     }
-    __pyx_v_values = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[0], 0); if (unlikely(!__pyx_v_values.memview)) __PYX_ERR(0, 302, __pyx_L3_error)
-    __pyx_v_n_keys = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_keys == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L3_error)
+    __pyx_v_values = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[0], 0); if (unlikely(!__pyx_v_values.memview)) __PYX_ERR(0, 308, __pyx_L3_error)
+    __pyx_v_n_keys = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_keys == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 308, __pyx_L3_error)
     __pyx_v_name = ((PyObject*)values[2]);
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_key_positions", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 302, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_key_positions", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 308, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -83270,8 +83355,8 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 302, __pyx_L1_error)
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_40check_key_positions(__pyx_self, __pyx_v_values, __pyx_v_n_keys, __pyx_v_name);
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 308, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_42check_key_positions(__pyx_self, __pyx_v_values, __pyx_v_n_keys, __pyx_v_name);
 
   /* function exit code */
   goto __pyx_L0;
@@ -83292,7 +83377,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_40check_key_positions(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_values, Py_ssize_t __pyx_v_n_keys, PyObject *__pyx_v_name) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_key_positions(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_values, Py_ssize_t __pyx_v_n_keys, PyObject *__pyx_v_name) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_t_1;
@@ -83304,7 +83389,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40check_key_positions
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_key_positions", 0);
 
-  /* "cattention/_driver/extension.pyx":303
+  /* "cattention/_driver/extension.pyx":309
  * 
  * def check_key_positions(const intp_t[::1] values, Py_ssize_t n_keys, str name):
  *     _check_key_positions(&values[0] if values.shape[0] else NULL, values.shape[0], n_keys,             # <<<<<<<<<<<<<<
@@ -83323,18 +83408,18 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40check_key_positions
   }
 
 
-  /* "cattention/_driver/extension.pyx":304
+  /* "cattention/_driver/extension.pyx":310
  * def check_key_positions(const intp_t[::1] values, Py_ssize_t n_keys, str name):
  *     _check_key_positions(&values[0] if values.shape[0] else NULL, values.shape[0], n_keys,
  *                          name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_4 = __pyx_f_10cattention_7_driver_6checks_check_key_positions(__pyx_t_1, (__pyx_v_values.shape[0]), __pyx_v_n_keys, __pyx_v_name); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_4 = __pyx_f_10cattention_7_driver_6checks_check_key_positions(__pyx_t_1, (__pyx_v_values.shape[0]), __pyx_v_n_keys, __pyx_v_name); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 309, __pyx_L1_error)
 
 
 
-  /* "cattention/_driver/extension.pyx":302
+  /* "cattention/_driver/extension.pyx":308
  * 
  * 
  * def check_key_positions(const intp_t[::1] values, Py_ssize_t n_keys, str name):             # <<<<<<<<<<<<<<
@@ -83354,7 +83439,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40check_key_positions
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":307
+/* "cattention/_driver/extension.pyx":313
  * 
  * 
  * def check_alibi_slopes(const double[::1] slopes, bint in_float32):             # <<<<<<<<<<<<<<
@@ -83363,15 +83448,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40check_key_positions
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_43check_alibi_slopes(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_45check_alibi_slopes(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_43check_alibi_slopes = {"check_alibi_slopes", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_43check_alibi_slopes, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_43check_alibi_slopes(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_45check_alibi_slopes = {"check_alibi_slopes", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_45check_alibi_slopes, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_45check_alibi_slopes(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -83402,39 +83487,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_slopes,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 307, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 313, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 307, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 313, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 307, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 313, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_alibi_slopes", 0) < (0)) __PYX_ERR(0, 307, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_alibi_slopes", 0) < (0)) __PYX_ERR(0, 313, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_alibi_slopes", 1, 2, 2, i); __PYX_ERR(0, 307, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_alibi_slopes", 1, 2, 2, i); __PYX_ERR(0, 313, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 307, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 313, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 307, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 313, __pyx_L3_error)
     }
-    __pyx_v_slopes = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_slopes.memview)) __PYX_ERR(0, 307, __pyx_L3_error)
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L3_error)
+    __pyx_v_slopes = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[0], 0); if (unlikely(!__pyx_v_slopes.memview)) __PYX_ERR(0, 313, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 313, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_alibi_slopes", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 307, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_alibi_slopes", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 313, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -83446,7 +83531,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(__pyx_self, __pyx_v_slopes, __pyx_v_in_float32);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_44check_alibi_slopes(__pyx_self, __pyx_v_slopes, __pyx_v_in_float32);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -83458,7 +83543,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_slopes, int __pyx_v_in_float32) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_alibi_slopes(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_slopes, int __pyx_v_in_float32) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   double const *__pyx_t_1;
@@ -83470,7 +83555,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_alibi_slopes", 0);
 
-  /* "cattention/_driver/extension.pyx":308
+  /* "cattention/_driver/extension.pyx":314
  * 
  * def check_alibi_slopes(const double[::1] slopes, bint in_float32):
  *     _check_alibi_slopes(&slopes[0] if slopes.shape[0] else NULL, slopes.shape[0], in_float32)             # <<<<<<<<<<<<<<
@@ -83488,11 +83573,11 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(
     __pyx_t_1 = NULL;
   }
 
-  __pyx_t_4 = __pyx_f_10cattention_7_driver_6checks_check_alibi_slopes(__pyx_t_1, (__pyx_v_slopes.shape[0]), __pyx_v_in_float32); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 308, __pyx_L1_error)
+  __pyx_t_4 = __pyx_f_10cattention_7_driver_6checks_check_alibi_slopes(__pyx_t_1, (__pyx_v_slopes.shape[0]), __pyx_v_in_float32); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 314, __pyx_L1_error)
 
 
 
-  /* "cattention/_driver/extension.pyx":307
+  /* "cattention/_driver/extension.pyx":313
  * 
  * 
  * def check_alibi_slopes(const double[::1] slopes, bint in_float32):             # <<<<<<<<<<<<<<
@@ -83512,7 +83597,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":311
+/* "cattention/_driver/extension.pyx":317
  * 
  * 
  * def check_sinks(double[::1] sinks, bint in_float32):             # <<<<<<<<<<<<<<
@@ -83521,15 +83606,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42check_alibi_slopes(
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_45check_sinks(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_47check_sinks(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_45check_sinks = {"check_sinks", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_45check_sinks, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_45check_sinks(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_47check_sinks = {"check_sinks", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_47check_sinks, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_47check_sinks(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -83560,39 +83645,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 311, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 317, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 311, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 317, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 311, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 317, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_sinks", 0) < (0)) __PYX_ERR(0, 311, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_sinks", 0) < (0)) __PYX_ERR(0, 317, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_sinks", 1, 2, 2, i); __PYX_ERR(0, 311, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_sinks", 1, 2, 2, i); __PYX_ERR(0, 317, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 311, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 317, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 311, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 317, __pyx_L3_error)
     }
-    __pyx_v_sinks = __Pyx_PyObject_to_MemoryviewSlice_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_sinks.memview)) __PYX_ERR(0, 311, __pyx_L3_error)
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L3_error)
+    __pyx_v_sinks = __Pyx_PyObject_to_MemoryviewSlice_dc_double(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_sinks.memview)) __PYX_ERR(0, 317, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 317, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_sinks", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 311, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_sinks", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 317, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -83604,7 +83689,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_44check_sinks(__pyx_self, __pyx_v_sinks, __pyx_v_in_float32);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_46check_sinks(__pyx_self, __pyx_v_sinks, __pyx_v_in_float32);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -83616,7 +83701,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_sinks(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_sinks, int __pyx_v_in_float32) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_46check_sinks(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_sinks, int __pyx_v_in_float32) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   double *__pyx_t_1;
@@ -83628,7 +83713,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_sinks(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_sinks", 0);
 
-  /* "cattention/_driver/extension.pyx":312
+  /* "cattention/_driver/extension.pyx":318
  * 
  * def check_sinks(double[::1] sinks, bint in_float32):
  *     _check_sinks(&sinks[0] if sinks.shape[0] else NULL, sinks.shape[0], in_float32)             # <<<<<<<<<<<<<<
@@ -83646,11 +83731,11 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_sinks(CYTHON_
     __pyx_t_1 = NULL;
   }
 
-  __pyx_t_4 = __pyx_f_10cattention_7_driver_6checks_check_sinks(__pyx_t_1, (__pyx_v_sinks.shape[0]), __pyx_v_in_float32); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 312, __pyx_L1_error)
+  __pyx_t_4 = __pyx_f_10cattention_7_driver_6checks_check_sinks(__pyx_t_1, (__pyx_v_sinks.shape[0]), __pyx_v_in_float32); if (unlikely(__pyx_t_4 == ((int)-1))) __PYX_ERR(0, 318, __pyx_L1_error)
 
 
 
-  /* "cattention/_driver/extension.pyx":311
+  /* "cattention/_driver/extension.pyx":317
  * 
  * 
  * def check_sinks(double[::1] sinks, bint in_float32):             # <<<<<<<<<<<<<<
@@ -83670,7 +83755,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_sinks(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":315
+/* "cattention/_driver/extension.pyx":321
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask):             # <<<<<<<<<<<<<<
@@ -83679,15 +83764,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44check_sinks(CYTHON_
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_47stacks_grouped_rows(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_49stacks_grouped_rows(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_47stacks_grouped_rows = {"stacks_grouped_rows", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_47stacks_grouped_rows, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_47stacks_grouped_rows(PyObject *__pyx_self, 
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_49stacks_grouped_rows = {"stacks_grouped_rows", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_49stacks_grouped_rows, __Pyx_METH_FASTCALL|METH_KEYWORDS, 0};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_49stacks_grouped_rows(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -83719,46 +83804,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_group,&__pyx_mstate_global->__pyx_n_u_n_rows,&__pyx_mstate_global->__pyx_n_u_has_mask,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 315, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 321, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 315, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 315, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 315, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 321, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "stacks_grouped_rows", 0) < (0)) __PYX_ERR(0, 315, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "stacks_grouped_rows", 0) < (0)) __PYX_ERR(0, 321, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 3, 3, i); __PYX_ERR(0, 315, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 3, 3, i); __PYX_ERR(0, 321, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 315, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 321, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 315, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 321, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 315, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 321, __pyx_L3_error)
     }
-    __pyx_v_group = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L3_error)
-    __pyx_v_n_rows = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_rows == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L3_error)
-    __pyx_v_has_mask = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_has_mask == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 315, __pyx_L3_error)
+    __pyx_v_group = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 321, __pyx_L3_error)
+    __pyx_v_n_rows = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_rows == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 321, __pyx_L3_error)
+    __pyx_v_has_mask = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_has_mask == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 321, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 315, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 321, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -83769,7 +83854,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_46stacks_grouped_rows(__pyx_self, __pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_48stacks_grouped_rows(__pyx_self, __pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -83782,7 +83867,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_46stacks_grouped_rows(CYTHON_UNUSED PyObject *__pyx_self, Py_ssize_t __pyx_v_group, Py_ssize_t __pyx_v_n_rows, int __pyx_v_has_mask) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_48stacks_grouped_rows(CYTHON_UNUSED PyObject *__pyx_self, Py_ssize_t __pyx_v_group, Py_ssize_t __pyx_v_n_rows, int __pyx_v_has_mask) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -83791,14 +83876,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46stacks_grouped_rows
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("stacks_grouped_rows", 0);
 
-  /* "cattention/_driver/extension.pyx":316
+  /* "cattention/_driver/extension.pyx":322
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask):
  *     return _stacks_grouped_rows(group, n_rows, has_mask)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 316, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 322, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -83811,7 +83896,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46stacks_grouped_rows
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":315
+  /* "cattention/_driver/extension.pyx":321
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask):             # <<<<<<<<<<<<<<
@@ -83830,7 +83915,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46stacks_grouped_rows
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":321
+/* "cattention/_driver/extension.pyx":327
  * # ------------------------------------------------------------ the runs
  * 
  * cdef inline void read_row_options(object options, RowOptions *row,             # <<<<<<<<<<<<<<
@@ -83858,40 +83943,40 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("read_row_options", 0);
 
-  /* "cattention/_driver/extension.pyx":324
+  /* "cattention/_driver/extension.pyx":330
  *                                   const double[::1] alibi, const double[::1] sinks):
  *     """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
  *     row.causal = options.causal             # <<<<<<<<<<<<<<
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 324, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 330, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 324, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 330, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->causal = __pyx_t_2;
 
-  /* "cattention/_driver/extension.pyx":325
+  /* "cattention/_driver/extension.pyx":331
  *     """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
  *     row.causal = options.causal
  *     row.scale = options.scale             # <<<<<<<<<<<<<<
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 325, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 331, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 331, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->scale = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":326
+  /* "cattention/_driver/extension.pyx":332
  *     row.causal = options.causal
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window             # <<<<<<<<<<<<<<
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_window_2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 326, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_window_2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
     PyObject* sequence = __pyx_t_1;
@@ -83899,7 +83984,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 326, __pyx_L1_error)
+      __PYX_ERR(0, 332, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -83909,22 +83994,22 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
       __Pyx_INCREF(__pyx_t_5);
     } else {
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 326, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 332, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
       __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 326, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 332, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_5);
     }
     #else
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 326, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 332, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 326, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 332, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_6 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 326, __pyx_L1_error)
+    __pyx_t_6 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 332, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_7 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6);
@@ -83932,7 +84017,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     __Pyx_GOTREF(__pyx_t_4);
     index = 1; __pyx_t_5 = __pyx_t_7(__pyx_t_6); if (unlikely(!__pyx_t_5)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_5);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_7(__pyx_t_6), 2) < (0)) __PYX_ERR(0, 326, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_7(__pyx_t_6), 2) < (0)) __PYX_ERR(0, 332, __pyx_L1_error)
     __pyx_t_7 = NULL;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     goto __pyx_L4_unpacking_done;
@@ -83940,30 +84025,30 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 326, __pyx_L1_error)
+    __PYX_ERR(0, 332, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
-  __pyx_t_8 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_8 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_8 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_5); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 326, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_5); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 332, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   __pyx_v_row->window_left = __pyx_t_8;
   __pyx_v_row->window_right = __pyx_t_9;
 
-  /* "cattention/_driver/extension.pyx":327
+  /* "cattention/_driver/extension.pyx":333
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap             # <<<<<<<<<<<<<<
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
  *     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_softcap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 327, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_softcap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 333, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 327, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 333, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->softcap = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":328
+  /* "cattention/_driver/extension.pyx":334
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL             # <<<<<<<<<<<<<<
@@ -83997,7 +84082,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 
   __pyx_v_row->alibi_slope = __pyx_t_10;
 
-  /* "cattention/_driver/extension.pyx":329
+  /* "cattention/_driver/extension.pyx":335
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
  *     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL             # <<<<<<<<<<<<<<
@@ -84031,7 +84116,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 
   __pyx_v_row->sink = __pyx_t_13;
 
-  /* "cattention/_driver/extension.pyx":321
+  /* "cattention/_driver/extension.pyx":327
  * # ------------------------------------------------------------ the runs
  * 
  * cdef inline void read_row_options(object options, RowOptions *row,             # <<<<<<<<<<<<<<
@@ -84052,7 +84137,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
   __Pyx_RefNannyFinishContext();
 }
 
-/* "cattention/_driver/extension.pyx":332
+/* "cattention/_driver/extension.pyx":338
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
@@ -84061,16 +84146,16 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_49run_arrays(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_51run_arrays(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_48run_arrays, "Run a dense call (``_prepare/dense.py``) into ``out`` (batch + (T,\n    d_v): C-contiguous, or any non-negative strides with contiguous\n    features), C-contiguous ``scores`` (n_batch, T, S) and ``lse`` (n_batch,\n    T) of the compute dtype, any of them None.\n\n    Preconditions (checked by the caller): q, k, v share the compute dtype\n    (or k and v are float16 or int8 with a float32 q), are in native byte\n    order, aligned, their strides multiples of the itemsize, their leading\n    dimensions broadcast to ``batch_shape`` (k and v with H / kv_group heads\n    on its last axis); ``mask`` is None or an aligned native bool, float32\n    or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None\n    or n_batch valid key counts in [0, S], ``kv_starts`` None or the first\n    valid key of each batch entry; ``query_period`` > 0 says the\n    rows are stacked groups of that many positions; the options\047 alibi is\n    one slope per batch entry and its sinks one logit per group of\n    query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales\n    of int8 ``k`` / ``v``, of their shape with a last axis of size 1.");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_49run_arrays = {"run_arrays", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_49run_arrays, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_48run_arrays};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_49run_arrays(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_50run_arrays, "Run a dense call (``_prepare/dense.py``) into ``out`` (batch + (T,\n    d_v): C-contiguous, or any non-negative strides with contiguous\n    features), C-contiguous ``scores`` (n_batch, T, S) and ``lse`` (n_batch,\n    T) of the compute dtype, any of them None.\n\n    Preconditions (checked by the caller): q, k, v share the compute dtype\n    (or k and v are float16 or int8 with a float32 q), are in native byte\n    order, aligned, their strides multiples of the itemsize, their leading\n    dimensions broadcast to ``batch_shape`` (k and v with H / kv_group heads\n    on its last axis); ``mask`` is None or an aligned native bool, float32\n    or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None\n    or n_batch valid key counts in [0, S], ``kv_starts`` None or the first\n    valid key of each batch entry; ``query_period`` > 0 says the\n    rows are stacked groups of that many positions; the options\047 alibi is\n    one slope per batch entry and its sinks one logit per group of\n    query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales\n    of int8 ``k`` / ``v``, of their shape with a last axis of size 1.");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_51run_arrays = {"run_arrays", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_51run_arrays, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_50run_arrays};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_51run_arrays(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -84114,110 +84199,110 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_batch_shape,&__pyx_mstate_global->__pyx_n_u_kv_group,&__pyx_mstate_global->__pyx_n_u_query_period,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_kv_starts,&__pyx_mstate_global->__pyx_n_u_options,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_scores,&__pyx_mstate_global->__pyx_n_u_lse,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 332, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 338, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 332, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 338, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_arrays", 0) < (0)) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_arrays", 0) < (0)) __PYX_ERR(0, 338, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 15; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, i); __PYX_ERR(0, 332, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, i); __PYX_ERR(0, 338, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 15)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 338, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 332, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 338, __pyx_L3_error)
     }
     __pyx_v_q = ((PyArrayObject *)values[0]);
     __pyx_v_k = ((PyArrayObject *)values[1]);
@@ -84226,10 +84311,10 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_k_scale = ((PyArrayObject *)values[4]);
     __pyx_v_v_scale = ((PyArrayObject *)values[5]);
     __pyx_v_batch_shape = ((PyObject*)values[6]);
-    __pyx_v_kv_group = __Pyx_PyIndex_AsSsize_t(values[7]); if (unlikely((__pyx_v_kv_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 334, __pyx_L3_error)
-    __pyx_v_query_period = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_query_period == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 334, __pyx_L3_error)
-    __pyx_v_kv_lengths = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[9], 0); if (unlikely(!__pyx_v_kv_lengths.memview)) __PYX_ERR(0, 335, __pyx_L3_error)
-    __pyx_v_kv_starts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[10], 0); if (unlikely(!__pyx_v_kv_starts.memview)) __PYX_ERR(0, 335, __pyx_L3_error)
+    __pyx_v_kv_group = __Pyx_PyIndex_AsSsize_t(values[7]); if (unlikely((__pyx_v_kv_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 340, __pyx_L3_error)
+    __pyx_v_query_period = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_query_period == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 340, __pyx_L3_error)
+    __pyx_v_kv_lengths = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[9], 0); if (unlikely(!__pyx_v_kv_lengths.memview)) __PYX_ERR(0, 341, __pyx_L3_error)
+    __pyx_v_kv_starts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[10], 0); if (unlikely(!__pyx_v_kv_starts.memview)) __PYX_ERR(0, 341, __pyx_L3_error)
     __pyx_v_options = values[11];
     __pyx_v_out = ((PyArrayObject *)values[12]);
     __pyx_v_scores = ((PyArrayObject *)values[13]);
@@ -84237,7 +84322,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, __pyx_nargs); __PYX_ERR(0, 332, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, __pyx_nargs); __PYX_ERR(0, 338, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -84250,17 +84335,17 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_q), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "q", 0))) __PYX_ERR(0, 332, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k", 0))) __PYX_ERR(0, 332, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v", 0))) __PYX_ERR(0, 332, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_mask), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "mask", 0))) __PYX_ERR(0, 332, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k_scale", 0))) __PYX_ERR(0, 333, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v_scale", 0))) __PYX_ERR(0, 333, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_batch_shape), (&PyTuple_Type), 1, "batch_shape", 1))) __PYX_ERR(0, 333, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_out), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "out", 0))) __PYX_ERR(0, 336, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_scores), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "scores", 0))) __PYX_ERR(0, 336, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_lse), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "lse", 0))) __PYX_ERR(0, 336, __pyx_L1_error)
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_48run_arrays(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_batch_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_v_kv_lengths, __pyx_v_kv_starts, __pyx_v_options, __pyx_v_out, __pyx_v_scores, __pyx_v_lse);
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_q), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "q", 0))) __PYX_ERR(0, 338, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k", 0))) __PYX_ERR(0, 338, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v", 0))) __PYX_ERR(0, 338, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_mask), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "mask", 0))) __PYX_ERR(0, 338, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k_scale", 0))) __PYX_ERR(0, 339, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v_scale", 0))) __PYX_ERR(0, 339, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_batch_shape), (&PyTuple_Type), 1, "batch_shape", 1))) __PYX_ERR(0, 339, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_out), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "out", 0))) __PYX_ERR(0, 342, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_scores), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "scores", 0))) __PYX_ERR(0, 342, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_lse), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "lse", 0))) __PYX_ERR(0, 342, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_50run_arrays(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_batch_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_v_kv_lengths, __pyx_v_kv_starts, __pyx_v_options, __pyx_v_out, __pyx_v_scores, __pyx_v_lse);
 
   /* function exit code */
   goto __pyx_L0;
@@ -84283,7 +84368,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse) {
   __Pyx_memviewslice __pyx_v_alibi = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_sinks = { 0, 0, { 0 }, { 0 }, { 0 } };
   struct __pyx_t_10cattention_7_driver_7problem_RowOptions __pyx_v_row;
@@ -84310,37 +84395,37 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("run_arrays", 0);
 
-  /* "cattention/_driver/extension.pyx":354
+  /* "cattention/_driver/extension.pyx":360
  *     query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
  *     of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
  *     cdef const double[::1] alibi = options.alibi             # <<<<<<<<<<<<<<
  *     cdef const double[::1] sinks = options.sinks
  *     cdef RowOptions row
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 354, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 360, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 354, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 360, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_alibi = __pyx_t_2;
   __pyx_t_2.memview = NULL;
   __pyx_t_2.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":355
+  /* "cattention/_driver/extension.pyx":361
  *     of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
  *     cdef const double[::1] alibi = options.alibi
  *     cdef const double[::1] sinks = options.sinks             # <<<<<<<<<<<<<<
  *     cdef RowOptions row
  *     cdef Py_ssize_t n_batch_dims = len(batch_shape)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 355, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 361, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 355, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 361, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_sinks = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":357
+  /* "cattention/_driver/extension.pyx":363
  *     cdef const double[::1] sinks = options.sinks
  *     cdef RowOptions row
  *     cdef Py_ssize_t n_batch_dims = len(batch_shape)             # <<<<<<<<<<<<<<
@@ -84349,12 +84434,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
 */
   if (unlikely(__pyx_v_batch_shape == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 357, __pyx_L1_error)
+    __PYX_ERR(0, 363, __pyx_L1_error)
   }
-  __pyx_t_4 = __Pyx_PyTuple_GET_SIZE(__pyx_v_batch_shape); if (unlikely(__pyx_t_4 == ((Py_ssize_t)-1))) __PYX_ERR(0, 357, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyTuple_GET_SIZE(__pyx_v_batch_shape); if (unlikely(__pyx_t_4 == ((Py_ssize_t)-1))) __PYX_ERR(0, 363, __pyx_L1_error)
   __pyx_v_n_batch_dims = __pyx_t_4;
 
-  /* "cattention/_driver/extension.pyx":360
+  /* "cattention/_driver/extension.pyx":366
  *     cdef Py_ssize_t shape[64]
  *     cdef Py_ssize_t d
  *     for d in range(n_batch_dims):             # <<<<<<<<<<<<<<
@@ -84368,7 +84453,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
   for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_d = __pyx_t_6;
 
-    /* "cattention/_driver/extension.pyx":361
+    /* "cattention/_driver/extension.pyx":367
  *     cdef Py_ssize_t d
  *     for d in range(n_batch_dims):
  *         shape[d] = batch_shape[d]             # <<<<<<<<<<<<<<
@@ -84377,24 +84462,24 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
 */
     if (unlikely(__pyx_v_batch_shape == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 361, __pyx_L1_error)
+      __PYX_ERR(0, 367, __pyx_L1_error)
     }
-    __pyx_t_7 = __Pyx_PyIndex_AsSsize_t(__Pyx_PyTuple_GET_ITEM(__pyx_v_batch_shape, __pyx_v_d)); if (unlikely((__pyx_t_7 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyIndex_AsSsize_t(__Pyx_PyTuple_GET_ITEM(__pyx_v_batch_shape, __pyx_v_d)); if (unlikely((__pyx_t_7 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L1_error)
     (__pyx_v_shape[__pyx_v_d]) = __pyx_t_7;
 
   }
 
 
-  /* "cattention/_driver/extension.pyx":362
+  /* "cattention/_driver/extension.pyx":368
  *     for d in range(n_batch_dims):
  *         shape[d] = batch_shape[d]
  *     read_row_options(options, &row, alibi, sinks)             # <<<<<<<<<<<<<<
  *     run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,
  *               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
 */
-  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_v_options, (&__pyx_v_row), __pyx_v_alibi, __pyx_v_sinks); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_v_options, (&__pyx_v_row), __pyx_v_alibi, __pyx_v_sinks); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 368, __pyx_L1_error)
 
-  /* "cattention/_driver/extension.pyx":364
+  /* "cattention/_driver/extension.pyx":370
  *     read_row_options(options, &row, alibi, sinks)
  *     run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,
  *               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,             # <<<<<<<<<<<<<<
@@ -84427,7 +84512,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
   }
 
 
-  /* "cattention/_driver/extension.pyx":365
+  /* "cattention/_driver/extension.pyx":371
  *     run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,
  *               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
  *               &kv_starts[0] if kv_starts is not None and kv_starts.shape[0] > 0 else NULL,             # <<<<<<<<<<<<<<
@@ -84460,32 +84545,32 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
   }
 
 
-  /* "cattention/_driver/extension.pyx":366
+  /* "cattention/_driver/extension.pyx":372
  *               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
  *               &kv_starts[0] if kv_starts is not None and kv_starts.shape[0] > 0 else NULL,
  *               &row, _kernels, options.threads, out, scores, lse)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 366, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 372, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_4 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_4 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 372, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "cattention/_driver/extension.pyx":363
+  /* "cattention/_driver/extension.pyx":369
  *         shape[d] = batch_shape[d]
  *     read_row_options(options, &row, alibi, sinks)
  *     run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,             # <<<<<<<<<<<<<<
  *               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
  *               &kv_starts[0] if kv_starts is not None and kv_starts.shape[0] > 0 else NULL,
 */
-  __pyx_t_13 = __pyx_f_10cattention_7_driver_4runs_run_dense(__pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_t_8, __pyx_t_12, (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_4, __pyx_v_out, __pyx_v_scores, __pyx_v_lse); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_13 = __pyx_f_10cattention_7_driver_4runs_run_dense(__pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_t_8, __pyx_t_12, (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_4, __pyx_v_out, __pyx_v_scores, __pyx_v_lse); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 369, __pyx_L1_error)
 
 
 
 
 
-  /* "cattention/_driver/extension.pyx":332
+  /* "cattention/_driver/extension.pyx":338
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
@@ -84514,7 +84599,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48run_arrays(CYTHON_U
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":369
+/* "cattention/_driver/extension.pyx":375
  * 
  * 
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):             # <<<<<<<<<<<<<<
@@ -84533,20 +84618,20 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("read_place", 0);
 
-  /* "cattention/_driver/extension.pyx":371
+  /* "cattention/_driver/extension.pyx":377
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):
  *     """The Place of a ``_prepare.entries.Place``."""
  *     cdef cnp.ndarray arr = given.array             # <<<<<<<<<<<<<<
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 371, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 371, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 377, __pyx_L1_error)
   __pyx_v_arr = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "cattention/_driver/extension.pyx":372
+  /* "cattention/_driver/extension.pyx":378
  *     """The Place of a ``_prepare.entries.Place``."""
  *     cdef cnp.ndarray arr = given.array
  *     place.data = <const char *>cnp.PyArray_DATA(arr)             # <<<<<<<<<<<<<<
@@ -84555,7 +84640,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
   __pyx_v_place->data = ((char const *)PyArray_DATA(__pyx_v_arr));
 
-  /* "cattention/_driver/extension.pyx":373
+  /* "cattention/_driver/extension.pyx":379
  *     cdef cnp.ndarray arr = given.array
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)             # <<<<<<<<<<<<<<
@@ -84564,7 +84649,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
   __pyx_v_place->type_num = PyArray_TYPE(__pyx_v_arr);
 
-  /* "cattention/_driver/extension.pyx":374
+  /* "cattention/_driver/extension.pyx":380
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = &seq_offset[0]             # <<<<<<<<<<<<<<
@@ -84574,59 +84659,59 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   __pyx_t_2 = 0;
   __pyx_v_place->seq_offset = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_seq_offset.data) + __pyx_t_2)) ))));
 
-  /* "cattention/_driver/extension.pyx":375
+  /* "cattention/_driver/extension.pyx":381
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = &seq_offset[0]
  *     place.t_stride = given.t_stride             # <<<<<<<<<<<<<<
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_t_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_t_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 381, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 381, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->t_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":376
+  /* "cattention/_driver/extension.pyx":382
  *     place.seq_offset = &seq_offset[0]
  *     place.t_stride = given.t_stride
  *     place.h_stride = given.h_stride             # <<<<<<<<<<<<<<
  *     place.col_stride = given.col_stride
  *     place.page_stride = given.page_stride
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_h_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_h_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->h_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":377
+  /* "cattention/_driver/extension.pyx":383
  *     place.t_stride = given.t_stride
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride             # <<<<<<<<<<<<<<
  *     place.page_stride = given.page_stride
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_col_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_col_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 383, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 383, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->col_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":378
+  /* "cattention/_driver/extension.pyx":384
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride
  *     place.page_stride = given.page_stride             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_page_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_page_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->page_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":369
+  /* "cattention/_driver/extension.pyx":375
  * 
  * 
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):             # <<<<<<<<<<<<<<
@@ -84645,7 +84730,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   __Pyx_RefNannyFinishContext();
 }
 
-/* "cattention/_driver/extension.pyx":381
+/* "cattention/_driver/extension.pyx":387
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
@@ -84654,16 +84739,16 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_51run_entries(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_53run_entries(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_50run_entries, "Run an entries call (``_prepare/entries.py``: packed sequences, paged\n    caches) into its out (and lse). Preconditions (checked by the caller):\n    every offset, length and page id lies within its array, the operands\n    are of the compute dtype (or float16 / int8 K and V with float32), in\n    native byte order and aligned; the options\047 alibi and sinks are None or\n    one value per (sequence, query head).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_51run_entries = {"run_entries", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_51run_entries, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_50run_entries};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_51run_entries(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_52run_entries, "Run an entries call (``_prepare/entries.py``: packed sequences, paged\n    caches) into its out (and lse). Preconditions (checked by the caller):\n    every offset, length and page id lies within its array, the operands\n    are of the compute dtype (or float16 / int8 K and V with float32), in\n    native byte order and aligned; the options\047 alibi and sinks are None or\n    one value per (sequence, query head).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_53run_entries = {"run_entries", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_53run_entries, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_52run_entries};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_53run_entries(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -84693,32 +84778,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_call,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 381, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 387, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 381, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 387, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_entries", 0) < (0)) __PYX_ERR(0, 381, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_entries", 0) < (0)) __PYX_ERR(0, 387, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, i); __PYX_ERR(0, 381, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, i); __PYX_ERR(0, 387, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 381, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 387, __pyx_L3_error)
     }
     __pyx_v_call = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 381, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 387, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -84729,7 +84814,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_50run_entries(__pyx_self, __pyx_v_call);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_52run_entries(__pyx_self, __pyx_v_call);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -84739,7 +84824,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_call) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_52run_entries(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_call) {
   __Pyx_memviewslice __pyx_v_alibi = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_sinks = { 0, 0, { 0 }, { 0 }, { 0 } };
   __Pyx_memviewslice __pyx_v_q_lengths = { 0, 0, { 0 }, { 0 }, { 0 } };
@@ -84793,198 +84878,198 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("run_entries", 0);
 
-  /* "cattention/_driver/extension.pyx":388
+  /* "cattention/_driver/extension.pyx":394
  *     native byte order and aligned; the options' alibi and sinks are None or
  *     one value per (sequence, query head)."""
  *     cdef const double[::1] alibi = call.options.alibi             # <<<<<<<<<<<<<<
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 388, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 388, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 388, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_alibi = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":389
+  /* "cattention/_driver/extension.pyx":395
  *     one value per (sequence, query head)."""
  *     cdef const double[::1] alibi = call.options.alibi
  *     cdef const double[::1] sinks = call.options.sinks             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_4 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_4.memview)) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_4.memview)) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_sinks = __pyx_t_4;
   __pyx_t_4.memview = NULL;
   __pyx_t_4.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":390
+  /* "cattention/_driver/extension.pyx":396
  *     cdef const double[::1] alibi = call.options.alibi
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
  *     cdef const intp_t[::1] kv_starts = call.kv_starts
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 396, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 396, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_q_lengths = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":391
+  /* "cattention/_driver/extension.pyx":397
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] kv_starts = call.kv_starts
  *     cdef const intp_t[::1] page_ids = call.page_ids
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 391, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 391, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_kv_lengths = __pyx_t_6;
   __pyx_t_6.memview = NULL;
   __pyx_t_6.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":392
+  /* "cattention/_driver/extension.pyx":398
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
  *     cdef const intp_t[::1] kv_starts = call.kv_starts             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] page_ids = call.page_ids
  *     # the places' offsets, held here while the plan points into them
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_starts); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 392, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_starts); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_7.memview)) __PYX_ERR(0, 392, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_7.memview)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_kv_starts = __pyx_t_7;
   __pyx_t_7.memview = NULL;
   __pyx_t_7.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":393
+  /* "cattention/_driver/extension.pyx":399
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
  *     cdef const intp_t[::1] kv_starts = call.kv_starts
  *     cdef const intp_t[::1] page_ids = call.page_ids             # <<<<<<<<<<<<<<
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_ids); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_ids); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_page_ids = __pyx_t_8;
   __pyx_t_8.memview = NULL;
   __pyx_t_8.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":395
+  /* "cattention/_driver/extension.pyx":401
  *     cdef const intp_t[::1] page_ids = call.page_ids
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 401, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 401, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 401, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_q_offset = __pyx_t_9;
   __pyx_t_9.memview = NULL;
   __pyx_t_9.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":396
+  /* "cattention/_driver/extension.pyx":402
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_k_offset = __pyx_t_10;
   __pyx_t_10.memview = NULL;
   __pyx_t_10.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":397
+  /* "cattention/_driver/extension.pyx":403
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 403, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 403, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 403, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_v_offset = __pyx_t_11;
   __pyx_t_11.memview = NULL;
   __pyx_t_11.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":398
+  /* "cattention/_driver/extension.pyx":404
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 398, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 398, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_out_offset = __pyx_t_12;
   __pyx_t_12.memview = NULL;
   __pyx_t_12.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":399
+  /* "cattention/_driver/extension.pyx":405
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 399, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 405, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_t_14 = (__pyx_t_1 != Py_None);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   if (__pyx_t_14) {
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 399, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 405, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 399, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 405, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 399, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 405, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_13 = __pyx_t_15;
     __pyx_t_15.memview = NULL;
     __pyx_t_15.data = NULL;
   } else {
-    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 399, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 405, __pyx_L1_error)
     __pyx_t_13 = __pyx_t_15;
     __pyx_t_15.memview = NULL;
     __pyx_t_15.data = NULL;
@@ -84994,38 +85079,38 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
   __pyx_t_13.memview = NULL;
   __pyx_t_13.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":400
+  /* "cattention/_driver/extension.pyx":406
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None             # <<<<<<<<<<<<<<
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 400, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 406, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_14) {
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 400, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 406, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 400, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 406, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 400, __pyx_L1_error)
+    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 406, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_16 = __pyx_t_17;
     __pyx_t_17.memview = NULL;
     __pyx_t_17.data = NULL;
   } else {
 
-    /* "cattention/_driver/extension.pyx":401
+    /* "cattention/_driver/extension.pyx":407
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
  *                                              else None)
 */
-    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 401, __pyx_L1_error)
+    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 407, __pyx_L1_error)
     __pyx_t_16 = __pyx_t_17;
     __pyx_t_17.memview = NULL;
     __pyx_t_17.data = NULL;
@@ -85035,38 +85120,38 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
   __pyx_t_16.memview = NULL;
   __pyx_t_16.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":402
+  /* "cattention/_driver/extension.pyx":408
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None             # <<<<<<<<<<<<<<
  *                                              else None)
  *     cdef EntryPlan plan
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 402, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 408, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_t_14 = (__pyx_t_1 != Py_None);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   if (__pyx_t_14) {
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 402, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 408, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 402, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 408, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 402, __pyx_L1_error)
+    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 408, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_18 = __pyx_t_19;
     __pyx_t_19.memview = NULL;
     __pyx_t_19.data = NULL;
   } else {
 
-    /* "cattention/_driver/extension.pyx":403
+    /* "cattention/_driver/extension.pyx":409
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
  *                                              else None)             # <<<<<<<<<<<<<<
  *     cdef EntryPlan plan
  *     cdef RowOptions row
 */
-    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 403, __pyx_L1_error)
+    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 409, __pyx_L1_error)
     __pyx_t_18 = __pyx_t_19;
     __pyx_t_19.memview = NULL;
     __pyx_t_19.data = NULL;
@@ -85076,23 +85161,23 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
   __pyx_t_18.memview = NULL;
   __pyx_t_18.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":406
+  /* "cattention/_driver/extension.pyx":412
  *     cdef EntryPlan plan
  *     cdef RowOptions row
  *     read_row_options(call.options, &row, None, None)             # <<<<<<<<<<<<<<
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 406, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 412, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_20 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_20.memview)) __PYX_ERR(0, 406, __pyx_L1_error)
-  __pyx_t_21 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_21.memview)) __PYX_ERR(0, 406, __pyx_L1_error)
-  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_t_2, (&__pyx_v_row), __pyx_t_20, __pyx_t_21); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 406, __pyx_L1_error)
+  __pyx_t_20 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_20.memview)) __PYX_ERR(0, 412, __pyx_L1_error)
+  __pyx_t_21 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_21.memview)) __PYX_ERR(0, 412, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_t_2, (&__pyx_v_row), __pyx_t_20, __pyx_t_21); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 412, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_20, 1);; __pyx_t_20.memview = NULL; __pyx_t_20.data = NULL;
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_21, 1);; __pyx_t_21.memview = NULL; __pyx_t_21.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":407
+  /* "cattention/_driver/extension.pyx":413
  *     cdef RowOptions row
  *     read_row_options(call.options, &row, None, None)
  *     plan.n_seq = q_lengths.shape[0]             # <<<<<<<<<<<<<<
@@ -85101,59 +85186,59 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 */
   __pyx_v_plan.n_seq = (__pyx_v_q_lengths.shape[0]);
 
-  /* "cattention/_driver/extension.pyx":408
+  /* "cattention/_driver/extension.pyx":414
  *     read_row_options(call.options, &row, None, None)
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads             # <<<<<<<<<<<<<<
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 408, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 414, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 408, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 414, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.n_heads = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":409
+  /* "cattention/_driver/extension.pyx":415
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads
  *     plan.n_kv_heads = call.n_kv_heads             # <<<<<<<<<<<<<<
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_kv_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_kv_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 415, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 415, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.n_kv_heads = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":410
+  /* "cattention/_driver/extension.pyx":416
  *     plan.n_heads = call.n_heads
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k             # <<<<<<<<<<<<<<
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 410, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 416, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 410, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 416, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.d_k = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":411
+  /* "cattention/_driver/extension.pyx":417
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v             # <<<<<<<<<<<<<<
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 411, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 417, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 411, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.d_v = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":412
+  /* "cattention/_driver/extension.pyx":418
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
@@ -85173,7 +85258,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 
   __pyx_v_plan.q_lengths = __pyx_t_23;
 
-  /* "cattention/_driver/extension.pyx":413
+  /* "cattention/_driver/extension.pyx":419
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
@@ -85193,7 +85278,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 
   __pyx_v_plan.kv_lengths = __pyx_t_25;
 
-  /* "cattention/_driver/extension.pyx":414
+  /* "cattention/_driver/extension.pyx":420
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
@@ -85227,55 +85312,55 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 
   __pyx_v_plan.kv_starts = __pyx_t_26;
 
-  /* "cattention/_driver/extension.pyx":415
+  /* "cattention/_driver/extension.pyx":421
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
  *     read_place(&plan.q, call.q, q_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 415, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.q), __pyx_t_2, __pyx_v_q_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 415, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.q), __pyx_t_2, __pyx_v_q_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":416
+  /* "cattention/_driver/extension.pyx":422
  *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 416, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 422, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k), __pyx_t_2, __pyx_v_k_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 416, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k), __pyx_t_2, __pyx_v_k_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 422, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":417
+  /* "cattention/_driver/extension.pyx":423
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 423, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v), __pyx_t_2, __pyx_v_v_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v), __pyx_t_2, __pyx_v_v_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 423, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":418
+  /* "cattention/_driver/extension.pyx":424
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)             # <<<<<<<<<<<<<<
  *     plan.lse.data = NULL
  *     if call.lse is not None:
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 418, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.out), __pyx_t_2, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 418, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.out), __pyx_t_2, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 424, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":419
+  /* "cattention/_driver/extension.pyx":425
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL             # <<<<<<<<<<<<<<
@@ -85284,33 +85369,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 */
   __pyx_v_plan.lse.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":420
+  /* "cattention/_driver/extension.pyx":426
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
  *     if call.lse is not None:             # <<<<<<<<<<<<<<
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 420, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_14) {
 
 
-    /* "cattention/_driver/extension.pyx":421
+    /* "cattention/_driver/extension.pyx":427
  *     plan.lse.data = NULL
  *     if call.lse is not None:
  *         read_place(&plan.lse, call.lse, lse_offset)             # <<<<<<<<<<<<<<
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 421, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.lse), __pyx_t_2, __pyx_v_lse_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 421, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.lse), __pyx_t_2, __pyx_v_lse_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":420
+    /* "cattention/_driver/extension.pyx":426
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
  *     if call.lse is not None:             # <<<<<<<<<<<<<<
@@ -85319,7 +85404,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":422
+  /* "cattention/_driver/extension.pyx":428
  *     if call.lse is not None:
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -85328,7 +85413,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":423
+  /* "cattention/_driver/extension.pyx":429
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -85337,45 +85422,45 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":424
+  /* "cattention/_driver/extension.pyx":430
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:             # <<<<<<<<<<<<<<
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 430, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_14) {
 
 
-    /* "cattention/_driver/extension.pyx":425
+    /* "cattention/_driver/extension.pyx":431
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)             # <<<<<<<<<<<<<<
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 425, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 431, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k_scale), __pyx_t_2, __pyx_v_k_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 425, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k_scale), __pyx_t_2, __pyx_v_k_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 431, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":426
+    /* "cattention/_driver/extension.pyx":432
  *     if call.k_scale is not None:
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)             # <<<<<<<<<<<<<<
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 426, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 432, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v_scale), __pyx_t_2, __pyx_v_v_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 426, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v_scale), __pyx_t_2, __pyx_v_v_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 432, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":424
+    /* "cattention/_driver/extension.pyx":430
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:             # <<<<<<<<<<<<<<
@@ -85384,7 +85469,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":427
+  /* "cattention/_driver/extension.pyx":433
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL             # <<<<<<<<<<<<<<
@@ -85404,7 +85489,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 
   __pyx_v_plan.alibi = __pyx_t_28;
 
-  /* "cattention/_driver/extension.pyx":428
+  /* "cattention/_driver/extension.pyx":434
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL             # <<<<<<<<<<<<<<
@@ -85424,7 +85509,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 
   __pyx_v_plan.sinks = __pyx_t_29;
 
-  /* "cattention/_driver/extension.pyx":429
+  /* "cattention/_driver/extension.pyx":435
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL             # <<<<<<<<<<<<<<
@@ -85444,58 +85529,58 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
 
   __pyx_v_plan.page_ids = __pyx_t_30;
 
-  /* "cattention/_driver/extension.pyx":430
+  /* "cattention/_driver/extension.pyx":436
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq             # <<<<<<<<<<<<<<
  *     plan.page_size = call.page_size
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_pages_per_seq); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 430, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_pages_per_seq); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 436, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 430, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 436, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.pages_per_seq = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":431
+  /* "cattention/_driver/extension.pyx":437
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size             # <<<<<<<<<<<<<<
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
  * 
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 431, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 437, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 431, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 437, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.page_size = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":432
+  /* "cattention/_driver/extension.pyx":438
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 432, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 438, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 432, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 438, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 432, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 438, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 432, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 438, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 432, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 438, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  if (!(likely(((__pyx_t_2) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_2, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 432, __pyx_L1_error)
-  __pyx_t_31 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_22, ((PyArrayObject *)__pyx_t_2)); if (unlikely(__pyx_t_31 == ((int)-1))) __PYX_ERR(0, 432, __pyx_L1_error)
+  if (!(likely(((__pyx_t_2) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_2, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 438, __pyx_L1_error)
+  __pyx_t_31 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_22, ((PyArrayObject *)__pyx_t_2)); if (unlikely(__pyx_t_31 == ((int)-1))) __PYX_ERR(0, 438, __pyx_L1_error)
 
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
 
-  /* "cattention/_driver/extension.pyx":381
+  /* "cattention/_driver/extension.pyx":387
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
@@ -85550,7 +85635,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":437
+/* "cattention/_driver/extension.pyx":443
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -85558,7 +85643,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50run_entries(CYTHON_
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_60__defaults__(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_62__defaults__(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -85568,41 +85653,41 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_60__defaults__(CYTHON
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__defaults__", 0);
-  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 437, __pyx_L1_error)
+  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 443, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
-  /* "cattention/_driver/extension.pyx":440
+  /* "cattention/_driver/extension.pyx":446
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
  *                 Py_ssize_t pages_per_seq=0):             # <<<<<<<<<<<<<<
  *     """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
  *     of head h of sequence s, at byte seq_offset[s] + t * rows.strides[row_axis]
 */
-  __pyx_t_2 = PyLong_FromSsize_t(((Py_ssize_t)0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 440, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(((Py_ssize_t)0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 446, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "cattention/_driver/extension.pyx":437
+  /* "cattention/_driver/extension.pyx":443
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
-  __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 437, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 443, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 437, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 443, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 437, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 443, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
-  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 437, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 443, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 437, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 443, __pyx_L1_error);
   __Pyx_INCREF(Py_None);
   __Pyx_GIVEREF(Py_None);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_None) != (0)) __PYX_ERR(0, 437, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_None) != (0)) __PYX_ERR(0, 443, __pyx_L1_error);
   __pyx_t_3 = 0;
   {
     PyObject *__pyx_temp;
@@ -85629,16 +85714,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_60__defaults__(CYTHON
 }
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_53append_rows(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_55append_rows(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_52append_rows, "Write new rows into a 4-D cache or pages in place (appends.pxd): row t\n    of head h of sequence s, at byte seq_offset[s] + t * rows.strides[row_axis]\n    + h * rows.strides[head_axis] of rows, goes to position start[s] + t.\n    Preconditions (checked by the caller): rows of the cache\047s dtype, every\n    position and page id within the cache, no memory shared.");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_53append_rows = {"append_rows", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_53append_rows, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_52append_rows};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_53append_rows(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_54append_rows, "Write new rows into a 4-D cache or pages in place (appends.pxd): row t\n    of head h of sequence s, at byte seq_offset[s] + t * rows.strides[row_axis]\n    + h * rows.strides[head_axis] of rows, goes to position start[s] + t.\n    Preconditions (checked by the caller): rows of the cache\047s dtype, every\n    position and page id within the cache, no memory shared.");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_55append_rows = {"append_rows", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_55append_rows, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_54append_rows};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_55append_rows(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -85677,104 +85762,104 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_cache,&__pyx_mstate_global->__pyx_n_u_rows,&__pyx_mstate_global->__pyx_n_u_seq_offset,&__pyx_mstate_global->__pyx_n_u_row_axis,&__pyx_mstate_global->__pyx_n_u_head_axis,&__pyx_mstate_global->__pyx_n_u_start,&__pyx_mstate_global->__pyx_n_u_n_new,&__pyx_mstate_global->__pyx_n_u_page_ids,&__pyx_mstate_global->__pyx_n_u_pages_per_seq,0};
     struct __pyx_defaults *__pyx_dynamic_args = __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self);
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 437, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 443, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "append_rows", 0) < (0)) __PYX_ERR(0, 437, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "append_rows", 0) < (0)) __PYX_ERR(0, 443, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 7; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, i); __PYX_ERR(0, 437, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, i); __PYX_ERR(0, 443, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 443, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 443, __pyx_L3_error)
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 443, __pyx_L3_error)
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 443, __pyx_L3_error)
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 443, __pyx_L3_error)
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 443, __pyx_L3_error)
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 443, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 437, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 443, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     __pyx_v_cache = ((PyArrayObject *)values[0]);
     __pyx_v_rows = ((PyArrayObject *)values[1]);
-    __pyx_v_seq_offset = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[2], 0); if (unlikely(!__pyx_v_seq_offset.memview)) __PYX_ERR(0, 437, __pyx_L3_error)
-    __pyx_v_row_axis = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_row_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 438, __pyx_L3_error)
-    __pyx_v_head_axis = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_head_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 438, __pyx_L3_error)
-    __pyx_v_start = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[5], 0); if (unlikely(!__pyx_v_start.memview)) __PYX_ERR(0, 438, __pyx_L3_error)
-    __pyx_v_n_new = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[6], 0); if (unlikely(!__pyx_v_n_new.memview)) __PYX_ERR(0, 439, __pyx_L3_error)
+    __pyx_v_seq_offset = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[2], 0); if (unlikely(!__pyx_v_seq_offset.memview)) __PYX_ERR(0, 443, __pyx_L3_error)
+    __pyx_v_row_axis = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_row_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 444, __pyx_L3_error)
+    __pyx_v_head_axis = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_head_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 444, __pyx_L3_error)
+    __pyx_v_start = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[5], 0); if (unlikely(!__pyx_v_start.memview)) __PYX_ERR(0, 444, __pyx_L3_error)
+    __pyx_v_n_new = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[6], 0); if (unlikely(!__pyx_v_n_new.memview)) __PYX_ERR(0, 445, __pyx_L3_error)
     if (values[7]) {
-      __pyx_v_page_ids = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[7], 0); if (unlikely(!__pyx_v_page_ids.memview)) __PYX_ERR(0, 439, __pyx_L3_error)
+      __pyx_v_page_ids = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[7], 0); if (unlikely(!__pyx_v_page_ids.memview)) __PYX_ERR(0, 445, __pyx_L3_error)
     } else {
       __pyx_v_page_ids = __pyx_dynamic_args->arg0;
       __PYX_INC_MEMVIEW(&__pyx_v_page_ids, 1);
     }
     if (values[8]) {
-      __pyx_v_pages_per_seq = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_pages_per_seq == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 440, __pyx_L3_error)
+      __pyx_v_pages_per_seq = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_pages_per_seq == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 446, __pyx_L3_error)
     } else {
       __pyx_v_pages_per_seq = ((Py_ssize_t)((Py_ssize_t)0));
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, __pyx_nargs); __PYX_ERR(0, 437, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, __pyx_nargs); __PYX_ERR(0, 443, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -85789,9 +85874,9 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cache), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cache", 0))) __PYX_ERR(0, 437, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_rows), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "rows", 0))) __PYX_ERR(0, 437, __pyx_L1_error)
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_52append_rows(__pyx_self, __pyx_v_cache, __pyx_v_rows, __pyx_v_seq_offset, __pyx_v_row_axis, __pyx_v_head_axis, __pyx_v_start, __pyx_v_n_new, __pyx_v_page_ids, __pyx_v_pages_per_seq);
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cache), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cache", 0))) __PYX_ERR(0, 443, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_rows), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "rows", 0))) __PYX_ERR(0, 443, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_54append_rows(__pyx_self, __pyx_v_cache, __pyx_v_rows, __pyx_v_seq_offset, __pyx_v_row_axis, __pyx_v_head_axis, __pyx_v_start, __pyx_v_n_new, __pyx_v_page_ids, __pyx_v_pages_per_seq);
 
   /* function exit code */
   goto __pyx_L0;
@@ -85817,7 +85902,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_cache, PyArrayObject *__pyx_v_rows, __Pyx_memviewslice __pyx_v_seq_offset, int __pyx_v_row_axis, int __pyx_v_head_axis, __Pyx_memviewslice __pyx_v_start, __Pyx_memviewslice __pyx_v_n_new, __Pyx_memviewslice __pyx_v_page_ids, Py_ssize_t __pyx_v_pages_per_seq) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_54append_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_cache, PyArrayObject *__pyx_v_rows, __Pyx_memviewslice __pyx_v_seq_offset, int __pyx_v_row_axis, int __pyx_v_head_axis, __Pyx_memviewslice __pyx_v_start, __Pyx_memviewslice __pyx_v_n_new, __Pyx_memviewslice __pyx_v_page_ids, Py_ssize_t __pyx_v_pages_per_seq) {
   struct __pyx_t_10cattention_7_driver_7appends_CacheRows __pyx_v_dst;
   struct __pyx_t_10cattention_7_driver_7appends_NewRows __pyx_v_src;
   Py_ssize_t __pyx_v_n_seq;
@@ -85829,7 +85914,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
   Py_ssize_t __pyx_t_4;
   __Pyx_RefNannySetupContext("append_rows", 0);
 
-  /* "cattention/_driver/extension.pyx":448
+  /* "cattention/_driver/extension.pyx":454
  *     cdef CacheRows dst
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]             # <<<<<<<<<<<<<<
@@ -85838,7 +85923,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   __pyx_v_n_seq = (__pyx_v_start.shape[0]);
 
-  /* "cattention/_driver/extension.pyx":449
+  /* "cattention/_driver/extension.pyx":455
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:             # <<<<<<<<<<<<<<
@@ -85850,7 +85935,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":450
+    /* "cattention/_driver/extension.pyx":456
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:
  *         return             # <<<<<<<<<<<<<<
@@ -85867,7 +85952,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":449
+    /* "cattention/_driver/extension.pyx":455
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:             # <<<<<<<<<<<<<<
@@ -85876,7 +85961,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":451
+  /* "cattention/_driver/extension.pyx":457
  *     if n_seq == 0:
  *         return
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)             # <<<<<<<<<<<<<<
@@ -85897,7 +85982,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
   __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_dst), __pyx_v_cache, __pyx_t_2, __pyx_v_pages_per_seq);
 
 
-  /* "cattention/_driver/extension.pyx":452
+  /* "cattention/_driver/extension.pyx":458
  *         return
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
  *     src.data = <const char *>cnp.PyArray_DATA(rows)             # <<<<<<<<<<<<<<
@@ -85906,7 +85991,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   __pyx_v_src.data = ((char const *)PyArray_DATA(__pyx_v_rows));
 
-  /* "cattention/_driver/extension.pyx":453
+  /* "cattention/_driver/extension.pyx":459
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
  *     src.data = <const char *>cnp.PyArray_DATA(rows)
  *     src.seq_offset = &seq_offset[0]             # <<<<<<<<<<<<<<
@@ -85916,7 +86001,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
   __pyx_t_3 = 0;
   __pyx_v_src.seq_offset = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_seq_offset.data) + __pyx_t_3)) ))));
 
-  /* "cattention/_driver/extension.pyx":454
+  /* "cattention/_driver/extension.pyx":460
  *     src.data = <const char *>cnp.PyArray_DATA(rows)
  *     src.seq_offset = &seq_offset[0]
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)             # <<<<<<<<<<<<<<
@@ -85925,7 +86010,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   __pyx_v_src.head_stride = PyArray_STRIDE(__pyx_v_rows, __pyx_v_head_axis);
 
-  /* "cattention/_driver/extension.pyx":455
+  /* "cattention/_driver/extension.pyx":461
  *     src.seq_offset = &seq_offset[0]
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)             # <<<<<<<<<<<<<<
@@ -85934,7 +86019,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   __pyx_v_src.row_stride = PyArray_STRIDE(__pyx_v_rows, __pyx_v_row_axis);
 
-  /* "cattention/_driver/extension.pyx":456
+  /* "cattention/_driver/extension.pyx":462
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)             # <<<<<<<<<<<<<<
@@ -85943,7 +86028,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   __pyx_v_src.col_stride = PyArray_STRIDE(__pyx_v_rows, (PyArray_NDIM(__pyx_v_rows) - 1));
 
-  /* "cattention/_driver/extension.pyx":457
+  /* "cattention/_driver/extension.pyx":463
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
  *     _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),             # <<<<<<<<<<<<<<
@@ -85953,7 +86038,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
   __pyx_t_3 = 0;
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":458
+  /* "cattention/_driver/extension.pyx":464
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
  *     _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),
  *                  cnp.PyArray_DIM(cache, 3))             # <<<<<<<<<<<<<<
@@ -85962,7 +86047,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
   __pyx_f_10cattention_7_driver_7appends_append_rows((&__pyx_v_dst), (&__pyx_v_src), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_start.data) + __pyx_t_3)) )))), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_n_new.data) + __pyx_t_4)) )))), __pyx_v_n_seq, PyArray_DIM(__pyx_v_cache, 1), PyArray_DIM(__pyx_v_cache, 3));
 
-  /* "cattention/_driver/extension.pyx":437
+  /* "cattention/_driver/extension.pyx":443
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -85981,7 +86066,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":463
+/* "cattention/_driver/extension.pyx":469
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
@@ -85990,16 +86075,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52append_rows(CYTHON_
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_55attention_shortcut(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_57attention_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_54attention_shortcut, "The result of ``attention`` when the call is the common case, else None\n    (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_55attention_shortcut = {"attention_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_55attention_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_54attention_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_55attention_shortcut(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_56attention_shortcut, "The result of ``attention`` when the call is the common case, else None\n    (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_57attention_shortcut = {"attention_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_57attention_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_56attention_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_57attention_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -86048,140 +86133,140 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_return_scores,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_kv_starts,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 463, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 469, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 20:
         values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 463, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 469, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "attention_shortcut", 0) < (0)) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "attention_shortcut", 0) < (0)) __PYX_ERR(0, 469, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 20; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 20, 20, i); __PYX_ERR(0, 463, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 20, 20, i); __PYX_ERR(0, 469, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 20)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 469, __pyx_L3_error)
       values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 463, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 469, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k = values[1];
@@ -86206,7 +86291,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 463, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 469, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -86217,7 +86302,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_num_threads, __pyx_v_thread_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_56attention_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_num_threads, __pyx_v_thread_limit);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -86227,7 +86312,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_56attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -86236,14 +86321,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("attention_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":468
+  /* "cattention/_driver/extension.pyx":474
  *     """The result of ``attention`` when the call is the common case, else None
  *     (shortcuts.pxd)."""
  *     return _attention_shortcut(_kernels, q, k, v, causal, mask, scale, return_scores,             # <<<<<<<<<<<<<<
  *                                return_lse, enable_gqa, kv_lengths, window, softcap,
  *                                alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 468, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 474, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -86256,7 +86341,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":463
+  /* "cattention/_driver/extension.pyx":469
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
@@ -86275,7 +86360,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":474
+/* "cattention/_driver/extension.pyx":480
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
@@ -86284,16 +86369,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_54attention_shortcut(
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_57kvcache_shortcut(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_59kvcache_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_56kvcache_shortcut, "The result of ``attention_with_kvcache`` for a common serving step,\n    else None before anything is written (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_57kvcache_shortcut = {"kvcache_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_57kvcache_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_56kvcache_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_57kvcache_shortcut(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_58kvcache_shortcut, "The result of ``attention_with_kvcache`` for a common serving step,\n    else None before anything is written (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_59kvcache_shortcut = {"kvcache_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_59kvcache_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_58kvcache_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_59kvcache_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -86342,140 +86427,140 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_cache,&__pyx_mstate_global->__pyx_n_u_v_cache,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_kv_starts,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 474, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 480, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 20:
         values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 474, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 480, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "kvcache_shortcut", 0) < (0)) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "kvcache_shortcut", 0) < (0)) __PYX_ERR(0, 480, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 20; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 20, 20, i); __PYX_ERR(0, 474, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 20, 20, i); __PYX_ERR(0, 480, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 20)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 480, __pyx_L3_error)
       values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 474, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 480, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k_cache = values[1];
@@ -86500,7 +86585,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 474, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 20, 20, __pyx_nargs); __PYX_ERR(0, 480, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -86511,7 +86596,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_58kvcache_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -86521,7 +86606,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_58kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -86530,14 +86615,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(CY
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("kvcache_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":479
+  /* "cattention/_driver/extension.pyx":485
  *     """The result of ``attention_with_kvcache`` for a common serving step,
  *     else None before anything is written (shortcuts.pxd)."""
  *     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,             # <<<<<<<<<<<<<<
  *                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
  *                              v_scale, kv_starts, out, return_lse, num_threads, thread_limit)
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 479, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -86550,7 +86635,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(CY
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":474
+  /* "cattention/_driver/extension.pyx":480
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
@@ -86569,7 +86654,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(CY
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":484
+/* "cattention/_driver/extension.pyx":490
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
@@ -86578,16 +86663,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_56kvcache_shortcut(CY
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_59paged_shortcut(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_61paged_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_58paged_shortcut, "The result of ``attention_with_paged_kvcache`` for a common serving\n    step, else None before anything is written (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_59paged_shortcut = {"paged_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_59paged_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_58paged_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_59paged_shortcut(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_60paged_shortcut, "The result of ``attention_with_paged_kvcache`` for a common serving\n    step, else None before anything is written (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_61paged_shortcut = {"paged_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_61paged_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_60paged_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_61paged_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -86637,146 +86722,146 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_pages,&__pyx_mstate_global->__pyx_n_u_v_pages,&__pyx_mstate_global->__pyx_n_u_block_table,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_cu_seqlens_q,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_kv_starts,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 484, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 490, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 21:
         values[20] = __Pyx_ArgRef_FASTCALL(__pyx_args, 20);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 20:
         values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 484, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "paged_shortcut", 0) < (0)) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "paged_shortcut", 0) < (0)) __PYX_ERR(0, 490, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 21; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 21, 21, i); __PYX_ERR(0, 484, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 21, 21, i); __PYX_ERR(0, 490, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 21)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[20] = __Pyx_ArgRef_FASTCALL(__pyx_args, 20);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 484, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 490, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k_pages = values[1];
@@ -86802,7 +86887,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 21, 21, __pyx_nargs); __PYX_ERR(0, 484, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 21, 21, __pyx_nargs); __PYX_ERR(0, 490, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -86813,7 +86898,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_58paged_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_60paged_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -86823,7 +86908,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_58paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_60paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_kv_starts, PyObject *__pyx_v_out, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -86832,14 +86917,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_58paged_shortcut(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("paged_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":489
+  /* "cattention/_driver/extension.pyx":495
  *     """The result of ``attention_with_paged_kvcache`` for a common serving
  *     step, else None before anything is written (shortcuts.pxd)."""
  *     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,             # <<<<<<<<<<<<<<
  *                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
  *                            sinks, k_scale, v_scale, kv_starts, out, return_lse, num_threads,
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 489, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_kv_starts, __pyx_v_out, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 495, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -86852,7 +86937,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_58paged_shortcut(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":484
+  /* "cattention/_driver/extension.pyx":490
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
@@ -88232,14 +88317,14 @@ static int __Pyx_modinit_Exttype___pyx_defaults(__pyx_mstatetype *__pyx_mstate) 
   __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_defaults", 0);
   /*--- Exttype __pyx_defaults ---*/
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10cattention_7_driver_9extension___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 437, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10cattention_7_driver_9extension___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 443, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = &__pyx_type_10cattention_7_driver_9extension___pyx_defaults;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults) < (0)) __PYX_ERR(0, 437, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults) < (0)) __PYX_ERR(0, 443, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults);
@@ -89537,362 +89622,377 @@ __Pyx_RefNannySetupContext("PyInit_extension", 0);
   /* "cattention/_driver/extension.pyx":233
  * 
  * 
- * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
- *     """Tell the driver NumPy's type number of ml_dtypes.bfloat16 (assigned
- *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
+ * def simd_note():             # <<<<<<<<<<<<<<
+ *     """Why a table this CPU has the instructions for is not available
+ *     (the AMX table when the OS or Linux refuses the tile state), or ""."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_15register_bfloat16, 0, __pyx_mstate_global->__pyx_n_u_register_bfloat16, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_15simd_note, 0, __pyx_mstate_global->__pyx_n_u_simd_note, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 233, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_register_bfloat16, __pyx_t_4) < (0)) __PYX_ERR(0, 233, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_simd_note, __pyx_t_4) < (0)) __PYX_ERR(0, 233, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":240
+  /* "cattention/_driver/extension.pyx":239
+ * 
+ * 
+ * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
+ *     """Tell the driver NumPy's type number of ml_dtypes.bfloat16 (assigned
+ *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_17register_bfloat16, 0, __pyx_mstate_global->__pyx_n_u_register_bfloat16, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 239, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_register_bfloat16, __pyx_t_4) < (0)) __PYX_ERR(0, 239, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "cattention/_driver/extension.pyx":246
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
  *     return bool(CA_HAVE_OPENMP)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_17openmp_enabled, 0, __pyx_mstate_global->__pyx_n_u_openmp_enabled, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 240, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_19openmp_enabled, 0, __pyx_mstate_global->__pyx_n_u_openmp_enabled, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_enabled, __pyx_t_4) < (0)) __PYX_ERR(0, 240, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_enabled, __pyx_t_4) < (0)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":244
+  /* "cattention/_driver/extension.pyx":250
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
  *     return int(CA_OPENMP_VERSION)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_19openmp_version, 0, __pyx_mstate_global->__pyx_n_u_openmp_version, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 244, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_21openmp_version, 0, __pyx_mstate_global->__pyx_n_u_openmp_version, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 250, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_version, __pyx_t_4) < (0)) __PYX_ERR(0, 244, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_version, __pyx_t_4) < (0)) __PYX_ERR(0, 250, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":248
+  /* "cattention/_driver/extension.pyx":254
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_21openmp_runtime, 0, __pyx_mstate_global->__pyx_n_u_openmp_runtime, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 248, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_23openmp_runtime, 0, __pyx_mstate_global->__pyx_n_u_openmp_runtime, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_runtime, __pyx_t_4) < (0)) __PYX_ERR(0, 248, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_runtime, __pyx_t_4) < (0)) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":254
+  /* "cattention/_driver/extension.pyx":260
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_23max_threads, 0, __pyx_mstate_global->__pyx_n_u_max_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 254, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_25max_threads, 0, __pyx_mstate_global->__pyx_n_u_max_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 260, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_max_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 254, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_max_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 260, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":262
+  /* "cattention/_driver/extension.pyx":268
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
  *     """Threads a call of estimated one-thread time serial_ns (in ns) allowed
  *     n_threads would start now (src/team.h); for tests."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_25team_size, 0, __pyx_mstate_global->__pyx_n_u_team_size, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 262, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_27team_size, 0, __pyx_mstate_global->__pyx_n_u_team_size, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 268, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_team_size, __pyx_t_4) < (0)) __PYX_ERR(0, 262, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_team_size, __pyx_t_4) < (0)) __PYX_ERR(0, 268, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":268
+  /* "cattention/_driver/extension.pyx":274
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
  *     """True in a child process forked after a parallel region had run."""
  *     return bool(ca_forked_after_parallel())
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_27forked_after_parallel, 0, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 268, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_29forked_after_parallel, 0, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 274, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, __pyx_t_4) < (0)) __PYX_ERR(0, 268, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, __pyx_t_4) < (0)) __PYX_ERR(0, 274, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":276
+  /* "cattention/_driver/extension.pyx":282
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
  *     return _check_flag(value, name)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_29check_flag, 0, __pyx_mstate_global->__pyx_n_u_check_flag, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 276, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_31check_flag, 0, __pyx_mstate_global->__pyx_n_u_check_flag, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 282, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_flag, __pyx_t_4) < (0)) __PYX_ERR(0, 276, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_flag, __pyx_t_4) < (0)) __PYX_ERR(0, 282, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":280
+  /* "cattention/_driver/extension.pyx":286
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
  *     return _check_scale(scale, d_k, in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_31check_scale, 0, __pyx_mstate_global->__pyx_n_u_check_scale, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 280, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_33check_scale, 0, __pyx_mstate_global->__pyx_n_u_check_scale, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 286, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_scale, __pyx_t_4) < (0)) __PYX_ERR(0, 280, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_scale, __pyx_t_4) < (0)) __PYX_ERR(0, 286, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":284
+  /* "cattention/_driver/extension.pyx":290
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
  *     return _check_softcap(softcap, in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_33check_softcap, 0, __pyx_mstate_global->__pyx_n_u_check_softcap, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 284, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_35check_softcap, 0, __pyx_mstate_global->__pyx_n_u_check_softcap, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 290, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_softcap, __pyx_t_4) < (0)) __PYX_ERR(0, 284, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_softcap, __pyx_t_4) < (0)) __PYX_ERR(0, 290, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":288
+  /* "cattention/_driver/extension.pyx":294
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_35check_window, 0, __pyx_mstate_global->__pyx_n_u_check_window, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 288, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_37check_window, 0, __pyx_mstate_global->__pyx_n_u_check_window, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 294, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_window, __pyx_t_4) < (0)) __PYX_ERR(0, 288, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_window, __pyx_t_4) < (0)) __PYX_ERR(0, 294, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":294
+  /* "cattention/_driver/extension.pyx":300
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
  *     return _check_num_threads(n, name)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_37check_num_threads, 0, __pyx_mstate_global->__pyx_n_u_check_num_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 294, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_39check_num_threads, 0, __pyx_mstate_global->__pyx_n_u_check_num_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 300, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_4, __pyx_mstate_global->__pyx_tuple[3]);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_num_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 294, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_num_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 300, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":298
+  /* "cattention/_driver/extension.pyx":304
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
  *     return _resolve_threads(num_threads, limit)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_39resolve_threads, 0, __pyx_mstate_global->__pyx_n_u_resolve_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 298, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_41resolve_threads, 0, __pyx_mstate_global->__pyx_n_u_resolve_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_resolve_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 298, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_resolve_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":302
+  /* "cattention/_driver/extension.pyx":308
  * 
  * 
  * def check_key_positions(const intp_t[::1] values, Py_ssize_t n_keys, str name):             # <<<<<<<<<<<<<<
  *     _check_key_positions(&values[0] if values.shape[0] else NULL, values.shape[0], n_keys,
  *                          name)
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_41check_key_positions, 0, __pyx_mstate_global->__pyx_n_u_check_key_positions, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_43check_key_positions, 0, __pyx_mstate_global->__pyx_n_u_check_key_positions, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 308, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_key_positions, __pyx_t_4) < (0)) __PYX_ERR(0, 302, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_key_positions, __pyx_t_4) < (0)) __PYX_ERR(0, 308, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":307
+  /* "cattention/_driver/extension.pyx":313
  * 
  * 
  * def check_alibi_slopes(const double[::1] slopes, bint in_float32):             # <<<<<<<<<<<<<<
  *     _check_alibi_slopes(&slopes[0] if slopes.shape[0] else NULL, slopes.shape[0], in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_43check_alibi_slopes, 0, __pyx_mstate_global->__pyx_n_u_check_alibi_slopes, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 307, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_45check_alibi_slopes, 0, __pyx_mstate_global->__pyx_n_u_check_alibi_slopes, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 313, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_alibi_slopes, __pyx_t_4) < (0)) __PYX_ERR(0, 307, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_alibi_slopes, __pyx_t_4) < (0)) __PYX_ERR(0, 313, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":311
+  /* "cattention/_driver/extension.pyx":317
  * 
  * 
  * def check_sinks(double[::1] sinks, bint in_float32):             # <<<<<<<<<<<<<<
  *     _check_sinks(&sinks[0] if sinks.shape[0] else NULL, sinks.shape[0], in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_45check_sinks, 0, __pyx_mstate_global->__pyx_n_u_check_sinks, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 311, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_47check_sinks, 0, __pyx_mstate_global->__pyx_n_u_check_sinks, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_sinks, __pyx_t_4) < (0)) __PYX_ERR(0, 311, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_sinks, __pyx_t_4) < (0)) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":315
+  /* "cattention/_driver/extension.pyx":321
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask):             # <<<<<<<<<<<<<<
  *     return _stacks_grouped_rows(group, n_rows, has_mask)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_47stacks_grouped_rows, 0, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_49stacks_grouped_rows, 0, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 315, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 321, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":332
+  /* "cattention/_driver/extension.pyx":338
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
  *                cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
  *                Py_ssize_t kv_group, Py_ssize_t query_period,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_49run_arrays, 0, __pyx_mstate_global->__pyx_n_u_run_arrays, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 332, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_51run_arrays, 0, __pyx_mstate_global->__pyx_n_u_run_arrays, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 338, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_arrays, __pyx_t_4) < (0)) __PYX_ERR(0, 332, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_arrays, __pyx_t_4) < (0)) __PYX_ERR(0, 338, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":381
+  /* "cattention/_driver/extension.pyx":387
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
  *     """Run an entries call (``_prepare/entries.py``: packed sequences, paged
  *     caches) into its out (and lse). Preconditions (checked by the caller):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_51run_entries, 0, __pyx_mstate_global->__pyx_n_u_run_entries, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 381, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_53run_entries, 0, __pyx_mstate_global->__pyx_n_u_run_entries, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_entries, __pyx_t_4) < (0)) __PYX_ERR(0, 381, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_entries, __pyx_t_4) < (0)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":437
+  /* "cattention/_driver/extension.pyx":443
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_53append_rows, 0, __pyx_mstate_global->__pyx_n_u_append_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 437, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_55append_rows, 0, __pyx_mstate_global->__pyx_n_u_append_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 443, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 437, __pyx_L1_error)
+  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 443, __pyx_L1_error)
 
-  /* "cattention/_driver/extension.pyx":439
+  /* "cattention/_driver/extension.pyx":445
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,             # <<<<<<<<<<<<<<
  *                 Py_ssize_t pages_per_seq=0):
  *     """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
 */
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 439, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 445, __pyx_L1_error)
   __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_t_4)->arg0 = __pyx_t_10;
 
   __pyx_t_10.memview = NULL;
   __pyx_t_10.data = NULL;
-  __Pyx_CyFunction_SetDefaultsGetter(__pyx_t_4, __pyx_pf_10cattention_7_driver_9extension_60__defaults__);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_append_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 437, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsGetter(__pyx_t_4, __pyx_pf_10cattention_7_driver_9extension_62__defaults__);
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_append_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 443, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":463
+  /* "cattention/_driver/extension.pyx":469
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
  *                        kv_lengths, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
  *                        kv_starts, out, num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_55attention_shortcut, 0, __pyx_mstate_global->__pyx_n_u_attention_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[27])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 463, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_57attention_shortcut, 0, __pyx_mstate_global->__pyx_n_u_attention_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 469, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_attention_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 463, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_attention_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 469, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":474
+  /* "cattention/_driver/extension.pyx":480
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
  *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
  *                      kv_starts, out, return_lse, num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_57kvcache_shortcut, 0, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[28])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_59kvcache_shortcut, 0, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 480, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 474, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 480, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":484
+  /* "cattention/_driver/extension.pyx":490
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
  *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
  *                    v_scale, kv_starts, out, return_lse, num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_59paged_shortcut, 0, __pyx_mstate_global->__pyx_n_u_paged_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[29])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 484, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_61paged_shortcut, 0, __pyx_mstate_global->__pyx_n_u_paged_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[30])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 490, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_paged_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 484, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_paged_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 490, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "cattention/_driver/extension.pyx":1
@@ -90011,7 +90111,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   if (__Pyx_PyTuple_SET_ITEM(__pyx_mstate_global->__pyx_tuple[1], 0, __pyx_mstate_global->__pyx_slice[0]) != (0)) __PYX_ERR(1, 763, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[1]);
 
-  /* "cattention/_driver/extension.pyx":251
+  /* "cattention/_driver/extension.pyx":257
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
  *     return (<bytes>ca_openmp_runtime()).decode(errors="replace")             # <<<<<<<<<<<<<<
@@ -90020,12 +90120,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_errors};
-    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 251, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 257, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[2]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[2]);
 
-  /* "cattention/_driver/extension.pyx":294
+  /* "cattention/_driver/extension.pyx":300
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -90034,7 +90134,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {((PyObject*)__pyx_mstate_global->__pyx_n_u_num_threads)};
-    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 294, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 300, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[3]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[3]);
@@ -90098,38 +90198,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{23},{65},{14},{6},{13},{42},{25},{9},{29},{37},{46},{33},{17},{51},{26},{8},{4},{2},{6},{42},{1},{3},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{4},{25},{179},{11},{1},{16},{19},{13},{8},{27},{27},{32},{45},{15},{127},{7},{6},{2},{9},{50},{39},{34},{26},{22},{58},{46},{30},{37},{7},{49},{5},{8},{4},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{12},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{5},{12},{15},{11},{5},{18},{18},{14},{4},{11},{11},{5},{1},{5},{13},{4},{28},{6},{18},{10},{19},{17},{11},{11},{13},{12},{18},{10},{13},{8},{5},{12},{1},{3},{3},{6},{3},{5},{15},{10},{6},{7},{9},{5},{6},{5},{5},{7},{7},{5},{21},{6},{7},{8},{5},{8},{8},{9},{1},{2},{10},{5},{5},{8},{1},{7},{5},{8},{7},{7},{14},{4},{8},{10},{9},{16},{4},{5},{10},{3},{10},{4},{3},{11},{7},{4},{1},{12},{7},{6},{10},{5},{6},{5},{7},{9},{4},{5},{4},{11},{7},{5},{3},{14},{14},{14},{8},{7},{3},{10},{4},{8},{9},{11},{14},{13},{4},{3},{1},{9},{8},{12},{8},{17},{7},{7},{15},{10},{13},{5},{3},{8},{4},{10},{11},{5},{6},{10},{9},{8},{10},{5},{9},{5},{4},{6},{18},{7},{3},{19},{5},{4},{4},{6},{8},{9},{12},{7},{4},{8},{6},{6},{1},{7},{5},{8},{7},{7},{14},{5},{6},{4},{6},{1}};
-    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{85},{11},{11},{13},{15},{13},{14},{16},{16},{35},{36},{39},{14},{15},{26},{188},{25},{15},{22},{43},{28},{43},{11},{65},{61},{59},{58},{23},{573},{175},{17}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{23},{65},{14},{6},{13},{42},{25},{9},{29},{37},{46},{33},{17},{51},{26},{8},{4},{2},{6},{42},{1},{3},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{4},{25},{179},{11},{1},{16},{19},{13},{8},{27},{27},{32},{45},{15},{127},{7},{6},{2},{9},{50},{39},{34},{26},{22},{58},{46},{30},{37},{7},{49},{5},{8},{4},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{12},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{5},{12},{15},{11},{5},{18},{18},{14},{4},{11},{11},{5},{1},{5},{13},{4},{28},{6},{18},{10},{19},{17},{11},{11},{13},{12},{18},{10},{13},{8},{5},{12},{1},{3},{3},{6},{3},{5},{15},{10},{6},{7},{9},{5},{6},{5},{5},{7},{7},{5},{21},{6},{7},{8},{5},{8},{8},{9},{1},{2},{10},{5},{5},{8},{1},{7},{5},{8},{7},{7},{14},{4},{8},{10},{9},{16},{4},{5},{10},{3},{10},{4},{3},{11},{7},{4},{1},{12},{7},{6},{10},{5},{6},{5},{7},{9},{4},{5},{4},{11},{7},{5},{3},{14},{14},{14},{8},{7},{3},{10},{4},{8},{9},{11},{14},{13},{4},{3},{1},{9},{8},{12},{8},{17},{7},{7},{15},{10},{13},{5},{3},{8},{4},{10},{11},{5},{6},{10},{9},{8},{10},{5},{9},{9},{5},{4},{6},{18},{7},{3},{19},{5},{4},{4},{6},{8},{9},{12},{7},{4},{8},{6},{6},{1},{7},{5},{8},{7},{7},{14},{5},{6},{4},{6},{1}};
+    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{85},{11},{11},{13},{15},{13},{14},{16},{16},{35},{36},{39},{14},{15},{26},{188},{25},{15},{17},{22},{43},{28},{43},{11},{65},{61},{59},{58},{23},{573},{175},{17}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2867 bytes) */
-static const char cstring[] = "x\332\225WKs\333F\022\266\252$\213~[q\342DI\034\217\034G\217Db,[~\311\211\267\264\222\355(\033;\226%[q6\256)\010\030R0A\200\304\000\224\350\332\312\346\310#\2168\342\210#\216<\362\310#\217<\372\047\344\047\354\3273 %?6[\353\2420\257\236\236\356\257\277\356\03136\373sM\270\017\037\317H\346\330U;\230\233ge/`l6\330\025\314\364\252\2650\020\314\n\2325\301\274\022\303\244\024\314v1+\347\226\231\035HV5\312\256\035\204\226`\325P\006PB\353\354\237Z\201c\370e\201Yf\004\354\312>-\034\210\333\222\2718\311h\030\266c\3548\320\357B?fW\037?\275s0\275\314\006\222\276\250\3718\336\r\2244t\351\023w\304A\347\356\367\354\n\233\365|\366\310s\305\300\225\301\242\301v<\317a\263[~\210\303|v\337p\344{\204j\236\264\003\273A\047\004\242,|\030\345\013\303\002\030\241\033\274-\355\016\245\362C\337\026\010X\325\223\207&J6\334\317\245\014\346\206\325\035:\301\3634T\254\0045\006+9\036m<\214\347\225y\266\371\202}\257:\314\333y)\314\340.\366\261y\246u\315\263\377\035\260;J\262X\\*/\263\357\036\212\252\3477\237\331b\217\344\2763=7\260\313\241\027J8e1\313\366\351\204\267\247mw\260 \003\337\266\204uH\230\020\370\253\3657\347\206\222w\377\266j\270\212\010R\332e\227|\"\270\027<\327i\262\2522\262\001#\327\335\206\341\330\026\320\264\200\236\330\257a/T\315\2303t\356\014p\013|\303\235\321`\014\204\345\256QS\360\031\373\340\020\205\207\376\230\302x\030f\035\203G\036`\013v\001\373j3\330\005\025\261\301\022\216\215%#\0200\205\214\307\221D\007D\375\361\275\307\013K\267\226\224+\276\240hH&\303\035\323\201\027B\022\242;\241\355\0048\232\"!\213l\275\304\232^\310\\\001\243\341b\rr\2077 N.\223\"PQ\234Q\200\030\201\355\271\034\333m\267<\223cH\366b\267bnqs\375\341\032sDC8\354\305\013\235o\200\240\254\342\376B\307\0320\204\320^\362\275*\\\006\256N\356\256aY\034g`\302\336\261\271t<\030\371\026G\337]\032pq\3014\202\000y\010\373\276\345\226\017\243\374o\305>f$f\212\265\346\376\301\3722\245\215c\351Lw\034\017+\202I\023\230\232\273ytM\317q\3105\317\225Ec\307\264x\205\260G\032\327\025\272\025\266k\300k\035\312\331b\2618\317""\266\346\331\2259\265\250\307\2334F\"KO\301g\211\222\021:\001\2161P\047\026\277\225u?\230\205\3329\322\033\272X\266]a\335\311c\240\204\300\047\3076\355\300iZ\266\244\362\"\\\372\226M[\352\236\345zC\275\234\373\302\nM\3019\263B\025\017\327s\027@\217\206\r|97\t>\316\001t\255Y\344\246\347\213b\025\373l\303\367\215&+\241\256i\016\330\325\032X{X,\254\032\301\356;\022\332\304\367\025\020i\273\025\371N\255ysv \017\322/\330nIU\0308CB\232#\217\214G\264\370\r\026\245W\nL\243\366\276b\250\325\344\354\321\247\207\n\031\262s\030Y\355\242e\004F\361=\253:\206\0247]\tdq\017e\300\333cy38\366 Ig\035QB\315\365\355\362n0\207\200\331\371\321+\233\253\353\353\367\034\307\256I[>\001U7E=\024\256)\250\236\025\017J\033\347\217\233\373\370[C\352\362G\340\350\023Q\342<O/\004\020\301\242\004<\350\224E\0007\2534a\321\036\374+\205\256I-\226\344`\227\016\014\365\252\206\355\252\326\263BG\255\271FU\267t<\347H\007\016L\355a\177W\230\025\031V\365(\327H]*\024\272\027\2725\333\254@\333=w \327P\227\036\351\250\207\20638b\300\303a\317T\265\353\320\204\330\247\001\n\313\320,y\310\215a\377`_\200\353\232\034\224\304H/D\005\023HJU\013\016\027\204AL\371NX*\241\234\324\360\210\260\270\357\355IE\001C6]\323\366\212C\035rX\021\270\334\005tf\030\014ox.\355\252\265cH\261CU\201+\226\354@}\205+\247\351\322\346\246i\020p\364\341\216p\313\301.e\205sPh\212y!*\016\013\221i\2040S\301\315\017\233\256gJ\216Q\326\275\212hrMsT =E\260\353[?\237P)\230w)\273\362\256N\027=\320\0346\0358\313A\t\334F&\0342+(o\\\323\235.g\312l\345o>\360\325\253\302\014\021\212:\374\222\274\216\302\\\261x\203\304qW\312@]\345\352CA\3217\277\256I\274\\7\300y\210\351\257%`\267\272\256\204\357\243\234\320G\"oK\0369+\325\243\342\332U\325\334XBS\223\250\005\025\330c\224p\257\361\232\341\003Q\341`\022e(\277PAzen\031q\254\355\346\216\354\032\022\274\227\225]\000\304\351j\265m\013.\347\007\000\007\261OI$\365\347\225\250T\270\212\\\205r\242\302\275R\t\304\253\340@\274\rsl\363f\260&|\267\322\340\352P\264y\300\321\003[Q\017+\rM\204\001\223\250H\250\307\253\343y5""\256<\303\375\210_\256\216l\255\032\373\370\r\242\212\233\207\036\025\364\230p]\256yg\331U\351r\362\t\rHA\337\306`\014\303]Eo\227\"\205O j\350\347\352(\267\350O\342QS=D\036]-\245*\361\210\034\330\347Vk<\277Q\362\221\217\370\333U\221\217\300`\342.F\210#\222\247\246X\211\034\302/\367\246\006R\021t\334\266\244j\tb\335Q\321\241\2565\304F\201\314\241\216\354\2569\206[\363j\365\372\000\322z\256\023\305\323o\222\224\355Y\276(\333p\317\037\264|G\005v\361\006\336\337\016H\21578e(\032\317i\210\201\253\276\010B\337\345\000=\357I\272\321\244\252\334\300\r?\305\024\202\020\036sU%T\017\351\353\333B\252\360\353=047\013\312Pu\270+eNC\264\371-\254l\240)\036 \215TR\022\016:\305e\225\230\214B\206\027\226Ktv\362T\225\276\t\n\241\376jn\t]\2624\253(\242\001\250\023\370\241\031\0049\230x\006U\025\300\332M\256h\226\273L\007\253\274D|Q\262\2416\254\341\352\023\215\206\246{\203X\323\310]ih\27274\317\033o\320]\275\322\364S\215X\251+\311\376\317\370\237\005\233\325\346\260\374\212\340\213W\016J\036\277\231\327<~{X\364\370\017\260l\025\336\343\335\345\3426\375z\356\210\316\322\301\246?F\372\243\047Z\327ZF\253\256\273K\255z4\242\273w\"#\332\213\r=\370.\252\307\343q\230\254\350\341\335x\"\236K\026\325\240w\342\263x1~\230N\344\243\213q=\031O\366S\245\361d\353A\357\334tb\246\037gJ\355\331h$\232\210\276\202\266\243\261Hn\244\023\351l6\335\036k?\353,v\326\272J\344c,\216\304\347\241\345hRJ\357gS\331\255\366\215\316\371N\243\273\321\265zO6I\346\023HL\304\323\311Hr>i\244\317\262\305\354\207\366\375\316t\367h\327\350\006\275\315\255\376\344\247\177\214\274\326\376\364\316\316\246#4\202-\321\255\370F\362\261\036N\300\220\331x6\231RfL\221[7\"8\361z\355^\377\354\304\237g\217\214]\210\357A\177=\305\201\343\1774Z\233\321H\277p\254\2576NE\327\201G=)\244#\351\371\264\331\036o\277\352\236\357\326Ip\277w\206%\247\322\215\324\240\321\357\321F\364\022vN`\320\033\237\214/\252\ru5\372$>\003\355G\225\340`t,\273\3206\332\215\316\223N\3750Zc\361\006\360ZL\326\260\375\243\324H\203l\271\375[w\242;\323\333x\322\377\220""\341\000\345\325\237G\217\214\025z\343\010A\277p\246UW\361\370\202bH\013\047U\024OP\330hx\212Bs9YM\366\240o/\313\205>\350M|\225l$\345t\203\000\271\332\332\216\356\001\351/\343m\010\006\351\365l,\333\030\210\316\364\246\357\266\r\212\361Zt2^\353\261+\331h\006\202\374YPj.\047+\311v\272\362\327j :I\261D\367\370\221\261\243\375\321\311\370\\\274\022?MfR v\251wi)[\3116\010\310\260\265\n\207\n\247[/\343\221\376\311Ih\233B\224\343\"E\347\014\321\227\024\234l\375-\236\212\227\223M\3408\331^\350\374\273\367l\273\377\331\245\244\230\025\020\242\375N\263\367x\203\306s\351\355\354\037\355\260\363\223\032\177\236o\356\235\370\034g\377\232\310t.\273\335\376\271{\263\367\344y\357\371\257\375\013\227\223\237\240\340X\347\213\356\036)\2740\235T\262\2172\247\263\320\255\017\267\002\346\370Uz.]Me6\333\236\356\214#\200\027\277I\277\313\376\325\271\325]\354_\\H\267\263\365\366\363N\205\"vq>]Q;\217\237\350\027\316F\005\212J\242\240\242\340\234>2v9Y\242\024\352\217~9\350\314\000\267\305\376\350l:J\230\346\243\351\304J\247^\253\346\022M\277\333!\371\265ld\3209\323\016:\327\273\343\335W\344\327\350B\272\225}\322\276\330\035\355\256\367\236\376\326\373\355E\377\352\265\367\317R\274?\212V\242\255\370SXzOS\270\320:\026M\252,\234\240\301\211h)R\263\247#\013\301Ag\274\025D\213otN!\035l\225\332V:\223}\220\335lO\351\035F\364*\231H\246a\344\203\354j\266\335^yS\372e6\236\205\355\265\316h\347A\367jw\273\267\365\264?z\232\312V4\032\255\305\243\361Z2\362\377L\334\217/\307\245D\2351\332\372!Z!\202\005\255\353\3218\034(|\200\354^\304\236\243\261\005\203FH\250\200\020\035\356\220\364\355\350A\274x }<\271\014+G\336\235P0\rj^)y\220.\023\241\377\313\344I`\374\013r\275\224\254\203/?Rz\025z\205\311\370\303xC\003\262\025OP\306\255\2646Z%\310>\215\277FM(d\307\333\227\333Vg\n\344\231\047\362\334\244z\366%5\257\321\\K\214\244N\021<\326\032k=%\363\372\205SP \242; -B\366!4=G7\204!\010\023\255\231\321\271h5j\304\317\023;\375\275\275\335\371\261k\364O\237i\275Re\367Dz3\373*\013\332\313\235g\335\305\356j\327\357m\374""\322\373\3459\t4U\355~\205z?\226m\265\047Q\223G\272\347\272\177\357\226{O\237\321z\030\375\030\227\223_\323\020\025{\245wd\222\334A\221\272\000\237\315d\342?\371,\351\001";
-    PyObject *data = __Pyx_DecompressString(cstring, 2867, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2880 bytes) */
+static const char cstring[] = "x\332\225WKs\333F\0226\253\364\240-\277\024\047N\224\304\361\310Q\364H$\306\262\345\227\3548\245H\262\243l\354X\226d\305\331\270P\0200\244`\202\000\211\001(\321\265\225\315\221G\034q\304\021G\034y\344\221G\036y\364O\310O\330\257g@J~l\266\326Ea^==\335_\177\3353fl\366\227*w\036=\231\021\314\266*\226?7\317J\256\317\330\254\277\317\231\341V\252\201\317\231\3517\252\234\271E\206I\301\231\345`V\314-3\313\027\254\242\227\034\313\017L\316*\201\360\241\204\326\331?\225\002[\367J\034\263L\367\331\325CZ8\022\267\004sp\222^\327-[\337\263\241\337\201~\314\256>\331\271{4\275\314\372\222\036\257z8\336\361\2454t\251\023\367\370Q\347\376w\354*\233u=\366\330ux\337\225\376\242\316\366\\\327f\263\333^\200\303<\366@\267\305{\204\252\256\260|\253N\047\370\274\304=\030\345q\335\004\030\201\343\277-\355\014\244\262C\337\026\360Y\305\025\307&\212\026\334\317\244t\346\004\225=:\301u\025T\254\0105:+\332.m<\216\347\325y\266\365\202}\047;\314\335{\311\r\377>\366\261y\246t\315\263\377\035\260\273R\262PX*-\263{\217x\305\365\032\317,~@r\367\014\327\361\255R\340\006\002N\231\314\264<:\341\355i\313\351/\010\337\263Ln\036\023&\004\376n\375\315\271\201\344\375\357WuG\022A\010\253\344\220O\004\367\202\353\330\rV\221F\326a\344\206S\327m\313\004\232&\320\343\207U\354\205\252\031c\206\316\235\001n\276\247;3\n\214\276\260\330\327\253\022>\375\020\034\242\360\320\037\223\030\017\302\254b\360\330\005l\376>`_m\370\373\240\"6\230\334\266\260\244\373\034\246\220\3618\222\350\200\250?Y\177\262\260t{I\272\342q\212\206`\"\3303lx\301\005!\272\027X\266\217\243)\022\242\3006\212\254\341\006\314\3410\032.V!w|\003\342\3440\301}\031\305\031\t\210\356[\256\243a\273\345\224f2\014\311^\354\226\314-lm<Zc6\257s\233\275x\241\362\r\020\224d\334_\250X\003\206\000\332\213\236[\201\313\300\325\316\334\325MS\303\031\230\260\366,M\330.\214|\213\243\357.\365\271\270`\350\276\217<\204}\337j\246\007\243\274o\371!f\004f\n\325\306\341\321\3722\245\215m\252L\267m\027+\234\t\003\230\032\373Yt\r\327\266\3115\327\021\005}\3170\2652a\2174""\256It\313l_\207\327*\224\263\205Ba\236m\317\263\253srQ\215\267h\214D\026\256\204\317\344E=\260}\034\243\243N,~+j\236?\013\265s\2447p\260l9\334\274\233\305@\n\201O\266eX\276\3350-A\345\205;\364-\031\226P=\323q\007z5\315\343f`pMcf \343\341\270\316\002\350Q\267\200\257\246\031\004\237\246\001\350j\243\240\031\256\307\013\025\354\263t\317\323\033\254\210\272\2468`U\252`\355q\261\240\242\373\373\357H(\023\337W@\204\345\224\305;\265\346\315\331\276<H\277`9EYa\340\014\t)\216<\326\037\323\3427X\024n\3217\364\352\373\212\241R\223\261G\235\036Hd\310\316Ad\225\213\246\356\353\205\367\254\252\030R\334T%\020\205\003\224\001\367\200eM\377\330\243$\235\265y\0215\327\263J\373\376\034\002feG\257l\255nl\254\333\266U\025\226x\n\252n\361Z\300\035\203S=+\034\2256M{\3228\304\337\032RW{\014\216>\345EM\313\322\013\001D\260(\001\217:%\356\303\315\nM\230\264\007\377\212\201cP\213%\321\337\245\002C\275\212n9\262u\315\300\226k\216^Q-\035\257iH\007\r\230Z\203\376>7\312\"\250\250Q\246\221\272T(T/p\252\226Q\206\266u\247/W\227\227\036\351\250\005\272\335?\242\317\303A\317\220\265\353\330\004?\244\001\n\313\300,q\314\215A\377h\237\217\353\232\034\024\304H7@\005\343HJY\013\216\027\204~L\265\275\240XD9\251\342\021aj\236{ $\005t\321p\014\313-\014t\210AE\320\304>\2403\002\177p\303k\302\252\230{\272\340{T\0254\311\222=\250/k\322i\272\2645\303\320\t8\372h6wJ\376>e\205}Th\nY!*\014\n\221\241\0070S\302\255\0357]\315\024m\275\244ze\336\320\024\315Q\201\324\024\301\256n\375lB\246`\326\245\354\312\272*]\324@q\330\260\341\254\006J\34062\340\220QFy\323\024\335\351r\246\314\226\376f\003O\276*\214\000\241\250\301/\241\325P\230\313\246V\047q\334\225\302\227W\271\374PP\324\315\257j\222V\252\351\340<\304\324\327\344\260[^W\334\363PN\350#\220\267E\227\234\025\362Qq\375\232ln.\241\251\n\324\2022\354\321\213\270\327\264\252\356\001Qnc\022e(\273PAzin\tq\254\356g\216\354\353\002\274\027\345}\000\244\321\325jY&\\\316\016\000\016\374\220\222H\250\317+^.k2re\312\211\262\346\026\213 ^\031\007\342m\230a\2335\3755\3569\345""\272&\017E\233\005\034=\260\025\365\260\\WD\3503\211\212\204|\274\332\256[\325\244g\270\037\361\313\324\221\255\025\375\020\277~Tq\363\320\243\202\036\023\216\243)\336\231VE8\032\371\204\006\244\240o\275?\206\341\216\244\267C\221\302\307\347U\3643u\224[\364\047\360\250\251\034#\217\252\226B\226xD\016\354s*U-\273Q\262\221\207\370[\025\236\215\300`\342.F\210#\222\247*Y\211\034\302/\363\246\nR\021t\232e\n\331\022\304\252#\243C]s\200\215\004Y\203:\262\273j\353N\325\255\326j}Hk\231N\024O\257AR\226kz\274d\301=\257\337j{2\260\2137\361\376\266Aj\274\301)C\321\270v\235\367]\365\270\037x\216\006\320\263\236\240\033M\310\312\r\334\360\223L!\010\341\261&\253\204\354!}=\213\013\031~\265\007\206ffA\031\252\216\346\010\221\321\020mv\013K\033hJ>cd\307G>\311\354$@T\256\213\nQ\032\025\rO-\207xmg9+<\003\\B!V$\343\252v)zQh}p\310\367\002\303\3673T\361\036\252H\244\225\277\232\344[\346;\035,\023\024\201F\355\206\332\240\212;\220\327\353\212\367u\242O=\363\251\256x_W\204\257\277\301{\371\\So6\242\247*)\207\277\340\277\030lV\231\303\262\273B[\274zT\373\264[Y\361\323\356\014\252\237\366#,[\205\367x\2009\270V\277\236;\241\322\265\277\351\317\\oh\254y\275\2517k\252\273\324\254\2059\325\275\033\352\341A\244\253\301\275\260\026\215FA\274\242\206\367\243\361h.^\224\203\356\330g\321b\364(\031\317F\227\243Z<\032\037&R\343\351\346\303\356\205\351\330H>N\245\332\363a.\034\017\277\202\266\221\210\3077\223\361d6\235n\r\267\236\265\027\333k\035)\3621\026s\321Eh\031\211\213\311\203t2\275\335\272\331\276\330\256w6;f\367\351\026\311|\002\211\361h:\316\305\027\343z\362,]L\177l=hOwF:z\307\357nm\367&>\3753\367Z\371\323=?\233\344h\004[\302\333\321\315\370c5\034\207!\263\321l<)\315\230$\267n\206p\342\365\332z\357\374\370_\347O\014_\212\326\241\277\226\340\300\321?\353\315\2550\327\313\237\354\311\215\223\341\r\340Q\213\363I.\271\2304Z\243\255W\235\213\235\032\t\036v\317\261\370L\262\231\3504\372#\334\014_\302\316q\014\272\243\023\321e\271\241&G\237D\347\240}D\n\366G\047\323K-\275Uo?m\327\216\2435\034m\002\257""\305x\r\333?J\364\304O\227[\277w\306;3\335\315\247\275\017\031\016\220^\3755rb8\337\035E\010z\371s\315\232\214\307\027\024CZ8-\2438Fa\243\341\031\300q/\022\361\014E.\233\350^\230\212W\343\003\034p\220f\273>\350\216\177\025o\306\245d\223\020\272\326\334\r\327\001\375\227\321.\004\375\344F:\234n\366Eg\272\323\367[:\005}-<\035\255u\331\325t(\005c\376\312K5S\361J\274\233\254\374\275\032\210NPp\321=ubx\24474\021]\210V\242\0352\2637t\245{e)]I7\t\331\240\271\n\017\363g\233/\243\\\357\364\004\264M\"\354Q\201\302u\216\370L\nN7\277\217&\243\345x\013\300N\264\026\332\377\356>\333\355}v%.\244y\304\354\260\335\350>\331\244\361\\r\047\375G+h\377,\307\237g\233\273c\237\343\354\337b\221\314\245wZ\277tnu\237>\357>\377\255wi*\376\031\nN\266\277\350\034\220\302K\323q9\375(\265\333\013\235\332`+p\217^%\027\222\325D\244\263\255\351\366(\"z\371\233\344^\372\257\366\355\316b\357\362B\262\233n\264\236\267\313\024\302\313\363\311\212\334yj\254\227?\037\346)L\261\204\212\242u\366\304\360T\274D9\325\033\372\262\337\231\001n\213\275\241\331d\2100\315F\323\261\231L\276\226\315\025\232~\267C\362ki\256\3379\327\362\3337:\243\235W\344\327\320B\262\235~\322\272\334\031\352ltw~\357\376\376\242w\355\372\373g)\336\037\205+\341v\364),]W\234\3167O\206\0232-\307i0\026.\205r\366lh\"8\350\2146\375p\361\215\316\031\344\207%s\335Lf\322\017\322[\255I\265C\017_\305\343\3614\214|\230^Kw[+oJ\277LG\323\240\265\326\036j?\354\\\353\354v\267wzCg\251\216\205C\341Z4\024\255\305\271\377g\342A4\025\025cy\306P\363\307p\205\010\3467o\204\243p \377\001\322}\021{F\"\023\006\345H(\217\020\035\357\220\364\235\360a\264x$}*\236\202\225\271w\047$L\375\"X\214\037&\313D\350\3772y\032\030\377\212\344/\306\033\340\313O\224^\371n~\"\3720\332T\200lG\343\224q+\315\315f\021\262;\321\327(\022\371\364Tk\252e\266\047A\236y\"\317-*p_R\363\032\315\365X\217k\024\301\223\315\341\346\016\231\327\313\237\201\002\036\336\005i\021\262\017\241\3519\272\001\014A\230h\315\010/\204\253a=z\036[\311\037\255\335\366O\035\275w\366\\\363\225\254\303c\311""\255\364\253\324o-\267\237u\026;\253\035\257\273\371k\367\327\347$\320\220\305\374\025.\200\341t\2735\201\"\235\353\\\350\374\320)uw\236\321z\020\376\024\225\342\337\222\000%|\245{b\202\334A\325\272\004\237\215x\374?\r\300\362r";
+    PyObject *data = __Pyx_DecompressString(cstring, 2880, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3863 bytes) */
-static const char cstring[] = "\377  (OpenM\377P\047s limi\177t), got\024\000\377the comp\377ute dtyp\337e of \022\000se\367 in\023\000s): \377its magn\377itude mu\363stB\000\034\001 [ (\276=\001large\023\000 \237at 0x6\000$\010i\367s ng\000avai/labl]\000n]\000\023\000\337CPU; \016\006: \375 #\004represwent)\002in l\003\373be\000\006 >= 0\377 (or Non\361e\303\005\223\002#\000a bo\177ol (Tru\312\000\277r Fals\022\020p\277ositiv\343\001t\357eger\362\000rea\235d\212 unt\227$J\006n\360\212  \003n\004\021\rt mo\254\375\001}\005fi\253 e\337#a\337 numb^\001oo\355 \246\" f\271\000a f\363lo\256 \303*0, S\337] = [\006\000 o\377bject> too , \253C, \217_\375;\326B..4g: \377<MemoryV\367iew\325A<con\377tiguous \177and dir^\001\366\007\rin\021\005stri\227ded\"\010 \364 \004\031>\371<(\tA\006>?Can\336\204bssig\200`o \376\353!-only m\372\240\002v\242\000Inval\353id\313 d\273 exp\\\376\000|\000\047c\047t\001\047\265 \237tran\047\270\204\003%\005s7hap\212\204\002ax\353`\220a\314\224a\245\001a \336F\376#No\377te that \337Cytho\325@s \357deli\234@ate\354\210\000\355\001ct\212ban \177PEP-484\247\"\373re\212As sub\177classes\247\205\001\377builtin \376\267\205\001s. If y\237ou ne\261 \264@p\374%\000%\tthen s\353et\301B\047\214\"ati\377on_typin\303g\047\212D\223\204\001\362@\265\204\002.S\377IMD leveOl ]]\352\205\003\200 g\244\206\002\351]\346C\261 u\214\000fro\327m a\324!l\354dad\347d_n\360\000\321 bi_\217slop\263\000\226\204\013\t\017l\375i\326\206\003-catte\376\255`on/_dri\277ver/ex\017\000s^\257\000.pyx\026\007:\263\205\001\273ld\344\206\003llo7\000e\377 scratch~\327Dcollec\351\001\377s.abcd_k\336\355\206\0010 (q\205\204\002k \347hav1\000\306B(..\377., T, 0)\364\242\204\002\n\003S\014\001), s\375o\200\205\002defaul\375td\000ale 1/_sqrt(T\000)\305\207\001\373un\034\000ined;\345 \376#c!\001\315`lic\177itlydis\211\210\001{en\217\210\001gcis\004\003\357dno P\005__r\377educe__ \373du\262`o non\373-t\205 ial _\373_c\337\206\001__num\377py._core\373.m\215\000iarra\277y fail\376Ci\337mport\033\tum\227ath\021\016s\236\002""\255\207\021s/inks\375\210\006a\345\207\004\010\013\376\351\207\005or -infp\335\207\002\312\0007\001\212\207\003NaN\267\206\001\375+\032\000softcaApH\007\234\205\007\262\210\003\252\210\004\236\213\003u\237\"\362\201\210\001a\322E\335\003data\341.\013\020\211\206\003\333\207\001\270\207\003s.w?indow \000\004\241\212\005\376\233\206\007(left, \277right)\256@i\375r\231\214\003ASCIIE\377llipsisR\377ealSeque\327nce\314\210\001.\321\210\007__\367Pyx\001\000Dict\377_NextRef\303__\330\205\004\276@\252@\256\206\001__\376\001\005getitem\362\r\001d0\001\027\000func<\035\001\030\000stat1\002\265C\3363\001main\003\002od\273ulM\002nam\002\003e\245wT\001p~\000\321 i\003\006h\037ecksu`\000\026\001K\004\354!\001\340\215\001__+\001unp\267ickK\000En \005v<\360\214\002\244\001qual[\005\200\204\005b\211\204\006c\267\210\002\313\001\234\204\004ex\330\001\357set_\217\005setx\276\006\003\006.\007test\214 \373is\265\204\001outin\217eabc\242\207\002\240\207\t\352E_\377bufferap\377pend_row\375s\341\204\002asynci_o.cor>\003s\251\207\006\377_shortcu\375t\360\216\006_simdb\257aseb\222\207\001_\260\212\002b\237lock_\345\216\002\261\216\001_\317ccac\266 \001\001_l_ength\222\205\001l\377\207\007\365.\202\210\004.\200\210\006caus\233al2\001k_\333\210\t\014\003f\367lag\026\003key_\316\356\216\003ons)\003\363!th\000\362\216\001\n\004\376\205\002E\003\357\205\002\004\004\251\205\003]\003~\305\204\003cline_\220`\357trac\316\000ckc\007ol_\247\215\003\312\221\001\370\206\001\353\002\006\004\337rcoun\213 _s\373eq\325\000s_qdd\377_kd_vdec?odedst\367\221\002\374\221\002\361_\222@\364\216\003\230\210\003_gqa\363en#\001\000\003denu\375m\211@teerro\375r\000\002sfinfo\332\351\001s\320\217\00232\327\217\00264\377flopsfor\377ked_afte\377r_parall\377elformat\322\312\215\004g\267`\233Ag\305@ph\376\302\004has_mas\357khea:\000xis\277iidin_Z\004i\257ndex\301\205\001s\000\002i\337zekk_\272Bk_\377newk_off\357setkn\000ges\343k_\332\210\002\000\004\024\005ern\207kv_p\002\005\000\352D\017\000s\177tartskv\211bx\301f\241""\207\001\270\224\002loop\203\001\377pslselse\\d\004\250\001max\000\000_\317D\327mem\321\217\001m\340 nn\375_\362cdimsn_\220\320\001\004\000\222`\002\001v\010\005\266\000nr\332\204\002n\246A\002\000tep+\000\030\236d\357\206\001\363\206\001snB\000\262h\331\222\003\375s\205\213\002objope\317nmp_\313\213\004\007\004ru\337ntime\025\004ve\355r\301\215\001op\304Aoro\375p\223\215\002outout\376\262$packpag\026\343`ds\003\002s\340 \003\003\217\222\0022\030\001d\335\205\006&\001s_L\000\336a\377planpopq\365q\274\205\005q\206Dquer\375y\"\001iodreggist\300`\001\004_b\212\224\002\35716re=\000cer\375e\322\221\002resolv\375e\312%return\257_lse\003\004s\365\214\001s\376\265\212\002rowrow_\250\201\222\001\236\207\001\357\000_\207\215\002s\006\001e?ntries\340\214\002.\003\363se\217\005J\000ial_wnss\200\204\004set\327\216\004|\326\222\002\265\207\001_tile\204\215\002\354\204!\304\220\003sm\306\204\001st_\257subn\313\204\001l\323\214\004s\257rcst\275 s\326ce\370\255\210\003\320c\316Atopst\337ructt\255\206\004te\047am_\335!\211\207\003_\237\231\002\224\207\004|u\001\260\212\002numun\223A\377updatevv\252\351\204\003v\353\204\001v\350\204\004v\351\204\003vx\351\204\003\000\004\024\005alue\245\222\003\374\347\224\001\217\215\003xOint \365(\211\003 \223\213\003t_10\266\362\221\007_7\366\221\004_9\365\221\006_\377HeadCall\377 const *\363)\000\240\206\003\251\222\005\200\001\330\004\177\013\2103\210a\210q\005\003\3374\210q\220\001\020\003;\220\337a\220w\230a\035\003<\220\177q\230\007\230u\240A,\003\177>\230\021\230)\2401:\002\377\320\013\033\2301\230M\250\375\021\007\004\037\230q\240\007\240\373x\250M\002\014\210G\320\023\277&\240c\250\027\260R\002\020\277\220\001\220\021\220%K\000\006\377\230e\2406\250\021\250(\377\260&\270\005\270V\3001\327\300D\310u\002\027h\000\001\230\375\026C\000\006\240f\250F\260\377!\2608\2706\300\026\300\377v\310Q\310d\320RS\356\260\001\030\230\001\177\000&\240\001\377\240\026\240v\250V\2601\377\260H\270F\300&\310\006\377\310a\310t\320ST\330\237\031\032\200\001\340""\330\000\315\000\320\267\020(\250\320\000\340\004\211\000\220_8\2306\240\027\t\003\021\206\000_(\230(\240!\202\002!\205!\3736\220\302\000\340DE\330\020\377\021\360\020\000\005\035\230E\366]\000q\250\242 \007\200v\210\377S\220\001\330\010\t\330\004\3565\001!\2205\215 q\240\010\377\250\001\250\026\250y\270\007\377\270z\310\026\310q\330\004\377\007\200x\320\017 \240\r\357\250Q\250a\n\001~\220Q\353\220j\245\000\021\030\000\320\007\031\363\230\037,\002%\001\320\007\030\230\237\017\240q\250\006$\002\006\005\t\377\260\035\270a\270v\300R\271\300J\000\244\047\005\230Q\255 1\373\240Dm\000\025\250a\250t\377\260:\270\\\310\021\310\047?\320QR\330\024 \206 \321\002\177\360\006\000\005\010\320\007\200@\357\330\010\017\210\214\000\013\320\013Y\036\300A\025\001\014\210\302A\013\263A\372$\001\r\227A$\240C\240w\346M\000w\260\346@:\001\022\320\021\177%\240Q\240g\250Q\226a\3372\210W\220E\351@#\230\375W&\000t\2505\260\005\260}Q#\005\047\320&>\270\342\000\377\014\210D\220\014\230D\320\337 0\260\004\260\236`\360\010\373\000\005D\000$\240A\240W\323\250A)\033(\000\031\310A\200\001\377\360\n\000\005\006\330\004\031\377\230\023\230A\230U\240\047\375\250\257 \"\320\"4\260A}\260\210\000\007\200u\210C\316\000\377\010\016\210j\230\001\330\0145\031\376`!\343@\230.\232A\350\000\376;\003\014\210?\230!\230:\377\240S\250\t\260\031\270-\377\300\177\320VW\330\033\"\357\240.\260\010\240@x\300y\367\320PQ\014\001)\2509\260_K\270u\300L\013\002\0346\004\367\320\013\034y\000Z\240s\250\377)\2609\270O\3107\320\377RY\320YZ\330\035$\373\240L>\000\t\300\036\310w\376M\001\035&\240k\260\025\260\237l\300-\310q2\006\344 \230\377z\250\023\250C\250s\260\337(\270&\300\007\276@\037+\377\250<\260|\3008\3101\377\330\037-\250W\260I\270wY\300k\256A\037,\250\245!\377\n\000\n\013\330\010\020\220\253\010\230\223@\240\246\"1\207 \016\337\000\005$\2404\277\205\001\330\004\375#\001\005\047\240t\2501\330\317\004(\250\004\320!\007\004&\240_d\250!\340\004\003\001\"\347!\270\000\006\t\006,\001D\260\0013\003D\377\260\017\270t\3005\310""\007\373\310z\324\001\004-\250T\260\377\030\270\037\310\004\310I\320\377U\\\320\\]\33023\371\330\001\022\325a\025\220A\220T\377\230\032\2401\240E\250\026\377\250q\330\004\010\210\t\220\367\031\230&\330\204\003\010\210\013\220\3734\220\021\002\016\220d\230!>\033\001\007\210t\2201\000\006-\001\337\r\220Q\220i\326\206\002d\250\277\047\260\022\2607\270$\002\016\377\220a\220z\240\021\240&\376\333\000G\2602\260W\270A\376 \013j\260\007\260u\270D\377\300\004\300G\3102\310W\277\320TU\330\004\016\263\210\001\220\377\004\220D\230\004\230D\240\371\001\000\016\007\030F\230$\230f\376\355!\010\210\004\210H\220A\276\264\206\001t\2105\220\007\276\000\010\337\022\220!\2201S\000\006\230\025d\216\000\001\344\001\010\240@\000\006\212\207\002\377t\2109\220G\2301\330>%\006\n\240$\240j\346 \000\016|\242\"\354\210\005f\240G\250:\315\204\001t\270!\002\020\014\341 X\230Q\232\000\365I\255`J\333\205\001\010\320\010\031\357\230\024\230Q\271#T\230\021\377\330\004\014\210A\210Q\210\375f\215@U\230*\240D\250\377\010\260\n\270$\270d\300\337!\200\001\360,\271a7\250\351!\267a\004\000\340\277`3\240a\373\240q\227\207\001\t\210\005\210U\356\332\001\330\010\r>\000e\220;\177\230a\230q\330\004\024\327@\305Y\010\000u\233\000\341`\030\001c\220\377\023\220C\220v\230Y\240\377i\250~\270W\300J\310\277a\330\016\017\210z\362\211\002\013\377\2507\260%\260t\270:\377\300V\3101\310C\310r\277\320QX\320XY\035\001y\375\230\270\212\001z\250\027\260\005\260\377T\270\031\300&\310\001\310\377\023\310B\310g\320UV\376=\001u\220J\230g\240Z\377\250u\260H\270A\320\000\375\031\313\001\013\320\013\035\230Q\017\230c\240\021";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3863, 5249);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3889 bytes) */
+static const char cstring[] = "\377  (OpenM\377P\047s limi\177t), got\024\000\377the comp\377ute dtyp\337e of \022\000se\367 in\023\000s): \377its magn\377itude mu\363stB\000\034\001 [ (\276=\001large\023\000 \237at 0x6\000$\010i\367s ng\000avai/labl]\000n]\000\023\000\337CPU; \016\006: \375 #\004represwent)\002in l\003\373be\000\006 >= 0\377 (or Non\361e\303\005\223\002#\000a bo\177ol (Tru\312\000\277r Fals\022\020p\277ositiv\343\001t\357eger\362\000rea\235d\212 unt\227$J\006n\360\212  \003n\004\021\rt mo\254\375\001}\005fi\253 e\337#a\337 numb^\001oo\355 \246\" f\271\000a f\363lo\256 \303*0, S\337] = [\006\000 o\377bject> too , \253C, \217_\375;\326B..4g: \377<MemoryV\367iew\325A<con\377tiguous \177and dir^\001\366\007\rin\021\005stri\227ded\"\010 \364 \004\031>\371<(\tA\006>?Can\336\204bssig\200`o \376\353!-only m\372\240\002v\242\000Inval\353id\313 d\273 exp\\\376\000|\000\047c\047t\001\047\265 \237tran\047\270\204\003%\005s7hap\212\204\002ax\353`\220a\314\224a\245\001a \336F\376#No\377te that \337Cytho\325@s \357deli\234@ate\354\210\000\355\001ct\212ban \177PEP-484\247\"\373re\212As sub\177classes\247\205\001\377builtin \376\267\205\001s. If y\237ou ne\261 \264@p\374%\000%\tthen s\353et\301B\047\214\"ati\377on_typin\303g\047\212D\223\204\001\362@\265\204\002.S\377IMD leveOl ]]\352\205\003\200 g\244\206\002\351]\346C\261 u\214\000fro\327m a\324!l\354dad\347d_n\360\000\321 bi_\217slop\263\000\226\204\013\t\017l\375i\326\206\003-catte\376\255`on/_dri\277ver/ex\017\000s^\257\000.pyx\026\007:\263\205\001\273ld\344\206\003llo7\000e\377 scratch~\327Dcollec\351\001\377s.abcd_k\336\355\206\0010 (q\205\204\002k \347hav1\000\306B(..\377., T, 0)\364\242\204\002\n\003S\014\001), s\375o\200\205\002defaul\375td\000ale 1/_sqrt(T\000)\305\207\001\373un\034\000ined;\345 \376#c!\001\315`lic\177itlydis\211\210\001{en\217\210\001gcis\004\003\357dno P\005__r\377educe__ \373du\262`o non\373-t\205 ial _\373_c\337\206\001__num\377py._core\373.m\215\000iarra\277y fail\376Ci\337mport\033\tum\227ath\021\016s\236\002""\255\207\021s/inks\375\210\006a\345\207\004\010\013\376\351\207\005or -infp\335\207\002\312\0007\001\212\207\003NaN\267\206\001\375+\032\000softcaApH\007\234\205\007\262\210\003\252\210\004\236\213\003u\237\"\362\201\210\001a\322E\335\003data\341.\013\020\211\206\003\333\207\001\270\207\003s.w?indow \000\004\241\212\005\376\233\206\007(left, \277right)\256@i\375r\231\214\003ASCIIE\377llipsisR\377ealSeque\327nce\314\210\001.\321\210\007__\367Pyx\001\000Dict\377_NextRef\303__\330\205\004\276@\252@\256\206\001__\376\001\005getitem\362\r\001d0\001\027\000func<\035\001\030\000stat1\002\265C\3363\001main\003\002od\273ulM\002nam\002\003e\245wT\001p~\000\321 i\003\006h\037ecksu`\000\026\001K\004\354!\001\340\215\001__+\001unp\267ickK\000En \005v<\360\214\002\244\001qual[\005\200\204\005b\211\204\006c\267\210\002\313\001\234\204\004ex\330\001\357set_\217\005setx\276\006\003\006.\007test\214 \373is\265\204\001outin\217eabc\242\207\002\240\207\t\352E_\377bufferap\377pend_row\375s\341\204\002asynci_o.cor>\003s\251\207\006\377_shortcu\375t\360\216\006_simdb\257aseb\222\207\001_\260\212\002b\237lock_\345\216\002\261\216\001_\317ccac\266 \001\001_l_ength\222\205\001l\377\207\007\365.\202\210\004.\200\210\006caus\233al2\001k_\333\210\t\014\003f\367lag\026\003key_\316\356\216\003ons)\003\363!th\000\362\216\001\n\004\376\205\002E\003\357\205\002\004\004\251\205\003]\003~\305\204\003cline_\220`\357trac\316\000ckc\007ol_\247\215\003\312\221\001\370\206\001\353\002\006\004\337rcoun\213 _s\373eq\325\000s_qdd\377_kd_vdec?odedst\367\221\002\374\221\002\361_\222@\364\216\003\230\210\003_gqa\363en#\001\000\003denu\375m\211@teerro\375r\000\002sfinfo\332\351\001s\320\217\00232\327\217\00264\377flopsfor\377ked_afte\377r_parall\377elformat\322\312\215\004g\267`\233Ag\305@ph\376\302\004has_mas\357khea:\000xis\277iidin_Z\004i\257ndex\301\205\001s\000\002i\337zekk_\272Bk_\377newk_off\357setkn\000ges\343k_\332\210\002\000\004\024\005ern\207kv_p\002\005\000\352D\017\000s\177tartskv\211bx\301f\241""\207\001\270\224\002loop\203\001\377pslselse\\d\004\250\001max\000\000_\317D\327mem\321\217\001m\340 nn\375_\362cdimsn_\220\320\001\004\000\222`\002\001v\010\005\266\000nr\332\204\002n\246A\002\000tep+\000\030\236d\357\206\001\363\206\001snB\000\262h\331\222\003\375s\205\213\002objope\317nmp_\313\213\004\007\004ru\337ntime\025\004ve\355r\301\215\001op\304Aoro\375p\223\215\002outout\376\262$packpag\026\343`ds\003\002s\340 \003\003\217\222\0022\030\001d\335\205\006&\001s_L\000\336a\377planpopq\365q\274\205\005q\206Dquer\375y\"\001iodreggist\300`\001\004_b\212\224\002\35716re=\000cer\375e\322\221\002resolv\375e\312%return\257_lse\003\004s\365\214\001s\376\265\212\002rowrow_\250\201\222\001\236\207\001\357\000_\207\215\002s\006\001e?ntries\340\214\002.\003\363se\217\005J\000ial_wnss\200\204\004set\327\216\004\360\326\222\002\265\207\001\302\220\002\004\002tile\330\215\215\002\215!\315\220\003sm\317\204\001st__subn\324\204\001l\334\214\004_srcst\306 s\337c\361e\266\210\003\331c\327Atops\277tructt\266\206\004tOeam_\346!\222\207\003_\250\231\002\370\235\207\004u\001\271\212\002numun\376\234AupdatevUv\362\204\003v\364\204\001v\361\204\004v\362\204\003\361v\362\204\003\000\004\024\005alue\370\256\222\003\360\224\001\230\215\003xOint\353 (\211\003 \234\213\003t_1m0\373\221\007_7\377\221\004_9\376\221\006\377_HeadCal\377l const \347*)\000\251\206\003\262\222\005\200\001\330\377\004\013\2103\210a\210q\276\005\0034\210q\220\001\020\003;\277\220a\220w\230a\035\003<\377\220q\230\007\230u\240A\376,\003>\230\021\230)\2401\376:\002\320\013\033\2301\230M\373\250\021\007\004\037\230q\240\007\367\240x\250M\002\014\210G\320\177\023&\240c\250\027\260R\002\177\020\220\001\220\021\220%K\000\377\006\230e\2406\250\021\250\377(\260&\270\005\270V\300\2571\300D\310u\002\027h\000\001\373\230\026C\000\006\240f\250F\377\260!\2608\2706\300\026\377\300v\310Q\310d\320R\335S\260\001\030\230\001\177\000&\240\377\001\240\026\240v\250V\260\3771\260H\270F\300&\310\377\006\310a\310t\320ST?\330\031\032\200""\001\340\330\000\315\000o\320\020(\250\320\000\340\004\211\000\277\2208\2306\240\027\t\003\021\276\206\000(\230(\240!\202\002!\366\205!6\220\302\000\340DE\330\377\020\021\360\020\000\005\035\230\355E]\000q\250\242 \007\200v\377\210S\220\001\330\010\t\330\335\0045\001!\2205\215 q\240\377\010\250\001\250\026\250y\270\377\007\270z\310\026\310q\330\377\004\007\200x\320\017 \240\337\r\250Q\250a\n\001~\220\327Q\220j\245\000\021\030\000\320\007\347\031\230\037,\002%\001\320\007\030?\230\017\240q\250\006$\002\006\005\377\t\260\035\270a\270v\300sR\300J\000\244\047\005\230Q\255 \3671\240Dm\000\025\250a\250\377t\260:\270\\\310\021\310\177\047\320QR\330\024 \206 \376\321\002\360\006\000\005\010\320\007\336\200@\330\010\017\210\214\000\013\320\263\013\036\300A\025\001\014\210\302A\013\374\263A$\001\r\210G\220<\230\347s\240\047\266A\n\004\320\023$o\240C\240w^\000w\260\367@\376K\001\022\320\021%\240Q\240\367g\250Q\247a2\210W\220\335E\372@#\230W&\000t\250\3375\260\005\260Q#\005\047\320\367&>\270\363\000\014\210D\220\377\014\230D\320 0\260\004\275\260\257`\360\010\000\005D\000$?\240A\240W\250A)\033(\000\375\031\331A\200\001\360\n\000\005\377\006\330\004\031\230\023\230A\373\230U\243\001\330\004\"\320\"\3574\260A\260\210\000\007\200u\373\210C\337\000\010\016\210j\230\377\001\330\014\031\230\021\230!\306\364@\230.\253A\371\000;\003\014\210\377?\230!\230:\240S\250\377\t\260\031\270-\300\177\320\377VW\330\033\"\240.\260\375\010\261@x\300y\320PQ\376\014\001)\2509\260K\270u\353\300L\013\002\0346\004\320\013\034\376y\000Z\240s\250)\2609\377\270O\3107\320RY\320\177YZ\330\035$\240L>\000\337\t\300\036\310wM\001\035&\377\240k\260\025\260l\300-\363\310q2\006\365 \230z\250\023\377\250C\250s\260(\270&\373\300\007\317@\037+\250<\260\377|\3008\3101\330\037-\377\250W\260I\270Y\300k\356\277A\037,\250\245!\n\000\n\177\013\330\010\020\220\010\230\244@\365\240\246\"1\207 \016\000\005$\273\2404\320\205\001\330\004#\001\005\047\377\240t\2501\330\004(\250\371\004\320!\007\004&\240d\250!\013\340\004\003""\001\"\347!\000\006\t\006,\001\367D\260\0013\003D\260\017\270\177t\3005\310\007\310z\324\001\377\004-\250T\260\030\270\037\377\310\004\310I\320U\\\320?\\]\33023\330\001\022\346a\377\025\220A\220T\230\032\240\3771\240E\250\026\250q\330\377\004\010\210\t\220\031\230&~\351\204\003\010\210\013\2204\220\021\002\347\016\220d\232@\034\000\007\210t\355\220\261\000\010\210\000\006\r\220Q\373\220i\347\206\002d\250\047\260\022\357\2607\270!D\001\016\220a\277\220z\240\021\240&\333\000G\337\2602\260W\270\265`\010\210\376$\007j\260\007\260u\270D\377\300\004\300G\3102\310W\277\320TU\330\004\016\304\210\001\220\377\004\220D\230\004\230D\240\371\001\000\016\007\030F\230$\230f\376\355!\010\210\004\210H\220A\276\305\206\001t\2105\220\007\276\000\010\337\022\220!\2201S\000\006\230\025d\216\000\001\344\001\010\240@\000\006\233\207\002\377t\2109\220G\2301\330>%\006\n\240$\240j\346 \000\016|\242\"\375\210\005f\240G\250:\315\204\001t\270!\002\020\014\341 X\230Q\232\000\365I\255`J\333\205\001\010\320\010\031\257\230\024\230Q\354!\r\376 \021\377\330\004\014\210A\210Q\210\375f\215@U\230*\240D\250\377\010\260\n\270$\270d\300\337!\200\001\360,\271a7\250\351!\267a\004\000\340\277`3\240a\373\240q\250\207\001\t\210\005\210U\356\332\001\330\010\r>\000e\220;\177\230a\230q\330\004\024\327@\305Y\010\000u\233\000\341`\030\001c\220\377\023\220C\220v\230Y\240\377i\250~\270W\300J\310\277a\330\016\017\210z\203\212\002\013\377\2507\260%\260t\270:\377\300V\3101\310C\310r\277\320QX\320XY\035\001y\375\230\311\212\001z\250\027\260\005\260\377T\270\031\300&\310\001\310\377\023\310B\310g\320UV\376=\001u\220J\230g\240Z\377\250u\260H\270A\320\000\377\031\230\021\330\004\013\320\013\177\035\230Q\230c\240\021";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3889, 5275);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (5249 bytes) */
-static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of these inputs): its magnitude must lie in [ (the largest  at 0x in magnitude is not available on this CPU; available:  is not representable in  must be  must be >= 0 (or None), got  must be a bool (True or False), got  must be a positive integer thread count, got  must be an integer or None, got  must be at most  must be finite, got a number too large for a float must lie in [0, S] = [0,  object> to , , got , the compute dtype of these inputs); got ..4g: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNone or a positive numberNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.SIMD level ]] (the range of ]; got values from a real numberadd_notealibi_slopes must be finitealibi_slopes must lie in [-cattention/_driver/extension.pyxcattention: could not allocate scratch memorycollections.abcd_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the default scale 1/sqrt(d_k) is undefined; pass scale explicitlydisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importscale must be finite, got sinks must be at most sinks must be finite, or -inf for no sink; got NaN or +infsoftcap must be a positive finite number, got unable to allocate array data.unable to allocate shape and strides.window window must be None or a (left, right) pair, got ASCIIEllipsisRealSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_capi____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname_""___reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcalibialibi_slopesallocate_bufferappend_rowsarrayasyncio.coroutinesattention_shortcutavailable_simdbasebatch_shapeblock_tablebool_ccachecache_lengthscallcattention._driver.extensioncausalcheck_alibi_slopescheck_flagcheck_key_positionscheck_num_threadscheck_scalecheck_sinkscheck_softcapcheck_windowcline_in_tracebackcol_stridecompiled_simdcompilercountcu_seqlens_qdd_kd_vdecodedstdtypedtype_is_objectenable_gqaencodeencodedenumerateerrorerrorsfinfoflagsfloat32float64flopsforked_after_parallelformatfortranget_simdgrouph_stridehas_maskhead_axisiidin_float32indexitemsitemsizekk_cachek_newk_offsetk_pagesk_scalek_scale_offsetkernkv_groupkv_lengthskv_startskvcache_shortcutleftlimitloop_flopslselse_offsetmaskmaxmax_threadsmemviewmodenn_batch_dimsn_headsn_keysn_kv_headsn_newn_rowsn_seqn_stepsn_threadsnamenamesndimnum_threadsnumbersnumpyobjopenmp_enabledopenmp_runtimeopenmp_versionoperatoroptionsoutout_offsetpackpage_idspage_sizepage_stridepaged_shortcutpages_per_seqplanpopqq_lengthsq_offsetquery_periodregisterregister_bfloat16replacereshaperesolve_threadsreturn_lsereturn_scoresrightrowrow_axisrowsrun_arraysrun_entriesscalescoresseq_offsetserial_nsset_simdsetdefaultshapesimd_tilesinkssizeslopessmallest_subnormalsoftcapsrcstacks_grouped_rowsstartstepstopstructt_strideteam_sizethread_limitthreadstiletype_numunpackupdatevv_cachev_newv_offsetv_pagesv_scalev_scale_offsetvaluevaluesviewwindowxOint (struct __pyx_t_10cattention_7_driver_9extension_HeadCall const *)\000head_attention\200\001\330\004\013\2103\210a\210q\200\001\330\004\013\2104\210q\220\001\200\001\330\004\013\210;\220a\220w\230a\200\001\330\004\013\210<\220q\230\007\230u\240A\200\001\330\004\013\210>\230\021\230)\2401\200\001\330\004\013\320\013\033\2301\230M\250\021\200\001\330\004\013\320\013\037\230q\240\007\240x\250q\200\001\330\004\014\210G\320\023&\240c\250\027\260\001\200\001\330\004\020\220\001\220\021\220%""\220q\230\006\230e\2406\250\021\250(\260&\270\005\270V\3001\300D\310\001\200\001\330\004\027\220q\230\001\230\026\230q\240\006\240f\250F\260!\2608\2706\300\026\300v\310Q\310d\320RS\200\001\330\004\030\230\001\230\021\230&\240\001\240\026\240v\250V\2601\260H\270F\300&\310\006\310a\310t\320ST\330\031\032\200\001\340\004\013\2104\210q\320\020(\250\001\200\001\340\004\014\210G\2208\2306\240\027\250\001\200\001\340\004\021\220\021\220(\230(\240!\2406\250\021\250!\330\004\013\2106\220\021\200\001\340DE\330\020\021\360\020\000\005\035\230E\240\026\240q\250\001\330\004\007\200v\210S\220\001\330\010\t\330\004\021\220\021\220!\2205\230\007\230q\240\010\250\001\250\026\250y\270\007\270z\310\026\310q\330\004\007\200x\320\017 \240\r\250Q\250a\330\004\007\200~\220Q\220j\240\001\240\021\330\004\007\320\007\031\230\037\250\001\250\026\250q\330\004\007\320\007\030\230\017\240q\250\006\250a\330\004\007\320\007\030\230\017\240q\250\t\260\035\270a\270v\300R\300q\330\004\020\220\001\220\021\220%\220q\230\005\230Q\230e\2401\240D\250\001\250\025\250a\250t\260:\270\\\310\021\310\047\320QR\330\024 \240\001\240\027\250\001\200\001\360\006\000\005\010\320\007\037\230q\330\010\017\210q\330\004\013\320\013\036\230a\200\001\360\006\000\005\014\210<\220q\230\013\2401\200\001\360\006\000\005\r\210G\320\023$\240C\240w\250a\250w\260a\200\001\360\006\000\005\022\320\021%\240Q\240g\250Q\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\006\000\005\047\320&>\270a\330\004\014\210D\220\014\230D\320 0\260\004\260A\200\001\360\010\000\005\022\320\021$\240A\240W\250A\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\010\000\005\031\230\001\230\021\200\001\360\n\000\005\006\330\004\031\230\023\230A\230U\240\047\250\021\330\004\"\320\"4\260A\260Q\330\004\007\200u\210C\210q\330\010\016\210j\230\001\330\014\031\230\021\230!\330\031\032\230.\250\001\330\004\017\210q\200\001\360\n\000\005\014\210?\230!\230:\240S\250\t\260\031\270-""\300\177\320VW\330\033\"\240.\260\010\270\007\270x\300y\320PQ\330\033\"\240)\2509\260K\270u\300L\320PQ\330\033\034\200\001\360\n\000\005\014\320\013\034\230A\230Z\240s\250)\2609\270O\3107\320RY\320YZ\330\035$\240L\260\010\270\t\300\036\310w\320VW\330\035&\240k\260\025\260l\300-\310q\200\001\360\n\000\005\014\320\013\036\230a\230z\250\023\250C\250s\260(\270&\300\007\300q\330\037+\250<\260|\3008\3101\330\037-\250W\260I\270Y\300k\320QR\330\037,\250A\200\001\360\n\000\n\013\330\010\020\220\010\230\013\2401\240A\330\004\013\2101\200\001\360\016\000\005$\2404\240x\250q\330\004#\2404\240x\250q\330\004\047\240t\2501\330\004(\250\004\250A\330\004\047\240t\2501\330\004&\240d\250!\340\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004(\250\004\250D\260\001\330\004(\250\004\250D\260\017\270t\3005\310\007\310z\320YZ\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\360\006\000\005\025\220A\220T\230\032\2401\240E\250\026\250q\330\004\010\210\t\220\031\230&\240\001\240\021\330\004\010\210\013\2204\220q\330\004\010\210\016\220d\230!\330\004\010\210\007\210t\2201\330\004\010\210\007\210t\2201\330\004\010\210\r\220Q\220i\230q\240\006\240d\250\047\260\022\2607\270!\330\004\010\210\016\220a\220z\240\021\240&\250\004\250G\2602\260W\270A\330\004\010\210\r\220Q\220i\230q\240\006\240j\260\007\260u\270D\300\004\300G\3102\310W\320TU\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220F\230$\230f\240A\330\004\010\210\004\210H\220A\330\004\007\200t\2105\220\007\220q\330\010\022\220!\2201\220D\230\006\230d\240&\250\001\330\004\010\210\010\220\010\230\001\330\004\010\210\010\220\010\230\001\330\004\007\200t\2109\220G\2301\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\004\010\210\t\220""\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\014\220A\220X\230Q\230f\240I\250W\260J\270a\330\004\010\320\010\031\230\024\230Q\330\004\010\210\r\220T\230\021\330\004\014\210A\210Q\210f\220A\220U\230*\240D\250\010\260\n\270$\270d\300!\200\001\360,\000\005$\2407\250!\330\004#\2407\250!\340\004#\2403\240a\240q\360\006\000\005\t\210\005\210U\220!\2201\330\010\r\210Q\210e\220;\230a\230q\330\004\024\220A\220Y\230a\230u\240G\2501\330\004\r\210Q\210c\220\023\220C\220v\230Y\240i\250~\270W\300J\310a\330\016\017\210z\230\021\230&\240\013\2507\260%\260t\270:\300V\3101\310C\310r\320QX\320XY\330\016\017\210y\230\001\230\026\230z\250\027\260\005\260T\270\031\300&\310\001\310\023\310B\310g\320UV\330\016\017\210u\220J\230g\240Z\250u\260H\270A\320\000\031\230\021\330\004\013\320\013\035\230Q\230c\240\021";
+    #else /* compression: none (5275 bytes) */
+static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of these inputs): its magnitude must lie in [ (the largest  at 0x in magnitude is not available on this CPU; available:  is not representable in  must be  must be >= 0 (or None), got  must be a bool (True or False), got  must be a positive integer thread count, got  must be an integer or None, got  must be at most  must be finite, got a number too large for a float must lie in [0, S] = [0,  object> to , , got , the compute dtype of these inputs); got ..4g: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNone or a positive numberNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.SIMD level ]] (the range of ]; got values from a real numberadd_notealibi_slopes must be finitealibi_slopes must lie in [-cattention/_driver/extension.pyxcattention: could not allocate scratch memorycollections.abcd_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the default scale 1/sqrt(d_k) is undefined; pass scale explicitlydisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importscale must be finite, got sinks must be at most sinks must be finite, or -inf for no sink; got NaN or +infsoftcap must be a positive finite number, got unable to allocate array data.unable to allocate shape and strides.window window must be None or a (left, right) pair, got ASCIIEllipsisRealSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_capi____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname_""___reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcalibialibi_slopesallocate_bufferappend_rowsarrayasyncio.coroutinesattention_shortcutavailable_simdbasebatch_shapeblock_tablebool_ccachecache_lengthscallcattention._driver.extensioncausalcheck_alibi_slopescheck_flagcheck_key_positionscheck_num_threadscheck_scalecheck_sinkscheck_softcapcheck_windowcline_in_tracebackcol_stridecompiled_simdcompilercountcu_seqlens_qdd_kd_vdecodedstdtypedtype_is_objectenable_gqaencodeencodedenumerateerrorerrorsfinfoflagsfloat32float64flopsforked_after_parallelformatfortranget_simdgrouph_stridehas_maskhead_axisiidin_float32indexitemsitemsizekk_cachek_newk_offsetk_pagesk_scalek_scale_offsetkernkv_groupkv_lengthskv_startskvcache_shortcutleftlimitloop_flopslselse_offsetmaskmaxmax_threadsmemviewmodenn_batch_dimsn_headsn_keysn_kv_headsn_newn_rowsn_seqn_stepsn_threadsnamenamesndimnum_threadsnumbersnumpyobjopenmp_enabledopenmp_runtimeopenmp_versionoperatoroptionsoutout_offsetpackpage_idspage_sizepage_stridepaged_shortcutpages_per_seqplanpopqq_lengthsq_offsetquery_periodregisterregister_bfloat16replacereshaperesolve_threadsreturn_lsereturn_scoresrightrowrow_axisrowsrun_arraysrun_entriesscalescoresseq_offsetserial_nsset_simdsetdefaultshapesimd_notesimd_tilesinkssizeslopessmallest_subnormalsoftcapsrcstacks_grouped_rowsstartstepstopstructt_strideteam_sizethread_limitthreadstiletype_numunpackupdatevv_cachev_newv_offsetv_pagesv_scalev_scale_offsetvaluevaluesviewwindowxOint (struct __pyx_t_10cattention_7_driver_9extension_HeadCall const *)\000head_attention\200\001\330\004\013\2103\210a\210q\200\001\330\004\013\2104\210q\220\001\200\001\330\004\013\210;\220a\220w\230a\200\001\330\004\013\210<\220q\230\007\230u\240A\200\001\330\004\013\210>\230\021\230)\2401\200\001\330\004\013\320\013\033\2301\230M\250\021\200\001\330\004\013\320\013\037\230q\240\007\240x\250q\200\001\330\004\014\210G\320\023&\240c\250\027\260\001\200\001\330\004\020\220\001\220""\021\220%\220q\230\006\230e\2406\250\021\250(\260&\270\005\270V\3001\300D\310\001\200\001\330\004\027\220q\230\001\230\026\230q\240\006\240f\250F\260!\2608\2706\300\026\300v\310Q\310d\320RS\200\001\330\004\030\230\001\230\021\230&\240\001\240\026\240v\250V\2601\260H\270F\300&\310\006\310a\310t\320ST\330\031\032\200\001\340\004\013\2104\210q\320\020(\250\001\200\001\340\004\014\210G\2208\2306\240\027\250\001\200\001\340\004\021\220\021\220(\230(\240!\2406\250\021\250!\330\004\013\2106\220\021\200\001\340DE\330\020\021\360\020\000\005\035\230E\240\026\240q\250\001\330\004\007\200v\210S\220\001\330\010\t\330\004\021\220\021\220!\2205\230\007\230q\240\010\250\001\250\026\250y\270\007\270z\310\026\310q\330\004\007\200x\320\017 \240\r\250Q\250a\330\004\007\200~\220Q\220j\240\001\240\021\330\004\007\320\007\031\230\037\250\001\250\026\250q\330\004\007\320\007\030\230\017\240q\250\006\250a\330\004\007\320\007\030\230\017\240q\250\t\260\035\270a\270v\300R\300q\330\004\020\220\001\220\021\220%\220q\230\005\230Q\230e\2401\240D\250\001\250\025\250a\250t\260:\270\\\310\021\310\047\320QR\330\024 \240\001\240\027\250\001\200\001\360\006\000\005\010\320\007\037\230q\330\010\017\210q\330\004\013\320\013\036\230a\200\001\360\006\000\005\014\210<\220q\230\013\2401\200\001\360\006\000\005\r\210G\220<\230s\240\047\250\021\200\001\360\006\000\005\r\210G\320\023$\240C\240w\250a\250w\260a\200\001\360\006\000\005\022\320\021%\240Q\240g\250Q\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\006\000\005\047\320&>\270a\330\004\014\210D\220\014\230D\320 0\260\004\260A\200\001\360\010\000\005\022\320\021$\240A\240W\250A\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\010\000\005\031\230\001\230\021\200\001\360\n\000\005\006\330\004\031\230\023\230A\230U\240\047\250\021\330\004\"\320\"4\260A\260Q\330\004\007\200u\210C\210q\330\010\016\210j\230\001\330\014\031\230\021\230!\330\031\032\230.\250\001\330\004\017\210q""\200\001\360\n\000\005\014\210?\230!\230:\240S\250\t\260\031\270-\300\177\320VW\330\033\"\240.\260\010\270\007\270x\300y\320PQ\330\033\"\240)\2509\260K\270u\300L\320PQ\330\033\034\200\001\360\n\000\005\014\320\013\034\230A\230Z\240s\250)\2609\270O\3107\320RY\320YZ\330\035$\240L\260\010\270\t\300\036\310w\320VW\330\035&\240k\260\025\260l\300-\310q\200\001\360\n\000\005\014\320\013\036\230a\230z\250\023\250C\250s\260(\270&\300\007\300q\330\037+\250<\260|\3008\3101\330\037-\250W\260I\270Y\300k\320QR\330\037,\250A\200\001\360\n\000\n\013\330\010\020\220\010\230\013\2401\240A\330\004\013\2101\200\001\360\016\000\005$\2404\240x\250q\330\004#\2404\240x\250q\330\004\047\240t\2501\330\004(\250\004\250A\330\004\047\240t\2501\330\004&\240d\250!\340\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004(\250\004\250D\260\001\330\004(\250\004\250D\260\017\270t\3005\310\007\310z\320YZ\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\360\006\000\005\025\220A\220T\230\032\2401\240E\250\026\250q\330\004\010\210\t\220\031\230&\240\001\240\021\330\004\010\210\013\2204\220q\330\004\010\210\016\220d\230!\330\004\010\210\007\210t\2201\330\004\010\210\007\210t\2201\330\004\010\210\r\220Q\220i\230q\240\006\240d\250\047\260\022\2607\270!\330\004\010\210\016\220a\220z\240\021\240&\250\004\250G\2602\260W\270A\330\004\010\210\r\220Q\220i\230q\240\006\240j\260\007\260u\270D\300\004\300G\3102\310W\320TU\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220F\230$\230f\240A\330\004\010\210\004\210H\220A\330\004\007\200t\2105\220\007\220q\330\010\022\220!\2201\220D\230\006\230d\240&\250\001\330\004\010\210\010\220\010\230\001\330\004\010\210\010\220\010\230\001\330\004\007\200t\2109\220G\2301\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\010""\022\220!\2201\220D\230\n\240$\240j\260\001\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\014\220A\220X\230Q\230f\240I\250W\260J\270a\330\004\010\320\010\031\230\024\230Q\330\004\010\210\r\220T\230\021\330\004\014\210A\210Q\210f\220A\220U\230*\240D\250\010\260\n\270$\270d\300!\200\001\360,\000\005$\2407\250!\330\004#\2407\250!\340\004#\2403\240a\240q\360\006\000\005\t\210\005\210U\220!\2201\330\010\r\210Q\210e\220;\230a\230q\330\004\024\220A\220Y\230a\230u\240G\2501\330\004\r\210Q\210c\220\023\220C\220v\230Y\240i\250~\270W\300J\310a\330\016\017\210z\230\021\230&\240\013\2507\260%\260t\270:\300V\3101\310C\310r\320QX\320XY\330\016\017\210y\230\001\230\026\230z\250\027\260\005\260T\270\031\300&\310\001\310\023\310B\310g\320UV\330\016\017\210u\220J\230g\240Z\250u\260H\270A\320\000\031\230\021\330\004\013\320\013\035\230Q\230c\240\021";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 272; i++) {
+    for (int i = 0; i < 273; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 65) PyUnicode_InternInPlace(&string);
@@ -90140,8 +90240,8 @@ static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of t
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 272; i < 304; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-272].length;
+    for (int i = 273; i < 306; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-273].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -90151,15 +90251,15 @@ static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of t
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 304; i++) {
+    for (Py_ssize_t i = 0; i < 306; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 272;
-      for (Py_ssize_t i=0; i<32; ++i) {
+      PyObject **table = stringtab + 273;
+      for (Py_ssize_t i=0; i<33; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
         #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -90281,119 +90381,124 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_compiler, __pyx_mstate->__pyx_kp_b_iso88591_G_c, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 233};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 233};
+    PyObject* const varnames[] = {0};
+    __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_simd_note, __pyx_mstate->__pyx_kp_b_iso88591_G_s, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 239};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_type_num};
-    __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_register_bfloat16, __pyx_mstate->__pyx_kp_b_iso88591__8, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_register_bfloat16, __pyx_mstate->__pyx_kp_b_iso88591__8, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 240};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 246};
     PyObject* const varnames[] = {0};
-    __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_enabled, __pyx_mstate->__pyx_kp_b_iso88591_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_enabled, __pyx_mstate->__pyx_kp_b_iso88591_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 244};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 250};
     PyObject* const varnames[] = {0};
-    __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_version, __pyx_mstate->__pyx_kp_b_iso88591_3aq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 248};
-    PyObject* const varnames[] = {0};
-    __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_runtime, __pyx_mstate->__pyx_kp_b_iso88591_G_Cwawa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_version, __pyx_mstate->__pyx_kp_b_iso88591_3aq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
     const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 254};
     PyObject* const varnames[] = {0};
-    __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_max_threads, __pyx_mstate->__pyx_kp_b_iso88591_q_q_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_runtime, __pyx_mstate->__pyx_kp_b_iso88591_G_Cwawa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 262};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n_threads, __pyx_mstate->__pyx_n_u_serial_ns};
-    __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_team_size, __pyx_mstate->__pyx_kp_b_iso88591_q_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
-  }
-  {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 268};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 260};
     PyObject* const varnames[] = {0};
-    __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_forked_after_parallel, __pyx_mstate->__pyx_kp_b_iso88591_4q_2, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_max_threads, __pyx_mstate->__pyx_kp_b_iso88591_q_q_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 276};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 268};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n_threads, __pyx_mstate->__pyx_n_u_serial_ns};
+    __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_team_size, __pyx_mstate->__pyx_kp_b_iso88591_q_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 274};
+    PyObject* const varnames[] = {0};
+    __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_forked_after_parallel, __pyx_mstate->__pyx_kp_b_iso88591_4q_2, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 282};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_value, __pyx_mstate->__pyx_n_u_name};
-    __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_flag, __pyx_mstate->__pyx_kp_b_iso88591_awa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_flag, __pyx_mstate->__pyx_kp_b_iso88591_awa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 280};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 286};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_d_k, __pyx_mstate->__pyx_n_u_in_float32};
-    __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_scale, __pyx_mstate->__pyx_kp_b_iso88591_q_uA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_scale, __pyx_mstate->__pyx_kp_b_iso88591_q_uA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 284};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 290};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_in_float32};
-    __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_softcap, __pyx_mstate->__pyx_kp_b_iso88591_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_softcap, __pyx_mstate->__pyx_kp_b_iso88591_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 288};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 294};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_left, __pyx_mstate->__pyx_n_u_right};
-    __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_window, __pyx_mstate->__pyx_kp_b_iso88591_6_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_window, __pyx_mstate->__pyx_kp_b_iso88591_6_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 294};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 300};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_name};
-    __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_num_threads, __pyx_mstate->__pyx_kp_b_iso88591_Qc, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_num_threads, __pyx_mstate->__pyx_kp_b_iso88591_Qc, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 298};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 304};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_resolve_threads, __pyx_mstate->__pyx_kp_b_iso88591_1M, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[20] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_resolve_threads, __pyx_mstate->__pyx_kp_b_iso88591_1M, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[20])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 302};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 308};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_values, __pyx_mstate->__pyx_n_u_n_keys, __pyx_mstate->__pyx_n_u_name};
-    __pyx_mstate_global->__pyx_codeobj_tab[20] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_key_positions, __pyx_mstate->__pyx_kp_b_iso88591_vV1HF_atST, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[20])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_key_positions, __pyx_mstate->__pyx_kp_b_iso88591_vV1HF_atST, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 307};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 313};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_slopes, __pyx_mstate->__pyx_n_u_in_float32};
-    __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_alibi_slopes, __pyx_mstate->__pyx_kp_b_iso88591_q_q_fF_86_vQdRS, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[22] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_alibi_slopes, __pyx_mstate->__pyx_kp_b_iso88591_q_q_fF_86_vQdRS, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[22])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 311};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 317};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_in_float32};
-    __pyx_mstate_global->__pyx_codeobj_tab[22] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_sinks, __pyx_mstate->__pyx_kp_b_iso88591_q_e6_V1D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[22])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_sinks, __pyx_mstate->__pyx_kp_b_iso88591_q_e6_V1D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 315};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 321};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_group, __pyx_mstate->__pyx_n_u_n_rows, __pyx_mstate->__pyx_n_u_has_mask};
-    __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_stacks_grouped_rows, __pyx_mstate->__pyx_kp_b_iso88591_q_xq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_stacks_grouped_rows, __pyx_mstate->__pyx_kp_b_iso88591_q_xq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {15, 0, 0, 21, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 332};
+    const __Pyx_PyCode_New_function_description descr = {15, 0, 0, 21, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 338};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_batch_shape, __pyx_mstate->__pyx_n_u_kv_group, __pyx_mstate->__pyx_n_u_query_period, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_options, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_scores, __pyx_mstate->__pyx_n_u_lse, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_row, __pyx_mstate->__pyx_n_u_n_batch_dims, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_d};
-    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_arrays, __pyx_mstate->__pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_Qc_CvY, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_arrays, __pyx_mstate->__pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_Qc_CvY, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 381};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 387};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_call, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_q_lengths, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_q_offset, __pyx_mstate->__pyx_n_u_k_offset, __pyx_mstate->__pyx_n_u_v_offset, __pyx_mstate->__pyx_n_u_out_offset, __pyx_mstate->__pyx_n_u_lse_offset, __pyx_mstate->__pyx_n_u_k_scale_offset, __pyx_mstate->__pyx_n_u_v_scale_offset, __pyx_mstate->__pyx_n_u_plan, __pyx_mstate->__pyx_n_u_row};
-    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_entries, __pyx_mstate->__pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_entries, __pyx_mstate->__pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {9, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 437};
+    const __Pyx_PyCode_New_function_description descr = {9, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 443};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cache, __pyx_mstate->__pyx_n_u_rows, __pyx_mstate->__pyx_n_u_seq_offset, __pyx_mstate->__pyx_n_u_row_axis, __pyx_mstate->__pyx_n_u_head_axis, __pyx_mstate->__pyx_n_u_start, __pyx_mstate->__pyx_n_u_n_new, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_pages_per_seq, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n_seq};
-    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_append_rows, __pyx_mstate->__pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_append_rows, __pyx_mstate->__pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 463};
+    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 469};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_return_scores, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[27] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_attention_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_az_Cs_q_81_WIYkQR_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[27])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_attention_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_az_Cs_q_81_WIYkQR_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 474};
+    const __Pyx_PyCode_New_function_description descr = {20, 0, 0, 20, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 480};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_cache, __pyx_mstate->__pyx_n_u_v_cache, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[28] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_kvcache_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_k_l_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[28])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_kvcache_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_k_l_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {21, 0, 0, 21, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 484};
+    const __Pyx_PyCode_New_function_description descr = {21, 0, 0, 21, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 490};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_pages, __pyx_mstate->__pyx_n_u_v_pages, __pyx_mstate->__pyx_n_u_block_table, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_cu_seqlens_q, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[29] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_paged_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_S_VW_xyPQ_9KuLPQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[29])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[30] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_paged_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_S_VW_xyPQ_9KuLPQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[30])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;
