@@ -297,6 +297,7 @@ def test_bfloat16_peers(peer):
 @needs_bfloat16
 def test_onnxruntime_bfloat16_runs_or_says_why():
     pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
     case = BF16_CASES[0]
     q, k, v = _bench.make_inputs(case)
     notes = {}
@@ -313,6 +314,7 @@ def test_onnxruntime_runner_layouts(op, causal):
     """The graphs tried for bfloat16, checked in float32 (which every
     onnxruntime runs): layout, causal mask, I/O binding."""
     pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
     case = _bench.Case(2, 3, 17, 17, 8, causal=causal)
     q, k, v = _bench.make_inputs(case)
     out = _bench.onnxruntime_runner(case, q, k, v, 1, op)()
