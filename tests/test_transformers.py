@@ -11,7 +11,7 @@ that truth even in float64: it rounds the attention weights to float32
 Our float64 model matches the truth to float64 rounding and eager to float32
 rounding; our float32 model obeys the FlashAttention rule of reference.py
 with eager float32 as the yardstick: error against the truth within 2x (RMS)
-and 4x (worst element) eager's. Skipped without torch and transformers 5
+and 4x (worst element) eager's. Skipped without torch and transformers 5.4
 (CI installs them: make test-transformers).
 """
 
@@ -25,11 +25,11 @@ from reference import F32_RTOL_MAX, F32_RTOL_RMS, float32_ulp_atol, reference_at
 try:
     import torch
     import transformers
-except ImportError:
-    pytest.skip("needs torch and transformers>=5 (pip install '.[transformers]' after "
-                "PyTorch's CPU build; make test-transformers)", allow_module_level=True)
-if int(transformers.__version__.split(".")[0]) < 5:
-    pytest.skip(f"needs transformers>=5, found {transformers.__version__}",
+except ImportError as error:
+    pytest.skip(f"needs torch and transformers>=5.4 ({error}; make test-transformers installs "
+                "them)", allow_module_level=True)
+if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 4):
+    pytest.skip(f"needs transformers>=5.4, found {transformers.__version__}",
                 allow_module_level=True)
 
 import cattention  # noqa: E402

@@ -15,20 +15,23 @@ builds; the attention function computes on the tensors in place and writes
 the ``(B, T, H, d)`` layout the model wants. Inference only: gradients,
 dropout and non-CPU tensors are refused with the alternative named.
 
-Needs torch and transformers 5 (``pip install "cattention[transformers]"``,
+Needs torch and transformers 5.4 or later 5.x (``pip install "cattention[transformers]"``,
 after installing PyTorch's CPU build); ``import cattention`` never imports
 them.
 """
 
 from __future__ import annotations
 
+_NEEDS = ("cattention.integrations.transformers needs torch and transformers>=5.4,<6: "
+          "install PyTorch's CPU build, then pip install \"cattention[transformers]\"")
 try:
     import torch  # noqa: F401
     import transformers
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "cattention.integrations.transformers needs torch and transformers>=5: install "
-        "PyTorch's CPU build, then pip install \"cattention[transformers]\"") from error
+    raise ImportError(_NEEDS) from error
+# 5.4 is the first whose mask functions are given q_length and the offsets
+if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 4):
+    raise ImportError(f"{_NEEDS}; found transformers {transformers.__version__}")
 
 from ._attention import attention_forward
 from ._masks import MaskStructure, structured_mask
