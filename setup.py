@@ -103,6 +103,8 @@ extensions = [
             # one line per instruction set (each file is empty elsewhere)
             "src/kernels_avx2.c",
             "src/kernels_avx512.c",
+            "src/kernels_avx512bf16.c",
+            "src/kernels_amx.c",
             "src/kernels_neon.c",
             "src/scalar.c",
             "src/scratch.c",

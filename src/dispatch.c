@@ -15,6 +15,11 @@
 
 #include "kernels.h"
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if CA_HAVE_X86_KERNELS
 #if defined(_MSC_VER)
 #include <intrin.h>
@@ -48,6 +53,7 @@ static unsigned long long xgetbv0(void)
 /* XCR0: the register state the OS saves, so that a thread may use it */
 #define XCR0_XMM_YMM 0x6ull         /* bits 1-2: SSE, AVX */
 #define XCR0_ZMM 0xe0ull            /* bits 5-7: opmask, ZMM_Hi256, Hi16_ZMM */
+#define XCR0_TILE 0x60000ull        /* bits 17-18: tile configuration, tile data */
 
 static int cpu_has_avx2_fma(void) /* and F16C, which every AVX2 CPU has */
 {
@@ -82,7 +88,69 @@ static int cpu_has_avx512(void)
     const unsigned needed = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
     return (regs[1] & needed) == needed;
 }
+/* AVX512-BF16 (VDPBF16PS) on top of AVX-512: CPUID leaf 7, subleaf 1, EAX
+   bit 5 */
+static int cpu_has_avx512_bf16(void)
+{
+    if (!cpu_has_avx512())
+        return 0;
+    unsigned regs[4];
+    cpuid_count(0, 0, regs);
+    if (regs[0] < 7)
+        return 0;
+    cpuid_count(7, 1, regs);
+    return (regs[0] >> 5) & 1;
+}
+
+/* Why the AMX table is not in use ("" when it is usable), for show_config */
+static const char *amx_refusal = "";
+
+/* AMX-TILE and AMX-BF16 (CPUID leaf 7 EDX bits 24 and 22) on top of
+   AVX512-BF16, the tile state enabled by the OS (XCR0), and Linux's leave
+   to use it: the process asks once (arch_prctl ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA); without it the first tile instruction would kill the
+   process. The answer is kept. */
+static int cpu_has_amx(void)
+{
+    static int answer = -1;
+    if (answer >= 0)
+        return answer;
+    answer = 0;
+    unsigned regs[4];
+    if (!cpu_has_avx512_bf16()) {
+        amx_refusal = "this CPU has no AVX512-BF16";
+        return answer;
+    }
+    cpuid_count(7, 0, regs);
+    if (!((regs[3] >> 24) & 1) || !((regs[3] >> 22) & 1)) {
+        amx_refusal = "this CPU has no AMX-BF16";
+        return answer;
+    }
+    if ((xgetbv0() & XCR0_TILE) != XCR0_TILE) {
+        amx_refusal = "the operating system does not enable the tile state (XCR0)";
+        return answer;
+    }
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
+        amx_refusal = "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
+        return answer;
+    }
+    answer = 1;
+#else
+    amx_refusal = "asking for the tile state is only implemented for Linux";
 #endif
+    return answer;
+}
+#endif
+
+const char *ca_simd_note(void)
+{
+#if CA_HAVE_X86_KERNELS
+    if (!cpu_has_amx() && amx_refusal[0] != '\0' && cpu_has_avx512_bf16())
+        return amx_refusal;
+#endif
+    return "";
+}
 
 static int runs_everywhere(void) { return 1; }
 
@@ -95,6 +163,8 @@ static const struct {
 #if CA_HAVE_X86_KERNELS
     {&ca_kernels_avx2, cpu_has_avx2_fma},
     {&ca_kernels_avx512, cpu_has_avx512},
+    {&ca_kernels_avx512bf16, cpu_has_avx512_bf16},
+    {&ca_kernels_amx, cpu_has_amx},
 #endif
 #if CA_HAVE_NEON_KERNELS
     {&ca_kernels_neon, runs_everywhere},    /* NEON is part of aarch64 */

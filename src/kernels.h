@@ -245,7 +245,48 @@ typedef struct ca_kernels {
                            ptrdiff_t d_v, float *acc, ptrdiff_t ldacc,
                            const void *ahead, ptrdiff_t ahead_stride,
                            ptrdiff_t ahead_bytes);
+
+    /* bfloat16 tiles: tables whose instructions multiply pairs of bfloat16
+       (AVX512-BF16's VDPBF16PS, AMX's TDPBF16PS) take bfloat16 q and K as
+       they are, products exact in float32 and sums in float32; the other
+       tables leave these NULL and convert to float32 (the driver then
+       packs and multiplies float32).
+       K^T of a key block in pair panels: panel p holds keys p*16 .. p*16+15,
+       pair c (features 2c, 2c+1) of key j at
+       kt[p * kt_panel_stride + c * 32 + 2 * (j % 16) + (0 or 1)] (uint16);
+       features are padded with zeros to a multiple of bf16_k_align, keys
+       to the panel's end. Q rows are bfloat16 with that padding too. */
+    ptrdiff_t bf16_k_align;
+    void (*pack_kt_bf16)(const uint16_t *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
+                         uint16_t *kt, ptrdiff_t kt_panel_stride);
+    /* s = factor * (q . kt) as score_f32, q rows of padded bfloat16 */
+    void (*score_bf16)(const uint16_t *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                       const uint16_t *kt, ptrdiff_t kt_panel_stride, ptrdiff_t n_cols,
+                       ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
+                       const void *ahead, ptrdiff_t ahead_bytes);
+    /* V of a key block in the table's own bfloat16 layout, and acc += p . v
+       as pv_f32 with p float32 (exact: see the table); NULL: V is packed
+       as float32 and P.V takes pv_f32. pack_v_bf16 returns nonzero if any
+       value is NaN or infinite (it leaves them 0, as pack_v_f32). */
+    int (*pack_v_bf16)(const uint16_t *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v,
+                       uint16_t *v_packed, ptrdiff_t v_panel_stride);
+    void (*pv_bf16)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const uint16_t *v,
+                    ptrdiff_t v_panel_stride, ptrdiff_t n_keys, ptrdiff_t n_vcols,
+                    float *acc, ptrdiff_t ldacc, const void *ahead, ptrdiff_t ahead_bytes);
+    /* Called by each thread when it has done its part of a call: a table
+       with per-thread state (AMX's tile configuration) gives it up; NULL
+       for the others. */
+    void (*end_of_thread)(void);
 } ca_kernels;
+
+/* The bfloat16 tile entries of a table that has none (the default of
+   CA_DEFINE_KERNEL_TABLE): a table file that has them defines
+   CA_BF16_TILE_ENTRIES before it lists its table. */
+#ifndef CA_BF16_TILE_ENTRIES
+#define CA_BF16_TILE_ENTRIES \
+        .bf16_k_align = 0, .pack_kt_bf16 = NULL, .score_bf16 = NULL, \
+        .pack_v_bf16 = NULL, .pv_bf16 = NULL, .end_of_thread = NULL,
+#endif
 
 /* The table of one instruction set, from the file that defines a static
    function of each entry's name and its register tile (CA_TILE_ROWS rows
@@ -284,6 +325,7 @@ typedef struct ca_kernels {
         .bf16_rows_to_f32 = bf16_rows_to_f32, \
         .score_direct_bf16 = score_direct_bf16, \
         .pv_direct_bf16 = pv_direct_bf16, \
+        CA_BF16_TILE_ENTRIES \
     }
 
 /* Tables, one per instruction set compiled in (listed in dispatch.c). */
@@ -292,6 +334,8 @@ extern const ca_kernels ca_kernels_baseline;
 #define CA_HAVE_X86_KERNELS 1
 extern const ca_kernels ca_kernels_avx2;
 extern const ca_kernels ca_kernels_avx512;
+extern const ca_kernels ca_kernels_avx512bf16;
+extern const ca_kernels ca_kernels_amx;
 #else
 #define CA_HAVE_X86_KERNELS 0
 #endif
@@ -310,6 +354,9 @@ const ca_kernels *ca_kernels_by_name(const char *name);
 int ca_available_kernels(const char **names, int capacity);
 /* Names of every table compiled in, runnable here or not, best last. */
 int ca_compiled_kernels(const char **names, int capacity);
+/* Why a table this CPU has the instructions of is not in use ("" if none
+   is held back): the AMX table when the OS or Linux refuses the tiles. */
+const char *ca_simd_note(void);
 #ifdef __cplusplus
 }
 #endif

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent / "emulated"
 #: the files of the image: every x86 kernel table, what they call, and the
 #: table registry with its CPUID / XGETBV checks
 IMAGE_SOURCES = [SRC / "kernels_baseline.c", SRC / "kernels_avx2.c", SRC / "kernels_avx512.c",
+                 SRC / "kernels_avx512bf16.c", SRC / "kernels_amx.c",
                  SRC / "scalar.c", SRC / "dispatch.c", HERE / "image_support.c"]
 CFLAGS = ["-O3", "-fno-math-errno", "-fno-pic", "-fno-stack-protector",
           "-fno-asynchronous-unwind-tables", "-fcf-protection=none",

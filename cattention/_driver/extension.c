@@ -18,6 +18,7 @@
             "cattention/include/cattention.h",
             "src/exp_poly.h",
             "src/kernels.h",
+            "src/kernels_bf16.h",
             "src/kernels_simd.h",
             "src/kernels_simd_direct.h",
             "src/kernels_simd_typed.h",
@@ -27,7 +28,8 @@
             "src/simd_avx2.h",
             "src/simd_avx512.h",
             "src/simd_neon.h",
-            "src/team.h"
+            "src/team.h",
+            "src/tiles_amx.h"
         ],
         "extra_compile_args": [
             "-O3",
@@ -46,6 +48,8 @@
             "src/kernels_baseline.c",
             "src/kernels_avx2.c",
             "src/kernels_avx512.c",
+            "src/kernels_avx512bf16.c",
+            "src/kernels_amx.c",
             "src/kernels_neon.c",
             "src/scalar.c",
             "src/scratch.c",
@@ -2050,7 +2054,7 @@ struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_sc
 struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv;
 struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv;
 
-/* "cattention/_driver/kernel_table.pxd":148
+/* "cattention/_driver/kernel_table.pxd":165
  * 
  * 
  * cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,             # <<<<<<<<<<<<<<
@@ -2068,7 +2072,7 @@ struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_sc
   Py_ssize_t ahead_bytes;
 };
 
-/* "cattention/_driver/kernel_table.pxd":161
+/* "cattention/_driver/kernel_table.pxd":178
  * 
  * 
  * cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
@@ -2240,6 +2244,8 @@ struct __pyx_t_10cattention_7_driver_7problem_Problem {
   void *packed_v;
   uint8_t *value_nonfinite;
   int direct;
+  int bf16_score;
+  int bf16_pv;
   Py_ssize_t itemsize;
   ca_kernels const *kern;
   Py_ssize_t n_splits;
@@ -2280,9 +2286,49 @@ struct __pyx_t_10cattention_7_driver_9workspace_Workspace {
   Py_ssize_t after_score_bytes;
   Py_ssize_t after_pv_bytes;
 };
+struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles;
+struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles;
+struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles;
+struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles;
+
+/* "cattention/_driver/item_packed.pxd":41
+ * 
+ * 
+ * cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const floating *q_rows,             # <<<<<<<<<<<<<<
+ *                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+ *                              const floating *kt, Py_ssize_t n_cols, floating *s,
+*/
+struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles {
+  int __pyx_n;
+  void const *ahead;
+  Py_ssize_t ahead_bytes;
+};
+struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles {
+  int __pyx_n;
+  void const *ahead;
+  Py_ssize_t ahead_bytes;
+};
+
+/* "cattention/_driver/item_packed.pxd":59
+ * 
+ * 
+ * cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
+ *                           Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+ *                           Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,
+*/
+struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles {
+  int __pyx_n;
+  void const *ahead;
+  Py_ssize_t ahead_bytes;
+};
+struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles {
+  int __pyx_n;
+  void const *ahead;
+  Py_ssize_t ahead_bytes;
+};
 struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder;
 
-/* "cattention/_driver/schedule.pxd":292
+/* "cattention/_driver/schedule.pxd":309
  * 
  * 
  * cdef struct GroupOrder:             # <<<<<<<<<<<<<<
@@ -4545,6 +4591,9 @@ static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_v_by
 static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *__pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, size_t); /*proto*/
 
 /* Module declarations from "cattention._driver.packing" */
+static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7packing_bf16_padded_features(struct __pyx_t_10cattention_7_driver_7problem_Problem const *); /*proto*/
+static CYTHON_INLINE uint16_t const *__pyx_f_10cattention_7_driver_7packing_bf16_rows(struct __pyx_t_10cattention_7_driver_7problem_Operand const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, uint16_t *, Py_ssize_t, Py_ssize_t *); /*proto*/
+static CYTHON_INLINE uint16_t const *__pyx_f_10cattention_7_driver_7packing_bf16_query_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, uint16_t *, Py_ssize_t *); /*proto*/
 static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace const *, Py_ssize_t); /*proto*/
 static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace const *, Py_ssize_t); /*proto*/
 static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace const *, Py_ssize_t); /*proto*/
@@ -4612,6 +4661,12 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_mer
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_merge_splits(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, Py_ssize_t, double const *, double *); /*proto*/
 
 /* Module declarations from "cattention._driver.item_packed" */
+static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float *, Py_ssize_t *); /*proto*/
+static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, double *, Py_ssize_t *); /*proto*/
+static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_score_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, float const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float const *, Py_ssize_t, float *, Py_ssize_t, struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles *__pyx_optional_args); /*proto*/
+static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_score_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, double const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, double const *, Py_ssize_t, double *, Py_ssize_t, struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles *__pyx_optional_args); /*proto*/
+static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, float const *, Py_ssize_t, Py_ssize_t, float const *, Py_ssize_t, float *, struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles *__pyx_optional_args); /*proto*/
+static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, double const *, Py_ssize_t, Py_ssize_t, double const *, Py_ssize_t, double *, struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles *__pyx_optional_args); /*proto*/
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_attend_query_block(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float *); /*proto*/
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_attend_query_block(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace *, Py_ssize_t, Py_ssize_t, Py_ssize_t, double *); /*proto*/
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_attend_query_block_with_scores(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace *, Py_ssize_t, Py_ssize_t, Py_ssize_t, float *, float *); /*proto*/
@@ -4633,6 +4688,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_direc
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_direct_attend_key_chunk(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, ca_kernels const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace *, Py_ssize_t, Py_ssize_t, Py_ssize_t, double *, double *); /*proto*/
 
 /* Module declarations from "cattention._driver.schedule" */
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_thread_done(ca_kernels const *); /*proto*/
 static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, Py_ssize_t, Py_ssize_t, Py_ssize_t *, Py_ssize_t *); /*proto*/
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(struct __pyx_t_10cattention_7_driver_7problem_Problem const *, struct __pyx_t_10cattention_7_driver_9workspace_Workspace *, Py_ssize_t, Py_ssize_t, int); /*proto*/
 static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_per_kv(struct __pyx_t_10cattention_7_driver_7problem_Problem const *); /*proto*/
@@ -21563,7 +21619,7 @@ static CYTHON_INLINE NPY_DATETIMEUNIT __pyx_f_5numpy_get_datetime64_unit(PyObjec
   return __pyx_r;
 }
 
-/* "cattention/_driver/kernel_table.pxd":140
+/* "cattention/_driver/kernel_table.pxd":157
  * 
  * 
  * cdef inline void kernel_softcap(const ca_kernels *kern, floating *x, Py_ssize_t n,             # <<<<<<<<<<<<<<
@@ -21573,7 +21629,7 @@ static CYTHON_INLINE NPY_DATETIMEUNIT __pyx_f_5numpy_get_datetime64_unit(PyObjec
 
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_softcap(ca_kernels const *__pyx_v_kern, float *__pyx_v_x, Py_ssize_t __pyx_v_n, double __pyx_v_cap) {
 
-  /* "cattention/_driver/kernel_table.pxd":143
+  /* "cattention/_driver/kernel_table.pxd":160
  *                                 double cap) noexcept nogil:
  *     if floating is float:
  *         kern.softcap_f32(x, n, <float>cap)             # <<<<<<<<<<<<<<
@@ -21582,7 +21638,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->softcap_f32(__pyx_v_x, __pyx_v_n, ((float)__pyx_v_cap));
 
-  /* "cattention/_driver/kernel_table.pxd":140
+  /* "cattention/_driver/kernel_table.pxd":157
  * 
  * 
  * cdef inline void kernel_softcap(const ca_kernels *kern, floating *x, Py_ssize_t n,             # <<<<<<<<<<<<<<
@@ -21595,7 +21651,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_softcap(CYTHON_UNUSED ca_kernels const *__pyx_v_kern, double *__pyx_v_x, Py_ssize_t __pyx_v_n, double __pyx_v_cap) {
 
-  /* "cattention/_driver/kernel_table.pxd":145
+  /* "cattention/_driver/kernel_table.pxd":162
  *         kern.softcap_f32(x, n, <float>cap)
  *     else:
  *         ca_softcap_f64(x, n, cap)             # <<<<<<<<<<<<<<
@@ -21604,7 +21660,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 */
   ca_softcap_f64(__pyx_v_x, __pyx_v_n, __pyx_v_cap);
 
-  /* "cattention/_driver/kernel_table.pxd":140
+  /* "cattention/_driver/kernel_table.pxd":157
  * 
  * 
  * cdef inline void kernel_softcap(const ca_kernels *kern, floating *x, Py_ssize_t n,             # <<<<<<<<<<<<<<
@@ -21615,7 +21671,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
   /* function exit code */
 }
 
-/* "cattention/_driver/kernel_table.pxd":148
+/* "cattention/_driver/kernel_table.pxd":165
  * 
  * 
  * cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,             # <<<<<<<<<<<<<<
@@ -21625,7 +21681,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(ca_kernels const *__pyx_v_kern, float const *__pyx_v_q, Py_ssize_t __pyx_v_ldq, Py_ssize_t __pyx_v_n_rows, float const *__pyx_v_kt, Py_ssize_t __pyx_v_kt_panel_stride, Py_ssize_t __pyx_v_n_cols, Py_ssize_t __pyx_v_d_k, double __pyx_v_factor, float *__pyx_v_s, Py_ssize_t __pyx_v_lds, struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_score *__pyx_optional_args) {
 
-  /* "cattention/_driver/kernel_table.pxd":151
+  /* "cattention/_driver/kernel_table.pxd":168
  *                               Py_ssize_t n_rows, const floating *kt, Py_ssize_t kt_panel_stride,
  *                               Py_ssize_t n_cols, Py_ssize_t d_k, double factor,
  *                               floating *s, Py_ssize_t lds, const void *ahead=NULL,             # <<<<<<<<<<<<<<
@@ -21643,7 +21699,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
     }
   }
 
-  /* "cattention/_driver/kernel_table.pxd":154
+  /* "cattention/_driver/kernel_table.pxd":171
  *                               Py_ssize_t ahead_bytes=0) noexcept nogil:
  *     if floating is float:
  *         kern.score_f32(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, <float>factor, s, lds,             # <<<<<<<<<<<<<<
@@ -21652,7 +21708,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->score_f32(__pyx_v_q, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, __pyx_v_kt_panel_stride, __pyx_v_n_cols, __pyx_v_d_k, ((float)__pyx_v_factor), __pyx_v_s, __pyx_v_lds, __pyx_v_ahead, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":148
+  /* "cattention/_driver/kernel_table.pxd":165
  * 
  * 
  * cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,             # <<<<<<<<<<<<<<
@@ -21665,7 +21721,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(ca_kernels const *__pyx_v_kern, double const *__pyx_v_q, Py_ssize_t __pyx_v_ldq, Py_ssize_t __pyx_v_n_rows, double const *__pyx_v_kt, Py_ssize_t __pyx_v_kt_panel_stride, Py_ssize_t __pyx_v_n_cols, Py_ssize_t __pyx_v_d_k, double __pyx_v_factor, double *__pyx_v_s, Py_ssize_t __pyx_v_lds, struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_score *__pyx_optional_args) {
 
-  /* "cattention/_driver/kernel_table.pxd":151
+  /* "cattention/_driver/kernel_table.pxd":168
  *                               Py_ssize_t n_rows, const floating *kt, Py_ssize_t kt_panel_stride,
  *                               Py_ssize_t n_cols, Py_ssize_t d_k, double factor,
  *                               floating *s, Py_ssize_t lds, const void *ahead=NULL,             # <<<<<<<<<<<<<<
@@ -21683,7 +21739,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
     }
   }
 
-  /* "cattention/_driver/kernel_table.pxd":157
+  /* "cattention/_driver/kernel_table.pxd":174
  *                        ahead, ahead_bytes)
  *     else:
  *         kern.score_f64(q, ldq, n_rows, kt, kt_panel_stride, n_cols, d_k, factor, s, lds,             # <<<<<<<<<<<<<<
@@ -21692,7 +21748,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->score_f64(__pyx_v_q, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, __pyx_v_kt_panel_stride, __pyx_v_n_cols, __pyx_v_d_k, __pyx_v_factor, __pyx_v_s, __pyx_v_lds, __pyx_v_ahead, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":148
+  /* "cattention/_driver/kernel_table.pxd":165
  * 
  * 
  * cdef inline void kernel_score(const ca_kernels *kern, const floating *q, Py_ssize_t ldq,             # <<<<<<<<<<<<<<
@@ -21703,7 +21759,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
   /* function exit code */
 }
 
-/* "cattention/_driver/kernel_table.pxd":161
+/* "cattention/_driver/kernel_table.pxd":178
  * 
  * 
  * cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
@@ -21713,7 +21769,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(ca_kernels const *__pyx_v_kern, float const *__pyx_v_p, Py_ssize_t __pyx_v_ldp, Py_ssize_t __pyx_v_n_rows, float const *__pyx_v_v, Py_ssize_t __pyx_v_v_panel_stride, Py_ssize_t __pyx_v_n_keys, Py_ssize_t __pyx_v_n_vcols, float *__pyx_v_acc, Py_ssize_t __pyx_v_ldacc, struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv *__pyx_optional_args) {
 
-  /* "cattention/_driver/kernel_table.pxd":164
+  /* "cattention/_driver/kernel_table.pxd":181
  *                            Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v,
  *                            Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
  *                            floating *acc, Py_ssize_t ldacc, const void *ahead=NULL,             # <<<<<<<<<<<<<<
@@ -21731,7 +21787,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
     }
   }
 
-  /* "cattention/_driver/kernel_table.pxd":167
+  /* "cattention/_driver/kernel_table.pxd":184
  *                            Py_ssize_t ahead_bytes=0) noexcept nogil:
  *     if floating is float:
  *         kern.pv_f32(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc,             # <<<<<<<<<<<<<<
@@ -21740,7 +21796,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->pv_f32(__pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, __pyx_v_v, __pyx_v_v_panel_stride, __pyx_v_n_keys, __pyx_v_n_vcols, __pyx_v_acc, __pyx_v_ldacc, __pyx_v_ahead, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":161
+  /* "cattention/_driver/kernel_table.pxd":178
  * 
  * 
  * cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
@@ -21753,7 +21809,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(ca_kernels const *__pyx_v_kern, double const *__pyx_v_p, Py_ssize_t __pyx_v_ldp, Py_ssize_t __pyx_v_n_rows, double const *__pyx_v_v, Py_ssize_t __pyx_v_v_panel_stride, Py_ssize_t __pyx_v_n_keys, Py_ssize_t __pyx_v_n_vcols, double *__pyx_v_acc, Py_ssize_t __pyx_v_ldacc, struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv *__pyx_optional_args) {
 
-  /* "cattention/_driver/kernel_table.pxd":164
+  /* "cattention/_driver/kernel_table.pxd":181
  *                            Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v,
  *                            Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
  *                            floating *acc, Py_ssize_t ldacc, const void *ahead=NULL,             # <<<<<<<<<<<<<<
@@ -21771,7 +21827,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
     }
   }
 
-  /* "cattention/_driver/kernel_table.pxd":170
+  /* "cattention/_driver/kernel_table.pxd":187
  *                     ahead, ahead_bytes)
  *     else:
  *         kern.pv_f64(p, ldp, n_rows, v, v_panel_stride, n_keys, n_vcols, acc, ldacc,             # <<<<<<<<<<<<<<
@@ -21780,7 +21836,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->pv_f64(__pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, __pyx_v_v, __pyx_v_v_panel_stride, __pyx_v_n_keys, __pyx_v_n_vcols, __pyx_v_acc, __pyx_v_ldacc, __pyx_v_ahead, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":161
+  /* "cattention/_driver/kernel_table.pxd":178
  * 
  * 
  * cdef inline void kernel_pv(const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
@@ -21791,7 +21847,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
   /* function exit code */
 }
 
-/* "cattention/_driver/kernel_table.pxd":174
+/* "cattention/_driver/kernel_table.pxd":191
  * 
  * 
  * cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,             # <<<<<<<<<<<<<<
@@ -21801,7 +21857,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score_direct(ca_kernels const *__pyx_v_kern, float const *__pyx_v_q, Py_ssize_t __pyx_v_ldq, Py_ssize_t __pyx_v_n_rows, float const *__pyx_v_k, Py_ssize_t __pyx_v_ldk, Py_ssize_t __pyx_v_n_keys, Py_ssize_t __pyx_v_d_k, double __pyx_v_factor, float *__pyx_v_s, Py_ssize_t __pyx_v_lds, void const *__pyx_v_ahead, Py_ssize_t __pyx_v_ahead_stride, Py_ssize_t __pyx_v_ahead_bytes) {
 
-  /* "cattention/_driver/kernel_table.pxd":181
+  /* "cattention/_driver/kernel_table.pxd":198
  *                                      Py_ssize_t ahead_bytes) noexcept nogil:
  *     if floating is float:
  *         kern.score_direct_f32(q, ldq, n_rows, k, ldk, n_keys, d_k, <float>factor, s, lds,             # <<<<<<<<<<<<<<
@@ -21810,7 +21866,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->score_direct_f32(__pyx_v_q, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_k, __pyx_v_ldk, __pyx_v_n_keys, __pyx_v_d_k, ((float)__pyx_v_factor), __pyx_v_s, __pyx_v_lds, __pyx_v_ahead, __pyx_v_ahead_stride, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":174
+  /* "cattention/_driver/kernel_table.pxd":191
  * 
  * 
  * cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,             # <<<<<<<<<<<<<<
@@ -21823,7 +21879,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score_direct(ca_kernels const *__pyx_v_kern, double const *__pyx_v_q, Py_ssize_t __pyx_v_ldq, Py_ssize_t __pyx_v_n_rows, double const *__pyx_v_k, Py_ssize_t __pyx_v_ldk, Py_ssize_t __pyx_v_n_keys, Py_ssize_t __pyx_v_d_k, double __pyx_v_factor, double *__pyx_v_s, Py_ssize_t __pyx_v_lds, void const *__pyx_v_ahead, Py_ssize_t __pyx_v_ahead_stride, Py_ssize_t __pyx_v_ahead_bytes) {
 
-  /* "cattention/_driver/kernel_table.pxd":184
+  /* "cattention/_driver/kernel_table.pxd":201
  *                               ahead, ahead_stride, ahead_bytes)
  *     else:
  *         kern.score_direct_f64(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds,             # <<<<<<<<<<<<<<
@@ -21832,7 +21888,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->score_direct_f64(__pyx_v_q, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_k, __pyx_v_ldk, __pyx_v_n_keys, __pyx_v_d_k, __pyx_v_factor, __pyx_v_s, __pyx_v_lds, __pyx_v_ahead, __pyx_v_ahead_stride, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":174
+  /* "cattention/_driver/kernel_table.pxd":191
  * 
  * 
  * cdef inline void kernel_score_direct(const ca_kernels *kern, const floating *q,             # <<<<<<<<<<<<<<
@@ -21843,7 +21899,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
   /* function exit code */
 }
 
-/* "cattention/_driver/kernel_table.pxd":188
+/* "cattention/_driver/kernel_table.pxd":205
  * 
  * 
  * cdef inline void kernel_pv_direct(const ca_kernels *kern, const floating *p, Py_ssize_t ldp,             # <<<<<<<<<<<<<<
@@ -21853,7 +21909,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv_direct(ca_kernels const *__pyx_v_kern, float const *__pyx_v_p, Py_ssize_t __pyx_v_ldp, Py_ssize_t __pyx_v_n_rows, float const *__pyx_v_v, Py_ssize_t __pyx_v_ldv, Py_ssize_t __pyx_v_n_keys, Py_ssize_t __pyx_v_d_v, float *__pyx_v_acc, Py_ssize_t __pyx_v_ldacc, void const *__pyx_v_ahead, Py_ssize_t __pyx_v_ahead_stride, Py_ssize_t __pyx_v_ahead_bytes) {
 
-  /* "cattention/_driver/kernel_table.pxd":194
+  /* "cattention/_driver/kernel_table.pxd":211
  *                                   Py_ssize_t ahead_bytes) noexcept nogil:
  *     if floating is float:
  *         kern.pv_direct_f32(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc,             # <<<<<<<<<<<<<<
@@ -21862,7 +21918,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->pv_direct_f32(__pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, __pyx_v_v, __pyx_v_ldv, __pyx_v_n_keys, __pyx_v_d_v, __pyx_v_acc, __pyx_v_ldacc, __pyx_v_ahead, __pyx_v_ahead_stride, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":188
+  /* "cattention/_driver/kernel_table.pxd":205
  * 
  * 
  * cdef inline void kernel_pv_direct(const ca_kernels *kern, const floating *p, Py_ssize_t ldp,             # <<<<<<<<<<<<<<
@@ -21875,7 +21931,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tab
 
 static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv_direct(ca_kernels const *__pyx_v_kern, double const *__pyx_v_p, Py_ssize_t __pyx_v_ldp, Py_ssize_t __pyx_v_n_rows, double const *__pyx_v_v, Py_ssize_t __pyx_v_ldv, Py_ssize_t __pyx_v_n_keys, Py_ssize_t __pyx_v_d_v, double *__pyx_v_acc, Py_ssize_t __pyx_v_ldacc, void const *__pyx_v_ahead, Py_ssize_t __pyx_v_ahead_stride, Py_ssize_t __pyx_v_ahead_bytes) {
 
-  /* "cattention/_driver/kernel_table.pxd":197
+  /* "cattention/_driver/kernel_table.pxd":214
  *                            ahead, ahead_stride, ahead_bytes)
  *     else:
  *         kern.pv_direct_f64(p, ldp, n_rows, v, ldv, n_keys, d_v, acc, ldacc,             # <<<<<<<<<<<<<<
@@ -21884,7 +21940,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 */
   __pyx_v_kern->pv_direct_f64(__pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, __pyx_v_v, __pyx_v_ldv, __pyx_v_n_keys, __pyx_v_d_v, __pyx_v_acc, __pyx_v_ldacc, __pyx_v_ahead, __pyx_v_ahead_stride, __pyx_v_ahead_bytes);
 
-  /* "cattention/_driver/kernel_table.pxd":188
+  /* "cattention/_driver/kernel_table.pxd":205
  * 
  * 
  * cdef inline void kernel_pv_direct(const ca_kernels *kern, const floating *p, Py_ssize_t ldp,             # <<<<<<<<<<<<<<
@@ -21895,7 +21951,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
   /* function exit code */
 }
 
-/* "cattention/_driver/kernel_table.pxd":201
+/* "cattention/_driver/kernel_table.pxd":218
  * 
  * 
  * cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,             # <<<<<<<<<<<<<<
@@ -21906,7 +21962,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tab
 static CYTHON_INLINE float __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_row_max(ca_kernels const *__pyx_v_kern, float const *__pyx_v_x, Py_ssize_t __pyx_v_n) {
   float __pyx_r;
 
-  /* "cattention/_driver/kernel_table.pxd":204
+  /* "cattention/_driver/kernel_table.pxd":221
  *                                     Py_ssize_t n) noexcept nogil:
  *     if floating is float:
  *         return kern.row_max_f32(x, n)             # <<<<<<<<<<<<<<
@@ -21919,7 +21975,7 @@ static CYTHON_INLINE float __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_ta
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/kernel_table.pxd":201
+  /* "cattention/_driver/kernel_table.pxd":218
  * 
  * 
  * cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,             # <<<<<<<<<<<<<<
@@ -21935,7 +21991,7 @@ static CYTHON_INLINE float __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_ta
 static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_row_max(ca_kernels const *__pyx_v_kern, double const *__pyx_v_x, Py_ssize_t __pyx_v_n) {
   double __pyx_r;
 
-  /* "cattention/_driver/kernel_table.pxd":206
+  /* "cattention/_driver/kernel_table.pxd":223
  *         return kern.row_max_f32(x, n)
  *     else:
  *         return kern.row_max_f64(x, n)             # <<<<<<<<<<<<<<
@@ -21948,7 +22004,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/kernel_table.pxd":201
+  /* "cattention/_driver/kernel_table.pxd":218
  * 
  * 
  * cdef inline floating kernel_row_max(const ca_kernels *kern, const floating *x,             # <<<<<<<<<<<<<<
@@ -21961,7 +22017,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
   return __pyx_r;
 }
 
-/* "cattention/_driver/kernel_table.pxd":209
+/* "cattention/_driver/kernel_table.pxd":226
  * 
  * 
  * cdef inline int kernel_divide_rows(const ca_kernels *kern, const floating *acc,             # <<<<<<<<<<<<<<
@@ -21972,7 +22028,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
 static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_divide_rows(ca_kernels const *__pyx_v_kern, float const *__pyx_v_acc, Py_ssize_t __pyx_v_ldacc, Py_ssize_t __pyx_v_n_rows, Py_ssize_t __pyx_v_n_cols, float const *__pyx_v_divisor, float *__pyx_v_out, Py_ssize_t __pyx_v_ld_out) {
   int __pyx_r;
 
-  /* "cattention/_driver/kernel_table.pxd":214
+  /* "cattention/_driver/kernel_table.pxd":231
  *                                    Py_ssize_t ld_out) noexcept nogil:
  *     if floating is float:
  *         return kern.divide_rows_f32(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)             # <<<<<<<<<<<<<<
@@ -21985,7 +22041,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tabl
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/kernel_table.pxd":209
+  /* "cattention/_driver/kernel_table.pxd":226
  * 
  * 
  * cdef inline int kernel_divide_rows(const ca_kernels *kern, const floating *acc,             # <<<<<<<<<<<<<<
@@ -22001,7 +22057,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_tabl
 static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_divide_rows(ca_kernels const *__pyx_v_kern, double const *__pyx_v_acc, Py_ssize_t __pyx_v_ldacc, Py_ssize_t __pyx_v_n_rows, Py_ssize_t __pyx_v_n_cols, double const *__pyx_v_divisor, double *__pyx_v_out, Py_ssize_t __pyx_v_ld_out) {
   int __pyx_r;
 
-  /* "cattention/_driver/kernel_table.pxd":216
+  /* "cattention/_driver/kernel_table.pxd":233
  *         return kern.divide_rows_f32(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)
  *     else:
  *         return kern.divide_rows_f64(acc, ldacc, n_rows, n_cols, divisor, out, ld_out)             # <<<<<<<<<<<<<<
@@ -22014,7 +22070,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tabl
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/kernel_table.pxd":209
+  /* "cattention/_driver/kernel_table.pxd":226
  * 
  * 
  * cdef inline int kernel_divide_rows(const ca_kernels *kern, const floating *acc,             # <<<<<<<<<<<<<<
@@ -22027,7 +22083,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tabl
   return __pyx_r;
 }
 
-/* "cattention/_driver/kernel_table.pxd":219
+/* "cattention/_driver/kernel_table.pxd":236
  * 
  * 
  * cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssize_t n,             # <<<<<<<<<<<<<<
@@ -22038,7 +22094,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_tabl
 static CYTHON_INLINE float __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_exp_sum(ca_kernels const *__pyx_v_kern, float *__pyx_v_x, Py_ssize_t __pyx_v_n, float __pyx_v_shift) {
   float __pyx_r;
 
-  /* "cattention/_driver/kernel_table.pxd":222
+  /* "cattention/_driver/kernel_table.pxd":239
  *                                     floating shift) noexcept nogil:
  *     if floating is float:
  *         return kern.exp_sum_f32(x, n, shift)             # <<<<<<<<<<<<<<
@@ -22051,7 +22107,7 @@ static CYTHON_INLINE float __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_ta
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/kernel_table.pxd":219
+  /* "cattention/_driver/kernel_table.pxd":236
  * 
  * 
  * cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssize_t n,             # <<<<<<<<<<<<<<
@@ -22067,7 +22123,7 @@ static CYTHON_INLINE float __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_ta
 static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_exp_sum(ca_kernels const *__pyx_v_kern, double *__pyx_v_x, Py_ssize_t __pyx_v_n, double __pyx_v_shift) {
   double __pyx_r;
 
-  /* "cattention/_driver/kernel_table.pxd":224
+  /* "cattention/_driver/kernel_table.pxd":241
  *         return kern.exp_sum_f32(x, n, shift)
  *     else:
  *         return kern.exp_sum_f64(x, n, shift)             # <<<<<<<<<<<<<<
@@ -22078,7 +22134,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/kernel_table.pxd":219
+  /* "cattention/_driver/kernel_table.pxd":236
  * 
  * 
  * cdef inline floating kernel_exp_sum(const ca_kernels *kern, floating *x, Py_ssize_t n,             # <<<<<<<<<<<<<<
@@ -22091,7 +22147,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":196
+/* "cattention/_driver/problem.pxd":201
  * 
  * 
  * cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22102,7 +22158,7 @@ static CYTHON_INLINE double __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_t
 static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_round_up(Py_ssize_t __pyx_v_n, Py_ssize_t __pyx_v_m) {
   Py_ssize_t __pyx_r;
 
-  /* "cattention/_driver/problem.pxd":197
+  /* "cattention/_driver/problem.pxd":202
  * 
  * cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
  *     return ((n + m - 1) // m) * m             # <<<<<<<<<<<<<<
@@ -22115,7 +22171,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_round_up(
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":196
+  /* "cattention/_driver/problem.pxd":201
  * 
  * 
  * cdef inline Py_ssize_t round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22128,7 +22184,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_round_up(
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":200
+/* "cattention/_driver/problem.pxd":205
  * 
  * 
  * cdef inline Py_ssize_t fold_period(Py_ssize_t n_steps) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22142,7 +22198,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":211
+  /* "cattention/_driver/problem.pxd":216
  *     at the row's: g = (n^2 / 2)^(1/3) balances the two. Items of at most
  *     FOLD_MIN_STEPS never fold: their state is bitwise one chain's."""
  *     cdef Py_ssize_t g = <Py_ssize_t>ceil(cbrt(0.5 * <double>n_steps * n_steps))             # <<<<<<<<<<<<<<
@@ -22151,7 +22207,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
 */
   __pyx_v_g = ((Py_ssize_t)ceil(cbrt(((0.5 * ((double)__pyx_v_n_steps)) * __pyx_v_n_steps))));
 
-  /* "cattention/_driver/problem.pxd":212
+  /* "cattention/_driver/problem.pxd":217
  *     FOLD_MIN_STEPS never fold: their state is bitwise one chain's."""
  *     cdef Py_ssize_t g = <Py_ssize_t>ceil(cbrt(0.5 * <double>n_steps * n_steps))
  *     return g if g > FOLD_MIN_STEPS else FOLD_MIN_STEPS             # <<<<<<<<<<<<<<
@@ -22173,7 +22229,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":200
+  /* "cattention/_driver/problem.pxd":205
  * 
  * 
  * cdef inline Py_ssize_t fold_period(Py_ssize_t n_steps) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22187,7 +22243,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_fold_peri
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":215
+/* "cattention/_driver/problem.pxd":220
  * 
  * 
  * cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_queries,             # <<<<<<<<<<<<<<
@@ -22202,7 +22258,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
   double const *__pyx_t_4;
   double const *__pyx_t_5;
 
-  /* "cattention/_driver/problem.pxd":222
+  /* "cattention/_driver/problem.pxd":227
  *     ATTN and SCORES rows). Callers then set operands and the layout and call
  *     problem_finish."""
  *     memset(pb, 0, sizeof(Problem))             # <<<<<<<<<<<<<<
@@ -22211,7 +22267,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   (void)(memset(__pyx_v_pb, 0, (sizeof(struct __pyx_t_10cattention_7_driver_7problem_Problem))));
 
-  /* "cattention/_driver/problem.pxd":223
+  /* "cattention/_driver/problem.pxd":228
  *     problem_finish."""
  *     memset(pb, 0, sizeof(Problem))
  *     pb.n_batch = n_batch             # <<<<<<<<<<<<<<
@@ -22220,7 +22276,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_batch = __pyx_v_n_batch;
 
-  /* "cattention/_driver/problem.pxd":224
+  /* "cattention/_driver/problem.pxd":229
  *     memset(pb, 0, sizeof(Problem))
  *     pb.n_batch = n_batch
  *     pb.n_queries = n_queries             # <<<<<<<<<<<<<<
@@ -22229,7 +22285,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_queries = __pyx_v_n_queries;
 
-  /* "cattention/_driver/problem.pxd":225
+  /* "cattention/_driver/problem.pxd":230
  *     pb.n_batch = n_batch
  *     pb.n_queries = n_queries
  *     pb.n_keys = n_keys             # <<<<<<<<<<<<<<
@@ -22238,7 +22294,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_keys = __pyx_v_n_keys;
 
-  /* "cattention/_driver/problem.pxd":226
+  /* "cattention/_driver/problem.pxd":231
  *     pb.n_queries = n_queries
  *     pb.n_keys = n_keys
  *     pb.d_k = d_k             # <<<<<<<<<<<<<<
@@ -22247,7 +22303,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->d_k = __pyx_v_d_k;
 
-  /* "cattention/_driver/problem.pxd":227
+  /* "cattention/_driver/problem.pxd":232
  *     pb.n_keys = n_keys
  *     pb.d_k = d_k
  *     pb.d_v = d_v             # <<<<<<<<<<<<<<
@@ -22256,7 +22312,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->d_v = __pyx_v_d_v;
 
-  /* "cattention/_driver/problem.pxd":228
+  /* "cattention/_driver/problem.pxd":233
  *     pb.d_k = d_k
  *     pb.d_v = d_v
  *     pb.causal = row.causal             # <<<<<<<<<<<<<<
@@ -22267,7 +22323,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->causal = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":229
+  /* "cattention/_driver/problem.pxd":234
  *     pb.d_v = d_v
  *     pb.causal = row.causal
  *     pb.scale = row.scale             # <<<<<<<<<<<<<<
@@ -22278,7 +22334,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->scale = __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":230
+  /* "cattention/_driver/problem.pxd":235
  *     pb.causal = row.causal
  *     pb.scale = row.scale
  *     pb.window_left = row.window_left             # <<<<<<<<<<<<<<
@@ -22289,7 +22345,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->window_left = __pyx_t_3;
 
-  /* "cattention/_driver/problem.pxd":231
+  /* "cattention/_driver/problem.pxd":236
  *     pb.scale = row.scale
  *     pb.window_left = row.window_left
  *     pb.window_right = row.window_right             # <<<<<<<<<<<<<<
@@ -22300,7 +22356,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->window_right = __pyx_t_3;
 
-  /* "cattention/_driver/problem.pxd":232
+  /* "cattention/_driver/problem.pxd":237
  *     pb.window_left = row.window_left
  *     pb.window_right = row.window_right
  *     pb.softcap = row.softcap             # <<<<<<<<<<<<<<
@@ -22311,7 +22367,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->softcap = __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":233
+  /* "cattention/_driver/problem.pxd":238
  *     pb.window_right = row.window_right
  *     pb.softcap = row.softcap
  *     pb.alibi_slope = row.alibi_slope             # <<<<<<<<<<<<<<
@@ -22322,7 +22378,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->alibi_slope = __pyx_t_4;
 
-  /* "cattention/_driver/problem.pxd":234
+  /* "cattention/_driver/problem.pxd":239
  *     pb.softcap = row.softcap
  *     pb.alibi_slope = row.alibi_slope
  *     pb.sink = row.sink             # <<<<<<<<<<<<<<
@@ -22333,7 +22389,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
   __pyx_v_pb->sink = __pyx_t_5;
 
-  /* "cattention/_driver/problem.pxd":235
+  /* "cattention/_driver/problem.pxd":240
  *     pb.alibi_slope = row.alibi_slope
  *     pb.sink = row.sink
  *     pb.mask_kind = MASK_NONE             # <<<<<<<<<<<<<<
@@ -22342,7 +22398,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->mask_kind = __pyx_e_10cattention_7_driver_7problem_MASK_NONE;
 
-  /* "cattention/_driver/problem.pxd":236
+  /* "cattention/_driver/problem.pxd":241
  *     pb.sink = row.sink
  *     pb.mask_kind = MASK_NONE
  *     pb.query_period = n_queries             # <<<<<<<<<<<<<<
@@ -22351,7 +22407,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->query_period = __pyx_v_n_queries;
 
-  /* "cattention/_driver/problem.pxd":237
+  /* "cattention/_driver/problem.pxd":242
  *     pb.mask_kind = MASK_NONE
  *     pb.query_period = n_queries
  *     pb.ld_out = d_v             # <<<<<<<<<<<<<<
@@ -22360,7 +22416,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->ld_out = __pyx_v_d_v;
 
-  /* "cattention/_driver/problem.pxd":238
+  /* "cattention/_driver/problem.pxd":243
  *     pb.query_period = n_queries
  *     pb.ld_out = d_v
  *     pb.ld_scores = n_keys             # <<<<<<<<<<<<<<
@@ -22369,7 +22425,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->ld_scores = __pyx_v_n_keys;
 
-  /* "cattention/_driver/problem.pxd":239
+  /* "cattention/_driver/problem.pxd":244
  *     pb.ld_out = d_v
  *     pb.ld_scores = n_keys
  *     pb.ld_lse = 1             # <<<<<<<<<<<<<<
@@ -22378,7 +22434,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->ld_lse = 1;
 
-  /* "cattention/_driver/problem.pxd":240
+  /* "cattention/_driver/problem.pxd":245
  *     pb.ld_scores = n_keys
  *     pb.ld_lse = 1
  *     pb.n_kv = n_batch             # <<<<<<<<<<<<<<
@@ -22387,7 +22443,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 */
   __pyx_v_pb->n_kv = __pyx_v_n_batch;
 
-  /* "cattention/_driver/problem.pxd":215
+  /* "cattention/_driver/problem.pxd":220
  * 
  * 
  * cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_queries,             # <<<<<<<<<<<<<<
@@ -22398,7 +22454,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":243
+/* "cattention/_driver/problem.pxd":248
  * 
  * 
  * cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22408,7 +22464,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_init(st
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_options(struct __pyx_t_10cattention_7_driver_7problem_RowOptions *__pyx_v_row, int __pyx_v_causal, double __pyx_v_scale) {
 
-  /* "cattention/_driver/problem.pxd":245
+  /* "cattention/_driver/problem.pxd":250
  * cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:
  *     """Row options with no window, softcap, ALiBi or sinks."""
  *     row.causal = causal             # <<<<<<<<<<<<<<
@@ -22417,7 +22473,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->causal = __pyx_v_causal;
 
-  /* "cattention/_driver/problem.pxd":246
+  /* "cattention/_driver/problem.pxd":251
  *     """Row options with no window, softcap, ALiBi or sinks."""
  *     row.causal = causal
  *     row.scale = scale             # <<<<<<<<<<<<<<
@@ -22426,7 +22482,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->scale = __pyx_v_scale;
 
-  /* "cattention/_driver/problem.pxd":247
+  /* "cattention/_driver/problem.pxd":252
  *     row.causal = causal
  *     row.scale = scale
  *     row.window_left = -1             # <<<<<<<<<<<<<<
@@ -22435,7 +22491,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->window_left = -1L;
 
-  /* "cattention/_driver/problem.pxd":248
+  /* "cattention/_driver/problem.pxd":253
  *     row.scale = scale
  *     row.window_left = -1
  *     row.window_right = -1             # <<<<<<<<<<<<<<
@@ -22444,7 +22500,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->window_right = -1L;
 
-  /* "cattention/_driver/problem.pxd":249
+  /* "cattention/_driver/problem.pxd":254
  *     row.window_left = -1
  *     row.window_right = -1
  *     row.softcap = 0             # <<<<<<<<<<<<<<
@@ -22453,7 +22509,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->softcap = 0.0;
 
-  /* "cattention/_driver/problem.pxd":250
+  /* "cattention/_driver/problem.pxd":255
  *     row.window_right = -1
  *     row.softcap = 0
  *     row.alibi_slope = NULL             # <<<<<<<<<<<<<<
@@ -22462,7 +22518,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->alibi_slope = NULL;
 
-  /* "cattention/_driver/problem.pxd":251
+  /* "cattention/_driver/problem.pxd":256
  *     row.softcap = 0
  *     row.alibi_slope = NULL
  *     row.sink = NULL             # <<<<<<<<<<<<<<
@@ -22471,7 +22527,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
 */
   __pyx_v_row->sink = NULL;
 
-  /* "cattention/_driver/problem.pxd":243
+  /* "cattention/_driver/problem.pxd":248
  * 
  * 
  * cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22482,7 +22538,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_plain_row_optio
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":254
+/* "cattention/_driver/problem.pxd":259
  * 
  * 
  * cdef inline void problem_finish(Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22494,7 +22550,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":256
+  /* "cattention/_driver/problem.pxd":261
  * cdef inline void problem_finish(Problem *pb) noexcept nogil:
  *     """Derived sizes: the packed K/V layout."""
  *     pb.ld_k = pb.d_k if pb.d_k > 0 else 1             # <<<<<<<<<<<<<<
@@ -22513,7 +22569,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
   __pyx_v_pb->ld_k = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":257
+  /* "cattention/_driver/problem.pxd":262
  *     """Derived sizes: the packed K/V layout."""
  *     pb.ld_k = pb.d_k if pb.d_k > 0 else 1
  *     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD             # <<<<<<<<<<<<<<
@@ -22532,7 +22588,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
   __pyx_v_pb->ld_v = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":258
+  /* "cattention/_driver/problem.pxd":263
  *     pb.ld_k = pb.d_k if pb.d_k > 0 else 1
  *     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
  *     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK             # <<<<<<<<<<<<<<
@@ -22541,7 +22597,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 */
   __pyx_v_pb->n_key_blocks = (((__pyx_v_pb->n_keys + __pyx_e_10cattention_7_driver_7problem_K_BLOCK) - 1) / __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/problem.pxd":259
+  /* "cattention/_driver/problem.pxd":264
  *     pb.ld_v = round_up(pb.d_v, PAD) if pb.d_v > 0 else PAD
  *     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
  *     pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)             # <<<<<<<<<<<<<<
@@ -22560,7 +22616,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
   __pyx_v_pb->block_keys = __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":260
+  /* "cattention/_driver/problem.pxd":265
  *     pb.n_key_blocks = (pb.n_keys + K_BLOCK - 1) // K_BLOCK
  *     pb.block_keys = K_BLOCK if pb.n_keys >= K_BLOCK else round_up(pb.n_keys, PAD)
  *     pb.fold_steps = fold_period(pb.n_key_blocks)             # <<<<<<<<<<<<<<
@@ -22569,7 +22625,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 */
   __pyx_v_pb->fold_steps = __pyx_f_10cattention_7_driver_7problem_fold_period(__pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/problem.pxd":254
+  /* "cattention/_driver/problem.pxd":259
  * 
  * 
  * cdef inline void problem_finish(Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22580,7 +22636,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":263
+/* "cattention/_driver/problem.pxd":268
  * 
  * 
  * cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,             # <<<<<<<<<<<<<<
@@ -22590,7 +22646,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_problem_finish(
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(struct __pyx_t_10cattention_7_driver_7problem_Operand *__pyx_v_op, void const *__pyx_v_data, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_batch_offset, Py_ssize_t __pyx_v_row_stride, Py_ssize_t __pyx_v_col_stride) {
 
-  /* "cattention/_driver/problem.pxd":265
+  /* "cattention/_driver/problem.pxd":270
  * cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,
  *                              Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
  *     op.data = <const char *>data             # <<<<<<<<<<<<<<
@@ -22599,7 +22655,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->data = ((char const *)__pyx_v_data);
 
-  /* "cattention/_driver/problem.pxd":266
+  /* "cattention/_driver/problem.pxd":271
  *                              Py_ssize_t row_stride, Py_ssize_t col_stride) noexcept nogil:
  *     op.data = <const char *>data
  *     op.batch_offset = batch_offset             # <<<<<<<<<<<<<<
@@ -22608,7 +22664,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->batch_offset = __pyx_v_batch_offset;
 
-  /* "cattention/_driver/problem.pxd":267
+  /* "cattention/_driver/problem.pxd":272
  *     op.data = <const char *>data
  *     op.batch_offset = batch_offset
  *     op.row_stride = row_stride             # <<<<<<<<<<<<<<
@@ -22617,7 +22673,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->row_stride = __pyx_v_row_stride;
 
-  /* "cattention/_driver/problem.pxd":268
+  /* "cattention/_driver/problem.pxd":273
  *     op.batch_offset = batch_offset
  *     op.row_stride = row_stride
  *     op.col_stride = col_stride             # <<<<<<<<<<<<<<
@@ -22626,7 +22682,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
 */
   __pyx_v_op->col_stride = __pyx_v_col_stride;
 
-  /* "cattention/_driver/problem.pxd":263
+  /* "cattention/_driver/problem.pxd":268
  * 
  * 
  * cdef inline void set_operand(Operand *op, const void *data, const intp_t *batch_offset,             # <<<<<<<<<<<<<<
@@ -22637,7 +22693,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_7problem_set_operand(str
   /* function exit code */
 }
 
-/* "cattention/_driver/problem.pxd":271
+/* "cattention/_driver/problem.pxd":276
  * 
  * 
  * cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22650,7 +22706,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_entry_row
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":273
+  /* "cattention/_driver/problem.pxd":278
  * cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:
  *     """Query rows of batch entry b."""
  *     return pb.q_length[b] if pb.q_length != NULL else pb.n_queries             # <<<<<<<<<<<<<<
@@ -22672,7 +22728,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_entry_row
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":271
+  /* "cattention/_driver/problem.pxd":276
  * 
  * 
  * cdef inline Py_ssize_t entry_rows(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22685,7 +22741,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_entry_row
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":276
+/* "cattention/_driver/problem.pxd":281
  * 
  * 
  * cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22698,7 +22754,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_query_per
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":279
+  /* "cattention/_driver/problem.pxd":284
  *     """Positions of entry b's query rows before they repeat (stacked heads):
  *     its own row count for entries of their own lengths."""
  *     return pb.q_length[b] if pb.q_length != NULL else pb.query_period             # <<<<<<<<<<<<<<
@@ -22720,7 +22776,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_query_per
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":276
+  /* "cattention/_driver/problem.pxd":281
  * 
  * 
  * cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22733,7 +22789,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_query_per
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":282
+/* "cattention/_driver/problem.pxd":287
  * 
  * 
  * cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
@@ -22745,7 +22801,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   Py_ssize_t __pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/problem.pxd":285
+  /* "cattention/_driver/problem.pxd":290
  *                                       Py_ssize_t row) noexcept nogil:
  *     """Element offset of ATTN row ``row`` of batch entry b."""
  *     if pb.out_offset != NULL:             # <<<<<<<<<<<<<<
@@ -22757,7 +22813,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/problem.pxd":286
+    /* "cattention/_driver/problem.pxd":291
  *     """Element offset of ATTN row ``row`` of batch entry b."""
  *     if pb.out_offset != NULL:
  *         return pb.out_offset[b] + row * pb.ld_out             # <<<<<<<<<<<<<<
@@ -22770,7 +22826,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/problem.pxd":285
+    /* "cattention/_driver/problem.pxd":290
  *                                       Py_ssize_t row) noexcept nogil:
  *     """Element offset of ATTN row ``row`` of batch entry b."""
  *     if pb.out_offset != NULL:             # <<<<<<<<<<<<<<
@@ -22779,7 +22835,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
 */
   }
 
-  /* "cattention/_driver/problem.pxd":287
+  /* "cattention/_driver/problem.pxd":292
  *     if pb.out_offset != NULL:
  *         return pb.out_offset[b] + row * pb.ld_out
  *     return (b * pb.n_queries + row) * pb.ld_out             # <<<<<<<<<<<<<<
@@ -22792,7 +22848,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":282
+  /* "cattention/_driver/problem.pxd":287
  * 
  * 
  * cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
@@ -22805,7 +22861,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_out_row_o
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":290
+/* "cattention/_driver/problem.pxd":295
  * 
  * 
  * cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22818,7 +22874,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_exten
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":292
+  /* "cattention/_driver/problem.pxd":297
  * cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:
  *     """Keys of packed K/V entry kv that may be read (the rest may not exist)."""
  *     return pb.kv_extent[kv] if pb.kv_extent != NULL else pb.n_keys             # <<<<<<<<<<<<<<
@@ -22840,7 +22896,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_exten
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":290
+  /* "cattention/_driver/problem.pxd":295
  * 
  * 
  * cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22853,7 +22909,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_exten
   return __pyx_r;
 }
 
-/* "cattention/_driver/problem.pxd":295
+/* "cattention/_driver/problem.pxd":300
  * 
  * 
  * cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -22866,7 +22922,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_first
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/problem.pxd":297
+  /* "cattention/_driver/problem.pxd":302
  * cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:
  *     """The first key of packed K/V entry kv that may be read."""
  *     return pb.kv_first[kv] if pb.kv_first != NULL else 0             # <<<<<<<<<<<<<<
@@ -22886,7 +22942,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7problem_key_first
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/problem.pxd":295
+  /* "cattention/_driver/problem.pxd":300
  * 
  * 
  * cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -24998,31 +25054,42 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
  *     cdef Workspace *ws = &header
  *     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
  *     ws.off_q = n             # <<<<<<<<<<<<<<
- *     n += round_up(n_rows * pb.ld_k, 16)
- *     ws.off_s = n
+ *     # (bfloat16 tiles read query rows 16 at a time, up to 31 past a call's
+ *     # last row: rows they never use, but that must exist)
 */
   __pyx_v_ws->off_q = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":62
- *     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
- *     ws.off_q = n
- *     n += round_up(n_rows * pb.ld_k, 16)             # <<<<<<<<<<<<<<
+  /* "cattention/_driver/workspace.pxd":64
+ *     # (bfloat16 tiles read query rows 16 at a time, up to 31 past a call's
+ *     # last row: rows they never use, but that must exist)
+ *     n += round_up((n_rows + (32 if pb.bf16_score else 0)) * pb.ld_k, 16)             # <<<<<<<<<<<<<<
  *     ws.off_s = n
  *     n += round_up(n_rows * K_BLOCK, 16)
 */
-  __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_n_rows * __pyx_v_pb->ld_k), 16));
+  __pyx_t_2 = (__pyx_v_pb->bf16_score != 0);
 
-  /* "cattention/_driver/workspace.pxd":63
- *     ws.off_q = n
- *     n += round_up(n_rows * pb.ld_k, 16)
+  if (__pyx_t_2) {
+
+    __pyx_t_1 = 32;
+  } else {
+
+    __pyx_t_1 = 0;
+  }
+
+  __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up(((__pyx_v_n_rows + __pyx_t_1) * __pyx_v_pb->ld_k), 16));
+
+
+  /* "cattention/_driver/workspace.pxd":65
+ *     # last row: rows they never use, but that must exist)
+ *     n += round_up((n_rows + (32 if pb.bf16_score else 0)) * pb.ld_k, 16)
  *     ws.off_s = n             # <<<<<<<<<<<<<<
  *     n += round_up(n_rows * K_BLOCK, 16)
  *     ws.off_acc = n
 */
   __pyx_v_ws->off_s = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":64
- *     n += round_up(n_rows * pb.ld_k, 16)
+  /* "cattention/_driver/workspace.pxd":66
+ *     n += round_up((n_rows + (32 if pb.bf16_score else 0)) * pb.ld_k, 16)
  *     ws.off_s = n
  *     n += round_up(n_rows * K_BLOCK, 16)             # <<<<<<<<<<<<<<
  *     ws.off_acc = n
@@ -25030,7 +25097,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_n_rows * __pyx_e_10cattention_7_driver_7problem_K_BLOCK), 16));
 
-  /* "cattention/_driver/workspace.pxd":65
+  /* "cattention/_driver/workspace.pxd":67
  *     ws.off_s = n
  *     n += round_up(n_rows * K_BLOCK, 16)
  *     ws.off_acc = n             # <<<<<<<<<<<<<<
@@ -25039,7 +25106,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_acc = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":66
+  /* "cattention/_driver/workspace.pxd":68
  *     n += round_up(n_rows * K_BLOCK, 16)
  *     ws.off_acc = n
  *     n += round_up(n_rows * pb.ld_v, 16)             # <<<<<<<<<<<<<<
@@ -25048,7 +25115,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_n_rows * __pyx_v_pb->ld_v), 16));
 
-  /* "cattention/_driver/workspace.pxd":67
+  /* "cattention/_driver/workspace.pxd":69
  *     ws.off_acc = n
  *     n += round_up(n_rows * pb.ld_v, 16)
  *     ws.off_max = n             # <<<<<<<<<<<<<<
@@ -25057,7 +25124,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_max = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":68
+  /* "cattention/_driver/workspace.pxd":70
  *     n += round_up(n_rows * pb.ld_v, 16)
  *     ws.off_max = n
  *     n += round_up(n_rows, 16)             # <<<<<<<<<<<<<<
@@ -25066,7 +25133,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_rows, 16));
 
-  /* "cattention/_driver/workspace.pxd":69
+  /* "cattention/_driver/workspace.pxd":71
  *     ws.off_max = n
  *     n += round_up(n_rows, 16)
  *     ws.off_sum = n             # <<<<<<<<<<<<<<
@@ -25075,7 +25142,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_sum = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":70
+  /* "cattention/_driver/workspace.pxd":72
  *     n += round_up(n_rows, 16)
  *     ws.off_sum = n
  *     n += round_up(n_rows, 16)             # <<<<<<<<<<<<<<
@@ -25084,7 +25151,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_rows, 16));
 
-  /* "cattention/_driver/workspace.pxd":71
+  /* "cattention/_driver/workspace.pxd":73
  *     ws.off_sum = n
  *     n += round_up(n_rows, 16)
  *     ws.off_acc_total = n             # <<<<<<<<<<<<<<
@@ -25093,7 +25160,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_acc_total = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":72
+  /* "cattention/_driver/workspace.pxd":74
  *     n += round_up(n_rows, 16)
  *     ws.off_acc_total = n
  *     n += round_up(n_rows * pb.ld_v, 16)             # <<<<<<<<<<<<<<
@@ -25102,7 +25169,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_n_rows * __pyx_v_pb->ld_v), 16));
 
-  /* "cattention/_driver/workspace.pxd":73
+  /* "cattention/_driver/workspace.pxd":75
  *     ws.off_acc_total = n
  *     n += round_up(n_rows * pb.ld_v, 16)
  *     ws.off_sum_total = n             # <<<<<<<<<<<<<<
@@ -25111,7 +25178,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_sum_total = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":74
+  /* "cattention/_driver/workspace.pxd":76
  *     n += round_up(n_rows * pb.ld_v, 16)
  *     ws.off_sum_total = n
  *     n += round_up(n_rows, 16)             # <<<<<<<<<<<<<<
@@ -25120,7 +25187,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_rows, 16));
 
-  /* "cattention/_driver/workspace.pxd":75
+  /* "cattention/_driver/workspace.pxd":77
  *     ws.off_sum_total = n
  *     n += round_up(n_rows, 16)
  *     ws.steps_since_fold = 0             # <<<<<<<<<<<<<<
@@ -25129,7 +25196,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->steps_since_fold = 0;
 
-  /* "cattention/_driver/workspace.pxd":76
+  /* "cattention/_driver/workspace.pxd":78
  *     n += round_up(n_rows, 16)
  *     ws.steps_since_fold = 0
  *     ws.has_totals = False             # <<<<<<<<<<<<<<
@@ -25138,7 +25205,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->has_totals = 0;
 
-  /* "cattention/_driver/workspace.pxd":79
+  /* "cattention/_driver/workspace.pxd":81
  *     # an entry's own regions, from off_q = 0 to here; the other entries'
  *     # follow the shared rows, laid out the same
  *     per_entry = n             # <<<<<<<<<<<<<<
@@ -25147,7 +25214,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_per_entry = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":80
+  /* "cattention/_driver/workspace.pxd":82
  *     # follow the shared rows, laid out the same
  *     per_entry = n
  *     ws.off_k_rows = n             # <<<<<<<<<<<<<<
@@ -25156,7 +25223,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_k_rows = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":81
+  /* "cattention/_driver/workspace.pxd":83
  *     per_entry = n
  *     ws.off_k_rows = n
  *     ws.off_v_rows = n             # <<<<<<<<<<<<<<
@@ -25165,7 +25232,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->off_v_rows = __pyx_v_n;
 
-  /* "cattention/_driver/workspace.pxd":82
+  /* "cattention/_driver/workspace.pxd":84
  *     ws.off_k_rows = n
  *     ws.off_v_rows = n
  *     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE             # <<<<<<<<<<<<<<
@@ -25183,7 +25250,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/workspace.pxd":83
+  /* "cattention/_driver/workspace.pxd":85
  *     ws.off_v_rows = n
  *     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE
  *             or pb.v.storage != STORE_COMPUTE             # <<<<<<<<<<<<<<
@@ -25201,7 +25268,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/workspace.pxd":84
+  /* "cattention/_driver/workspace.pxd":86
  *     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE
  *             or pb.v.storage != STORE_COMPUTE
  *             or pb.k.page_ids != NULL or pb.v.page_ids != NULL):             # <<<<<<<<<<<<<<
@@ -25235,7 +25302,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 
   __pyx_L4_bool_binop_done:;
 
-  /* "cattention/_driver/workspace.pxd":82
+  /* "cattention/_driver/workspace.pxd":84
  *     ws.off_k_rows = n
  *     ws.off_v_rows = n
  *     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE             # <<<<<<<<<<<<<<
@@ -25245,7 +25312,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/workspace.pxd":85
+    /* "cattention/_driver/workspace.pxd":87
  *             or pb.v.storage != STORE_COMPUTE
  *             or pb.k.page_ids != NULL or pb.v.page_ids != NULL):
  *         n += round_up(K_BLOCK * pb.ld_k, 16)             # <<<<<<<<<<<<<<
@@ -25254,7 +25321,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_e_10cattention_7_driver_7problem_K_BLOCK * __pyx_v_pb->ld_k), 16));
 
-    /* "cattention/_driver/workspace.pxd":86
+    /* "cattention/_driver/workspace.pxd":88
  *             or pb.k.page_ids != NULL or pb.v.page_ids != NULL):
  *         n += round_up(K_BLOCK * pb.ld_k, 16)
  *         ws.off_v_rows = n             # <<<<<<<<<<<<<<
@@ -25263,7 +25330,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_v_rows = __pyx_v_n;
 
-    /* "cattention/_driver/workspace.pxd":87
+    /* "cattention/_driver/workspace.pxd":89
  *         n += round_up(K_BLOCK * pb.ld_k, 16)
  *         ws.off_v_rows = n
  *         n += round_up(K_BLOCK * pb.ld_v, 16)             # <<<<<<<<<<<<<<
@@ -25272,7 +25339,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_n = (__pyx_v_n + __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_e_10cattention_7_driver_7problem_K_BLOCK * __pyx_v_pb->ld_v), 16));
 
-    /* "cattention/_driver/workspace.pxd":82
+    /* "cattention/_driver/workspace.pxd":84
  *     ws.off_k_rows = n
  *     ws.off_v_rows = n
  *     if (n_rows <= DIRECT_ROWS or pb.k.storage != STORE_COMPUTE             # <<<<<<<<<<<<<<
@@ -25281,7 +25348,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   }
 
-  /* "cattention/_driver/workspace.pxd":90
+  /* "cattention/_driver/workspace.pxd":92
  *     # one buffer: the workspaces themselves, then the regions from the next
  *     # 64-byte boundary, then each entry's visible ranges
  *     cdef size_t header_bytes = round_up(n_entries * sizeof(Workspace), 64)             # <<<<<<<<<<<<<<
@@ -25290,7 +25357,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_header_bytes = __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_n_entries * (sizeof(struct __pyx_t_10cattention_7_driver_9workspace_Workspace))), 64);
 
-  /* "cattention/_driver/workspace.pxd":91
+  /* "cattention/_driver/workspace.pxd":93
  *     # 64-byte boundary, then each entry's visible ranges
  *     cdef size_t header_bytes = round_up(n_entries * sizeof(Workspace), 64)
  *     cdef Py_ssize_t n_all = n + (n_entries - 1) * per_entry             # <<<<<<<<<<<<<<
@@ -25299,7 +25366,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_n_all = (__pyx_v_n + ((__pyx_v_n_entries - 1) * __pyx_v_per_entry));
 
-  /* "cattention/_driver/workspace.pxd":92
+  /* "cattention/_driver/workspace.pxd":94
  *     cdef size_t header_bytes = round_up(n_entries * sizeof(Workspace), 64)
  *     cdef Py_ssize_t n_all = n + (n_entries - 1) * per_entry
  *     cdef char *memory = <char *>ca_scratch_acquire(             # <<<<<<<<<<<<<<
@@ -25308,7 +25375,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_memory = ((char *)ca_scratch_acquire(CA_SCRATCH_WORKSPACE, ((__pyx_v_header_bytes + (__pyx_v_n_all * __pyx_v_itemsize)) + (((2 * __pyx_v_n_entries) * __pyx_v_n_rows) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t))))));
 
-  /* "cattention/_driver/workspace.pxd":95
+  /* "cattention/_driver/workspace.pxd":97
  *         CA_SCRATCH_WORKSPACE,
  *         header_bytes + n_all * itemsize + 2 * n_entries * n_rows * sizeof(intp_t))
  *     if memory == NULL:             # <<<<<<<<<<<<<<
@@ -25320,7 +25387,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/workspace.pxd":96
+    /* "cattention/_driver/workspace.pxd":98
  *         header_bytes + n_all * itemsize + 2 * n_entries * n_rows * sizeof(intp_t))
  *     if memory == NULL:
  *         return NULL             # <<<<<<<<<<<<<<
@@ -25333,7 +25400,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/workspace.pxd":95
+    /* "cattention/_driver/workspace.pxd":97
  *         CA_SCRATCH_WORKSPACE,
  *         header_bytes + n_all * itemsize + 2 * n_entries * n_rows * sizeof(intp_t))
  *     if memory == NULL:             # <<<<<<<<<<<<<<
@@ -25342,7 +25409,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   }
 
-  /* "cattention/_driver/workspace.pxd":97
+  /* "cattention/_driver/workspace.pxd":99
  *     if memory == NULL:
  *         return NULL
  *     ws.base = memory + header_bytes             # <<<<<<<<<<<<<<
@@ -25351,7 +25418,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->base = (__pyx_v_memory + __pyx_v_header_bytes);
 
-  /* "cattention/_driver/workspace.pxd":98
+  /* "cattention/_driver/workspace.pxd":100
  *         return NULL
  *     ws.base = memory + header_bytes
  *     ws.own_k = NULL             # <<<<<<<<<<<<<<
@@ -25360,7 +25427,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->own_k = NULL;
 
-  /* "cattention/_driver/workspace.pxd":99
+  /* "cattention/_driver/workspace.pxd":101
  *     ws.base = memory + header_bytes
  *     ws.own_k = NULL
  *     ws.own_v = NULL             # <<<<<<<<<<<<<<
@@ -25369,7 +25436,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->own_v = NULL;
 
-  /* "cattention/_driver/workspace.pxd":100
+  /* "cattention/_driver/workspace.pxd":102
  *     ws.own_k = NULL
  *     ws.own_v = NULL
  *     ws.own_nonfinite = NULL             # <<<<<<<<<<<<<<
@@ -25378,7 +25445,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->own_nonfinite = NULL;
 
-  /* "cattention/_driver/workspace.pxd":101
+  /* "cattention/_driver/workspace.pxd":103
  *     ws.own_v = NULL
  *     ws.own_nonfinite = NULL
  *     ws.after_score = NULL             # <<<<<<<<<<<<<<
@@ -25387,7 +25454,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->after_score = NULL;
 
-  /* "cattention/_driver/workspace.pxd":102
+  /* "cattention/_driver/workspace.pxd":104
  *     ws.own_nonfinite = NULL
  *     ws.after_score = NULL
  *     ws.after_pv = NULL             # <<<<<<<<<<<<<<
@@ -25396,7 +25463,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->after_pv = NULL;
 
-  /* "cattention/_driver/workspace.pxd":103
+  /* "cattention/_driver/workspace.pxd":105
  *     ws.after_score = NULL
  *     ws.after_pv = NULL
  *     ws.after_score_bytes = 0             # <<<<<<<<<<<<<<
@@ -25405,7 +25472,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->after_score_bytes = 0;
 
-  /* "cattention/_driver/workspace.pxd":104
+  /* "cattention/_driver/workspace.pxd":106
  *     ws.after_pv = NULL
  *     ws.after_score_bytes = 0
  *     ws.after_pv_bytes = 0             # <<<<<<<<<<<<<<
@@ -25414,7 +25481,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->after_pv_bytes = 0;
 
-  /* "cattention/_driver/workspace.pxd":105
+  /* "cattention/_driver/workspace.pxd":107
  *     ws.after_score_bytes = 0
  *     ws.after_pv_bytes = 0
  *     ws.row_lo = <intp_t *>(<char *>ws.base + n_all * itemsize)             # <<<<<<<<<<<<<<
@@ -25423,7 +25490,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->row_lo = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)(((char *)__pyx_v_ws->base) + (__pyx_v_n_all * __pyx_v_itemsize)));
 
-  /* "cattention/_driver/workspace.pxd":106
+  /* "cattention/_driver/workspace.pxd":108
  *     ws.after_pv_bytes = 0
  *     ws.row_lo = <intp_t *>(<char *>ws.base + n_all * itemsize)
  *     ws.row_hi = ws.row_lo + n_rows             # <<<<<<<<<<<<<<
@@ -25432,7 +25499,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->row_hi = (__pyx_v_ws->row_lo + __pyx_v_n_rows);
 
-  /* "cattention/_driver/workspace.pxd":107
+  /* "cattention/_driver/workspace.pxd":109
  *     ws.row_lo = <intp_t *>(<char *>ws.base + n_all * itemsize)
  *     ws.row_hi = ws.row_lo + n_rows
  *     (<Workspace *>memory)[0] = header             # <<<<<<<<<<<<<<
@@ -25441,7 +25508,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   (((struct __pyx_t_10cattention_7_driver_9workspace_Workspace *)__pyx_v_memory)[0]) = __pyx_v_header;
 
-  /* "cattention/_driver/workspace.pxd":108
+  /* "cattention/_driver/workspace.pxd":110
  *     ws.row_hi = ws.row_lo + n_rows
  *     (<Workspace *>memory)[0] = header
  *     for g in range(1, n_entries):             # <<<<<<<<<<<<<<
@@ -25455,7 +25522,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   for (__pyx_t_5 = 1; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_g = __pyx_t_5;
 
-    /* "cattention/_driver/workspace.pxd":109
+    /* "cattention/_driver/workspace.pxd":111
  *     (<Workspace *>memory)[0] = header
  *     for g in range(1, n_entries):
  *         ws = <Workspace *>memory + g             # <<<<<<<<<<<<<<
@@ -25464,7 +25531,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws = (((struct __pyx_t_10cattention_7_driver_9workspace_Workspace *)__pyx_v_memory) + __pyx_v_g);
 
-    /* "cattention/_driver/workspace.pxd":110
+    /* "cattention/_driver/workspace.pxd":112
  *     for g in range(1, n_entries):
  *         ws = <Workspace *>memory + g
  *         ws[0] = header             # <<<<<<<<<<<<<<
@@ -25473,7 +25540,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     (__pyx_v_ws[0]) = __pyx_v_header;
 
-    /* "cattention/_driver/workspace.pxd":111
+    /* "cattention/_driver/workspace.pxd":113
  *         ws = <Workspace *>memory + g
  *         ws[0] = header
  *         shift = n + (g - 1) * per_entry             # <<<<<<<<<<<<<<
@@ -25482,7 +25549,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_shift = (__pyx_v_n + ((__pyx_v_g - 1) * __pyx_v_per_entry));
 
-    /* "cattention/_driver/workspace.pxd":112
+    /* "cattention/_driver/workspace.pxd":114
  *         ws[0] = header
  *         shift = n + (g - 1) * per_entry
  *         ws.off_q = header.off_q + shift             # <<<<<<<<<<<<<<
@@ -25491,7 +25558,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_q = (__pyx_v_header.off_q + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":113
+    /* "cattention/_driver/workspace.pxd":115
  *         shift = n + (g - 1) * per_entry
  *         ws.off_q = header.off_q + shift
  *         ws.off_s = header.off_s + shift             # <<<<<<<<<<<<<<
@@ -25500,7 +25567,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_s = (__pyx_v_header.off_s + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":114
+    /* "cattention/_driver/workspace.pxd":116
  *         ws.off_q = header.off_q + shift
  *         ws.off_s = header.off_s + shift
  *         ws.off_acc = header.off_acc + shift             # <<<<<<<<<<<<<<
@@ -25509,7 +25576,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_acc = (__pyx_v_header.off_acc + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":115
+    /* "cattention/_driver/workspace.pxd":117
  *         ws.off_s = header.off_s + shift
  *         ws.off_acc = header.off_acc + shift
  *         ws.off_max = header.off_max + shift             # <<<<<<<<<<<<<<
@@ -25518,7 +25585,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_max = (__pyx_v_header.off_max + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":116
+    /* "cattention/_driver/workspace.pxd":118
  *         ws.off_acc = header.off_acc + shift
  *         ws.off_max = header.off_max + shift
  *         ws.off_sum = header.off_sum + shift             # <<<<<<<<<<<<<<
@@ -25527,7 +25594,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_sum = (__pyx_v_header.off_sum + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":117
+    /* "cattention/_driver/workspace.pxd":119
  *         ws.off_max = header.off_max + shift
  *         ws.off_sum = header.off_sum + shift
  *         ws.off_acc_total = header.off_acc_total + shift             # <<<<<<<<<<<<<<
@@ -25536,7 +25603,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_acc_total = (__pyx_v_header.off_acc_total + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":118
+    /* "cattention/_driver/workspace.pxd":120
  *         ws.off_sum = header.off_sum + shift
  *         ws.off_acc_total = header.off_acc_total + shift
  *         ws.off_sum_total = header.off_sum_total + shift             # <<<<<<<<<<<<<<
@@ -25545,7 +25612,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->off_sum_total = (__pyx_v_header.off_sum_total + __pyx_v_shift);
 
-    /* "cattention/_driver/workspace.pxd":119
+    /* "cattention/_driver/workspace.pxd":121
  *         ws.off_acc_total = header.off_acc_total + shift
  *         ws.off_sum_total = header.off_sum_total + shift
  *         ws.row_lo = header.row_lo + 2 * g * n_rows             # <<<<<<<<<<<<<<
@@ -25554,7 +25621,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_v_ws->row_lo = (__pyx_v_header.row_lo + ((2 * __pyx_v_g) * __pyx_v_n_rows));
 
-    /* "cattention/_driver/workspace.pxd":120
+    /* "cattention/_driver/workspace.pxd":122
  *         ws.off_sum_total = header.off_sum_total + shift
  *         ws.row_lo = header.row_lo + 2 * g * n_rows
  *         ws.row_hi = ws.row_lo + n_rows             # <<<<<<<<<<<<<<
@@ -25565,7 +25632,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   }
 
 
-  /* "cattention/_driver/workspace.pxd":121
+  /* "cattention/_driver/workspace.pxd":123
  *         ws.row_lo = header.row_lo + 2 * g * n_rows
  *         ws.row_hi = ws.row_lo + n_rows
  *     return <Workspace *>memory             # <<<<<<<<<<<<<<
@@ -25601,7 +25668,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   return __pyx_r;
 }
 
-/* "cattention/_driver/workspace.pxd":124
+/* "cattention/_driver/workspace.pxd":126
  * 
  * 
  * cdef inline void workspace_delete(Workspace *ws) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -25613,7 +25680,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/workspace.pxd":125
+  /* "cattention/_driver/workspace.pxd":127
  * 
  * cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
  *     if ws != NULL and ws.own_k != NULL:             # <<<<<<<<<<<<<<
@@ -25639,7 +25706,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/workspace.pxd":126
+    /* "cattention/_driver/workspace.pxd":128
  * cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
  *     if ws != NULL and ws.own_k != NULL:
  *         ca_scratch_release(CA_SCRATCH_PACKED, ws.own_k)             # <<<<<<<<<<<<<<
@@ -25648,7 +25715,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
 */
     ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_ws->own_k);
 
-    /* "cattention/_driver/workspace.pxd":125
+    /* "cattention/_driver/workspace.pxd":127
  * 
  * cdef inline void workspace_delete(Workspace *ws) noexcept nogil:
  *     if ws != NULL and ws.own_k != NULL:             # <<<<<<<<<<<<<<
@@ -25657,7 +25724,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
 */
   }
 
-  /* "cattention/_driver/workspace.pxd":127
+  /* "cattention/_driver/workspace.pxd":129
  *     if ws != NULL and ws.own_k != NULL:
  *         ca_scratch_release(CA_SCRATCH_PACKED, ws.own_k)
  *     ca_scratch_release(CA_SCRATCH_WORKSPACE, ws)             # <<<<<<<<<<<<<<
@@ -25666,7 +25733,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
 */
   ca_scratch_release(CA_SCRATCH_WORKSPACE, __pyx_v_ws);
 
-  /* "cattention/_driver/workspace.pxd":124
+  /* "cattention/_driver/workspace.pxd":126
  * 
  * 
  * cdef inline void workspace_delete(Workspace *ws) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -25677,7 +25744,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
   /* function exit code */
 }
 
-/* "cattention/_driver/workspace.pxd":130
+/* "cattention/_driver/workspace.pxd":132
  * 
  * 
  * cdef inline size_t packed_k_bytes(const Problem *pb, Py_ssize_t n_blocks,             # <<<<<<<<<<<<<<
@@ -25688,7 +25755,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9workspace_workspace_del
 static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_k_bytes(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, Py_ssize_t __pyx_v_n_blocks, size_t __pyx_v_itemsize) {
   size_t __pyx_r;
 
-  /* "cattention/_driver/workspace.pxd":134
+  /* "cattention/_driver/workspace.pxd":136
  *     """Bytes of n_blocks packed K^T blocks, rounded to a cache line (the
  *     V blocks follow them, then a flag per block)."""
  *     return round_up(n_blocks * pb.ld_k * pb.block_keys * itemsize, 64)             # <<<<<<<<<<<<<<
@@ -25701,7 +25768,7 @@ static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_k_by
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/workspace.pxd":130
+  /* "cattention/_driver/workspace.pxd":132
  * 
  * 
  * cdef inline size_t packed_k_bytes(const Problem *pb, Py_ssize_t n_blocks,             # <<<<<<<<<<<<<<
@@ -25714,7 +25781,7 @@ static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_k_by
   return __pyx_r;
 }
 
-/* "cattention/_driver/workspace.pxd":137
+/* "cattention/_driver/workspace.pxd":139
  * 
  * 
  * cdef inline size_t packed_v_bytes(const Problem *pb, Py_ssize_t n_blocks,             # <<<<<<<<<<<<<<
@@ -25725,7 +25792,7 @@ static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_k_by
 static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_v_bytes(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, Py_ssize_t __pyx_v_n_blocks, size_t __pyx_v_itemsize) {
   size_t __pyx_r;
 
-  /* "cattention/_driver/workspace.pxd":139
+  /* "cattention/_driver/workspace.pxd":141
  * cdef inline size_t packed_v_bytes(const Problem *pb, Py_ssize_t n_blocks,
  *                                   size_t itemsize) noexcept nogil:
  *     return round_up(n_blocks * pb.block_keys * pb.ld_v * itemsize, 64)             # <<<<<<<<<<<<<<
@@ -25738,7 +25805,7 @@ static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_v_by
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/workspace.pxd":137
+  /* "cattention/_driver/workspace.pxd":139
  * 
  * 
  * cdef inline size_t packed_v_bytes(const Problem *pb, Py_ssize_t n_blocks,             # <<<<<<<<<<<<<<
@@ -25751,7 +25818,7 @@ static CYTHON_INLINE size_t __pyx_f_10cattention_7_driver_9workspace_packed_v_by
   return __pyx_r;
 }
 
-/* "cattention/_driver/workspace.pxd":142
+/* "cattention/_driver/workspace.pxd":144
  * 
  * 
  * cdef inline Workspace *workspace_new_per_entry(const Problem *pb, size_t itemsize) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -25767,7 +25834,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   struct __pyx_t_10cattention_7_driver_9workspace_Workspace *__pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/workspace.pxd":144
+  /* "cattention/_driver/workspace.pxd":146
  * cdef inline Workspace *workspace_new_per_entry(const Problem *pb, size_t itemsize) noexcept nogil:
  *     """A workspace with room for the packed K/V blocks of one batch entry."""
  *     cdef Workspace *ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -25776,7 +25843,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-  /* "cattention/_driver/workspace.pxd":145
+  /* "cattention/_driver/workspace.pxd":147
  *     """A workspace with room for the packed K/V blocks of one batch entry."""
  *     cdef Workspace *ws = workspace_new(pb, itemsize)
  *     cdef size_t k_bytes = packed_k_bytes(pb, pb.n_key_blocks, itemsize)             # <<<<<<<<<<<<<<
@@ -25785,7 +25852,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_k_bytes = __pyx_f_10cattention_7_driver_9workspace_packed_k_bytes(__pyx_v_pb, __pyx_v_pb->n_key_blocks, __pyx_v_itemsize);
 
-  /* "cattention/_driver/workspace.pxd":146
+  /* "cattention/_driver/workspace.pxd":148
  *     cdef Workspace *ws = workspace_new(pb, itemsize)
  *     cdef size_t k_bytes = packed_k_bytes(pb, pb.n_key_blocks, itemsize)
  *     cdef size_t v_bytes = packed_v_bytes(pb, pb.n_key_blocks, itemsize)             # <<<<<<<<<<<<<<
@@ -25794,7 +25861,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_v_bytes = __pyx_f_10cattention_7_driver_9workspace_packed_v_bytes(__pyx_v_pb, __pyx_v_pb->n_key_blocks, __pyx_v_itemsize);
 
-  /* "cattention/_driver/workspace.pxd":148
+  /* "cattention/_driver/workspace.pxd":150
  *     cdef size_t v_bytes = packed_v_bytes(pb, pb.n_key_blocks, itemsize)
  *     cdef char *own
  *     if ws == NULL:             # <<<<<<<<<<<<<<
@@ -25806,7 +25873,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/workspace.pxd":149
+    /* "cattention/_driver/workspace.pxd":151
  *     cdef char *own
  *     if ws == NULL:
  *         return NULL             # <<<<<<<<<<<<<<
@@ -25819,7 +25886,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/workspace.pxd":148
+    /* "cattention/_driver/workspace.pxd":150
  *     cdef size_t v_bytes = packed_v_bytes(pb, pb.n_key_blocks, itemsize)
  *     cdef char *own
  *     if ws == NULL:             # <<<<<<<<<<<<<<
@@ -25828,7 +25895,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   }
 
-  /* "cattention/_driver/workspace.pxd":150
+  /* "cattention/_driver/workspace.pxd":152
  *     if ws == NULL:
  *         return NULL
  *     own = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + pb.n_key_blocks)             # <<<<<<<<<<<<<<
@@ -25837,7 +25904,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_own = ((char *)ca_scratch_acquire(CA_SCRATCH_PACKED, ((__pyx_v_k_bytes + __pyx_v_v_bytes) + __pyx_v_pb->n_key_blocks)));
 
-  /* "cattention/_driver/workspace.pxd":151
+  /* "cattention/_driver/workspace.pxd":153
  *         return NULL
  *     own = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + pb.n_key_blocks)
  *     if own == NULL:             # <<<<<<<<<<<<<<
@@ -25849,7 +25916,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/workspace.pxd":152
+    /* "cattention/_driver/workspace.pxd":154
  *     own = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + pb.n_key_blocks)
  *     if own == NULL:
  *         workspace_delete(ws)             # <<<<<<<<<<<<<<
@@ -25858,7 +25925,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
     __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
 
-    /* "cattention/_driver/workspace.pxd":153
+    /* "cattention/_driver/workspace.pxd":155
  *     if own == NULL:
  *         workspace_delete(ws)
  *         return NULL             # <<<<<<<<<<<<<<
@@ -25871,7 +25938,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/workspace.pxd":151
+    /* "cattention/_driver/workspace.pxd":153
  *         return NULL
  *     own = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + pb.n_key_blocks)
  *     if own == NULL:             # <<<<<<<<<<<<<<
@@ -25880,7 +25947,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   }
 
-  /* "cattention/_driver/workspace.pxd":154
+  /* "cattention/_driver/workspace.pxd":156
  *         workspace_delete(ws)
  *         return NULL
  *     ws.own_k = own             # <<<<<<<<<<<<<<
@@ -25889,7 +25956,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->own_k = __pyx_v_own;
 
-  /* "cattention/_driver/workspace.pxd":155
+  /* "cattention/_driver/workspace.pxd":157
  *         return NULL
  *     ws.own_k = own
  *     ws.own_v = own + k_bytes             # <<<<<<<<<<<<<<
@@ -25898,7 +25965,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->own_v = (__pyx_v_own + __pyx_v_k_bytes);
 
-  /* "cattention/_driver/workspace.pxd":156
+  /* "cattention/_driver/workspace.pxd":158
  *     ws.own_k = own
  *     ws.own_v = own + k_bytes
  *     ws.own_nonfinite = <uint8_t *>(own + k_bytes + v_bytes)             # <<<<<<<<<<<<<<
@@ -25906,7 +25973,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
 */
   __pyx_v_ws->own_nonfinite = ((uint8_t *)((__pyx_v_own + __pyx_v_k_bytes) + __pyx_v_v_bytes));
 
-  /* "cattention/_driver/workspace.pxd":157
+  /* "cattention/_driver/workspace.pxd":159
  *     ws.own_v = own + k_bytes
  *     ws.own_nonfinite = <uint8_t *>(own + k_bytes + v_bytes)
  *     return ws             # <<<<<<<<<<<<<<
@@ -25917,7 +25984,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/workspace.pxd":142
+  /* "cattention/_driver/workspace.pxd":144
  * 
  * 
  * cdef inline Workspace *workspace_new_per_entry(const Problem *pb, size_t itemsize) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -25934,7 +26001,7 @@ static CYTHON_INLINE struct __pyx_t_10cattention_7_driver_9workspace_Workspace *
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":19
+/* "cattention/_driver/packing.pxd":20
  * 
  * 
  * cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -25955,7 +26022,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/packing.pxd":24
+  /* "cattention/_driver/packing.pxd":25
  *     """Query rows row0.. of entry b into q_packed (rows ld apart), features
  *     contiguous; float16 and bfloat16 queries converted on the way."""
  *     cdef const floating *q = <const floating *>pb.q.data + pb.q.batch_offset[b]             # <<<<<<<<<<<<<<
@@ -25964,7 +26031,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_q = (((float const *)__pyx_v_pb->q.data) + (__pyx_v_pb->q.batch_offset[__pyx_v_b]));
 
-  /* "cattention/_driver/packing.pxd":27
+  /* "cattention/_driver/packing.pxd":28
  *     cdef Py_ssize_t i, c
  *     cdef const floating *q_row
  *     if pb.q.storage != STORE_COMPUTE:             # <<<<<<<<<<<<<<
@@ -25976,7 +26043,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":28
+    /* "cattention/_driver/packing.pxd":29
  *     cdef const floating *q_row
  *     if pb.q.storage != STORE_COMPUTE:
  *         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)             # <<<<<<<<<<<<<<
@@ -25985,7 +26052,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_fuse_0__pyx_f_10cattention_7_driver_8operands_copy_rows(__pyx_v_pb, (&__pyx_v_pb->q), __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_pb->d_k, __pyx_v_q_packed, __pyx_v_ld);
 
-    /* "cattention/_driver/packing.pxd":29
+    /* "cattention/_driver/packing.pxd":30
  *     if pb.q.storage != STORE_COMPUTE:
  *         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)
  *         return             # <<<<<<<<<<<<<<
@@ -25996,7 +26063,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":27
+    /* "cattention/_driver/packing.pxd":28
  *     cdef Py_ssize_t i, c
  *     cdef const floating *q_row
  *     if pb.q.storage != STORE_COMPUTE:             # <<<<<<<<<<<<<<
@@ -26005,7 +26072,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":30
+  /* "cattention/_driver/packing.pxd":31
  *         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)
  *         return
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -26019,7 +26086,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_i = __pyx_t_4;
 
-    /* "cattention/_driver/packing.pxd":31
+    /* "cattention/_driver/packing.pxd":32
  *         return
  *     for i in range(n_rows):
  *         q_row = q + (row0 + i) * pb.q.row_stride             # <<<<<<<<<<<<<<
@@ -26028,7 +26095,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_q_row = (__pyx_v_q + ((__pyx_v_row0 + __pyx_v_i) * __pyx_v_pb->q.row_stride));
 
-    /* "cattention/_driver/packing.pxd":32
+    /* "cattention/_driver/packing.pxd":33
  *     for i in range(n_rows):
  *         q_row = q + (row0 + i) * pb.q.row_stride
  *         for c in range(pb.d_k):             # <<<<<<<<<<<<<<
@@ -26042,7 +26109,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_c = __pyx_t_7;
 
-      /* "cattention/_driver/packing.pxd":33
+      /* "cattention/_driver/packing.pxd":34
  *         q_row = q + (row0 + i) * pb.q.row_stride
  *         for c in range(pb.d_k):
  *             q_packed[i * ld + c] = q_row[c * pb.q.col_stride]             # <<<<<<<<<<<<<<
@@ -26055,7 +26122,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   }
 
 
-  /* "cattention/_driver/packing.pxd":19
+  /* "cattention/_driver/packing.pxd":20
  * 
  * 
  * cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -26084,7 +26151,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/packing.pxd":24
+  /* "cattention/_driver/packing.pxd":25
  *     """Query rows row0.. of entry b into q_packed (rows ld apart), features
  *     contiguous; float16 and bfloat16 queries converted on the way."""
  *     cdef const floating *q = <const floating *>pb.q.data + pb.q.batch_offset[b]             # <<<<<<<<<<<<<<
@@ -26093,7 +26160,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_q = (((double const *)__pyx_v_pb->q.data) + (__pyx_v_pb->q.batch_offset[__pyx_v_b]));
 
-  /* "cattention/_driver/packing.pxd":27
+  /* "cattention/_driver/packing.pxd":28
  *     cdef Py_ssize_t i, c
  *     cdef const floating *q_row
  *     if pb.q.storage != STORE_COMPUTE:             # <<<<<<<<<<<<<<
@@ -26105,7 +26172,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":28
+    /* "cattention/_driver/packing.pxd":29
  *     cdef const floating *q_row
  *     if pb.q.storage != STORE_COMPUTE:
  *         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)             # <<<<<<<<<<<<<<
@@ -26114,7 +26181,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_fuse_1__pyx_f_10cattention_7_driver_8operands_copy_rows(__pyx_v_pb, (&__pyx_v_pb->q), __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_pb->d_k, __pyx_v_q_packed, __pyx_v_ld);
 
-    /* "cattention/_driver/packing.pxd":29
+    /* "cattention/_driver/packing.pxd":30
  *     if pb.q.storage != STORE_COMPUTE:
  *         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)
  *         return             # <<<<<<<<<<<<<<
@@ -26125,7 +26192,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":27
+    /* "cattention/_driver/packing.pxd":28
  *     cdef Py_ssize_t i, c
  *     cdef const floating *q_row
  *     if pb.q.storage != STORE_COMPUTE:             # <<<<<<<<<<<<<<
@@ -26134,7 +26201,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":30
+  /* "cattention/_driver/packing.pxd":31
  *         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)
  *         return
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -26148,7 +26215,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_i = __pyx_t_4;
 
-    /* "cattention/_driver/packing.pxd":31
+    /* "cattention/_driver/packing.pxd":32
  *         return
  *     for i in range(n_rows):
  *         q_row = q + (row0 + i) * pb.q.row_stride             # <<<<<<<<<<<<<<
@@ -26157,7 +26224,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_q_row = (__pyx_v_q + ((__pyx_v_row0 + __pyx_v_i) * __pyx_v_pb->q.row_stride));
 
-    /* "cattention/_driver/packing.pxd":32
+    /* "cattention/_driver/packing.pxd":33
  *     for i in range(n_rows):
  *         q_row = q + (row0 + i) * pb.q.row_stride
  *         for c in range(pb.d_k):             # <<<<<<<<<<<<<<
@@ -26171,7 +26238,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_c = __pyx_t_7;
 
-      /* "cattention/_driver/packing.pxd":33
+      /* "cattention/_driver/packing.pxd":34
  *         q_row = q + (row0 + i) * pb.q.row_stride
  *         for c in range(pb.d_k):
  *             q_packed[i * ld + c] = q_row[c * pb.q.col_stride]             # <<<<<<<<<<<<<<
@@ -26184,7 +26251,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   }
 
 
-  /* "cattention/_driver/packing.pxd":19
+  /* "cattention/_driver/packing.pxd":20
  * 
  * 
  * cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -26200,7 +26267,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 
 }
 
-/* "cattention/_driver/packing.pxd":36
+/* "cattention/_driver/packing.pxd":37
  * 
  * 
  * cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -26214,7 +26281,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
   int __pyx_t_2;
   Py_ssize_t __pyx_t_3;
 
-  /* "cattention/_driver/packing.pxd":44
+  /* "cattention/_driver/packing.pxd":45
  *     values either way; a copy would cost its own pass over Q (3% of a
  *     BERT-sized call)."""
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):             # <<<<<<<<<<<<<<
@@ -26250,7 +26317,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":45
+    /* "cattention/_driver/packing.pxd":46
  *     BERT-sized call)."""
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):
  *         ldq[0] = pb.q.row_stride             # <<<<<<<<<<<<<<
@@ -26262,7 +26329,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
     (__pyx_v_ldq[0]) = __pyx_t_3;
 
 
-    /* "cattention/_driver/packing.pxd":46
+    /* "cattention/_driver/packing.pxd":47
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):
  *         ldq[0] = pb.q.row_stride
  *         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride             # <<<<<<<<<<<<<<
@@ -26275,7 +26342,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":44
+    /* "cattention/_driver/packing.pxd":45
  *     values either way; a copy would cost its own pass over Q (3% of a
  *     BERT-sized call)."""
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):             # <<<<<<<<<<<<<<
@@ -26284,7 +26351,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":47
+  /* "cattention/_driver/packing.pxd":48
  *         ldq[0] = pb.q.row_stride
  *         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
  *     pack_queries(pb, b, row0, n_rows, q_packed, ld)             # <<<<<<<<<<<<<<
@@ -26293,7 +26360,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack_queries(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_ld);
 
-  /* "cattention/_driver/packing.pxd":48
+  /* "cattention/_driver/packing.pxd":49
  *         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
  *     pack_queries(pb, b, row0, n_rows, q_packed, ld)
  *     ldq[0] = ld             # <<<<<<<<<<<<<<
@@ -26302,7 +26369,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
 */
   (__pyx_v_ldq[0]) = __pyx_v_ld;
 
-  /* "cattention/_driver/packing.pxd":49
+  /* "cattention/_driver/packing.pxd":50
  *     pack_queries(pb, b, row0, n_rows, q_packed, ld)
  *     ldq[0] = ld
  *     return q_packed             # <<<<<<<<<<<<<<
@@ -26315,7 +26382,7 @@ static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_7pac
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":36
+  /* "cattention/_driver/packing.pxd":37
  * 
  * 
  * cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -26334,7 +26401,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
   int __pyx_t_2;
   Py_ssize_t __pyx_t_3;
 
-  /* "cattention/_driver/packing.pxd":44
+  /* "cattention/_driver/packing.pxd":45
  *     values either way; a copy would cost its own pass over Q (3% of a
  *     BERT-sized call)."""
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):             # <<<<<<<<<<<<<<
@@ -26370,7 +26437,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":45
+    /* "cattention/_driver/packing.pxd":46
  *     BERT-sized call)."""
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):
  *         ldq[0] = pb.q.row_stride             # <<<<<<<<<<<<<<
@@ -26382,7 +26449,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
     (__pyx_v_ldq[0]) = __pyx_t_3;
 
 
-    /* "cattention/_driver/packing.pxd":46
+    /* "cattention/_driver/packing.pxd":47
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):
  *         ldq[0] = pb.q.row_stride
  *         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride             # <<<<<<<<<<<<<<
@@ -26395,7 +26462,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":44
+    /* "cattention/_driver/packing.pxd":45
  *     values either way; a copy would cost its own pass over Q (3% of a
  *     BERT-sized call)."""
  *     if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):             # <<<<<<<<<<<<<<
@@ -26404,7 +26471,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
 */
   }
 
-  /* "cattention/_driver/packing.pxd":47
+  /* "cattention/_driver/packing.pxd":48
  *         ldq[0] = pb.q.row_stride
  *         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
  *     pack_queries(pb, b, row0, n_rows, q_packed, ld)             # <<<<<<<<<<<<<<
@@ -26413,7 +26480,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack_queries(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_ld);
 
-  /* "cattention/_driver/packing.pxd":48
+  /* "cattention/_driver/packing.pxd":49
  *         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
  *     pack_queries(pb, b, row0, n_rows, q_packed, ld)
  *     ldq[0] = ld             # <<<<<<<<<<<<<<
@@ -26422,7 +26489,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
 */
   (__pyx_v_ldq[0]) = __pyx_v_ld;
 
-  /* "cattention/_driver/packing.pxd":49
+  /* "cattention/_driver/packing.pxd":50
  *     pack_queries(pb, b, row0, n_rows, q_packed, ld)
  *     ldq[0] = ld
  *     return q_packed             # <<<<<<<<<<<<<<
@@ -26435,7 +26502,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":36
+  /* "cattention/_driver/packing.pxd":37
  * 
  * 
  * cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
@@ -26448,7 +26515,394 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":52
+/* "cattention/_driver/packing.pxd":53
+ * 
+ * 
+ * cdef inline Py_ssize_t bf16_padded_features(const Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """Features of a bfloat16 tile row: d_k padded to the table's alignment."""
+ *     cdef Py_ssize_t align = pb.kern.bf16_k_align
+*/
+
+static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_7packing_bf16_padded_features(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb) {
+  Py_ssize_t __pyx_v_align;
+  Py_ssize_t __pyx_r;
+  Py_ssize_t __pyx_t_1;
+
+  /* "cattention/_driver/packing.pxd":55
+ * cdef inline Py_ssize_t bf16_padded_features(const Problem *pb) noexcept nogil:
+ *     """Features of a bfloat16 tile row: d_k padded to the table's alignment."""
+ *     cdef Py_ssize_t align = pb.kern.bf16_k_align             # <<<<<<<<<<<<<<
+ *     return (pb.d_k + align - 1) // align * align
+ * 
+*/
+  __pyx_t_1 = __pyx_v_pb->kern->bf16_k_align;
+
+  __pyx_v_align = __pyx_t_1;
+
+  /* "cattention/_driver/packing.pxd":56
+ *     """Features of a bfloat16 tile row: d_k padded to the table's alignment."""
+ *     cdef Py_ssize_t align = pb.kern.bf16_k_align
+ *     return (pb.d_k + align - 1) // align * align             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  {
+
+    __pyx_r = ((((__pyx_v_pb->d_k + __pyx_v_align) - 1) / __pyx_v_align) * __pyx_v_align);
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/packing.pxd":53
+ * 
+ * 
+ * cdef inline Py_ssize_t bf16_padded_features(const Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """Features of a bfloat16 tile row: d_k padded to the table's alignment."""
+ *     cdef Py_ssize_t align = pb.kern.bf16_k_align
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+
+  return __pyx_r;
+}
+
+/* "cattention/_driver/packing.pxd":59
+ * 
+ * 
+ * cdef inline const uint16_t *bf16_rows(const Operand *op, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
+ *                                       Py_ssize_t n_rows, Py_ssize_t n_features,
+ *                                       uint16_t *copy, Py_ssize_t ld_copy,
+*/
+
+static CYTHON_INLINE uint16_t const *__pyx_f_10cattention_7_driver_7packing_bf16_rows(struct __pyx_t_10cattention_7_driver_7problem_Operand const *__pyx_v_op, Py_ssize_t __pyx_v_b, Py_ssize_t __pyx_v_row0, Py_ssize_t __pyx_v_n_rows, Py_ssize_t __pyx_v_n_features, uint16_t *__pyx_v_copy, Py_ssize_t __pyx_v_ld_copy, Py_ssize_t *__pyx_v_ld) {
+  Py_ssize_t __pyx_v_j;
+  Py_ssize_t __pyx_v_c;
+  Py_ssize_t __pyx_v_at;
+  uint16_t const *__pyx_v_data;
+  uint16_t const *__pyx_r;
+  int __pyx_t_1;
+  int __pyx_t_2;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  Py_ssize_t __pyx_t_5;
+  Py_ssize_t __pyx_t_6;
+  Py_ssize_t __pyx_t_7;
+  Py_ssize_t __pyx_t_8;
+
+  /* "cattention/_driver/packing.pxd":67
+ *     copy (rows ld_copy apart). Their bits, unconverted."""
+ *     cdef Py_ssize_t j, c, at
+ *     cdef const uint16_t *data = <const uint16_t *>op.data             # <<<<<<<<<<<<<<
+ *     if contiguous_run(op, row0, n_rows) == n_rows and features_contiguous(op, n_features):
+ *         ld[0] = op.row_stride
+*/
+  __pyx_v_data = ((uint16_t const *)__pyx_v_op->data);
+
+  /* "cattention/_driver/packing.pxd":68
+ *     cdef Py_ssize_t j, c, at
+ *     cdef const uint16_t *data = <const uint16_t *>op.data
+ *     if contiguous_run(op, row0, n_rows) == n_rows and features_contiguous(op, n_features):             # <<<<<<<<<<<<<<
+ *         ld[0] = op.row_stride
+ *         return data + row_offset(op, b, row0)
+*/
+  __pyx_t_2 = (__pyx_f_10cattention_7_driver_8operands_contiguous_run(__pyx_v_op, __pyx_v_row0, __pyx_v_n_rows) == __pyx_v_n_rows);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = __pyx_f_10cattention_7_driver_8operands_features_contiguous(__pyx_v_op, __pyx_v_n_features);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L4_bool_binop_done:;
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/packing.pxd":69
+ *     cdef const uint16_t *data = <const uint16_t *>op.data
+ *     if contiguous_run(op, row0, n_rows) == n_rows and features_contiguous(op, n_features):
+ *         ld[0] = op.row_stride             # <<<<<<<<<<<<<<
+ *         return data + row_offset(op, b, row0)
+ *     for j in range(n_rows):
+*/
+    __pyx_t_3 = __pyx_v_op->row_stride;
+
+    (__pyx_v_ld[0]) = __pyx_t_3;
+
+
+    /* "cattention/_driver/packing.pxd":70
+ *     if contiguous_run(op, row0, n_rows) == n_rows and features_contiguous(op, n_features):
+ *         ld[0] = op.row_stride
+ *         return data + row_offset(op, b, row0)             # <<<<<<<<<<<<<<
+ *     for j in range(n_rows):
+ *         at = row_offset(op, b, row0 + j)
+*/
+    {
+
+      __pyx_r = (__pyx_v_data + __pyx_f_10cattention_7_driver_8operands_row_offset(__pyx_v_op, __pyx_v_b, __pyx_v_row0));
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/packing.pxd":68
+ *     cdef Py_ssize_t j, c, at
+ *     cdef const uint16_t *data = <const uint16_t *>op.data
+ *     if contiguous_run(op, row0, n_rows) == n_rows and features_contiguous(op, n_features):             # <<<<<<<<<<<<<<
+ *         ld[0] = op.row_stride
+ *         return data + row_offset(op, b, row0)
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":71
+ *         ld[0] = op.row_stride
+ *         return data + row_offset(op, b, row0)
+ *     for j in range(n_rows):             # <<<<<<<<<<<<<<
+ *         at = row_offset(op, b, row0 + j)
+ *         for c in range(n_features):
+*/
+
+  __pyx_t_3 = __pyx_v_n_rows;
+  __pyx_t_4 = __pyx_t_3;
+
+  for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
+    __pyx_v_j = __pyx_t_5;
+
+    /* "cattention/_driver/packing.pxd":72
+ *         return data + row_offset(op, b, row0)
+ *     for j in range(n_rows):
+ *         at = row_offset(op, b, row0 + j)             # <<<<<<<<<<<<<<
+ *         for c in range(n_features):
+ *             copy[j * ld_copy + c] = data[at + c * op.col_stride]
+*/
+    __pyx_v_at = __pyx_f_10cattention_7_driver_8operands_row_offset(__pyx_v_op, __pyx_v_b, (__pyx_v_row0 + __pyx_v_j));
+
+    /* "cattention/_driver/packing.pxd":73
+ *     for j in range(n_rows):
+ *         at = row_offset(op, b, row0 + j)
+ *         for c in range(n_features):             # <<<<<<<<<<<<<<
+ *             copy[j * ld_copy + c] = data[at + c * op.col_stride]
+ *     ld[0] = ld_copy
+*/
+
+    __pyx_t_6 = __pyx_v_n_features;
+    __pyx_t_7 = __pyx_t_6;
+
+    for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
+      __pyx_v_c = __pyx_t_8;
+
+      /* "cattention/_driver/packing.pxd":74
+ *         at = row_offset(op, b, row0 + j)
+ *         for c in range(n_features):
+ *             copy[j * ld_copy + c] = data[at + c * op.col_stride]             # <<<<<<<<<<<<<<
+ *     ld[0] = ld_copy
+ *     return copy
+*/
+      (__pyx_v_copy[((__pyx_v_j * __pyx_v_ld_copy) + __pyx_v_c)]) = (__pyx_v_data[(__pyx_v_at + (__pyx_v_c * __pyx_v_op->col_stride))]);
+    }
+
+  }
+
+
+  /* "cattention/_driver/packing.pxd":75
+ *         for c in range(n_features):
+ *             copy[j * ld_copy + c] = data[at + c * op.col_stride]
+ *     ld[0] = ld_copy             # <<<<<<<<<<<<<<
+ *     return copy
+ * 
+*/
+  (__pyx_v_ld[0]) = __pyx_v_ld_copy;
+
+  /* "cattention/_driver/packing.pxd":76
+ *             copy[j * ld_copy + c] = data[at + c * op.col_stride]
+ *     ld[0] = ld_copy
+ *     return copy             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  {
+
+    __pyx_r = __pyx_v_copy;
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/packing.pxd":59
+ * 
+ * 
+ * cdef inline const uint16_t *bf16_rows(const Operand *op, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
+ *                                       Py_ssize_t n_rows, Py_ssize_t n_features,
+ *                                       uint16_t *copy, Py_ssize_t ld_copy,
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+
+
+
+
+  return __pyx_r;
+}
+
+/* "cattention/_driver/packing.pxd":79
+ * 
+ * 
+ * cdef inline const uint16_t *bf16_query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
+ *                                             Py_ssize_t n_rows, uint16_t *q_packed,
+ *                                             Py_ssize_t *ldq) noexcept nogil:
+*/
+
+static CYTHON_INLINE uint16_t const *__pyx_f_10cattention_7_driver_7packing_bf16_query_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, Py_ssize_t __pyx_v_b, Py_ssize_t __pyx_v_row0, Py_ssize_t __pyx_v_n_rows, uint16_t *__pyx_v_q_packed, Py_ssize_t *__pyx_v_ldq) {
+  Py_ssize_t __pyx_v_ld;
+  uint16_t const *__pyx_v_q;
+  Py_ssize_t __pyx_v_i;
+  Py_ssize_t __pyx_v_c;
+  Py_ssize_t __pyx_v_at;
+  uint16_t const *__pyx_r;
+  Py_ssize_t __pyx_t_1;
+  Py_ssize_t __pyx_t_2;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  Py_ssize_t __pyx_t_5;
+  Py_ssize_t __pyx_t_6;
+
+  /* "cattention/_driver/packing.pxd":85
+ *     padded with zeros to the table's alignment, into q_packed (ldq apart);
+ *     tiles read whole blocks of rows, and a copy keeps them within it."""
+ *     cdef Py_ssize_t ld = bf16_padded_features(pb)             # <<<<<<<<<<<<<<
+ *     cdef const uint16_t *q = <const uint16_t *>pb.q.data
+ *     cdef Py_ssize_t i, c, at
+*/
+  __pyx_v_ld = __pyx_f_10cattention_7_driver_7packing_bf16_padded_features(__pyx_v_pb);
+
+  /* "cattention/_driver/packing.pxd":86
+ *     tiles read whole blocks of rows, and a copy keeps them within it."""
+ *     cdef Py_ssize_t ld = bf16_padded_features(pb)
+ *     cdef const uint16_t *q = <const uint16_t *>pb.q.data             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t i, c, at
+ *     for i in range(n_rows):
+*/
+  __pyx_v_q = ((uint16_t const *)__pyx_v_pb->q.data);
+
+  /* "cattention/_driver/packing.pxd":88
+ *     cdef const uint16_t *q = <const uint16_t *>pb.q.data
+ *     cdef Py_ssize_t i, c, at
+ *     for i in range(n_rows):             # <<<<<<<<<<<<<<
+ *         at = row_offset(&pb.q, b, row0 + i)
+ *         for c in range(pb.d_k):
+*/
+
+  __pyx_t_1 = __pyx_v_n_rows;
+  __pyx_t_2 = __pyx_t_1;
+
+  for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
+    __pyx_v_i = __pyx_t_3;
+
+    /* "cattention/_driver/packing.pxd":89
+ *     cdef Py_ssize_t i, c, at
+ *     for i in range(n_rows):
+ *         at = row_offset(&pb.q, b, row0 + i)             # <<<<<<<<<<<<<<
+ *         for c in range(pb.d_k):
+ *             q_packed[i * ld + c] = q[at + c * pb.q.col_stride]
+*/
+    __pyx_v_at = __pyx_f_10cattention_7_driver_8operands_row_offset((&__pyx_v_pb->q), __pyx_v_b, (__pyx_v_row0 + __pyx_v_i));
+
+    /* "cattention/_driver/packing.pxd":90
+ *     for i in range(n_rows):
+ *         at = row_offset(&pb.q, b, row0 + i)
+ *         for c in range(pb.d_k):             # <<<<<<<<<<<<<<
+ *             q_packed[i * ld + c] = q[at + c * pb.q.col_stride]
+ *         for c in range(pb.d_k, ld):
+*/
+
+    __pyx_t_4 = __pyx_v_pb->d_k;
+    __pyx_t_5 = __pyx_t_4;
+
+    for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
+      __pyx_v_c = __pyx_t_6;
+
+      /* "cattention/_driver/packing.pxd":91
+ *         at = row_offset(&pb.q, b, row0 + i)
+ *         for c in range(pb.d_k):
+ *             q_packed[i * ld + c] = q[at + c * pb.q.col_stride]             # <<<<<<<<<<<<<<
+ *         for c in range(pb.d_k, ld):
+ *             q_packed[i * ld + c] = 0
+*/
+      (__pyx_v_q_packed[((__pyx_v_i * __pyx_v_ld) + __pyx_v_c)]) = (__pyx_v_q[(__pyx_v_at + (__pyx_v_c * __pyx_v_pb->q.col_stride))]);
+    }
+
+
+    /* "cattention/_driver/packing.pxd":92
+ *         for c in range(pb.d_k):
+ *             q_packed[i * ld + c] = q[at + c * pb.q.col_stride]
+ *         for c in range(pb.d_k, ld):             # <<<<<<<<<<<<<<
+ *             q_packed[i * ld + c] = 0
+ *     ldq[0] = ld
+*/
+
+    __pyx_t_4 = __pyx_v_ld;
+    __pyx_t_5 = __pyx_t_4;
+
+    for (__pyx_t_6 = __pyx_v_pb->d_k; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
+      __pyx_v_c = __pyx_t_6;
+
+      /* "cattention/_driver/packing.pxd":93
+ *             q_packed[i * ld + c] = q[at + c * pb.q.col_stride]
+ *         for c in range(pb.d_k, ld):
+ *             q_packed[i * ld + c] = 0             # <<<<<<<<<<<<<<
+ *     ldq[0] = ld
+ *     return q_packed
+*/
+      (__pyx_v_q_packed[((__pyx_v_i * __pyx_v_ld) + __pyx_v_c)]) = 0;
+    }
+
+  }
+
+
+  /* "cattention/_driver/packing.pxd":94
+ *         for c in range(pb.d_k, ld):
+ *             q_packed[i * ld + c] = 0
+ *     ldq[0] = ld             # <<<<<<<<<<<<<<
+ *     return q_packed
+ * 
+*/
+  (__pyx_v_ldq[0]) = __pyx_v_ld;
+
+  /* "cattention/_driver/packing.pxd":95
+ *             q_packed[i * ld + c] = 0
+ *     ldq[0] = ld
+ *     return q_packed             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  {
+
+    __pyx_r = __pyx_v_q_packed;
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/packing.pxd":79
+ * 
+ * 
+ * cdef inline const uint16_t *bf16_query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,             # <<<<<<<<<<<<<<
+ *                                             Py_ssize_t n_rows, uint16_t *q_packed,
+ *                                             Py_ssize_t *ldq) noexcept nogil:
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+
+
+
+
+
+  return __pyx_r;
+}
+
+/* "cattention/_driver/packing.pxd":98
  * 
  * 
  * cdef inline Py_ssize_t panel_width(const floating *values) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -26459,7 +26913,7 @@ static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_7pa
 static CYTHON_INLINE Py_ssize_t __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(CYTHON_UNUSED float const *__pyx_v_values) {
   Py_ssize_t __pyx_r;
 
-  /* "cattention/_driver/packing.pxd":56
+  /* "cattention/_driver/packing.pxd":102
  *     the rows packed into one)."""
  *     if floating is float:
  *         return CA_PANEL_F32             # <<<<<<<<<<<<<<
@@ -26472,7 +26926,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_fuse_0__pyx_f_10cattention_7_driver_7packi
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":52
+  /* "cattention/_driver/packing.pxd":98
  * 
  * 
  * cdef inline Py_ssize_t panel_width(const floating *values) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -26488,7 +26942,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_fuse_0__pyx_f_10cattention_7_driver_7packi
 static CYTHON_INLINE Py_ssize_t __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(CYTHON_UNUSED double const *__pyx_v_values) {
   Py_ssize_t __pyx_r;
 
-  /* "cattention/_driver/packing.pxd":58
+  /* "cattention/_driver/packing.pxd":104
  *         return CA_PANEL_F32
  *     else:
  *         return CA_PANEL_F64             # <<<<<<<<<<<<<<
@@ -26501,7 +26955,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_fuse_1__pyx_f_10cattention_7_driver_7packi
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":52
+  /* "cattention/_driver/packing.pxd":98
  * 
  * 
  * cdef inline Py_ssize_t panel_width(const floating *values) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -26514,7 +26968,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_fuse_1__pyx_f_10cattention_7_driver_7packi
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":61
+/* "cattention/_driver/packing.pxd":107
  * 
  * 
  * cdef inline void pack_keys_transposed(const Problem *pb, const floating *k, Py_ssize_t row_stride,             # <<<<<<<<<<<<<<
@@ -26539,7 +26993,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   Py_ssize_t __pyx_t_7;
   Py_ssize_t __pyx_t_8;
 
-  /* "cattention/_driver/packing.pxd":69
+  /* "cattention/_driver/packing.pxd":115
  *     # sizes and strides in locals: stores through kt could alias *pb, so the
  *     # compiler would otherwise reload them for every element
  *     cdef Py_ssize_t P = panel_width(kt)             # <<<<<<<<<<<<<<
@@ -26548,7 +27002,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_kt);
 
-  /* "cattention/_driver/packing.pxd":70
+  /* "cattention/_driver/packing.pxd":116
  *     # compiler would otherwise reload them for every element
  *     cdef Py_ssize_t P = panel_width(kt)
  *     cdef Py_ssize_t d_k = pb.d_k             # <<<<<<<<<<<<<<
@@ -26559,7 +27013,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 
   __pyx_v_d_k = __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":71
+  /* "cattention/_driver/packing.pxd":117
  *     cdef Py_ssize_t P = panel_width(kt)
  *     cdef Py_ssize_t d_k = pb.d_k
  *     cdef Py_ssize_t panel_size = pb.ld_k * P             # <<<<<<<<<<<<<<
@@ -26568,7 +27022,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_panel_size = (__pyx_v_pb->ld_k * __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":76
+  /* "cattention/_driver/packing.pxd":122
  *     cdef floating *panel
  *     if floating is float:
  *         if col_stride == 1 or d_k <= 1:             # <<<<<<<<<<<<<<
@@ -26594,7 +27048,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/packing.pxd":77
+    /* "cattention/_driver/packing.pxd":123
  *     if floating is float:
  *         if col_stride == 1 or d_k <= 1:
  *             pb.kern.pack_kt_f32(k, row_stride, n_keys, d_k, kt, panel_size)             # <<<<<<<<<<<<<<
@@ -26603,7 +27057,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_pb->kern->pack_kt_f32(__pyx_v_k, __pyx_v_row_stride, __pyx_v_n_keys, __pyx_v_d_k, __pyx_v_kt, __pyx_v_panel_size);
 
-    /* "cattention/_driver/packing.pxd":78
+    /* "cattention/_driver/packing.pxd":124
  *         if col_stride == 1 or d_k <= 1:
  *             pb.kern.pack_kt_f32(k, row_stride, n_keys, d_k, kt, panel_size)
  *             return             # <<<<<<<<<<<<<<
@@ -26614,7 +27068,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":76
+    /* "cattention/_driver/packing.pxd":122
  *     cdef floating *panel
  *     if floating is float:
  *         if col_stride == 1 or d_k <= 1:             # <<<<<<<<<<<<<<
@@ -26623,7 +27077,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":79
+  /* "cattention/_driver/packing.pxd":125
  *             pb.kern.pack_kt_f32(k, row_stride, n_keys, d_k, kt, panel_size)
  *             return
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -26637,7 +27091,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_j = __pyx_t_5;
 
-    /* "cattention/_driver/packing.pxd":80
+    /* "cattention/_driver/packing.pxd":126
  *             return
  *     for j in range(n_keys):
  *         k_row = k + j * row_stride             # <<<<<<<<<<<<<<
@@ -26646,7 +27100,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_k_row = (__pyx_v_k + (__pyx_v_j * __pyx_v_row_stride));
 
-    /* "cattention/_driver/packing.pxd":81
+    /* "cattention/_driver/packing.pxd":127
  *     for j in range(n_keys):
  *         k_row = k + j * row_stride
  *         panel = kt + (j // P) * panel_size + j % P             # <<<<<<<<<<<<<<
@@ -26655,7 +27109,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_panel = ((__pyx_v_kt + ((__pyx_v_j / __pyx_v_P) * __pyx_v_panel_size)) + (__pyx_v_j % __pyx_v_P));
 
-    /* "cattention/_driver/packing.pxd":82
+    /* "cattention/_driver/packing.pxd":128
  *         k_row = k + j * row_stride
  *         panel = kt + (j // P) * panel_size + j % P
  *         if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -26667,7 +27121,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/packing.pxd":83
+      /* "cattention/_driver/packing.pxd":129
  *         panel = kt + (j // P) * panel_size + j % P
  *         if col_stride == 1:
  *             for c in range(d_k):             # <<<<<<<<<<<<<<
@@ -26681,7 +27135,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
       for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
         __pyx_v_c = __pyx_t_8;
 
-        /* "cattention/_driver/packing.pxd":84
+        /* "cattention/_driver/packing.pxd":130
  *         if col_stride == 1:
  *             for c in range(d_k):
  *                 panel[c * P] = k_row[c]             # <<<<<<<<<<<<<<
@@ -26692,7 +27146,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
       }
 
 
-      /* "cattention/_driver/packing.pxd":82
+      /* "cattention/_driver/packing.pxd":128
  *         k_row = k + j * row_stride
  *         panel = kt + (j // P) * panel_size + j % P
  *         if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -26702,7 +27156,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
       goto __pyx_L8;
     }
 
-    /* "cattention/_driver/packing.pxd":86
+    /* "cattention/_driver/packing.pxd":132
  *                 panel[c * P] = k_row[c]
  *         else:
  *             for c in range(d_k):             # <<<<<<<<<<<<<<
@@ -26717,7 +27171,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
       for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
         __pyx_v_c = __pyx_t_8;
 
-        /* "cattention/_driver/packing.pxd":87
+        /* "cattention/_driver/packing.pxd":133
  *         else:
  *             for c in range(d_k):
  *                 panel[c * P] = k_row[c * col_stride]             # <<<<<<<<<<<<<<
@@ -26732,7 +27186,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   }
 
 
-  /* "cattention/_driver/packing.pxd":88
+  /* "cattention/_driver/packing.pxd":134
  *             for c in range(d_k):
  *                 panel[c * P] = k_row[c * col_stride]
  *     for j in range(n_keys, round_up(n_keys, P)):             # <<<<<<<<<<<<<<
@@ -26746,7 +27200,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   for (__pyx_t_5 = __pyx_v_n_keys; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_j = __pyx_t_5;
 
-    /* "cattention/_driver/packing.pxd":89
+    /* "cattention/_driver/packing.pxd":135
  *                 panel[c * P] = k_row[c * col_stride]
  *     for j in range(n_keys, round_up(n_keys, P)):
  *         panel = kt + (j // P) * panel_size + j % P             # <<<<<<<<<<<<<<
@@ -26755,7 +27209,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_panel = ((__pyx_v_kt + ((__pyx_v_j / __pyx_v_P) * __pyx_v_panel_size)) + (__pyx_v_j % __pyx_v_P));
 
-    /* "cattention/_driver/packing.pxd":90
+    /* "cattention/_driver/packing.pxd":136
  *     for j in range(n_keys, round_up(n_keys, P)):
  *         panel = kt + (j // P) * panel_size + j % P
  *         for c in range(d_k):             # <<<<<<<<<<<<<<
@@ -26769,7 +27223,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
     for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_c = __pyx_t_8;
 
-      /* "cattention/_driver/packing.pxd":91
+      /* "cattention/_driver/packing.pxd":137
  *         panel = kt + (j // P) * panel_size + j % P
  *         for c in range(d_k):
  *             panel[c * P] = 0             # <<<<<<<<<<<<<<
@@ -26782,7 +27236,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   }
 
 
-  /* "cattention/_driver/packing.pxd":61
+  /* "cattention/_driver/packing.pxd":107
  * 
  * 
  * cdef inline void pack_keys_transposed(const Problem *pb, const floating *k, Py_ssize_t row_stride,             # <<<<<<<<<<<<<<
@@ -26817,7 +27271,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/packing.pxd":69
+  /* "cattention/_driver/packing.pxd":115
  *     # sizes and strides in locals: stores through kt could alias *pb, so the
  *     # compiler would otherwise reload them for every element
  *     cdef Py_ssize_t P = panel_width(kt)             # <<<<<<<<<<<<<<
@@ -26826,7 +27280,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_kt);
 
-  /* "cattention/_driver/packing.pxd":70
+  /* "cattention/_driver/packing.pxd":116
  *     # compiler would otherwise reload them for every element
  *     cdef Py_ssize_t P = panel_width(kt)
  *     cdef Py_ssize_t d_k = pb.d_k             # <<<<<<<<<<<<<<
@@ -26837,7 +27291,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 
   __pyx_v_d_k = __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":71
+  /* "cattention/_driver/packing.pxd":117
  *     cdef Py_ssize_t P = panel_width(kt)
  *     cdef Py_ssize_t d_k = pb.d_k
  *     cdef Py_ssize_t panel_size = pb.ld_k * P             # <<<<<<<<<<<<<<
@@ -26846,7 +27300,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_panel_size = (__pyx_v_pb->ld_k * __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":79
+  /* "cattention/_driver/packing.pxd":125
  *             pb.kern.pack_kt_f32(k, row_stride, n_keys, d_k, kt, panel_size)
  *             return
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -26860,7 +27314,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":80
+    /* "cattention/_driver/packing.pxd":126
  *             return
  *     for j in range(n_keys):
  *         k_row = k + j * row_stride             # <<<<<<<<<<<<<<
@@ -26869,7 +27323,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_k_row = (__pyx_v_k + (__pyx_v_j * __pyx_v_row_stride));
 
-    /* "cattention/_driver/packing.pxd":81
+    /* "cattention/_driver/packing.pxd":127
  *     for j in range(n_keys):
  *         k_row = k + j * row_stride
  *         panel = kt + (j // P) * panel_size + j % P             # <<<<<<<<<<<<<<
@@ -26878,7 +27332,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_panel = ((__pyx_v_kt + ((__pyx_v_j / __pyx_v_P) * __pyx_v_panel_size)) + (__pyx_v_j % __pyx_v_P));
 
-    /* "cattention/_driver/packing.pxd":82
+    /* "cattention/_driver/packing.pxd":128
  *         k_row = k + j * row_stride
  *         panel = kt + (j // P) * panel_size + j % P
  *         if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -26890,7 +27344,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/packing.pxd":83
+      /* "cattention/_driver/packing.pxd":129
  *         panel = kt + (j // P) * panel_size + j % P
  *         if col_stride == 1:
  *             for c in range(d_k):             # <<<<<<<<<<<<<<
@@ -26904,7 +27358,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
       for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_c = __pyx_t_7;
 
-        /* "cattention/_driver/packing.pxd":84
+        /* "cattention/_driver/packing.pxd":130
  *         if col_stride == 1:
  *             for c in range(d_k):
  *                 panel[c * P] = k_row[c]             # <<<<<<<<<<<<<<
@@ -26915,7 +27369,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
       }
 
 
-      /* "cattention/_driver/packing.pxd":82
+      /* "cattention/_driver/packing.pxd":128
  *         k_row = k + j * row_stride
  *         panel = kt + (j // P) * panel_size + j % P
  *         if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -26925,7 +27379,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
       goto __pyx_L5;
     }
 
-    /* "cattention/_driver/packing.pxd":86
+    /* "cattention/_driver/packing.pxd":132
  *                 panel[c * P] = k_row[c]
  *         else:
  *             for c in range(d_k):             # <<<<<<<<<<<<<<
@@ -26940,7 +27394,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
       for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
         __pyx_v_c = __pyx_t_7;
 
-        /* "cattention/_driver/packing.pxd":87
+        /* "cattention/_driver/packing.pxd":133
  *         else:
  *             for c in range(d_k):
  *                 panel[c * P] = k_row[c * col_stride]             # <<<<<<<<<<<<<<
@@ -26955,7 +27409,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   }
 
 
-  /* "cattention/_driver/packing.pxd":88
+  /* "cattention/_driver/packing.pxd":134
  *             for c in range(d_k):
  *                 panel[c * P] = k_row[c * col_stride]
  *     for j in range(n_keys, round_up(n_keys, P)):             # <<<<<<<<<<<<<<
@@ -26969,7 +27423,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   for (__pyx_t_3 = __pyx_v_n_keys; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":89
+    /* "cattention/_driver/packing.pxd":135
  *                 panel[c * P] = k_row[c * col_stride]
  *     for j in range(n_keys, round_up(n_keys, P)):
  *         panel = kt + (j // P) * panel_size + j % P             # <<<<<<<<<<<<<<
@@ -26978,7 +27432,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_panel = ((__pyx_v_kt + ((__pyx_v_j / __pyx_v_P) * __pyx_v_panel_size)) + (__pyx_v_j % __pyx_v_P));
 
-    /* "cattention/_driver/packing.pxd":90
+    /* "cattention/_driver/packing.pxd":136
  *     for j in range(n_keys, round_up(n_keys, P)):
  *         panel = kt + (j // P) * panel_size + j % P
  *         for c in range(d_k):             # <<<<<<<<<<<<<<
@@ -26992,7 +27446,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_c = __pyx_t_7;
 
-      /* "cattention/_driver/packing.pxd":91
+      /* "cattention/_driver/packing.pxd":137
  *         panel = kt + (j // P) * panel_size + j % P
  *         for c in range(d_k):
  *             panel[c * P] = 0             # <<<<<<<<<<<<<<
@@ -27005,7 +27459,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   }
 
 
-  /* "cattention/_driver/packing.pxd":61
+  /* "cattention/_driver/packing.pxd":107
  * 
  * 
  * cdef inline void pack_keys_transposed(const Problem *pb, const floating *k, Py_ssize_t row_stride,             # <<<<<<<<<<<<<<
@@ -27023,7 +27477,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 
 }
 
-/* "cattention/_driver/packing.pxd":94
+/* "cattention/_driver/packing.pxd":140
  * 
  * 
  * cdef inline bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_stride,             # <<<<<<<<<<<<<<
@@ -27058,7 +27512,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   Py_ssize_t __pyx_t_11;
   Py_ssize_t __pyx_t_12;
 
-  /* "cattention/_driver/packing.pxd":105
+  /* "cattention/_driver/packing.pxd":151
  *     fma(0, 0, acc) == acc, exactly what a finite value would, so a NaN or Inf
  *     in a masked-out value changes no bit of the output."""
  *     cdef Py_ssize_t P = panel_width(v_packed)             # <<<<<<<<<<<<<<
@@ -27067,7 +27521,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_v_packed);
 
-  /* "cattention/_driver/packing.pxd":106
+  /* "cattention/_driver/packing.pxd":152
  *     in a masked-out value changes no bit of the output."""
  *     cdef Py_ssize_t P = panel_width(v_packed)
  *     cdef Py_ssize_t d_v = pb.d_v             # <<<<<<<<<<<<<<
@@ -27078,7 +27532,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 
   __pyx_v_d_v = __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":107
+  /* "cattention/_driver/packing.pxd":153
  *     cdef Py_ssize_t P = panel_width(v_packed)
  *     cdef Py_ssize_t d_v = pb.d_v
  *     cdef Py_ssize_t ld_v = pb.ld_v             # <<<<<<<<<<<<<<
@@ -27089,7 +27543,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 
   __pyx_v_ld_v = __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":108
+  /* "cattention/_driver/packing.pxd":154
  *     cdef Py_ssize_t d_v = pb.d_v
  *     cdef Py_ssize_t ld_v = pb.ld_v
  *     cdef Py_ssize_t panel_stride = pb.block_keys * P             # <<<<<<<<<<<<<<
@@ -27098,7 +27552,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_panel_stride = (__pyx_v_pb->block_keys * __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":109
+  /* "cattention/_driver/packing.pxd":155
  *     cdef Py_ssize_t ld_v = pb.ld_v
  *     cdef Py_ssize_t panel_stride = pb.block_keys * P
  *     cdef Py_ssize_t j, c, lane, n_full = d_v // P             # <<<<<<<<<<<<<<
@@ -27107,7 +27561,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_n_full = (__pyx_v_d_v / __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":118
+  /* "cattention/_driver/packing.pxd":164
  *     cdef floating probe[16]
  *     if floating is float:
  *         if col_stride == 1 or d_v <= 1:             # <<<<<<<<<<<<<<
@@ -27133,7 +27587,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/packing.pxd":119
+    /* "cattention/_driver/packing.pxd":165
  *     if floating is float:
  *         if col_stride == 1 or d_v <= 1:
  *             if pb.kern.pack_v_f32(v, row_stride, n_keys, d_v, v_packed, panel_stride):             # <<<<<<<<<<<<<<
@@ -27145,7 +27599,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/packing.pxd":120
+      /* "cattention/_driver/packing.pxd":166
  *         if col_stride == 1 or d_v <= 1:
  *             if pb.kern.pack_v_f32(v, row_stride, n_keys, d_v, v_packed, panel_stride):
  *                 zero_nonfinite(pb, n_keys, v_packed)             # <<<<<<<<<<<<<<
@@ -27154,7 +27608,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zero_nonfinite(__pyx_v_pb, __pyx_v_n_keys, __pyx_v_v_packed);
 
-      /* "cattention/_driver/packing.pxd":121
+      /* "cattention/_driver/packing.pxd":167
  *             if pb.kern.pack_v_f32(v, row_stride, n_keys, d_v, v_packed, panel_stride):
  *                 zero_nonfinite(pb, n_keys, v_packed)
  *                 return True             # <<<<<<<<<<<<<<
@@ -27167,7 +27621,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/packing.pxd":119
+      /* "cattention/_driver/packing.pxd":165
  *     if floating is float:
  *         if col_stride == 1 or d_v <= 1:
  *             if pb.kern.pack_v_f32(v, row_stride, n_keys, d_v, v_packed, panel_stride):             # <<<<<<<<<<<<<<
@@ -27176,7 +27630,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
     }
 
-    /* "cattention/_driver/packing.pxd":122
+    /* "cattention/_driver/packing.pxd":168
  *                 zero_nonfinite(pb, n_keys, v_packed)
  *                 return True
  *             return False             # <<<<<<<<<<<<<<
@@ -27189,7 +27643,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":118
+    /* "cattention/_driver/packing.pxd":164
  *     cdef floating probe[16]
  *     if floating is float:
  *         if col_stride == 1 or d_v <= 1:             # <<<<<<<<<<<<<<
@@ -27198,7 +27652,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   }
 
-  /* "cattention/_driver/packing.pxd":123
+  /* "cattention/_driver/packing.pxd":169
  *                 return True
  *             return False
  *     for lane in range(16):             # <<<<<<<<<<<<<<
@@ -27208,7 +27662,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   for (__pyx_t_1 = 0; __pyx_t_1 < 16; __pyx_t_1+=1) {
     __pyx_v_lane = __pyx_t_1;
 
-    /* "cattention/_driver/packing.pxd":124
+    /* "cattention/_driver/packing.pxd":170
  *             return False
  *     for lane in range(16):
  *         probe[lane] = 0             # <<<<<<<<<<<<<<
@@ -27218,7 +27672,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     (__pyx_v_probe[__pyx_v_lane]) = 0.0;
   }
 
-  /* "cattention/_driver/packing.pxd":125
+  /* "cattention/_driver/packing.pxd":171
  *     for lane in range(16):
  *         probe[lane] = 0
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -27232,7 +27686,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_j = __pyx_t_5;
 
-    /* "cattention/_driver/packing.pxd":126
+    /* "cattention/_driver/packing.pxd":172
  *         probe[lane] = 0
  *     for j in range(n_keys):
  *         v_row = v + j * row_stride             # <<<<<<<<<<<<<<
@@ -27241,7 +27695,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
     __pyx_v_v_row = (__pyx_v_v + (__pyx_v_j * __pyx_v_row_stride));
 
-    /* "cattention/_driver/packing.pxd":127
+    /* "cattention/_driver/packing.pxd":173
  *     for j in range(n_keys):
  *         v_row = v + j * row_stride
  *         for c in range(n_full):             # <<<<<<<<<<<<<<
@@ -27255,7 +27709,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_c = __pyx_t_8;
 
-      /* "cattention/_driver/packing.pxd":128
+      /* "cattention/_driver/packing.pxd":174
  *         v_row = v + j * row_stride
  *         for c in range(n_full):
  *             dst = v_packed + c * panel_stride + j * P             # <<<<<<<<<<<<<<
@@ -27264,7 +27718,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
       __pyx_v_dst = ((__pyx_v_v_packed + (__pyx_v_c * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P));
 
-      /* "cattention/_driver/packing.pxd":129
+      /* "cattention/_driver/packing.pxd":175
  *         for c in range(n_full):
  *             dst = v_packed + c * panel_stride + j * P
  *             if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -27276,7 +27730,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/packing.pxd":130
+        /* "cattention/_driver/packing.pxd":176
  *             dst = v_packed + c * panel_stride + j * P
  *             if col_stride == 1:
  *                 for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27290,7 +27744,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
         for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
           __pyx_v_lane = __pyx_t_11;
 
-          /* "cattention/_driver/packing.pxd":131
+          /* "cattention/_driver/packing.pxd":177
  *             if col_stride == 1:
  *                 for lane in range(P):
  *                     x = v_row[c * P + lane]             # <<<<<<<<<<<<<<
@@ -27299,7 +27753,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
           __pyx_v_x = (__pyx_v_v_row[((__pyx_v_c * __pyx_v_P) + __pyx_v_lane)]);
 
-          /* "cattention/_driver/packing.pxd":132
+          /* "cattention/_driver/packing.pxd":178
  *                 for lane in range(P):
  *                     x = v_row[c * P + lane]
  *                     probe[lane] += x - x             # <<<<<<<<<<<<<<
@@ -27310,7 +27764,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
           __pyx_t_12 = __pyx_v_lane;
           (__pyx_v_probe[__pyx_t_12]) = ((__pyx_v_probe[__pyx_t_12]) + (__pyx_v_x - __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":133
+          /* "cattention/_driver/packing.pxd":179
  *                     x = v_row[c * P + lane]
  *                     probe[lane] += x - x
  *                     dst[lane] = x             # <<<<<<<<<<<<<<
@@ -27321,7 +27775,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
         }
 
 
-        /* "cattention/_driver/packing.pxd":129
+        /* "cattention/_driver/packing.pxd":175
  *         for c in range(n_full):
  *             dst = v_packed + c * panel_stride + j * P
  *             if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -27331,7 +27785,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
         goto __pyx_L13;
       }
 
-      /* "cattention/_driver/packing.pxd":135
+      /* "cattention/_driver/packing.pxd":181
  *                     dst[lane] = x
  *             else:
  *                 for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27346,7 +27800,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
         for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
           __pyx_v_lane = __pyx_t_11;
 
-          /* "cattention/_driver/packing.pxd":136
+          /* "cattention/_driver/packing.pxd":182
  *             else:
  *                 for lane in range(P):
  *                     x = v_row[(c * P + lane) * col_stride]             # <<<<<<<<<<<<<<
@@ -27355,7 +27809,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
           __pyx_v_x = (__pyx_v_v_row[(((__pyx_v_c * __pyx_v_P) + __pyx_v_lane) * __pyx_v_col_stride)]);
 
-          /* "cattention/_driver/packing.pxd":137
+          /* "cattention/_driver/packing.pxd":183
  *                 for lane in range(P):
  *                     x = v_row[(c * P + lane) * col_stride]
  *                     probe[lane] += x - x             # <<<<<<<<<<<<<<
@@ -27366,7 +27820,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
           __pyx_t_12 = __pyx_v_lane;
           (__pyx_v_probe[__pyx_t_12]) = ((__pyx_v_probe[__pyx_t_12]) + (__pyx_v_x - __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":138
+          /* "cattention/_driver/packing.pxd":184
  *                     x = v_row[(c * P + lane) * col_stride]
  *                     probe[lane] += x - x
  *                     dst[lane] = x             # <<<<<<<<<<<<<<
@@ -27381,7 +27835,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     }
 
 
-    /* "cattention/_driver/packing.pxd":139
+    /* "cattention/_driver/packing.pxd":185
  *                     probe[lane] += x - x
  *                     dst[lane] = x
  *         if ld_v > n_full * P:             # <<<<<<<<<<<<<<
@@ -27393,7 +27847,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/packing.pxd":140
+      /* "cattention/_driver/packing.pxd":186
  *                     dst[lane] = x
  *         if ld_v > n_full * P:
  *             dst = v_packed + n_full * panel_stride + j * P             # <<<<<<<<<<<<<<
@@ -27402,7 +27856,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
       __pyx_v_dst = ((__pyx_v_v_packed + (__pyx_v_n_full * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P));
 
-      /* "cattention/_driver/packing.pxd":141
+      /* "cattention/_driver/packing.pxd":187
  *         if ld_v > n_full * P:
  *             dst = v_packed + n_full * panel_stride + j * P
  *             for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27416,7 +27870,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
       for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
         __pyx_v_lane = __pyx_t_8;
 
-        /* "cattention/_driver/packing.pxd":142
+        /* "cattention/_driver/packing.pxd":188
  *             dst = v_packed + n_full * panel_stride + j * P
  *             for lane in range(P):
  *                 if n_full * P + lane < d_v:             # <<<<<<<<<<<<<<
@@ -27428,7 +27882,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
         if (__pyx_t_2) {
 
 
-          /* "cattention/_driver/packing.pxd":143
+          /* "cattention/_driver/packing.pxd":189
  *             for lane in range(P):
  *                 if n_full * P + lane < d_v:
  *                     x = v_row[(n_full * P + lane) * col_stride]             # <<<<<<<<<<<<<<
@@ -27437,7 +27891,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
           __pyx_v_x = (__pyx_v_v_row[(((__pyx_v_n_full * __pyx_v_P) + __pyx_v_lane) * __pyx_v_col_stride)]);
 
-          /* "cattention/_driver/packing.pxd":144
+          /* "cattention/_driver/packing.pxd":190
  *                 if n_full * P + lane < d_v:
  *                     x = v_row[(n_full * P + lane) * col_stride]
  *                     probe[lane] += x - x             # <<<<<<<<<<<<<<
@@ -27448,7 +27902,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
           __pyx_t_9 = __pyx_v_lane;
           (__pyx_v_probe[__pyx_t_9]) = ((__pyx_v_probe[__pyx_t_9]) + (__pyx_v_x - __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":145
+          /* "cattention/_driver/packing.pxd":191
  *                     x = v_row[(n_full * P + lane) * col_stride]
  *                     probe[lane] += x - x
  *                     dst[lane] = x             # <<<<<<<<<<<<<<
@@ -27457,7 +27911,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
           (__pyx_v_dst[__pyx_v_lane]) = __pyx_v_x;
 
-          /* "cattention/_driver/packing.pxd":142
+          /* "cattention/_driver/packing.pxd":188
  *             dst = v_packed + n_full * panel_stride + j * P
  *             for lane in range(P):
  *                 if n_full * P + lane < d_v:             # <<<<<<<<<<<<<<
@@ -27467,7 +27921,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
           goto __pyx_L21;
         }
 
-        /* "cattention/_driver/packing.pxd":147
+        /* "cattention/_driver/packing.pxd":193
  *                     dst[lane] = x
  *                 else:
  *                     dst[lane] = 0             # <<<<<<<<<<<<<<
@@ -27481,7 +27935,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
       }
 
 
-      /* "cattention/_driver/packing.pxd":150
+      /* "cattention/_driver/packing.pxd":196
  *             # double panels are 8 wide and ld_v a multiple of 16: a panel
  *             # wholly past d_v is zero too (the P.V kernel reads it)
  *             for c in range(n_full + 1, ld_v // P):             # <<<<<<<<<<<<<<
@@ -27495,7 +27949,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
       for (__pyx_t_8 = (__pyx_v_n_full + 1); __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
         __pyx_v_c = __pyx_t_8;
 
-        /* "cattention/_driver/packing.pxd":151
+        /* "cattention/_driver/packing.pxd":197
  *             # wholly past d_v is zero too (the P.V kernel reads it)
  *             for c in range(n_full + 1, ld_v // P):
  *                 dst = v_packed + c * panel_stride + j * P             # <<<<<<<<<<<<<<
@@ -27504,7 +27958,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
         __pyx_v_dst = ((__pyx_v_v_packed + (__pyx_v_c * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P));
 
-        /* "cattention/_driver/packing.pxd":152
+        /* "cattention/_driver/packing.pxd":198
  *             for c in range(n_full + 1, ld_v // P):
  *                 dst = v_packed + c * panel_stride + j * P
  *                 for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27518,7 +27972,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
         for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
           __pyx_v_lane = __pyx_t_11;
 
-          /* "cattention/_driver/packing.pxd":153
+          /* "cattention/_driver/packing.pxd":199
  *                 dst = v_packed + c * panel_stride + j * P
  *                 for lane in range(P):
  *                     dst[lane] = 0             # <<<<<<<<<<<<<<
@@ -27531,7 +27985,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
       }
 
 
-      /* "cattention/_driver/packing.pxd":139
+      /* "cattention/_driver/packing.pxd":185
  *                     probe[lane] += x - x
  *                     dst[lane] = x
  *         if ld_v > n_full * P:             # <<<<<<<<<<<<<<
@@ -27542,7 +27996,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   }
 
 
-  /* "cattention/_driver/packing.pxd":154
+  /* "cattention/_driver/packing.pxd":200
  *                 for lane in range(P):
  *                     dst[lane] = 0
  *     x = 0             # <<<<<<<<<<<<<<
@@ -27551,7 +28005,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_x = 0.0;
 
-  /* "cattention/_driver/packing.pxd":155
+  /* "cattention/_driver/packing.pxd":201
  *                     dst[lane] = 0
  *     x = 0
  *     for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27565,7 +28019,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_lane = __pyx_t_5;
 
-    /* "cattention/_driver/packing.pxd":156
+    /* "cattention/_driver/packing.pxd":202
  *     x = 0
  *     for lane in range(P):
  *         x += probe[lane]             # <<<<<<<<<<<<<<
@@ -27576,7 +28030,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   }
 
 
-  /* "cattention/_driver/packing.pxd":157
+  /* "cattention/_driver/packing.pxd":203
  *     for lane in range(P):
  *         x += probe[lane]
  *     if x == x:             # <<<<<<<<<<<<<<
@@ -27588,7 +28042,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/packing.pxd":158
+    /* "cattention/_driver/packing.pxd":204
  *         x += probe[lane]
  *     if x == x:
  *         return False             # <<<<<<<<<<<<<<
@@ -27601,7 +28055,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":157
+    /* "cattention/_driver/packing.pxd":203
  *     for lane in range(P):
  *         x += probe[lane]
  *     if x == x:             # <<<<<<<<<<<<<<
@@ -27610,7 +28064,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   }
 
-  /* "cattention/_driver/packing.pxd":159
+  /* "cattention/_driver/packing.pxd":205
  *     if x == x:
  *         return False
  *     zero_nonfinite(pb, n_keys, v_packed)             # <<<<<<<<<<<<<<
@@ -27619,7 +28073,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zero_nonfinite(__pyx_v_pb, __pyx_v_n_keys, __pyx_v_v_packed);
 
-  /* "cattention/_driver/packing.pxd":160
+  /* "cattention/_driver/packing.pxd":206
  *         return False
  *     zero_nonfinite(pb, n_keys, v_packed)
  *     return True             # <<<<<<<<<<<<<<
@@ -27632,7 +28086,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":94
+  /* "cattention/_driver/packing.pxd":140
  * 
  * 
  * cdef inline bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_stride,             # <<<<<<<<<<<<<<
@@ -27683,7 +28137,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   Py_ssize_t __pyx_t_10;
   Py_ssize_t __pyx_t_11;
 
-  /* "cattention/_driver/packing.pxd":105
+  /* "cattention/_driver/packing.pxd":151
  *     fma(0, 0, acc) == acc, exactly what a finite value would, so a NaN or Inf
  *     in a masked-out value changes no bit of the output."""
  *     cdef Py_ssize_t P = panel_width(v_packed)             # <<<<<<<<<<<<<<
@@ -27692,7 +28146,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_v_packed);
 
-  /* "cattention/_driver/packing.pxd":106
+  /* "cattention/_driver/packing.pxd":152
  *     in a masked-out value changes no bit of the output."""
  *     cdef Py_ssize_t P = panel_width(v_packed)
  *     cdef Py_ssize_t d_v = pb.d_v             # <<<<<<<<<<<<<<
@@ -27703,7 +28157,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 
   __pyx_v_d_v = __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":107
+  /* "cattention/_driver/packing.pxd":153
  *     cdef Py_ssize_t P = panel_width(v_packed)
  *     cdef Py_ssize_t d_v = pb.d_v
  *     cdef Py_ssize_t ld_v = pb.ld_v             # <<<<<<<<<<<<<<
@@ -27714,7 +28168,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 
   __pyx_v_ld_v = __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":108
+  /* "cattention/_driver/packing.pxd":154
  *     cdef Py_ssize_t d_v = pb.d_v
  *     cdef Py_ssize_t ld_v = pb.ld_v
  *     cdef Py_ssize_t panel_stride = pb.block_keys * P             # <<<<<<<<<<<<<<
@@ -27723,7 +28177,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_panel_stride = (__pyx_v_pb->block_keys * __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":109
+  /* "cattention/_driver/packing.pxd":155
  *     cdef Py_ssize_t ld_v = pb.ld_v
  *     cdef Py_ssize_t panel_stride = pb.block_keys * P
  *     cdef Py_ssize_t j, c, lane, n_full = d_v // P             # <<<<<<<<<<<<<<
@@ -27732,7 +28186,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_n_full = (__pyx_v_d_v / __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":123
+  /* "cattention/_driver/packing.pxd":169
  *                 return True
  *             return False
  *     for lane in range(16):             # <<<<<<<<<<<<<<
@@ -27742,7 +28196,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   for (__pyx_t_1 = 0; __pyx_t_1 < 16; __pyx_t_1+=1) {
     __pyx_v_lane = __pyx_t_1;
 
-    /* "cattention/_driver/packing.pxd":124
+    /* "cattention/_driver/packing.pxd":170
  *             return False
  *     for lane in range(16):
  *         probe[lane] = 0             # <<<<<<<<<<<<<<
@@ -27752,7 +28206,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
     (__pyx_v_probe[__pyx_v_lane]) = 0.0;
   }
 
-  /* "cattention/_driver/packing.pxd":125
+  /* "cattention/_driver/packing.pxd":171
  *     for lane in range(16):
  *         probe[lane] = 0
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -27766,7 +28220,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":126
+    /* "cattention/_driver/packing.pxd":172
  *         probe[lane] = 0
  *     for j in range(n_keys):
  *         v_row = v + j * row_stride             # <<<<<<<<<<<<<<
@@ -27775,7 +28229,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
     __pyx_v_v_row = (__pyx_v_v + (__pyx_v_j * __pyx_v_row_stride));
 
-    /* "cattention/_driver/packing.pxd":127
+    /* "cattention/_driver/packing.pxd":173
  *     for j in range(n_keys):
  *         v_row = v + j * row_stride
  *         for c in range(n_full):             # <<<<<<<<<<<<<<
@@ -27789,7 +28243,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_v_c = __pyx_t_6;
 
-      /* "cattention/_driver/packing.pxd":128
+      /* "cattention/_driver/packing.pxd":174
  *         v_row = v + j * row_stride
  *         for c in range(n_full):
  *             dst = v_packed + c * panel_stride + j * P             # <<<<<<<<<<<<<<
@@ -27798,7 +28252,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
       __pyx_v_dst = ((__pyx_v_v_packed + (__pyx_v_c * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P));
 
-      /* "cattention/_driver/packing.pxd":129
+      /* "cattention/_driver/packing.pxd":175
  *         for c in range(n_full):
  *             dst = v_packed + c * panel_stride + j * P
  *             if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -27810,7 +28264,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":130
+        /* "cattention/_driver/packing.pxd":176
  *             dst = v_packed + c * panel_stride + j * P
  *             if col_stride == 1:
  *                 for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27824,7 +28278,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
         for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
           __pyx_v_lane = __pyx_t_10;
 
-          /* "cattention/_driver/packing.pxd":131
+          /* "cattention/_driver/packing.pxd":177
  *             if col_stride == 1:
  *                 for lane in range(P):
  *                     x = v_row[c * P + lane]             # <<<<<<<<<<<<<<
@@ -27833,7 +28287,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
           __pyx_v_x = (__pyx_v_v_row[((__pyx_v_c * __pyx_v_P) + __pyx_v_lane)]);
 
-          /* "cattention/_driver/packing.pxd":132
+          /* "cattention/_driver/packing.pxd":178
  *                 for lane in range(P):
  *                     x = v_row[c * P + lane]
  *                     probe[lane] += x - x             # <<<<<<<<<<<<<<
@@ -27844,7 +28298,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
           __pyx_t_11 = __pyx_v_lane;
           (__pyx_v_probe[__pyx_t_11]) = ((__pyx_v_probe[__pyx_t_11]) + (__pyx_v_x - __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":133
+          /* "cattention/_driver/packing.pxd":179
  *                     x = v_row[c * P + lane]
  *                     probe[lane] += x - x
  *                     dst[lane] = x             # <<<<<<<<<<<<<<
@@ -27855,7 +28309,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
         }
 
 
-        /* "cattention/_driver/packing.pxd":129
+        /* "cattention/_driver/packing.pxd":175
  *         for c in range(n_full):
  *             dst = v_packed + c * panel_stride + j * P
  *             if col_stride == 1:             # <<<<<<<<<<<<<<
@@ -27865,7 +28319,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
         goto __pyx_L9;
       }
 
-      /* "cattention/_driver/packing.pxd":135
+      /* "cattention/_driver/packing.pxd":181
  *                     dst[lane] = x
  *             else:
  *                 for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27880,7 +28334,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
         for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
           __pyx_v_lane = __pyx_t_10;
 
-          /* "cattention/_driver/packing.pxd":136
+          /* "cattention/_driver/packing.pxd":182
  *             else:
  *                 for lane in range(P):
  *                     x = v_row[(c * P + lane) * col_stride]             # <<<<<<<<<<<<<<
@@ -27889,7 +28343,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
           __pyx_v_x = (__pyx_v_v_row[(((__pyx_v_c * __pyx_v_P) + __pyx_v_lane) * __pyx_v_col_stride)]);
 
-          /* "cattention/_driver/packing.pxd":137
+          /* "cattention/_driver/packing.pxd":183
  *                 for lane in range(P):
  *                     x = v_row[(c * P + lane) * col_stride]
  *                     probe[lane] += x - x             # <<<<<<<<<<<<<<
@@ -27900,7 +28354,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
           __pyx_t_11 = __pyx_v_lane;
           (__pyx_v_probe[__pyx_t_11]) = ((__pyx_v_probe[__pyx_t_11]) + (__pyx_v_x - __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":138
+          /* "cattention/_driver/packing.pxd":184
  *                     x = v_row[(c * P + lane) * col_stride]
  *                     probe[lane] += x - x
  *                     dst[lane] = x             # <<<<<<<<<<<<<<
@@ -27915,7 +28369,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
     }
 
 
-    /* "cattention/_driver/packing.pxd":139
+    /* "cattention/_driver/packing.pxd":185
  *                     probe[lane] += x - x
  *                     dst[lane] = x
  *         if ld_v > n_full * P:             # <<<<<<<<<<<<<<
@@ -27927,7 +28381,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
     if (__pyx_t_7) {
 
 
-      /* "cattention/_driver/packing.pxd":140
+      /* "cattention/_driver/packing.pxd":186
  *                     dst[lane] = x
  *         if ld_v > n_full * P:
  *             dst = v_packed + n_full * panel_stride + j * P             # <<<<<<<<<<<<<<
@@ -27936,7 +28390,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
       __pyx_v_dst = ((__pyx_v_v_packed + (__pyx_v_n_full * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P));
 
-      /* "cattention/_driver/packing.pxd":141
+      /* "cattention/_driver/packing.pxd":187
  *         if ld_v > n_full * P:
  *             dst = v_packed + n_full * panel_stride + j * P
  *             for lane in range(P):             # <<<<<<<<<<<<<<
@@ -27950,7 +28404,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
       for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
         __pyx_v_lane = __pyx_t_6;
 
-        /* "cattention/_driver/packing.pxd":142
+        /* "cattention/_driver/packing.pxd":188
  *             dst = v_packed + n_full * panel_stride + j * P
  *             for lane in range(P):
  *                 if n_full * P + lane < d_v:             # <<<<<<<<<<<<<<
@@ -27962,7 +28416,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
         if (__pyx_t_7) {
 
 
-          /* "cattention/_driver/packing.pxd":143
+          /* "cattention/_driver/packing.pxd":189
  *             for lane in range(P):
  *                 if n_full * P + lane < d_v:
  *                     x = v_row[(n_full * P + lane) * col_stride]             # <<<<<<<<<<<<<<
@@ -27971,7 +28425,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
           __pyx_v_x = (__pyx_v_v_row[(((__pyx_v_n_full * __pyx_v_P) + __pyx_v_lane) * __pyx_v_col_stride)]);
 
-          /* "cattention/_driver/packing.pxd":144
+          /* "cattention/_driver/packing.pxd":190
  *                 if n_full * P + lane < d_v:
  *                     x = v_row[(n_full * P + lane) * col_stride]
  *                     probe[lane] += x - x             # <<<<<<<<<<<<<<
@@ -27982,7 +28436,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
           __pyx_t_8 = __pyx_v_lane;
           (__pyx_v_probe[__pyx_t_8]) = ((__pyx_v_probe[__pyx_t_8]) + (__pyx_v_x - __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":145
+          /* "cattention/_driver/packing.pxd":191
  *                     x = v_row[(n_full * P + lane) * col_stride]
  *                     probe[lane] += x - x
  *                     dst[lane] = x             # <<<<<<<<<<<<<<
@@ -27991,7 +28445,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
           (__pyx_v_dst[__pyx_v_lane]) = __pyx_v_x;
 
-          /* "cattention/_driver/packing.pxd":142
+          /* "cattention/_driver/packing.pxd":188
  *             dst = v_packed + n_full * panel_stride + j * P
  *             for lane in range(P):
  *                 if n_full * P + lane < d_v:             # <<<<<<<<<<<<<<
@@ -28001,7 +28455,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
           goto __pyx_L17;
         }
 
-        /* "cattention/_driver/packing.pxd":147
+        /* "cattention/_driver/packing.pxd":193
  *                     dst[lane] = x
  *                 else:
  *                     dst[lane] = 0             # <<<<<<<<<<<<<<
@@ -28015,7 +28469,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
       }
 
 
-      /* "cattention/_driver/packing.pxd":150
+      /* "cattention/_driver/packing.pxd":196
  *             # double panels are 8 wide and ld_v a multiple of 16: a panel
  *             # wholly past d_v is zero too (the P.V kernel reads it)
  *             for c in range(n_full + 1, ld_v // P):             # <<<<<<<<<<<<<<
@@ -28029,7 +28483,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
       for (__pyx_t_6 = (__pyx_v_n_full + 1); __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
         __pyx_v_c = __pyx_t_6;
 
-        /* "cattention/_driver/packing.pxd":151
+        /* "cattention/_driver/packing.pxd":197
  *             # wholly past d_v is zero too (the P.V kernel reads it)
  *             for c in range(n_full + 1, ld_v // P):
  *                 dst = v_packed + c * panel_stride + j * P             # <<<<<<<<<<<<<<
@@ -28038,7 +28492,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
         __pyx_v_dst = ((__pyx_v_v_packed + (__pyx_v_c * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P));
 
-        /* "cattention/_driver/packing.pxd":152
+        /* "cattention/_driver/packing.pxd":198
  *             for c in range(n_full + 1, ld_v // P):
  *                 dst = v_packed + c * panel_stride + j * P
  *                 for lane in range(P):             # <<<<<<<<<<<<<<
@@ -28052,7 +28506,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
         for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
           __pyx_v_lane = __pyx_t_10;
 
-          /* "cattention/_driver/packing.pxd":153
+          /* "cattention/_driver/packing.pxd":199
  *                 dst = v_packed + c * panel_stride + j * P
  *                 for lane in range(P):
  *                     dst[lane] = 0             # <<<<<<<<<<<<<<
@@ -28065,7 +28519,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
       }
 
 
-      /* "cattention/_driver/packing.pxd":139
+      /* "cattention/_driver/packing.pxd":185
  *                     probe[lane] += x - x
  *                     dst[lane] = x
  *         if ld_v > n_full * P:             # <<<<<<<<<<<<<<
@@ -28076,7 +28530,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   }
 
 
-  /* "cattention/_driver/packing.pxd":154
+  /* "cattention/_driver/packing.pxd":200
  *                 for lane in range(P):
  *                     dst[lane] = 0
  *     x = 0             # <<<<<<<<<<<<<<
@@ -28085,7 +28539,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_v_x = 0.0;
 
-  /* "cattention/_driver/packing.pxd":155
+  /* "cattention/_driver/packing.pxd":201
  *                     dst[lane] = 0
  *     x = 0
  *     for lane in range(P):             # <<<<<<<<<<<<<<
@@ -28099,7 +28553,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_lane = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":156
+    /* "cattention/_driver/packing.pxd":202
  *     x = 0
  *     for lane in range(P):
  *         x += probe[lane]             # <<<<<<<<<<<<<<
@@ -28110,7 +28564,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   }
 
 
-  /* "cattention/_driver/packing.pxd":157
+  /* "cattention/_driver/packing.pxd":203
  *     for lane in range(P):
  *         x += probe[lane]
  *     if x == x:             # <<<<<<<<<<<<<<
@@ -28122,7 +28576,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   if (__pyx_t_7) {
 
 
-    /* "cattention/_driver/packing.pxd":158
+    /* "cattention/_driver/packing.pxd":204
  *         x += probe[lane]
  *     if x == x:
  *         return False             # <<<<<<<<<<<<<<
@@ -28135,7 +28589,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":157
+    /* "cattention/_driver/packing.pxd":203
  *     for lane in range(P):
  *         x += probe[lane]
  *     if x == x:             # <<<<<<<<<<<<<<
@@ -28144,7 +28598,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
   }
 
-  /* "cattention/_driver/packing.pxd":159
+  /* "cattention/_driver/packing.pxd":205
  *     if x == x:
  *         return False
  *     zero_nonfinite(pb, n_keys, v_packed)             # <<<<<<<<<<<<<<
@@ -28153,7 +28607,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zero_nonfinite(__pyx_v_pb, __pyx_v_n_keys, __pyx_v_v_packed);
 
-  /* "cattention/_driver/packing.pxd":160
+  /* "cattention/_driver/packing.pxd":206
  *         return False
  *     zero_nonfinite(pb, n_keys, v_packed)
  *     return True             # <<<<<<<<<<<<<<
@@ -28166,7 +28620,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":94
+  /* "cattention/_driver/packing.pxd":140
  * 
  * 
  * cdef inline bint pack_values(const Problem *pb, const floating *v, Py_ssize_t row_stride,             # <<<<<<<<<<<<<<
@@ -28191,7 +28645,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":163
+/* "cattention/_driver/packing.pxd":209
  * 
  * 
  * cdef inline void zero_nonfinite(const Problem *pb, Py_ssize_t n_keys,             # <<<<<<<<<<<<<<
@@ -28213,7 +28667,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
   Py_ssize_t __pyx_t_6;
   int __pyx_t_7;
 
-  /* "cattention/_driver/packing.pxd":166
+  /* "cattention/_driver/packing.pxd":212
  *                                 floating *v_packed) noexcept nogil:
  *     """Every NaN or Inf of a packed V block set to 0 (rare)."""
  *     cdef Py_ssize_t P = panel_width(v_packed)             # <<<<<<<<<<<<<<
@@ -28222,7 +28676,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
 */
   __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_v_packed);
 
-  /* "cattention/_driver/packing.pxd":167
+  /* "cattention/_driver/packing.pxd":213
  *     """Every NaN or Inf of a packed V block set to 0 (rare)."""
  *     cdef Py_ssize_t P = panel_width(v_packed)
  *     cdef Py_ssize_t panel_stride = pb.block_keys * P             # <<<<<<<<<<<<<<
@@ -28231,7 +28685,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
 */
   __pyx_v_panel_stride = (__pyx_v_pb->block_keys * __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":170
+  /* "cattention/_driver/packing.pxd":216
  *     cdef Py_ssize_t j, c
  *     cdef floating *dst
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -28245,7 +28699,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":171
+    /* "cattention/_driver/packing.pxd":217
  *     cdef floating *dst
  *     for j in range(n_keys):
  *         for c in range(pb.ld_v):             # <<<<<<<<<<<<<<
@@ -28259,7 +28713,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_v_c = __pyx_t_6;
 
-      /* "cattention/_driver/packing.pxd":172
+      /* "cattention/_driver/packing.pxd":218
  *     for j in range(n_keys):
  *         for c in range(pb.ld_v):
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P             # <<<<<<<<<<<<<<
@@ -28268,7 +28722,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
 */
       __pyx_v_dst = (((__pyx_v_v_packed + ((__pyx_v_c / __pyx_v_P) * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P)) + (__pyx_v_c % __pyx_v_P));
 
-      /* "cattention/_driver/packing.pxd":173
+      /* "cattention/_driver/packing.pxd":219
  *         for c in range(pb.ld_v):
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P
  *             if (dst[0] - dst[0]) != 0:             # <<<<<<<<<<<<<<
@@ -28280,7 +28734,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":174
+        /* "cattention/_driver/packing.pxd":220
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P
  *             if (dst[0] - dst[0]) != 0:
  *                 dst[0] = 0             # <<<<<<<<<<<<<<
@@ -28289,7 +28743,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
 */
         (__pyx_v_dst[0]) = 0.0;
 
-        /* "cattention/_driver/packing.pxd":173
+        /* "cattention/_driver/packing.pxd":219
  *         for c in range(pb.ld_v):
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P
  *             if (dst[0] - dst[0]) != 0:             # <<<<<<<<<<<<<<
@@ -28302,7 +28756,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_zer
   }
 
 
-  /* "cattention/_driver/packing.pxd":163
+  /* "cattention/_driver/packing.pxd":209
  * 
  * 
  * cdef inline void zero_nonfinite(const Problem *pb, Py_ssize_t n_keys,             # <<<<<<<<<<<<<<
@@ -28332,7 +28786,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
   Py_ssize_t __pyx_t_6;
   int __pyx_t_7;
 
-  /* "cattention/_driver/packing.pxd":166
+  /* "cattention/_driver/packing.pxd":212
  *                                 floating *v_packed) noexcept nogil:
  *     """Every NaN or Inf of a packed V block set to 0 (rare)."""
  *     cdef Py_ssize_t P = panel_width(v_packed)             # <<<<<<<<<<<<<<
@@ -28341,7 +28795,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
 */
   __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_v_packed);
 
-  /* "cattention/_driver/packing.pxd":167
+  /* "cattention/_driver/packing.pxd":213
  *     """Every NaN or Inf of a packed V block set to 0 (rare)."""
  *     cdef Py_ssize_t P = panel_width(v_packed)
  *     cdef Py_ssize_t panel_stride = pb.block_keys * P             # <<<<<<<<<<<<<<
@@ -28350,7 +28804,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
 */
   __pyx_v_panel_stride = (__pyx_v_pb->block_keys * __pyx_v_P);
 
-  /* "cattention/_driver/packing.pxd":170
+  /* "cattention/_driver/packing.pxd":216
  *     cdef Py_ssize_t j, c
  *     cdef floating *dst
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -28364,7 +28818,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":171
+    /* "cattention/_driver/packing.pxd":217
  *     cdef floating *dst
  *     for j in range(n_keys):
  *         for c in range(pb.ld_v):             # <<<<<<<<<<<<<<
@@ -28378,7 +28832,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_v_c = __pyx_t_6;
 
-      /* "cattention/_driver/packing.pxd":172
+      /* "cattention/_driver/packing.pxd":218
  *     for j in range(n_keys):
  *         for c in range(pb.ld_v):
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P             # <<<<<<<<<<<<<<
@@ -28387,7 +28841,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
 */
       __pyx_v_dst = (((__pyx_v_v_packed + ((__pyx_v_c / __pyx_v_P) * __pyx_v_panel_stride)) + (__pyx_v_j * __pyx_v_P)) + (__pyx_v_c % __pyx_v_P));
 
-      /* "cattention/_driver/packing.pxd":173
+      /* "cattention/_driver/packing.pxd":219
  *         for c in range(pb.ld_v):
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P
  *             if (dst[0] - dst[0]) != 0:             # <<<<<<<<<<<<<<
@@ -28399,7 +28853,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":174
+        /* "cattention/_driver/packing.pxd":220
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P
  *             if (dst[0] - dst[0]) != 0:
  *                 dst[0] = 0             # <<<<<<<<<<<<<<
@@ -28408,7 +28862,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
 */
         (__pyx_v_dst[0]) = 0.0;
 
-        /* "cattention/_driver/packing.pxd":173
+        /* "cattention/_driver/packing.pxd":219
  *         for c in range(pb.ld_v):
  *             dst = v_packed + (c // P) * panel_stride + j * P + c % P
  *             if (dst[0] - dst[0]) != 0:             # <<<<<<<<<<<<<<
@@ -28421,7 +28875,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
   }
 
 
-  /* "cattention/_driver/packing.pxd":163
+  /* "cattention/_driver/packing.pxd":209
  * 
  * 
  * cdef inline void zero_nonfinite(const Problem *pb, Py_ssize_t n_keys,             # <<<<<<<<<<<<<<
@@ -28437,7 +28891,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_zer
 
 }
 
-/* "cattention/_driver/packing.pxd":177
+/* "cattention/_driver/packing.pxd":223
  * 
  * 
  * cdef inline void *packed_keys(const Problem *pb, const Workspace *ws,             # <<<<<<<<<<<<<<
@@ -28449,7 +28903,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(st
   void *__pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":181
+  /* "cattention/_driver/packing.pxd":227
  *     """K^T of packed block ``block`` (= kv * n_key_blocks + key block), in
  *     the compute dtype (pb.itemsize bytes per value)."""
  *     if ws.own_k != NULL:             # <<<<<<<<<<<<<<
@@ -28461,7 +28915,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(st
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":183
+    /* "cattention/_driver/packing.pxd":229
  *     if ws.own_k != NULL:
  *         return (<char *>ws.own_k
  *                 + (block % pb.n_key_blocks) * pb.ld_k * pb.block_keys * pb.itemsize)             # <<<<<<<<<<<<<<
@@ -28474,7 +28928,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(st
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":181
+    /* "cattention/_driver/packing.pxd":227
  *     """K^T of packed block ``block`` (= kv * n_key_blocks + key block), in
  *     the compute dtype (pb.itemsize bytes per value)."""
  *     if ws.own_k != NULL:             # <<<<<<<<<<<<<<
@@ -28483,7 +28937,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(st
 */
   }
 
-  /* "cattention/_driver/packing.pxd":184
+  /* "cattention/_driver/packing.pxd":230
  *         return (<char *>ws.own_k
  *                 + (block % pb.n_key_blocks) * pb.ld_k * pb.block_keys * pb.itemsize)
  *     return <char *>pb.packed_k + block * pb.ld_k * pb.block_keys * pb.itemsize             # <<<<<<<<<<<<<<
@@ -28496,7 +28950,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(st
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":177
+  /* "cattention/_driver/packing.pxd":223
  * 
  * 
  * cdef inline void *packed_keys(const Problem *pb, const Workspace *ws,             # <<<<<<<<<<<<<<
@@ -28509,7 +28963,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_keys(st
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":187
+/* "cattention/_driver/packing.pxd":233
  * 
  * 
  * cdef inline void *packed_values(const Problem *pb, const Workspace *ws,             # <<<<<<<<<<<<<<
@@ -28521,7 +28975,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(
   void *__pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":190
+  /* "cattention/_driver/packing.pxd":236
  *                                 Py_ssize_t block) noexcept nogil:
  *     """V of packed block ``block``, likewise."""
  *     if ws.own_v != NULL:             # <<<<<<<<<<<<<<
@@ -28533,7 +28987,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":192
+    /* "cattention/_driver/packing.pxd":238
  *     if ws.own_v != NULL:
  *         return (<char *>ws.own_v
  *                 + (block % pb.n_key_blocks) * pb.block_keys * pb.ld_v * pb.itemsize)             # <<<<<<<<<<<<<<
@@ -28546,7 +29000,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":190
+    /* "cattention/_driver/packing.pxd":236
  *                                 Py_ssize_t block) noexcept nogil:
  *     """V of packed block ``block``, likewise."""
  *     if ws.own_v != NULL:             # <<<<<<<<<<<<<<
@@ -28555,7 +29009,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(
 */
   }
 
-  /* "cattention/_driver/packing.pxd":193
+  /* "cattention/_driver/packing.pxd":239
  *         return (<char *>ws.own_v
  *                 + (block % pb.n_key_blocks) * pb.block_keys * pb.ld_v * pb.itemsize)
  *     return <char *>pb.packed_v + block * pb.block_keys * pb.ld_v * pb.itemsize             # <<<<<<<<<<<<<<
@@ -28568,7 +29022,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":187
+  /* "cattention/_driver/packing.pxd":233
  * 
  * 
  * cdef inline void *packed_values(const Problem *pb, const Workspace *ws,             # <<<<<<<<<<<<<<
@@ -28581,7 +29035,7 @@ static CYTHON_INLINE void *__pyx_f_10cattention_7_driver_7packing_packed_values(
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":196
+/* "cattention/_driver/packing.pxd":242
  * 
  * 
  * cdef inline uint8_t *nonfinite_flag(const Problem *pb, const Workspace *ws,             # <<<<<<<<<<<<<<
@@ -28593,7 +29047,7 @@ static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_f
   uint8_t *__pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/packing.pxd":199
+  /* "cattention/_driver/packing.pxd":245
  *                                     Py_ssize_t block) noexcept nogil:
  *     """Whether packed V block ``block`` held NaN or Inf."""
  *     if ws.own_nonfinite != NULL:             # <<<<<<<<<<<<<<
@@ -28605,7 +29059,7 @@ static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_f
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":200
+    /* "cattention/_driver/packing.pxd":246
  *     """Whether packed V block ``block`` held NaN or Inf."""
  *     if ws.own_nonfinite != NULL:
  *         return ws.own_nonfinite + block % pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -28618,7 +29072,7 @@ static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_f
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":199
+    /* "cattention/_driver/packing.pxd":245
  *                                     Py_ssize_t block) noexcept nogil:
  *     """Whether packed V block ``block`` held NaN or Inf."""
  *     if ws.own_nonfinite != NULL:             # <<<<<<<<<<<<<<
@@ -28627,7 +29081,7 @@ static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_f
 */
   }
 
-  /* "cattention/_driver/packing.pxd":201
+  /* "cattention/_driver/packing.pxd":247
  *     if ws.own_nonfinite != NULL:
  *         return ws.own_nonfinite + block % pb.n_key_blocks
  *     return pb.value_nonfinite + block             # <<<<<<<<<<<<<<
@@ -28640,7 +29094,7 @@ static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_f
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":196
+  /* "cattention/_driver/packing.pxd":242
  * 
  * 
  * cdef inline uint8_t *nonfinite_flag(const Problem *pb, const Workspace *ws,             # <<<<<<<<<<<<<<
@@ -28653,7 +29107,7 @@ static CYTHON_INLINE uint8_t *__pyx_f_10cattention_7_driver_7packing_nonfinite_f
   return __pyx_r;
 }
 
-/* "cattention/_driver/packing.pxd":204
+/* "cattention/_driver/packing.pxd":250
  * 
  * 
  * cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,             # <<<<<<<<<<<<<<
@@ -28670,12 +29124,13 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   Py_ssize_t __pyx_v_ld_v_rows;
   Py_ssize_t __pyx_v_col_k_rows;
   Py_ssize_t __pyx_v_col_v_rows;
+  uint16_t const *__pyx_v_bf16;
   float const *__pyx_v_k_rows;
   float const *__pyx_v_v_rows;
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/packing.pxd":208
+  /* "cattention/_driver/packing.pxd":254
  *     """Pack K^T (into kt: packed_keys of the block) and V of one (kv, key
  *     block) from the caller's arrays."""
  *     cdef Py_ssize_t kv = block // pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -28684,7 +29139,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_kv = (__pyx_v_block / __pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/packing.pxd":209
+  /* "cattention/_driver/packing.pxd":255
  *     block) from the caller's arrays."""
  *     cdef Py_ssize_t kv = block // pb.n_key_blocks
  *     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK             # <<<<<<<<<<<<<<
@@ -28693,7 +29148,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_key0 = ((__pyx_v_block % __pyx_v_pb->n_key_blocks) * __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/packing.pxd":210
+  /* "cattention/_driver/packing.pxd":256
  *     cdef Py_ssize_t kv = block // pb.n_key_blocks
  *     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK
  *     cdef Py_ssize_t b = pb.kv_source[kv]             # <<<<<<<<<<<<<<
@@ -28702,7 +29157,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_b = (__pyx_v_pb->kv_source[__pyx_v_kv]);
 
-  /* "cattention/_driver/packing.pxd":213
+  /* "cattention/_driver/packing.pxd":259
  *     # keys past the extent may not exist (a paged cache, the last packed
  *     # sequence): they are never read, and their columns never seen
  *     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0             # <<<<<<<<<<<<<<
@@ -28711,7 +29166,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_n_keys = (__pyx_f_10cattention_7_driver_7problem_key_extent(__pyx_v_pb, __pyx_v_kv) - __pyx_v_key0);
 
-  /* "cattention/_driver/packing.pxd":215
+  /* "cattention/_driver/packing.pxd":261
  *     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0
  *     cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
  *     if n_keys > K_BLOCK:             # <<<<<<<<<<<<<<
@@ -28723,7 +29178,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":216
+    /* "cattention/_driver/packing.pxd":262
  *     cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
  *     if n_keys > K_BLOCK:
  *         n_keys = K_BLOCK             # <<<<<<<<<<<<<<
@@ -28732,7 +29187,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_n_keys = __pyx_e_10cattention_7_driver_7problem_K_BLOCK;
 
-    /* "cattention/_driver/packing.pxd":215
+    /* "cattention/_driver/packing.pxd":261
  *     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0
  *     cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
  *     if n_keys > K_BLOCK:             # <<<<<<<<<<<<<<
@@ -28741,7 +29196,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":220
+  /* "cattention/_driver/packing.pxd":266
  *     # block that straddles the start is packed whole: its masked keys are
  *     # read, with zero weights)
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):             # <<<<<<<<<<<<<<
@@ -28767,27 +29222,27 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":221
+    /* "cattention/_driver/packing.pxd":267
  *     # read, with zero weights)
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
  *         nonfinite_flag(pb, ws, block)[0] = 0             # <<<<<<<<<<<<<<
  *         return
- *     # strided rows are packed from where they are; rows gathered from
+ *     cdef const uint16_t *bf16
 */
     (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = 0;
 
-    /* "cattention/_driver/packing.pxd":222
+    /* "cattention/_driver/packing.pxd":268
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
  *         nonfinite_flag(pb, ws, block)[0] = 0
  *         return             # <<<<<<<<<<<<<<
- *     # strided rows are packed from where they are; rows gathered from
- *     # several pages or converted are contiguous copies
+ *     cdef const uint16_t *bf16
+ *     if floating is float:
 */
     {
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":220
+    /* "cattention/_driver/packing.pxd":266
  *     # block that straddles the start is packed whole: its masked keys are
  *     # read, with zero weights)
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):             # <<<<<<<<<<<<<<
@@ -28796,26 +29251,187 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":225
+  /* "cattention/_driver/packing.pxd":271
+ *     cdef const uint16_t *bf16
+ *     if floating is float:
+ *         if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *             # bfloat16 keys in the table's pair panels, their bits as they are
+ *             bf16 = bf16_rows(&pb.k, b, key0, n_keys, pb.d_k,
+*/
+  if (__pyx_v_pb->bf16_score) {
+
+    /* "cattention/_driver/packing.pxd":273
+ *         if pb.bf16_score:
+ *             # bfloat16 keys in the table's pair panels, their bits as they are
+ *             bf16 = bf16_rows(&pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
+ *                              <uint16_t *>(<floating *>ws.base + ws.off_k_rows), pb.ld_k,
+ *                              &ld_k_rows)
+*/
+    __pyx_v_bf16 = __pyx_f_10cattention_7_driver_7packing_bf16_rows((&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, ((uint16_t *)(((float *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows)), __pyx_v_pb->ld_k, (&__pyx_v_ld_k_rows));
+
+    /* "cattention/_driver/packing.pxd":276
+ *                              <uint16_t *>(<floating *>ws.base + ws.off_k_rows), pb.ld_k,
+ *                              &ld_k_rows)
+ *             pb.kern.pack_kt_bf16(bf16, ld_k_rows, n_keys, pb.d_k, <uint16_t *>kt,             # <<<<<<<<<<<<<<
+ *                                  pb.ld_k * 2 * CA_PANEL_F32)
+ *         if pb.bf16_pv:
+*/
+    __pyx_v_pb->kern->pack_kt_bf16(__pyx_v_bf16, __pyx_v_ld_k_rows, __pyx_v_n_keys, __pyx_v_pb->d_k, ((uint16_t *)__pyx_v_kt), ((__pyx_v_pb->ld_k * 2) * CA_PANEL_F32));
+
+    /* "cattention/_driver/packing.pxd":271
+ *     cdef const uint16_t *bf16
+ *     if floating is float:
+ *         if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *             # bfloat16 keys in the table's pair panels, their bits as they are
+ *             bf16 = bf16_rows(&pb.k, b, key0, n_keys, pb.d_k,
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":278
+ *             pb.kern.pack_kt_bf16(bf16, ld_k_rows, n_keys, pb.d_k, <uint16_t *>kt,
+ *                                  pb.ld_k * 2 * CA_PANEL_F32)
+ *         if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *             bf16 = bf16_rows(&pb.v, b, key0, n_keys, pb.d_v,
+ *                              <uint16_t *>(<floating *>ws.base + ws.off_v_rows), pb.ld_v,
+*/
+  if (__pyx_v_pb->bf16_pv) {
+
+    /* "cattention/_driver/packing.pxd":279
+ *                                  pb.ld_k * 2 * CA_PANEL_F32)
+ *         if pb.bf16_pv:
+ *             bf16 = bf16_rows(&pb.v, b, key0, n_keys, pb.d_v,             # <<<<<<<<<<<<<<
+ *                              <uint16_t *>(<floating *>ws.base + ws.off_v_rows), pb.ld_v,
+ *                              &ld_v_rows)
+*/
+    __pyx_v_bf16 = __pyx_f_10cattention_7_driver_7packing_bf16_rows((&__pyx_v_pb->v), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_v, ((uint16_t *)(((float *)__pyx_v_ws->base) + __pyx_v_ws->off_v_rows)), __pyx_v_pb->ld_v, (&__pyx_v_ld_v_rows));
+
+    /* "cattention/_driver/packing.pxd":282
+ *                              <uint16_t *>(<floating *>ws.base + ws.off_v_rows), pb.ld_v,
+ *                              &ld_v_rows)
+ *             nonfinite_flag(pb, ws, block)[0] = pb.kern.pack_v_bf16(             # <<<<<<<<<<<<<<
+ *                 bf16, ld_v_rows, n_keys, pb.d_v, <uint16_t *>packed_values(pb, ws, block),
+ *                 pb.block_keys * 2 * CA_PANEL_F32)
+*/
+    (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = __pyx_v_pb->kern->pack_v_bf16(__pyx_v_bf16, __pyx_v_ld_v_rows, __pyx_v_n_keys, __pyx_v_pb->d_v, ((uint16_t *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)), ((__pyx_v_pb->block_keys * 2) * CA_PANEL_F32));
+
+    /* "cattention/_driver/packing.pxd":278
+ *             pb.kern.pack_kt_bf16(bf16, ld_k_rows, n_keys, pb.d_k, <uint16_t *>kt,
+ *                                  pb.ld_k * 2 * CA_PANEL_F32)
+ *         if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *             bf16 = bf16_rows(&pb.v, b, key0, n_keys, pb.d_v,
+ *                              <uint16_t *>(<floating *>ws.base + ws.off_v_rows), pb.ld_v,
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":285
+ *                 bf16, ld_v_rows, n_keys, pb.d_v, <uint16_t *>packed_values(pb, ws, block),
+ *                 pb.block_keys * 2 * CA_PANEL_F32)
+ *         if pb.bf16_score and pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *             return
+ *     # strided rows are packed from where they are; rows gathered from
+*/
+  if (__pyx_v_pb->bf16_score) {
+  } else {
+
+    __pyx_t_1 = __pyx_v_pb->bf16_score;
+    goto __pyx_L10_bool_binop_done;
+  }
+
+  __pyx_t_1 = __pyx_v_pb->bf16_pv;
+  __pyx_L10_bool_binop_done:;
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/packing.pxd":286
+ *                 pb.block_keys * 2 * CA_PANEL_F32)
+ *         if pb.bf16_score and pb.bf16_pv:
+ *             return             # <<<<<<<<<<<<<<
  *     # strided rows are packed from where they are; rows gathered from
  *     # several pages or converted are contiguous copies
- *     cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
- *                                                 <floating *>ws.base + ws.off_k_rows,
- *                                                 pb.ld_k, &ld_k_rows, &col_k_rows)
 */
-  __pyx_v_k_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows), __pyx_v_pb->ld_k, (&__pyx_v_ld_k_rows), (&__pyx_v_col_k_rows));
+    {
+    }
+    goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":228
- *                                                 <floating *>ws.base + ws.off_k_rows,
- *                                                 pb.ld_k, &ld_k_rows, &col_k_rows)
- *     pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)             # <<<<<<<<<<<<<<
+    /* "cattention/_driver/packing.pxd":285
+ *                 bf16, ld_v_rows, n_keys, pb.d_v, <uint16_t *>packed_values(pb, ws, block),
+ *                 pb.block_keys * 2 * CA_PANEL_F32)
+ *         if pb.bf16_score and pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *             return
+ *     # strided rows are packed from where they are; rows gathered from
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":290
+ *     # several pages or converted are contiguous copies
+ *     cdef const floating *k_rows
+ *     if not pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+*/
+  __pyx_t_1 = (!__pyx_v_pb->bf16_score);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/packing.pxd":291
+ *     cdef const floating *k_rows
+ *     if not pb.bf16_score:
+ *         k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+ *                                &col_k_rows)
+*/
+    __pyx_v_k_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows), __pyx_v_pb->ld_k, (&__pyx_v_ld_k_rows), (&__pyx_v_col_k_rows));
+
+    /* "cattention/_driver/packing.pxd":294
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+ *                                &col_k_rows)
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)             # <<<<<<<<<<<<<<
+ *     if pb.bf16_pv:
+ *         return
+*/
+    __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack_keys_transposed(__pyx_v_pb, __pyx_v_k_rows, __pyx_v_ld_k_rows, __pyx_v_col_k_rows, __pyx_v_n_keys, __pyx_v_kt);
+
+    /* "cattention/_driver/packing.pxd":290
+ *     # several pages or converted are contiguous copies
+ *     cdef const floating *k_rows
+ *     if not pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":295
+ *                                &col_k_rows)
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+ *     if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *         return
+ *     cdef const floating *v_rows
+*/
+  if (__pyx_v_pb->bf16_pv) {
+
+    /* "cattention/_driver/packing.pxd":296
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+ *     if pb.bf16_pv:
+ *         return             # <<<<<<<<<<<<<<
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:
 */
-  __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack_keys_transposed(__pyx_v_pb, __pyx_v_k_rows, __pyx_v_ld_k_rows, __pyx_v_col_k_rows, __pyx_v_n_keys, __pyx_v_kt);
+    {
+    }
+    goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":230
- *     pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+    /* "cattention/_driver/packing.pxd":295
+ *                                &col_k_rows)
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+ *     if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *         return
+ *     cdef const floating *v_rows
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":298
+ *         return
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:             # <<<<<<<<<<<<<<
  *         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
@@ -28826,7 +29442,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":231
+    /* "cattention/_driver/packing.pxd":299
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:
  *         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,             # <<<<<<<<<<<<<<
@@ -28835,7 +29451,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_v_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->v), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_v, (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_v_rows), __pyx_v_pb->ld_v, (&__pyx_v_ld_v_rows), (&__pyx_v_col_v_rows));
 
-    /* "cattention/_driver/packing.pxd":234
+    /* "cattention/_driver/packing.pxd":302
  *                                <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
  *                                &col_v_rows)
  *         nonfinite_flag(pb, ws, block)[0] = pack_values(             # <<<<<<<<<<<<<<
@@ -28844,17 +29460,17 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 */
     (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack_values(__pyx_v_pb, __pyx_v_v_rows, __pyx_v_ld_v_rows, __pyx_v_col_v_rows, __pyx_v_n_keys, ((float *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)));
 
-    /* "cattention/_driver/packing.pxd":230
- *     pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+    /* "cattention/_driver/packing.pxd":298
+ *         return
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:             # <<<<<<<<<<<<<<
  *         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
  *                                <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
 */
-    goto __pyx_L7;
+    goto __pyx_L14;
   }
 
-  /* "cattention/_driver/packing.pxd":238
+  /* "cattention/_driver/packing.pxd":306
  *             <floating *>packed_values(pb, ws, block))
  *     else:
  *         nonfinite_flag(pb, ws, block)[0] = 0             # <<<<<<<<<<<<<<
@@ -28864,9 +29480,9 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
   /*else*/ {
     (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = 0;
   }
-  __pyx_L7:;
+  __pyx_L14:;
 
-  /* "cattention/_driver/packing.pxd":204
+  /* "cattention/_driver/packing.pxd":250
  * 
  * 
  * cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,             # <<<<<<<<<<<<<<
@@ -28876,6 +29492,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pac
 
   /* function exit code */
   __pyx_L0:;
+
 
 
 
@@ -28902,7 +29519,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/packing.pxd":208
+  /* "cattention/_driver/packing.pxd":254
  *     """Pack K^T (into kt: packed_keys of the block) and V of one (kv, key
  *     block) from the caller's arrays."""
  *     cdef Py_ssize_t kv = block // pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -28911,7 +29528,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_kv = (__pyx_v_block / __pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/packing.pxd":209
+  /* "cattention/_driver/packing.pxd":255
  *     block) from the caller's arrays."""
  *     cdef Py_ssize_t kv = block // pb.n_key_blocks
  *     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK             # <<<<<<<<<<<<<<
@@ -28920,7 +29537,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_key0 = ((__pyx_v_block % __pyx_v_pb->n_key_blocks) * __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/packing.pxd":210
+  /* "cattention/_driver/packing.pxd":256
  *     cdef Py_ssize_t kv = block // pb.n_key_blocks
  *     cdef Py_ssize_t key0 = (block % pb.n_key_blocks) * K_BLOCK
  *     cdef Py_ssize_t b = pb.kv_source[kv]             # <<<<<<<<<<<<<<
@@ -28929,7 +29546,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_b = (__pyx_v_pb->kv_source[__pyx_v_kv]);
 
-  /* "cattention/_driver/packing.pxd":213
+  /* "cattention/_driver/packing.pxd":259
  *     # keys past the extent may not exist (a paged cache, the last packed
  *     # sequence): they are never read, and their columns never seen
  *     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0             # <<<<<<<<<<<<<<
@@ -28938,7 +29555,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   __pyx_v_n_keys = (__pyx_f_10cattention_7_driver_7problem_key_extent(__pyx_v_pb, __pyx_v_kv) - __pyx_v_key0);
 
-  /* "cattention/_driver/packing.pxd":215
+  /* "cattention/_driver/packing.pxd":261
  *     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0
  *     cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
  *     if n_keys > K_BLOCK:             # <<<<<<<<<<<<<<
@@ -28950,7 +29567,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":216
+    /* "cattention/_driver/packing.pxd":262
  *     cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
  *     if n_keys > K_BLOCK:
  *         n_keys = K_BLOCK             # <<<<<<<<<<<<<<
@@ -28959,7 +29576,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_n_keys = __pyx_e_10cattention_7_driver_7problem_K_BLOCK;
 
-    /* "cattention/_driver/packing.pxd":215
+    /* "cattention/_driver/packing.pxd":261
  *     cdef Py_ssize_t n_keys = key_extent(pb, kv) - key0
  *     cdef Py_ssize_t ld_k_rows, ld_v_rows, col_k_rows, col_v_rows
  *     if n_keys > K_BLOCK:             # <<<<<<<<<<<<<<
@@ -28968,7 +29585,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":220
+  /* "cattention/_driver/packing.pxd":266
  *     # block that straddles the start is packed whole: its masked keys are
  *     # read, with zero weights)
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):             # <<<<<<<<<<<<<<
@@ -28994,27 +29611,27 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":221
+    /* "cattention/_driver/packing.pxd":267
  *     # read, with zero weights)
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
  *         nonfinite_flag(pb, ws, block)[0] = 0             # <<<<<<<<<<<<<<
  *         return
- *     # strided rows are packed from where they are; rows gathered from
+ *     cdef const uint16_t *bf16
 */
     (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = 0;
 
-    /* "cattention/_driver/packing.pxd":222
+    /* "cattention/_driver/packing.pxd":268
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
  *         nonfinite_flag(pb, ws, block)[0] = 0
  *         return             # <<<<<<<<<<<<<<
- *     # strided rows are packed from where they are; rows gathered from
- *     # several pages or converted are contiguous copies
+ *     cdef const uint16_t *bf16
+ *     if floating is float:
 */
     {
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/packing.pxd":220
+    /* "cattention/_driver/packing.pxd":266
  *     # block that straddles the start is packed whole: its masked keys are
  *     # read, with zero weights)
  *     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):             # <<<<<<<<<<<<<<
@@ -29023,26 +29640,76 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
   }
 
-  /* "cattention/_driver/packing.pxd":225
- *     # strided rows are packed from where they are; rows gathered from
+  /* "cattention/_driver/packing.pxd":290
  *     # several pages or converted are contiguous copies
- *     cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
- *                                                 <floating *>ws.base + ws.off_k_rows,
- *                                                 pb.ld_k, &ld_k_rows, &col_k_rows)
+ *     cdef const floating *k_rows
+ *     if not pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
 */
-  __pyx_v_k_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows), __pyx_v_pb->ld_k, (&__pyx_v_ld_k_rows), (&__pyx_v_col_k_rows));
+  __pyx_t_1 = (!__pyx_v_pb->bf16_score);
 
-  /* "cattention/_driver/packing.pxd":228
- *                                                 <floating *>ws.base + ws.off_k_rows,
- *                                                 pb.ld_k, &ld_k_rows, &col_k_rows)
- *     pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)             # <<<<<<<<<<<<<<
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/packing.pxd":291
+ *     cdef const floating *k_rows
+ *     if not pb.bf16_score:
+ *         k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+ *                                &col_k_rows)
+*/
+    __pyx_v_k_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows), __pyx_v_pb->ld_k, (&__pyx_v_ld_k_rows), (&__pyx_v_col_k_rows));
+
+    /* "cattention/_driver/packing.pxd":294
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+ *                                &col_k_rows)
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)             # <<<<<<<<<<<<<<
+ *     if pb.bf16_pv:
+ *         return
+*/
+    __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack_keys_transposed(__pyx_v_pb, __pyx_v_k_rows, __pyx_v_ld_k_rows, __pyx_v_col_k_rows, __pyx_v_n_keys, __pyx_v_kt);
+
+    /* "cattention/_driver/packing.pxd":290
+ *     # several pages or converted are contiguous copies
+ *     cdef const floating *k_rows
+ *     if not pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+ *                                <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":295
+ *                                &col_k_rows)
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+ *     if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *         return
+ *     cdef const floating *v_rows
+*/
+  if (__pyx_v_pb->bf16_pv) {
+
+    /* "cattention/_driver/packing.pxd":296
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+ *     if pb.bf16_pv:
+ *         return             # <<<<<<<<<<<<<<
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:
 */
-  __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack_keys_transposed(__pyx_v_pb, __pyx_v_k_rows, __pyx_v_ld_k_rows, __pyx_v_col_k_rows, __pyx_v_n_keys, __pyx_v_kt);
+    {
+    }
+    goto __pyx_L0;
 
-  /* "cattention/_driver/packing.pxd":230
- *     pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+    /* "cattention/_driver/packing.pxd":295
+ *                                &col_k_rows)
+ *         pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+ *     if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *         return
+ *     cdef const floating *v_rows
+*/
+  }
+
+  /* "cattention/_driver/packing.pxd":298
+ *         return
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:             # <<<<<<<<<<<<<<
  *         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
@@ -29053,7 +29720,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/packing.pxd":231
+    /* "cattention/_driver/packing.pxd":299
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:
  *         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,             # <<<<<<<<<<<<<<
@@ -29062,7 +29729,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     __pyx_v_v_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->v), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_v, (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_v_rows), __pyx_v_pb->ld_v, (&__pyx_v_ld_v_rows), (&__pyx_v_col_v_rows));
 
-    /* "cattention/_driver/packing.pxd":234
+    /* "cattention/_driver/packing.pxd":302
  *                                <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
  *                                &col_v_rows)
  *         nonfinite_flag(pb, ws, block)[0] = pack_values(             # <<<<<<<<<<<<<<
@@ -29071,17 +29738,17 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 */
     (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack_values(__pyx_v_pb, __pyx_v_v_rows, __pyx_v_ld_v_rows, __pyx_v_col_v_rows, __pyx_v_n_keys, ((double *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)));
 
-    /* "cattention/_driver/packing.pxd":230
- *     pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+    /* "cattention/_driver/packing.pxd":298
+ *         return
  *     cdef const floating *v_rows
  *     if pb.d_v > 0:             # <<<<<<<<<<<<<<
  *         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
  *                                <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_v_rows,
 */
-    goto __pyx_L7;
+    goto __pyx_L9;
   }
 
-  /* "cattention/_driver/packing.pxd":238
+  /* "cattention/_driver/packing.pxd":306
  *             <floating *>packed_values(pb, ws, block))
  *     else:
  *         nonfinite_flag(pb, ws, block)[0] = 0             # <<<<<<<<<<<<<<
@@ -29091,9 +29758,9 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
   /*else*/ {
     (__pyx_f_10cattention_7_driver_7packing_nonfinite_flag(__pyx_v_pb, __pyx_v_ws, __pyx_v_block)[0]) = 0;
   }
-  __pyx_L7:;
+  __pyx_L9:;
 
-  /* "cattention/_driver/packing.pxd":204
+  /* "cattention/_driver/packing.pxd":250
  * 
  * 
  * cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,             # <<<<<<<<<<<<<<
@@ -29115,7 +29782,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pac
 
 }
 
-/* "cattention/_driver/packing.pxd":241
+/* "cattention/_driver/packing.pxd":309
  * 
  * 
  * cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,             # <<<<<<<<<<<<<<
@@ -29143,7 +29810,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
   Py_ssize_t __pyx_t_10;
   Py_ssize_t __pyx_t_11;
 
-  /* "cattention/_driver/packing.pxd":247
+  /* "cattention/_driver/packing.pxd":315
  *     """acc[i, c] += p[i, j] * V[key0 + j, c] for the NaN/Inf entries of V that
  *     pack_values zeroed, in rows where key j has a nonzero weight."""
  *     cdef const floating *v = <const floating *>pb.v.data             # <<<<<<<<<<<<<<
@@ -29152,7 +29819,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
   __pyx_v_v = ((float const *)__pyx_v_pb->v.data);
 
-  /* "cattention/_driver/packing.pxd":248
+  /* "cattention/_driver/packing.pxd":316
  *     pack_values zeroed, in rows where key j has a nonzero weight."""
  *     cdef const floating *v = <const floating *>pb.v.data
  *     cdef const uint16_t *v_half = <const uint16_t *>pb.v.data             # <<<<<<<<<<<<<<
@@ -29161,7 +29828,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
   __pyx_v_v_half = ((uint16_t const *)__pyx_v_pb->v.data);
 
-  /* "cattention/_driver/packing.pxd":251
+  /* "cattention/_driver/packing.pxd":319
  *     cdef Py_ssize_t i, j, c, at
  *     cdef floating x
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -29175,7 +29842,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":252
+    /* "cattention/_driver/packing.pxd":320
  *     cdef floating x
  *     for j in range(n_keys):
  *         for c in range(pb.d_v):             # <<<<<<<<<<<<<<
@@ -29189,7 +29856,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_v_c = __pyx_t_6;
 
-      /* "cattention/_driver/packing.pxd":253
+      /* "cattention/_driver/packing.pxd":321
  *     for j in range(n_keys):
  *         for c in range(pb.d_v):
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride             # <<<<<<<<<<<<<<
@@ -29198,7 +29865,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
       __pyx_v_at = (__pyx_f_10cattention_7_driver_8operands_row_offset((&__pyx_v_pb->v), __pyx_v_b, (__pyx_v_key0 + __pyx_v_j)) + (__pyx_v_c * __pyx_v_pb->v.col_stride));
 
-      /* "cattention/_driver/packing.pxd":254
+      /* "cattention/_driver/packing.pxd":322
  *         for c in range(pb.d_v):
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
  *             if pb.v.storage == STORE_I8:             # <<<<<<<<<<<<<<
@@ -29210,7 +29877,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":255
+        /* "cattention/_driver/packing.pxd":323
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
  *             if pb.v.storage == STORE_I8:
  *                 continue  # int8 times a finite scale is finite             # <<<<<<<<<<<<<<
@@ -29219,7 +29886,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
         goto __pyx_L5_continue;
 
-        /* "cattention/_driver/packing.pxd":254
+        /* "cattention/_driver/packing.pxd":322
  *         for c in range(pb.d_v):
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
  *             if pb.v.storage == STORE_I8:             # <<<<<<<<<<<<<<
@@ -29228,7 +29895,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
       }
 
-      /* "cattention/_driver/packing.pxd":256
+      /* "cattention/_driver/packing.pxd":324
  *             if pb.v.storage == STORE_I8:
  *                 continue  # int8 times a finite scale is finite
  *             if pb.v.storage == STORE_F16:             # <<<<<<<<<<<<<<
@@ -29238,7 +29905,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
       switch (__pyx_v_pb->v.storage) {
         case __pyx_e_10cattention_7_driver_7problem_STORE_F16:
 
-        /* "cattention/_driver/packing.pxd":257
+        /* "cattention/_driver/packing.pxd":325
  *                 continue  # int8 times a finite scale is finite
  *             if pb.v.storage == STORE_F16:
  *                 x = <floating>ca_half_to_float(v_half[at])             # <<<<<<<<<<<<<<
@@ -29247,7 +29914,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
         __pyx_v_x = ((float)ca_half_to_float((__pyx_v_v_half[__pyx_v_at])));
 
-        /* "cattention/_driver/packing.pxd":256
+        /* "cattention/_driver/packing.pxd":324
  *             if pb.v.storage == STORE_I8:
  *                 continue  # int8 times a finite scale is finite
  *             if pb.v.storage == STORE_F16:             # <<<<<<<<<<<<<<
@@ -29257,7 +29924,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
         break;
         case __pyx_e_10cattention_7_driver_7problem_STORE_BF16:
 
-        /* "cattention/_driver/packing.pxd":259
+        /* "cattention/_driver/packing.pxd":327
  *                 x = <floating>ca_half_to_float(v_half[at])
  *             elif pb.v.storage == STORE_BF16:
  *                 x = <floating>ca_bfloat16_to_float(v_half[at])             # <<<<<<<<<<<<<<
@@ -29266,7 +29933,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
         __pyx_v_x = ((float)ca_bfloat16_to_float((__pyx_v_v_half[__pyx_v_at])));
 
-        /* "cattention/_driver/packing.pxd":258
+        /* "cattention/_driver/packing.pxd":326
  *             if pb.v.storage == STORE_F16:
  *                 x = <floating>ca_half_to_float(v_half[at])
  *             elif pb.v.storage == STORE_BF16:             # <<<<<<<<<<<<<<
@@ -29276,7 +29943,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
         break;
         default:
 
-        /* "cattention/_driver/packing.pxd":261
+        /* "cattention/_driver/packing.pxd":329
  *                 x = <floating>ca_bfloat16_to_float(v_half[at])
  *             else:
  *                 x = v[at]             # <<<<<<<<<<<<<<
@@ -29287,7 +29954,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
         break;
       }
 
-      /* "cattention/_driver/packing.pxd":262
+      /* "cattention/_driver/packing.pxd":330
  *             else:
  *                 x = v[at]
  *             if (x - x) == 0:             # <<<<<<<<<<<<<<
@@ -29299,7 +29966,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":263
+        /* "cattention/_driver/packing.pxd":331
  *                 x = v[at]
  *             if (x - x) == 0:
  *                 continue             # <<<<<<<<<<<<<<
@@ -29308,7 +29975,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
         goto __pyx_L5_continue;
 
-        /* "cattention/_driver/packing.pxd":262
+        /* "cattention/_driver/packing.pxd":330
  *             else:
  *                 x = v[at]
  *             if (x - x) == 0:             # <<<<<<<<<<<<<<
@@ -29317,7 +29984,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
 */
       }
 
-      /* "cattention/_driver/packing.pxd":264
+      /* "cattention/_driver/packing.pxd":332
  *             if (x - x) == 0:
  *                 continue
  *             for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -29331,7 +29998,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
       for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
         __pyx_v_i = __pyx_t_10;
 
-        /* "cattention/_driver/packing.pxd":265
+        /* "cattention/_driver/packing.pxd":333
  *                 continue
  *             for i in range(n_rows):
  *                 if p[i * ldp + j] != 0:             # <<<<<<<<<<<<<<
@@ -29342,7 +30009,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
         if (__pyx_t_7) {
 
 
-          /* "cattention/_driver/packing.pxd":266
+          /* "cattention/_driver/packing.pxd":334
  *             for i in range(n_rows):
  *                 if p[i * ldp + j] != 0:
  *                     acc[i * ldacc + c] += p[i * ldp + j] * x             # <<<<<<<<<<<<<<
@@ -29351,7 +30018,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
           __pyx_t_11 = ((__pyx_v_i * __pyx_v_ldacc) + __pyx_v_c);
           (__pyx_v_acc[__pyx_t_11]) = ((__pyx_v_acc[__pyx_t_11]) + ((__pyx_v_p[((__pyx_v_i * __pyx_v_ldp) + __pyx_v_j)]) * __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":265
+          /* "cattention/_driver/packing.pxd":333
  *                 continue
  *             for i in range(n_rows):
  *                 if p[i * ldp + j] != 0:             # <<<<<<<<<<<<<<
@@ -29366,7 +30033,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add
   }
 
 
-  /* "cattention/_driver/packing.pxd":241
+  /* "cattention/_driver/packing.pxd":309
  * 
  * 
  * cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,             # <<<<<<<<<<<<<<
@@ -29404,7 +30071,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
   Py_ssize_t __pyx_t_10;
   Py_ssize_t __pyx_t_11;
 
-  /* "cattention/_driver/packing.pxd":247
+  /* "cattention/_driver/packing.pxd":315
  *     """acc[i, c] += p[i, j] * V[key0 + j, c] for the NaN/Inf entries of V that
  *     pack_values zeroed, in rows where key j has a nonzero weight."""
  *     cdef const floating *v = <const floating *>pb.v.data             # <<<<<<<<<<<<<<
@@ -29413,7 +30080,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
   __pyx_v_v = ((double const *)__pyx_v_pb->v.data);
 
-  /* "cattention/_driver/packing.pxd":248
+  /* "cattention/_driver/packing.pxd":316
  *     pack_values zeroed, in rows where key j has a nonzero weight."""
  *     cdef const floating *v = <const floating *>pb.v.data
  *     cdef const uint16_t *v_half = <const uint16_t *>pb.v.data             # <<<<<<<<<<<<<<
@@ -29422,7 +30089,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
   __pyx_v_v_half = ((uint16_t const *)__pyx_v_pb->v.data);
 
-  /* "cattention/_driver/packing.pxd":251
+  /* "cattention/_driver/packing.pxd":319
  *     cdef Py_ssize_t i, j, c, at
  *     cdef floating x
  *     for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -29436,7 +30103,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "cattention/_driver/packing.pxd":252
+    /* "cattention/_driver/packing.pxd":320
  *     cdef floating x
  *     for j in range(n_keys):
  *         for c in range(pb.d_v):             # <<<<<<<<<<<<<<
@@ -29450,7 +30117,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
     for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
       __pyx_v_c = __pyx_t_6;
 
-      /* "cattention/_driver/packing.pxd":253
+      /* "cattention/_driver/packing.pxd":321
  *     for j in range(n_keys):
  *         for c in range(pb.d_v):
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride             # <<<<<<<<<<<<<<
@@ -29459,7 +30126,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
       __pyx_v_at = (__pyx_f_10cattention_7_driver_8operands_row_offset((&__pyx_v_pb->v), __pyx_v_b, (__pyx_v_key0 + __pyx_v_j)) + (__pyx_v_c * __pyx_v_pb->v.col_stride));
 
-      /* "cattention/_driver/packing.pxd":254
+      /* "cattention/_driver/packing.pxd":322
  *         for c in range(pb.d_v):
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
  *             if pb.v.storage == STORE_I8:             # <<<<<<<<<<<<<<
@@ -29471,7 +30138,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":255
+        /* "cattention/_driver/packing.pxd":323
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
  *             if pb.v.storage == STORE_I8:
  *                 continue  # int8 times a finite scale is finite             # <<<<<<<<<<<<<<
@@ -29480,7 +30147,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
         goto __pyx_L5_continue;
 
-        /* "cattention/_driver/packing.pxd":254
+        /* "cattention/_driver/packing.pxd":322
  *         for c in range(pb.d_v):
  *             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
  *             if pb.v.storage == STORE_I8:             # <<<<<<<<<<<<<<
@@ -29489,7 +30156,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
       }
 
-      /* "cattention/_driver/packing.pxd":256
+      /* "cattention/_driver/packing.pxd":324
  *             if pb.v.storage == STORE_I8:
  *                 continue  # int8 times a finite scale is finite
  *             if pb.v.storage == STORE_F16:             # <<<<<<<<<<<<<<
@@ -29499,7 +30166,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
       switch (__pyx_v_pb->v.storage) {
         case __pyx_e_10cattention_7_driver_7problem_STORE_F16:
 
-        /* "cattention/_driver/packing.pxd":257
+        /* "cattention/_driver/packing.pxd":325
  *                 continue  # int8 times a finite scale is finite
  *             if pb.v.storage == STORE_F16:
  *                 x = <floating>ca_half_to_float(v_half[at])             # <<<<<<<<<<<<<<
@@ -29508,7 +30175,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
         __pyx_v_x = ((double)ca_half_to_float((__pyx_v_v_half[__pyx_v_at])));
 
-        /* "cattention/_driver/packing.pxd":256
+        /* "cattention/_driver/packing.pxd":324
  *             if pb.v.storage == STORE_I8:
  *                 continue  # int8 times a finite scale is finite
  *             if pb.v.storage == STORE_F16:             # <<<<<<<<<<<<<<
@@ -29518,7 +30185,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
         break;
         case __pyx_e_10cattention_7_driver_7problem_STORE_BF16:
 
-        /* "cattention/_driver/packing.pxd":259
+        /* "cattention/_driver/packing.pxd":327
  *                 x = <floating>ca_half_to_float(v_half[at])
  *             elif pb.v.storage == STORE_BF16:
  *                 x = <floating>ca_bfloat16_to_float(v_half[at])             # <<<<<<<<<<<<<<
@@ -29527,7 +30194,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
         __pyx_v_x = ((double)ca_bfloat16_to_float((__pyx_v_v_half[__pyx_v_at])));
 
-        /* "cattention/_driver/packing.pxd":258
+        /* "cattention/_driver/packing.pxd":326
  *             if pb.v.storage == STORE_F16:
  *                 x = <floating>ca_half_to_float(v_half[at])
  *             elif pb.v.storage == STORE_BF16:             # <<<<<<<<<<<<<<
@@ -29537,7 +30204,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
         break;
         default:
 
-        /* "cattention/_driver/packing.pxd":261
+        /* "cattention/_driver/packing.pxd":329
  *                 x = <floating>ca_bfloat16_to_float(v_half[at])
  *             else:
  *                 x = v[at]             # <<<<<<<<<<<<<<
@@ -29548,7 +30215,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
         break;
       }
 
-      /* "cattention/_driver/packing.pxd":262
+      /* "cattention/_driver/packing.pxd":330
  *             else:
  *                 x = v[at]
  *             if (x - x) == 0:             # <<<<<<<<<<<<<<
@@ -29560,7 +30227,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
       if (__pyx_t_7) {
 
 
-        /* "cattention/_driver/packing.pxd":263
+        /* "cattention/_driver/packing.pxd":331
  *                 x = v[at]
  *             if (x - x) == 0:
  *                 continue             # <<<<<<<<<<<<<<
@@ -29569,7 +30236,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
         goto __pyx_L5_continue;
 
-        /* "cattention/_driver/packing.pxd":262
+        /* "cattention/_driver/packing.pxd":330
  *             else:
  *                 x = v[at]
  *             if (x - x) == 0:             # <<<<<<<<<<<<<<
@@ -29578,7 +30245,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
 */
       }
 
-      /* "cattention/_driver/packing.pxd":264
+      /* "cattention/_driver/packing.pxd":332
  *             if (x - x) == 0:
  *                 continue
  *             for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -29592,7 +30259,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
       for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
         __pyx_v_i = __pyx_t_10;
 
-        /* "cattention/_driver/packing.pxd":265
+        /* "cattention/_driver/packing.pxd":333
  *                 continue
  *             for i in range(n_rows):
  *                 if p[i * ldp + j] != 0:             # <<<<<<<<<<<<<<
@@ -29603,7 +30270,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
         if (__pyx_t_7) {
 
 
-          /* "cattention/_driver/packing.pxd":266
+          /* "cattention/_driver/packing.pxd":334
  *             for i in range(n_rows):
  *                 if p[i * ldp + j] != 0:
  *                     acc[i * ldacc + c] += p[i * ldp + j] * x             # <<<<<<<<<<<<<<
@@ -29612,7 +30279,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
           __pyx_t_11 = ((__pyx_v_i * __pyx_v_ldacc) + __pyx_v_c);
           (__pyx_v_acc[__pyx_t_11]) = ((__pyx_v_acc[__pyx_t_11]) + ((__pyx_v_p[((__pyx_v_i * __pyx_v_ldp) + __pyx_v_j)]) * __pyx_v_x));
 
-          /* "cattention/_driver/packing.pxd":265
+          /* "cattention/_driver/packing.pxd":333
  *                 continue
  *             for i in range(n_rows):
  *                 if p[i * ldp + j] != 0:             # <<<<<<<<<<<<<<
@@ -29627,7 +30294,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add
   }
 
 
-  /* "cattention/_driver/packing.pxd":241
+  /* "cattention/_driver/packing.pxd":309
  * 
  * 
  * cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_t key0,             # <<<<<<<<<<<<<<
@@ -38811,7 +39478,430 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_mer
 
 }
 
-/* "cattention/_driver/item_packed.pxd":26
+/* "cattention/_driver/item_packed.pxd":27
+ * 
+ * 
+ * cdef inline const floating *block_query_rows(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
+ *                                              Py_ssize_t row0, Py_ssize_t n_rows,
+ *                                              floating *q_packed, Py_ssize_t *ldq) noexcept nogil:
+*/
+
+static CYTHON_INLINE float const *__pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, Py_ssize_t __pyx_v_b, Py_ssize_t __pyx_v_row0, Py_ssize_t __pyx_v_n_rows, float *__pyx_v_q_packed, Py_ssize_t *__pyx_v_ldq) {
+  float const *__pyx_r;
+  int __pyx_t_1;
+
+  /* "cattention/_driver/item_packed.pxd":35
+ *     the table's)."""
+ *     if floating is float:
+ *         if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *             return <const floating *>bf16_query_rows(pb, b, row0, n_rows,
+ *                                                      <uint16_t *>q_packed, ldq)
+*/
+  __pyx_t_1 = (__pyx_v_pb->bf16_score != 0);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/item_packed.pxd":36
+ *     if floating is float:
+ *         if pb.bf16_score:
+ *             return <const floating *>bf16_query_rows(pb, b, row0, n_rows,             # <<<<<<<<<<<<<<
+ *                                                      <uint16_t *>q_packed, ldq)
+ *     return query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, ldq)
+*/
+    {
+
+      __pyx_r = ((float const *)__pyx_f_10cattention_7_driver_7packing_bf16_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, ((uint16_t *)__pyx_v_q_packed), __pyx_v_ldq));
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/item_packed.pxd":35
+ *     the table's)."""
+ *     if floating is float:
+ *         if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *             return <const floating *>bf16_query_rows(pb, b, row0, n_rows,
+ *                                                      <uint16_t *>q_packed, ldq)
+*/
+  }
+
+  /* "cattention/_driver/item_packed.pxd":38
+ *             return <const floating *>bf16_query_rows(pb, b, row0, n_rows,
+ *                                                      <uint16_t *>q_packed, ldq)
+ *     return query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, ldq)             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  {
+
+    __pyx_r = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, __pyx_v_ldq);
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/item_packed.pxd":27
+ * 
+ * 
+ * cdef inline const floating *block_query_rows(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
+ *                                              Py_ssize_t row0, Py_ssize_t n_rows,
+ *                                              floating *q_packed, Py_ssize_t *ldq) noexcept nogil:
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+  return __pyx_r;
+}
+
+static CYTHON_INLINE double const *__pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, Py_ssize_t __pyx_v_b, Py_ssize_t __pyx_v_row0, Py_ssize_t __pyx_v_n_rows, double *__pyx_v_q_packed, Py_ssize_t *__pyx_v_ldq) {
+  double const *__pyx_r;
+
+  /* "cattention/_driver/item_packed.pxd":38
+ *             return <const floating *>bf16_query_rows(pb, b, row0, n_rows,
+ *                                                      <uint16_t *>q_packed, ldq)
+ *     return query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, ldq)             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  {
+
+    __pyx_r = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, __pyx_v_ldq);
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/item_packed.pxd":27
+ * 
+ * 
+ * cdef inline const floating *block_query_rows(const Problem *pb, Py_ssize_t b,             # <<<<<<<<<<<<<<
+ *                                              Py_ssize_t row0, Py_ssize_t n_rows,
+ *                                              floating *q_packed, Py_ssize_t *ldq) noexcept nogil:
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+  return __pyx_r;
+}
+
+/* "cattention/_driver/item_packed.pxd":41
+ * 
+ * 
+ * cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const floating *q_rows,             # <<<<<<<<<<<<<<
+ *                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+ *                              const floating *kt, Py_ssize_t n_cols, floating *s,
+*/
+
+static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_score_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, ca_kernels const *__pyx_v_kern, float const *__pyx_v_q_rows, Py_ssize_t __pyx_v_ldq, Py_ssize_t __pyx_v_first_row, Py_ssize_t __pyx_v_n_rows, float const *__pyx_v_kt, Py_ssize_t __pyx_v_n_cols, float *__pyx_v_s, Py_ssize_t __pyx_v_lds, struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles *__pyx_optional_args) {
+
+  /* "cattention/_driver/item_packed.pxd":44
+ *                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+ *                              const floating *kt, Py_ssize_t n_cols, floating *s,
+ *                              Py_ssize_t lds, const void *ahead=NULL,             # <<<<<<<<<<<<<<
+ *                              Py_ssize_t ahead_bytes=0) noexcept nogil:
+ *     """Logits of rows first_row.. (of block_query_rows) against a packed K^T
+*/
+  void const *__pyx_v_ahead = ((void const *)NULL);
+  Py_ssize_t __pyx_v_ahead_bytes = ((Py_ssize_t)0);
+  Py_ssize_t __pyx_v_P;
+  int __pyx_t_1;
+  struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_score __pyx_t_2;
+  if (__pyx_optional_args) {
+    if (__pyx_optional_args->__pyx_n > 0) {
+      __pyx_v_ahead = __pyx_optional_args->ahead;
+      if (__pyx_optional_args->__pyx_n > 1) {
+        __pyx_v_ahead_bytes = __pyx_optional_args->ahead_bytes;
+      }
+    }
+  }
+
+  /* "cattention/_driver/item_packed.pxd":48
+ *     """Logits of rows first_row.. (of block_query_rows) against a packed K^T
+ *     block: the table's bfloat16 tiles, or its score kernel."""
+ *     cdef Py_ssize_t P = panel_width(kt)             # <<<<<<<<<<<<<<
+ *     if floating is float:
+ *         if pb.bf16_score:
+*/
+  __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_kt);
+
+  /* "cattention/_driver/item_packed.pxd":50
+ *     cdef Py_ssize_t P = panel_width(kt)
+ *     if floating is float:
+ *         if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *             kern.score_bf16(<const uint16_t *>q_rows + first_row * ldq, ldq, n_rows,
+ *                             <const uint16_t *>kt, pb.ld_k * 2 * P, n_cols, pb.d_k,
+*/
+  __pyx_t_1 = (__pyx_v_pb->bf16_score != 0);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/item_packed.pxd":51
+ *     if floating is float:
+ *         if pb.bf16_score:
+ *             kern.score_bf16(<const uint16_t *>q_rows + first_row * ldq, ldq, n_rows,             # <<<<<<<<<<<<<<
+ *                             <const uint16_t *>kt, pb.ld_k * 2 * P, n_cols, pb.d_k,
+ *                             <float>pb.scale, s, lds, ahead, ahead_bytes)
+*/
+    __pyx_v_kern->score_bf16((((uint16_t const *)__pyx_v_q_rows) + (__pyx_v_first_row * __pyx_v_ldq)), __pyx_v_ldq, __pyx_v_n_rows, ((uint16_t const *)__pyx_v_kt), ((__pyx_v_pb->ld_k * 2) * __pyx_v_P), __pyx_v_n_cols, __pyx_v_pb->d_k, ((float)__pyx_v_pb->scale), __pyx_v_s, __pyx_v_lds, __pyx_v_ahead, __pyx_v_ahead_bytes);
+
+    /* "cattention/_driver/item_packed.pxd":54
+ *                             <const uint16_t *>kt, pb.ld_k * 2 * P, n_cols, pb.d_k,
+ *                             <float>pb.scale, s, lds, ahead, ahead_bytes)
+ *             return             # <<<<<<<<<<<<<<
+ *     kernel_score(kern, q_rows + first_row * ldq, ldq, n_rows, kt, pb.ld_k * P, n_cols, pb.d_k,
+ *                  pb.scale, s, lds, ahead, ahead_bytes)
+*/
+    {
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/item_packed.pxd":50
+ *     cdef Py_ssize_t P = panel_width(kt)
+ *     if floating is float:
+ *         if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *             kern.score_bf16(<const uint16_t *>q_rows + first_row * ldq, ldq, n_rows,
+ *                             <const uint16_t *>kt, pb.ld_k * 2 * P, n_cols, pb.d_k,
+*/
+  }
+
+  /* "cattention/_driver/item_packed.pxd":55
+ *                             <float>pb.scale, s, lds, ahead, ahead_bytes)
+ *             return
+ *     kernel_score(kern, q_rows + first_row * ldq, ldq, n_rows, kt, pb.ld_k * P, n_cols, pb.d_k,             # <<<<<<<<<<<<<<
+ *                  pb.scale, s, lds, ahead, ahead_bytes)
+ * 
+*/
+  __pyx_t_2.__pyx_n = 2;
+  __pyx_t_2.ahead = __pyx_v_ahead;
+  __pyx_t_2.ahead_bytes = __pyx_v_ahead_bytes;
+  __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, (__pyx_v_q_rows + (__pyx_v_first_row * __pyx_v_ldq)), __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_v_n_cols, __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_s, __pyx_v_lds, &__pyx_t_2); 
+
+  /* "cattention/_driver/item_packed.pxd":41
+ * 
+ * 
+ * cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const floating *q_rows,             # <<<<<<<<<<<<<<
+ *                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+ *                              const floating *kt, Py_ssize_t n_cols, floating *s,
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+
+}
+
+static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_score_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, ca_kernels const *__pyx_v_kern, double const *__pyx_v_q_rows, Py_ssize_t __pyx_v_ldq, Py_ssize_t __pyx_v_first_row, Py_ssize_t __pyx_v_n_rows, double const *__pyx_v_kt, Py_ssize_t __pyx_v_n_cols, double *__pyx_v_s, Py_ssize_t __pyx_v_lds, struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles *__pyx_optional_args) {
+
+  /* "cattention/_driver/item_packed.pxd":44
+ *                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+ *                              const floating *kt, Py_ssize_t n_cols, floating *s,
+ *                              Py_ssize_t lds, const void *ahead=NULL,             # <<<<<<<<<<<<<<
+ *                              Py_ssize_t ahead_bytes=0) noexcept nogil:
+ *     """Logits of rows first_row.. (of block_query_rows) against a packed K^T
+*/
+  void const *__pyx_v_ahead = ((void const *)NULL);
+  Py_ssize_t __pyx_v_ahead_bytes = ((Py_ssize_t)0);
+  Py_ssize_t __pyx_v_P;
+  struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_score __pyx_t_1;
+  if (__pyx_optional_args) {
+    if (__pyx_optional_args->__pyx_n > 0) {
+      __pyx_v_ahead = __pyx_optional_args->ahead;
+      if (__pyx_optional_args->__pyx_n > 1) {
+        __pyx_v_ahead_bytes = __pyx_optional_args->ahead_bytes;
+      }
+    }
+  }
+
+  /* "cattention/_driver/item_packed.pxd":48
+ *     """Logits of rows first_row.. (of block_query_rows) against a packed K^T
+ *     block: the table's bfloat16 tiles, or its score kernel."""
+ *     cdef Py_ssize_t P = panel_width(kt)             # <<<<<<<<<<<<<<
+ *     if floating is float:
+ *         if pb.bf16_score:
+*/
+  __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_kt);
+
+  /* "cattention/_driver/item_packed.pxd":55
+ *                             <float>pb.scale, s, lds, ahead, ahead_bytes)
+ *             return
+ *     kernel_score(kern, q_rows + first_row * ldq, ldq, n_rows, kt, pb.ld_k * P, n_cols, pb.d_k,             # <<<<<<<<<<<<<<
+ *                  pb.scale, s, lds, ahead, ahead_bytes)
+ * 
+*/
+  __pyx_t_1.__pyx_n = 2;
+  __pyx_t_1.ahead = __pyx_v_ahead;
+  __pyx_t_1.ahead_bytes = __pyx_v_ahead_bytes;
+  __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, (__pyx_v_q_rows + (__pyx_v_first_row * __pyx_v_ldq)), __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_v_n_cols, __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_s, __pyx_v_lds, &__pyx_t_1); 
+
+  /* "cattention/_driver/item_packed.pxd":41
+ * 
+ * 
+ * cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const floating *q_rows,             # <<<<<<<<<<<<<<
+ *                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+ *                              const floating *kt, Py_ssize_t n_cols, floating *s,
+*/
+
+  /* function exit code */
+
+}
+
+/* "cattention/_driver/item_packed.pxd":59
+ * 
+ * 
+ * cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
+ *                           Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+ *                           Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,
+*/
+
+static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, ca_kernels const *__pyx_v_kern, float const *__pyx_v_p, Py_ssize_t __pyx_v_ldp, Py_ssize_t __pyx_v_n_rows, float const *__pyx_v_v_packed, Py_ssize_t __pyx_v_n_keys, float *__pyx_v_acc, struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles *__pyx_optional_args) {
+
+  /* "cattention/_driver/item_packed.pxd":61
+ * cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,
+ *                           Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+ *                           Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,             # <<<<<<<<<<<<<<
+ *                           Py_ssize_t ahead_bytes=0) noexcept nogil:
+ *     """acc += p . V of a packed block: the table's bfloat16 tiles, or its
+*/
+  void const *__pyx_v_ahead = ((void const *)NULL);
+  Py_ssize_t __pyx_v_ahead_bytes = ((Py_ssize_t)0);
+  Py_ssize_t __pyx_v_P;
+  int __pyx_t_1;
+  struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv __pyx_t_2;
+  if (__pyx_optional_args) {
+    if (__pyx_optional_args->__pyx_n > 0) {
+      __pyx_v_ahead = __pyx_optional_args->ahead;
+      if (__pyx_optional_args->__pyx_n > 1) {
+        __pyx_v_ahead_bytes = __pyx_optional_args->ahead_bytes;
+      }
+    }
+  }
+
+  /* "cattention/_driver/item_packed.pxd":65
+ *     """acc += p . V of a packed block: the table's bfloat16 tiles, or its
+ *     P.V kernel."""
+ *     cdef Py_ssize_t P = panel_width(v_packed)             # <<<<<<<<<<<<<<
+ *     if floating is float:
+ *         if pb.bf16_pv:
+*/
+  __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_v_packed);
+
+  /* "cattention/_driver/item_packed.pxd":67
+ *     cdef Py_ssize_t P = panel_width(v_packed)
+ *     if floating is float:
+ *         if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *             kern.pv_bf16(p, ldp, n_rows, <const uint16_t *>v_packed, pb.block_keys * 2 * P,
+ *                          n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+*/
+  __pyx_t_1 = (__pyx_v_pb->bf16_pv != 0);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/item_packed.pxd":68
+ *     if floating is float:
+ *         if pb.bf16_pv:
+ *             kern.pv_bf16(p, ldp, n_rows, <const uint16_t *>v_packed, pb.block_keys * 2 * P,             # <<<<<<<<<<<<<<
+ *                          n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+ *             return
+*/
+    __pyx_v_kern->pv_bf16(__pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, ((uint16_t const *)__pyx_v_v_packed), ((__pyx_v_pb->block_keys * 2) * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, __pyx_v_ahead, __pyx_v_ahead_bytes);
+
+    /* "cattention/_driver/item_packed.pxd":70
+ *             kern.pv_bf16(p, ldp, n_rows, <const uint16_t *>v_packed, pb.block_keys * 2 * P,
+ *                          n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+ *             return             # <<<<<<<<<<<<<<
+ *     kernel_pv(kern, p, ldp, n_rows, v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc,
+ *               pb.ld_v, ahead, ahead_bytes)
+*/
+    {
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/item_packed.pxd":67
+ *     cdef Py_ssize_t P = panel_width(v_packed)
+ *     if floating is float:
+ *         if pb.bf16_pv:             # <<<<<<<<<<<<<<
+ *             kern.pv_bf16(p, ldp, n_rows, <const uint16_t *>v_packed, pb.block_keys * 2 * P,
+ *                          n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+*/
+  }
+
+  /* "cattention/_driver/item_packed.pxd":71
+ *                          n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+ *             return
+ *     kernel_pv(kern, p, ldp, n_rows, v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc,             # <<<<<<<<<<<<<<
+ *               pb.ld_v, ahead, ahead_bytes)
+ * 
+*/
+  __pyx_t_2.__pyx_n = 2;
+  __pyx_t_2.ahead = __pyx_v_ahead;
+  __pyx_t_2.ahead_bytes = __pyx_v_ahead_bytes;
+  __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, __pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, &__pyx_t_2); 
+
+  /* "cattention/_driver/item_packed.pxd":59
+ * 
+ * 
+ * cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
+ *                           Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+ *                           Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+
+}
+
+static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(struct __pyx_t_10cattention_7_driver_7problem_Problem const *__pyx_v_pb, ca_kernels const *__pyx_v_kern, double const *__pyx_v_p, Py_ssize_t __pyx_v_ldp, Py_ssize_t __pyx_v_n_rows, double const *__pyx_v_v_packed, Py_ssize_t __pyx_v_n_keys, double *__pyx_v_acc, struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles *__pyx_optional_args) {
+
+  /* "cattention/_driver/item_packed.pxd":61
+ * cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,
+ *                           Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+ *                           Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,             # <<<<<<<<<<<<<<
+ *                           Py_ssize_t ahead_bytes=0) noexcept nogil:
+ *     """acc += p . V of a packed block: the table's bfloat16 tiles, or its
+*/
+  void const *__pyx_v_ahead = ((void const *)NULL);
+  Py_ssize_t __pyx_v_ahead_bytes = ((Py_ssize_t)0);
+  Py_ssize_t __pyx_v_P;
+  struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv __pyx_t_1;
+  if (__pyx_optional_args) {
+    if (__pyx_optional_args->__pyx_n > 0) {
+      __pyx_v_ahead = __pyx_optional_args->ahead;
+      if (__pyx_optional_args->__pyx_n > 1) {
+        __pyx_v_ahead_bytes = __pyx_optional_args->ahead_bytes;
+      }
+    }
+  }
+
+  /* "cattention/_driver/item_packed.pxd":65
+ *     """acc += p . V of a packed block: the table's bfloat16 tiles, or its
+ *     P.V kernel."""
+ *     cdef Py_ssize_t P = panel_width(v_packed)             # <<<<<<<<<<<<<<
+ *     if floating is float:
+ *         if pb.bf16_pv:
+*/
+  __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_v_packed);
+
+  /* "cattention/_driver/item_packed.pxd":71
+ *                          n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+ *             return
+ *     kernel_pv(kern, p, ldp, n_rows, v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc,             # <<<<<<<<<<<<<<
+ *               pb.ld_v, ahead, ahead_bytes)
+ * 
+*/
+  __pyx_t_1.__pyx_n = 2;
+  __pyx_t_1.ahead = __pyx_v_ahead;
+  __pyx_t_1.ahead_bytes = __pyx_v_ahead_bytes;
+  __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, __pyx_v_p, __pyx_v_ldp, __pyx_v_n_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, &__pyx_t_1); 
+
+  /* "cattention/_driver/item_packed.pxd":59
+ * 
+ * 
+ * cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,             # <<<<<<<<<<<<<<
+ *                           Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+ *                           Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,
+*/
+
+  /* function exit code */
+
+}
+
+/* "cattention/_driver/item_packed.pxd":75
  * 
  * 
  * cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -38849,13 +39939,13 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   int __pyx_t_3;
   Py_ssize_t __pyx_t_4;
   Py_ssize_t __pyx_t_5;
-  struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_score __pyx_t_6;
+  struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles __pyx_t_6;
   Py_ssize_t __pyx_t_7;
   int __pyx_t_8;
   Py_ssize_t __pyx_t_9;
-  struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv __pyx_t_10;
+  struct __pyx_fuse_0__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles __pyx_t_10;
 
-  /* "cattention/_driver/item_packed.pxd":30
+  /* "cattention/_driver/item_packed.pxd":79
  *                                     floating *out) noexcept nogil:
  *     """ATTN for one block of query rows, streaming packed key blocks."""
  *     cdef floating *q_packed = <floating *>ws.base + ws.off_q             # <<<<<<<<<<<<<<
@@ -38864,7 +39954,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_q_packed = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_q);
 
-  /* "cattention/_driver/item_packed.pxd":33
+  /* "cattention/_driver/item_packed.pxd":82
  *     cdef const floating *q_rows
  *     cdef Py_ssize_t ldq
  *     cdef floating *s = <floating *>ws.base + ws.off_s             # <<<<<<<<<<<<<<
@@ -38873,7 +39963,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_s = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_s);
 
-  /* "cattention/_driver/item_packed.pxd":34
+  /* "cattention/_driver/item_packed.pxd":83
  *     cdef Py_ssize_t ldq
  *     cdef floating *s = <floating *>ws.base + ws.off_s
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc             # <<<<<<<<<<<<<<
@@ -38882,7 +39972,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_acc = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_acc);
 
-  /* "cattention/_driver/item_packed.pxd":35
+  /* "cattention/_driver/item_packed.pxd":84
  *     cdef floating *s = <floating *>ws.base + ws.off_s
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -38891,7 +39981,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_first_packed = ((__pyx_v_pb->kv_of_batch[__pyx_v_b]) * __pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/item_packed.pxd":36
+  /* "cattention/_driver/item_packed.pxd":85
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
  *     cdef Py_ssize_t P = panel_width(q_packed)             # <<<<<<<<<<<<<<
@@ -38900,7 +39990,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_q_packed);
 
-  /* "cattention/_driver/item_packed.pxd":45
+  /* "cattention/_driver/item_packed.pxd":94
  *     cdef const floating *next_kt
  *     cdef const floating *next_v
  *     cdef Py_ssize_t k_block_bytes = pb.ld_k * pb.block_keys * sizeof(floating)             # <<<<<<<<<<<<<<
@@ -38909,7 +39999,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_k_block_bytes = ((__pyx_v_pb->ld_k * __pyx_v_pb->block_keys) * (sizeof(float)));
 
-  /* "cattention/_driver/item_packed.pxd":46
+  /* "cattention/_driver/item_packed.pxd":95
  *     cdef const floating *next_v
  *     cdef Py_ssize_t k_block_bytes = pb.ld_k * pb.block_keys * sizeof(floating)
  *     cdef Py_ssize_t v_block_bytes = pb.block_keys * pb.ld_v * sizeof(floating)             # <<<<<<<<<<<<<<
@@ -38918,20 +40008,20 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_v_block_bytes = ((__pyx_v_pb->block_keys * __pyx_v_pb->ld_v) * (sizeof(float)));
 
-  /* "cattention/_driver/item_packed.pxd":48
+  /* "cattention/_driver/item_packed.pxd":97
  *     cdef Py_ssize_t v_block_bytes = pb.block_keys * pb.ld_v * sizeof(floating)
  * 
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)             # <<<<<<<<<<<<<<
  *     if last_key > first_key:
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_begin_rows(__pyx_v_pb, __pyx_v_ws, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_acc, (&__pyx_v_first_key), (&__pyx_v_last_key));
 
-  /* "cattention/_driver/item_packed.pxd":49
+  /* "cattention/_driver/item_packed.pxd":98
  * 
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
  *     if last_key > first_key:             # <<<<<<<<<<<<<<
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
 */
   __pyx_t_1 = (__pyx_v_last_key > __pyx_v_first_key);
@@ -38939,17 +40029,17 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/item_packed.pxd":50
+    /* "cattention/_driver/item_packed.pxd":99
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
  *     if last_key > first_key:
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)             # <<<<<<<<<<<<<<
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)             # <<<<<<<<<<<<<<
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
  *         key0 = (first_key // K_BLOCK) * K_BLOCK
 */
-    __pyx_v_q_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, (&__pyx_v_ldq));
+    __pyx_v_q_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, (&__pyx_v_ldq));
 
-    /* "cattention/_driver/item_packed.pxd":52
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+    /* "cattention/_driver/item_packed.pxd":101
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
  *         key0 = (first_key // K_BLOCK) * K_BLOCK             # <<<<<<<<<<<<<<
  *         while key0 < last_key:
@@ -38957,7 +40047,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_key0 = ((__pyx_v_first_key / __pyx_e_10cattention_7_driver_7problem_K_BLOCK) * __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-    /* "cattention/_driver/item_packed.pxd":53
+    /* "cattention/_driver/item_packed.pxd":102
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
  *         key0 = (first_key // K_BLOCK) * K_BLOCK
  *         while key0 < last_key:             # <<<<<<<<<<<<<<
@@ -38970,7 +40060,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
       if (!__pyx_t_1) break;
 
-      /* "cattention/_driver/item_packed.pxd":54
+      /* "cattention/_driver/item_packed.pxd":103
  *         key0 = (first_key // K_BLOCK) * K_BLOCK
  *         while key0 < last_key:
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK             # <<<<<<<<<<<<<<
@@ -38989,7 +40079,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
       __pyx_v_n_keys = __pyx_t_2;
 
-      /* "cattention/_driver/item_packed.pxd":55
+      /* "cattention/_driver/item_packed.pxd":104
  *         while key0 < last_key:
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
  *             if n_keys > last_key - key0:             # <<<<<<<<<<<<<<
@@ -39001,7 +40091,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":56
+        /* "cattention/_driver/item_packed.pxd":105
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
  *             if n_keys > last_key - key0:
  *                 n_keys = last_key - key0             # <<<<<<<<<<<<<<
@@ -39010,7 +40100,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_n_keys = (__pyx_v_last_key - __pyx_v_key0);
 
-        /* "cattention/_driver/item_packed.pxd":55
+        /* "cattention/_driver/item_packed.pxd":104
  *         while key0 < last_key:
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
  *             if n_keys > last_key - key0:             # <<<<<<<<<<<<<<
@@ -39019,7 +40109,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":57
+      /* "cattention/_driver/item_packed.pxd":106
  *             if n_keys > last_key - key0:
  *                 n_keys = last_key - key0
  *             block = first_packed + key0 // K_BLOCK             # <<<<<<<<<<<<<<
@@ -39028,7 +40118,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_block = (__pyx_v_first_packed + (__pyx_v_key0 / __pyx_e_10cattention_7_driver_7problem_K_BLOCK));
 
-      /* "cattention/_driver/item_packed.pxd":58
+      /* "cattention/_driver/item_packed.pxd":107
  *                 n_keys = last_key - key0
  *             block = first_packed + key0 // K_BLOCK
  *             kt = <const floating *>packed_keys(pb, ws, block)             # <<<<<<<<<<<<<<
@@ -39037,7 +40127,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_kt = ((float const *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, __pyx_v_block));
 
-      /* "cattention/_driver/item_packed.pxd":59
+      /* "cattention/_driver/item_packed.pxd":108
  *             block = first_packed + key0 // K_BLOCK
  *             kt = <const floating *>packed_keys(pb, ws, block)
  *             v_packed = <const floating *>packed_values(pb, ws, block)             # <<<<<<<<<<<<<<
@@ -39046,7 +40136,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_v_packed = ((float const *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, __pyx_v_block));
 
-      /* "cattention/_driver/item_packed.pxd":61
+      /* "cattention/_driver/item_packed.pxd":110
  *             v_packed = <const floating *>packed_values(pb, ws, block)
  *             # the next block's K^T and V are fetched into L2 during this one
  *             next_kt = NULL             # <<<<<<<<<<<<<<
@@ -39055,7 +40145,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_next_kt = NULL;
 
-      /* "cattention/_driver/item_packed.pxd":62
+      /* "cattention/_driver/item_packed.pxd":111
  *             # the next block's K^T and V are fetched into L2 during this one
  *             next_kt = NULL
  *             next_v = NULL             # <<<<<<<<<<<<<<
@@ -39064,7 +40154,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_next_v = NULL;
 
-      /* "cattention/_driver/item_packed.pxd":63
+      /* "cattention/_driver/item_packed.pxd":112
  *             next_kt = NULL
  *             next_v = NULL
  *             if key0 + K_BLOCK < last_key:             # <<<<<<<<<<<<<<
@@ -39076,7 +40166,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":64
+        /* "cattention/_driver/item_packed.pxd":113
  *             next_v = NULL
  *             if key0 + K_BLOCK < last_key:
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)             # <<<<<<<<<<<<<<
@@ -39085,7 +40175,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_kt = ((float const *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, (__pyx_v_block + 1)));
 
-        /* "cattention/_driver/item_packed.pxd":65
+        /* "cattention/_driver/item_packed.pxd":114
  *             if key0 + K_BLOCK < last_key:
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
  *                 next_v = <const floating *>packed_values(pb, ws, block + 1)             # <<<<<<<<<<<<<<
@@ -39094,7 +40184,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_v = ((float const *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, (__pyx_v_block + 1)));
 
-        /* "cattention/_driver/item_packed.pxd":63
+        /* "cattention/_driver/item_packed.pxd":112
  *             next_kt = NULL
  *             next_v = NULL
  *             if key0 + K_BLOCK < last_key:             # <<<<<<<<<<<<<<
@@ -39104,7 +40194,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         goto __pyx_L7;
       }
 
-      /* "cattention/_driver/item_packed.pxd":66
+      /* "cattention/_driver/item_packed.pxd":115
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
  *                 next_v = <const floating *>packed_values(pb, ws, block + 1)
  *             elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:             # <<<<<<<<<<<<<<
@@ -39130,7 +40220,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":68
+        /* "cattention/_driver/item_packed.pxd":117
  *             elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:
  *                 # the last block: what the thread reads next (fetch_after)
  *                 next_kt = <const floating *>ws.after_score             # <<<<<<<<<<<<<<
@@ -39139,7 +40229,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_kt = ((float const *)__pyx_v_ws->after_score);
 
-        /* "cattention/_driver/item_packed.pxd":69
+        /* "cattention/_driver/item_packed.pxd":118
  *                 # the last block: what the thread reads next (fetch_after)
  *                 next_kt = <const floating *>ws.after_score
  *                 next_v = <const floating *>ws.after_pv             # <<<<<<<<<<<<<<
@@ -39148,7 +40238,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_v = ((float const *)__pyx_v_ws->after_pv);
 
-        /* "cattention/_driver/item_packed.pxd":70
+        /* "cattention/_driver/item_packed.pxd":119
  *                 next_kt = <const floating *>ws.after_score
  *                 next_v = <const floating *>ws.after_pv
  *                 k_block_bytes = ws.after_score_bytes             # <<<<<<<<<<<<<<
@@ -39159,7 +40249,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
         __pyx_v_k_block_bytes = __pyx_t_2;
 
-        /* "cattention/_driver/item_packed.pxd":71
+        /* "cattention/_driver/item_packed.pxd":120
  *                 next_v = <const floating *>ws.after_pv
  *                 k_block_bytes = ws.after_score_bytes
  *                 v_block_bytes = ws.after_pv_bytes             # <<<<<<<<<<<<<<
@@ -39170,7 +40260,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
         __pyx_v_v_block_bytes = __pyx_t_2;
 
-        /* "cattention/_driver/item_packed.pxd":66
+        /* "cattention/_driver/item_packed.pxd":115
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
  *                 next_v = <const floating *>packed_values(pb, ws, block + 1)
  *             elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:             # <<<<<<<<<<<<<<
@@ -39180,7 +40270,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
       __pyx_L7:;
 
-      /* "cattention/_driver/item_packed.pxd":74
+      /* "cattention/_driver/item_packed.pxd":123
  *             # keys each group of rows can see in this block: on the causal
  *             # diagonal the upper rows skip the panels only lower rows see
  *             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP             # <<<<<<<<<<<<<<
@@ -39189,7 +40279,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_n_groups = (((__pyx_v_n_rows + __pyx_e_10cattention_7_driver_7problem_ROW_GROUP) - 1) / __pyx_e_10cattention_7_driver_7problem_ROW_GROUP);
 
-      /* "cattention/_driver/item_packed.pxd":75
+      /* "cattention/_driver/item_packed.pxd":124
  *             # diagonal the upper rows skip the panels only lower rows see
  *             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
  *             for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -39203,7 +40293,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_group = __pyx_t_5;
 
-        /* "cattention/_driver/item_packed.pxd":76
+        /* "cattention/_driver/item_packed.pxd":125
  *             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
  *             for group in range(n_groups):
  *                 group_keys[group] = 0             # <<<<<<<<<<<<<<
@@ -39214,7 +40304,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":77
+      /* "cattention/_driver/item_packed.pxd":126
  *             for group in range(n_groups):
  *                 group_keys[group] = 0
  *             for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -39228,7 +40318,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_i = __pyx_t_5;
 
-        /* "cattention/_driver/item_packed.pxd":78
+        /* "cattention/_driver/item_packed.pxd":127
  *                 group_keys[group] = 0
  *             for i in range(n_rows):
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:             # <<<<<<<<<<<<<<
@@ -39240,7 +40330,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         if (__pyx_t_1) {
 
 
-          /* "cattention/_driver/item_packed.pxd":79
+          /* "cattention/_driver/item_packed.pxd":128
  *             for i in range(n_rows):
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0             # <<<<<<<<<<<<<<
@@ -39249,7 +40339,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
           (__pyx_v_group_keys[(__pyx_v_i / __pyx_e_10cattention_7_driver_7problem_ROW_GROUP)]) = ((__pyx_v_ws->row_hi[__pyx_v_i]) - __pyx_v_key0);
 
-          /* "cattention/_driver/item_packed.pxd":78
+          /* "cattention/_driver/item_packed.pxd":127
  *                 group_keys[group] = 0
  *             for i in range(n_rows):
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:             # <<<<<<<<<<<<<<
@@ -39260,7 +40350,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":80
+      /* "cattention/_driver/item_packed.pxd":129
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
  *             for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -39274,7 +40364,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_group = __pyx_t_5;
 
-        /* "cattention/_driver/item_packed.pxd":81
+        /* "cattention/_driver/item_packed.pxd":130
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
  *             for group in range(n_groups):
  *                 if group_keys[group] > n_keys:             # <<<<<<<<<<<<<<
@@ -39286,7 +40376,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         if (__pyx_t_1) {
 
 
-          /* "cattention/_driver/item_packed.pxd":82
+          /* "cattention/_driver/item_packed.pxd":131
  *             for group in range(n_groups):
  *                 if group_keys[group] > n_keys:
  *                     group_keys[group] = n_keys             # <<<<<<<<<<<<<<
@@ -39295,7 +40385,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
           (__pyx_v_group_keys[__pyx_v_group]) = __pyx_v_n_keys;
 
-          /* "cattention/_driver/item_packed.pxd":81
+          /* "cattention/_driver/item_packed.pxd":130
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
  *             for group in range(n_groups):
  *                 if group_keys[group] > n_keys:             # <<<<<<<<<<<<<<
@@ -39306,42 +40396,42 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":83
+      /* "cattention/_driver/item_packed.pxd":132
  *                 if group_keys[group] > n_keys:
  *                     group_keys[group] = n_keys
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
  *                 # the first rows see the whole block, so all do: one call
- *                 kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
+ *                 score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,
 */
       __pyx_t_1 = ((__pyx_v_group_keys[0]) == __pyx_v_n_keys);
 
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":85
+        /* "cattention/_driver/item_packed.pxd":134
  *             if group_keys[0] == n_keys:
  *                 # the first rows see the whole block, so all do: one call
- *                 kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,             # <<<<<<<<<<<<<<
- *                              round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK,
- *                              next_kt, k_block_bytes)
+ *                 score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,             # <<<<<<<<<<<<<<
+ *                             K_BLOCK, next_kt, k_block_bytes)
+ *             else:
 */
         __pyx_t_6.__pyx_n = 2;
         __pyx_t_6.ahead = __pyx_v_next_kt;
         __pyx_t_6.ahead_bytes = __pyx_v_k_block_bytes;
-        __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, &__pyx_t_6); 
+        __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_score_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, 0, __pyx_v_n_rows, __pyx_v_kt, __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, &__pyx_t_6); 
 
-        /* "cattention/_driver/item_packed.pxd":83
+        /* "cattention/_driver/item_packed.pxd":132
  *                 if group_keys[group] > n_keys:
  *                     group_keys[group] = n_keys
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
  *                 # the first rows see the whole block, so all do: one call
- *                 kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
+ *                 score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,
 */
         goto __pyx_L18;
       }
 
-      /* "cattention/_driver/item_packed.pxd":89
- *                              next_kt, k_block_bytes)
+      /* "cattention/_driver/item_packed.pxd":137
+ *                             K_BLOCK, next_kt, k_block_bytes)
  *             else:
  *                 for i in range(n_groups):             # <<<<<<<<<<<<<<
  *                     group0 = i * ROW_GROUP
@@ -39355,7 +40445,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
           __pyx_v_i = __pyx_t_5;
 
-          /* "cattention/_driver/item_packed.pxd":90
+          /* "cattention/_driver/item_packed.pxd":138
  *             else:
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP             # <<<<<<<<<<<<<<
@@ -39364,12 +40454,12 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
           __pyx_v_group0 = (__pyx_v_i * __pyx_e_10cattention_7_driver_7problem_ROW_GROUP);
 
-          /* "cattention/_driver/item_packed.pxd":91
+          /* "cattention/_driver/item_packed.pxd":139
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)             # <<<<<<<<<<<<<<
  *                     if group_keys[i] > 0:
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
 */
 
           __pyx_t_7 = (__pyx_v_n_rows - __pyx_v_group0);
@@ -39388,33 +40478,33 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
           __pyx_v_group_rows = __pyx_t_9;
 
 
-          /* "cattention/_driver/item_packed.pxd":92
+          /* "cattention/_driver/item_packed.pxd":140
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
- *                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
+ *                                     round_up(group_keys[i], P), s + group0 * K_BLOCK,
 */
           __pyx_t_1 = ((__pyx_v_group_keys[__pyx_v_i]) > 0);
 
           if (__pyx_t_1) {
 
 
-            /* "cattention/_driver/item_packed.pxd":93
+            /* "cattention/_driver/item_packed.pxd":141
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,             # <<<<<<<<<<<<<<
- *                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
- *                                      pb.scale, s + group0 * K_BLOCK, K_BLOCK)
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,             # <<<<<<<<<<<<<<
+ *                                     round_up(group_keys[i], P), s + group0 * K_BLOCK,
+ *                                     K_BLOCK)
 */
-            __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, (__pyx_v_q_rows + (__pyx_v_group0 * __pyx_v_ldq)), __pyx_v_ldq, __pyx_v_group_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_group_keys[__pyx_v_i]), __pyx_v_P), __pyx_v_pb->d_k, __pyx_v_pb->scale, (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, NULL);
+            __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_score_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_group0, __pyx_v_group_rows, __pyx_v_kt, __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_group_keys[__pyx_v_i]), __pyx_v_P), (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, NULL);
 
-            /* "cattention/_driver/item_packed.pxd":92
+            /* "cattention/_driver/item_packed.pxd":140
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
- *                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
+ *                                     round_up(group_keys[i], P), s + group0 * K_BLOCK,
 */
           }
         }
@@ -39422,7 +40512,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
       __pyx_L18:;
 
-      /* "cattention/_driver/item_packed.pxd":98
+      /* "cattention/_driver/item_packed.pxd":146
  *             # columns a group skipped lie past its rows' visible range, so
  *             # masking overwrites them with -inf before anything reads them
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)             # <<<<<<<<<<<<<<
@@ -39431,51 +40521,51 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility_mask_scores(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_ws->row_lo, __pyx_v_ws->row_hi, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-      /* "cattention/_driver/item_packed.pxd":99
+      /* "cattention/_driver/item_packed.pxd":147
  *             # masking overwrites them with -inf before anything reads them
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)             # <<<<<<<<<<<<<<
  *             if group_keys[0] == n_keys:
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_softmax_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_n_keys, __pyx_v_s);
 
-      /* "cattention/_driver/item_packed.pxd":100
+      /* "cattention/_driver/item_packed.pxd":148
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
+ *                          v_block_bytes)
 */
       __pyx_t_1 = ((__pyx_v_group_keys[0]) == __pyx_v_n_keys);
 
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":101
+        /* "cattention/_driver/item_packed.pxd":149
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)
  *             if group_keys[0] == n_keys:
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,             # <<<<<<<<<<<<<<
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,             # <<<<<<<<<<<<<<
+ *                          v_block_bytes)
  *             else:
 */
         __pyx_t_10.__pyx_n = 2;
         __pyx_t_10.ahead = __pyx_v_next_v;
         __pyx_t_10.ahead_bytes = __pyx_v_v_block_bytes;
-        __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_n_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, &__pyx_t_10); 
+        __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_n_rows, __pyx_v_v_packed, __pyx_v_n_keys, __pyx_v_acc, &__pyx_t_10); 
 
-        /* "cattention/_driver/item_packed.pxd":100
+        /* "cattention/_driver/item_packed.pxd":148
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
+ *                          v_block_bytes)
 */
         goto __pyx_L22;
       }
 
-      /* "cattention/_driver/item_packed.pxd":104
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+      /* "cattention/_driver/item_packed.pxd":152
+ *                          v_block_bytes)
  *             else:
  *                 for i in range(n_groups):             # <<<<<<<<<<<<<<
  *                     group0 = i * ROW_GROUP
@@ -39489,7 +40579,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
           __pyx_v_i = __pyx_t_5;
 
-          /* "cattention/_driver/item_packed.pxd":105
+          /* "cattention/_driver/item_packed.pxd":153
  *             else:
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP             # <<<<<<<<<<<<<<
@@ -39498,12 +40588,12 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
           __pyx_v_group0 = (__pyx_v_i * __pyx_e_10cattention_7_driver_7problem_ROW_GROUP);
 
-          /* "cattention/_driver/item_packed.pxd":106
+          /* "cattention/_driver/item_packed.pxd":154
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)             # <<<<<<<<<<<<<<
  *                     if group_keys[i] > 0:
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
 */
 
           __pyx_t_9 = (__pyx_v_n_rows - __pyx_v_group0);
@@ -39522,33 +40612,33 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
           __pyx_v_group_rows = __pyx_t_7;
 
 
-          /* "cattention/_driver/item_packed.pxd":107
+          /* "cattention/_driver/item_packed.pxd":155
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
 */
           __pyx_t_1 = ((__pyx_v_group_keys[__pyx_v_i]) > 0);
 
           if (__pyx_t_1) {
 
 
-            /* "cattention/_driver/item_packed.pxd":108
+            /* "cattention/_driver/item_packed.pxd":156
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,             # <<<<<<<<<<<<<<
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,             # <<<<<<<<<<<<<<
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
+ *             if nonfinite_flag(pb, ws, block)[0]:
 */
-            __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_group_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), (__pyx_v_group_keys[__pyx_v_i]), __pyx_v_pb->ld_v, (__pyx_v_acc + (__pyx_v_group0 * __pyx_v_pb->ld_v)), __pyx_v_pb->ld_v, NULL);
+            __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(__pyx_v_pb, __pyx_v_kern, (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_group_rows, __pyx_v_v_packed, (__pyx_v_group_keys[__pyx_v_i]), (__pyx_v_acc + (__pyx_v_group0 * __pyx_v_pb->ld_v)), NULL);
 
-            /* "cattention/_driver/item_packed.pxd":107
+            /* "cattention/_driver/item_packed.pxd":155
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
 */
           }
         }
@@ -39556,9 +40646,9 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
       __pyx_L22:;
 
-      /* "cattention/_driver/item_packed.pxd":111
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+      /* "cattention/_driver/item_packed.pxd":158
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
  *             if nonfinite_flag(pb, ws, block)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK
@@ -39568,8 +40658,8 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":112
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":159
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
  *             if nonfinite_flag(pb, ws, block)[0]:
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)             # <<<<<<<<<<<<<<
  *             key0 += K_BLOCK
@@ -39577,16 +40667,16 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add_nonfinite_values(__pyx_v_pb, __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_n_rows, __pyx_v_acc, __pyx_v_pb->ld_v);
 
-        /* "cattention/_driver/item_packed.pxd":111
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":158
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
  *             if nonfinite_flag(pb, ws, block)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":113
+      /* "cattention/_driver/item_packed.pxd":160
  *             if nonfinite_flag(pb, ws, block)[0]:
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK             # <<<<<<<<<<<<<<
@@ -39596,16 +40686,16 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       __pyx_v_key0 = (__pyx_v_key0 + __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
     }
 
-    /* "cattention/_driver/item_packed.pxd":49
+    /* "cattention/_driver/item_packed.pxd":98
  * 
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
  *     if last_key > first_key:             # <<<<<<<<<<<<<<
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
 */
   }
 
-  /* "cattention/_driver/item_packed.pxd":114
+  /* "cattention/_driver/item_packed.pxd":161
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK
  *     finish_rows(pb, ws, n_rows, out + out_row_offset(pb, b, row0), pb.ld_out,             # <<<<<<<<<<<<<<
@@ -39614,7 +40704,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_finish_rows(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, (__pyx_v_out + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, __pyx_v_row0)), __pyx_v_pb->ld_out, ((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0));
 
-  /* "cattention/_driver/item_packed.pxd":26
+  /* "cattention/_driver/item_packed.pxd":75
  * 
  * 
  * cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -39679,13 +40769,13 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   int __pyx_t_3;
   Py_ssize_t __pyx_t_4;
   Py_ssize_t __pyx_t_5;
-  struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_score __pyx_t_6;
+  struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_score_tiles __pyx_t_6;
   Py_ssize_t __pyx_t_7;
   int __pyx_t_8;
   Py_ssize_t __pyx_t_9;
-  struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_12kernel_table_kernel_pv __pyx_t_10;
+  struct __pyx_fuse_1__pyx_opt_args_10cattention_7_driver_11item_packed_pv_tiles __pyx_t_10;
 
-  /* "cattention/_driver/item_packed.pxd":30
+  /* "cattention/_driver/item_packed.pxd":79
  *                                     floating *out) noexcept nogil:
  *     """ATTN for one block of query rows, streaming packed key blocks."""
  *     cdef floating *q_packed = <floating *>ws.base + ws.off_q             # <<<<<<<<<<<<<<
@@ -39694,7 +40784,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_q_packed = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_q);
 
-  /* "cattention/_driver/item_packed.pxd":33
+  /* "cattention/_driver/item_packed.pxd":82
  *     cdef const floating *q_rows
  *     cdef Py_ssize_t ldq
  *     cdef floating *s = <floating *>ws.base + ws.off_s             # <<<<<<<<<<<<<<
@@ -39703,7 +40793,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_s = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_s);
 
-  /* "cattention/_driver/item_packed.pxd":34
+  /* "cattention/_driver/item_packed.pxd":83
  *     cdef Py_ssize_t ldq
  *     cdef floating *s = <floating *>ws.base + ws.off_s
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc             # <<<<<<<<<<<<<<
@@ -39712,7 +40802,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_acc = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_acc);
 
-  /* "cattention/_driver/item_packed.pxd":35
+  /* "cattention/_driver/item_packed.pxd":84
  *     cdef floating *s = <floating *>ws.base + ws.off_s
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -39721,7 +40811,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_first_packed = ((__pyx_v_pb->kv_of_batch[__pyx_v_b]) * __pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/item_packed.pxd":36
+  /* "cattention/_driver/item_packed.pxd":85
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
  *     cdef Py_ssize_t P = panel_width(q_packed)             # <<<<<<<<<<<<<<
@@ -39730,7 +40820,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_q_packed);
 
-  /* "cattention/_driver/item_packed.pxd":45
+  /* "cattention/_driver/item_packed.pxd":94
  *     cdef const floating *next_kt
  *     cdef const floating *next_v
  *     cdef Py_ssize_t k_block_bytes = pb.ld_k * pb.block_keys * sizeof(floating)             # <<<<<<<<<<<<<<
@@ -39739,7 +40829,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_k_block_bytes = ((__pyx_v_pb->ld_k * __pyx_v_pb->block_keys) * (sizeof(double)));
 
-  /* "cattention/_driver/item_packed.pxd":46
+  /* "cattention/_driver/item_packed.pxd":95
  *     cdef const floating *next_v
  *     cdef Py_ssize_t k_block_bytes = pb.ld_k * pb.block_keys * sizeof(floating)
  *     cdef Py_ssize_t v_block_bytes = pb.block_keys * pb.ld_v * sizeof(floating)             # <<<<<<<<<<<<<<
@@ -39748,20 +40838,20 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_v_block_bytes = ((__pyx_v_pb->block_keys * __pyx_v_pb->ld_v) * (sizeof(double)));
 
-  /* "cattention/_driver/item_packed.pxd":48
+  /* "cattention/_driver/item_packed.pxd":97
  *     cdef Py_ssize_t v_block_bytes = pb.block_keys * pb.ld_v * sizeof(floating)
  * 
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)             # <<<<<<<<<<<<<<
  *     if last_key > first_key:
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_begin_rows(__pyx_v_pb, __pyx_v_ws, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_acc, (&__pyx_v_first_key), (&__pyx_v_last_key));
 
-  /* "cattention/_driver/item_packed.pxd":49
+  /* "cattention/_driver/item_packed.pxd":98
  * 
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
  *     if last_key > first_key:             # <<<<<<<<<<<<<<
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
 */
   __pyx_t_1 = (__pyx_v_last_key > __pyx_v_first_key);
@@ -39769,17 +40859,17 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/item_packed.pxd":50
+    /* "cattention/_driver/item_packed.pxd":99
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
  *     if last_key > first_key:
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)             # <<<<<<<<<<<<<<
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)             # <<<<<<<<<<<<<<
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
  *         key0 = (first_key // K_BLOCK) * K_BLOCK
 */
-    __pyx_v_q_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, (&__pyx_v_ldq));
+    __pyx_v_q_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, (&__pyx_v_ldq));
 
-    /* "cattention/_driver/item_packed.pxd":52
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+    /* "cattention/_driver/item_packed.pxd":101
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
  *         key0 = (first_key // K_BLOCK) * K_BLOCK             # <<<<<<<<<<<<<<
  *         while key0 < last_key:
@@ -39787,7 +40877,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_key0 = ((__pyx_v_first_key / __pyx_e_10cattention_7_driver_7problem_K_BLOCK) * __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-    /* "cattention/_driver/item_packed.pxd":53
+    /* "cattention/_driver/item_packed.pxd":102
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
  *         key0 = (first_key // K_BLOCK) * K_BLOCK
  *         while key0 < last_key:             # <<<<<<<<<<<<<<
@@ -39800,7 +40890,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
       if (!__pyx_t_1) break;
 
-      /* "cattention/_driver/item_packed.pxd":54
+      /* "cattention/_driver/item_packed.pxd":103
  *         key0 = (first_key // K_BLOCK) * K_BLOCK
  *         while key0 < last_key:
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK             # <<<<<<<<<<<<<<
@@ -39819,7 +40909,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
       __pyx_v_n_keys = __pyx_t_2;
 
-      /* "cattention/_driver/item_packed.pxd":55
+      /* "cattention/_driver/item_packed.pxd":104
  *         while key0 < last_key:
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
  *             if n_keys > last_key - key0:             # <<<<<<<<<<<<<<
@@ -39831,7 +40921,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":56
+        /* "cattention/_driver/item_packed.pxd":105
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
  *             if n_keys > last_key - key0:
  *                 n_keys = last_key - key0             # <<<<<<<<<<<<<<
@@ -39840,7 +40930,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_n_keys = (__pyx_v_last_key - __pyx_v_key0);
 
-        /* "cattention/_driver/item_packed.pxd":55
+        /* "cattention/_driver/item_packed.pxd":104
  *         while key0 < last_key:
  *             n_keys = pb.n_keys - key0 if pb.n_keys - key0 < K_BLOCK else K_BLOCK
  *             if n_keys > last_key - key0:             # <<<<<<<<<<<<<<
@@ -39849,7 +40939,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":57
+      /* "cattention/_driver/item_packed.pxd":106
  *             if n_keys > last_key - key0:
  *                 n_keys = last_key - key0
  *             block = first_packed + key0 // K_BLOCK             # <<<<<<<<<<<<<<
@@ -39858,7 +40948,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_block = (__pyx_v_first_packed + (__pyx_v_key0 / __pyx_e_10cattention_7_driver_7problem_K_BLOCK));
 
-      /* "cattention/_driver/item_packed.pxd":58
+      /* "cattention/_driver/item_packed.pxd":107
  *                 n_keys = last_key - key0
  *             block = first_packed + key0 // K_BLOCK
  *             kt = <const floating *>packed_keys(pb, ws, block)             # <<<<<<<<<<<<<<
@@ -39867,7 +40957,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_kt = ((double const *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, __pyx_v_block));
 
-      /* "cattention/_driver/item_packed.pxd":59
+      /* "cattention/_driver/item_packed.pxd":108
  *             block = first_packed + key0 // K_BLOCK
  *             kt = <const floating *>packed_keys(pb, ws, block)
  *             v_packed = <const floating *>packed_values(pb, ws, block)             # <<<<<<<<<<<<<<
@@ -39876,7 +40966,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_v_packed = ((double const *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, __pyx_v_block));
 
-      /* "cattention/_driver/item_packed.pxd":61
+      /* "cattention/_driver/item_packed.pxd":110
  *             v_packed = <const floating *>packed_values(pb, ws, block)
  *             # the next block's K^T and V are fetched into L2 during this one
  *             next_kt = NULL             # <<<<<<<<<<<<<<
@@ -39885,7 +40975,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_next_kt = NULL;
 
-      /* "cattention/_driver/item_packed.pxd":62
+      /* "cattention/_driver/item_packed.pxd":111
  *             # the next block's K^T and V are fetched into L2 during this one
  *             next_kt = NULL
  *             next_v = NULL             # <<<<<<<<<<<<<<
@@ -39894,7 +40984,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_next_v = NULL;
 
-      /* "cattention/_driver/item_packed.pxd":63
+      /* "cattention/_driver/item_packed.pxd":112
  *             next_kt = NULL
  *             next_v = NULL
  *             if key0 + K_BLOCK < last_key:             # <<<<<<<<<<<<<<
@@ -39906,7 +40996,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":64
+        /* "cattention/_driver/item_packed.pxd":113
  *             next_v = NULL
  *             if key0 + K_BLOCK < last_key:
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)             # <<<<<<<<<<<<<<
@@ -39915,7 +41005,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_kt = ((double const *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, (__pyx_v_block + 1)));
 
-        /* "cattention/_driver/item_packed.pxd":65
+        /* "cattention/_driver/item_packed.pxd":114
  *             if key0 + K_BLOCK < last_key:
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
  *                 next_v = <const floating *>packed_values(pb, ws, block + 1)             # <<<<<<<<<<<<<<
@@ -39924,7 +41014,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_v = ((double const *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, (__pyx_v_block + 1)));
 
-        /* "cattention/_driver/item_packed.pxd":63
+        /* "cattention/_driver/item_packed.pxd":112
  *             next_kt = NULL
  *             next_v = NULL
  *             if key0 + K_BLOCK < last_key:             # <<<<<<<<<<<<<<
@@ -39934,7 +41024,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         goto __pyx_L7;
       }
 
-      /* "cattention/_driver/item_packed.pxd":66
+      /* "cattention/_driver/item_packed.pxd":115
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
  *                 next_v = <const floating *>packed_values(pb, ws, block + 1)
  *             elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:             # <<<<<<<<<<<<<<
@@ -39960,7 +41050,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":68
+        /* "cattention/_driver/item_packed.pxd":117
  *             elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:
  *                 # the last block: what the thread reads next (fetch_after)
  *                 next_kt = <const floating *>ws.after_score             # <<<<<<<<<<<<<<
@@ -39969,7 +41059,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_kt = ((double const *)__pyx_v_ws->after_score);
 
-        /* "cattention/_driver/item_packed.pxd":69
+        /* "cattention/_driver/item_packed.pxd":118
  *                 # the last block: what the thread reads next (fetch_after)
  *                 next_kt = <const floating *>ws.after_score
  *                 next_v = <const floating *>ws.after_pv             # <<<<<<<<<<<<<<
@@ -39978,7 +41068,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_next_v = ((double const *)__pyx_v_ws->after_pv);
 
-        /* "cattention/_driver/item_packed.pxd":70
+        /* "cattention/_driver/item_packed.pxd":119
  *                 next_kt = <const floating *>ws.after_score
  *                 next_v = <const floating *>ws.after_pv
  *                 k_block_bytes = ws.after_score_bytes             # <<<<<<<<<<<<<<
@@ -39989,7 +41079,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
         __pyx_v_k_block_bytes = __pyx_t_2;
 
-        /* "cattention/_driver/item_packed.pxd":71
+        /* "cattention/_driver/item_packed.pxd":120
  *                 next_v = <const floating *>ws.after_pv
  *                 k_block_bytes = ws.after_score_bytes
  *                 v_block_bytes = ws.after_pv_bytes             # <<<<<<<<<<<<<<
@@ -40000,7 +41090,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
         __pyx_v_v_block_bytes = __pyx_t_2;
 
-        /* "cattention/_driver/item_packed.pxd":66
+        /* "cattention/_driver/item_packed.pxd":115
  *                 next_kt = <const floating *>packed_keys(pb, ws, block + 1)
  *                 next_v = <const floating *>packed_values(pb, ws, block + 1)
  *             elif ws.after_score_bytes > 0 or ws.after_pv_bytes > 0:             # <<<<<<<<<<<<<<
@@ -40010,7 +41100,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
       __pyx_L7:;
 
-      /* "cattention/_driver/item_packed.pxd":74
+      /* "cattention/_driver/item_packed.pxd":123
  *             # keys each group of rows can see in this block: on the causal
  *             # diagonal the upper rows skip the panels only lower rows see
  *             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP             # <<<<<<<<<<<<<<
@@ -40019,7 +41109,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_n_groups = (((__pyx_v_n_rows + __pyx_e_10cattention_7_driver_7problem_ROW_GROUP) - 1) / __pyx_e_10cattention_7_driver_7problem_ROW_GROUP);
 
-      /* "cattention/_driver/item_packed.pxd":75
+      /* "cattention/_driver/item_packed.pxd":124
  *             # diagonal the upper rows skip the panels only lower rows see
  *             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
  *             for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -40033,7 +41123,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_group = __pyx_t_5;
 
-        /* "cattention/_driver/item_packed.pxd":76
+        /* "cattention/_driver/item_packed.pxd":125
  *             n_groups = (n_rows + ROW_GROUP - 1) // ROW_GROUP
  *             for group in range(n_groups):
  *                 group_keys[group] = 0             # <<<<<<<<<<<<<<
@@ -40044,7 +41134,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":77
+      /* "cattention/_driver/item_packed.pxd":126
  *             for group in range(n_groups):
  *                 group_keys[group] = 0
  *             for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -40058,7 +41148,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_i = __pyx_t_5;
 
-        /* "cattention/_driver/item_packed.pxd":78
+        /* "cattention/_driver/item_packed.pxd":127
  *                 group_keys[group] = 0
  *             for i in range(n_rows):
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:             # <<<<<<<<<<<<<<
@@ -40070,7 +41160,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         if (__pyx_t_1) {
 
 
-          /* "cattention/_driver/item_packed.pxd":79
+          /* "cattention/_driver/item_packed.pxd":128
  *             for i in range(n_rows):
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0             # <<<<<<<<<<<<<<
@@ -40079,7 +41169,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
           (__pyx_v_group_keys[(__pyx_v_i / __pyx_e_10cattention_7_driver_7problem_ROW_GROUP)]) = ((__pyx_v_ws->row_hi[__pyx_v_i]) - __pyx_v_key0);
 
-          /* "cattention/_driver/item_packed.pxd":78
+          /* "cattention/_driver/item_packed.pxd":127
  *                 group_keys[group] = 0
  *             for i in range(n_rows):
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:             # <<<<<<<<<<<<<<
@@ -40090,7 +41180,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":80
+      /* "cattention/_driver/item_packed.pxd":129
  *                 if ws.row_hi[i] - key0 > group_keys[i // ROW_GROUP]:
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
  *             for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -40104,7 +41194,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_group = __pyx_t_5;
 
-        /* "cattention/_driver/item_packed.pxd":81
+        /* "cattention/_driver/item_packed.pxd":130
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
  *             for group in range(n_groups):
  *                 if group_keys[group] > n_keys:             # <<<<<<<<<<<<<<
@@ -40116,7 +41206,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         if (__pyx_t_1) {
 
 
-          /* "cattention/_driver/item_packed.pxd":82
+          /* "cattention/_driver/item_packed.pxd":131
  *             for group in range(n_groups):
  *                 if group_keys[group] > n_keys:
  *                     group_keys[group] = n_keys             # <<<<<<<<<<<<<<
@@ -40125,7 +41215,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
           (__pyx_v_group_keys[__pyx_v_group]) = __pyx_v_n_keys;
 
-          /* "cattention/_driver/item_packed.pxd":81
+          /* "cattention/_driver/item_packed.pxd":130
  *                     group_keys[i // ROW_GROUP] = ws.row_hi[i] - key0
  *             for group in range(n_groups):
  *                 if group_keys[group] > n_keys:             # <<<<<<<<<<<<<<
@@ -40136,42 +41226,42 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":83
+      /* "cattention/_driver/item_packed.pxd":132
  *                 if group_keys[group] > n_keys:
  *                     group_keys[group] = n_keys
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
  *                 # the first rows see the whole block, so all do: one call
- *                 kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
+ *                 score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,
 */
       __pyx_t_1 = ((__pyx_v_group_keys[0]) == __pyx_v_n_keys);
 
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":85
+        /* "cattention/_driver/item_packed.pxd":134
  *             if group_keys[0] == n_keys:
  *                 # the first rows see the whole block, so all do: one call
- *                 kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,             # <<<<<<<<<<<<<<
- *                              round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK,
- *                              next_kt, k_block_bytes)
+ *                 score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,             # <<<<<<<<<<<<<<
+ *                             K_BLOCK, next_kt, k_block_bytes)
+ *             else:
 */
         __pyx_t_6.__pyx_n = 2;
         __pyx_t_6.ahead = __pyx_v_next_kt;
         __pyx_t_6.ahead_bytes = __pyx_v_k_block_bytes;
-        __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, &__pyx_t_6); 
+        __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_score_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, 0, __pyx_v_n_rows, __pyx_v_kt, __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, &__pyx_t_6); 
 
-        /* "cattention/_driver/item_packed.pxd":83
+        /* "cattention/_driver/item_packed.pxd":132
  *                 if group_keys[group] > n_keys:
  *                     group_keys[group] = n_keys
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
  *                 # the first rows see the whole block, so all do: one call
- *                 kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
+ *                 score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,
 */
         goto __pyx_L18;
       }
 
-      /* "cattention/_driver/item_packed.pxd":89
- *                              next_kt, k_block_bytes)
+      /* "cattention/_driver/item_packed.pxd":137
+ *                             K_BLOCK, next_kt, k_block_bytes)
  *             else:
  *                 for i in range(n_groups):             # <<<<<<<<<<<<<<
  *                     group0 = i * ROW_GROUP
@@ -40185,7 +41275,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
           __pyx_v_i = __pyx_t_5;
 
-          /* "cattention/_driver/item_packed.pxd":90
+          /* "cattention/_driver/item_packed.pxd":138
  *             else:
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP             # <<<<<<<<<<<<<<
@@ -40194,12 +41284,12 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
           __pyx_v_group0 = (__pyx_v_i * __pyx_e_10cattention_7_driver_7problem_ROW_GROUP);
 
-          /* "cattention/_driver/item_packed.pxd":91
+          /* "cattention/_driver/item_packed.pxd":139
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)             # <<<<<<<<<<<<<<
  *                     if group_keys[i] > 0:
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
 */
 
           __pyx_t_7 = (__pyx_v_n_rows - __pyx_v_group0);
@@ -40218,33 +41308,33 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
           __pyx_v_group_rows = __pyx_t_9;
 
 
-          /* "cattention/_driver/item_packed.pxd":92
+          /* "cattention/_driver/item_packed.pxd":140
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
- *                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
+ *                                     round_up(group_keys[i], P), s + group0 * K_BLOCK,
 */
           __pyx_t_1 = ((__pyx_v_group_keys[__pyx_v_i]) > 0);
 
           if (__pyx_t_1) {
 
 
-            /* "cattention/_driver/item_packed.pxd":93
+            /* "cattention/_driver/item_packed.pxd":141
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,             # <<<<<<<<<<<<<<
- *                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
- *                                      pb.scale, s + group0 * K_BLOCK, K_BLOCK)
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,             # <<<<<<<<<<<<<<
+ *                                     round_up(group_keys[i], P), s + group0 * K_BLOCK,
+ *                                     K_BLOCK)
 */
-            __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, (__pyx_v_q_rows + (__pyx_v_group0 * __pyx_v_ldq)), __pyx_v_ldq, __pyx_v_group_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_group_keys[__pyx_v_i]), __pyx_v_P), __pyx_v_pb->d_k, __pyx_v_pb->scale, (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, NULL);
+            __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_score_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_group0, __pyx_v_group_rows, __pyx_v_kt, __pyx_f_10cattention_7_driver_7problem_round_up((__pyx_v_group_keys[__pyx_v_i]), __pyx_v_P), (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, NULL);
 
-            /* "cattention/_driver/item_packed.pxd":92
+            /* "cattention/_driver/item_packed.pxd":140
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
- *                                      kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
+ *                         score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
+ *                                     round_up(group_keys[i], P), s + group0 * K_BLOCK,
 */
           }
         }
@@ -40252,7 +41342,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
       __pyx_L18:;
 
-      /* "cattention/_driver/item_packed.pxd":98
+      /* "cattention/_driver/item_packed.pxd":146
  *             # columns a group skipped lie past its rows' visible range, so
  *             # masking overwrites them with -inf before anything reads them
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)             # <<<<<<<<<<<<<<
@@ -40261,51 +41351,51 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility_mask_scores(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_ws->row_lo, __pyx_v_ws->row_hi, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-      /* "cattention/_driver/item_packed.pxd":99
+      /* "cattention/_driver/item_packed.pxd":147
  *             # masking overwrites them with -inf before anything reads them
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)             # <<<<<<<<<<<<<<
  *             if group_keys[0] == n_keys:
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_softmax_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_n_keys, __pyx_v_s);
 
-      /* "cattention/_driver/item_packed.pxd":100
+      /* "cattention/_driver/item_packed.pxd":148
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
+ *                          v_block_bytes)
 */
       __pyx_t_1 = ((__pyx_v_group_keys[0]) == __pyx_v_n_keys);
 
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":101
+        /* "cattention/_driver/item_packed.pxd":149
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)
  *             if group_keys[0] == n_keys:
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,             # <<<<<<<<<<<<<<
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,             # <<<<<<<<<<<<<<
+ *                          v_block_bytes)
  *             else:
 */
         __pyx_t_10.__pyx_n = 2;
         __pyx_t_10.ahead = __pyx_v_next_v;
         __pyx_t_10.ahead_bytes = __pyx_v_v_block_bytes;
-        __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_n_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, &__pyx_t_10); 
+        __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_n_rows, __pyx_v_v_packed, __pyx_v_n_keys, __pyx_v_acc, &__pyx_t_10); 
 
-        /* "cattention/_driver/item_packed.pxd":100
+        /* "cattention/_driver/item_packed.pxd":148
  *             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
  *             softmax_block(pb, kern, ws, n_rows, n_keys, s)
  *             if group_keys[0] == n_keys:             # <<<<<<<<<<<<<<
- *                 kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+ *                 pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
+ *                          v_block_bytes)
 */
         goto __pyx_L22;
       }
 
-      /* "cattention/_driver/item_packed.pxd":104
- *                           pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+      /* "cattention/_driver/item_packed.pxd":152
+ *                          v_block_bytes)
  *             else:
  *                 for i in range(n_groups):             # <<<<<<<<<<<<<<
  *                     group0 = i * ROW_GROUP
@@ -40319,7 +41409,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
           __pyx_v_i = __pyx_t_5;
 
-          /* "cattention/_driver/item_packed.pxd":105
+          /* "cattention/_driver/item_packed.pxd":153
  *             else:
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP             # <<<<<<<<<<<<<<
@@ -40328,12 +41418,12 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
           __pyx_v_group0 = (__pyx_v_i * __pyx_e_10cattention_7_driver_7problem_ROW_GROUP);
 
-          /* "cattention/_driver/item_packed.pxd":106
+          /* "cattention/_driver/item_packed.pxd":154
  *                 for i in range(n_groups):
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)             # <<<<<<<<<<<<<<
  *                     if group_keys[i] > 0:
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
 */
 
           __pyx_t_9 = (__pyx_v_n_rows - __pyx_v_group0);
@@ -40352,33 +41442,33 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
           __pyx_v_group_rows = __pyx_t_7;
 
 
-          /* "cattention/_driver/item_packed.pxd":107
+          /* "cattention/_driver/item_packed.pxd":155
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
 */
           __pyx_t_1 = ((__pyx_v_group_keys[__pyx_v_i]) > 0);
 
           if (__pyx_t_1) {
 
 
-            /* "cattention/_driver/item_packed.pxd":108
+            /* "cattention/_driver/item_packed.pxd":156
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,             # <<<<<<<<<<<<<<
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,             # <<<<<<<<<<<<<<
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
+ *             if nonfinite_flag(pb, ws, block)[0]:
 */
-            __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_group_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), (__pyx_v_group_keys[__pyx_v_i]), __pyx_v_pb->ld_v, (__pyx_v_acc + (__pyx_v_group0 * __pyx_v_pb->ld_v)), __pyx_v_pb->ld_v, NULL);
+            __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(__pyx_v_pb, __pyx_v_kern, (__pyx_v_s + (__pyx_v_group0 * __pyx_e_10cattention_7_driver_7problem_K_BLOCK)), __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_group_rows, __pyx_v_v_packed, (__pyx_v_group_keys[__pyx_v_i]), (__pyx_v_acc + (__pyx_v_group0 * __pyx_v_pb->ld_v)), NULL);
 
-            /* "cattention/_driver/item_packed.pxd":107
+            /* "cattention/_driver/item_packed.pxd":155
  *                     group0 = i * ROW_GROUP
  *                     group_rows = min(ROW_GROUP, n_rows - group0)
  *                     if group_keys[i] > 0:             # <<<<<<<<<<<<<<
- *                         kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
 */
           }
         }
@@ -40386,9 +41476,9 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
       __pyx_L22:;
 
-      /* "cattention/_driver/item_packed.pxd":111
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+      /* "cattention/_driver/item_packed.pxd":158
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
  *             if nonfinite_flag(pb, ws, block)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK
@@ -40398,8 +41488,8 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/item_packed.pxd":112
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":159
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
  *             if nonfinite_flag(pb, ws, block)[0]:
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)             # <<<<<<<<<<<<<<
  *             key0 += K_BLOCK
@@ -40407,16 +41497,16 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add_nonfinite_values(__pyx_v_pb, __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_s, __pyx_e_10cattention_7_driver_7problem_K_BLOCK, __pyx_v_n_rows, __pyx_v_acc, __pyx_v_pb->ld_v);
 
-        /* "cattention/_driver/item_packed.pxd":111
- *                                   pb.block_keys * P, group_keys[i], pb.ld_v,
- *                                   acc + group0 * pb.ld_v, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":158
+ *                         pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+ *                                  v_packed, group_keys[i], acc + group0 * pb.ld_v)
  *             if nonfinite_flag(pb, ws, block)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":113
+      /* "cattention/_driver/item_packed.pxd":160
  *             if nonfinite_flag(pb, ws, block)[0]:
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK             # <<<<<<<<<<<<<<
@@ -40426,16 +41516,16 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       __pyx_v_key0 = (__pyx_v_key0 + __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
     }
 
-    /* "cattention/_driver/item_packed.pxd":49
+    /* "cattention/_driver/item_packed.pxd":98
  * 
  *     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
  *     if last_key > first_key:             # <<<<<<<<<<<<<<
- *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
 */
   }
 
-  /* "cattention/_driver/item_packed.pxd":114
+  /* "cattention/_driver/item_packed.pxd":161
  *                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
  *             key0 += K_BLOCK
  *     finish_rows(pb, ws, n_rows, out + out_row_offset(pb, b, row0), pb.ld_out,             # <<<<<<<<<<<<<<
@@ -40444,7 +41534,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_finish_rows(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, (__pyx_v_out + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, __pyx_v_row0)), __pyx_v_pb->ld_out, ((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0));
 
-  /* "cattention/_driver/item_packed.pxd":26
+  /* "cattention/_driver/item_packed.pxd":75
  * 
  * 
  * cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -40479,7 +41569,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
 }
 
-/* "cattention/_driver/item_packed.pxd":118
+/* "cattention/_driver/item_packed.pxd":165
  * 
  * 
  * cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kernels *kern,             # <<<<<<<<<<<<<<
@@ -40530,7 +41620,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   Py_ssize_t __pyx_t_7;
   Py_ssize_t __pyx_t_8;
 
-  /* "cattention/_driver/item_packed.pxd":126
+  /* "cattention/_driver/item_packed.pxd":173
  *     The rows of the caller's SCORES array are the scratch: logits are written
  *     there, then turned into weights in place, then multiplied by V."""
  *     cdef floating *q_packed = <floating *>ws.base + ws.off_q             # <<<<<<<<<<<<<<
@@ -40539,7 +41629,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_q_packed = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_q);
 
-  /* "cattention/_driver/item_packed.pxd":129
+  /* "cattention/_driver/item_packed.pxd":176
  *     cdef const floating *q_rows
  *     cdef Py_ssize_t ldq
  *     cdef floating *s = <floating *>ws.base + ws.off_s             # <<<<<<<<<<<<<<
@@ -40548,7 +41638,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_s = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_s);
 
-  /* "cattention/_driver/item_packed.pxd":132
+  /* "cattention/_driver/item_packed.pxd":179
  *     cdef const floating *kt
  *     cdef const floating *v_packed
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -40557,7 +41647,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_first_packed = ((__pyx_v_pb->kv_of_batch[__pyx_v_b]) * __pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/item_packed.pxd":133
+  /* "cattention/_driver/item_packed.pxd":180
  *     cdef const floating *v_packed
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc             # <<<<<<<<<<<<<<
@@ -40566,7 +41656,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_acc = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_acc);
 
-  /* "cattention/_driver/item_packed.pxd":134
+  /* "cattention/_driver/item_packed.pxd":181
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef floating *row_max = <floating *>ws.base + ws.off_max             # <<<<<<<<<<<<<<
@@ -40575,7 +41665,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_row_max = (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_max);
 
-  /* "cattention/_driver/item_packed.pxd":135
+  /* "cattention/_driver/item_packed.pxd":182
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef floating *row_max = <floating *>ws.base + ws.off_max
  *     cdef Py_ssize_t P = panel_width(q_packed)             # <<<<<<<<<<<<<<
@@ -40584,7 +41674,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_P = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_q_packed);
 
-  /* "cattention/_driver/item_packed.pxd":136
+  /* "cattention/_driver/item_packed.pxd":183
  *     cdef floating *row_max = <floating *>ws.base + ws.off_max
  *     cdef Py_ssize_t P = panel_width(q_packed)
  *     cdef Py_ssize_t n_keys_total = pb.n_keys             # <<<<<<<<<<<<<<
@@ -40595,7 +41685,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
   __pyx_v_n_keys_total = __pyx_t_1;
 
-  /* "cattention/_driver/item_packed.pxd":137
+  /* "cattention/_driver/item_packed.pxd":184
  *     cdef Py_ssize_t P = panel_width(q_packed)
  *     cdef Py_ssize_t n_keys_total = pb.n_keys
  *     cdef Py_ssize_t ld_scores = pb.ld_scores             # <<<<<<<<<<<<<<
@@ -40606,7 +41696,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
   __pyx_v_ld_scores = __pyx_t_1;
 
-  /* "cattention/_driver/item_packed.pxd":143
+  /* "cattention/_driver/item_packed.pxd":190
  *     cdef floating *s_row
  *     cdef floating *scores_row
  *     cdef floating *scores_block = scores + (b * pb.n_queries + row0) * ld_scores             # <<<<<<<<<<<<<<
@@ -40615,7 +41705,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_scores_block = (__pyx_v_scores + (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) * __pyx_v_ld_scores));
 
-  /* "cattention/_driver/item_packed.pxd":150
+  /* "cattention/_driver/item_packed.pxd":197
  *     cdef bint in_place
  * 
  *     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)             # <<<<<<<<<<<<<<
@@ -40624,7 +41714,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_f_10cattention_7_driver_10visibility_visible_ranges(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_ws->row_lo, __pyx_v_ws->row_hi);
 
-  /* "cattention/_driver/item_packed.pxd":151
+  /* "cattention/_driver/item_packed.pxd":198
  * 
  *     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
  *     first_key = n_keys_total             # <<<<<<<<<<<<<<
@@ -40633,7 +41723,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_first_key = __pyx_v_n_keys_total;
 
-  /* "cattention/_driver/item_packed.pxd":152
+  /* "cattention/_driver/item_packed.pxd":199
  *     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
  *     first_key = n_keys_total
  *     last_key = 0             # <<<<<<<<<<<<<<
@@ -40642,7 +41732,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_last_key = 0;
 
-  /* "cattention/_driver/item_packed.pxd":153
+  /* "cattention/_driver/item_packed.pxd":200
  *     first_key = n_keys_total
  *     last_key = 0
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -40656,7 +41746,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":154
+    /* "cattention/_driver/item_packed.pxd":201
  *     last_key = 0
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:             # <<<<<<<<<<<<<<
@@ -40668,7 +41758,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":155
+      /* "cattention/_driver/item_packed.pxd":202
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:
  *             if ws.row_lo[i] < first_key:             # <<<<<<<<<<<<<<
@@ -40680,7 +41770,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":156
+        /* "cattention/_driver/item_packed.pxd":203
  *         if ws.row_hi[i] > ws.row_lo[i]:
  *             if ws.row_lo[i] < first_key:
  *                 first_key = ws.row_lo[i]             # <<<<<<<<<<<<<<
@@ -40689,7 +41779,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_first_key = (__pyx_v_ws->row_lo[__pyx_v_i]);
 
-        /* "cattention/_driver/item_packed.pxd":155
+        /* "cattention/_driver/item_packed.pxd":202
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:
  *             if ws.row_lo[i] < first_key:             # <<<<<<<<<<<<<<
@@ -40698,7 +41788,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":157
+      /* "cattention/_driver/item_packed.pxd":204
  *             if ws.row_lo[i] < first_key:
  *                 first_key = ws.row_lo[i]
  *             if ws.row_hi[i] > last_key:             # <<<<<<<<<<<<<<
@@ -40710,7 +41800,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":158
+        /* "cattention/_driver/item_packed.pxd":205
  *                 first_key = ws.row_lo[i]
  *             if ws.row_hi[i] > last_key:
  *                 last_key = ws.row_hi[i]             # <<<<<<<<<<<<<<
@@ -40719,7 +41809,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_last_key = (__pyx_v_ws->row_hi[__pyx_v_i]);
 
-        /* "cattention/_driver/item_packed.pxd":157
+        /* "cattention/_driver/item_packed.pxd":204
  *             if ws.row_lo[i] < first_key:
  *                 first_key = ws.row_lo[i]
  *             if ws.row_hi[i] > last_key:             # <<<<<<<<<<<<<<
@@ -40728,7 +41818,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":154
+      /* "cattention/_driver/item_packed.pxd":201
  *     last_key = 0
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:             # <<<<<<<<<<<<<<
@@ -40737,7 +41827,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":159
+    /* "cattention/_driver/item_packed.pxd":206
  *             if ws.row_hi[i] > last_key:
  *                 last_key = ws.row_hi[i]
  *         row_max[i] = -INFINITY             # <<<<<<<<<<<<<<
@@ -40748,7 +41838,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":161
+  /* "cattention/_driver/item_packed.pxd":208
  *         row_max[i] = -INFINITY
  * 
  *     if last_key <= first_key:             # <<<<<<<<<<<<<<
@@ -40760,7 +41850,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/item_packed.pxd":162
+    /* "cattention/_driver/item_packed.pxd":209
  * 
  *     if last_key <= first_key:
  *         for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -40774,7 +41864,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
       __pyx_v_i = __pyx_t_3;
 
-      /* "cattention/_driver/item_packed.pxd":163
+      /* "cattention/_driver/item_packed.pxd":210
  *     if last_key <= first_key:
  *         for i in range(n_rows):
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])             # <<<<<<<<<<<<<<
@@ -40785,7 +41875,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     }
 
 
-    /* "cattention/_driver/item_packed.pxd":164
+    /* "cattention/_driver/item_packed.pxd":211
  *         for i in range(n_rows):
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *         for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -40799,7 +41889,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
       __pyx_v_i = __pyx_t_3;
 
-      /* "cattention/_driver/item_packed.pxd":165
+      /* "cattention/_driver/item_packed.pxd":212
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *         for i in range(n_rows):
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -40808,7 +41898,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       (void)(memset((__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores)), 0, (__pyx_v_n_keys_total * (sizeof(float)))));
 
-      /* "cattention/_driver/item_packed.pxd":166
+      /* "cattention/_driver/item_packed.pxd":213
  *         for i in range(n_rows):
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
  *             if out != NULL:             # <<<<<<<<<<<<<<
@@ -40820,7 +41910,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":167
+        /* "cattention/_driver/item_packed.pxd":214
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
  *             if out != NULL:
  *                 memset(out + out_row_offset(pb, b, row0 + i), 0,             # <<<<<<<<<<<<<<
@@ -40829,7 +41919,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         (void)(memset((__pyx_v_out + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, (__pyx_v_row0 + __pyx_v_i))), 0, (__pyx_v_pb->d_v * (sizeof(float)))));
 
-        /* "cattention/_driver/item_packed.pxd":166
+        /* "cattention/_driver/item_packed.pxd":213
  *         for i in range(n_rows):
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
  *             if out != NULL:             # <<<<<<<<<<<<<<
@@ -40840,7 +41930,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     }
 
 
-    /* "cattention/_driver/item_packed.pxd":169
+    /* "cattention/_driver/item_packed.pxd":216
  *                 memset(out + out_row_offset(pb, b, row0 + i), 0,
  *                        pb.d_v * sizeof(floating))
  *         return             # <<<<<<<<<<<<<<
@@ -40851,7 +41941,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/item_packed.pxd":161
+    /* "cattention/_driver/item_packed.pxd":208
  *         row_max[i] = -INFINITY
  * 
  *     if last_key <= first_key:             # <<<<<<<<<<<<<<
@@ -40860,26 +41950,60 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   }
 
-  /* "cattention/_driver/item_packed.pxd":171
+  /* "cattention/_driver/item_packed.pxd":218
  *         return
  * 
  *     first_block = (first_key // K_BLOCK) * K_BLOCK             # <<<<<<<<<<<<<<
- *     q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
- *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
+ *     if pb.direct:
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
 */
   __pyx_v_first_block = ((__pyx_v_first_key / __pyx_e_10cattention_7_driver_7problem_K_BLOCK) * __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/item_packed.pxd":172
+  /* "cattention/_driver/item_packed.pxd":219
  * 
  *     first_block = (first_key // K_BLOCK) * K_BLOCK
- *     q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)             # <<<<<<<<<<<<<<
+ *     if pb.direct:             # <<<<<<<<<<<<<<
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *     else:
+*/
+  __pyx_t_4 = (__pyx_v_pb->direct != 0);
+
+  if (__pyx_t_4) {
+
+
+    /* "cattention/_driver/item_packed.pxd":220
+ *     first_block = (first_key // K_BLOCK) * K_BLOCK
+ *     if pb.direct:
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)             # <<<<<<<<<<<<<<
+ *     else:
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
+*/
+    __pyx_v_q_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, (&__pyx_v_ldq));
+
+    /* "cattention/_driver/item_packed.pxd":219
+ * 
+ *     first_block = (first_key // K_BLOCK) * K_BLOCK
+ *     if pb.direct:             # <<<<<<<<<<<<<<
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *     else:
+*/
+    goto __pyx_L14;
+  }
+
+  /* "cattention/_driver/item_packed.pxd":222
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *     else:
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)             # <<<<<<<<<<<<<<
  *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
  *     for i in range(n_rows):
 */
-  __pyx_v_q_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, (&__pyx_v_ldq));
+  /*else*/ {
+    __pyx_v_q_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, (&__pyx_v_ldq));
+  }
+  __pyx_L14:;
 
-  /* "cattention/_driver/item_packed.pxd":174
- *     q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+  /* "cattention/_driver/item_packed.pxd":224
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
  *         scores_row = scores_block + i * ld_scores
@@ -40892,7 +42016,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":175
+    /* "cattention/_driver/item_packed.pxd":225
  *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores             # <<<<<<<<<<<<<<
@@ -40901,7 +42025,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_scores_row = (__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores));
 
-    /* "cattention/_driver/item_packed.pxd":176
+    /* "cattention/_driver/item_packed.pxd":226
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores
  *         memset(scores_row, 0, first_block * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -40910,7 +42034,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     (void)(memset(__pyx_v_scores_row, 0, (__pyx_v_first_block * (sizeof(float)))));
 
-    /* "cattention/_driver/item_packed.pxd":177
+    /* "cattention/_driver/item_packed.pxd":227
  *         scores_row = scores_block + i * ld_scores
  *         memset(scores_row, 0, first_block * sizeof(floating))
  *         if last_key < n_keys_total:             # <<<<<<<<<<<<<<
@@ -40922,7 +42046,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":178
+      /* "cattention/_driver/item_packed.pxd":228
  *         memset(scores_row, 0, first_block * sizeof(floating))
  *         if last_key < n_keys_total:
  *             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -40931,7 +42055,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       (void)(memset((__pyx_v_scores_row + __pyx_v_last_key), 0, ((__pyx_v_n_keys_total - __pyx_v_last_key) * (sizeof(float)))));
 
-      /* "cattention/_driver/item_packed.pxd":177
+      /* "cattention/_driver/item_packed.pxd":227
  *         scores_row = scores_block + i * ld_scores
  *         memset(scores_row, 0, first_block * sizeof(floating))
  *         if last_key < n_keys_total:             # <<<<<<<<<<<<<<
@@ -40942,7 +42066,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":179
+  /* "cattention/_driver/item_packed.pxd":229
  *         if last_key < n_keys_total:
  *             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))
  *     key0 = first_block             # <<<<<<<<<<<<<<
@@ -40951,7 +42075,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_key0 = __pyx_v_first_block;
 
-  /* "cattention/_driver/item_packed.pxd":180
+  /* "cattention/_driver/item_packed.pxd":230
  *             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))
  *     key0 = first_block
  *     while key0 < last_key:             # <<<<<<<<<<<<<<
@@ -40964,7 +42088,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
     if (!__pyx_t_4) break;
 
-    /* "cattention/_driver/item_packed.pxd":181
+    /* "cattention/_driver/item_packed.pxd":231
  *     key0 = first_block
  *     while key0 < last_key:
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK             # <<<<<<<<<<<<<<
@@ -40983,7 +42107,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
     __pyx_v_n_keys = __pyx_t_1;
 
-    /* "cattention/_driver/item_packed.pxd":182
+    /* "cattention/_driver/item_packed.pxd":232
  *     while key0 < last_key:
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
  *         if key0 + n_keys > last_key:             # <<<<<<<<<<<<<<
@@ -40995,7 +42119,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":183
+      /* "cattention/_driver/item_packed.pxd":233
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
  *         if key0 + n_keys > last_key:
  *             n_keys = last_key - key0             # <<<<<<<<<<<<<<
@@ -41004,7 +42128,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_n_keys = (__pyx_v_last_key - __pyx_v_key0);
 
-      /* "cattention/_driver/item_packed.pxd":182
+      /* "cattention/_driver/item_packed.pxd":232
  *     while key0 < last_key:
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
  *         if key0 + n_keys > last_key:             # <<<<<<<<<<<<<<
@@ -41013,7 +42137,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":186
+    /* "cattention/_driver/item_packed.pxd":236
  *         # logits go straight into SCORES, unless the kernel would write
  *         # past the block (a last block whose keys are not whole panels)
  *         in_place = pb.direct or n_keys % P == 0             # <<<<<<<<<<<<<<
@@ -41028,17 +42152,17 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
       __pyx_t_4 = __pyx_t_5;
 
-      goto __pyx_L20_bool_binop_done;
+      goto __pyx_L21_bool_binop_done;
     }
     __pyx_t_5 = ((__pyx_v_n_keys % __pyx_v_P) == 0);
 
 
     __pyx_t_4 = __pyx_t_5;
 
-    __pyx_L20_bool_binop_done:;
+    __pyx_L21_bool_binop_done:;
     __pyx_v_in_place = __pyx_t_4;
 
-    /* "cattention/_driver/item_packed.pxd":187
+    /* "cattention/_driver/item_packed.pxd":237
  *         # past the block (a last block whose keys are not whole panels)
  *         in_place = pb.direct or n_keys % P == 0
  *         if in_place:             # <<<<<<<<<<<<<<
@@ -41047,7 +42171,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     if (__pyx_v_in_place) {
 
-      /* "cattention/_driver/item_packed.pxd":188
+      /* "cattention/_driver/item_packed.pxd":238
  *         in_place = pb.direct or n_keys % P == 0
  *         if in_place:
  *             tile = scores_block + key0             # <<<<<<<<<<<<<<
@@ -41056,7 +42180,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_tile = (__pyx_v_scores_block + __pyx_v_key0);
 
-      /* "cattention/_driver/item_packed.pxd":189
+      /* "cattention/_driver/item_packed.pxd":239
  *         if in_place:
  *             tile = scores_block + key0
  *             ld_tile = ld_scores             # <<<<<<<<<<<<<<
@@ -41065,17 +42189,17 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_ld_tile = __pyx_v_ld_scores;
 
-      /* "cattention/_driver/item_packed.pxd":187
+      /* "cattention/_driver/item_packed.pxd":237
  *         # past the block (a last block whose keys are not whole panels)
  *         in_place = pb.direct or n_keys % P == 0
  *         if in_place:             # <<<<<<<<<<<<<<
  *             tile = scores_block + key0
  *             ld_tile = ld_scores
 */
-      goto __pyx_L22;
+      goto __pyx_L23;
     }
 
-    /* "cattention/_driver/item_packed.pxd":191
+    /* "cattention/_driver/item_packed.pxd":241
  *             ld_tile = ld_scores
  *         else:
  *             tile = s             # <<<<<<<<<<<<<<
@@ -41085,7 +42209,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     /*else*/ {
       __pyx_v_tile = __pyx_v_s;
 
-      /* "cattention/_driver/item_packed.pxd":192
+      /* "cattention/_driver/item_packed.pxd":242
  *         else:
  *             tile = s
  *             ld_tile = K_BLOCK             # <<<<<<<<<<<<<<
@@ -41094,9 +42218,9 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_ld_tile = __pyx_e_10cattention_7_driver_7problem_K_BLOCK;
     }
-    __pyx_L22:;
+    __pyx_L23:;
 
-    /* "cattention/_driver/item_packed.pxd":193
+    /* "cattention/_driver/item_packed.pxd":243
  *             tile = s
  *             ld_tile = K_BLOCK
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -41108,7 +42232,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":195
+      /* "cattention/_driver/item_packed.pxd":245
  *         if pb.direct:
  *             # few rows: keys read in place, as on the direct path
  *             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
@@ -41117,7 +42241,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_k_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows), __pyx_v_pb->ld_k, (&__pyx_v_ld_rows), NULL);
 
-      /* "cattention/_driver/item_packed.pxd":198
+      /* "cattention/_driver/item_packed.pxd":248
  *                                    <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows,
  *                                    NULL)
  *             kernel_score_direct(kern, q_rows, ldq, n_rows, k_rows, ld_rows, n_keys,             # <<<<<<<<<<<<<<
@@ -41126,48 +42250,48 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score_direct(__pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_k_rows, __pyx_v_ld_rows, __pyx_v_n_keys, __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_tile, __pyx_v_ld_tile, NULL, 0, 0);
 
-      /* "cattention/_driver/item_packed.pxd":193
+      /* "cattention/_driver/item_packed.pxd":243
  *             tile = s
  *             ld_tile = K_BLOCK
  *         if pb.direct:             # <<<<<<<<<<<<<<
  *             # few rows: keys read in place, as on the direct path
  *             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
 */
-      goto __pyx_L23;
+      goto __pyx_L24;
     }
 
-    /* "cattention/_driver/item_packed.pxd":201
+    /* "cattention/_driver/item_packed.pxd":251
  *                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
  *         else:
  *             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)             # <<<<<<<<<<<<<<
- *             kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+ *             score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,
+ *                         ld_tile)
 */
     /*else*/ {
       __pyx_v_kt = ((float const *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, (__pyx_v_first_packed + (__pyx_v_key0 / __pyx_e_10cattention_7_driver_7problem_K_BLOCK))));
 
-      /* "cattention/_driver/item_packed.pxd":202
+      /* "cattention/_driver/item_packed.pxd":252
  *         else:
  *             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)
- *             kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,             # <<<<<<<<<<<<<<
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+ *             score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,             # <<<<<<<<<<<<<<
+ *                         ld_tile)
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
 */
-      __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_tile, __pyx_v_ld_tile, NULL);
+      __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_score_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, 0, __pyx_v_n_rows, __pyx_v_kt, __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_tile, __pyx_v_ld_tile, NULL);
     }
-    __pyx_L23:;
+    __pyx_L24:;
 
-    /* "cattention/_driver/item_packed.pxd":204
- *             kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+    /* "cattention/_driver/item_packed.pxd":254
+ *             score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,
+ *                         ld_tile)
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)             # <<<<<<<<<<<<<<
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile
 */
     __pyx_fuse_0__pyx_f_10cattention_7_driver_10visibility_mask_scores(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_ws->row_lo, __pyx_v_ws->row_hi, __pyx_v_tile, __pyx_v_ld_tile);
 
-    /* "cattention/_driver/item_packed.pxd":205
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+    /* "cattention/_driver/item_packed.pxd":255
+ *                         ld_tile)
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
  *         for i in range(n_rows):             # <<<<<<<<<<<<<<
  *             s_row = tile + i * ld_tile
@@ -41180,7 +42304,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
       __pyx_v_i = __pyx_t_3;
 
-      /* "cattention/_driver/item_packed.pxd":206
+      /* "cattention/_driver/item_packed.pxd":256
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile             # <<<<<<<<<<<<<<
@@ -41189,7 +42313,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_s_row = (__pyx_v_tile + (__pyx_v_i * __pyx_v_ld_tile));
 
-      /* "cattention/_driver/item_packed.pxd":207
+      /* "cattention/_driver/item_packed.pxd":257
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile
  *             if not in_place:             # <<<<<<<<<<<<<<
@@ -41201,7 +42325,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":208
+        /* "cattention/_driver/item_packed.pxd":258
  *             s_row = tile + i * ld_tile
  *             if not in_place:
  *                 scores_row = scores_block + i * ld_scores + key0             # <<<<<<<<<<<<<<
@@ -41210,7 +42334,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_scores_row = ((__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores)) + __pyx_v_key0);
 
-        /* "cattention/_driver/item_packed.pxd":209
+        /* "cattention/_driver/item_packed.pxd":259
  *             if not in_place:
  *                 scores_row = scores_block + i * ld_scores + key0
  *                 for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -41224,7 +42348,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
           __pyx_v_j = __pyx_t_8;
 
-          /* "cattention/_driver/item_packed.pxd":210
+          /* "cattention/_driver/item_packed.pxd":260
  *                 scores_row = scores_block + i * ld_scores + key0
  *                 for j in range(n_keys):
  *                     scores_row[j] = s_row[j]             # <<<<<<<<<<<<<<
@@ -41235,7 +42359,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
         }
 
 
-        /* "cattention/_driver/item_packed.pxd":207
+        /* "cattention/_driver/item_packed.pxd":257
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile
  *             if not in_place:             # <<<<<<<<<<<<<<
@@ -41244,7 +42368,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":211
+      /* "cattention/_driver/item_packed.pxd":261
  *                 for j in range(n_keys):
  *                     scores_row[j] = s_row[j]
  *             tile_max = kernel_row_max(kern, s_row, n_keys)             # <<<<<<<<<<<<<<
@@ -41253,7 +42377,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_tile_max = __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_row_max(__pyx_v_kern, __pyx_v_s_row, __pyx_v_n_keys);
 
-      /* "cattention/_driver/item_packed.pxd":212
+      /* "cattention/_driver/item_packed.pxd":262
  *                     scores_row[j] = s_row[j]
  *             tile_max = kernel_row_max(kern, s_row, n_keys)
  *             if tile_max > row_max[i] or tile_max != tile_max:             # <<<<<<<<<<<<<<
@@ -41268,18 +42392,18 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
         __pyx_t_4 = __pyx_t_5;
 
-        goto __pyx_L30_bool_binop_done;
+        goto __pyx_L31_bool_binop_done;
       }
       __pyx_t_5 = (__pyx_v_tile_max != __pyx_v_tile_max);
 
 
       __pyx_t_4 = __pyx_t_5;
 
-      __pyx_L30_bool_binop_done:;
+      __pyx_L31_bool_binop_done:;
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":213
+        /* "cattention/_driver/item_packed.pxd":263
  *             tile_max = kernel_row_max(kern, s_row, n_keys)
  *             if tile_max > row_max[i] or tile_max != tile_max:
  *                 row_max[i] = tile_max             # <<<<<<<<<<<<<<
@@ -41288,7 +42412,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         (__pyx_v_row_max[__pyx_v_i]) = __pyx_v_tile_max;
 
-        /* "cattention/_driver/item_packed.pxd":212
+        /* "cattention/_driver/item_packed.pxd":262
  *                     scores_row[j] = s_row[j]
  *             tile_max = kernel_row_max(kern, s_row, n_keys)
  *             if tile_max > row_max[i] or tile_max != tile_max:             # <<<<<<<<<<<<<<
@@ -41299,7 +42423,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     }
 
 
-    /* "cattention/_driver/item_packed.pxd":214
+    /* "cattention/_driver/item_packed.pxd":264
  *             if tile_max > row_max[i] or tile_max != tile_max:
  *                 row_max[i] = tile_max
  *         key0 += K_BLOCK             # <<<<<<<<<<<<<<
@@ -41309,7 +42433,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     __pyx_v_key0 = (__pyx_v_key0 + __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
   }
 
-  /* "cattention/_driver/item_packed.pxd":217
+  /* "cattention/_driver/item_packed.pxd":267
  * 
  *     # pass 2: weights in place over the keys this item can see
  *     nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)             # <<<<<<<<<<<<<<
@@ -41318,7 +42442,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_nan_rows_of_neg_inf_logits(__pyx_v_pb, __pyx_v_n_rows, ((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0), __pyx_v_row_max);
 
-  /* "cattention/_driver/item_packed.pxd":218
+  /* "cattention/_driver/item_packed.pxd":268
  *     # pass 2: weights in place over the keys this item can see
  *     nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -41332,7 +42456,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":219
+    /* "cattention/_driver/item_packed.pxd":269
  *     nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores             # <<<<<<<<<<<<<<
@@ -41341,7 +42465,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_scores_row = (__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores));
 
-    /* "cattention/_driver/item_packed.pxd":220
+    /* "cattention/_driver/item_packed.pxd":270
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores
  *         if row_max[i] == -INFINITY:             # <<<<<<<<<<<<<<
@@ -41353,7 +42477,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":221
+      /* "cattention/_driver/item_packed.pxd":271
  *         scores_row = scores_block + i * ld_scores
  *         if row_max[i] == -INFINITY:
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])             # <<<<<<<<<<<<<<
@@ -41362,7 +42486,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_store_lse_of_empty_row(__pyx_v_pb, (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) + __pyx_v_i), (__pyx_v_row_max[__pyx_v_i]));
 
-      /* "cattention/_driver/item_packed.pxd":222
+      /* "cattention/_driver/item_packed.pxd":272
  *         if row_max[i] == -INFINITY:
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -41371,16 +42495,16 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       (void)(memset((__pyx_v_scores_row + __pyx_v_first_block), 0, ((__pyx_v_last_key - __pyx_v_first_block) * (sizeof(float)))));
 
-      /* "cattention/_driver/item_packed.pxd":223
+      /* "cattention/_driver/item_packed.pxd":273
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
  *             continue             # <<<<<<<<<<<<<<
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
  *                                       row_max[i])
 */
-      goto __pyx_L32_continue;
+      goto __pyx_L33_continue;
 
-      /* "cattention/_driver/item_packed.pxd":220
+      /* "cattention/_driver/item_packed.pxd":270
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores
  *         if row_max[i] == -INFINITY:             # <<<<<<<<<<<<<<
@@ -41389,7 +42513,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":224
+    /* "cattention/_driver/item_packed.pxd":274
  *             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
  *             continue
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,             # <<<<<<<<<<<<<<
@@ -41398,7 +42522,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_row_total = __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_exp_sum_by_blocks(__pyx_v_pb, (__pyx_v_scores_row + __pyx_v_first_block), (__pyx_v_last_key - __pyx_v_first_block), (__pyx_v_row_max[__pyx_v_i]));
 
-    /* "cattention/_driver/item_packed.pxd":226
+    /* "cattention/_driver/item_packed.pxd":276
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
  *                                       row_max[i])
  *         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):             # <<<<<<<<<<<<<<
@@ -41410,7 +42534,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":228
+      /* "cattention/_driver/item_packed.pxd":278
  *         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):
  *             # the weights, and so ATTN = SCORES . V, include the sink
  *             weight = fold_sink(&row_max[i], &row_total, sink) / row_total             # <<<<<<<<<<<<<<
@@ -41419,7 +42543,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_weight = (__pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_fold_sink((&(__pyx_v_row_max[__pyx_v_i])), (&__pyx_v_row_total), __pyx_v_sink) / __pyx_v_row_total);
 
-      /* "cattention/_driver/item_packed.pxd":229
+      /* "cattention/_driver/item_packed.pxd":279
  *             # the weights, and so ATTN = SCORES . V, include the sink
  *             weight = fold_sink(&row_max[i], &row_total, sink) / row_total
  *             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)             # <<<<<<<<<<<<<<
@@ -41428,7 +42552,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_store_lse(__pyx_v_pb, (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) + __pyx_v_i), (__pyx_v_row_max[__pyx_v_i]), __pyx_v_row_total);
 
-      /* "cattention/_driver/item_packed.pxd":230
+      /* "cattention/_driver/item_packed.pxd":280
  *             weight = fold_sink(&row_max[i], &row_total, sink) / row_total
  *             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *             for j in range(first_block, last_key):             # <<<<<<<<<<<<<<
@@ -41442,7 +42566,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_8 = __pyx_v_first_block; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
         __pyx_v_j = __pyx_t_8;
 
-        /* "cattention/_driver/item_packed.pxd":231
+        /* "cattention/_driver/item_packed.pxd":281
  *             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *             for j in range(first_block, last_key):
  *                 scores_row[j] = scores_row[j] * weight             # <<<<<<<<<<<<<<
@@ -41453,16 +42577,16 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":232
+      /* "cattention/_driver/item_packed.pxd":282
  *             for j in range(first_block, last_key):
  *                 scores_row[j] = scores_row[j] * weight
  *             continue             # <<<<<<<<<<<<<<
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *         for j in range(first_block, last_key):
 */
-      goto __pyx_L32_continue;
+      goto __pyx_L33_continue;
 
-      /* "cattention/_driver/item_packed.pxd":226
+      /* "cattention/_driver/item_packed.pxd":276
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
  *                                       row_max[i])
  *         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):             # <<<<<<<<<<<<<<
@@ -41471,7 +42595,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":233
+    /* "cattention/_driver/item_packed.pxd":283
  *                 scores_row[j] = scores_row[j] * weight
  *             continue
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)             # <<<<<<<<<<<<<<
@@ -41480,7 +42604,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_store_lse(__pyx_v_pb, (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) + __pyx_v_i), (__pyx_v_row_max[__pyx_v_i]), __pyx_v_row_total);
 
-    /* "cattention/_driver/item_packed.pxd":234
+    /* "cattention/_driver/item_packed.pxd":284
  *             continue
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *         for j in range(first_block, last_key):             # <<<<<<<<<<<<<<
@@ -41494,7 +42618,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_8 = __pyx_v_first_block; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_j = __pyx_t_8;
 
-      /* "cattention/_driver/item_packed.pxd":235
+      /* "cattention/_driver/item_packed.pxd":285
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *         for j in range(first_block, last_key):
  *             scores_row[j] = scores_row[j] / row_total             # <<<<<<<<<<<<<<
@@ -41504,11 +42628,11 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       (__pyx_v_scores_row[__pyx_v_j]) = ((__pyx_v_scores_row[__pyx_v_j]) / __pyx_v_row_total);
     }
 
-    __pyx_L32_continue:;
+    __pyx_L33_continue:;
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":237
+  /* "cattention/_driver/item_packed.pxd":287
  *             scores_row[j] = scores_row[j] / row_total
  * 
  *     if out == NULL:             # <<<<<<<<<<<<<<
@@ -41520,7 +42644,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/item_packed.pxd":238
+    /* "cattention/_driver/item_packed.pxd":288
  * 
  *     if out == NULL:
  *         return             # <<<<<<<<<<<<<<
@@ -41531,7 +42655,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/item_packed.pxd":237
+    /* "cattention/_driver/item_packed.pxd":287
  *             scores_row[j] = scores_row[j] / row_total
  * 
  *     if out == NULL:             # <<<<<<<<<<<<<<
@@ -41540,7 +42664,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   }
 
-  /* "cattention/_driver/item_packed.pxd":241
+  /* "cattention/_driver/item_packed.pxd":291
  * 
  *     # pass 3: ATTN = SCORES . V
  *     start_sums(pb, ws, n_rows, acc)             # <<<<<<<<<<<<<<
@@ -41549,7 +42673,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_start_sums(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_acc);
 
-  /* "cattention/_driver/item_packed.pxd":242
+  /* "cattention/_driver/item_packed.pxd":292
  *     # pass 3: ATTN = SCORES . V
  *     start_sums(pb, ws, n_rows, acc)
  *     key0 = first_block             # <<<<<<<<<<<<<<
@@ -41558,7 +42682,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_key0 = __pyx_v_first_block;
 
-  /* "cattention/_driver/item_packed.pxd":243
+  /* "cattention/_driver/item_packed.pxd":293
  *     start_sums(pb, ws, n_rows, acc)
  *     key0 = first_block
  *     while key0 < last_key:             # <<<<<<<<<<<<<<
@@ -41571,7 +42695,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
     if (!__pyx_t_4) break;
 
-    /* "cattention/_driver/item_packed.pxd":244
+    /* "cattention/_driver/item_packed.pxd":294
  *     key0 = first_block
  *     while key0 < last_key:
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK             # <<<<<<<<<<<<<<
@@ -41590,7 +42714,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 
     __pyx_v_n_keys = __pyx_t_1;
 
-    /* "cattention/_driver/item_packed.pxd":245
+    /* "cattention/_driver/item_packed.pxd":295
  *     while key0 < last_key:
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
  *         begin_step(pb, ws, n_rows, acc)             # <<<<<<<<<<<<<<
@@ -41599,7 +42723,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_begin_step(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_acc);
 
-    /* "cattention/_driver/item_packed.pxd":246
+    /* "cattention/_driver/item_packed.pxd":296
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
  *         begin_step(pb, ws, n_rows, acc)
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -41611,7 +42735,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":247
+      /* "cattention/_driver/item_packed.pxd":297
  *         begin_step(pb, ws, n_rows, acc)
  *         if pb.direct:
  *             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,             # <<<<<<<<<<<<<<
@@ -41620,7 +42744,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_v_rows = __pyx_fuse_0__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->v), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_v, (((float *)__pyx_v_ws->base) + __pyx_v_ws->off_v_rows), __pyx_v_pb->ld_v, (&__pyx_v_ld_rows), NULL);
 
-      /* "cattention/_driver/item_packed.pxd":250
+      /* "cattention/_driver/item_packed.pxd":300
  *                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
  *                                    NULL)
  *             kernel_pv_direct(kern, scores_block + key0, ld_scores, n_rows, v_rows,             # <<<<<<<<<<<<<<
@@ -41629,46 +42753,46 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv_direct(__pyx_v_kern, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_v_rows, __pyx_v_ld_rows, __pyx_v_n_keys, __pyx_v_pb->d_v, __pyx_v_acc, __pyx_v_pb->ld_v, NULL, 0, 0);
 
-      /* "cattention/_driver/item_packed.pxd":246
+      /* "cattention/_driver/item_packed.pxd":296
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
  *         begin_step(pb, ws, n_rows, acc)
  *         if pb.direct:             # <<<<<<<<<<<<<<
  *             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
  *                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
 */
-      goto __pyx_L43;
+      goto __pyx_L44;
     }
 
-    /* "cattention/_driver/item_packed.pxd":253
+    /* "cattention/_driver/item_packed.pxd":303
  *                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
  *         else:
  *             v_packed = <const floating *>packed_values(pb, ws,             # <<<<<<<<<<<<<<
  *                                                        first_packed + key0 // K_BLOCK)
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
 */
     /*else*/ {
 
-      /* "cattention/_driver/item_packed.pxd":254
+      /* "cattention/_driver/item_packed.pxd":304
  *         else:
  *             v_packed = <const floating *>packed_values(pb, ws,
  *                                                        first_packed + key0 // K_BLOCK)             # <<<<<<<<<<<<<<
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
+ *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
 */
       __pyx_v_v_packed = ((float const *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, (__pyx_v_first_packed + (__pyx_v_key0 / __pyx_e_10cattention_7_driver_7problem_K_BLOCK))));
 
-      /* "cattention/_driver/item_packed.pxd":255
+      /* "cattention/_driver/item_packed.pxd":305
  *             v_packed = <const floating *>packed_values(pb, ws,
  *                                                        first_packed + key0 // K_BLOCK)
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,             # <<<<<<<<<<<<<<
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)             # <<<<<<<<<<<<<<
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
+ *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
 */
-      __pyx_fuse_0__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, NULL);
+      __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(__pyx_v_pb, __pyx_v_kern, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_v_packed, __pyx_v_n_keys, __pyx_v_acc, NULL);
 
-      /* "cattention/_driver/item_packed.pxd":257
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+      /* "cattention/_driver/item_packed.pxd":306
+ *                                                        first_packed + key0 // K_BLOCK)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
  *                                      n_rows, acc, pb.ld_v)
@@ -41678,8 +42802,8 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":258
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":307
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,             # <<<<<<<<<<<<<<
  *                                      n_rows, acc, pb.ld_v)
@@ -41687,18 +42811,18 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_add_nonfinite_values(__pyx_v_pb, __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_acc, __pyx_v_pb->ld_v);
 
-        /* "cattention/_driver/item_packed.pxd":257
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":306
+ *                                                        first_packed + key0 // K_BLOCK)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
  *                                      n_rows, acc, pb.ld_v)
 */
       }
     }
-    __pyx_L43:;
+    __pyx_L44:;
 
-    /* "cattention/_driver/item_packed.pxd":260
+    /* "cattention/_driver/item_packed.pxd":309
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
  *                                      n_rows, acc, pb.ld_v)
  *         key0 += K_BLOCK             # <<<<<<<<<<<<<<
@@ -41708,7 +42832,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     __pyx_v_key0 = (__pyx_v_key0 + __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
   }
 
-  /* "cattention/_driver/item_packed.pxd":261
+  /* "cattention/_driver/item_packed.pxd":310
  *                                      n_rows, acc, pb.ld_v)
  *         key0 += K_BLOCK
  *     collect_totals(pb, ws, n_rows, acc)             # <<<<<<<<<<<<<<
@@ -41717,7 +42841,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_collect_totals(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_acc);
 
-  /* "cattention/_driver/item_packed.pxd":262
+  /* "cattention/_driver/item_packed.pxd":311
  *         key0 += K_BLOCK
  *     collect_totals(pb, ws, n_rows, acc)
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -41731,7 +42855,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":263
+    /* "cattention/_driver/item_packed.pxd":312
  *     collect_totals(pb, ws, n_rows, acc)
  *     for i in range(n_rows):
  *         for c in range(pb.d_v):             # <<<<<<<<<<<<<<
@@ -41744,7 +42868,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_c = __pyx_t_8;
 
-      /* "cattention/_driver/item_packed.pxd":264
+      /* "cattention/_driver/item_packed.pxd":313
  *     for i in range(n_rows):
  *         for c in range(pb.d_v):
  *             out[out_row_offset(pb, b, row0 + i) + c] = acc[i * pb.ld_v + c]             # <<<<<<<<<<<<<<
@@ -41755,7 +42879,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packe
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":118
+  /* "cattention/_driver/item_packed.pxd":165
  * 
  * 
  * cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kernels *kern,             # <<<<<<<<<<<<<<
@@ -41843,7 +42967,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   Py_ssize_t __pyx_t_7;
   Py_ssize_t __pyx_t_8;
 
-  /* "cattention/_driver/item_packed.pxd":126
+  /* "cattention/_driver/item_packed.pxd":173
  *     The rows of the caller's SCORES array are the scratch: logits are written
  *     there, then turned into weights in place, then multiplied by V."""
  *     cdef floating *q_packed = <floating *>ws.base + ws.off_q             # <<<<<<<<<<<<<<
@@ -41852,7 +42976,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_q_packed = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_q);
 
-  /* "cattention/_driver/item_packed.pxd":129
+  /* "cattention/_driver/item_packed.pxd":176
  *     cdef const floating *q_rows
  *     cdef Py_ssize_t ldq
  *     cdef floating *s = <floating *>ws.base + ws.off_s             # <<<<<<<<<<<<<<
@@ -41861,7 +42985,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_s = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_s);
 
-  /* "cattention/_driver/item_packed.pxd":132
+  /* "cattention/_driver/item_packed.pxd":179
  *     cdef const floating *kt
  *     cdef const floating *v_packed
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -41870,7 +42994,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_first_packed = ((__pyx_v_pb->kv_of_batch[__pyx_v_b]) * __pyx_v_pb->n_key_blocks);
 
-  /* "cattention/_driver/item_packed.pxd":133
+  /* "cattention/_driver/item_packed.pxd":180
  *     cdef const floating *v_packed
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc             # <<<<<<<<<<<<<<
@@ -41879,7 +43003,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_acc = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_acc);
 
-  /* "cattention/_driver/item_packed.pxd":134
+  /* "cattention/_driver/item_packed.pxd":181
  *     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef floating *row_max = <floating *>ws.base + ws.off_max             # <<<<<<<<<<<<<<
@@ -41888,7 +43012,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_row_max = (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_max);
 
-  /* "cattention/_driver/item_packed.pxd":135
+  /* "cattention/_driver/item_packed.pxd":182
  *     cdef floating *acc = <floating *>ws.base + ws.off_acc
  *     cdef floating *row_max = <floating *>ws.base + ws.off_max
  *     cdef Py_ssize_t P = panel_width(q_packed)             # <<<<<<<<<<<<<<
@@ -41897,7 +43021,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_P = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_panel_width(__pyx_v_q_packed);
 
-  /* "cattention/_driver/item_packed.pxd":136
+  /* "cattention/_driver/item_packed.pxd":183
  *     cdef floating *row_max = <floating *>ws.base + ws.off_max
  *     cdef Py_ssize_t P = panel_width(q_packed)
  *     cdef Py_ssize_t n_keys_total = pb.n_keys             # <<<<<<<<<<<<<<
@@ -41908,7 +43032,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
   __pyx_v_n_keys_total = __pyx_t_1;
 
-  /* "cattention/_driver/item_packed.pxd":137
+  /* "cattention/_driver/item_packed.pxd":184
  *     cdef Py_ssize_t P = panel_width(q_packed)
  *     cdef Py_ssize_t n_keys_total = pb.n_keys
  *     cdef Py_ssize_t ld_scores = pb.ld_scores             # <<<<<<<<<<<<<<
@@ -41919,7 +43043,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
   __pyx_v_ld_scores = __pyx_t_1;
 
-  /* "cattention/_driver/item_packed.pxd":143
+  /* "cattention/_driver/item_packed.pxd":190
  *     cdef floating *s_row
  *     cdef floating *scores_row
  *     cdef floating *scores_block = scores + (b * pb.n_queries + row0) * ld_scores             # <<<<<<<<<<<<<<
@@ -41928,7 +43052,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_scores_block = (__pyx_v_scores + (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) * __pyx_v_ld_scores));
 
-  /* "cattention/_driver/item_packed.pxd":150
+  /* "cattention/_driver/item_packed.pxd":197
  *     cdef bint in_place
  * 
  *     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)             # <<<<<<<<<<<<<<
@@ -41937,7 +43061,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_f_10cattention_7_driver_10visibility_visible_ranges(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_ws->row_lo, __pyx_v_ws->row_hi);
 
-  /* "cattention/_driver/item_packed.pxd":151
+  /* "cattention/_driver/item_packed.pxd":198
  * 
  *     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
  *     first_key = n_keys_total             # <<<<<<<<<<<<<<
@@ -41946,7 +43070,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_first_key = __pyx_v_n_keys_total;
 
-  /* "cattention/_driver/item_packed.pxd":152
+  /* "cattention/_driver/item_packed.pxd":199
  *     visible_ranges(pb, b, row0, n_rows, ws.row_lo, ws.row_hi)
  *     first_key = n_keys_total
  *     last_key = 0             # <<<<<<<<<<<<<<
@@ -41955,7 +43079,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_last_key = 0;
 
-  /* "cattention/_driver/item_packed.pxd":153
+  /* "cattention/_driver/item_packed.pxd":200
  *     first_key = n_keys_total
  *     last_key = 0
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -41969,7 +43093,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":154
+    /* "cattention/_driver/item_packed.pxd":201
  *     last_key = 0
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:             # <<<<<<<<<<<<<<
@@ -41981,7 +43105,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":155
+      /* "cattention/_driver/item_packed.pxd":202
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:
  *             if ws.row_lo[i] < first_key:             # <<<<<<<<<<<<<<
@@ -41993,7 +43117,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":156
+        /* "cattention/_driver/item_packed.pxd":203
  *         if ws.row_hi[i] > ws.row_lo[i]:
  *             if ws.row_lo[i] < first_key:
  *                 first_key = ws.row_lo[i]             # <<<<<<<<<<<<<<
@@ -42002,7 +43126,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_first_key = (__pyx_v_ws->row_lo[__pyx_v_i]);
 
-        /* "cattention/_driver/item_packed.pxd":155
+        /* "cattention/_driver/item_packed.pxd":202
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:
  *             if ws.row_lo[i] < first_key:             # <<<<<<<<<<<<<<
@@ -42011,7 +43135,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":157
+      /* "cattention/_driver/item_packed.pxd":204
  *             if ws.row_lo[i] < first_key:
  *                 first_key = ws.row_lo[i]
  *             if ws.row_hi[i] > last_key:             # <<<<<<<<<<<<<<
@@ -42023,7 +43147,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":158
+        /* "cattention/_driver/item_packed.pxd":205
  *                 first_key = ws.row_lo[i]
  *             if ws.row_hi[i] > last_key:
  *                 last_key = ws.row_hi[i]             # <<<<<<<<<<<<<<
@@ -42032,7 +43156,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_last_key = (__pyx_v_ws->row_hi[__pyx_v_i]);
 
-        /* "cattention/_driver/item_packed.pxd":157
+        /* "cattention/_driver/item_packed.pxd":204
  *             if ws.row_lo[i] < first_key:
  *                 first_key = ws.row_lo[i]
  *             if ws.row_hi[i] > last_key:             # <<<<<<<<<<<<<<
@@ -42041,7 +43165,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":154
+      /* "cattention/_driver/item_packed.pxd":201
  *     last_key = 0
  *     for i in range(n_rows):
  *         if ws.row_hi[i] > ws.row_lo[i]:             # <<<<<<<<<<<<<<
@@ -42050,7 +43174,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":159
+    /* "cattention/_driver/item_packed.pxd":206
  *             if ws.row_hi[i] > last_key:
  *                 last_key = ws.row_hi[i]
  *         row_max[i] = -INFINITY             # <<<<<<<<<<<<<<
@@ -42061,7 +43185,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":161
+  /* "cattention/_driver/item_packed.pxd":208
  *         row_max[i] = -INFINITY
  * 
  *     if last_key <= first_key:             # <<<<<<<<<<<<<<
@@ -42073,7 +43197,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/item_packed.pxd":162
+    /* "cattention/_driver/item_packed.pxd":209
  * 
  *     if last_key <= first_key:
  *         for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -42087,7 +43211,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
       __pyx_v_i = __pyx_t_3;
 
-      /* "cattention/_driver/item_packed.pxd":163
+      /* "cattention/_driver/item_packed.pxd":210
  *     if last_key <= first_key:
  *         for i in range(n_rows):
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])             # <<<<<<<<<<<<<<
@@ -42098,7 +43222,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     }
 
 
-    /* "cattention/_driver/item_packed.pxd":164
+    /* "cattention/_driver/item_packed.pxd":211
  *         for i in range(n_rows):
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *         for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -42112,7 +43236,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
       __pyx_v_i = __pyx_t_3;
 
-      /* "cattention/_driver/item_packed.pxd":165
+      /* "cattention/_driver/item_packed.pxd":212
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *         for i in range(n_rows):
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -42121,7 +43245,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       (void)(memset((__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores)), 0, (__pyx_v_n_keys_total * (sizeof(double)))));
 
-      /* "cattention/_driver/item_packed.pxd":166
+      /* "cattention/_driver/item_packed.pxd":213
  *         for i in range(n_rows):
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
  *             if out != NULL:             # <<<<<<<<<<<<<<
@@ -42133,7 +43257,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":167
+        /* "cattention/_driver/item_packed.pxd":214
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
  *             if out != NULL:
  *                 memset(out + out_row_offset(pb, b, row0 + i), 0,             # <<<<<<<<<<<<<<
@@ -42142,7 +43266,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         (void)(memset((__pyx_v_out + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, (__pyx_v_row0 + __pyx_v_i))), 0, (__pyx_v_pb->d_v * (sizeof(double)))));
 
-        /* "cattention/_driver/item_packed.pxd":166
+        /* "cattention/_driver/item_packed.pxd":213
  *         for i in range(n_rows):
  *             memset(scores_block + i * ld_scores, 0, n_keys_total * sizeof(floating))
  *             if out != NULL:             # <<<<<<<<<<<<<<
@@ -42153,7 +43277,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     }
 
 
-    /* "cattention/_driver/item_packed.pxd":169
+    /* "cattention/_driver/item_packed.pxd":216
  *                 memset(out + out_row_offset(pb, b, row0 + i), 0,
  *                        pb.d_v * sizeof(floating))
  *         return             # <<<<<<<<<<<<<<
@@ -42164,7 +43288,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/item_packed.pxd":161
+    /* "cattention/_driver/item_packed.pxd":208
  *         row_max[i] = -INFINITY
  * 
  *     if last_key <= first_key:             # <<<<<<<<<<<<<<
@@ -42173,26 +43297,60 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   }
 
-  /* "cattention/_driver/item_packed.pxd":171
+  /* "cattention/_driver/item_packed.pxd":218
  *         return
  * 
  *     first_block = (first_key // K_BLOCK) * K_BLOCK             # <<<<<<<<<<<<<<
- *     q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
- *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
+ *     if pb.direct:
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
 */
   __pyx_v_first_block = ((__pyx_v_first_key / __pyx_e_10cattention_7_driver_7problem_K_BLOCK) * __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/item_packed.pxd":172
+  /* "cattention/_driver/item_packed.pxd":219
  * 
  *     first_block = (first_key // K_BLOCK) * K_BLOCK
- *     q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)             # <<<<<<<<<<<<<<
+ *     if pb.direct:             # <<<<<<<<<<<<<<
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *     else:
+*/
+  __pyx_t_4 = (__pyx_v_pb->direct != 0);
+
+  if (__pyx_t_4) {
+
+
+    /* "cattention/_driver/item_packed.pxd":220
+ *     first_block = (first_key // K_BLOCK) * K_BLOCK
+ *     if pb.direct:
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)             # <<<<<<<<<<<<<<
+ *     else:
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
+*/
+    __pyx_v_q_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, (&__pyx_v_ldq));
+
+    /* "cattention/_driver/item_packed.pxd":219
+ * 
+ *     first_block = (first_key // K_BLOCK) * K_BLOCK
+ *     if pb.direct:             # <<<<<<<<<<<<<<
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *     else:
+*/
+    goto __pyx_L14;
+  }
+
+  /* "cattention/_driver/item_packed.pxd":222
+ *         q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+ *     else:
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)             # <<<<<<<<<<<<<<
  *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
  *     for i in range(n_rows):
 */
-  __pyx_v_q_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, __pyx_v_pb->ld_k, (&__pyx_v_ldq));
+  /*else*/ {
+    __pyx_v_q_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_block_query_rows(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_q_packed, (&__pyx_v_ldq));
+  }
+  __pyx_L14:;
 
-  /* "cattention/_driver/item_packed.pxd":174
- *     q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+  /* "cattention/_driver/item_packed.pxd":224
+ *         q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
  *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
  *         scores_row = scores_block + i * ld_scores
@@ -42205,7 +43363,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":175
+    /* "cattention/_driver/item_packed.pxd":225
  *     # pass 1: masked logits into SCORES, keys nobody sees as zeros
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores             # <<<<<<<<<<<<<<
@@ -42214,7 +43372,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_scores_row = (__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores));
 
-    /* "cattention/_driver/item_packed.pxd":176
+    /* "cattention/_driver/item_packed.pxd":226
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores
  *         memset(scores_row, 0, first_block * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -42223,7 +43381,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     (void)(memset(__pyx_v_scores_row, 0, (__pyx_v_first_block * (sizeof(double)))));
 
-    /* "cattention/_driver/item_packed.pxd":177
+    /* "cattention/_driver/item_packed.pxd":227
  *         scores_row = scores_block + i * ld_scores
  *         memset(scores_row, 0, first_block * sizeof(floating))
  *         if last_key < n_keys_total:             # <<<<<<<<<<<<<<
@@ -42235,7 +43393,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":178
+      /* "cattention/_driver/item_packed.pxd":228
  *         memset(scores_row, 0, first_block * sizeof(floating))
  *         if last_key < n_keys_total:
  *             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -42244,7 +43402,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       (void)(memset((__pyx_v_scores_row + __pyx_v_last_key), 0, ((__pyx_v_n_keys_total - __pyx_v_last_key) * (sizeof(double)))));
 
-      /* "cattention/_driver/item_packed.pxd":177
+      /* "cattention/_driver/item_packed.pxd":227
  *         scores_row = scores_block + i * ld_scores
  *         memset(scores_row, 0, first_block * sizeof(floating))
  *         if last_key < n_keys_total:             # <<<<<<<<<<<<<<
@@ -42255,7 +43413,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":179
+  /* "cattention/_driver/item_packed.pxd":229
  *         if last_key < n_keys_total:
  *             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))
  *     key0 = first_block             # <<<<<<<<<<<<<<
@@ -42264,7 +43422,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_key0 = __pyx_v_first_block;
 
-  /* "cattention/_driver/item_packed.pxd":180
+  /* "cattention/_driver/item_packed.pxd":230
  *             memset(scores_row + last_key, 0, (n_keys_total - last_key) * sizeof(floating))
  *     key0 = first_block
  *     while key0 < last_key:             # <<<<<<<<<<<<<<
@@ -42277,7 +43435,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
     if (!__pyx_t_4) break;
 
-    /* "cattention/_driver/item_packed.pxd":181
+    /* "cattention/_driver/item_packed.pxd":231
  *     key0 = first_block
  *     while key0 < last_key:
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK             # <<<<<<<<<<<<<<
@@ -42296,7 +43454,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
     __pyx_v_n_keys = __pyx_t_1;
 
-    /* "cattention/_driver/item_packed.pxd":182
+    /* "cattention/_driver/item_packed.pxd":232
  *     while key0 < last_key:
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
  *         if key0 + n_keys > last_key:             # <<<<<<<<<<<<<<
@@ -42308,7 +43466,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":183
+      /* "cattention/_driver/item_packed.pxd":233
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
  *         if key0 + n_keys > last_key:
  *             n_keys = last_key - key0             # <<<<<<<<<<<<<<
@@ -42317,7 +43475,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_n_keys = (__pyx_v_last_key - __pyx_v_key0);
 
-      /* "cattention/_driver/item_packed.pxd":182
+      /* "cattention/_driver/item_packed.pxd":232
  *     while key0 < last_key:
  *         n_keys = n_keys_total - key0 if n_keys_total - key0 < K_BLOCK else K_BLOCK
  *         if key0 + n_keys > last_key:             # <<<<<<<<<<<<<<
@@ -42326,7 +43484,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":186
+    /* "cattention/_driver/item_packed.pxd":236
  *         # logits go straight into SCORES, unless the kernel would write
  *         # past the block (a last block whose keys are not whole panels)
  *         in_place = pb.direct or n_keys % P == 0             # <<<<<<<<<<<<<<
@@ -42341,17 +43499,17 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
       __pyx_t_4 = __pyx_t_5;
 
-      goto __pyx_L20_bool_binop_done;
+      goto __pyx_L21_bool_binop_done;
     }
     __pyx_t_5 = ((__pyx_v_n_keys % __pyx_v_P) == 0);
 
 
     __pyx_t_4 = __pyx_t_5;
 
-    __pyx_L20_bool_binop_done:;
+    __pyx_L21_bool_binop_done:;
     __pyx_v_in_place = __pyx_t_4;
 
-    /* "cattention/_driver/item_packed.pxd":187
+    /* "cattention/_driver/item_packed.pxd":237
  *         # past the block (a last block whose keys are not whole panels)
  *         in_place = pb.direct or n_keys % P == 0
  *         if in_place:             # <<<<<<<<<<<<<<
@@ -42360,7 +43518,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     if (__pyx_v_in_place) {
 
-      /* "cattention/_driver/item_packed.pxd":188
+      /* "cattention/_driver/item_packed.pxd":238
  *         in_place = pb.direct or n_keys % P == 0
  *         if in_place:
  *             tile = scores_block + key0             # <<<<<<<<<<<<<<
@@ -42369,7 +43527,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_tile = (__pyx_v_scores_block + __pyx_v_key0);
 
-      /* "cattention/_driver/item_packed.pxd":189
+      /* "cattention/_driver/item_packed.pxd":239
  *         if in_place:
  *             tile = scores_block + key0
  *             ld_tile = ld_scores             # <<<<<<<<<<<<<<
@@ -42378,17 +43536,17 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_ld_tile = __pyx_v_ld_scores;
 
-      /* "cattention/_driver/item_packed.pxd":187
+      /* "cattention/_driver/item_packed.pxd":237
  *         # past the block (a last block whose keys are not whole panels)
  *         in_place = pb.direct or n_keys % P == 0
  *         if in_place:             # <<<<<<<<<<<<<<
  *             tile = scores_block + key0
  *             ld_tile = ld_scores
 */
-      goto __pyx_L22;
+      goto __pyx_L23;
     }
 
-    /* "cattention/_driver/item_packed.pxd":191
+    /* "cattention/_driver/item_packed.pxd":241
  *             ld_tile = ld_scores
  *         else:
  *             tile = s             # <<<<<<<<<<<<<<
@@ -42398,7 +43556,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     /*else*/ {
       __pyx_v_tile = __pyx_v_s;
 
-      /* "cattention/_driver/item_packed.pxd":192
+      /* "cattention/_driver/item_packed.pxd":242
  *         else:
  *             tile = s
  *             ld_tile = K_BLOCK             # <<<<<<<<<<<<<<
@@ -42407,9 +43565,9 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_ld_tile = __pyx_e_10cattention_7_driver_7problem_K_BLOCK;
     }
-    __pyx_L22:;
+    __pyx_L23:;
 
-    /* "cattention/_driver/item_packed.pxd":193
+    /* "cattention/_driver/item_packed.pxd":243
  *             tile = s
  *             ld_tile = K_BLOCK
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -42421,7 +43579,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":195
+      /* "cattention/_driver/item_packed.pxd":245
  *         if pb.direct:
  *             # few rows: keys read in place, as on the direct path
  *             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,             # <<<<<<<<<<<<<<
@@ -42430,7 +43588,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_k_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_k, (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_k_rows), __pyx_v_pb->ld_k, (&__pyx_v_ld_rows), NULL);
 
-      /* "cattention/_driver/item_packed.pxd":198
+      /* "cattention/_driver/item_packed.pxd":248
  *                                    <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_rows,
  *                                    NULL)
  *             kernel_score_direct(kern, q_rows, ldq, n_rows, k_rows, ld_rows, n_keys,             # <<<<<<<<<<<<<<
@@ -42439,48 +43597,48 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score_direct(__pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_k_rows, __pyx_v_ld_rows, __pyx_v_n_keys, __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_tile, __pyx_v_ld_tile, NULL, 0, 0);
 
-      /* "cattention/_driver/item_packed.pxd":193
+      /* "cattention/_driver/item_packed.pxd":243
  *             tile = s
  *             ld_tile = K_BLOCK
  *         if pb.direct:             # <<<<<<<<<<<<<<
  *             # few rows: keys read in place, as on the direct path
  *             k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
 */
-      goto __pyx_L23;
+      goto __pyx_L24;
     }
 
-    /* "cattention/_driver/item_packed.pxd":201
+    /* "cattention/_driver/item_packed.pxd":251
  *                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
  *         else:
  *             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)             # <<<<<<<<<<<<<<
- *             kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+ *             score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,
+ *                         ld_tile)
 */
     /*else*/ {
       __pyx_v_kt = ((double const *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, (__pyx_v_first_packed + (__pyx_v_key0 / __pyx_e_10cattention_7_driver_7problem_K_BLOCK))));
 
-      /* "cattention/_driver/item_packed.pxd":202
+      /* "cattention/_driver/item_packed.pxd":252
  *         else:
  *             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)
- *             kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,             # <<<<<<<<<<<<<<
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+ *             score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,             # <<<<<<<<<<<<<<
+ *                         ld_tile)
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
 */
-      __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_score(__pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, __pyx_v_n_rows, __pyx_v_kt, (__pyx_v_pb->ld_k * __pyx_v_P), __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_pb->d_k, __pyx_v_pb->scale, __pyx_v_tile, __pyx_v_ld_tile, NULL);
+      __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_score_tiles(__pyx_v_pb, __pyx_v_kern, __pyx_v_q_rows, __pyx_v_ldq, 0, __pyx_v_n_rows, __pyx_v_kt, __pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_n_keys, __pyx_v_P), __pyx_v_tile, __pyx_v_ld_tile, NULL);
     }
-    __pyx_L23:;
+    __pyx_L24:;
 
-    /* "cattention/_driver/item_packed.pxd":204
- *             kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+    /* "cattention/_driver/item_packed.pxd":254
+ *             score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,
+ *                         ld_tile)
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)             # <<<<<<<<<<<<<<
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile
 */
     __pyx_fuse_1__pyx_f_10cattention_7_driver_10visibility_mask_scores(__pyx_v_pb, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_ws->row_lo, __pyx_v_ws->row_hi, __pyx_v_tile, __pyx_v_ld_tile);
 
-    /* "cattention/_driver/item_packed.pxd":205
- *                          round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+    /* "cattention/_driver/item_packed.pxd":255
+ *                         ld_tile)
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
  *         for i in range(n_rows):             # <<<<<<<<<<<<<<
  *             s_row = tile + i * ld_tile
@@ -42493,7 +43651,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
       __pyx_v_i = __pyx_t_3;
 
-      /* "cattention/_driver/item_packed.pxd":206
+      /* "cattention/_driver/item_packed.pxd":256
  *         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile             # <<<<<<<<<<<<<<
@@ -42502,7 +43660,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_s_row = (__pyx_v_tile + (__pyx_v_i * __pyx_v_ld_tile));
 
-      /* "cattention/_driver/item_packed.pxd":207
+      /* "cattention/_driver/item_packed.pxd":257
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile
  *             if not in_place:             # <<<<<<<<<<<<<<
@@ -42514,7 +43672,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":208
+        /* "cattention/_driver/item_packed.pxd":258
  *             s_row = tile + i * ld_tile
  *             if not in_place:
  *                 scores_row = scores_block + i * ld_scores + key0             # <<<<<<<<<<<<<<
@@ -42523,7 +43681,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_v_scores_row = ((__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores)) + __pyx_v_key0);
 
-        /* "cattention/_driver/item_packed.pxd":209
+        /* "cattention/_driver/item_packed.pxd":259
  *             if not in_place:
  *                 scores_row = scores_block + i * ld_scores + key0
  *                 for j in range(n_keys):             # <<<<<<<<<<<<<<
@@ -42537,7 +43695,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
           __pyx_v_j = __pyx_t_8;
 
-          /* "cattention/_driver/item_packed.pxd":210
+          /* "cattention/_driver/item_packed.pxd":260
  *                 scores_row = scores_block + i * ld_scores + key0
  *                 for j in range(n_keys):
  *                     scores_row[j] = s_row[j]             # <<<<<<<<<<<<<<
@@ -42548,7 +43706,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
         }
 
 
-        /* "cattention/_driver/item_packed.pxd":207
+        /* "cattention/_driver/item_packed.pxd":257
  *         for i in range(n_rows):
  *             s_row = tile + i * ld_tile
  *             if not in_place:             # <<<<<<<<<<<<<<
@@ -42557,7 +43715,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       }
 
-      /* "cattention/_driver/item_packed.pxd":211
+      /* "cattention/_driver/item_packed.pxd":261
  *                 for j in range(n_keys):
  *                     scores_row[j] = s_row[j]
  *             tile_max = kernel_row_max(kern, s_row, n_keys)             # <<<<<<<<<<<<<<
@@ -42566,7 +43724,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_tile_max = __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_row_max(__pyx_v_kern, __pyx_v_s_row, __pyx_v_n_keys);
 
-      /* "cattention/_driver/item_packed.pxd":212
+      /* "cattention/_driver/item_packed.pxd":262
  *                     scores_row[j] = s_row[j]
  *             tile_max = kernel_row_max(kern, s_row, n_keys)
  *             if tile_max > row_max[i] or tile_max != tile_max:             # <<<<<<<<<<<<<<
@@ -42581,18 +43739,18 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
         __pyx_t_4 = __pyx_t_5;
 
-        goto __pyx_L30_bool_binop_done;
+        goto __pyx_L31_bool_binop_done;
       }
       __pyx_t_5 = (__pyx_v_tile_max != __pyx_v_tile_max);
 
 
       __pyx_t_4 = __pyx_t_5;
 
-      __pyx_L30_bool_binop_done:;
+      __pyx_L31_bool_binop_done:;
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":213
+        /* "cattention/_driver/item_packed.pxd":263
  *             tile_max = kernel_row_max(kern, s_row, n_keys)
  *             if tile_max > row_max[i] or tile_max != tile_max:
  *                 row_max[i] = tile_max             # <<<<<<<<<<<<<<
@@ -42601,7 +43759,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         (__pyx_v_row_max[__pyx_v_i]) = __pyx_v_tile_max;
 
-        /* "cattention/_driver/item_packed.pxd":212
+        /* "cattention/_driver/item_packed.pxd":262
  *                     scores_row[j] = s_row[j]
  *             tile_max = kernel_row_max(kern, s_row, n_keys)
  *             if tile_max > row_max[i] or tile_max != tile_max:             # <<<<<<<<<<<<<<
@@ -42612,7 +43770,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     }
 
 
-    /* "cattention/_driver/item_packed.pxd":214
+    /* "cattention/_driver/item_packed.pxd":264
  *             if tile_max > row_max[i] or tile_max != tile_max:
  *                 row_max[i] = tile_max
  *         key0 += K_BLOCK             # <<<<<<<<<<<<<<
@@ -42622,7 +43780,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     __pyx_v_key0 = (__pyx_v_key0 + __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
   }
 
-  /* "cattention/_driver/item_packed.pxd":217
+  /* "cattention/_driver/item_packed.pxd":267
  * 
  *     # pass 2: weights in place over the keys this item can see
  *     nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)             # <<<<<<<<<<<<<<
@@ -42631,7 +43789,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_nan_rows_of_neg_inf_logits(__pyx_v_pb, __pyx_v_n_rows, ((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0), __pyx_v_row_max);
 
-  /* "cattention/_driver/item_packed.pxd":218
+  /* "cattention/_driver/item_packed.pxd":268
  *     # pass 2: weights in place over the keys this item can see
  *     nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -42645,7 +43803,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":219
+    /* "cattention/_driver/item_packed.pxd":269
  *     nan_rows_of_neg_inf_logits(pb, n_rows, b * pb.n_queries + row0, row_max)
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores             # <<<<<<<<<<<<<<
@@ -42654,7 +43812,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_scores_row = (__pyx_v_scores_block + (__pyx_v_i * __pyx_v_ld_scores));
 
-    /* "cattention/_driver/item_packed.pxd":220
+    /* "cattention/_driver/item_packed.pxd":270
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores
  *         if row_max[i] == -INFINITY:             # <<<<<<<<<<<<<<
@@ -42666,7 +43824,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":221
+      /* "cattention/_driver/item_packed.pxd":271
  *         scores_row = scores_block + i * ld_scores
  *         if row_max[i] == -INFINITY:
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])             # <<<<<<<<<<<<<<
@@ -42675,7 +43833,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_store_lse_of_empty_row(__pyx_v_pb, (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) + __pyx_v_i), (__pyx_v_row_max[__pyx_v_i]));
 
-      /* "cattention/_driver/item_packed.pxd":222
+      /* "cattention/_driver/item_packed.pxd":272
  *         if row_max[i] == -INFINITY:
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))             # <<<<<<<<<<<<<<
@@ -42684,16 +43842,16 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       (void)(memset((__pyx_v_scores_row + __pyx_v_first_block), 0, ((__pyx_v_last_key - __pyx_v_first_block) * (sizeof(double)))));
 
-      /* "cattention/_driver/item_packed.pxd":223
+      /* "cattention/_driver/item_packed.pxd":273
  *             store_lse_of_empty_row(pb, b * pb.n_queries + row0 + i, row_max[i])
  *             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
  *             continue             # <<<<<<<<<<<<<<
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
  *                                       row_max[i])
 */
-      goto __pyx_L32_continue;
+      goto __pyx_L33_continue;
 
-      /* "cattention/_driver/item_packed.pxd":220
+      /* "cattention/_driver/item_packed.pxd":270
  *     for i in range(n_rows):
  *         scores_row = scores_block + i * ld_scores
  *         if row_max[i] == -INFINITY:             # <<<<<<<<<<<<<<
@@ -42702,7 +43860,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":224
+    /* "cattention/_driver/item_packed.pxd":274
  *             memset(scores_row + first_block, 0, (last_key - first_block) * sizeof(floating))
  *             continue
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,             # <<<<<<<<<<<<<<
@@ -42711,7 +43869,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_v_row_total = __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_exp_sum_by_blocks(__pyx_v_pb, (__pyx_v_scores_row + __pyx_v_first_block), (__pyx_v_last_key - __pyx_v_first_block), (__pyx_v_row_max[__pyx_v_i]));
 
-    /* "cattention/_driver/item_packed.pxd":226
+    /* "cattention/_driver/item_packed.pxd":276
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
  *                                       row_max[i])
  *         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):             # <<<<<<<<<<<<<<
@@ -42723,7 +43881,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":228
+      /* "cattention/_driver/item_packed.pxd":278
  *         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):
  *             # the weights, and so ATTN = SCORES . V, include the sink
  *             weight = fold_sink(&row_max[i], &row_total, sink) / row_total             # <<<<<<<<<<<<<<
@@ -42732,7 +43890,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_weight = (__pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_fold_sink((&(__pyx_v_row_max[__pyx_v_i])), (&__pyx_v_row_total), __pyx_v_sink) / __pyx_v_row_total);
 
-      /* "cattention/_driver/item_packed.pxd":229
+      /* "cattention/_driver/item_packed.pxd":279
  *             # the weights, and so ATTN = SCORES . V, include the sink
  *             weight = fold_sink(&row_max[i], &row_total, sink) / row_total
  *             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)             # <<<<<<<<<<<<<<
@@ -42741,7 +43899,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_store_lse(__pyx_v_pb, (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) + __pyx_v_i), (__pyx_v_row_max[__pyx_v_i]), __pyx_v_row_total);
 
-      /* "cattention/_driver/item_packed.pxd":230
+      /* "cattention/_driver/item_packed.pxd":280
  *             weight = fold_sink(&row_max[i], &row_total, sink) / row_total
  *             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *             for j in range(first_block, last_key):             # <<<<<<<<<<<<<<
@@ -42755,7 +43913,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       for (__pyx_t_8 = __pyx_v_first_block; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
         __pyx_v_j = __pyx_t_8;
 
-        /* "cattention/_driver/item_packed.pxd":231
+        /* "cattention/_driver/item_packed.pxd":281
  *             store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *             for j in range(first_block, last_key):
  *                 scores_row[j] = scores_row[j] * weight             # <<<<<<<<<<<<<<
@@ -42766,16 +43924,16 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       }
 
 
-      /* "cattention/_driver/item_packed.pxd":232
+      /* "cattention/_driver/item_packed.pxd":282
  *             for j in range(first_block, last_key):
  *                 scores_row[j] = scores_row[j] * weight
  *             continue             # <<<<<<<<<<<<<<
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *         for j in range(first_block, last_key):
 */
-      goto __pyx_L32_continue;
+      goto __pyx_L33_continue;
 
-      /* "cattention/_driver/item_packed.pxd":226
+      /* "cattention/_driver/item_packed.pxd":276
  *         row_total = exp_sum_by_blocks(pb, scores_row + first_block, last_key - first_block,
  *                                       row_max[i])
  *         if row_sink(pb, b * pb.n_queries + row0 + i, &sink):             # <<<<<<<<<<<<<<
@@ -42784,7 +43942,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     }
 
-    /* "cattention/_driver/item_packed.pxd":233
+    /* "cattention/_driver/item_packed.pxd":283
  *                 scores_row[j] = scores_row[j] * weight
  *             continue
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)             # <<<<<<<<<<<<<<
@@ -42793,7 +43951,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_store_lse(__pyx_v_pb, (((__pyx_v_b * __pyx_v_pb->n_queries) + __pyx_v_row0) + __pyx_v_i), (__pyx_v_row_max[__pyx_v_i]), __pyx_v_row_total);
 
-    /* "cattention/_driver/item_packed.pxd":234
+    /* "cattention/_driver/item_packed.pxd":284
  *             continue
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *         for j in range(first_block, last_key):             # <<<<<<<<<<<<<<
@@ -42807,7 +43965,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_8 = __pyx_v_first_block; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_j = __pyx_t_8;
 
-      /* "cattention/_driver/item_packed.pxd":235
+      /* "cattention/_driver/item_packed.pxd":285
  *         store_lse(pb, b * pb.n_queries + row0 + i, row_max[i], row_total)
  *         for j in range(first_block, last_key):
  *             scores_row[j] = scores_row[j] / row_total             # <<<<<<<<<<<<<<
@@ -42817,11 +43975,11 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       (__pyx_v_scores_row[__pyx_v_j]) = ((__pyx_v_scores_row[__pyx_v_j]) / __pyx_v_row_total);
     }
 
-    __pyx_L32_continue:;
+    __pyx_L33_continue:;
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":237
+  /* "cattention/_driver/item_packed.pxd":287
  *             scores_row[j] = scores_row[j] / row_total
  * 
  *     if out == NULL:             # <<<<<<<<<<<<<<
@@ -42833,7 +43991,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   if (__pyx_t_4) {
 
 
-    /* "cattention/_driver/item_packed.pxd":238
+    /* "cattention/_driver/item_packed.pxd":288
  * 
  *     if out == NULL:
  *         return             # <<<<<<<<<<<<<<
@@ -42844,7 +44002,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/item_packed.pxd":237
+    /* "cattention/_driver/item_packed.pxd":287
  *             scores_row[j] = scores_row[j] / row_total
  * 
  *     if out == NULL:             # <<<<<<<<<<<<<<
@@ -42853,7 +44011,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   }
 
-  /* "cattention/_driver/item_packed.pxd":241
+  /* "cattention/_driver/item_packed.pxd":291
  * 
  *     # pass 3: ATTN = SCORES . V
  *     start_sums(pb, ws, n_rows, acc)             # <<<<<<<<<<<<<<
@@ -42862,7 +44020,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_start_sums(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_acc);
 
-  /* "cattention/_driver/item_packed.pxd":242
+  /* "cattention/_driver/item_packed.pxd":292
  *     # pass 3: ATTN = SCORES . V
  *     start_sums(pb, ws, n_rows, acc)
  *     key0 = first_block             # <<<<<<<<<<<<<<
@@ -42871,7 +44029,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_v_key0 = __pyx_v_first_block;
 
-  /* "cattention/_driver/item_packed.pxd":243
+  /* "cattention/_driver/item_packed.pxd":293
  *     start_sums(pb, ws, n_rows, acc)
  *     key0 = first_block
  *     while key0 < last_key:             # <<<<<<<<<<<<<<
@@ -42884,7 +44042,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
     if (!__pyx_t_4) break;
 
-    /* "cattention/_driver/item_packed.pxd":244
+    /* "cattention/_driver/item_packed.pxd":294
  *     key0 = first_block
  *     while key0 < last_key:
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK             # <<<<<<<<<<<<<<
@@ -42903,7 +44061,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 
     __pyx_v_n_keys = __pyx_t_1;
 
-    /* "cattention/_driver/item_packed.pxd":245
+    /* "cattention/_driver/item_packed.pxd":295
  *     while key0 < last_key:
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
  *         begin_step(pb, ws, n_rows, acc)             # <<<<<<<<<<<<<<
@@ -42912,7 +44070,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
     __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_begin_step(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_acc);
 
-    /* "cattention/_driver/item_packed.pxd":246
+    /* "cattention/_driver/item_packed.pxd":296
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
  *         begin_step(pb, ws, n_rows, acc)
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -42924,7 +44082,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/item_packed.pxd":247
+      /* "cattention/_driver/item_packed.pxd":297
  *         begin_step(pb, ws, n_rows, acc)
  *         if pb.direct:
  *             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,             # <<<<<<<<<<<<<<
@@ -42933,7 +44091,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_v_v_rows = __pyx_fuse_1__pyx_f_10cattention_7_driver_8operands_rows_in_place(__pyx_v_pb, (&__pyx_v_pb->v), __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, __pyx_v_pb->d_v, (((double *)__pyx_v_ws->base) + __pyx_v_ws->off_v_rows), __pyx_v_pb->ld_v, (&__pyx_v_ld_rows), NULL);
 
-      /* "cattention/_driver/item_packed.pxd":250
+      /* "cattention/_driver/item_packed.pxd":300
  *                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
  *                                    NULL)
  *             kernel_pv_direct(kern, scores_block + key0, ld_scores, n_rows, v_rows,             # <<<<<<<<<<<<<<
@@ -42942,46 +44100,46 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
       __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv_direct(__pyx_v_kern, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_v_rows, __pyx_v_ld_rows, __pyx_v_n_keys, __pyx_v_pb->d_v, __pyx_v_acc, __pyx_v_pb->ld_v, NULL, 0, 0);
 
-      /* "cattention/_driver/item_packed.pxd":246
+      /* "cattention/_driver/item_packed.pxd":296
  *         n_keys = last_key - key0 if last_key - key0 < K_BLOCK else K_BLOCK
  *         begin_step(pb, ws, n_rows, acc)
  *         if pb.direct:             # <<<<<<<<<<<<<<
  *             v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,
  *                                    <floating *>ws.base + ws.off_v_rows, pb.ld_v, &ld_rows,
 */
-      goto __pyx_L43;
+      goto __pyx_L44;
     }
 
-    /* "cattention/_driver/item_packed.pxd":253
+    /* "cattention/_driver/item_packed.pxd":303
  *                              ld_rows, n_keys, pb.d_v, acc, pb.ld_v, NULL, 0, 0)
  *         else:
  *             v_packed = <const floating *>packed_values(pb, ws,             # <<<<<<<<<<<<<<
  *                                                        first_packed + key0 // K_BLOCK)
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
 */
     /*else*/ {
 
-      /* "cattention/_driver/item_packed.pxd":254
+      /* "cattention/_driver/item_packed.pxd":304
  *         else:
  *             v_packed = <const floating *>packed_values(pb, ws,
  *                                                        first_packed + key0 // K_BLOCK)             # <<<<<<<<<<<<<<
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
+ *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
 */
       __pyx_v_v_packed = ((double const *)__pyx_f_10cattention_7_driver_7packing_packed_values(__pyx_v_pb, __pyx_v_ws, (__pyx_v_first_packed + (__pyx_v_key0 / __pyx_e_10cattention_7_driver_7problem_K_BLOCK))));
 
-      /* "cattention/_driver/item_packed.pxd":255
+      /* "cattention/_driver/item_packed.pxd":305
  *             v_packed = <const floating *>packed_values(pb, ws,
  *                                                        first_packed + key0 // K_BLOCK)
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,             # <<<<<<<<<<<<<<
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)             # <<<<<<<<<<<<<<
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
+ *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
 */
-      __pyx_fuse_1__pyx_f_10cattention_7_driver_12kernel_table_kernel_pv(__pyx_v_kern, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_v_packed, (__pyx_v_pb->block_keys * __pyx_v_P), __pyx_v_n_keys, __pyx_v_pb->ld_v, __pyx_v_acc, __pyx_v_pb->ld_v, NULL);
+      __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_pv_tiles(__pyx_v_pb, __pyx_v_kern, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_v_packed, __pyx_v_n_keys, __pyx_v_acc, NULL);
 
-      /* "cattention/_driver/item_packed.pxd":257
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+      /* "cattention/_driver/item_packed.pxd":306
+ *                                                        first_packed + key0 // K_BLOCK)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
  *                                      n_rows, acc, pb.ld_v)
@@ -42991,8 +44149,8 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
       if (__pyx_t_4) {
 
 
-        /* "cattention/_driver/item_packed.pxd":258
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":307
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,             # <<<<<<<<<<<<<<
  *                                      n_rows, acc, pb.ld_v)
@@ -43000,18 +44158,18 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
         __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_add_nonfinite_values(__pyx_v_pb, __pyx_v_b, __pyx_v_key0, __pyx_v_n_keys, (__pyx_v_scores_block + __pyx_v_key0), __pyx_v_ld_scores, __pyx_v_n_rows, __pyx_v_acc, __pyx_v_pb->ld_v);
 
-        /* "cattention/_driver/item_packed.pxd":257
- *             kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
- *                       v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+        /* "cattention/_driver/item_packed.pxd":306
+ *                                                        first_packed + key0 // K_BLOCK)
+ *             pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
  *             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:             # <<<<<<<<<<<<<<
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
  *                                      n_rows, acc, pb.ld_v)
 */
       }
     }
-    __pyx_L43:;
+    __pyx_L44:;
 
-    /* "cattention/_driver/item_packed.pxd":260
+    /* "cattention/_driver/item_packed.pxd":309
  *                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
  *                                      n_rows, acc, pb.ld_v)
  *         key0 += K_BLOCK             # <<<<<<<<<<<<<<
@@ -43021,7 +44179,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     __pyx_v_key0 = (__pyx_v_key0 + __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
   }
 
-  /* "cattention/_driver/item_packed.pxd":261
+  /* "cattention/_driver/item_packed.pxd":310
  *                                      n_rows, acc, pb.ld_v)
  *         key0 += K_BLOCK
  *     collect_totals(pb, ws, n_rows, acc)             # <<<<<<<<<<<<<<
@@ -43030,7 +44188,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
 */
   __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_collect_totals(__pyx_v_pb, __pyx_v_ws, __pyx_v_n_rows, __pyx_v_acc);
 
-  /* "cattention/_driver/item_packed.pxd":262
+  /* "cattention/_driver/item_packed.pxd":311
  *         key0 += K_BLOCK
  *     collect_totals(pb, ws, n_rows, acc)
  *     for i in range(n_rows):             # <<<<<<<<<<<<<<
@@ -43044,7 +44202,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "cattention/_driver/item_packed.pxd":263
+    /* "cattention/_driver/item_packed.pxd":312
  *     collect_totals(pb, ws, n_rows, acc)
  *     for i in range(n_rows):
  *         for c in range(pb.d_v):             # <<<<<<<<<<<<<<
@@ -43057,7 +44215,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
     for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
       __pyx_v_c = __pyx_t_8;
 
-      /* "cattention/_driver/item_packed.pxd":264
+      /* "cattention/_driver/item_packed.pxd":313
  *     for i in range(n_rows):
  *         for c in range(pb.d_v):
  *             out[out_row_offset(pb, b, row0 + i) + c] = acc[i * pb.ld_v + c]             # <<<<<<<<<<<<<<
@@ -43068,7 +44226,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packe
   }
 
 
-  /* "cattention/_driver/item_packed.pxd":118
+  /* "cattention/_driver/item_packed.pxd":165
  * 
  * 
  * cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kernels *kern,             # <<<<<<<<<<<<<<
@@ -46478,6 +47636,58 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_direc
 /* "cattention/_driver/schedule.pxd":55
  * 
  * 
+ * cdef inline void thread_done(const ca_kernels *kern) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """A thread has done its part of a call: the table gives up its
+ *     per-thread state (AMX's tiles), if it keeps any."""
+*/
+
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_thread_done(ca_kernels const *__pyx_v_kern) {
+  int __pyx_t_1;
+
+  /* "cattention/_driver/schedule.pxd":58
+ *     """A thread has done its part of a call: the table gives up its
+ *     per-thread state (AMX's tiles), if it keeps any."""
+ *     if kern.end_of_thread != NULL:             # <<<<<<<<<<<<<<
+ *         kern.end_of_thread()
+ * 
+*/
+  __pyx_t_1 = (__pyx_v_kern->end_of_thread != NULL);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/schedule.pxd":59
+ *     per-thread state (AMX's tiles), if it keeps any."""
+ *     if kern.end_of_thread != NULL:
+ *         kern.end_of_thread()             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+    __pyx_v_kern->end_of_thread();
+
+    /* "cattention/_driver/schedule.pxd":58
+ *     """A thread has done its part of a call: the table gives up its
+ *     per-thread state (AMX's tiles), if it keeps any."""
+ *     if kern.end_of_thread != NULL:             # <<<<<<<<<<<<<<
+ *         kern.end_of_thread()
+ * 
+*/
+  }
+
+  /* "cattention/_driver/schedule.pxd":55
+ * 
+ * 
+ * cdef inline void thread_done(const ca_kernels *kern) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """A thread has done its part of a call: the table gives up its
+ *     per-thread state (AMX's tiles), if it keeps any."""
+*/
+
+  /* function exit code */
+}
+
+/* "cattention/_driver/schedule.pxd":62
+ * 
+ * 
  * cdef inline Py_ssize_t item_rows(const Problem *pb, Py_ssize_t item,             # <<<<<<<<<<<<<<
  *                                  Py_ssize_t n_query_blocks, Py_ssize_t *b,
  *                                  Py_ssize_t *row0) noexcept nogil:
@@ -46489,7 +47699,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_row
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":66
+  /* "cattention/_driver/schedule.pxd":73
  *     first, so the dynamic schedule ends with cheap ones."""
  *     cdef Py_ssize_t n_rows
  *     b[0] = item // n_query_blocks             # <<<<<<<<<<<<<<
@@ -46498,7 +47708,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_row
 */
   (__pyx_v_b[0]) = (__pyx_v_item / __pyx_v_n_query_blocks);
 
-  /* "cattention/_driver/schedule.pxd":67
+  /* "cattention/_driver/schedule.pxd":74
  *     cdef Py_ssize_t n_rows
  *     b[0] = item // n_query_blocks
  *     row0[0] = (n_query_blocks - 1 - item % n_query_blocks) * Q_BLOCK             # <<<<<<<<<<<<<<
@@ -46507,7 +47717,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_row
 */
   (__pyx_v_row0[0]) = (((__pyx_v_n_query_blocks - 1) - (__pyx_v_item % __pyx_v_n_query_blocks)) * __pyx_e_10cattention_7_driver_7problem_Q_BLOCK);
 
-  /* "cattention/_driver/schedule.pxd":68
+  /* "cattention/_driver/schedule.pxd":75
  *     b[0] = item // n_query_blocks
  *     row0[0] = (n_query_blocks - 1 - item % n_query_blocks) * Q_BLOCK
  *     n_rows = entry_rows(pb, b[0]) - row0[0]             # <<<<<<<<<<<<<<
@@ -46516,7 +47726,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_row
 */
   __pyx_v_n_rows = (__pyx_f_10cattention_7_driver_7problem_entry_rows(__pyx_v_pb, (__pyx_v_b[0])) - (__pyx_v_row0[0]));
 
-  /* "cattention/_driver/schedule.pxd":69
+  /* "cattention/_driver/schedule.pxd":76
  *     row0[0] = (n_query_blocks - 1 - item % n_query_blocks) * Q_BLOCK
  *     n_rows = entry_rows(pb, b[0]) - row0[0]
  *     return Q_BLOCK if n_rows > Q_BLOCK else n_rows             # <<<<<<<<<<<<<<
@@ -46538,7 +47748,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_row
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":55
+  /* "cattention/_driver/schedule.pxd":62
  * 
  * 
  * cdef inline Py_ssize_t item_rows(const Problem *pb, Py_ssize_t item,             # <<<<<<<<<<<<<<
@@ -46552,7 +47762,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_item_row
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":72
+/* "cattention/_driver/schedule.pxd":79
  * 
  * 
  * cdef inline void fetch_after(const Problem *pb, Workspace *ws, Py_ssize_t next_item,             # <<<<<<<<<<<<<<
@@ -46569,7 +47779,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":79
+  /* "cattention/_driver/schedule.pxd":86
  *     instead (which a whole-entry item packs first)."""
  *     cdef Py_ssize_t b, row0, n_rows, kv_b, n_keys
  *     ws.after_score_bytes = 0             # <<<<<<<<<<<<<<
@@ -46578,7 +47788,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
   __pyx_v_ws->after_score_bytes = 0;
 
-  /* "cattention/_driver/schedule.pxd":80
+  /* "cattention/_driver/schedule.pxd":87
  *     cdef Py_ssize_t b, row0, n_rows, kv_b, n_keys
  *     ws.after_score_bytes = 0
  *     ws.after_pv_bytes = 0             # <<<<<<<<<<<<<<
@@ -46587,7 +47797,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
   __pyx_v_ws->after_pv_bytes = 0;
 
-  /* "cattention/_driver/schedule.pxd":81
+  /* "cattention/_driver/schedule.pxd":88
  *     ws.after_score_bytes = 0
  *     ws.after_pv_bytes = 0
  *     if next_item < 0 or next_item >= pb.n_batch * n_query_blocks:             # <<<<<<<<<<<<<<
@@ -46613,7 +47823,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":82
+    /* "cattention/_driver/schedule.pxd":89
  *     ws.after_pv_bytes = 0
  *     if next_item < 0 or next_item >= pb.n_batch * n_query_blocks:
  *         return             # <<<<<<<<<<<<<<
@@ -46624,7 +47834,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":81
+    /* "cattention/_driver/schedule.pxd":88
  *     ws.after_score_bytes = 0
  *     ws.after_pv_bytes = 0
  *     if next_item < 0 or next_item >= pb.n_batch * n_query_blocks:             # <<<<<<<<<<<<<<
@@ -46633,7 +47843,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":83
+  /* "cattention/_driver/schedule.pxd":90
  *     if next_item < 0 or next_item >= pb.n_batch * n_query_blocks:
  *         return
  *     n_rows = item_rows(pb, next_item, n_query_blocks, &b, &row0)             # <<<<<<<<<<<<<<
@@ -46642,7 +47852,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
   __pyx_v_n_rows = __pyx_f_10cattention_7_driver_8schedule_item_rows(__pyx_v_pb, __pyx_v_next_item, __pyx_v_n_query_blocks, (&__pyx_v_b), (&__pyx_v_row0));
 
-  /* "cattention/_driver/schedule.pxd":84
+  /* "cattention/_driver/schedule.pxd":91
  *         return
  *     n_rows = item_rows(pb, next_item, n_query_blocks, &b, &row0)
  *     if next_entry_kv:             # <<<<<<<<<<<<<<
@@ -46651,7 +47861,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
   if (__pyx_v_next_entry_kv) {
 
-    /* "cattention/_driver/schedule.pxd":85
+    /* "cattention/_driver/schedule.pxd":92
  *     n_rows = item_rows(pb, next_item, n_query_blocks, &b, &row0)
  *     if next_entry_kv:
  *         n_keys = key_extent(pb, pb.kv_of_batch[b])             # <<<<<<<<<<<<<<
@@ -46660,7 +47870,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
     __pyx_v_n_keys = __pyx_f_10cattention_7_driver_7problem_key_extent(__pyx_v_pb, (__pyx_v_pb->kv_of_batch[__pyx_v_b]));
 
-    /* "cattention/_driver/schedule.pxd":86
+    /* "cattention/_driver/schedule.pxd":93
  *     if next_entry_kv:
  *         n_keys = key_extent(pb, pb.kv_of_batch[b])
  *         kv_b = pb.kv_source[pb.kv_of_batch[b]]             # <<<<<<<<<<<<<<
@@ -46669,7 +47879,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
     __pyx_v_kv_b = (__pyx_v_pb->kv_source[(__pyx_v_pb->kv_of_batch[__pyx_v_b])]);
 
-    /* "cattention/_driver/schedule.pxd":87
+    /* "cattention/_driver/schedule.pxd":94
  *         n_keys = key_extent(pb, pb.kv_of_batch[b])
  *         kv_b = pb.kv_source[pb.kv_of_batch[b]]
  *         ws.after_score_bytes = rows_span(pb, &pb.k, kv_b, 0, n_keys, pb.d_k, &ws.after_score)             # <<<<<<<<<<<<<<
@@ -46678,7 +47888,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
     __pyx_v_ws->after_score_bytes = __pyx_f_10cattention_7_driver_8operands_rows_span(__pyx_v_pb, (&__pyx_v_pb->k), __pyx_v_kv_b, 0, __pyx_v_n_keys, __pyx_v_pb->d_k, (&__pyx_v_ws->after_score));
 
-    /* "cattention/_driver/schedule.pxd":88
+    /* "cattention/_driver/schedule.pxd":95
  *         kv_b = pb.kv_source[pb.kv_of_batch[b]]
  *         ws.after_score_bytes = rows_span(pb, &pb.k, kv_b, 0, n_keys, pb.d_k, &ws.after_score)
  *         ws.after_pv_bytes = rows_span(pb, &pb.v, kv_b, 0, n_keys, pb.d_v, &ws.after_pv)             # <<<<<<<<<<<<<<
@@ -46687,7 +47897,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 */
     __pyx_v_ws->after_pv_bytes = __pyx_f_10cattention_7_driver_8operands_rows_span(__pyx_v_pb, (&__pyx_v_pb->v), __pyx_v_kv_b, 0, __pyx_v_n_keys, __pyx_v_pb->d_v, (&__pyx_v_ws->after_pv));
 
-    /* "cattention/_driver/schedule.pxd":84
+    /* "cattention/_driver/schedule.pxd":91
  *         return
  *     n_rows = item_rows(pb, next_item, n_query_blocks, &b, &row0)
  *     if next_entry_kv:             # <<<<<<<<<<<<<<
@@ -46697,7 +47907,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
     goto __pyx_L6;
   }
 
-  /* "cattention/_driver/schedule.pxd":90
+  /* "cattention/_driver/schedule.pxd":97
  *         ws.after_pv_bytes = rows_span(pb, &pb.v, kv_b, 0, n_keys, pb.d_v, &ws.after_pv)
  *     else:
  *         ws.after_score_bytes = rows_span(pb, &pb.q, b, row0, n_rows, pb.d_k, &ws.after_score)             # <<<<<<<<<<<<<<
@@ -46709,7 +47919,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
   }
   __pyx_L6:;
 
-  /* "cattention/_driver/schedule.pxd":72
+  /* "cattention/_driver/schedule.pxd":79
  * 
  * 
  * cdef inline void fetch_after(const Problem *pb, Workspace *ws, Py_ssize_t next_item,             # <<<<<<<<<<<<<<
@@ -46726,7 +47936,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_fetch_after(st
 
 }
 
-/* "cattention/_driver/schedule.pxd":93
+/* "cattention/_driver/schedule.pxd":100
  * 
  * 
  * cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -46740,7 +47950,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   Py_ssize_t __pyx_v_n_rows;
   int __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":97
+  /* "cattention/_driver/schedule.pxd":104
  *                                      floating *scores) noexcept nogil:
  *     cdef Py_ssize_t b, row0
  *     cdef Py_ssize_t n_rows = item_rows(pb, item, n_query_blocks, &b, &row0)             # <<<<<<<<<<<<<<
@@ -46749,7 +47959,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
   __pyx_v_n_rows = __pyx_f_10cattention_7_driver_8schedule_item_rows(__pyx_v_pb, __pyx_v_item, __pyx_v_n_query_blocks, (&__pyx_v_b), (&__pyx_v_row0));
 
-  /* "cattention/_driver/schedule.pxd":98
+  /* "cattention/_driver/schedule.pxd":105
  *     cdef Py_ssize_t b, row0
  *     cdef Py_ssize_t n_rows = item_rows(pb, item, n_query_blocks, &b, &row0)
  *     if n_rows <= 0:             # <<<<<<<<<<<<<<
@@ -46761,7 +47971,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":100
+    /* "cattention/_driver/schedule.pxd":107
  *     if n_rows <= 0:
  *         # past the rows of an entry shorter than the longest
  *         return             # <<<<<<<<<<<<<<
@@ -46772,7 +47982,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":98
+    /* "cattention/_driver/schedule.pxd":105
  *     cdef Py_ssize_t b, row0
  *     cdef Py_ssize_t n_rows = item_rows(pb, item, n_query_blocks, &b, &row0)
  *     if n_rows <= 0:             # <<<<<<<<<<<<<<
@@ -46781,7 +47991,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":101
+  /* "cattention/_driver/schedule.pxd":108
  *         # past the rows of an entry shorter than the longest
  *         return
  *     if scores != NULL:             # <<<<<<<<<<<<<<
@@ -46793,7 +48003,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":102
+    /* "cattention/_driver/schedule.pxd":109
  *         return
  *     if scores != NULL:
  *         attend_query_block_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)             # <<<<<<<<<<<<<<
@@ -46802,7 +48012,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
     __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_packed_attend_query_block_with_scores(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_out, __pyx_v_scores);
 
-    /* "cattention/_driver/schedule.pxd":101
+    /* "cattention/_driver/schedule.pxd":108
  *         # past the rows of an entry shorter than the longest
  *         return
  *     if scores != NULL:             # <<<<<<<<<<<<<<
@@ -46812,7 +48022,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
     goto __pyx_L4;
   }
 
-  /* "cattention/_driver/schedule.pxd":104
+  /* "cattention/_driver/schedule.pxd":111
  *         attend_query_block_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
  *     else:
  *         attend_query_block(pb, kern, ws, b, row0, n_rows, out)             # <<<<<<<<<<<<<<
@@ -46824,7 +48034,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   }
   __pyx_L4:;
 
-  /* "cattention/_driver/schedule.pxd":93
+  /* "cattention/_driver/schedule.pxd":100
  * 
  * 
  * cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -46845,7 +48055,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   Py_ssize_t __pyx_v_n_rows;
   int __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":97
+  /* "cattention/_driver/schedule.pxd":104
  *                                      floating *scores) noexcept nogil:
  *     cdef Py_ssize_t b, row0
  *     cdef Py_ssize_t n_rows = item_rows(pb, item, n_query_blocks, &b, &row0)             # <<<<<<<<<<<<<<
@@ -46854,7 +48064,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
   __pyx_v_n_rows = __pyx_f_10cattention_7_driver_8schedule_item_rows(__pyx_v_pb, __pyx_v_item, __pyx_v_n_query_blocks, (&__pyx_v_b), (&__pyx_v_row0));
 
-  /* "cattention/_driver/schedule.pxd":98
+  /* "cattention/_driver/schedule.pxd":105
  *     cdef Py_ssize_t b, row0
  *     cdef Py_ssize_t n_rows = item_rows(pb, item, n_query_blocks, &b, &row0)
  *     if n_rows <= 0:             # <<<<<<<<<<<<<<
@@ -46866,7 +48076,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":100
+    /* "cattention/_driver/schedule.pxd":107
  *     if n_rows <= 0:
  *         # past the rows of an entry shorter than the longest
  *         return             # <<<<<<<<<<<<<<
@@ -46877,7 +48087,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":98
+    /* "cattention/_driver/schedule.pxd":105
  *     cdef Py_ssize_t b, row0
  *     cdef Py_ssize_t n_rows = item_rows(pb, item, n_query_blocks, &b, &row0)
  *     if n_rows <= 0:             # <<<<<<<<<<<<<<
@@ -46886,7 +48096,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":101
+  /* "cattention/_driver/schedule.pxd":108
  *         # past the rows of an entry shorter than the longest
  *         return
  *     if scores != NULL:             # <<<<<<<<<<<<<<
@@ -46898,7 +48108,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":102
+    /* "cattention/_driver/schedule.pxd":109
  *         return
  *     if scores != NULL:
  *         attend_query_block_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)             # <<<<<<<<<<<<<<
@@ -46907,7 +48117,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
     __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_packed_attend_query_block_with_scores(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_b, __pyx_v_row0, __pyx_v_n_rows, __pyx_v_out, __pyx_v_scores);
 
-    /* "cattention/_driver/schedule.pxd":101
+    /* "cattention/_driver/schedule.pxd":108
  *         # past the rows of an entry shorter than the longest
  *         return
  *     if scores != NULL:             # <<<<<<<<<<<<<<
@@ -46917,7 +48127,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
     goto __pyx_L4;
   }
 
-  /* "cattention/_driver/schedule.pxd":104
+  /* "cattention/_driver/schedule.pxd":111
  *         attend_query_block_with_scores(pb, kern, ws, b, row0, n_rows, out, scores)
  *     else:
  *         attend_query_block(pb, kern, ws, b, row0, n_rows, out)             # <<<<<<<<<<<<<<
@@ -46929,7 +48139,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   }
   __pyx_L4:;
 
-  /* "cattention/_driver/schedule.pxd":93
+  /* "cattention/_driver/schedule.pxd":100
  * 
  * 
  * cdef inline void compute_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -46944,7 +48154,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 
 }
 
-/* "cattention/_driver/schedule.pxd":107
+/* "cattention/_driver/schedule.pxd":114
  * 
  * 
  * cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -46963,7 +48173,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   int __pyx_t_4;
   Py_ssize_t __pyx_t_5;
 
-  /* "cattention/_driver/schedule.pxd":119
+  /* "cattention/_driver/schedule.pxd":126
  *     from memory."""
  *     cdef Py_ssize_t key_block, item, packed_block
  *     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks             # <<<<<<<<<<<<<<
@@ -46972,7 +48182,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
   __pyx_v_last_item = ((__pyx_v_b + __pyx_v_n_entries) * __pyx_v_n_query_blocks);
 
-  /* "cattention/_driver/schedule.pxd":120
+  /* "cattention/_driver/schedule.pxd":127
  *     cdef Py_ssize_t key_block, item, packed_block
  *     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks
  *     for key_block in range(pb.n_key_blocks):             # <<<<<<<<<<<<<<
@@ -46986,7 +48196,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_key_block = __pyx_t_3;
 
-    /* "cattention/_driver/schedule.pxd":121
+    /* "cattention/_driver/schedule.pxd":128
  *     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks
  *     for key_block in range(pb.n_key_blocks):
  *         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block             # <<<<<<<<<<<<<<
@@ -46995,7 +48205,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
     __pyx_v_packed_block = (((__pyx_v_pb->kv_of_batch[__pyx_v_b]) * __pyx_v_pb->n_key_blocks) + __pyx_v_key_block);
 
-    /* "cattention/_driver/schedule.pxd":122
+    /* "cattention/_driver/schedule.pxd":129
  *     for key_block in range(pb.n_key_blocks):
  *         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))             # <<<<<<<<<<<<<<
@@ -47006,7 +48216,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   }
 
 
-  /* "cattention/_driver/schedule.pxd":123
+  /* "cattention/_driver/schedule.pxd":130
  *         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *     for item in range(b * n_query_blocks, last_item):             # <<<<<<<<<<<<<<
@@ -47020,7 +48230,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   for (__pyx_t_3 = (__pyx_v_b * __pyx_v_n_query_blocks); __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_item = __pyx_t_3;
 
-    /* "cattention/_driver/schedule.pxd":124
+    /* "cattention/_driver/schedule.pxd":131
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *     for item in range(b * n_query_blocks, last_item):
  *         if item + 1 < last_item:             # <<<<<<<<<<<<<<
@@ -47032,7 +48242,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/schedule.pxd":125
+      /* "cattention/_driver/schedule.pxd":132
  *     for item in range(b * n_query_blocks, last_item):
  *         if item + 1 < last_item:
  *             fetch_after(pb, ws, item + 1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -47041,7 +48251,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
       __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + 1), __pyx_v_n_query_blocks, 0);
 
-      /* "cattention/_driver/schedule.pxd":124
+      /* "cattention/_driver/schedule.pxd":131
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *     for item in range(b * n_query_blocks, last_item):
  *         if item + 1 < last_item:             # <<<<<<<<<<<<<<
@@ -47051,7 +48261,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
       goto __pyx_L7;
     }
 
-    /* "cattention/_driver/schedule.pxd":127
+    /* "cattention/_driver/schedule.pxd":134
  *             fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *         else:
  *             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,             # <<<<<<<<<<<<<<
@@ -47070,7 +48280,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
       }
 
 
-      /* "cattention/_driver/schedule.pxd":128
+      /* "cattention/_driver/schedule.pxd":135
  *         else:
  *             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,
  *                         n_query_blocks, True)             # <<<<<<<<<<<<<<
@@ -47082,7 +48292,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
     }
     __pyx_L7:;
 
-    /* "cattention/_driver/schedule.pxd":129
+    /* "cattention/_driver/schedule.pxd":136
  *             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,
  *                         n_query_blocks, True)
  *         compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
@@ -47093,7 +48303,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
   }
 
 
-  /* "cattention/_driver/schedule.pxd":130
+  /* "cattention/_driver/schedule.pxd":137
  *                         n_query_blocks, True)
  *         compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *     fetch_after(pb, ws, -1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -47102,7 +48312,7 @@ static CYTHON_INLINE void __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_co
 */
   __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, -1L, __pyx_v_n_query_blocks, 0);
 
-  /* "cattention/_driver/schedule.pxd":107
+  /* "cattention/_driver/schedule.pxd":114
  * 
  * 
  * cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -47128,7 +48338,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   int __pyx_t_4;
   Py_ssize_t __pyx_t_5;
 
-  /* "cattention/_driver/schedule.pxd":119
+  /* "cattention/_driver/schedule.pxd":126
  *     from memory."""
  *     cdef Py_ssize_t key_block, item, packed_block
  *     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks             # <<<<<<<<<<<<<<
@@ -47137,7 +48347,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
   __pyx_v_last_item = ((__pyx_v_b + __pyx_v_n_entries) * __pyx_v_n_query_blocks);
 
-  /* "cattention/_driver/schedule.pxd":120
+  /* "cattention/_driver/schedule.pxd":127
  *     cdef Py_ssize_t key_block, item, packed_block
  *     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks
  *     for key_block in range(pb.n_key_blocks):             # <<<<<<<<<<<<<<
@@ -47151,7 +48361,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_key_block = __pyx_t_3;
 
-    /* "cattention/_driver/schedule.pxd":121
+    /* "cattention/_driver/schedule.pxd":128
  *     cdef Py_ssize_t last_item = (b + n_entries) * n_query_blocks
  *     for key_block in range(pb.n_key_blocks):
  *         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block             # <<<<<<<<<<<<<<
@@ -47160,7 +48370,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
     __pyx_v_packed_block = (((__pyx_v_pb->kv_of_batch[__pyx_v_b]) * __pyx_v_pb->n_key_blocks) + __pyx_v_key_block);
 
-    /* "cattention/_driver/schedule.pxd":122
+    /* "cattention/_driver/schedule.pxd":129
  *     for key_block in range(pb.n_key_blocks):
  *         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))             # <<<<<<<<<<<<<<
@@ -47171,7 +48381,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   }
 
 
-  /* "cattention/_driver/schedule.pxd":123
+  /* "cattention/_driver/schedule.pxd":130
  *         packed_block = pb.kv_of_batch[b] * pb.n_key_blocks + key_block
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *     for item in range(b * n_query_blocks, last_item):             # <<<<<<<<<<<<<<
@@ -47185,7 +48395,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   for (__pyx_t_3 = (__pyx_v_b * __pyx_v_n_query_blocks); __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_item = __pyx_t_3;
 
-    /* "cattention/_driver/schedule.pxd":124
+    /* "cattention/_driver/schedule.pxd":131
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *     for item in range(b * n_query_blocks, last_item):
  *         if item + 1 < last_item:             # <<<<<<<<<<<<<<
@@ -47197,7 +48407,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
     if (__pyx_t_4) {
 
 
-      /* "cattention/_driver/schedule.pxd":125
+      /* "cattention/_driver/schedule.pxd":132
  *     for item in range(b * n_query_blocks, last_item):
  *         if item + 1 < last_item:
  *             fetch_after(pb, ws, item + 1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -47206,7 +48416,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
       __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + 1), __pyx_v_n_query_blocks, 0);
 
-      /* "cattention/_driver/schedule.pxd":124
+      /* "cattention/_driver/schedule.pxd":131
  *         pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *     for item in range(b * n_query_blocks, last_item):
  *         if item + 1 < last_item:             # <<<<<<<<<<<<<<
@@ -47216,7 +48426,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
       goto __pyx_L7;
     }
 
-    /* "cattention/_driver/schedule.pxd":127
+    /* "cattention/_driver/schedule.pxd":134
  *             fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *         else:
  *             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,             # <<<<<<<<<<<<<<
@@ -47235,7 +48445,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
       }
 
 
-      /* "cattention/_driver/schedule.pxd":128
+      /* "cattention/_driver/schedule.pxd":135
  *         else:
  *             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,
  *                         n_query_blocks, True)             # <<<<<<<<<<<<<<
@@ -47247,7 +48457,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
     }
     __pyx_L7:;
 
-    /* "cattention/_driver/schedule.pxd":129
+    /* "cattention/_driver/schedule.pxd":136
  *             fetch_after(pb, ws, next_b * n_query_blocks if next_b >= 0 else -1,
  *                         n_query_blocks, True)
  *         compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
@@ -47258,7 +48468,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
   }
 
 
-  /* "cattention/_driver/schedule.pxd":130
+  /* "cattention/_driver/schedule.pxd":137
  *                         n_query_blocks, True)
  *         compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *     fetch_after(pb, ws, -1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -47267,7 +48477,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 */
   __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, -1L, __pyx_v_n_query_blocks, 0);
 
-  /* "cattention/_driver/schedule.pxd":107
+  /* "cattention/_driver/schedule.pxd":114
  * 
  * 
  * cdef inline void compute_whole_entry(Problem *pb, const ca_kernels *kern, Workspace *ws,             # <<<<<<<<<<<<<<
@@ -47282,7 +48492,7 @@ static CYTHON_INLINE void __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_co
 
 }
 
-/* "cattention/_driver/schedule.pxd":133
+/* "cattention/_driver/schedule.pxd":140
  * 
  * 
  * cdef inline Py_ssize_t entries_per_kv(const Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -47300,7 +48510,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
   Py_ssize_t __pyx_t_4;
   Py_ssize_t __pyx_t_5;
 
-  /* "cattention/_driver/schedule.pxd":139
+  /* "cattention/_driver/schedule.pxd":146
  *     leading batch dimension)."""
  *     cdef Py_ssize_t group, b
  *     if pb.n_kv <= 0 or pb.n_batch % pb.n_kv != 0:             # <<<<<<<<<<<<<<
@@ -47326,7 +48536,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":140
+    /* "cattention/_driver/schedule.pxd":147
  *     cdef Py_ssize_t group, b
  *     if pb.n_kv <= 0 or pb.n_batch % pb.n_kv != 0:
  *         return 0             # <<<<<<<<<<<<<<
@@ -47339,7 +48549,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":139
+    /* "cattention/_driver/schedule.pxd":146
  *     leading batch dimension)."""
  *     cdef Py_ssize_t group, b
  *     if pb.n_kv <= 0 or pb.n_batch % pb.n_kv != 0:             # <<<<<<<<<<<<<<
@@ -47348,7 +48558,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":141
+  /* "cattention/_driver/schedule.pxd":148
  *     if pb.n_kv <= 0 or pb.n_batch % pb.n_kv != 0:
  *         return 0
  *     group = pb.n_batch // pb.n_kv             # <<<<<<<<<<<<<<
@@ -47357,7 +48567,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
 */
   __pyx_v_group = (__pyx_v_pb->n_batch / __pyx_v_pb->n_kv);
 
-  /* "cattention/_driver/schedule.pxd":142
+  /* "cattention/_driver/schedule.pxd":149
  *         return 0
  *     group = pb.n_batch // pb.n_kv
  *     for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -47371,7 +48581,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
   for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_b = __pyx_t_5;
 
-    /* "cattention/_driver/schedule.pxd":143
+    /* "cattention/_driver/schedule.pxd":150
  *     group = pb.n_batch // pb.n_kv
  *     for b in range(pb.n_batch):
  *         if pb.kv_of_batch[b] != b // group:             # <<<<<<<<<<<<<<
@@ -47383,7 +48593,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":144
+      /* "cattention/_driver/schedule.pxd":151
  *     for b in range(pb.n_batch):
  *         if pb.kv_of_batch[b] != b // group:
  *             return 0             # <<<<<<<<<<<<<<
@@ -47396,7 +48606,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":143
+      /* "cattention/_driver/schedule.pxd":150
  *     group = pb.n_batch // pb.n_kv
  *     for b in range(pb.n_batch):
  *         if pb.kv_of_batch[b] != b // group:             # <<<<<<<<<<<<<<
@@ -47407,7 +48617,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
   }
 
 
-  /* "cattention/_driver/schedule.pxd":145
+  /* "cattention/_driver/schedule.pxd":152
  *         if pb.kv_of_batch[b] != b // group:
  *             return 0
  *     return group             # <<<<<<<<<<<<<<
@@ -47420,7 +48630,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":133
+  /* "cattention/_driver/schedule.pxd":140
  * 
  * 
  * cdef inline Py_ssize_t entries_per_kv(const Problem *pb) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -47435,7 +48645,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_entries_
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":148
+/* "cattention/_driver/schedule.pxd":155
  * 
  * 
  * cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -47472,7 +48682,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   Py_ssize_t __pyx_t_12;
   Py_ssize_t __pyx_t_13;
 
-  /* "cattention/_driver/schedule.pxd":163
+  /* "cattention/_driver/schedule.pxd":170
  *     run's bits. Returns 0, or -1 if memory ran out."""
  *     cdef Py_ssize_t b, i, c, n_rows, row_end
  *     cdef Py_ssize_t extent = 0             # <<<<<<<<<<<<<<
@@ -47481,7 +48691,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_extent = 0;
 
-  /* "cattention/_driver/schedule.pxd":164
+  /* "cattention/_driver/schedule.pxd":171
  *     cdef Py_ssize_t b, i, c, n_rows, row_end
  *     cdef Py_ssize_t extent = 0
  *     cdef int shift = 1             # <<<<<<<<<<<<<<
@@ -47490,7 +48700,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_shift = 1;
 
-  /* "cattention/_driver/schedule.pxd":166
+  /* "cattention/_driver/schedule.pxd":173
  *     cdef int shift = 1
  *     cdef int status
  *     cdef void *lse = pb.lse             # <<<<<<<<<<<<<<
@@ -47501,7 +48711,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 
   __pyx_v_lse = __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":171
+  /* "cattention/_driver/schedule.pxd":178
  *     cdef floating *redone
  *     cdef floating factor
  *     for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -47515,7 +48725,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_b = __pyx_t_4;
 
-    /* "cattention/_driver/schedule.pxd":172
+    /* "cattention/_driver/schedule.pxd":179
  *     cdef floating factor
  *     for b in range(pb.n_batch):
  *         n_rows = entry_rows(pb, b)             # <<<<<<<<<<<<<<
@@ -47524,7 +48734,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
     __pyx_v_n_rows = __pyx_f_10cattention_7_driver_7problem_entry_rows(__pyx_v_pb, __pyx_v_b);
 
-    /* "cattention/_driver/schedule.pxd":173
+    /* "cattention/_driver/schedule.pxd":180
  *     for b in range(pb.n_batch):
  *         n_rows = entry_rows(pb, b)
  *         if n_rows > 0:             # <<<<<<<<<<<<<<
@@ -47536,7 +48746,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
     if (__pyx_t_5) {
 
 
-      /* "cattention/_driver/schedule.pxd":174
+      /* "cattention/_driver/schedule.pxd":181
  *         n_rows = entry_rows(pb, b)
  *         if n_rows > 0:
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v             # <<<<<<<<<<<<<<
@@ -47545,7 +48755,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
       __pyx_v_row_end = (__pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, (__pyx_v_n_rows - 1)) + __pyx_v_pb->d_v);
 
-      /* "cattention/_driver/schedule.pxd":175
+      /* "cattention/_driver/schedule.pxd":182
  *         if n_rows > 0:
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
  *             if row_end > extent:             # <<<<<<<<<<<<<<
@@ -47557,7 +48767,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
       if (__pyx_t_5) {
 
 
-        /* "cattention/_driver/schedule.pxd":176
+        /* "cattention/_driver/schedule.pxd":183
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
  *             if row_end > extent:
  *                 extent = row_end             # <<<<<<<<<<<<<<
@@ -47566,7 +48776,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
         __pyx_v_extent = __pyx_v_row_end;
 
-        /* "cattention/_driver/schedule.pxd":175
+        /* "cattention/_driver/schedule.pxd":182
  *         if n_rows > 0:
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
  *             if row_end > extent:             # <<<<<<<<<<<<<<
@@ -47575,7 +48785,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
       }
 
-      /* "cattention/_driver/schedule.pxd":173
+      /* "cattention/_driver/schedule.pxd":180
  *     for b in range(pb.n_batch):
  *         n_rows = entry_rows(pb, b)
  *         if n_rows > 0:             # <<<<<<<<<<<<<<
@@ -47586,7 +48796,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   }
 
 
-  /* "cattention/_driver/schedule.pxd":177
+  /* "cattention/_driver/schedule.pxd":184
  *             if row_end > extent:
  *                 extent = row_end
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)             # <<<<<<<<<<<<<<
@@ -47606,7 +48816,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   __pyx_v_scratch = ((float *)malloc(__pyx_t_6));
 
 
-  /* "cattention/_driver/schedule.pxd":178
+  /* "cattention/_driver/schedule.pxd":185
  *                 extent = row_end
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
  *     if scratch == NULL:             # <<<<<<<<<<<<<<
@@ -47618,7 +48828,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   if (__pyx_t_5) {
 
 
-    /* "cattention/_driver/schedule.pxd":179
+    /* "cattention/_driver/schedule.pxd":186
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
  *     if scratch == NULL:
  *         return -1             # <<<<<<<<<<<<<<
@@ -47631,7 +48841,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":178
+    /* "cattention/_driver/schedule.pxd":185
  *                 extent = row_end
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
  *     if scratch == NULL:             # <<<<<<<<<<<<<<
@@ -47640,7 +48850,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":184
+  /* "cattention/_driver/schedule.pxd":191
  *     # 2^-127) stays above 0 up to 2^21 keys, so a key whose value is inf
  *     # still makes its row inf
  *     while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:             # <<<<<<<<<<<<<<
@@ -47667,7 +48877,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 
     if (!__pyx_t_5) break;
 
-    /* "cattention/_driver/schedule.pxd":185
+    /* "cattention/_driver/schedule.pxd":192
  *     # still makes its row inf
  *     while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:
  *         shift += 1             # <<<<<<<<<<<<<<
@@ -47677,7 +48887,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
     __pyx_v_shift = (__pyx_v_shift + 1);
   }
 
-  /* "cattention/_driver/schedule.pxd":186
+  /* "cattention/_driver/schedule.pxd":193
  *     while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:
  *         shift += 1
  *     pb.weight_shift = shift             # <<<<<<<<<<<<<<
@@ -47686,7 +48896,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->weight_shift = __pyx_v_shift;
 
-  /* "cattention/_driver/schedule.pxd":187
+  /* "cattention/_driver/schedule.pxd":194
  *         shift += 1
  *     pb.weight_shift = shift
  *     pb.lse = NULL             # <<<<<<<<<<<<<<
@@ -47695,7 +48905,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->lse = NULL;
 
-  /* "cattention/_driver/schedule.pxd":188
+  /* "cattention/_driver/schedule.pxd":195
  *     pb.weight_shift = shift
  *     pb.lse = NULL
  *     if pb.direct:             # <<<<<<<<<<<<<<
@@ -47704,7 +48914,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   if (__pyx_v_pb->direct) {
 
-    /* "cattention/_driver/schedule.pxd":189
+    /* "cattention/_driver/schedule.pxd":196
  *     pb.lse = NULL
  *     if pb.direct:
  *         status = schedule_decode(pb, kern, n_threads, scratch)             # <<<<<<<<<<<<<<
@@ -47713,7 +48923,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
     __pyx_v_status = __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_schedule_decode(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_scratch);
 
-    /* "cattention/_driver/schedule.pxd":188
+    /* "cattention/_driver/schedule.pxd":195
  *     pb.weight_shift = shift
  *     pb.lse = NULL
  *     if pb.direct:             # <<<<<<<<<<<<<<
@@ -47723,7 +48933,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
     goto __pyx_L12;
   }
 
-  /* "cattention/_driver/schedule.pxd":191
+  /* "cattention/_driver/schedule.pxd":198
  *         status = schedule_decode(pb, kern, n_threads, scratch)
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)             # <<<<<<<<<<<<<<
@@ -47735,7 +48945,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   }
   __pyx_L12:;
 
-  /* "cattention/_driver/schedule.pxd":192
+  /* "cattention/_driver/schedule.pxd":199
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)
  *     pb.weight_shift = 0             # <<<<<<<<<<<<<<
@@ -47744,7 +48954,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->weight_shift = 0;
 
-  /* "cattention/_driver/schedule.pxd":193
+  /* "cattention/_driver/schedule.pxd":200
  *         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)
  *     pb.weight_shift = 0
  *     pb.lse = lse             # <<<<<<<<<<<<<<
@@ -47753,7 +48963,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->lse = __pyx_v_lse;
 
-  /* "cattention/_driver/schedule.pxd":194
+  /* "cattention/_driver/schedule.pxd":201
  *     pb.weight_shift = 0
  *     pb.lse = lse
  *     factor = <floating>ldexp(1.0, shift)             # <<<<<<<<<<<<<<
@@ -47762,7 +48972,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_factor = ((float)ldexp(1.0, __pyx_v_shift));
 
-  /* "cattention/_driver/schedule.pxd":195
+  /* "cattention/_driver/schedule.pxd":202
  *     pb.lse = lse
  *     factor = <floating>ldexp(1.0, shift)
  *     if status == 0:             # <<<<<<<<<<<<<<
@@ -47774,7 +48984,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   if (__pyx_t_5) {
 
 
-    /* "cattention/_driver/schedule.pxd":196
+    /* "cattention/_driver/schedule.pxd":203
  *     factor = <floating>ldexp(1.0, shift)
  *     if status == 0:
  *         for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -47788,7 +48998,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
     for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
       __pyx_v_b = __pyx_t_4;
 
-      /* "cattention/_driver/schedule.pxd":197
+      /* "cattention/_driver/schedule.pxd":204
  *     if status == 0:
  *         for b in range(pb.n_batch):
  *             for i in range(entry_rows(pb, b)):             # <<<<<<<<<<<<<<
@@ -47802,7 +49012,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
       for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
         __pyx_v_i = __pyx_t_10;
 
-        /* "cattention/_driver/schedule.pxd":198
+        /* "cattention/_driver/schedule.pxd":205
  *         for b in range(pb.n_batch):
  *             for i in range(entry_rows(pb, b)):
  *                 out_row = out + out_row_offset(pb, b, i)             # <<<<<<<<<<<<<<
@@ -47811,7 +49021,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
         __pyx_v_out_row = (__pyx_v_out + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, __pyx_v_i));
 
-        /* "cattention/_driver/schedule.pxd":199
+        /* "cattention/_driver/schedule.pxd":206
  *             for i in range(entry_rows(pb, b)):
  *                 out_row = out + out_row_offset(pb, b, i)
  *                 if not row_is_finite(out_row, pb.d_v):             # <<<<<<<<<<<<<<
@@ -47823,7 +49033,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
         if (__pyx_t_5) {
 
 
-          /* "cattention/_driver/schedule.pxd":200
+          /* "cattention/_driver/schedule.pxd":207
  *                 out_row = out + out_row_offset(pb, b, i)
  *                 if not row_is_finite(out_row, pb.d_v):
  *                     redone = scratch + out_row_offset(pb, b, i)             # <<<<<<<<<<<<<<
@@ -47832,7 +49042,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
           __pyx_v_redone = (__pyx_v_scratch + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, __pyx_v_i));
 
-          /* "cattention/_driver/schedule.pxd":201
+          /* "cattention/_driver/schedule.pxd":208
  *                 if not row_is_finite(out_row, pb.d_v):
  *                     redone = scratch + out_row_offset(pb, b, i)
  *                     for c in range(pb.d_v):             # <<<<<<<<<<<<<<
@@ -47846,7 +49056,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
           for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
             __pyx_v_c = __pyx_t_13;
 
-            /* "cattention/_driver/schedule.pxd":202
+            /* "cattention/_driver/schedule.pxd":209
  *                     redone = scratch + out_row_offset(pb, b, i)
  *                     for c in range(pb.d_v):
  *                         out_row[c] = redone[c] * factor             # <<<<<<<<<<<<<<
@@ -47857,7 +49067,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
           }
 
 
-          /* "cattention/_driver/schedule.pxd":199
+          /* "cattention/_driver/schedule.pxd":206
  *             for i in range(entry_rows(pb, b)):
  *                 out_row = out + out_row_offset(pb, b, i)
  *                 if not row_is_finite(out_row, pb.d_v):             # <<<<<<<<<<<<<<
@@ -47870,7 +49080,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
     }
 
 
-    /* "cattention/_driver/schedule.pxd":195
+    /* "cattention/_driver/schedule.pxd":202
  *     pb.lse = lse
  *     factor = <floating>ldexp(1.0, shift)
  *     if status == 0:             # <<<<<<<<<<<<<<
@@ -47879,7 +49089,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":203
+  /* "cattention/_driver/schedule.pxd":210
  *                     for c in range(pb.d_v):
  *                         out_row[c] = redone[c] * factor
  *     free(scratch)             # <<<<<<<<<<<<<<
@@ -47888,7 +49098,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
 */
   free(__pyx_v_scratch);
 
-  /* "cattention/_driver/schedule.pxd":204
+  /* "cattention/_driver/schedule.pxd":211
  *                         out_row[c] = redone[c] * factor
  *     free(scratch)
  *     return status             # <<<<<<<<<<<<<<
@@ -47901,7 +49111,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_red
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":148
+  /* "cattention/_driver/schedule.pxd":155
  * 
  * 
  * cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -47956,7 +49166,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   Py_ssize_t __pyx_t_12;
   Py_ssize_t __pyx_t_13;
 
-  /* "cattention/_driver/schedule.pxd":163
+  /* "cattention/_driver/schedule.pxd":170
  *     run's bits. Returns 0, or -1 if memory ran out."""
  *     cdef Py_ssize_t b, i, c, n_rows, row_end
  *     cdef Py_ssize_t extent = 0             # <<<<<<<<<<<<<<
@@ -47965,7 +49175,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_extent = 0;
 
-  /* "cattention/_driver/schedule.pxd":164
+  /* "cattention/_driver/schedule.pxd":171
  *     cdef Py_ssize_t b, i, c, n_rows, row_end
  *     cdef Py_ssize_t extent = 0
  *     cdef int shift = 1             # <<<<<<<<<<<<<<
@@ -47974,7 +49184,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_shift = 1;
 
-  /* "cattention/_driver/schedule.pxd":166
+  /* "cattention/_driver/schedule.pxd":173
  *     cdef int shift = 1
  *     cdef int status
  *     cdef void *lse = pb.lse             # <<<<<<<<<<<<<<
@@ -47985,7 +49195,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 
   __pyx_v_lse = __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":171
+  /* "cattention/_driver/schedule.pxd":178
  *     cdef floating *redone
  *     cdef floating factor
  *     for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -47999,7 +49209,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_b = __pyx_t_4;
 
-    /* "cattention/_driver/schedule.pxd":172
+    /* "cattention/_driver/schedule.pxd":179
  *     cdef floating factor
  *     for b in range(pb.n_batch):
  *         n_rows = entry_rows(pb, b)             # <<<<<<<<<<<<<<
@@ -48008,7 +49218,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
     __pyx_v_n_rows = __pyx_f_10cattention_7_driver_7problem_entry_rows(__pyx_v_pb, __pyx_v_b);
 
-    /* "cattention/_driver/schedule.pxd":173
+    /* "cattention/_driver/schedule.pxd":180
  *     for b in range(pb.n_batch):
  *         n_rows = entry_rows(pb, b)
  *         if n_rows > 0:             # <<<<<<<<<<<<<<
@@ -48020,7 +49230,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
     if (__pyx_t_5) {
 
 
-      /* "cattention/_driver/schedule.pxd":174
+      /* "cattention/_driver/schedule.pxd":181
  *         n_rows = entry_rows(pb, b)
  *         if n_rows > 0:
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v             # <<<<<<<<<<<<<<
@@ -48029,7 +49239,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
       __pyx_v_row_end = (__pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, (__pyx_v_n_rows - 1)) + __pyx_v_pb->d_v);
 
-      /* "cattention/_driver/schedule.pxd":175
+      /* "cattention/_driver/schedule.pxd":182
  *         if n_rows > 0:
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
  *             if row_end > extent:             # <<<<<<<<<<<<<<
@@ -48041,7 +49251,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
       if (__pyx_t_5) {
 
 
-        /* "cattention/_driver/schedule.pxd":176
+        /* "cattention/_driver/schedule.pxd":183
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
  *             if row_end > extent:
  *                 extent = row_end             # <<<<<<<<<<<<<<
@@ -48050,7 +49260,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
         __pyx_v_extent = __pyx_v_row_end;
 
-        /* "cattention/_driver/schedule.pxd":175
+        /* "cattention/_driver/schedule.pxd":182
  *         if n_rows > 0:
  *             row_end = out_row_offset(pb, b, n_rows - 1) + pb.d_v
  *             if row_end > extent:             # <<<<<<<<<<<<<<
@@ -48059,7 +49269,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
       }
 
-      /* "cattention/_driver/schedule.pxd":173
+      /* "cattention/_driver/schedule.pxd":180
  *     for b in range(pb.n_batch):
  *         n_rows = entry_rows(pb, b)
  *         if n_rows > 0:             # <<<<<<<<<<<<<<
@@ -48070,7 +49280,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   }
 
 
-  /* "cattention/_driver/schedule.pxd":177
+  /* "cattention/_driver/schedule.pxd":184
  *             if row_end > extent:
  *                 extent = row_end
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)             # <<<<<<<<<<<<<<
@@ -48090,7 +49300,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   __pyx_v_scratch = ((double *)malloc(__pyx_t_6));
 
 
-  /* "cattention/_driver/schedule.pxd":178
+  /* "cattention/_driver/schedule.pxd":185
  *                 extent = row_end
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
  *     if scratch == NULL:             # <<<<<<<<<<<<<<
@@ -48102,7 +49312,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   if (__pyx_t_5) {
 
 
-    /* "cattention/_driver/schedule.pxd":179
+    /* "cattention/_driver/schedule.pxd":186
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
  *     if scratch == NULL:
  *         return -1             # <<<<<<<<<<<<<<
@@ -48115,7 +49325,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":178
+    /* "cattention/_driver/schedule.pxd":185
  *                 extent = row_end
  *     scratch = <floating *>malloc(extent * sizeof(floating) if extent > 0 else 1)
  *     if scratch == NULL:             # <<<<<<<<<<<<<<
@@ -48124,7 +49334,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":184
+  /* "cattention/_driver/schedule.pxd":191
  *     # 2^-127) stays above 0 up to 2^21 keys, so a key whose value is inf
  *     # still makes its row inf
  *     while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:             # <<<<<<<<<<<<<<
@@ -48151,7 +49361,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 
     if (!__pyx_t_5) break;
 
-    /* "cattention/_driver/schedule.pxd":185
+    /* "cattention/_driver/schedule.pxd":192
  *     # still makes its row inf
  *     while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:
  *         shift += 1             # <<<<<<<<<<<<<<
@@ -48161,7 +49371,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
     __pyx_v_shift = (__pyx_v_shift + 1);
   }
 
-  /* "cattention/_driver/schedule.pxd":186
+  /* "cattention/_driver/schedule.pxd":193
  *     while shift < 62 and (<Py_ssize_t>1 << shift) < 2 * pb.n_keys:
  *         shift += 1
  *     pb.weight_shift = shift             # <<<<<<<<<<<<<<
@@ -48170,7 +49380,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->weight_shift = __pyx_v_shift;
 
-  /* "cattention/_driver/schedule.pxd":187
+  /* "cattention/_driver/schedule.pxd":194
  *         shift += 1
  *     pb.weight_shift = shift
  *     pb.lse = NULL             # <<<<<<<<<<<<<<
@@ -48179,7 +49389,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->lse = NULL;
 
-  /* "cattention/_driver/schedule.pxd":188
+  /* "cattention/_driver/schedule.pxd":195
  *     pb.weight_shift = shift
  *     pb.lse = NULL
  *     if pb.direct:             # <<<<<<<<<<<<<<
@@ -48188,7 +49398,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   if (__pyx_v_pb->direct) {
 
-    /* "cattention/_driver/schedule.pxd":189
+    /* "cattention/_driver/schedule.pxd":196
  *     pb.lse = NULL
  *     if pb.direct:
  *         status = schedule_decode(pb, kern, n_threads, scratch)             # <<<<<<<<<<<<<<
@@ -48197,7 +49407,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
     __pyx_v_status = __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_schedule_decode(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_scratch);
 
-    /* "cattention/_driver/schedule.pxd":188
+    /* "cattention/_driver/schedule.pxd":195
  *     pb.weight_shift = shift
  *     pb.lse = NULL
  *     if pb.direct:             # <<<<<<<<<<<<<<
@@ -48207,7 +49417,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
     goto __pyx_L12;
   }
 
-  /* "cattention/_driver/schedule.pxd":191
+  /* "cattention/_driver/schedule.pxd":198
  *         status = schedule_decode(pb, kern, n_threads, scratch)
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)             # <<<<<<<<<<<<<<
@@ -48219,7 +49429,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   }
   __pyx_L12:;
 
-  /* "cattention/_driver/schedule.pxd":192
+  /* "cattention/_driver/schedule.pxd":199
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)
  *     pb.weight_shift = 0             # <<<<<<<<<<<<<<
@@ -48228,7 +49438,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->weight_shift = 0;
 
-  /* "cattention/_driver/schedule.pxd":193
+  /* "cattention/_driver/schedule.pxd":200
  *         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)
  *     pb.weight_shift = 0
  *     pb.lse = lse             # <<<<<<<<<<<<<<
@@ -48237,7 +49447,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_pb->lse = __pyx_v_lse;
 
-  /* "cattention/_driver/schedule.pxd":194
+  /* "cattention/_driver/schedule.pxd":201
  *     pb.weight_shift = 0
  *     pb.lse = lse
  *     factor = <floating>ldexp(1.0, shift)             # <<<<<<<<<<<<<<
@@ -48246,7 +49456,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   __pyx_v_factor = ((double)ldexp(1.0, __pyx_v_shift));
 
-  /* "cattention/_driver/schedule.pxd":195
+  /* "cattention/_driver/schedule.pxd":202
  *     pb.lse = lse
  *     factor = <floating>ldexp(1.0, shift)
  *     if status == 0:             # <<<<<<<<<<<<<<
@@ -48258,7 +49468,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   if (__pyx_t_5) {
 
 
-    /* "cattention/_driver/schedule.pxd":196
+    /* "cattention/_driver/schedule.pxd":203
  *     factor = <floating>ldexp(1.0, shift)
  *     if status == 0:
  *         for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -48272,7 +49482,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
     for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
       __pyx_v_b = __pyx_t_4;
 
-      /* "cattention/_driver/schedule.pxd":197
+      /* "cattention/_driver/schedule.pxd":204
  *     if status == 0:
  *         for b in range(pb.n_batch):
  *             for i in range(entry_rows(pb, b)):             # <<<<<<<<<<<<<<
@@ -48286,7 +49496,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
       for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
         __pyx_v_i = __pyx_t_10;
 
-        /* "cattention/_driver/schedule.pxd":198
+        /* "cattention/_driver/schedule.pxd":205
  *         for b in range(pb.n_batch):
  *             for i in range(entry_rows(pb, b)):
  *                 out_row = out + out_row_offset(pb, b, i)             # <<<<<<<<<<<<<<
@@ -48295,7 +49505,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
         __pyx_v_out_row = (__pyx_v_out + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, __pyx_v_i));
 
-        /* "cattention/_driver/schedule.pxd":199
+        /* "cattention/_driver/schedule.pxd":206
  *             for i in range(entry_rows(pb, b)):
  *                 out_row = out + out_row_offset(pb, b, i)
  *                 if not row_is_finite(out_row, pb.d_v):             # <<<<<<<<<<<<<<
@@ -48307,7 +49517,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
         if (__pyx_t_5) {
 
 
-          /* "cattention/_driver/schedule.pxd":200
+          /* "cattention/_driver/schedule.pxd":207
  *                 out_row = out + out_row_offset(pb, b, i)
  *                 if not row_is_finite(out_row, pb.d_v):
  *                     redone = scratch + out_row_offset(pb, b, i)             # <<<<<<<<<<<<<<
@@ -48316,7 +49526,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
           __pyx_v_redone = (__pyx_v_scratch + __pyx_f_10cattention_7_driver_7problem_out_row_offset(__pyx_v_pb, __pyx_v_b, __pyx_v_i));
 
-          /* "cattention/_driver/schedule.pxd":201
+          /* "cattention/_driver/schedule.pxd":208
  *                 if not row_is_finite(out_row, pb.d_v):
  *                     redone = scratch + out_row_offset(pb, b, i)
  *                     for c in range(pb.d_v):             # <<<<<<<<<<<<<<
@@ -48330,7 +49540,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
           for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
             __pyx_v_c = __pyx_t_13;
 
-            /* "cattention/_driver/schedule.pxd":202
+            /* "cattention/_driver/schedule.pxd":209
  *                     redone = scratch + out_row_offset(pb, b, i)
  *                     for c in range(pb.d_v):
  *                         out_row[c] = redone[c] * factor             # <<<<<<<<<<<<<<
@@ -48341,7 +49551,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
           }
 
 
-          /* "cattention/_driver/schedule.pxd":199
+          /* "cattention/_driver/schedule.pxd":206
  *             for i in range(entry_rows(pb, b)):
  *                 out_row = out + out_row_offset(pb, b, i)
  *                 if not row_is_finite(out_row, pb.d_v):             # <<<<<<<<<<<<<<
@@ -48354,7 +49564,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
     }
 
 
-    /* "cattention/_driver/schedule.pxd":195
+    /* "cattention/_driver/schedule.pxd":202
  *     pb.lse = lse
  *     factor = <floating>ldexp(1.0, shift)
  *     if status == 0:             # <<<<<<<<<<<<<<
@@ -48363,7 +49573,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":203
+  /* "cattention/_driver/schedule.pxd":210
  *                     for c in range(pb.d_v):
  *                         out_row[c] = redone[c] * factor
  *     free(scratch)             # <<<<<<<<<<<<<<
@@ -48372,7 +49582,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
 */
   free(__pyx_v_scratch);
 
-  /* "cattention/_driver/schedule.pxd":204
+  /* "cattention/_driver/schedule.pxd":211
  *                         out_row[c] = redone[c] * factor
  *     free(scratch)
  *     return status             # <<<<<<<<<<<<<<
@@ -48385,7 +49595,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":148
+  /* "cattention/_driver/schedule.pxd":155
  * 
  * 
  * cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -48411,7 +49621,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_red
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":207
+/* "cattention/_driver/schedule.pxd":214
  * 
  * 
  * cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -48429,10 +49639,13 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   int __pyx_r;
   int __pyx_t_1;
   int __pyx_t_2;
-  int *__pyx_t_3;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  Py_ssize_t __pyx_t_5;
+  int *__pyx_t_6;
 
 
-  /* "cattention/_driver/schedule.pxd":211
+  /* "cattention/_driver/schedule.pxd":218
  *     """Returns 0, or -1 if memory ran out."""
  *     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
  *                          * (pb.d_k + pb.d_v + 1))             # <<<<<<<<<<<<<<
@@ -48441,7 +49654,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_flops = ((((2.0 * __pyx_v_pb->n_batch) * __pyx_v_pb->n_queries) * __pyx_v_pb->n_keys) * ((__pyx_v_pb->d_k + __pyx_v_pb->d_v) + 1));
 
-  /* "cattention/_driver/schedule.pxd":213
+  /* "cattention/_driver/schedule.pxd":220
  *                          * (pb.d_k + pb.d_v + 1))
  *     cdef int n_procs
  *     cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock             # <<<<<<<<<<<<<<
@@ -48450,7 +49663,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_team_rule = (__pyx_v_n_threads > 1);
 
-  /* "cattention/_driver/schedule.pxd":214
+  /* "cattention/_driver/schedule.pxd":221
  *     cdef int n_procs
  *     cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -48462,7 +49675,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":216
+    /* "cattention/_driver/schedule.pxd":223
  *     if ca_forked_after_parallel():
  *         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
  *         n_threads = 1             # <<<<<<<<<<<<<<
@@ -48471,7 +49684,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_threads = 1;
 
-    /* "cattention/_driver/schedule.pxd":214
+    /* "cattention/_driver/schedule.pxd":221
  *     cdef int n_procs
  *     cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -48480,7 +49693,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":217
+  /* "cattention/_driver/schedule.pxd":224
  *         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
  *         n_threads = 1
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:             # <<<<<<<<<<<<<<
@@ -48506,7 +49719,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":218
+    /* "cattention/_driver/schedule.pxd":225
  *         n_threads = 1
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)             # <<<<<<<<<<<<<<
@@ -48515,7 +49728,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_threads = ((int)(__pyx_v_flops / ((double)__pyx_e_10cattention_7_driver_7problem_MIN_FLOPS_PER_THREAD)));
 
-    /* "cattention/_driver/schedule.pxd":219
+    /* "cattention/_driver/schedule.pxd":226
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
  *         if n_threads < 1:             # <<<<<<<<<<<<<<
@@ -48527,7 +49740,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":220
+      /* "cattention/_driver/schedule.pxd":227
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
  *         if n_threads < 1:
  *             n_threads = 1             # <<<<<<<<<<<<<<
@@ -48536,7 +49749,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
       __pyx_v_n_threads = 1;
 
-      /* "cattention/_driver/schedule.pxd":219
+      /* "cattention/_driver/schedule.pxd":226
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
  *         if n_threads < 1:             # <<<<<<<<<<<<<<
@@ -48545,7 +49758,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":217
+    /* "cattention/_driver/schedule.pxd":224
  *         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
  *         n_threads = 1
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:             # <<<<<<<<<<<<<<
@@ -48554,7 +49767,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":221
+  /* "cattention/_driver/schedule.pxd":228
  *         if n_threads < 1:
  *             n_threads = 1
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -48566,7 +49779,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":225
+    /* "cattention/_driver/schedule.pxd":232
  *         # turns on them, each with its own stack (thousands of threads can
  *         # exhaust the address space, and the OpenMP runtime then aborts)
  *         n_procs = omp_get_num_procs()             # <<<<<<<<<<<<<<
@@ -48575,7 +49788,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_procs = omp_get_num_procs();
 
-    /* "cattention/_driver/schedule.pxd":226
+    /* "cattention/_driver/schedule.pxd":233
  *         # exhaust the address space, and the OpenMP runtime then aborts)
  *         n_procs = omp_get_num_procs()
  *         if n_threads > n_procs:             # <<<<<<<<<<<<<<
@@ -48587,7 +49800,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":227
+      /* "cattention/_driver/schedule.pxd":234
  *         n_procs = omp_get_num_procs()
  *         if n_threads > n_procs:
  *             n_threads = n_procs             # <<<<<<<<<<<<<<
@@ -48596,7 +49809,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
       __pyx_v_n_threads = __pyx_v_n_procs;
 
-      /* "cattention/_driver/schedule.pxd":226
+      /* "cattention/_driver/schedule.pxd":233
  *         # exhaust the address space, and the OpenMP runtime then aborts)
  *         n_procs = omp_get_num_procs()
  *         if n_threads > n_procs:             # <<<<<<<<<<<<<<
@@ -48605,7 +49818,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":221
+    /* "cattention/_driver/schedule.pxd":228
  *         if n_threads < 1:
  *             n_threads = 1
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -48614,7 +49827,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":228
+  /* "cattention/_driver/schedule.pxd":235
  *         if n_threads > n_procs:
  *             n_threads = n_procs
  *     pb.itemsize = sizeof(floating)             # <<<<<<<<<<<<<<
@@ -48623,7 +49836,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_pb->itemsize = (sizeof(float));
 
-  /* "cattention/_driver/schedule.pxd":229
+  /* "cattention/_driver/schedule.pxd":236
  *             n_threads = n_procs
  *     pb.itemsize = sizeof(floating)
  *     pb.kern = kern             # <<<<<<<<<<<<<<
@@ -48632,25 +49845,219 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_pb->kern = __pyx_v_kern;
 
-  /* "cattention/_driver/schedule.pxd":231
+  /* "cattention/_driver/schedule.pxd":238
  *     pb.kern = kern
  *     # the path depends on the shape alone, never on the layout or threads
  *     pb.direct = pb.n_queries <= DIRECT_ROWS             # <<<<<<<<<<<<<<
- *     cdef double kv_bytes = 0
- *     cdef int status
+ *     # bfloat16 q and K (V) on a table with bfloat16 tiles: the packed path
+ *     # multiplies them as they are (decode reads its rows in place); packed
 */
   __pyx_v_pb->direct = (__pyx_v_pb->n_queries <= __pyx_e_10cattention_7_driver_7problem_DIRECT_ROWS);
 
-  /* "cattention/_driver/schedule.pxd":232
- *     # the path depends on the shape alone, never on the layout or threads
- *     pb.direct = pb.n_queries <= DIRECT_ROWS
+  /* "cattention/_driver/schedule.pxd":242
+ *     # multiplies them as they are (decode reads its rows in place); packed
+ *     # K^T rows and query rows hold the padded pairs
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+*/
+  if (1) {
+  } else {
+
+    __pyx_t_1 = 1;
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_2 = (!__pyx_v_pb->direct);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+
+  /* "cattention/_driver/schedule.pxd":243
+ *     # K^T rows and query rows hold the padded pairs
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16             # <<<<<<<<<<<<<<
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+*/
+  __pyx_t_2 = (__pyx_v_kern->score_bf16 != NULL);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->q.storage == __pyx_e_10cattention_7_driver_7problem_STORE_BF16);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+
+  /* "cattention/_driver/schedule.pxd":244
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)             # <<<<<<<<<<<<<<
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+*/
+  __pyx_t_2 = (__pyx_v_pb->k.storage == __pyx_e_10cattention_7_driver_7problem_STORE_BF16);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->d_k > 0);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L10_bool_binop_done:;
+
+  /* "cattention/_driver/schedule.pxd":242
+ *     # multiplies them as they are (decode reads its rows in place); packed
+ *     # K^T rows and query rows hold the padded pairs
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+*/
+  __pyx_v_pb->bf16_score = __pyx_t_1;
+
+  /* "cattention/_driver/schedule.pxd":245
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:
+*/
+  if (1) {
+  } else {
+
+    __pyx_t_1 = 1;
+    goto __pyx_L16_bool_binop_done;
+  }
+  __pyx_t_2 = (!__pyx_v_pb->direct);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L16_bool_binop_done;
+  }
+
+  /* "cattention/_driver/schedule.pxd":246
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)             # <<<<<<<<<<<<<<
+ *     if pb.bf16_score:
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
+*/
+  __pyx_t_2 = (__pyx_v_kern->pv_bf16 != NULL);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L16_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->v.storage == __pyx_e_10cattention_7_driver_7problem_STORE_BF16);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L16_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->d_v > 0);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L16_bool_binop_done:;
+
+  /* "cattention/_driver/schedule.pxd":245
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:
+*/
+  __pyx_v_pb->bf16_pv = __pyx_t_1;
+
+  /* "cattention/_driver/schedule.pxd":247
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
+ *     cdef double kv_bytes = 0
+*/
+  if (__pyx_v_pb->bf16_score) {
+
+    /* "cattention/_driver/schedule.pxd":248
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)             # <<<<<<<<<<<<<<
+ *     cdef double kv_bytes = 0
+ *     cdef int status
+*/
+
+    __pyx_t_3 = (__pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_pb->d_k, __pyx_v_kern->bf16_k_align) / 2);
+
+    __pyx_t_4 = __pyx_v_pb->ld_k;
+    __pyx_t_1 = (__pyx_t_3 > __pyx_t_4);
+
+    if (__pyx_t_1) {
+
+      __pyx_t_5 = __pyx_t_3;
+    } else {
+
+      __pyx_t_5 = __pyx_t_4;
+    }
+
+    __pyx_v_pb->ld_k = __pyx_t_5;
+
+
+    /* "cattention/_driver/schedule.pxd":247
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
+ *     cdef double kv_bytes = 0
+*/
+  }
+
+  /* "cattention/_driver/schedule.pxd":249
+ *     if pb.bf16_score:
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
  *     cdef double kv_bytes = 0             # <<<<<<<<<<<<<<
  *     cdef int status
  *     if n_threads > 1:
 */
   __pyx_v_kv_bytes = 0.0;
 
-  /* "cattention/_driver/schedule.pxd":234
+  /* "cattention/_driver/schedule.pxd":251
  *     cdef double kv_bytes = 0
  *     cdef int status
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -48662,7 +50069,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":235
+    /* "cattention/_driver/schedule.pxd":252
  *     cdef int status
  *     if n_threads > 1:
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -48671,7 +50078,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     if (__pyx_v_pb->direct) {
 
-      /* "cattention/_driver/schedule.pxd":238
+      /* "cattention/_driver/schedule.pxd":255
  *             # a decode step streams its K and V from memory
  *             kv_bytes = (<double>pb.n_kv * pb.n_keys
  *                         * (pb.d_k * operand_itemsize(pb, &pb.k)             # <<<<<<<<<<<<<<
@@ -48680,7 +50087,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
       __pyx_v_kv_bytes = ((((double)__pyx_v_pb->n_kv) * __pyx_v_pb->n_keys) * ((__pyx_v_pb->d_k * __pyx_f_10cattention_7_driver_8operands_operand_itemsize(__pyx_v_pb, (&__pyx_v_pb->k))) + (__pyx_v_pb->d_v * __pyx_f_10cattention_7_driver_8operands_operand_itemsize(__pyx_v_pb, (&__pyx_v_pb->v)))));
 
-      /* "cattention/_driver/schedule.pxd":235
+      /* "cattention/_driver/schedule.pxd":252
  *     cdef int status
  *     if n_threads > 1:
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -48689,7 +50096,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":240
+    /* "cattention/_driver/schedule.pxd":257
  *                         * (pb.d_k * operand_itemsize(pb, &pb.k)
  *                            + pb.d_v * operand_itemsize(pb, &pb.v)))
  *         n_threads = ca_team_size(             # <<<<<<<<<<<<<<
@@ -48698,7 +50105,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_threads = ca_team_size(__pyx_v_n_threads, (((__pyx_v_flops * ((sizeof(float)) / 4)) / CA_TEAM_FLOPS_PER_NS) + (__pyx_v_kv_bytes / CA_TEAM_BYTES_PER_NS)));
 
-    /* "cattention/_driver/schedule.pxd":234
+    /* "cattention/_driver/schedule.pxd":251
  *     cdef double kv_bytes = 0
  *     cdef int status
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -48707,7 +50114,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":243
+  /* "cattention/_driver/schedule.pxd":260
  *             n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
  *             + kv_bytes / CA_TEAM_BYTES_PER_NS)
  *     cdef int nonfinite_out = 0             # <<<<<<<<<<<<<<
@@ -48716,7 +50123,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_nonfinite_out = 0;
 
-  /* "cattention/_driver/schedule.pxd":246
+  /* "cattention/_driver/schedule.pxd":263
  *     # with SCORES, ATTN is SCORES . V, weights that sum to 1: no sum of
  *     # weighted values passes max |V|
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL             # <<<<<<<<<<<<<<
@@ -48727,15 +50134,15 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 
   if (__pyx_t_1) {
 
-    __pyx_t_3 = (&__pyx_v_nonfinite_out);
+    __pyx_t_6 = (&__pyx_v_nonfinite_out);
   } else {
 
-    __pyx_t_3 = NULL;
+    __pyx_t_6 = NULL;
   }
 
-  __pyx_v_pb->nonfinite_out = __pyx_t_3;
+  __pyx_v_pb->nonfinite_out = __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":247
+  /* "cattention/_driver/schedule.pxd":264
  *     # weighted values passes max |V|
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
  *     if scores == NULL and pb.direct:             # <<<<<<<<<<<<<<
@@ -48750,15 +50157,15 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L13_bool_binop_done;
+    goto __pyx_L25_bool_binop_done;
   }
 
   __pyx_t_1 = __pyx_v_pb->direct;
-  __pyx_L13_bool_binop_done:;
+  __pyx_L25_bool_binop_done:;
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":248
+    /* "cattention/_driver/schedule.pxd":265
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
  *     if scores == NULL and pb.direct:
  *         status = schedule_decode(pb, kern, n_threads, out)             # <<<<<<<<<<<<<<
@@ -48767,17 +50174,17 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_status = __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_schedule_decode(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_out);
 
-    /* "cattention/_driver/schedule.pxd":247
+    /* "cattention/_driver/schedule.pxd":264
  *     # weighted values passes max |V|
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
  *     if scores == NULL and pb.direct:             # <<<<<<<<<<<<<<
  *         status = schedule_decode(pb, kern, n_threads, out)
  *     else:
 */
-    goto __pyx_L12;
+    goto __pyx_L24;
   }
 
-  /* "cattention/_driver/schedule.pxd":250
+  /* "cattention/_driver/schedule.pxd":267
  *         status = schedule_decode(pb, kern, n_threads, out)
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, out, scores)             # <<<<<<<<<<<<<<
@@ -48787,9 +50194,9 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   /*else*/ {
     __pyx_v_status = __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_schedule_packed(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_out, __pyx_v_scores);
   }
-  __pyx_L12:;
+  __pyx_L24:;
 
-  /* "cattention/_driver/schedule.pxd":251
+  /* "cattention/_driver/schedule.pxd":268
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, out, scores)
  *     pb.nonfinite_out = NULL             # <<<<<<<<<<<<<<
@@ -48798,7 +50205,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_pb->nonfinite_out = NULL;
 
-  /* "cattention/_driver/schedule.pxd":252
+  /* "cattention/_driver/schedule.pxd":269
  *         status = schedule_packed(pb, kern, n_threads, out, scores)
  *     pb.nonfinite_out = NULL
  *     if status == 0 and nonfinite_out:             # <<<<<<<<<<<<<<
@@ -48813,18 +50220,18 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L16_bool_binop_done;
+    goto __pyx_L28_bool_binop_done;
   }
   __pyx_t_2 = (__pyx_v_nonfinite_out != 0);
 
 
   __pyx_t_1 = __pyx_t_2;
 
-  __pyx_L16_bool_binop_done:;
+  __pyx_L28_bool_binop_done:;
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":253
+    /* "cattention/_driver/schedule.pxd":270
  *     pb.nonfinite_out = NULL
  *     if status == 0 and nonfinite_out:
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)             # <<<<<<<<<<<<<<
@@ -48833,7 +50240,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_status = __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_redo_rows_beyond_range(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_out);
 
-    /* "cattention/_driver/schedule.pxd":252
+    /* "cattention/_driver/schedule.pxd":269
  *         status = schedule_packed(pb, kern, n_threads, out, scores)
  *     pb.nonfinite_out = NULL
  *     if status == 0 and nonfinite_out:             # <<<<<<<<<<<<<<
@@ -48842,7 +50249,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":254
+  /* "cattention/_driver/schedule.pxd":271
  *     if status == 0 and nonfinite_out:
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)
  *     if team_rule:             # <<<<<<<<<<<<<<
@@ -48851,7 +50258,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   if (__pyx_v_team_rule) {
 
-    /* "cattention/_driver/schedule.pxd":255
+    /* "cattention/_driver/schedule.pxd":272
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)
  *     if team_rule:
  *         ca_team_call_ended()             # <<<<<<<<<<<<<<
@@ -48860,7 +50267,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
     ca_team_call_ended();
 
-    /* "cattention/_driver/schedule.pxd":254
+    /* "cattention/_driver/schedule.pxd":271
  *     if status == 0 and nonfinite_out:
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)
  *     if team_rule:             # <<<<<<<<<<<<<<
@@ -48869,7 +50276,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":256
+  /* "cattention/_driver/schedule.pxd":273
  *     if team_rule:
  *         ca_team_call_ended()
  *     return status             # <<<<<<<<<<<<<<
@@ -48882,7 +50289,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_com
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":207
+  /* "cattention/_driver/schedule.pxd":214
  * 
  * 
  * cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -48912,10 +50319,13 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   int __pyx_r;
   int __pyx_t_1;
   int __pyx_t_2;
-  int *__pyx_t_3;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  Py_ssize_t __pyx_t_5;
+  int *__pyx_t_6;
 
 
-  /* "cattention/_driver/schedule.pxd":211
+  /* "cattention/_driver/schedule.pxd":218
  *     """Returns 0, or -1 if memory ran out."""
  *     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
  *                          * (pb.d_k + pb.d_v + 1))             # <<<<<<<<<<<<<<
@@ -48924,7 +50334,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_flops = ((((2.0 * __pyx_v_pb->n_batch) * __pyx_v_pb->n_queries) * __pyx_v_pb->n_keys) * ((__pyx_v_pb->d_k + __pyx_v_pb->d_v) + 1));
 
-  /* "cattention/_driver/schedule.pxd":213
+  /* "cattention/_driver/schedule.pxd":220
  *                          * (pb.d_k + pb.d_v + 1))
  *     cdef int n_procs
  *     cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock             # <<<<<<<<<<<<<<
@@ -48933,7 +50343,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_team_rule = (__pyx_v_n_threads > 1);
 
-  /* "cattention/_driver/schedule.pxd":214
+  /* "cattention/_driver/schedule.pxd":221
  *     cdef int n_procs
  *     cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -48945,7 +50355,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":216
+    /* "cattention/_driver/schedule.pxd":223
  *     if ca_forked_after_parallel():
  *         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
  *         n_threads = 1             # <<<<<<<<<<<<<<
@@ -48954,7 +50364,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_threads = 1;
 
-    /* "cattention/_driver/schedule.pxd":214
+    /* "cattention/_driver/schedule.pxd":221
  *     cdef int n_procs
  *     cdef bint team_rule = n_threads > 1   # a call given one thread reads no clock
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -48963,7 +50373,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":217
+  /* "cattention/_driver/schedule.pxd":224
  *         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
  *         n_threads = 1
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:             # <<<<<<<<<<<<<<
@@ -48989,7 +50399,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":218
+    /* "cattention/_driver/schedule.pxd":225
  *         n_threads = 1
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)             # <<<<<<<<<<<<<<
@@ -48998,7 +50408,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_threads = ((int)(__pyx_v_flops / ((double)__pyx_e_10cattention_7_driver_7problem_MIN_FLOPS_PER_THREAD)));
 
-    /* "cattention/_driver/schedule.pxd":219
+    /* "cattention/_driver/schedule.pxd":226
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
  *         if n_threads < 1:             # <<<<<<<<<<<<<<
@@ -49010,7 +50420,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":220
+      /* "cattention/_driver/schedule.pxd":227
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
  *         if n_threads < 1:
  *             n_threads = 1             # <<<<<<<<<<<<<<
@@ -49019,7 +50429,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
       __pyx_v_n_threads = 1;
 
-      /* "cattention/_driver/schedule.pxd":219
+      /* "cattention/_driver/schedule.pxd":226
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:
  *         n_threads = <int>(flops / MIN_FLOPS_PER_THREAD)
  *         if n_threads < 1:             # <<<<<<<<<<<<<<
@@ -49028,7 +50438,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":217
+    /* "cattention/_driver/schedule.pxd":224
  *         # GNU OpenMP would wait forever for the parent's threads (src/fork_safety.c)
  *         n_threads = 1
  *     if n_threads > 1 and flops < n_threads * <double>MIN_FLOPS_PER_THREAD:             # <<<<<<<<<<<<<<
@@ -49037,7 +50447,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":221
+  /* "cattention/_driver/schedule.pxd":228
  *         if n_threads < 1:
  *             n_threads = 1
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -49049,7 +50459,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":225
+    /* "cattention/_driver/schedule.pxd":232
  *         # turns on them, each with its own stack (thousands of threads can
  *         # exhaust the address space, and the OpenMP runtime then aborts)
  *         n_procs = omp_get_num_procs()             # <<<<<<<<<<<<<<
@@ -49058,7 +50468,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_procs = omp_get_num_procs();
 
-    /* "cattention/_driver/schedule.pxd":226
+    /* "cattention/_driver/schedule.pxd":233
  *         # exhaust the address space, and the OpenMP runtime then aborts)
  *         n_procs = omp_get_num_procs()
  *         if n_threads > n_procs:             # <<<<<<<<<<<<<<
@@ -49070,7 +50480,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":227
+      /* "cattention/_driver/schedule.pxd":234
  *         n_procs = omp_get_num_procs()
  *         if n_threads > n_procs:
  *             n_threads = n_procs             # <<<<<<<<<<<<<<
@@ -49079,7 +50489,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
       __pyx_v_n_threads = __pyx_v_n_procs;
 
-      /* "cattention/_driver/schedule.pxd":226
+      /* "cattention/_driver/schedule.pxd":233
  *         # exhaust the address space, and the OpenMP runtime then aborts)
  *         n_procs = omp_get_num_procs()
  *         if n_threads > n_procs:             # <<<<<<<<<<<<<<
@@ -49088,7 +50498,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":221
+    /* "cattention/_driver/schedule.pxd":228
  *         if n_threads < 1:
  *             n_threads = 1
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -49097,7 +50507,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":228
+  /* "cattention/_driver/schedule.pxd":235
  *         if n_threads > n_procs:
  *             n_threads = n_procs
  *     pb.itemsize = sizeof(floating)             # <<<<<<<<<<<<<<
@@ -49106,7 +50516,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_pb->itemsize = (sizeof(double));
 
-  /* "cattention/_driver/schedule.pxd":229
+  /* "cattention/_driver/schedule.pxd":236
  *             n_threads = n_procs
  *     pb.itemsize = sizeof(floating)
  *     pb.kern = kern             # <<<<<<<<<<<<<<
@@ -49115,25 +50525,219 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_pb->kern = __pyx_v_kern;
 
-  /* "cattention/_driver/schedule.pxd":231
+  /* "cattention/_driver/schedule.pxd":238
  *     pb.kern = kern
  *     # the path depends on the shape alone, never on the layout or threads
  *     pb.direct = pb.n_queries <= DIRECT_ROWS             # <<<<<<<<<<<<<<
- *     cdef double kv_bytes = 0
- *     cdef int status
+ *     # bfloat16 q and K (V) on a table with bfloat16 tiles: the packed path
+ *     # multiplies them as they are (decode reads its rows in place); packed
 */
   __pyx_v_pb->direct = (__pyx_v_pb->n_queries <= __pyx_e_10cattention_7_driver_7problem_DIRECT_ROWS);
 
-  /* "cattention/_driver/schedule.pxd":232
- *     # the path depends on the shape alone, never on the layout or threads
- *     pb.direct = pb.n_queries <= DIRECT_ROWS
+  /* "cattention/_driver/schedule.pxd":242
+ *     # multiplies them as they are (decode reads its rows in place); packed
+ *     # K^T rows and query rows hold the padded pairs
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+*/
+  if (0) {
+  } else {
+
+    __pyx_t_1 = 0;
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_2 = (!__pyx_v_pb->direct);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+
+  /* "cattention/_driver/schedule.pxd":243
+ *     # K^T rows and query rows hold the padded pairs
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16             # <<<<<<<<<<<<<<
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+*/
+  __pyx_t_2 = (__pyx_v_kern->score_bf16 != NULL);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->q.storage == __pyx_e_10cattention_7_driver_7problem_STORE_BF16);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+
+  /* "cattention/_driver/schedule.pxd":244
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)             # <<<<<<<<<<<<<<
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+*/
+  __pyx_t_2 = (__pyx_v_pb->k.storage == __pyx_e_10cattention_7_driver_7problem_STORE_BF16);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L10_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->d_k > 0);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L10_bool_binop_done:;
+
+  /* "cattention/_driver/schedule.pxd":242
+ *     # multiplies them as they are (decode reads its rows in place); packed
+ *     # K^T rows and query rows hold the padded pairs
+ *     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+*/
+  __pyx_v_pb->bf16_score = __pyx_t_1;
+
+  /* "cattention/_driver/schedule.pxd":245
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:
+*/
+  if (0) {
+  } else {
+
+    __pyx_t_1 = 0;
+    goto __pyx_L16_bool_binop_done;
+  }
+  __pyx_t_2 = (!__pyx_v_pb->direct);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L16_bool_binop_done;
+  }
+
+  /* "cattention/_driver/schedule.pxd":246
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)             # <<<<<<<<<<<<<<
+ *     if pb.bf16_score:
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
+*/
+  __pyx_t_2 = (__pyx_v_kern->pv_bf16 != NULL);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L16_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->v.storage == __pyx_e_10cattention_7_driver_7problem_STORE_BF16);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L16_bool_binop_done;
+  }
+  __pyx_t_2 = (__pyx_v_pb->d_v > 0);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L16_bool_binop_done:;
+
+  /* "cattention/_driver/schedule.pxd":245
+ *                      and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+ *                      and pb.d_k > 0)
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL             # <<<<<<<<<<<<<<
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:
+*/
+  __pyx_v_pb->bf16_pv = __pyx_t_1;
+
+  /* "cattention/_driver/schedule.pxd":247
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
+ *     cdef double kv_bytes = 0
+*/
+  if (__pyx_v_pb->bf16_score) {
+
+    /* "cattention/_driver/schedule.pxd":248
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)             # <<<<<<<<<<<<<<
+ *     cdef double kv_bytes = 0
+ *     cdef int status
+*/
+
+    __pyx_t_3 = (__pyx_f_10cattention_7_driver_7problem_round_up(__pyx_v_pb->d_k, __pyx_v_kern->bf16_k_align) / 2);
+
+    __pyx_t_4 = __pyx_v_pb->ld_k;
+    __pyx_t_1 = (__pyx_t_3 > __pyx_t_4);
+
+    if (__pyx_t_1) {
+
+      __pyx_t_5 = __pyx_t_3;
+    } else {
+
+      __pyx_t_5 = __pyx_t_4;
+    }
+
+    __pyx_v_pb->ld_k = __pyx_t_5;
+
+
+    /* "cattention/_driver/schedule.pxd":247
+ *     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+ *                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+ *     if pb.bf16_score:             # <<<<<<<<<<<<<<
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
+ *     cdef double kv_bytes = 0
+*/
+  }
+
+  /* "cattention/_driver/schedule.pxd":249
+ *     if pb.bf16_score:
+ *         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
  *     cdef double kv_bytes = 0             # <<<<<<<<<<<<<<
  *     cdef int status
  *     if n_threads > 1:
 */
   __pyx_v_kv_bytes = 0.0;
 
-  /* "cattention/_driver/schedule.pxd":234
+  /* "cattention/_driver/schedule.pxd":251
  *     cdef double kv_bytes = 0
  *     cdef int status
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -49145,7 +50749,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":235
+    /* "cattention/_driver/schedule.pxd":252
  *     cdef int status
  *     if n_threads > 1:
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -49154,7 +50758,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     if (__pyx_v_pb->direct) {
 
-      /* "cattention/_driver/schedule.pxd":238
+      /* "cattention/_driver/schedule.pxd":255
  *             # a decode step streams its K and V from memory
  *             kv_bytes = (<double>pb.n_kv * pb.n_keys
  *                         * (pb.d_k * operand_itemsize(pb, &pb.k)             # <<<<<<<<<<<<<<
@@ -49163,7 +50767,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
       __pyx_v_kv_bytes = ((((double)__pyx_v_pb->n_kv) * __pyx_v_pb->n_keys) * ((__pyx_v_pb->d_k * __pyx_f_10cattention_7_driver_8operands_operand_itemsize(__pyx_v_pb, (&__pyx_v_pb->k))) + (__pyx_v_pb->d_v * __pyx_f_10cattention_7_driver_8operands_operand_itemsize(__pyx_v_pb, (&__pyx_v_pb->v)))));
 
-      /* "cattention/_driver/schedule.pxd":235
+      /* "cattention/_driver/schedule.pxd":252
  *     cdef int status
  *     if n_threads > 1:
  *         if pb.direct:             # <<<<<<<<<<<<<<
@@ -49172,7 +50776,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":240
+    /* "cattention/_driver/schedule.pxd":257
  *                         * (pb.d_k * operand_itemsize(pb, &pb.k)
  *                            + pb.d_v * operand_itemsize(pb, &pb.v)))
  *         n_threads = ca_team_size(             # <<<<<<<<<<<<<<
@@ -49181,7 +50785,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_n_threads = ca_team_size(__pyx_v_n_threads, (((__pyx_v_flops * ((sizeof(double)) / 4)) / CA_TEAM_FLOPS_PER_NS) + (__pyx_v_kv_bytes / CA_TEAM_BYTES_PER_NS)));
 
-    /* "cattention/_driver/schedule.pxd":234
+    /* "cattention/_driver/schedule.pxd":251
  *     cdef double kv_bytes = 0
  *     cdef int status
  *     if n_threads > 1:             # <<<<<<<<<<<<<<
@@ -49190,7 +50794,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":243
+  /* "cattention/_driver/schedule.pxd":260
  *             n_threads, flops * (sizeof(floating) // 4) / CA_TEAM_FLOPS_PER_NS
  *             + kv_bytes / CA_TEAM_BYTES_PER_NS)
  *     cdef int nonfinite_out = 0             # <<<<<<<<<<<<<<
@@ -49199,7 +50803,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_nonfinite_out = 0;
 
-  /* "cattention/_driver/schedule.pxd":246
+  /* "cattention/_driver/schedule.pxd":263
  *     # with SCORES, ATTN is SCORES . V, weights that sum to 1: no sum of
  *     # weighted values passes max |V|
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL             # <<<<<<<<<<<<<<
@@ -49210,15 +50814,15 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 
   if (__pyx_t_1) {
 
-    __pyx_t_3 = (&__pyx_v_nonfinite_out);
+    __pyx_t_6 = (&__pyx_v_nonfinite_out);
   } else {
 
-    __pyx_t_3 = NULL;
+    __pyx_t_6 = NULL;
   }
 
-  __pyx_v_pb->nonfinite_out = __pyx_t_3;
+  __pyx_v_pb->nonfinite_out = __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":247
+  /* "cattention/_driver/schedule.pxd":264
  *     # weighted values passes max |V|
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
  *     if scores == NULL and pb.direct:             # <<<<<<<<<<<<<<
@@ -49233,15 +50837,15 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L13_bool_binop_done;
+    goto __pyx_L25_bool_binop_done;
   }
 
   __pyx_t_1 = __pyx_v_pb->direct;
-  __pyx_L13_bool_binop_done:;
+  __pyx_L25_bool_binop_done:;
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":248
+    /* "cattention/_driver/schedule.pxd":265
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
  *     if scores == NULL and pb.direct:
  *         status = schedule_decode(pb, kern, n_threads, out)             # <<<<<<<<<<<<<<
@@ -49250,17 +50854,17 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_status = __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_schedule_decode(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_out);
 
-    /* "cattention/_driver/schedule.pxd":247
+    /* "cattention/_driver/schedule.pxd":264
  *     # weighted values passes max |V|
  *     pb.nonfinite_out = &nonfinite_out if scores == NULL else NULL
  *     if scores == NULL and pb.direct:             # <<<<<<<<<<<<<<
  *         status = schedule_decode(pb, kern, n_threads, out)
  *     else:
 */
-    goto __pyx_L12;
+    goto __pyx_L24;
   }
 
-  /* "cattention/_driver/schedule.pxd":250
+  /* "cattention/_driver/schedule.pxd":267
  *         status = schedule_decode(pb, kern, n_threads, out)
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, out, scores)             # <<<<<<<<<<<<<<
@@ -49270,9 +50874,9 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   /*else*/ {
     __pyx_v_status = __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_schedule_packed(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_out, __pyx_v_scores);
   }
-  __pyx_L12:;
+  __pyx_L24:;
 
-  /* "cattention/_driver/schedule.pxd":251
+  /* "cattention/_driver/schedule.pxd":268
  *     else:
  *         status = schedule_packed(pb, kern, n_threads, out, scores)
  *     pb.nonfinite_out = NULL             # <<<<<<<<<<<<<<
@@ -49281,7 +50885,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   __pyx_v_pb->nonfinite_out = NULL;
 
-  /* "cattention/_driver/schedule.pxd":252
+  /* "cattention/_driver/schedule.pxd":269
  *         status = schedule_packed(pb, kern, n_threads, out, scores)
  *     pb.nonfinite_out = NULL
  *     if status == 0 and nonfinite_out:             # <<<<<<<<<<<<<<
@@ -49296,18 +50900,18 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 
     __pyx_t_1 = __pyx_t_2;
 
-    goto __pyx_L16_bool_binop_done;
+    goto __pyx_L28_bool_binop_done;
   }
   __pyx_t_2 = (__pyx_v_nonfinite_out != 0);
 
 
   __pyx_t_1 = __pyx_t_2;
 
-  __pyx_L16_bool_binop_done:;
+  __pyx_L28_bool_binop_done:;
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":253
+    /* "cattention/_driver/schedule.pxd":270
  *     pb.nonfinite_out = NULL
  *     if status == 0 and nonfinite_out:
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)             # <<<<<<<<<<<<<<
@@ -49316,7 +50920,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     __pyx_v_status = __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_redo_rows_beyond_range(__pyx_v_pb, __pyx_v_kern, __pyx_v_n_threads, __pyx_v_out);
 
-    /* "cattention/_driver/schedule.pxd":252
+    /* "cattention/_driver/schedule.pxd":269
  *         status = schedule_packed(pb, kern, n_threads, out, scores)
  *     pb.nonfinite_out = NULL
  *     if status == 0 and nonfinite_out:             # <<<<<<<<<<<<<<
@@ -49325,7 +50929,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":254
+  /* "cattention/_driver/schedule.pxd":271
  *     if status == 0 and nonfinite_out:
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)
  *     if team_rule:             # <<<<<<<<<<<<<<
@@ -49334,7 +50938,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   if (__pyx_v_team_rule) {
 
-    /* "cattention/_driver/schedule.pxd":255
+    /* "cattention/_driver/schedule.pxd":272
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)
  *     if team_rule:
  *         ca_team_call_ended()             # <<<<<<<<<<<<<<
@@ -49343,7 +50947,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
     ca_team_call_ended();
 
-    /* "cattention/_driver/schedule.pxd":254
+    /* "cattention/_driver/schedule.pxd":271
  *     if status == 0 and nonfinite_out:
  *         status = redo_rows_beyond_range(pb, kern, n_threads, out)
  *     if team_rule:             # <<<<<<<<<<<<<<
@@ -49352,7 +50956,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":256
+  /* "cattention/_driver/schedule.pxd":273
  *     if team_rule:
  *         ca_team_call_ended()
  *     return status             # <<<<<<<<<<<<<<
@@ -49365,7 +50969,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":207
+  /* "cattention/_driver/schedule.pxd":214
  * 
  * 
  * cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -49385,7 +50989,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_com
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":259
+/* "cattention/_driver/schedule.pxd":276
  * 
  * 
  * cdef inline bint rows_side_by_side(const Operand *op, Py_ssize_t b0,             # <<<<<<<<<<<<<<
@@ -49399,7 +51003,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":264
+  /* "cattention/_driver/schedule.pxd":281
  *     rows, another head of the same pages, or rows interleaved with b0's
  *     (heads of one token adjacent, as in (B, S, H, d))."""
  *     cdef Py_ssize_t apart = op.batch_offset[b] - op.batch_offset[b0]             # <<<<<<<<<<<<<<
@@ -49408,7 +51012,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
 */
   __pyx_v_apart = ((__pyx_v_op->batch_offset[__pyx_v_b]) - (__pyx_v_op->batch_offset[__pyx_v_b0]));
 
-  /* "cattention/_driver/schedule.pxd":265
+  /* "cattention/_driver/schedule.pxd":282
  *     (heads of one token adjacent, as in (B, S, H, d))."""
  *     cdef Py_ssize_t apart = op.batch_offset[b] - op.batch_offset[b0]
  *     if op.page_ids != NULL:             # <<<<<<<<<<<<<<
@@ -49420,7 +51024,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":266
+    /* "cattention/_driver/schedule.pxd":283
  *     cdef Py_ssize_t apart = op.batch_offset[b] - op.batch_offset[b0]
  *     if op.page_ids != NULL:
  *         return op.page_first[b] == op.page_first[b0] and 0 <= apart < op.page_stride             # <<<<<<<<<<<<<<
@@ -49450,7 +51054,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":265
+    /* "cattention/_driver/schedule.pxd":282
  *     (heads of one token adjacent, as in (B, S, H, d))."""
  *     cdef Py_ssize_t apart = op.batch_offset[b] - op.batch_offset[b0]
  *     if op.page_ids != NULL:             # <<<<<<<<<<<<<<
@@ -49459,7 +51063,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":267
+  /* "cattention/_driver/schedule.pxd":284
  *     if op.page_ids != NULL:
  *         return op.page_first[b] == op.page_first[b0] and 0 <= apart < op.page_stride
  *     return apart == 0 or 0 < apart < op.row_stride             # <<<<<<<<<<<<<<
@@ -49489,7 +51093,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":259
+  /* "cattention/_driver/schedule.pxd":276
  * 
  * 
  * cdef inline bint rows_side_by_side(const Operand *op, Py_ssize_t b0,             # <<<<<<<<<<<<<<
@@ -49503,7 +51107,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_rows_side_by_si
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":270
+/* "cattention/_driver/schedule.pxd":287
  * 
  * 
  * cdef inline Py_ssize_t group_entries(const Problem *pb, Py_ssize_t max_group,             # <<<<<<<<<<<<<<
@@ -49520,7 +51124,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
   int __pyx_t_2;
   Py_ssize_t __pyx_t_3;
 
-  /* "cattention/_driver/schedule.pxd":277
+  /* "cattention/_driver/schedule.pxd":294
  *     Each entry's arithmetic is the same in any group, so the grouping may
  *     depend on the thread count."""
  *     cdef Py_ssize_t n_groups = 0             # <<<<<<<<<<<<<<
@@ -49529,7 +51133,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 */
   __pyx_v_n_groups = 0;
 
-  /* "cattention/_driver/schedule.pxd":278
+  /* "cattention/_driver/schedule.pxd":295
  *     depend on the thread count."""
  *     cdef Py_ssize_t n_groups = 0
  *     cdef Py_ssize_t b = 0             # <<<<<<<<<<<<<<
@@ -49538,7 +51142,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 */
   __pyx_v_b = 0;
 
-  /* "cattention/_driver/schedule.pxd":280
+  /* "cattention/_driver/schedule.pxd":297
  *     cdef Py_ssize_t b = 0
  *     cdef Py_ssize_t b0
  *     while b < pb.n_batch:             # <<<<<<<<<<<<<<
@@ -49551,7 +51155,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 
     if (!__pyx_t_1) break;
 
-    /* "cattention/_driver/schedule.pxd":281
+    /* "cattention/_driver/schedule.pxd":298
  *     cdef Py_ssize_t b0
  *     while b < pb.n_batch:
  *         b0 = b             # <<<<<<<<<<<<<<
@@ -49560,7 +51164,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 */
     __pyx_v_b0 = __pyx_v_b;
 
-    /* "cattention/_driver/schedule.pxd":282
+    /* "cattention/_driver/schedule.pxd":299
  *     while b < pb.n_batch:
  *         b0 = b
  *         group_first[n_groups] = b0             # <<<<<<<<<<<<<<
@@ -49569,7 +51173,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 */
     (__pyx_v_group_first[__pyx_v_n_groups]) = __pyx_v_b0;
 
-    /* "cattention/_driver/schedule.pxd":283
+    /* "cattention/_driver/schedule.pxd":300
  *         b0 = b
  *         group_first[n_groups] = b0
  *         n_groups += 1             # <<<<<<<<<<<<<<
@@ -49578,7 +51182,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 */
     __pyx_v_n_groups = (__pyx_v_n_groups + 1);
 
-    /* "cattention/_driver/schedule.pxd":284
+    /* "cattention/_driver/schedule.pxd":301
  *         group_first[n_groups] = b0
  *         n_groups += 1
  *         b += 1             # <<<<<<<<<<<<<<
@@ -49587,7 +51191,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 */
     __pyx_v_b = (__pyx_v_b + 1);
 
-    /* "cattention/_driver/schedule.pxd":285
+    /* "cattention/_driver/schedule.pxd":302
  *         n_groups += 1
  *         b += 1
  *         while (b < pb.n_batch and b - b0 < max_group             # <<<<<<<<<<<<<<
@@ -49606,7 +51210,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
         goto __pyx_L7_bool_binop_done;
       }
 
-      /* "cattention/_driver/schedule.pxd":286
+      /* "cattention/_driver/schedule.pxd":303
  *         b += 1
  *         while (b < pb.n_batch and b - b0 < max_group
  *                and rows_side_by_side(&pb.k, b0, b) and rows_side_by_side(&pb.v, b0, b)):             # <<<<<<<<<<<<<<
@@ -49642,7 +51246,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
 
       if (!__pyx_t_1) break;
 
-      /* "cattention/_driver/schedule.pxd":287
+      /* "cattention/_driver/schedule.pxd":304
  *         while (b < pb.n_batch and b - b0 < max_group
  *                and rows_side_by_side(&pb.k, b0, b) and rows_side_by_side(&pb.v, b0, b)):
  *             b += 1             # <<<<<<<<<<<<<<
@@ -49653,7 +51257,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
     }
   }
 
-  /* "cattention/_driver/schedule.pxd":288
+  /* "cattention/_driver/schedule.pxd":305
  *                and rows_side_by_side(&pb.k, b0, b) and rows_side_by_side(&pb.v, b0, b)):
  *             b += 1
  *     group_first[n_groups] = pb.n_batch             # <<<<<<<<<<<<<<
@@ -49665,7 +51269,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
   (__pyx_v_group_first[__pyx_v_n_groups]) = __pyx_t_3;
 
 
-  /* "cattention/_driver/schedule.pxd":289
+  /* "cattention/_driver/schedule.pxd":306
  *             b += 1
  *     group_first[n_groups] = pb.n_batch
  *     return n_groups             # <<<<<<<<<<<<<<
@@ -49678,7 +51282,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":270
+  /* "cattention/_driver/schedule.pxd":287
  * 
  * 
  * cdef inline Py_ssize_t group_entries(const Problem *pb, Py_ssize_t max_group,             # <<<<<<<<<<<<<<
@@ -49694,7 +51298,7 @@ static CYTHON_INLINE Py_ssize_t __pyx_f_10cattention_7_driver_8schedule_group_en
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":297
+/* "cattention/_driver/schedule.pxd":314
  * 
  * 
  * cdef inline int longer_first(const void *a, const void *b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -49711,7 +51315,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
   int __pyx_t_3;
   int __pyx_t_4;
 
-  /* "cattention/_driver/schedule.pxd":298
+  /* "cattention/_driver/schedule.pxd":315
  * 
  * cdef inline int longer_first(const void *a, const void *b) noexcept nogil:
  *     cdef const GroupOrder *x = <const GroupOrder *>a             # <<<<<<<<<<<<<<
@@ -49720,7 +51324,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
 */
   __pyx_v_x = ((struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder const *)__pyx_v_a);
 
-  /* "cattention/_driver/schedule.pxd":299
+  /* "cattention/_driver/schedule.pxd":316
  * cdef inline int longer_first(const void *a, const void *b) noexcept nogil:
  *     cdef const GroupOrder *x = <const GroupOrder *>a
  *     cdef const GroupOrder *y = <const GroupOrder *>b             # <<<<<<<<<<<<<<
@@ -49729,7 +51333,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
 */
   __pyx_v_y = ((struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder const *)__pyx_v_b);
 
-  /* "cattention/_driver/schedule.pxd":300
+  /* "cattention/_driver/schedule.pxd":317
  *     cdef const GroupOrder *x = <const GroupOrder *>a
  *     cdef const GroupOrder *y = <const GroupOrder *>b
  *     if x.n_keys != y.n_keys:             # <<<<<<<<<<<<<<
@@ -49741,7 +51345,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":301
+    /* "cattention/_driver/schedule.pxd":318
  *     cdef const GroupOrder *y = <const GroupOrder *>b
  *     if x.n_keys != y.n_keys:
  *         return -1 if x.n_keys > y.n_keys else 1             # <<<<<<<<<<<<<<
@@ -49763,7 +51367,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":300
+    /* "cattention/_driver/schedule.pxd":317
  *     cdef const GroupOrder *x = <const GroupOrder *>a
  *     cdef const GroupOrder *y = <const GroupOrder *>b
  *     if x.n_keys != y.n_keys:             # <<<<<<<<<<<<<<
@@ -49772,7 +51376,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":302
+  /* "cattention/_driver/schedule.pxd":319
  *     if x.n_keys != y.n_keys:
  *         return -1 if x.n_keys > y.n_keys else 1
  *     return -1 if x.group < y.group else (1 if x.group > y.group else 0)             # <<<<<<<<<<<<<<
@@ -49803,7 +51407,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":297
+  /* "cattention/_driver/schedule.pxd":314
  * 
  * 
  * cdef inline int longer_first(const void *a, const void *b) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -49818,7 +51422,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_8schedule_longer_first(vo
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":305
+/* "cattention/_driver/schedule.pxd":322
  * 
  * 
  * cdef inline void order_longest_first(const Problem *pb, const intp_t *group_first,             # <<<<<<<<<<<<<<
@@ -49835,7 +51439,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
   int __pyx_t_5;
   int __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":314
+  /* "cattention/_driver/schedule.pxd":331
  *     order does not change results."""
  *     cdef Py_ssize_t group
  *     for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -49849,7 +51453,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_group = __pyx_t_3;
 
-    /* "cattention/_driver/schedule.pxd":315
+    /* "cattention/_driver/schedule.pxd":332
  *     cdef Py_ssize_t group
  *     for group in range(n_groups):
  *         order[group].group = group             # <<<<<<<<<<<<<<
@@ -49858,7 +51462,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
 */
     (__pyx_v_order[__pyx_v_group]).group = __pyx_v_group;
 
-    /* "cattention/_driver/schedule.pxd":316
+    /* "cattention/_driver/schedule.pxd":333
  *     for group in range(n_groups):
  *         order[group].group = group
  *         order[group].n_keys = (pb.kv_length[group_first[group]] if pb.kv_length != NULL             # <<<<<<<<<<<<<<
@@ -49872,7 +51476,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
       __pyx_t_4 = (__pyx_v_pb->kv_length[(__pyx_v_group_first[__pyx_v_group])]);
     } else {
 
-      /* "cattention/_driver/schedule.pxd":317
+      /* "cattention/_driver/schedule.pxd":334
  *         order[group].group = group
  *         order[group].n_keys = (pb.kv_length[group_first[group]] if pb.kv_length != NULL
  *                                else pb.n_keys)             # <<<<<<<<<<<<<<
@@ -49884,7 +51488,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
     }
 
 
-    /* "cattention/_driver/schedule.pxd":316
+    /* "cattention/_driver/schedule.pxd":333
  *     for group in range(n_groups):
  *         order[group].group = group
  *         order[group].n_keys = (pb.kv_length[group_first[group]] if pb.kv_length != NULL             # <<<<<<<<<<<<<<
@@ -49895,7 +51499,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
   }
 
 
-  /* "cattention/_driver/schedule.pxd":318
+  /* "cattention/_driver/schedule.pxd":335
  *         order[group].n_keys = (pb.kv_length[group_first[group]] if pb.kv_length != NULL
  *                                else pb.n_keys)
  *     if pb.kv_length != NULL and n_groups < pb.n_batch:             # <<<<<<<<<<<<<<
@@ -49921,7 +51525,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
   if (__pyx_t_5) {
 
 
-    /* "cattention/_driver/schedule.pxd":319
+    /* "cattention/_driver/schedule.pxd":336
  *                                else pb.n_keys)
  *     if pb.kv_length != NULL and n_groups < pb.n_batch:
  *         qsort(order, n_groups, sizeof(GroupOrder), longer_first)             # <<<<<<<<<<<<<<
@@ -49930,7 +51534,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
 */
     qsort(__pyx_v_order, __pyx_v_n_groups, (sizeof(struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder)), __pyx_f_10cattention_7_driver_8schedule_longer_first);
 
-    /* "cattention/_driver/schedule.pxd":318
+    /* "cattention/_driver/schedule.pxd":335
  *         order[group].n_keys = (pb.kv_length[group_first[group]] if pb.kv_length != NULL
  *                                else pb.n_keys)
  *     if pb.kv_length != NULL and n_groups < pb.n_batch:             # <<<<<<<<<<<<<<
@@ -49939,7 +51543,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":305
+  /* "cattention/_driver/schedule.pxd":322
  * 
  * 
  * cdef inline void order_longest_first(const Problem *pb, const intp_t *group_first,             # <<<<<<<<<<<<<<
@@ -49951,7 +51555,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_8schedule_order_longest_
 
 }
 
-/* "cattention/_driver/schedule.pxd":322
+/* "cattention/_driver/schedule.pxd":339
  * 
  * 
  * cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -49982,7 +51586,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   Py_ssize_t __pyx_t_5;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":326
+  /* "cattention/_driver/schedule.pxd":343
  *     """Few query rows: items are (group of batch entries, key chunk), K/V
  *     read in place."""
  *     cdef Py_ssize_t n_splits = 1             # <<<<<<<<<<<<<<
@@ -49991,7 +51595,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_splits = 1;
 
-  /* "cattention/_driver/schedule.pxd":328
+  /* "cattention/_driver/schedule.pxd":345
  *     cdef Py_ssize_t n_splits = 1
  *     cdef Py_ssize_t n_items, item, b, group, n_groups
  *     cdef Py_ssize_t max_group = DIRECT_GROUP             # <<<<<<<<<<<<<<
@@ -50000,7 +51604,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_max_group = __pyx_e_10cattention_7_driver_7problem_DIRECT_GROUP;
 
-  /* "cattention/_driver/schedule.pxd":329
+  /* "cattention/_driver/schedule.pxd":346
  *     cdef Py_ssize_t n_items, item, b, group, n_groups
  *     cdef Py_ssize_t max_group = DIRECT_GROUP
  *     cdef Workspace *ws = NULL             # <<<<<<<<<<<<<<
@@ -50009,7 +51613,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_ws = NULL;
 
-  /* "cattention/_driver/schedule.pxd":330
+  /* "cattention/_driver/schedule.pxd":347
  *     cdef Py_ssize_t max_group = DIRECT_GROUP
  *     cdef Workspace *ws = NULL
  *     cdef floating *partial = NULL             # <<<<<<<<<<<<<<
@@ -50018,7 +51622,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_partial = NULL;
 
-  /* "cattention/_driver/schedule.pxd":331
+  /* "cattention/_driver/schedule.pxd":348
  *     cdef Workspace *ws = NULL
  *     cdef floating *partial = NULL
  *     cdef intp_t *group_first = NULL             # <<<<<<<<<<<<<<
@@ -50027,7 +51631,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_group_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":332
+  /* "cattention/_driver/schedule.pxd":349
  *     cdef floating *partial = NULL
  *     cdef intp_t *group_first = NULL
  *     cdef GroupOrder *order = NULL             # <<<<<<<<<<<<<<
@@ -50036,7 +51640,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_order = NULL;
 
-  /* "cattention/_driver/schedule.pxd":333
+  /* "cattention/_driver/schedule.pxd":350
  *     cdef intp_t *group_first = NULL
  *     cdef GroupOrder *order = NULL
  *     cdef int status = 0             # <<<<<<<<<<<<<<
@@ -50045,7 +51649,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status = 0;
 
-  /* "cattention/_driver/schedule.pxd":334
+  /* "cattention/_driver/schedule.pxd":351
  *     cdef GroupOrder *order = NULL
  *     cdef int status = 0
  *     cdef int *status_ptr = &status             # <<<<<<<<<<<<<<
@@ -50054,7 +51658,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status_ptr = (&__pyx_v_status);
 
-  /* "cattention/_driver/schedule.pxd":335
+  /* "cattention/_driver/schedule.pxd":352
  *     cdef int status = 0
  *     cdef int *status_ptr = &status
  *     cdef int n_workers = n_threads             # <<<<<<<<<<<<<<
@@ -50063,7 +51667,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_workers = __pyx_v_n_threads;
 
-  /* "cattention/_driver/schedule.pxd":336
+  /* "cattention/_driver/schedule.pxd":353
  *     cdef int *status_ptr = &status
  *     cdef int n_workers = n_threads
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:             # <<<<<<<<<<<<<<
@@ -50075,7 +51679,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":337
+    /* "cattention/_driver/schedule.pxd":354
  *     cdef int n_workers = n_threads
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch             # <<<<<<<<<<<<<<
@@ -50084,7 +51688,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_splits = (((__pyx_e_10cattention_7_driver_7problem_SPLIT_TARGET_ITEMS + __pyx_v_pb->n_batch) - 1) / __pyx_v_pb->n_batch);
 
-    /* "cattention/_driver/schedule.pxd":338
+    /* "cattention/_driver/schedule.pxd":355
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:             # <<<<<<<<<<<<<<
@@ -50096,7 +51700,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":339
+      /* "cattention/_driver/schedule.pxd":356
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS             # <<<<<<<<<<<<<<
@@ -50105,7 +51709,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_n_splits = (((__pyx_v_pb->n_keys + __pyx_e_10cattention_7_driver_7problem_SPLIT_MIN_KEYS) - 1) / __pyx_e_10cattention_7_driver_7problem_SPLIT_MIN_KEYS);
 
-      /* "cattention/_driver/schedule.pxd":338
+      /* "cattention/_driver/schedule.pxd":355
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:             # <<<<<<<<<<<<<<
@@ -50114,7 +51718,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":340
+    /* "cattention/_driver/schedule.pxd":357
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
  *         if n_splits < 1:             # <<<<<<<<<<<<<<
@@ -50126,7 +51730,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":341
+      /* "cattention/_driver/schedule.pxd":358
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
  *         if n_splits < 1:
  *             n_splits = 1             # <<<<<<<<<<<<<<
@@ -50135,7 +51739,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_n_splits = 1;
 
-      /* "cattention/_driver/schedule.pxd":340
+      /* "cattention/_driver/schedule.pxd":357
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
  *         if n_splits < 1:             # <<<<<<<<<<<<<<
@@ -50144,7 +51748,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":336
+    /* "cattention/_driver/schedule.pxd":353
  *     cdef int *status_ptr = &status
  *     cdef int n_workers = n_threads
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:             # <<<<<<<<<<<<<<
@@ -50153,7 +51757,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":342
+  /* "cattention/_driver/schedule.pxd":359
  *         if n_splits < 1:
  *             n_splits = 1
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)             # <<<<<<<<<<<<<<
@@ -50162,7 +51766,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->split_keys = __pyx_f_10cattention_7_driver_7problem_round_up((((__pyx_v_pb->n_keys + __pyx_v_n_splits) - 1) / __pyx_v_n_splits), __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/schedule.pxd":343
+  /* "cattention/_driver/schedule.pxd":360
  *             n_splits = 1
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
  *     if pb.split_keys == 0:             # <<<<<<<<<<<<<<
@@ -50174,7 +51778,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":344
+    /* "cattention/_driver/schedule.pxd":361
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
  *     if pb.split_keys == 0:
  *         pb.split_keys = K_BLOCK             # <<<<<<<<<<<<<<
@@ -50183,7 +51787,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->split_keys = __pyx_e_10cattention_7_driver_7problem_K_BLOCK;
 
-    /* "cattention/_driver/schedule.pxd":343
+    /* "cattention/_driver/schedule.pxd":360
  *             n_splits = 1
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
  *     if pb.split_keys == 0:             # <<<<<<<<<<<<<<
@@ -50192,7 +51796,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":345
+  /* "cattention/_driver/schedule.pxd":362
  *     if pb.split_keys == 0:
  *         pb.split_keys = K_BLOCK
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys             # <<<<<<<<<<<<<<
@@ -50201,7 +51805,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->n_splits = (((__pyx_v_pb->n_keys + __pyx_v_pb->split_keys) - 1) / __pyx_v_pb->split_keys);
 
-  /* "cattention/_driver/schedule.pxd":346
+  /* "cattention/_driver/schedule.pxd":363
  *         pb.split_keys = K_BLOCK
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
  *     if pb.n_splits < 1:             # <<<<<<<<<<<<<<
@@ -50213,7 +51817,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":347
+    /* "cattention/_driver/schedule.pxd":364
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
  *     if pb.n_splits < 1:
  *         pb.n_splits = 1             # <<<<<<<<<<<<<<
@@ -50222,7 +51826,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->n_splits = 1;
 
-    /* "cattention/_driver/schedule.pxd":346
+    /* "cattention/_driver/schedule.pxd":363
  *         pb.split_keys = K_BLOCK
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
  *     if pb.n_splits < 1:             # <<<<<<<<<<<<<<
@@ -50231,7 +51835,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":349
+  /* "cattention/_driver/schedule.pxd":366
  *         pb.n_splits = 1
  *     # a chunk's rows fold their state by key steps, not blocks
  *     pb.fold_steps = fold_period(pb.split_keys // direct_key_step(pb))             # <<<<<<<<<<<<<<
@@ -50240,7 +51844,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->fold_steps = __pyx_f_10cattention_7_driver_7problem_fold_period((__pyx_v_pb->split_keys / __pyx_f_10cattention_7_driver_11item_direct_direct_key_step(__pyx_v_pb)));
 
-  /* "cattention/_driver/schedule.pxd":352
+  /* "cattention/_driver/schedule.pxd":369
  *     # the splits depend on the shape alone (the results do not depend on the
  *     # thread count); the groups only on how many items the threads need
  *     while max_group > 1 and n_workers > 1 and (             # <<<<<<<<<<<<<<
@@ -50269,7 +51873,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L10_bool_binop_done;
     }
 
-    /* "cattention/_driver/schedule.pxd":353
+    /* "cattention/_driver/schedule.pxd":370
  *     # thread count); the groups only on how many items the threads need
  *     while max_group > 1 and n_workers > 1 and (
  *             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):             # <<<<<<<<<<<<<<
@@ -50285,7 +51889,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 
     if (!__pyx_t_1) break;
 
-    /* "cattention/_driver/schedule.pxd":354
+    /* "cattention/_driver/schedule.pxd":371
  *     while max_group > 1 and n_workers > 1 and (
  *             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):
  *         max_group //= 2             # <<<<<<<<<<<<<<
@@ -50295,7 +51899,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     __pyx_v_max_group = (__pyx_v_max_group / 2);
   }
 
-  /* "cattention/_driver/schedule.pxd":355
+  /* "cattention/_driver/schedule.pxd":372
  *             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):
  *         max_group //= 2
  *     group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)             # <<<<<<<<<<<<<<
@@ -50304,7 +51908,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_group_first = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((((__pyx_v_pb->n_batch + 1) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t))) + (__pyx_v_pb->n_batch * (sizeof(struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder))))));
 
-  /* "cattention/_driver/schedule.pxd":357
+  /* "cattention/_driver/schedule.pxd":374
  *     group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)
  *                                    + pb.n_batch * sizeof(GroupOrder))
  *     if group_first == NULL:             # <<<<<<<<<<<<<<
@@ -50316,7 +51920,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":358
+    /* "cattention/_driver/schedule.pxd":375
  *                                    + pb.n_batch * sizeof(GroupOrder))
  *     if group_first == NULL:
  *         return -1             # <<<<<<<<<<<<<<
@@ -50329,7 +51933,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":357
+    /* "cattention/_driver/schedule.pxd":374
  *     group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)
  *                                    + pb.n_batch * sizeof(GroupOrder))
  *     if group_first == NULL:             # <<<<<<<<<<<<<<
@@ -50338,7 +51942,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":359
+  /* "cattention/_driver/schedule.pxd":376
  *     if group_first == NULL:
  *         return -1
  *     order = <GroupOrder *>(group_first + pb.n_batch + 1)             # <<<<<<<<<<<<<<
@@ -50347,7 +51951,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_order = ((struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder *)((__pyx_v_group_first + __pyx_v_pb->n_batch) + 1));
 
-  /* "cattention/_driver/schedule.pxd":360
+  /* "cattention/_driver/schedule.pxd":377
  *         return -1
  *     order = <GroupOrder *>(group_first + pb.n_batch + 1)
  *     n_groups = group_entries(pb, max_group, group_first)             # <<<<<<<<<<<<<<
@@ -50356,7 +51960,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_groups = __pyx_f_10cattention_7_driver_8schedule_group_entries(__pyx_v_pb, __pyx_v_max_group, __pyx_v_group_first);
 
-  /* "cattention/_driver/schedule.pxd":362
+  /* "cattention/_driver/schedule.pxd":379
  *     n_groups = group_entries(pb, max_group, group_first)
  *     # workspaces for the largest group there is
  *     max_group = 1             # <<<<<<<<<<<<<<
@@ -50365,7 +51969,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_max_group = 1;
 
-  /* "cattention/_driver/schedule.pxd":363
+  /* "cattention/_driver/schedule.pxd":380
  *     # workspaces for the largest group there is
  *     max_group = 1
  *     for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -50379,7 +51983,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_group = __pyx_t_5;
 
-    /* "cattention/_driver/schedule.pxd":364
+    /* "cattention/_driver/schedule.pxd":381
  *     max_group = 1
  *     for group in range(n_groups):
  *         if group_first[group + 1] - group_first[group] > max_group:             # <<<<<<<<<<<<<<
@@ -50391,7 +51995,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":365
+      /* "cattention/_driver/schedule.pxd":382
  *     for group in range(n_groups):
  *         if group_first[group + 1] - group_first[group] > max_group:
  *             max_group = group_first[group + 1] - group_first[group]             # <<<<<<<<<<<<<<
@@ -50400,7 +52004,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_max_group = ((__pyx_v_group_first[(__pyx_v_group + 1)]) - (__pyx_v_group_first[__pyx_v_group]));
 
-      /* "cattention/_driver/schedule.pxd":364
+      /* "cattention/_driver/schedule.pxd":381
  *     max_group = 1
  *     for group in range(n_groups):
  *         if group_first[group + 1] - group_first[group] > max_group:             # <<<<<<<<<<<<<<
@@ -50411,7 +52015,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
 
 
-  /* "cattention/_driver/schedule.pxd":366
+  /* "cattention/_driver/schedule.pxd":383
  *         if group_first[group + 1] - group_first[group] > max_group:
  *             max_group = group_first[group + 1] - group_first[group]
  *     order_longest_first(pb, group_first, n_groups, order)             # <<<<<<<<<<<<<<
@@ -50420,7 +52024,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_f_10cattention_7_driver_8schedule_order_longest_first(__pyx_v_pb, __pyx_v_group_first, __pyx_v_n_groups, __pyx_v_order);
 
-  /* "cattention/_driver/schedule.pxd":367
+  /* "cattention/_driver/schedule.pxd":384
  *             max_group = group_first[group + 1] - group_first[group]
  *     order_longest_first(pb, group_first, n_groups, order)
  *     n_items = n_groups * pb.n_splits             # <<<<<<<<<<<<<<
@@ -50429,7 +52033,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_items = (__pyx_v_n_groups * __pyx_v_pb->n_splits);
 
-  /* "cattention/_driver/schedule.pxd":368
+  /* "cattention/_driver/schedule.pxd":385
  *     order_longest_first(pb, group_first, n_groups, order)
  *     n_items = n_groups * pb.n_splits
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -50441,7 +52045,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":369
+    /* "cattention/_driver/schedule.pxd":386
  *     n_items = n_groups * pb.n_splits
  *     if n_workers > n_items:
  *         n_workers = <int>n_items             # <<<<<<<<<<<<<<
@@ -50450,7 +52054,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_workers = ((int)__pyx_v_n_items);
 
-    /* "cattention/_driver/schedule.pxd":368
+    /* "cattention/_driver/schedule.pxd":385
  *     order_longest_first(pb, group_first, n_groups, order)
  *     n_items = n_groups * pb.n_splits
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -50459,7 +52063,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":370
+  /* "cattention/_driver/schedule.pxd":387
  *     if n_workers > n_items:
  *         n_workers = <int>n_items
  *     if pb.n_splits > 1:             # <<<<<<<<<<<<<<
@@ -50471,7 +52075,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":371
+    /* "cattention/_driver/schedule.pxd":388
  *         n_workers = <int>n_items
  *     if pb.n_splits > 1:
  *         partial = <floating *>ca_scratch_acquire(             # <<<<<<<<<<<<<<
@@ -50480,7 +52084,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_partial = ((float *)ca_scratch_acquire(CA_SCRATCH_PARTIAL, ((((__pyx_v_pb->n_batch * __pyx_v_pb->n_splits) * __pyx_v_pb->n_queries) * (__pyx_v_pb->d_v + 2)) * (sizeof(float)))));
 
-    /* "cattention/_driver/schedule.pxd":374
+    /* "cattention/_driver/schedule.pxd":391
  *             CA_SCRATCH_PARTIAL, pb.n_batch * pb.n_splits * pb.n_queries * (pb.d_v + 2)
  *             * sizeof(floating))
  *         if partial == NULL:             # <<<<<<<<<<<<<<
@@ -50492,7 +52096,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":375
+      /* "cattention/_driver/schedule.pxd":392
  *             * sizeof(floating))
  *         if partial == NULL:
  *             free(group_first)             # <<<<<<<<<<<<<<
@@ -50501,7 +52105,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       free(__pyx_v_group_first);
 
-      /* "cattention/_driver/schedule.pxd":376
+      /* "cattention/_driver/schedule.pxd":393
  *         if partial == NULL:
  *             free(group_first)
  *             return -1             # <<<<<<<<<<<<<<
@@ -50514,7 +52118,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":374
+      /* "cattention/_driver/schedule.pxd":391
  *             CA_SCRATCH_PARTIAL, pb.n_batch * pb.n_splits * pb.n_queries * (pb.d_v + 2)
  *             * sizeof(floating))
  *         if partial == NULL:             # <<<<<<<<<<<<<<
@@ -50523,7 +52127,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":370
+    /* "cattention/_driver/schedule.pxd":387
  *     if n_workers > n_items:
  *         n_workers = <int>n_items
  *     if pb.n_splits > 1:             # <<<<<<<<<<<<<<
@@ -50532,7 +52136,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":377
+  /* "cattention/_driver/schedule.pxd":394
  *             free(group_first)
  *             return -1
  *     if n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -50544,7 +52148,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":378
+    /* "cattention/_driver/schedule.pxd":395
  *             return -1
  *     if n_workers <= 1:
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)             # <<<<<<<<<<<<<<
@@ -50553,7 +52157,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_group(__pyx_v_pb, (sizeof(float)), __pyx_v_max_group);
 
-    /* "cattention/_driver/schedule.pxd":379
+    /* "cattention/_driver/schedule.pxd":396
  *     if n_workers <= 1:
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -50565,7 +52169,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":380
+      /* "cattention/_driver/schedule.pxd":397
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -50574,7 +52178,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":379
+      /* "cattention/_driver/schedule.pxd":396
  *     if n_workers <= 1:
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -50584,7 +52188,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L21;
     }
 
-    /* "cattention/_driver/schedule.pxd":382
+    /* "cattention/_driver/schedule.pxd":399
  *             status = -1
  *         else:
  *             for item in range(n_items):             # <<<<<<<<<<<<<<
@@ -50599,7 +52203,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_item = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":383
+        /* "cattention/_driver/schedule.pxd":400
  *         else:
  *             for item in range(n_items):
  *                 group = order[item // pb.n_splits].group             # <<<<<<<<<<<<<<
@@ -50610,7 +52214,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 
         __pyx_v_group = __pyx_t_6;
 
-        /* "cattention/_driver/schedule.pxd":384
+        /* "cattention/_driver/schedule.pxd":401
  *             for item in range(n_items):
  *                 group = order[item // pb.n_splits].group
  *                 attend_key_chunk(pb, kern, ws, group_first[group],             # <<<<<<<<<<<<<<
@@ -50621,20 +52225,29 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":387
+      /* "cattention/_driver/schedule.pxd":404
  *                                  group_first[group + 1] - group_first[group],
  *                                  item % pb.n_splits, out, partial)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *         if status == 0 and pb.n_splits > 1:
+*/
+      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+      /* "cattention/_driver/schedule.pxd":405
+ *                                  item % pb.n_splits, out, partial)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *         if status == 0 and pb.n_splits > 1:
  *             for b in range(pb.n_batch):
 */
-      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+      __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
     }
     __pyx_L21:;
 
-    /* "cattention/_driver/schedule.pxd":388
- *                                  item % pb.n_splits, out, partial)
+    /* "cattention/_driver/schedule.pxd":406
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *         if status == 0 and pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *             for b in range(pb.n_batch):
  *                 merge_splits(pb, b, partial, out)
@@ -50658,8 +52271,8 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":389
- *             workspace_delete(ws)
+      /* "cattention/_driver/schedule.pxd":407
+ *             thread_done(kern)
  *         if status == 0 and pb.n_splits > 1:
  *             for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
  *                 merge_splits(pb, b, partial, out)
@@ -50672,7 +52285,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_b = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":390
+        /* "cattention/_driver/schedule.pxd":408
  *         if status == 0 and pb.n_splits > 1:
  *             for b in range(pb.n_batch):
  *                 merge_splits(pb, b, partial, out)             # <<<<<<<<<<<<<<
@@ -50683,16 +52296,16 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":388
- *                                  item % pb.n_splits, out, partial)
+      /* "cattention/_driver/schedule.pxd":406
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *         if status == 0 and pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *             for b in range(pb.n_batch):
  *                 merge_splits(pb, b, partial, out)
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":377
+    /* "cattention/_driver/schedule.pxd":394
  *             free(group_first)
  *             return -1
  *     if n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -50702,7 +52315,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L20;
   }
 
-  /* "cattention/_driver/schedule.pxd":392
+  /* "cattention/_driver/schedule.pxd":410
  *                 merge_splits(pb, b, partial, out)
  *     else:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
@@ -50712,7 +52325,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   /*else*/ {
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":393
+    /* "cattention/_driver/schedule.pxd":411
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -50736,7 +52349,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":394
+                  /* "cattention/_driver/schedule.pxd":412
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)             # <<<<<<<<<<<<<<
@@ -50745,7 +52358,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_group(__pyx_v_pb, (sizeof(float)), __pyx_v_max_group);
 
-                  /* "cattention/_driver/schedule.pxd":395
+                  /* "cattention/_driver/schedule.pxd":413
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -50757,7 +52370,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_1) {
 
 
-                    /* "cattention/_driver/schedule.pxd":396
+                    /* "cattention/_driver/schedule.pxd":414
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -50766,7 +52379,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":395
+                    /* "cattention/_driver/schedule.pxd":413
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -50775,7 +52388,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":397
+                  /* "cattention/_driver/schedule.pxd":415
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for item in prange(n_items, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -50795,7 +52408,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_item = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":398
+                                  /* "cattention/_driver/schedule.pxd":416
  *                 status_ptr[0] = -1
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -50807,7 +52420,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_1) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":399
+                                    /* "cattention/_driver/schedule.pxd":417
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:
  *                     group = order[item // pb.n_splits].group             # <<<<<<<<<<<<<<
@@ -50818,7 +52431,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 
                                     __pyx_v_group = __pyx_t_6;
 
-                                    /* "cattention/_driver/schedule.pxd":400
+                                    /* "cattention/_driver/schedule.pxd":418
  *                 if ws != NULL:
  *                     group = order[item // pb.n_splits].group
  *                     attend_key_chunk(pb, kern, ws, group_first[group],             # <<<<<<<<<<<<<<
@@ -50827,7 +52440,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_11item_direct_attend_key_chunk(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, (__pyx_v_group_first[__pyx_v_group]), ((__pyx_v_group_first[(__pyx_v_group + 1)]) - (__pyx_v_group_first[__pyx_v_group])), (__pyx_v_item % __pyx_v_pb->n_splits), __pyx_v_out, __pyx_v_partial);
 
-                                    /* "cattention/_driver/schedule.pxd":398
+                                    /* "cattention/_driver/schedule.pxd":416
  *                 status_ptr[0] = -1
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -50841,18 +52454,27 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":403
+                  /* "cattention/_driver/schedule.pxd":421
  *                                      group_first[group + 1] - group_first[group],
  *                                      item % pb.n_splits, out, partial)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
  *             if pb.n_splits > 1:
- *                 for b in prange(pb.n_batch, schedule='static'):
 */
                   __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
 
-                  /* "cattention/_driver/schedule.pxd":404
+                  /* "cattention/_driver/schedule.pxd":422
  *                                      item % pb.n_splits, out, partial)
  *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
+ *             if pb.n_splits > 1:
+ *                 for b in prange(pb.n_batch, schedule='static'):
+*/
+                  __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
+
+                  /* "cattention/_driver/schedule.pxd":423
+ *             workspace_delete(ws)
+ *             thread_done(kern)
  *             if pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:
@@ -50862,8 +52484,8 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_1) {
 
 
-                    /* "cattention/_driver/schedule.pxd":405
- *             workspace_delete(ws)
+                    /* "cattention/_driver/schedule.pxd":424
+ *             thread_done(kern)
  *             if pb.n_splits > 1:
  *                 for b in prange(pb.n_batch, schedule='static'):             # <<<<<<<<<<<<<<
  *                     if status_ptr[0] == 0:
@@ -50882,7 +52504,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                 {
                                     __pyx_v_b = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                    /* "cattention/_driver/schedule.pxd":406
+                                    /* "cattention/_driver/schedule.pxd":425
  *             if pb.n_splits > 1:
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:             # <<<<<<<<<<<<<<
@@ -50894,7 +52516,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                     if (__pyx_t_1) {
 
 
-                                      /* "cattention/_driver/schedule.pxd":407
+                                      /* "cattention/_driver/schedule.pxd":426
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:
  *                         merge_splits(pb, b, partial, out)             # <<<<<<<<<<<<<<
@@ -50903,7 +52525,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                       __pyx_fuse_0__pyx_f_10cattention_7_driver_7softmax_merge_splits(__pyx_v_pb, __pyx_v_b, __pyx_v_partial, __pyx_v_out);
 
-                                      /* "cattention/_driver/schedule.pxd":406
+                                      /* "cattention/_driver/schedule.pxd":425
  *             if pb.n_splits > 1:
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:             # <<<<<<<<<<<<<<
@@ -50917,9 +52539,9 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                     }
 
 
-                    /* "cattention/_driver/schedule.pxd":404
- *                                      item % pb.n_splits, out, partial)
+                    /* "cattention/_driver/schedule.pxd":423
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *             if pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:
@@ -50935,7 +52557,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":393
+        /* "cattention/_driver/schedule.pxd":411
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -50954,7 +52576,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_L20:;
 
-  /* "cattention/_driver/schedule.pxd":408
+  /* "cattention/_driver/schedule.pxd":427
  *                     if status_ptr[0] == 0:
  *                         merge_splits(pb, b, partial, out)
  *     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)             # <<<<<<<<<<<<<<
@@ -50963,7 +52585,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   ca_scratch_release(CA_SCRATCH_PARTIAL, __pyx_v_partial);
 
-  /* "cattention/_driver/schedule.pxd":409
+  /* "cattention/_driver/schedule.pxd":428
  *                         merge_splits(pb, b, partial, out)
  *     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
  *     free(group_first)             # <<<<<<<<<<<<<<
@@ -50972,7 +52594,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   free(__pyx_v_group_first);
 
-  /* "cattention/_driver/schedule.pxd":410
+  /* "cattention/_driver/schedule.pxd":429
  *     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
  *     free(group_first)
  *     return status             # <<<<<<<<<<<<<<
@@ -50985,7 +52607,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":322
+  /* "cattention/_driver/schedule.pxd":339
  * 
  * 
  * cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -51035,7 +52657,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   Py_ssize_t __pyx_t_5;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":326
+  /* "cattention/_driver/schedule.pxd":343
  *     """Few query rows: items are (group of batch entries, key chunk), K/V
  *     read in place."""
  *     cdef Py_ssize_t n_splits = 1             # <<<<<<<<<<<<<<
@@ -51044,7 +52666,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_splits = 1;
 
-  /* "cattention/_driver/schedule.pxd":328
+  /* "cattention/_driver/schedule.pxd":345
  *     cdef Py_ssize_t n_splits = 1
  *     cdef Py_ssize_t n_items, item, b, group, n_groups
  *     cdef Py_ssize_t max_group = DIRECT_GROUP             # <<<<<<<<<<<<<<
@@ -51053,7 +52675,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_max_group = __pyx_e_10cattention_7_driver_7problem_DIRECT_GROUP;
 
-  /* "cattention/_driver/schedule.pxd":329
+  /* "cattention/_driver/schedule.pxd":346
  *     cdef Py_ssize_t n_items, item, b, group, n_groups
  *     cdef Py_ssize_t max_group = DIRECT_GROUP
  *     cdef Workspace *ws = NULL             # <<<<<<<<<<<<<<
@@ -51062,7 +52684,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_ws = NULL;
 
-  /* "cattention/_driver/schedule.pxd":330
+  /* "cattention/_driver/schedule.pxd":347
  *     cdef Py_ssize_t max_group = DIRECT_GROUP
  *     cdef Workspace *ws = NULL
  *     cdef floating *partial = NULL             # <<<<<<<<<<<<<<
@@ -51071,7 +52693,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_partial = NULL;
 
-  /* "cattention/_driver/schedule.pxd":331
+  /* "cattention/_driver/schedule.pxd":348
  *     cdef Workspace *ws = NULL
  *     cdef floating *partial = NULL
  *     cdef intp_t *group_first = NULL             # <<<<<<<<<<<<<<
@@ -51080,7 +52702,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_group_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":332
+  /* "cattention/_driver/schedule.pxd":349
  *     cdef floating *partial = NULL
  *     cdef intp_t *group_first = NULL
  *     cdef GroupOrder *order = NULL             # <<<<<<<<<<<<<<
@@ -51089,7 +52711,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_order = NULL;
 
-  /* "cattention/_driver/schedule.pxd":333
+  /* "cattention/_driver/schedule.pxd":350
  *     cdef intp_t *group_first = NULL
  *     cdef GroupOrder *order = NULL
  *     cdef int status = 0             # <<<<<<<<<<<<<<
@@ -51098,7 +52720,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status = 0;
 
-  /* "cattention/_driver/schedule.pxd":334
+  /* "cattention/_driver/schedule.pxd":351
  *     cdef GroupOrder *order = NULL
  *     cdef int status = 0
  *     cdef int *status_ptr = &status             # <<<<<<<<<<<<<<
@@ -51107,7 +52729,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status_ptr = (&__pyx_v_status);
 
-  /* "cattention/_driver/schedule.pxd":335
+  /* "cattention/_driver/schedule.pxd":352
  *     cdef int status = 0
  *     cdef int *status_ptr = &status
  *     cdef int n_workers = n_threads             # <<<<<<<<<<<<<<
@@ -51116,7 +52738,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_workers = __pyx_v_n_threads;
 
-  /* "cattention/_driver/schedule.pxd":336
+  /* "cattention/_driver/schedule.pxd":353
  *     cdef int *status_ptr = &status
  *     cdef int n_workers = n_threads
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:             # <<<<<<<<<<<<<<
@@ -51128,7 +52750,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":337
+    /* "cattention/_driver/schedule.pxd":354
  *     cdef int n_workers = n_threads
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch             # <<<<<<<<<<<<<<
@@ -51137,7 +52759,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_splits = (((__pyx_e_10cattention_7_driver_7problem_SPLIT_TARGET_ITEMS + __pyx_v_pb->n_batch) - 1) / __pyx_v_pb->n_batch);
 
-    /* "cattention/_driver/schedule.pxd":338
+    /* "cattention/_driver/schedule.pxd":355
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:             # <<<<<<<<<<<<<<
@@ -51149,7 +52771,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":339
+      /* "cattention/_driver/schedule.pxd":356
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS             # <<<<<<<<<<<<<<
@@ -51158,7 +52780,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_n_splits = (((__pyx_v_pb->n_keys + __pyx_e_10cattention_7_driver_7problem_SPLIT_MIN_KEYS) - 1) / __pyx_e_10cattention_7_driver_7problem_SPLIT_MIN_KEYS);
 
-      /* "cattention/_driver/schedule.pxd":338
+      /* "cattention/_driver/schedule.pxd":355
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:
  *         n_splits = (SPLIT_TARGET_ITEMS + pb.n_batch - 1) // pb.n_batch
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:             # <<<<<<<<<<<<<<
@@ -51167,7 +52789,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":340
+    /* "cattention/_driver/schedule.pxd":357
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
  *         if n_splits < 1:             # <<<<<<<<<<<<<<
@@ -51179,7 +52801,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":341
+      /* "cattention/_driver/schedule.pxd":358
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
  *         if n_splits < 1:
  *             n_splits = 1             # <<<<<<<<<<<<<<
@@ -51188,7 +52810,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_n_splits = 1;
 
-      /* "cattention/_driver/schedule.pxd":340
+      /* "cattention/_driver/schedule.pxd":357
  *         if n_splits > (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS:
  *             n_splits = (pb.n_keys + SPLIT_MIN_KEYS - 1) // SPLIT_MIN_KEYS
  *         if n_splits < 1:             # <<<<<<<<<<<<<<
@@ -51197,7 +52819,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":336
+    /* "cattention/_driver/schedule.pxd":353
  *     cdef int *status_ptr = &status
  *     cdef int n_workers = n_threads
  *     if pb.n_batch < SPLIT_TARGET_ITEMS:             # <<<<<<<<<<<<<<
@@ -51206,7 +52828,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":342
+  /* "cattention/_driver/schedule.pxd":359
  *         if n_splits < 1:
  *             n_splits = 1
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)             # <<<<<<<<<<<<<<
@@ -51215,7 +52837,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->split_keys = __pyx_f_10cattention_7_driver_7problem_round_up((((__pyx_v_pb->n_keys + __pyx_v_n_splits) - 1) / __pyx_v_n_splits), __pyx_e_10cattention_7_driver_7problem_K_BLOCK);
 
-  /* "cattention/_driver/schedule.pxd":343
+  /* "cattention/_driver/schedule.pxd":360
  *             n_splits = 1
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
  *     if pb.split_keys == 0:             # <<<<<<<<<<<<<<
@@ -51227,7 +52849,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":344
+    /* "cattention/_driver/schedule.pxd":361
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
  *     if pb.split_keys == 0:
  *         pb.split_keys = K_BLOCK             # <<<<<<<<<<<<<<
@@ -51236,7 +52858,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->split_keys = __pyx_e_10cattention_7_driver_7problem_K_BLOCK;
 
-    /* "cattention/_driver/schedule.pxd":343
+    /* "cattention/_driver/schedule.pxd":360
  *             n_splits = 1
  *     pb.split_keys = round_up((pb.n_keys + n_splits - 1) // n_splits, K_BLOCK)
  *     if pb.split_keys == 0:             # <<<<<<<<<<<<<<
@@ -51245,7 +52867,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":345
+  /* "cattention/_driver/schedule.pxd":362
  *     if pb.split_keys == 0:
  *         pb.split_keys = K_BLOCK
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys             # <<<<<<<<<<<<<<
@@ -51254,7 +52876,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->n_splits = (((__pyx_v_pb->n_keys + __pyx_v_pb->split_keys) - 1) / __pyx_v_pb->split_keys);
 
-  /* "cattention/_driver/schedule.pxd":346
+  /* "cattention/_driver/schedule.pxd":363
  *         pb.split_keys = K_BLOCK
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
  *     if pb.n_splits < 1:             # <<<<<<<<<<<<<<
@@ -51266,7 +52888,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":347
+    /* "cattention/_driver/schedule.pxd":364
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
  *     if pb.n_splits < 1:
  *         pb.n_splits = 1             # <<<<<<<<<<<<<<
@@ -51275,7 +52897,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->n_splits = 1;
 
-    /* "cattention/_driver/schedule.pxd":346
+    /* "cattention/_driver/schedule.pxd":363
  *         pb.split_keys = K_BLOCK
  *     pb.n_splits = (pb.n_keys + pb.split_keys - 1) // pb.split_keys
  *     if pb.n_splits < 1:             # <<<<<<<<<<<<<<
@@ -51284,7 +52906,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":349
+  /* "cattention/_driver/schedule.pxd":366
  *         pb.n_splits = 1
  *     # a chunk's rows fold their state by key steps, not blocks
  *     pb.fold_steps = fold_period(pb.split_keys // direct_key_step(pb))             # <<<<<<<<<<<<<<
@@ -51293,7 +52915,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->fold_steps = __pyx_f_10cattention_7_driver_7problem_fold_period((__pyx_v_pb->split_keys / __pyx_f_10cattention_7_driver_11item_direct_direct_key_step(__pyx_v_pb)));
 
-  /* "cattention/_driver/schedule.pxd":352
+  /* "cattention/_driver/schedule.pxd":369
  *     # the splits depend on the shape alone (the results do not depend on the
  *     # thread count); the groups only on how many items the threads need
  *     while max_group > 1 and n_workers > 1 and (             # <<<<<<<<<<<<<<
@@ -51322,7 +52944,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L10_bool_binop_done;
     }
 
-    /* "cattention/_driver/schedule.pxd":353
+    /* "cattention/_driver/schedule.pxd":370
  *     # thread count); the groups only on how many items the threads need
  *     while max_group > 1 and n_workers > 1 and (
  *             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):             # <<<<<<<<<<<<<<
@@ -51338,7 +52960,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 
     if (!__pyx_t_1) break;
 
-    /* "cattention/_driver/schedule.pxd":354
+    /* "cattention/_driver/schedule.pxd":371
  *     while max_group > 1 and n_workers > 1 and (
  *             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):
  *         max_group //= 2             # <<<<<<<<<<<<<<
@@ -51348,7 +52970,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     __pyx_v_max_group = (__pyx_v_max_group / 2);
   }
 
-  /* "cattention/_driver/schedule.pxd":355
+  /* "cattention/_driver/schedule.pxd":372
  *             pb.n_batch * pb.n_splits < GROUP_ITEMS_PER_THREAD * n_workers * max_group):
  *         max_group //= 2
  *     group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)             # <<<<<<<<<<<<<<
@@ -51357,7 +52979,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_group_first = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((((__pyx_v_pb->n_batch + 1) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t))) + (__pyx_v_pb->n_batch * (sizeof(struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder))))));
 
-  /* "cattention/_driver/schedule.pxd":357
+  /* "cattention/_driver/schedule.pxd":374
  *     group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)
  *                                    + pb.n_batch * sizeof(GroupOrder))
  *     if group_first == NULL:             # <<<<<<<<<<<<<<
@@ -51369,7 +52991,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":358
+    /* "cattention/_driver/schedule.pxd":375
  *                                    + pb.n_batch * sizeof(GroupOrder))
  *     if group_first == NULL:
  *         return -1             # <<<<<<<<<<<<<<
@@ -51382,7 +53004,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":357
+    /* "cattention/_driver/schedule.pxd":374
  *     group_first = <intp_t *>malloc((pb.n_batch + 1) * sizeof(intp_t)
  *                                    + pb.n_batch * sizeof(GroupOrder))
  *     if group_first == NULL:             # <<<<<<<<<<<<<<
@@ -51391,7 +53013,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":359
+  /* "cattention/_driver/schedule.pxd":376
  *     if group_first == NULL:
  *         return -1
  *     order = <GroupOrder *>(group_first + pb.n_batch + 1)             # <<<<<<<<<<<<<<
@@ -51400,7 +53022,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_order = ((struct __pyx_t_10cattention_7_driver_8schedule_GroupOrder *)((__pyx_v_group_first + __pyx_v_pb->n_batch) + 1));
 
-  /* "cattention/_driver/schedule.pxd":360
+  /* "cattention/_driver/schedule.pxd":377
  *         return -1
  *     order = <GroupOrder *>(group_first + pb.n_batch + 1)
  *     n_groups = group_entries(pb, max_group, group_first)             # <<<<<<<<<<<<<<
@@ -51409,7 +53031,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_groups = __pyx_f_10cattention_7_driver_8schedule_group_entries(__pyx_v_pb, __pyx_v_max_group, __pyx_v_group_first);
 
-  /* "cattention/_driver/schedule.pxd":362
+  /* "cattention/_driver/schedule.pxd":379
  *     n_groups = group_entries(pb, max_group, group_first)
  *     # workspaces for the largest group there is
  *     max_group = 1             # <<<<<<<<<<<<<<
@@ -51418,7 +53040,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_max_group = 1;
 
-  /* "cattention/_driver/schedule.pxd":363
+  /* "cattention/_driver/schedule.pxd":380
  *     # workspaces for the largest group there is
  *     max_group = 1
  *     for group in range(n_groups):             # <<<<<<<<<<<<<<
@@ -51432,7 +53054,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
     __pyx_v_group = __pyx_t_5;
 
-    /* "cattention/_driver/schedule.pxd":364
+    /* "cattention/_driver/schedule.pxd":381
  *     max_group = 1
  *     for group in range(n_groups):
  *         if group_first[group + 1] - group_first[group] > max_group:             # <<<<<<<<<<<<<<
@@ -51444,7 +53066,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":365
+      /* "cattention/_driver/schedule.pxd":382
  *     for group in range(n_groups):
  *         if group_first[group + 1] - group_first[group] > max_group:
  *             max_group = group_first[group + 1] - group_first[group]             # <<<<<<<<<<<<<<
@@ -51453,7 +53075,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_max_group = ((__pyx_v_group_first[(__pyx_v_group + 1)]) - (__pyx_v_group_first[__pyx_v_group]));
 
-      /* "cattention/_driver/schedule.pxd":364
+      /* "cattention/_driver/schedule.pxd":381
  *     max_group = 1
  *     for group in range(n_groups):
  *         if group_first[group + 1] - group_first[group] > max_group:             # <<<<<<<<<<<<<<
@@ -51464,7 +53086,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
 
 
-  /* "cattention/_driver/schedule.pxd":366
+  /* "cattention/_driver/schedule.pxd":383
  *         if group_first[group + 1] - group_first[group] > max_group:
  *             max_group = group_first[group + 1] - group_first[group]
  *     order_longest_first(pb, group_first, n_groups, order)             # <<<<<<<<<<<<<<
@@ -51473,7 +53095,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_f_10cattention_7_driver_8schedule_order_longest_first(__pyx_v_pb, __pyx_v_group_first, __pyx_v_n_groups, __pyx_v_order);
 
-  /* "cattention/_driver/schedule.pxd":367
+  /* "cattention/_driver/schedule.pxd":384
  *             max_group = group_first[group + 1] - group_first[group]
  *     order_longest_first(pb, group_first, n_groups, order)
  *     n_items = n_groups * pb.n_splits             # <<<<<<<<<<<<<<
@@ -51482,7 +53104,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_items = (__pyx_v_n_groups * __pyx_v_pb->n_splits);
 
-  /* "cattention/_driver/schedule.pxd":368
+  /* "cattention/_driver/schedule.pxd":385
  *     order_longest_first(pb, group_first, n_groups, order)
  *     n_items = n_groups * pb.n_splits
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -51494,7 +53116,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":369
+    /* "cattention/_driver/schedule.pxd":386
  *     n_items = n_groups * pb.n_splits
  *     if n_workers > n_items:
  *         n_workers = <int>n_items             # <<<<<<<<<<<<<<
@@ -51503,7 +53125,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_workers = ((int)__pyx_v_n_items);
 
-    /* "cattention/_driver/schedule.pxd":368
+    /* "cattention/_driver/schedule.pxd":385
  *     order_longest_first(pb, group_first, n_groups, order)
  *     n_items = n_groups * pb.n_splits
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -51512,7 +53134,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":370
+  /* "cattention/_driver/schedule.pxd":387
  *     if n_workers > n_items:
  *         n_workers = <int>n_items
  *     if pb.n_splits > 1:             # <<<<<<<<<<<<<<
@@ -51524,7 +53146,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":371
+    /* "cattention/_driver/schedule.pxd":388
  *         n_workers = <int>n_items
  *     if pb.n_splits > 1:
  *         partial = <floating *>ca_scratch_acquire(             # <<<<<<<<<<<<<<
@@ -51533,7 +53155,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_partial = ((double *)ca_scratch_acquire(CA_SCRATCH_PARTIAL, ((((__pyx_v_pb->n_batch * __pyx_v_pb->n_splits) * __pyx_v_pb->n_queries) * (__pyx_v_pb->d_v + 2)) * (sizeof(double)))));
 
-    /* "cattention/_driver/schedule.pxd":374
+    /* "cattention/_driver/schedule.pxd":391
  *             CA_SCRATCH_PARTIAL, pb.n_batch * pb.n_splits * pb.n_queries * (pb.d_v + 2)
  *             * sizeof(floating))
  *         if partial == NULL:             # <<<<<<<<<<<<<<
@@ -51545,7 +53167,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":375
+      /* "cattention/_driver/schedule.pxd":392
  *             * sizeof(floating))
  *         if partial == NULL:
  *             free(group_first)             # <<<<<<<<<<<<<<
@@ -51554,7 +53176,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       free(__pyx_v_group_first);
 
-      /* "cattention/_driver/schedule.pxd":376
+      /* "cattention/_driver/schedule.pxd":393
  *         if partial == NULL:
  *             free(group_first)
  *             return -1             # <<<<<<<<<<<<<<
@@ -51567,7 +53189,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":374
+      /* "cattention/_driver/schedule.pxd":391
  *             CA_SCRATCH_PARTIAL, pb.n_batch * pb.n_splits * pb.n_queries * (pb.d_v + 2)
  *             * sizeof(floating))
  *         if partial == NULL:             # <<<<<<<<<<<<<<
@@ -51576,7 +53198,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":370
+    /* "cattention/_driver/schedule.pxd":387
  *     if n_workers > n_items:
  *         n_workers = <int>n_items
  *     if pb.n_splits > 1:             # <<<<<<<<<<<<<<
@@ -51585,7 +53207,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":377
+  /* "cattention/_driver/schedule.pxd":394
  *             free(group_first)
  *             return -1
  *     if n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -51597,7 +53219,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/schedule.pxd":378
+    /* "cattention/_driver/schedule.pxd":395
  *             return -1
  *     if n_workers <= 1:
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)             # <<<<<<<<<<<<<<
@@ -51606,7 +53228,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_group(__pyx_v_pb, (sizeof(double)), __pyx_v_max_group);
 
-    /* "cattention/_driver/schedule.pxd":379
+    /* "cattention/_driver/schedule.pxd":396
  *     if n_workers <= 1:
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -51618,7 +53240,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":380
+      /* "cattention/_driver/schedule.pxd":397
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -51627,7 +53249,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":379
+      /* "cattention/_driver/schedule.pxd":396
  *     if n_workers <= 1:
  *         ws = workspace_new_group(pb, sizeof(floating), max_group)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -51637,7 +53259,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L21;
     }
 
-    /* "cattention/_driver/schedule.pxd":382
+    /* "cattention/_driver/schedule.pxd":399
  *             status = -1
  *         else:
  *             for item in range(n_items):             # <<<<<<<<<<<<<<
@@ -51652,7 +53274,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_item = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":383
+        /* "cattention/_driver/schedule.pxd":400
  *         else:
  *             for item in range(n_items):
  *                 group = order[item // pb.n_splits].group             # <<<<<<<<<<<<<<
@@ -51663,7 +53285,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 
         __pyx_v_group = __pyx_t_6;
 
-        /* "cattention/_driver/schedule.pxd":384
+        /* "cattention/_driver/schedule.pxd":401
  *             for item in range(n_items):
  *                 group = order[item // pb.n_splits].group
  *                 attend_key_chunk(pb, kern, ws, group_first[group],             # <<<<<<<<<<<<<<
@@ -51674,20 +53296,29 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":387
+      /* "cattention/_driver/schedule.pxd":404
  *                                  group_first[group + 1] - group_first[group],
  *                                  item % pb.n_splits, out, partial)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *         if status == 0 and pb.n_splits > 1:
+*/
+      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+      /* "cattention/_driver/schedule.pxd":405
+ *                                  item % pb.n_splits, out, partial)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *         if status == 0 and pb.n_splits > 1:
  *             for b in range(pb.n_batch):
 */
-      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+      __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
     }
     __pyx_L21:;
 
-    /* "cattention/_driver/schedule.pxd":388
- *                                  item % pb.n_splits, out, partial)
+    /* "cattention/_driver/schedule.pxd":406
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *         if status == 0 and pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *             for b in range(pb.n_batch):
  *                 merge_splits(pb, b, partial, out)
@@ -51711,8 +53342,8 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/schedule.pxd":389
- *             workspace_delete(ws)
+      /* "cattention/_driver/schedule.pxd":407
+ *             thread_done(kern)
  *         if status == 0 and pb.n_splits > 1:
  *             for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
  *                 merge_splits(pb, b, partial, out)
@@ -51725,7 +53356,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_b = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":390
+        /* "cattention/_driver/schedule.pxd":408
  *         if status == 0 and pb.n_splits > 1:
  *             for b in range(pb.n_batch):
  *                 merge_splits(pb, b, partial, out)             # <<<<<<<<<<<<<<
@@ -51736,16 +53367,16 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":388
- *                                  item % pb.n_splits, out, partial)
+      /* "cattention/_driver/schedule.pxd":406
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *         if status == 0 and pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *             for b in range(pb.n_batch):
  *                 merge_splits(pb, b, partial, out)
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":377
+    /* "cattention/_driver/schedule.pxd":394
  *             free(group_first)
  *             return -1
  *     if n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -51755,7 +53386,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L20;
   }
 
-  /* "cattention/_driver/schedule.pxd":392
+  /* "cattention/_driver/schedule.pxd":410
  *                 merge_splits(pb, b, partial, out)
  *     else:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
@@ -51765,7 +53396,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   /*else*/ {
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":393
+    /* "cattention/_driver/schedule.pxd":411
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -51789,7 +53420,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":394
+                  /* "cattention/_driver/schedule.pxd":412
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)             # <<<<<<<<<<<<<<
@@ -51798,7 +53429,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_group(__pyx_v_pb, (sizeof(double)), __pyx_v_max_group);
 
-                  /* "cattention/_driver/schedule.pxd":395
+                  /* "cattention/_driver/schedule.pxd":413
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -51810,7 +53441,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_1) {
 
 
-                    /* "cattention/_driver/schedule.pxd":396
+                    /* "cattention/_driver/schedule.pxd":414
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -51819,7 +53450,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":395
+                    /* "cattention/_driver/schedule.pxd":413
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_group(pb, sizeof(floating), max_group)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -51828,7 +53459,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":397
+                  /* "cattention/_driver/schedule.pxd":415
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for item in prange(n_items, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -51848,7 +53479,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_item = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":398
+                                  /* "cattention/_driver/schedule.pxd":416
  *                 status_ptr[0] = -1
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -51860,7 +53491,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_1) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":399
+                                    /* "cattention/_driver/schedule.pxd":417
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:
  *                     group = order[item // pb.n_splits].group             # <<<<<<<<<<<<<<
@@ -51871,7 +53502,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 
                                     __pyx_v_group = __pyx_t_6;
 
-                                    /* "cattention/_driver/schedule.pxd":400
+                                    /* "cattention/_driver/schedule.pxd":418
  *                 if ws != NULL:
  *                     group = order[item // pb.n_splits].group
  *                     attend_key_chunk(pb, kern, ws, group_first[group],             # <<<<<<<<<<<<<<
@@ -51880,7 +53511,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_11item_direct_attend_key_chunk(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, (__pyx_v_group_first[__pyx_v_group]), ((__pyx_v_group_first[(__pyx_v_group + 1)]) - (__pyx_v_group_first[__pyx_v_group])), (__pyx_v_item % __pyx_v_pb->n_splits), __pyx_v_out, __pyx_v_partial);
 
-                                    /* "cattention/_driver/schedule.pxd":398
+                                    /* "cattention/_driver/schedule.pxd":416
  *                 status_ptr[0] = -1
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -51894,18 +53525,27 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":403
+                  /* "cattention/_driver/schedule.pxd":421
  *                                      group_first[group + 1] - group_first[group],
  *                                      item % pb.n_splits, out, partial)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
  *             if pb.n_splits > 1:
- *                 for b in prange(pb.n_batch, schedule='static'):
 */
                   __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
 
-                  /* "cattention/_driver/schedule.pxd":404
+                  /* "cattention/_driver/schedule.pxd":422
  *                                      item % pb.n_splits, out, partial)
  *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
+ *             if pb.n_splits > 1:
+ *                 for b in prange(pb.n_batch, schedule='static'):
+*/
+                  __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
+
+                  /* "cattention/_driver/schedule.pxd":423
+ *             workspace_delete(ws)
+ *             thread_done(kern)
  *             if pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:
@@ -51915,8 +53555,8 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_1) {
 
 
-                    /* "cattention/_driver/schedule.pxd":405
- *             workspace_delete(ws)
+                    /* "cattention/_driver/schedule.pxd":424
+ *             thread_done(kern)
  *             if pb.n_splits > 1:
  *                 for b in prange(pb.n_batch, schedule='static'):             # <<<<<<<<<<<<<<
  *                     if status_ptr[0] == 0:
@@ -51935,7 +53575,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                 {
                                     __pyx_v_b = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                    /* "cattention/_driver/schedule.pxd":406
+                                    /* "cattention/_driver/schedule.pxd":425
  *             if pb.n_splits > 1:
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:             # <<<<<<<<<<<<<<
@@ -51947,7 +53587,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                     if (__pyx_t_1) {
 
 
-                                      /* "cattention/_driver/schedule.pxd":407
+                                      /* "cattention/_driver/schedule.pxd":426
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:
  *                         merge_splits(pb, b, partial, out)             # <<<<<<<<<<<<<<
@@ -51956,7 +53596,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                       __pyx_fuse_1__pyx_f_10cattention_7_driver_7softmax_merge_splits(__pyx_v_pb, __pyx_v_b, __pyx_v_partial, __pyx_v_out);
 
-                                      /* "cattention/_driver/schedule.pxd":406
+                                      /* "cattention/_driver/schedule.pxd":425
  *             if pb.n_splits > 1:
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:             # <<<<<<<<<<<<<<
@@ -51970,9 +53610,9 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                     }
 
 
-                    /* "cattention/_driver/schedule.pxd":404
- *                                      item % pb.n_splits, out, partial)
+                    /* "cattention/_driver/schedule.pxd":423
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *             if pb.n_splits > 1:             # <<<<<<<<<<<<<<
  *                 for b in prange(pb.n_batch, schedule='static'):
  *                     if status_ptr[0] == 0:
@@ -51988,7 +53628,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":393
+        /* "cattention/_driver/schedule.pxd":411
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -52007,7 +53647,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_L20:;
 
-  /* "cattention/_driver/schedule.pxd":408
+  /* "cattention/_driver/schedule.pxd":427
  *                     if status_ptr[0] == 0:
  *                         merge_splits(pb, b, partial, out)
  *     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)             # <<<<<<<<<<<<<<
@@ -52016,7 +53656,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   ca_scratch_release(CA_SCRATCH_PARTIAL, __pyx_v_partial);
 
-  /* "cattention/_driver/schedule.pxd":409
+  /* "cattention/_driver/schedule.pxd":428
  *                         merge_splits(pb, b, partial, out)
  *     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
  *     free(group_first)             # <<<<<<<<<<<<<<
@@ -52025,7 +53665,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   free(__pyx_v_group_first);
 
-  /* "cattention/_driver/schedule.pxd":410
+  /* "cattention/_driver/schedule.pxd":429
  *     ca_scratch_release(CA_SCRATCH_PARTIAL, partial)
  *     free(group_first)
  *     return status             # <<<<<<<<<<<<<<
@@ -52038,7 +53678,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":322
+  /* "cattention/_driver/schedule.pxd":339
  * 
  * 
  * cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -52065,7 +53705,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   return __pyx_r;
 }
 
-/* "cattention/_driver/schedule.pxd":413
+/* "cattention/_driver/schedule.pxd":432
  * 
  * 
  * cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -52102,7 +53742,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   Py_ssize_t __pyx_t_5;
   Py_ssize_t __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":416
+  /* "cattention/_driver/schedule.pxd":435
  *                                 floating *out, floating *scores) noexcept nogil:
  *     """Pack K/V once, then blocks of query rows across threads."""
  *     cdef Py_ssize_t n_query_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK             # <<<<<<<<<<<<<<
@@ -52111,7 +53751,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_query_blocks = (((__pyx_v_pb->n_queries + __pyx_e_10cattention_7_driver_7problem_Q_BLOCK) - 1) / __pyx_e_10cattention_7_driver_7problem_Q_BLOCK);
 
-  /* "cattention/_driver/schedule.pxd":417
+  /* "cattention/_driver/schedule.pxd":436
  *     """Pack K/V once, then blocks of query rows across threads."""
  *     cdef Py_ssize_t n_query_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
  *     cdef Py_ssize_t n_items = n_query_blocks * pb.n_batch             # <<<<<<<<<<<<<<
@@ -52120,7 +53760,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_items = (__pyx_v_n_query_blocks * __pyx_v_pb->n_batch);
 
-  /* "cattention/_driver/schedule.pxd":419
+  /* "cattention/_driver/schedule.pxd":438
  *     cdef Py_ssize_t n_items = n_query_blocks * pb.n_batch
  *     # with few query rows K and V are read in place, not packed
  *     cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -52136,7 +53776,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_v_n_packed = __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":421
+  /* "cattention/_driver/schedule.pxd":440
  *     cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks
  *     cdef Py_ssize_t item, packed_block, b
  *     cdef Workspace *ws = NULL             # <<<<<<<<<<<<<<
@@ -52145,7 +53785,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_ws = NULL;
 
-  /* "cattention/_driver/schedule.pxd":422
+  /* "cattention/_driver/schedule.pxd":441
  *     cdef Py_ssize_t item, packed_block, b
  *     cdef Workspace *ws = NULL
  *     cdef int status = 0             # <<<<<<<<<<<<<<
@@ -52154,7 +53794,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status = 0;
 
-  /* "cattention/_driver/schedule.pxd":423
+  /* "cattention/_driver/schedule.pxd":442
  *     cdef Workspace *ws = NULL
  *     cdef int status = 0
  *     cdef int *status_ptr = &status             # <<<<<<<<<<<<<<
@@ -52163,7 +53803,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status_ptr = (&__pyx_v_status);
 
-  /* "cattention/_driver/schedule.pxd":424
+  /* "cattention/_driver/schedule.pxd":443
  *     cdef int status = 0
  *     cdef int *status_ptr = &status
  *     cdef size_t itemsize = sizeof(floating)             # <<<<<<<<<<<<<<
@@ -52172,7 +53812,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_itemsize = (sizeof(float));
 
-  /* "cattention/_driver/schedule.pxd":425
+  /* "cattention/_driver/schedule.pxd":444
  *     cdef int *status_ptr = &status
  *     cdef size_t itemsize = sizeof(floating)
  *     cdef int n_workers = n_threads             # <<<<<<<<<<<<<<
@@ -52181,7 +53821,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_workers = __pyx_v_n_threads;
 
-  /* "cattention/_driver/schedule.pxd":426
+  /* "cattention/_driver/schedule.pxd":445
  *     cdef size_t itemsize = sizeof(floating)
  *     cdef int n_workers = n_threads
  *     if n_items == 0:             # <<<<<<<<<<<<<<
@@ -52193,7 +53833,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":427
+    /* "cattention/_driver/schedule.pxd":446
  *     cdef int n_workers = n_threads
  *     if n_items == 0:
  *         return 0             # <<<<<<<<<<<<<<
@@ -52206,7 +53846,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":426
+    /* "cattention/_driver/schedule.pxd":445
  *     cdef size_t itemsize = sizeof(floating)
  *     cdef int n_workers = n_threads
  *     if n_items == 0:             # <<<<<<<<<<<<<<
@@ -52215,7 +53855,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":428
+  /* "cattention/_driver/schedule.pxd":447
  *     if n_items == 0:
  *         return 0
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -52227,7 +53867,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":429
+    /* "cattention/_driver/schedule.pxd":448
  *         return 0
  *     if n_workers > n_items:
  *         n_workers = <int>n_items             # <<<<<<<<<<<<<<
@@ -52236,7 +53876,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_workers = ((int)__pyx_v_n_items);
 
-    /* "cattention/_driver/schedule.pxd":428
+    /* "cattention/_driver/schedule.pxd":447
  *     if n_items == 0:
  *         return 0
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -52245,7 +53885,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":440
+  /* "cattention/_driver/schedule.pxd":459
  *     # packed first, then query blocks are spread over the threads, which
  *     # balances them where entries are few or differ in length.
  *     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0             # <<<<<<<<<<<<<<
@@ -52264,7 +53904,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 
   __pyx_v_group = __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":441
+  /* "cattention/_driver/schedule.pxd":460
  *     # balances them where entries are few or differ in length.
  *     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0
  *     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL             # <<<<<<<<<<<<<<
@@ -52282,7 +53922,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L5_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":442
+  /* "cattention/_driver/schedule.pxd":461
  *     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0
  *     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL
  *                                and pb.kv_extent == NULL)             # <<<<<<<<<<<<<<
@@ -52307,7 +53947,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   __pyx_L5_bool_binop_done:;
   __pyx_v_entries_alike = __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":443
+  /* "cattention/_driver/schedule.pxd":462
  *     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL
  *                                and pb.kv_extent == NULL)
  *     cdef bint per_entry = (group > 0 and (             # <<<<<<<<<<<<<<
@@ -52325,7 +53965,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":444
+  /* "cattention/_driver/schedule.pxd":463
  *                                and pb.kv_extent == NULL)
  *     cdef bint per_entry = (group > 0 and (
  *         n_workers == 1             # <<<<<<<<<<<<<<
@@ -52343,7 +53983,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":445
+  /* "cattention/_driver/schedule.pxd":464
  *     cdef bint per_entry = (group > 0 and (
  *         n_workers == 1
  *         or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)             # <<<<<<<<<<<<<<
@@ -52370,7 +54010,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_L11_next_or:;
 
-  /* "cattention/_driver/schedule.pxd":446
+  /* "cattention/_driver/schedule.pxd":465
  *         n_workers == 1
  *         or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)
  *         or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers             # <<<<<<<<<<<<<<
@@ -52388,7 +54028,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":447
+  /* "cattention/_driver/schedule.pxd":466
  *         or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)
  *         or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers
  *         or (entries_alike and pb.n_kv % n_workers == 0             # <<<<<<<<<<<<<<
@@ -52402,7 +54042,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":448
+  /* "cattention/_driver/schedule.pxd":467
  *         or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers
  *         or (entries_alike and pb.n_kv % n_workers == 0
  *             and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))             # <<<<<<<<<<<<<<
@@ -52427,7 +54067,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   __pyx_L8_bool_binop_done:;
   __pyx_v_per_entry = __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":449
+  /* "cattention/_driver/schedule.pxd":468
  *         or (entries_alike and pb.n_kv % n_workers == 0
  *             and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
  *     if per_entry:             # <<<<<<<<<<<<<<
@@ -52436,7 +54076,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   if (__pyx_v_per_entry) {
 
-    /* "cattention/_driver/schedule.pxd":451
+    /* "cattention/_driver/schedule.pxd":470
  *     if per_entry:
  *         # each thread packs into its own blocks (compute_whole_entry)
  *         n_packed = 0             # <<<<<<<<<<<<<<
@@ -52445,7 +54085,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_packed = 0;
 
-    /* "cattention/_driver/schedule.pxd":449
+    /* "cattention/_driver/schedule.pxd":468
  *         or (entries_alike and pb.n_kv % n_workers == 0
  *             and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
  *     if per_entry:             # <<<<<<<<<<<<<<
@@ -52454,7 +54094,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":452
+  /* "cattention/_driver/schedule.pxd":471
  *         # each thread packs into its own blocks (compute_whole_entry)
  *         n_packed = 0
  *     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)             # <<<<<<<<<<<<<<
@@ -52463,7 +54103,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_k_bytes = __pyx_f_10cattention_7_driver_9workspace_packed_k_bytes(__pyx_v_pb, __pyx_v_n_packed, __pyx_v_itemsize);
 
-  /* "cattention/_driver/schedule.pxd":453
+  /* "cattention/_driver/schedule.pxd":472
  *         n_packed = 0
  *     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)             # <<<<<<<<<<<<<<
@@ -52472,7 +54112,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_v_bytes = __pyx_f_10cattention_7_driver_9workspace_packed_v_bytes(__pyx_v_pb, __pyx_v_n_packed, __pyx_v_itemsize);
 
-  /* "cattention/_driver/schedule.pxd":454
+  /* "cattention/_driver/schedule.pxd":473
  *     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
  *     cdef char *packed = NULL             # <<<<<<<<<<<<<<
@@ -52481,7 +54121,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_packed = NULL;
 
-  /* "cattention/_driver/schedule.pxd":455
+  /* "cattention/_driver/schedule.pxd":474
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
  *     cdef char *packed = NULL
  *     if not per_entry:             # <<<<<<<<<<<<<<
@@ -52493,7 +54133,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":456
+    /* "cattention/_driver/schedule.pxd":475
  *     cdef char *packed = NULL
  *     if not per_entry:
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)             # <<<<<<<<<<<<<<
@@ -52502,7 +54142,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_packed = ((char *)ca_scratch_acquire(CA_SCRATCH_PACKED, ((__pyx_v_k_bytes + __pyx_v_v_bytes) + __pyx_v_n_packed)));
 
-    /* "cattention/_driver/schedule.pxd":457
+    /* "cattention/_driver/schedule.pxd":476
  *     if not per_entry:
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
  *         if packed == NULL:             # <<<<<<<<<<<<<<
@@ -52514,7 +54154,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":458
+      /* "cattention/_driver/schedule.pxd":477
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
  *         if packed == NULL:
  *             return -1             # <<<<<<<<<<<<<<
@@ -52527,7 +54167,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":457
+      /* "cattention/_driver/schedule.pxd":476
  *     if not per_entry:
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
  *         if packed == NULL:             # <<<<<<<<<<<<<<
@@ -52536,7 +54176,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":455
+    /* "cattention/_driver/schedule.pxd":474
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
  *     cdef char *packed = NULL
  *     if not per_entry:             # <<<<<<<<<<<<<<
@@ -52545,7 +54185,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":459
+  /* "cattention/_driver/schedule.pxd":478
  *         if packed == NULL:
  *             return -1
  *     pb.packed_k = packed             # <<<<<<<<<<<<<<
@@ -52554,7 +54194,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->packed_k = __pyx_v_packed;
 
-  /* "cattention/_driver/schedule.pxd":460
+  /* "cattention/_driver/schedule.pxd":479
  *             return -1
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes             # <<<<<<<<<<<<<<
@@ -52563,7 +54203,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->packed_v = (__pyx_v_packed + __pyx_v_k_bytes);
 
-  /* "cattention/_driver/schedule.pxd":461
+  /* "cattention/_driver/schedule.pxd":480
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes
  *     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)             # <<<<<<<<<<<<<<
@@ -52572,7 +54212,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->value_nonfinite = ((uint8_t *)((__pyx_v_packed + __pyx_v_k_bytes) + __pyx_v_v_bytes));
 
-  /* "cattention/_driver/schedule.pxd":465
+  /* "cattention/_driver/schedule.pxd":484
  *     # reader's first key are not packed (a prompt chunk at the end of a long
  *     # cache, the padding of a batch)
  *     cdef intp_t *kv_first = NULL             # <<<<<<<<<<<<<<
@@ -52581,7 +54221,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":467
+  /* "cattention/_driver/schedule.pxd":486
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
@@ -52616,7 +54256,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":468
+    /* "cattention/_driver/schedule.pxd":487
  *     cdef Py_ssize_t kv, first
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))             # <<<<<<<<<<<<<<
@@ -52625,7 +54265,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_kv_first = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((__pyx_v_pb->n_kv * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
-    /* "cattention/_driver/schedule.pxd":469
+    /* "cattention/_driver/schedule.pxd":488
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
@@ -52637,7 +54277,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":470
+      /* "cattention/_driver/schedule.pxd":489
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -52646,7 +54286,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-      /* "cattention/_driver/schedule.pxd":471
+      /* "cattention/_driver/schedule.pxd":490
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1             # <<<<<<<<<<<<<<
@@ -52659,7 +54299,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":469
+      /* "cattention/_driver/schedule.pxd":488
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
@@ -52668,7 +54308,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":472
+    /* "cattention/_driver/schedule.pxd":491
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1
  *         for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -52682,7 +54322,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_kv = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":473
+      /* "cattention/_driver/schedule.pxd":492
  *             return -1
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys             # <<<<<<<<<<<<<<
@@ -52696,7 +54336,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":474
+    /* "cattention/_driver/schedule.pxd":493
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -52710,7 +54350,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_b = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":475
+      /* "cattention/_driver/schedule.pxd":494
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)             # <<<<<<<<<<<<<<
@@ -52719,7 +54359,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_first = __pyx_f_10cattention_7_driver_10visibility_first_visible_key(__pyx_v_pb, __pyx_v_b);
 
-      /* "cattention/_driver/schedule.pxd":476
+      /* "cattention/_driver/schedule.pxd":495
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -52731,7 +54371,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/schedule.pxd":477
+        /* "cattention/_driver/schedule.pxd":496
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first             # <<<<<<<<<<<<<<
@@ -52740,7 +54380,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
         (__pyx_v_kv_first[(__pyx_v_pb->kv_of_batch[__pyx_v_b])]) = __pyx_v_first;
 
-        /* "cattention/_driver/schedule.pxd":476
+        /* "cattention/_driver/schedule.pxd":495
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -52751,7 +54391,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":478
+    /* "cattention/_driver/schedule.pxd":497
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first             # <<<<<<<<<<<<<<
@@ -52760,7 +54400,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->kv_first = __pyx_v_kv_first;
 
-    /* "cattention/_driver/schedule.pxd":467
+    /* "cattention/_driver/schedule.pxd":486
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
@@ -52769,7 +54409,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":479
+  /* "cattention/_driver/schedule.pxd":498
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -52791,7 +54431,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":480
+    /* "cattention/_driver/schedule.pxd":499
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -52800,7 +54440,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":481
+    /* "cattention/_driver/schedule.pxd":500
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -52812,7 +54452,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":482
+      /* "cattention/_driver/schedule.pxd":501
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -52821,7 +54461,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":481
+      /* "cattention/_driver/schedule.pxd":500
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -52831,7 +54471,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L32;
     }
 
-    /* "cattention/_driver/schedule.pxd":484
+    /* "cattention/_driver/schedule.pxd":503
  *             status = -1
  *         else:
  *             for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -52846,7 +54486,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_kv = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":485
+        /* "cattention/_driver/schedule.pxd":504
  *         else:
  *             for kv in range(pb.n_kv):
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -52857,18 +54497,27 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":487
+      /* "cattention/_driver/schedule.pxd":506
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     elif n_workers <= 1:
+*/
+      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+      /* "cattention/_driver/schedule.pxd":507
+ *                                     (kv + 1) * group, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
 */
-      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+      __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
     }
     __pyx_L32:;
 
-    /* "cattention/_driver/schedule.pxd":479
+    /* "cattention/_driver/schedule.pxd":498
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -52878,9 +54527,9 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":488
- *                                     (kv + 1) * group, out, scores)
+  /* "cattention/_driver/schedule.pxd":508
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
@@ -52890,8 +54539,8 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":489
- *             workspace_delete(ws)
+    /* "cattention/_driver/schedule.pxd":509
+ *             thread_done(kern)
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
  *         if ws == NULL:
@@ -52899,7 +54548,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":490
+    /* "cattention/_driver/schedule.pxd":510
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -52911,7 +54560,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":491
+      /* "cattention/_driver/schedule.pxd":511
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -52920,7 +54569,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":490
+      /* "cattention/_driver/schedule.pxd":510
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -52930,7 +54579,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L35;
     }
 
-    /* "cattention/_driver/schedule.pxd":493
+    /* "cattention/_driver/schedule.pxd":513
  *             status = -1
  *         else:
  *             for packed_block in range(n_packed):             # <<<<<<<<<<<<<<
@@ -52945,7 +54594,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_packed_block = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":494
+        /* "cattention/_driver/schedule.pxd":514
  *         else:
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))             # <<<<<<<<<<<<<<
@@ -52956,7 +54605,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":495
+      /* "cattention/_driver/schedule.pxd":515
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):             # <<<<<<<<<<<<<<
@@ -52970,7 +54619,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_item = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":496
+        /* "cattention/_driver/schedule.pxd":516
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -52979,31 +54628,40 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
         __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + 1), __pyx_v_n_query_blocks, 0);
 
-        /* "cattention/_driver/schedule.pxd":497
+        /* "cattention/_driver/schedule.pxd":517
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
  *             workspace_delete(ws)
- *     elif per_entry:
+ *             thread_done(kern)
 */
         __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_query_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_item, __pyx_v_n_query_blocks, __pyx_v_out, __pyx_v_scores);
       }
 
 
-      /* "cattention/_driver/schedule.pxd":498
+      /* "cattention/_driver/schedule.pxd":518
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     elif per_entry:
+*/
+      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+      /* "cattention/_driver/schedule.pxd":519
+ *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     elif per_entry:
  *         ca_note_parallel_region()
 */
-      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+      __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
     }
     __pyx_L35:;
 
-    /* "cattention/_driver/schedule.pxd":488
- *                                     (kv + 1) * group, out, scores)
+    /* "cattention/_driver/schedule.pxd":508
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
@@ -53011,17 +54669,17 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":499
- *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+  /* "cattention/_driver/schedule.pxd":520
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif per_entry:             # <<<<<<<<<<<<<<
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
 */
   if (__pyx_v_per_entry) {
 
-    /* "cattention/_driver/schedule.pxd":500
- *             workspace_delete(ws)
+    /* "cattention/_driver/schedule.pxd":521
+ *             thread_done(kern)
  *     elif per_entry:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
  *         with parallel(num_threads=n_workers):
@@ -53029,7 +54687,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":501
+    /* "cattention/_driver/schedule.pxd":522
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53053,7 +54711,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":502
+                  /* "cattention/_driver/schedule.pxd":523
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -53062,7 +54720,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":503
+                  /* "cattention/_driver/schedule.pxd":524
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53074,7 +54732,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":504
+                    /* "cattention/_driver/schedule.pxd":525
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -53083,7 +54741,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":503
+                    /* "cattention/_driver/schedule.pxd":524
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53092,7 +54750,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":505
+                  /* "cattention/_driver/schedule.pxd":526
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -53112,7 +54770,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_kv = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":506
+                                  /* "cattention/_driver/schedule.pxd":527
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53124,7 +54782,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":508
+                                    /* "cattention/_driver/schedule.pxd":529
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out entries in turn
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -53133,7 +54791,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_whole_entry(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, (__pyx_v_kv * __pyx_v_group), __pyx_v_group, __pyx_v_n_query_blocks, ((__pyx_v_kv + __pyx_v_n_workers) * __pyx_v_group), __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":506
+                                    /* "cattention/_driver/schedule.pxd":527
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53147,14 +54805,23 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":510
+                  /* "cattention/_driver/schedule.pxd":531
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                         (kv + n_workers) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     else:
+*/
+                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+                  /* "cattention/_driver/schedule.pxd":532
+ *                                         (kv + n_workers) * group, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     else:
  *         ca_note_parallel_region()
 */
-                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+                  __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
               }
           }
           #if ((defined(__APPLE__) || defined(__OSX__)) && (defined(__GNUC__) && (__GNUC__ > 2 || (__GNUC__ == 2 && (__GNUC_MINOR__ > 95)))))
@@ -53165,7 +54832,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":501
+        /* "cattention/_driver/schedule.pxd":522
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53182,9 +54849,9 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
         }
     }
 
-    /* "cattention/_driver/schedule.pxd":499
- *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+    /* "cattention/_driver/schedule.pxd":520
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif per_entry:             # <<<<<<<<<<<<<<
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
@@ -53192,8 +54859,8 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":512
- *             workspace_delete(ws)
+  /* "cattention/_driver/schedule.pxd":534
+ *             thread_done(kern)
  *     else:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
  *         with parallel(num_threads=n_workers):
@@ -53202,7 +54869,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   /*else*/ {
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":513
+    /* "cattention/_driver/schedule.pxd":535
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53226,7 +54893,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":515
+                  /* "cattention/_driver/schedule.pxd":537
  *         with parallel(num_threads=n_workers):
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -53235,7 +54902,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":516
+                  /* "cattention/_driver/schedule.pxd":538
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53247,7 +54914,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":517
+                    /* "cattention/_driver/schedule.pxd":539
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -53256,7 +54923,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":516
+                    /* "cattention/_driver/schedule.pxd":538
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -53265,7 +54932,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":518
+                  /* "cattention/_driver/schedule.pxd":540
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):             # <<<<<<<<<<<<<<
@@ -53285,7 +54952,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_packed_block = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":519
+                                  /* "cattention/_driver/schedule.pxd":541
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53297,7 +54964,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":520
+                                    /* "cattention/_driver/schedule.pxd":542
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:
  *                     pack_block(pb, ws, packed_block,             # <<<<<<<<<<<<<<
@@ -53306,7 +54973,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_7packing_pack_block(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block, ((float *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block)));
 
-                                    /* "cattention/_driver/schedule.pxd":519
+                                    /* "cattention/_driver/schedule.pxd":541
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53320,7 +54987,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":523
+                  /* "cattention/_driver/schedule.pxd":545
  *                                <floating *>packed_keys(pb, ws, packed_block))
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -53340,7 +55007,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_item = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":524
+                                  /* "cattention/_driver/schedule.pxd":546
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53352,7 +55019,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":526
+                                    /* "cattention/_driver/schedule.pxd":548
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -53361,16 +55028,16 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + __pyx_v_n_workers), __pyx_v_n_query_blocks, 0);
 
-                                    /* "cattention/_driver/schedule.pxd":527
+                                    /* "cattention/_driver/schedule.pxd":549
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
  *             workspace_delete(ws)
- *     pb.kv_first = NULL
+ *             thread_done(kern)
 */
                                     __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_query_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_item, __pyx_v_n_query_blocks, __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":524
+                                    /* "cattention/_driver/schedule.pxd":546
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -53384,14 +55051,23 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":528
+                  /* "cattention/_driver/schedule.pxd":550
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     pb.kv_first = NULL
+*/
+                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+                  /* "cattention/_driver/schedule.pxd":551
+ *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     pb.kv_first = NULL
  *     free(kv_first)
 */
-                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+                  __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
               }
           }
           #if ((defined(__APPLE__) || defined(__OSX__)) && (defined(__GNUC__) && (__GNUC__ > 2 || (__GNUC__ == 2 && (__GNUC_MINOR__ > 95)))))
@@ -53402,7 +55078,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":513
+        /* "cattention/_driver/schedule.pxd":535
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -53421,17 +55097,17 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_L29:;
 
-  /* "cattention/_driver/schedule.pxd":529
- *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+  /* "cattention/_driver/schedule.pxd":552
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     pb.kv_first = NULL             # <<<<<<<<<<<<<<
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
 */
   __pyx_v_pb->kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":530
- *             workspace_delete(ws)
+  /* "cattention/_driver/schedule.pxd":553
+ *             thread_done(kern)
  *     pb.kv_first = NULL
  *     free(kv_first)             # <<<<<<<<<<<<<<
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
@@ -53439,7 +55115,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   free(__pyx_v_kv_first);
 
-  /* "cattention/_driver/schedule.pxd":531
+  /* "cattention/_driver/schedule.pxd":554
  *     pb.kv_first = NULL
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -53447,7 +55123,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
 */
   ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-  /* "cattention/_driver/schedule.pxd":532
+  /* "cattention/_driver/schedule.pxd":555
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *     return status             # <<<<<<<<<<<<<<
@@ -53458,7 +55134,7 @@ static CYTHON_INLINE int __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_sch
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":413
+  /* "cattention/_driver/schedule.pxd":432
  * 
  * 
  * cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<
@@ -53520,7 +55196,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   Py_ssize_t __pyx_t_5;
   Py_ssize_t __pyx_t_6;
 
-  /* "cattention/_driver/schedule.pxd":416
+  /* "cattention/_driver/schedule.pxd":435
  *                                 floating *out, floating *scores) noexcept nogil:
  *     """Pack K/V once, then blocks of query rows across threads."""
  *     cdef Py_ssize_t n_query_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK             # <<<<<<<<<<<<<<
@@ -53529,7 +55205,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_query_blocks = (((__pyx_v_pb->n_queries + __pyx_e_10cattention_7_driver_7problem_Q_BLOCK) - 1) / __pyx_e_10cattention_7_driver_7problem_Q_BLOCK);
 
-  /* "cattention/_driver/schedule.pxd":417
+  /* "cattention/_driver/schedule.pxd":436
  *     """Pack K/V once, then blocks of query rows across threads."""
  *     cdef Py_ssize_t n_query_blocks = (pb.n_queries + Q_BLOCK - 1) // Q_BLOCK
  *     cdef Py_ssize_t n_items = n_query_blocks * pb.n_batch             # <<<<<<<<<<<<<<
@@ -53538,7 +55214,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_items = (__pyx_v_n_query_blocks * __pyx_v_pb->n_batch);
 
-  /* "cattention/_driver/schedule.pxd":419
+  /* "cattention/_driver/schedule.pxd":438
  *     cdef Py_ssize_t n_items = n_query_blocks * pb.n_batch
  *     # with few query rows K and V are read in place, not packed
  *     cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks             # <<<<<<<<<<<<<<
@@ -53554,7 +55230,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_v_n_packed = __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":421
+  /* "cattention/_driver/schedule.pxd":440
  *     cdef Py_ssize_t n_packed = 0 if pb.direct else pb.n_kv * pb.n_key_blocks
  *     cdef Py_ssize_t item, packed_block, b
  *     cdef Workspace *ws = NULL             # <<<<<<<<<<<<<<
@@ -53563,7 +55239,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_ws = NULL;
 
-  /* "cattention/_driver/schedule.pxd":422
+  /* "cattention/_driver/schedule.pxd":441
  *     cdef Py_ssize_t item, packed_block, b
  *     cdef Workspace *ws = NULL
  *     cdef int status = 0             # <<<<<<<<<<<<<<
@@ -53572,7 +55248,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status = 0;
 
-  /* "cattention/_driver/schedule.pxd":423
+  /* "cattention/_driver/schedule.pxd":442
  *     cdef Workspace *ws = NULL
  *     cdef int status = 0
  *     cdef int *status_ptr = &status             # <<<<<<<<<<<<<<
@@ -53581,7 +55257,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_status_ptr = (&__pyx_v_status);
 
-  /* "cattention/_driver/schedule.pxd":424
+  /* "cattention/_driver/schedule.pxd":443
  *     cdef int status = 0
  *     cdef int *status_ptr = &status
  *     cdef size_t itemsize = sizeof(floating)             # <<<<<<<<<<<<<<
@@ -53590,7 +55266,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_itemsize = (sizeof(double));
 
-  /* "cattention/_driver/schedule.pxd":425
+  /* "cattention/_driver/schedule.pxd":444
  *     cdef int *status_ptr = &status
  *     cdef size_t itemsize = sizeof(floating)
  *     cdef int n_workers = n_threads             # <<<<<<<<<<<<<<
@@ -53599,7 +55275,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_n_workers = __pyx_v_n_threads;
 
-  /* "cattention/_driver/schedule.pxd":426
+  /* "cattention/_driver/schedule.pxd":445
  *     cdef size_t itemsize = sizeof(floating)
  *     cdef int n_workers = n_threads
  *     if n_items == 0:             # <<<<<<<<<<<<<<
@@ -53611,7 +55287,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":427
+    /* "cattention/_driver/schedule.pxd":446
  *     cdef int n_workers = n_threads
  *     if n_items == 0:
  *         return 0             # <<<<<<<<<<<<<<
@@ -53624,7 +55300,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/schedule.pxd":426
+    /* "cattention/_driver/schedule.pxd":445
  *     cdef size_t itemsize = sizeof(floating)
  *     cdef int n_workers = n_threads
  *     if n_items == 0:             # <<<<<<<<<<<<<<
@@ -53633,7 +55309,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":428
+  /* "cattention/_driver/schedule.pxd":447
  *     if n_items == 0:
  *         return 0
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -53645,7 +55321,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":429
+    /* "cattention/_driver/schedule.pxd":448
  *         return 0
  *     if n_workers > n_items:
  *         n_workers = <int>n_items             # <<<<<<<<<<<<<<
@@ -53654,7 +55330,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_workers = ((int)__pyx_v_n_items);
 
-    /* "cattention/_driver/schedule.pxd":428
+    /* "cattention/_driver/schedule.pxd":447
  *     if n_items == 0:
  *         return 0
  *     if n_workers > n_items:             # <<<<<<<<<<<<<<
@@ -53663,7 +55339,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":440
+  /* "cattention/_driver/schedule.pxd":459
  *     # packed first, then query blocks are spread over the threads, which
  *     # balances them where entries are few or differ in length.
  *     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0             # <<<<<<<<<<<<<<
@@ -53682,7 +55358,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 
   __pyx_v_group = __pyx_t_1;
 
-  /* "cattention/_driver/schedule.pxd":441
+  /* "cattention/_driver/schedule.pxd":460
  *     # balances them where entries are few or differ in length.
  *     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0
  *     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL             # <<<<<<<<<<<<<<
@@ -53700,7 +55376,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L5_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":442
+  /* "cattention/_driver/schedule.pxd":461
  *     cdef Py_ssize_t group = entries_per_kv(pb) if n_packed > 0 else 0
  *     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL
  *                                and pb.kv_extent == NULL)             # <<<<<<<<<<<<<<
@@ -53725,7 +55401,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   __pyx_L5_bool_binop_done:;
   __pyx_v_entries_alike = __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":443
+  /* "cattention/_driver/schedule.pxd":462
  *     cdef bint entries_alike = (pb.q_length == NULL and pb.kv_length == NULL
  *                                and pb.kv_extent == NULL)
  *     cdef bint per_entry = (group > 0 and (             # <<<<<<<<<<<<<<
@@ -53743,7 +55419,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":444
+  /* "cattention/_driver/schedule.pxd":463
  *                                and pb.kv_extent == NULL)
  *     cdef bint per_entry = (group > 0 and (
  *         n_workers == 1             # <<<<<<<<<<<<<<
@@ -53761,7 +55437,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":445
+  /* "cattention/_driver/schedule.pxd":464
  *     cdef bint per_entry = (group > 0 and (
  *         n_workers == 1
  *         or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)             # <<<<<<<<<<<<<<
@@ -53788,7 +55464,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_L11_next_or:;
 
-  /* "cattention/_driver/schedule.pxd":446
+  /* "cattention/_driver/schedule.pxd":465
  *         n_workers == 1
  *         or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)
  *         or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers             # <<<<<<<<<<<<<<
@@ -53806,7 +55482,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":447
+  /* "cattention/_driver/schedule.pxd":466
  *         or (n_query_blocks * group <= PER_ENTRY_MAX_BLOCKS and pb.n_kv >= 4 * n_workers)
  *         or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers
  *         or (entries_alike and pb.n_kv % n_workers == 0             # <<<<<<<<<<<<<<
@@ -53820,7 +55496,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L8_bool_binop_done;
   }
 
-  /* "cattention/_driver/schedule.pxd":448
+  /* "cattention/_driver/schedule.pxd":467
  *         or pb.n_kv >= PER_ENTRY_MIN_ENTRIES * n_workers
  *         or (entries_alike and pb.n_kv % n_workers == 0
  *             and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))             # <<<<<<<<<<<<<<
@@ -53845,7 +55521,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   __pyx_L8_bool_binop_done:;
   __pyx_v_per_entry = __pyx_t_2;
 
-  /* "cattention/_driver/schedule.pxd":449
+  /* "cattention/_driver/schedule.pxd":468
  *         or (entries_alike and pb.n_kv % n_workers == 0
  *             and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
  *     if per_entry:             # <<<<<<<<<<<<<<
@@ -53854,7 +55530,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   if (__pyx_v_per_entry) {
 
-    /* "cattention/_driver/schedule.pxd":451
+    /* "cattention/_driver/schedule.pxd":470
  *     if per_entry:
  *         # each thread packs into its own blocks (compute_whole_entry)
  *         n_packed = 0             # <<<<<<<<<<<<<<
@@ -53863,7 +55539,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_n_packed = 0;
 
-    /* "cattention/_driver/schedule.pxd":449
+    /* "cattention/_driver/schedule.pxd":468
  *         or (entries_alike and pb.n_kv % n_workers == 0
  *             and pb.n_kv >= PER_ENTRY_ALIKE_ENTRIES * n_workers)))
  *     if per_entry:             # <<<<<<<<<<<<<<
@@ -53872,7 +55548,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":452
+  /* "cattention/_driver/schedule.pxd":471
  *         # each thread packs into its own blocks (compute_whole_entry)
  *         n_packed = 0
  *     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)             # <<<<<<<<<<<<<<
@@ -53881,7 +55557,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_k_bytes = __pyx_f_10cattention_7_driver_9workspace_packed_k_bytes(__pyx_v_pb, __pyx_v_n_packed, __pyx_v_itemsize);
 
-  /* "cattention/_driver/schedule.pxd":453
+  /* "cattention/_driver/schedule.pxd":472
  *         n_packed = 0
  *     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)             # <<<<<<<<<<<<<<
@@ -53890,7 +55566,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_v_bytes = __pyx_f_10cattention_7_driver_9workspace_packed_v_bytes(__pyx_v_pb, __pyx_v_n_packed, __pyx_v_itemsize);
 
-  /* "cattention/_driver/schedule.pxd":454
+  /* "cattention/_driver/schedule.pxd":473
  *     cdef size_t k_bytes = packed_k_bytes(pb, n_packed, itemsize)
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
  *     cdef char *packed = NULL             # <<<<<<<<<<<<<<
@@ -53899,7 +55575,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_packed = NULL;
 
-  /* "cattention/_driver/schedule.pxd":455
+  /* "cattention/_driver/schedule.pxd":474
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
  *     cdef char *packed = NULL
  *     if not per_entry:             # <<<<<<<<<<<<<<
@@ -53911,7 +55587,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":456
+    /* "cattention/_driver/schedule.pxd":475
  *     cdef char *packed = NULL
  *     if not per_entry:
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)             # <<<<<<<<<<<<<<
@@ -53920,7 +55596,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_packed = ((char *)ca_scratch_acquire(CA_SCRATCH_PACKED, ((__pyx_v_k_bytes + __pyx_v_v_bytes) + __pyx_v_n_packed)));
 
-    /* "cattention/_driver/schedule.pxd":457
+    /* "cattention/_driver/schedule.pxd":476
  *     if not per_entry:
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
  *         if packed == NULL:             # <<<<<<<<<<<<<<
@@ -53932,7 +55608,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":458
+      /* "cattention/_driver/schedule.pxd":477
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
  *         if packed == NULL:
  *             return -1             # <<<<<<<<<<<<<<
@@ -53945,7 +55621,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":457
+      /* "cattention/_driver/schedule.pxd":476
  *     if not per_entry:
  *         packed = <char *>ca_scratch_acquire(CA_SCRATCH_PACKED, k_bytes + v_bytes + n_packed)
  *         if packed == NULL:             # <<<<<<<<<<<<<<
@@ -53954,7 +55630,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":455
+    /* "cattention/_driver/schedule.pxd":474
  *     cdef size_t v_bytes = packed_v_bytes(pb, n_packed, itemsize)
  *     cdef char *packed = NULL
  *     if not per_entry:             # <<<<<<<<<<<<<<
@@ -53963,7 +55639,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":459
+  /* "cattention/_driver/schedule.pxd":478
  *         if packed == NULL:
  *             return -1
  *     pb.packed_k = packed             # <<<<<<<<<<<<<<
@@ -53972,7 +55648,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->packed_k = __pyx_v_packed;
 
-  /* "cattention/_driver/schedule.pxd":460
+  /* "cattention/_driver/schedule.pxd":479
  *             return -1
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes             # <<<<<<<<<<<<<<
@@ -53981,7 +55657,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->packed_v = (__pyx_v_packed + __pyx_v_k_bytes);
 
-  /* "cattention/_driver/schedule.pxd":461
+  /* "cattention/_driver/schedule.pxd":480
  *     pb.packed_k = packed
  *     pb.packed_v = packed + k_bytes
  *     pb.value_nonfinite = <uint8_t *>(packed + k_bytes + v_bytes)             # <<<<<<<<<<<<<<
@@ -53990,7 +55666,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_pb->value_nonfinite = ((uint8_t *)((__pyx_v_packed + __pyx_v_k_bytes) + __pyx_v_v_bytes));
 
-  /* "cattention/_driver/schedule.pxd":465
+  /* "cattention/_driver/schedule.pxd":484
  *     # reader's first key are not packed (a prompt chunk at the end of a long
  *     # cache, the padding of a batch)
  *     cdef intp_t *kv_first = NULL             # <<<<<<<<<<<<<<
@@ -53999,7 +55675,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   __pyx_v_kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":467
+  /* "cattention/_driver/schedule.pxd":486
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
@@ -54034,7 +55710,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":468
+    /* "cattention/_driver/schedule.pxd":487
  *     cdef Py_ssize_t kv, first
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))             # <<<<<<<<<<<<<<
@@ -54043,7 +55719,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_kv_first = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((__pyx_v_pb->n_kv * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
-    /* "cattention/_driver/schedule.pxd":469
+    /* "cattention/_driver/schedule.pxd":488
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
@@ -54055,7 +55731,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":470
+      /* "cattention/_driver/schedule.pxd":489
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -54064,7 +55740,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-      /* "cattention/_driver/schedule.pxd":471
+      /* "cattention/_driver/schedule.pxd":490
  *         if kv_first == NULL:
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1             # <<<<<<<<<<<<<<
@@ -54077,7 +55753,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/schedule.pxd":469
+      /* "cattention/_driver/schedule.pxd":488
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:
  *         kv_first = <intp_t *>malloc(pb.n_kv * sizeof(intp_t))
  *         if kv_first == NULL:             # <<<<<<<<<<<<<<
@@ -54086,7 +55762,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     }
 
-    /* "cattention/_driver/schedule.pxd":472
+    /* "cattention/_driver/schedule.pxd":491
  *             ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *             return -1
  *         for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -54100,7 +55776,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_kv = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":473
+      /* "cattention/_driver/schedule.pxd":492
  *             return -1
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys             # <<<<<<<<<<<<<<
@@ -54114,7 +55790,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":474
+    /* "cattention/_driver/schedule.pxd":493
  *         for kv in range(pb.n_kv):
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):             # <<<<<<<<<<<<<<
@@ -54128,7 +55804,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
       __pyx_v_b = __pyx_t_5;
 
-      /* "cattention/_driver/schedule.pxd":475
+      /* "cattention/_driver/schedule.pxd":494
  *             kv_first[kv] = pb.n_keys
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)             # <<<<<<<<<<<<<<
@@ -54137,7 +55813,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_first = __pyx_f_10cattention_7_driver_10visibility_first_visible_key(__pyx_v_pb, __pyx_v_b);
 
-      /* "cattention/_driver/schedule.pxd":476
+      /* "cattention/_driver/schedule.pxd":495
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -54149,7 +55825,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/schedule.pxd":477
+        /* "cattention/_driver/schedule.pxd":496
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first             # <<<<<<<<<<<<<<
@@ -54158,7 +55834,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
         (__pyx_v_kv_first[(__pyx_v_pb->kv_of_batch[__pyx_v_b])]) = __pyx_v_first;
 
-        /* "cattention/_driver/schedule.pxd":476
+        /* "cattention/_driver/schedule.pxd":495
  *         for b in range(pb.n_batch):
  *             first = first_visible_key(pb, b)
  *             if first < kv_first[pb.kv_of_batch[b]]:             # <<<<<<<<<<<<<<
@@ -54169,7 +55845,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     }
 
 
-    /* "cattention/_driver/schedule.pxd":478
+    /* "cattention/_driver/schedule.pxd":497
  *             if first < kv_first[pb.kv_of_batch[b]]:
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first             # <<<<<<<<<<<<<<
@@ -54178,7 +55854,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_pb->kv_first = __pyx_v_kv_first;
 
-    /* "cattention/_driver/schedule.pxd":467
+    /* "cattention/_driver/schedule.pxd":486
  *     cdef intp_t *kv_first = NULL
  *     cdef Py_ssize_t kv, first
  *     if (pb.window_left >= 0 or pb.kv_start != NULL) and not pb.direct:             # <<<<<<<<<<<<<<
@@ -54187,7 +55863,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   }
 
-  /* "cattention/_driver/schedule.pxd":479
+  /* "cattention/_driver/schedule.pxd":498
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -54209,7 +55885,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":480
+    /* "cattention/_driver/schedule.pxd":499
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54218,7 +55894,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":481
+    /* "cattention/_driver/schedule.pxd":500
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54230,7 +55906,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":482
+      /* "cattention/_driver/schedule.pxd":501
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -54239,7 +55915,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":481
+      /* "cattention/_driver/schedule.pxd":500
  *     if per_entry and n_workers <= 1:
  *         ws = workspace_new_per_entry(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54249,7 +55925,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L32;
     }
 
-    /* "cattention/_driver/schedule.pxd":484
+    /* "cattention/_driver/schedule.pxd":503
  *             status = -1
  *         else:
  *             for kv in range(pb.n_kv):             # <<<<<<<<<<<<<<
@@ -54264,7 +55940,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_kv = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":485
+        /* "cattention/_driver/schedule.pxd":504
  *         else:
  *             for kv in range(pb.n_kv):
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -54275,18 +55951,27 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":487
+      /* "cattention/_driver/schedule.pxd":506
  *                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                     (kv + 1) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     elif n_workers <= 1:
+*/
+      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+      /* "cattention/_driver/schedule.pxd":507
+ *                                     (kv + 1) * group, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
 */
-      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+      __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
     }
     __pyx_L32:;
 
-    /* "cattention/_driver/schedule.pxd":479
+    /* "cattention/_driver/schedule.pxd":498
  *                 kv_first[pb.kv_of_batch[b]] = first
  *         pb.kv_first = kv_first
  *     if per_entry and n_workers <= 1:             # <<<<<<<<<<<<<<
@@ -54296,9 +55981,9 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":488
- *                                     (kv + 1) * group, out, scores)
+  /* "cattention/_driver/schedule.pxd":508
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
@@ -54308,8 +55993,8 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/schedule.pxd":489
- *             workspace_delete(ws)
+    /* "cattention/_driver/schedule.pxd":509
+ *             thread_done(kern)
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
  *         if ws == NULL:
@@ -54317,7 +56002,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-    /* "cattention/_driver/schedule.pxd":490
+    /* "cattention/_driver/schedule.pxd":510
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54329,7 +56014,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/schedule.pxd":491
+      /* "cattention/_driver/schedule.pxd":511
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
  *             status = -1             # <<<<<<<<<<<<<<
@@ -54338,7 +56023,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
       __pyx_v_status = -1;
 
-      /* "cattention/_driver/schedule.pxd":490
+      /* "cattention/_driver/schedule.pxd":510
  *     elif n_workers <= 1:
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54348,7 +56033,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       goto __pyx_L35;
     }
 
-    /* "cattention/_driver/schedule.pxd":493
+    /* "cattention/_driver/schedule.pxd":513
  *             status = -1
  *         else:
  *             for packed_block in range(n_packed):             # <<<<<<<<<<<<<<
@@ -54363,7 +56048,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_packed_block = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":494
+        /* "cattention/_driver/schedule.pxd":514
  *         else:
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))             # <<<<<<<<<<<<<<
@@ -54374,7 +56059,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       }
 
 
-      /* "cattention/_driver/schedule.pxd":495
+      /* "cattention/_driver/schedule.pxd":515
  *             for packed_block in range(n_packed):
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):             # <<<<<<<<<<<<<<
@@ -54388,7 +56073,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
       for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
         __pyx_v_item = __pyx_t_5;
 
-        /* "cattention/_driver/schedule.pxd":496
+        /* "cattention/_driver/schedule.pxd":516
  *                 pack_block(pb, ws, packed_block, <floating *>packed_keys(pb, ws, packed_block))
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -54397,31 +56082,40 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
         __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + 1), __pyx_v_n_query_blocks, 0);
 
-        /* "cattention/_driver/schedule.pxd":497
+        /* "cattention/_driver/schedule.pxd":517
  *             for item in range(n_items):
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
  *             workspace_delete(ws)
- *     elif per_entry:
+ *             thread_done(kern)
 */
         __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_compute_query_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_item, __pyx_v_n_query_blocks, __pyx_v_out, __pyx_v_scores);
       }
 
 
-      /* "cattention/_driver/schedule.pxd":498
+      /* "cattention/_driver/schedule.pxd":518
  *                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
  *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     elif per_entry:
+*/
+      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+      /* "cattention/_driver/schedule.pxd":519
+ *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     elif per_entry:
  *         ca_note_parallel_region()
 */
-      __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+      __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
     }
     __pyx_L35:;
 
-    /* "cattention/_driver/schedule.pxd":488
- *                                     (kv + 1) * group, out, scores)
+    /* "cattention/_driver/schedule.pxd":508
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif n_workers <= 1:             # <<<<<<<<<<<<<<
  *         ws = workspace_new(pb, itemsize)
  *         if ws == NULL:
@@ -54429,17 +56123,17 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":499
- *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+  /* "cattention/_driver/schedule.pxd":520
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif per_entry:             # <<<<<<<<<<<<<<
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
 */
   if (__pyx_v_per_entry) {
 
-    /* "cattention/_driver/schedule.pxd":500
- *             workspace_delete(ws)
+    /* "cattention/_driver/schedule.pxd":521
+ *             thread_done(kern)
  *     elif per_entry:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
  *         with parallel(num_threads=n_workers):
@@ -54447,7 +56141,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":501
+    /* "cattention/_driver/schedule.pxd":522
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54471,7 +56165,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":502
+                  /* "cattention/_driver/schedule.pxd":523
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54480,7 +56174,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new_per_entry(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":503
+                  /* "cattention/_driver/schedule.pxd":524
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54492,7 +56186,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":504
+                    /* "cattention/_driver/schedule.pxd":525
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -54501,7 +56195,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":503
+                    /* "cattention/_driver/schedule.pxd":524
  *         with parallel(num_threads=n_workers):
  *             ws = workspace_new_per_entry(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54510,7 +56204,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":505
+                  /* "cattention/_driver/schedule.pxd":526
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -54530,7 +56224,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_kv = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":506
+                                  /* "cattention/_driver/schedule.pxd":527
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54542,7 +56236,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":508
+                                    /* "cattention/_driver/schedule.pxd":529
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out entries in turn
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,             # <<<<<<<<<<<<<<
@@ -54551,7 +56245,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_compute_whole_entry(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, (__pyx_v_kv * __pyx_v_group), __pyx_v_group, __pyx_v_n_query_blocks, ((__pyx_v_kv + __pyx_v_n_workers) * __pyx_v_group), __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":506
+                                    /* "cattention/_driver/schedule.pxd":527
  *                 status_ptr[0] = -1
  *             for kv in prange(pb.n_kv, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54565,14 +56259,23 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":510
+                  /* "cattention/_driver/schedule.pxd":531
  *                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
  *                                         (kv + n_workers) * group, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     else:
+*/
+                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+                  /* "cattention/_driver/schedule.pxd":532
+ *                                         (kv + n_workers) * group, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     else:
  *         ca_note_parallel_region()
 */
-                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+                  __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
               }
           }
           #if ((defined(__APPLE__) || defined(__OSX__)) && (defined(__GNUC__) && (__GNUC__ > 2 || (__GNUC__ == 2 && (__GNUC_MINOR__ > 95)))))
@@ -54583,7 +56286,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":501
+        /* "cattention/_driver/schedule.pxd":522
  *     elif per_entry:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54600,9 +56303,9 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
         }
     }
 
-    /* "cattention/_driver/schedule.pxd":499
- *                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+    /* "cattention/_driver/schedule.pxd":520
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     elif per_entry:             # <<<<<<<<<<<<<<
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):
@@ -54610,8 +56313,8 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/schedule.pxd":512
- *             workspace_delete(ws)
+  /* "cattention/_driver/schedule.pxd":534
+ *             thread_done(kern)
  *     else:
  *         ca_note_parallel_region()             # <<<<<<<<<<<<<<
  *         with parallel(num_threads=n_workers):
@@ -54620,7 +56323,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   /*else*/ {
     ca_note_parallel_region();
 
-    /* "cattention/_driver/schedule.pxd":513
+    /* "cattention/_driver/schedule.pxd":535
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54644,7 +56347,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
               #endif /* _OPENMP */
               {
 
-                  /* "cattention/_driver/schedule.pxd":515
+                  /* "cattention/_driver/schedule.pxd":537
  *         with parallel(num_threads=n_workers):
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)             # <<<<<<<<<<<<<<
@@ -54653,7 +56356,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   __pyx_v_ws = __pyx_f_10cattention_7_driver_9workspace_workspace_new(__pyx_v_pb, __pyx_v_itemsize);
 
-                  /* "cattention/_driver/schedule.pxd":516
+                  /* "cattention/_driver/schedule.pxd":538
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54665,7 +56368,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   if (__pyx_t_2) {
 
 
-                    /* "cattention/_driver/schedule.pxd":517
+                    /* "cattention/_driver/schedule.pxd":539
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:
  *                 status_ptr[0] = -1             # <<<<<<<<<<<<<<
@@ -54674,7 +56377,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                     (__pyx_v_status_ptr[0]) = -1;
 
-                    /* "cattention/_driver/schedule.pxd":516
+                    /* "cattention/_driver/schedule.pxd":538
  *             # assigned inside the parallel block, so private to each thread
  *             ws = workspace_new(pb, itemsize)
  *             if ws == NULL:             # <<<<<<<<<<<<<<
@@ -54683,7 +56386,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                   }
 
-                  /* "cattention/_driver/schedule.pxd":518
+                  /* "cattention/_driver/schedule.pxd":540
  *             if ws == NULL:
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):             # <<<<<<<<<<<<<<
@@ -54703,7 +56406,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_packed_block = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":519
+                                  /* "cattention/_driver/schedule.pxd":541
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54715,7 +56418,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":520
+                                    /* "cattention/_driver/schedule.pxd":542
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:
  *                     pack_block(pb, ws, packed_block,             # <<<<<<<<<<<<<<
@@ -54724,7 +56427,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_7packing_pack_block(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block, ((double *)__pyx_f_10cattention_7_driver_7packing_packed_keys(__pyx_v_pb, __pyx_v_ws, __pyx_v_packed_block)));
 
-                                    /* "cattention/_driver/schedule.pxd":519
+                                    /* "cattention/_driver/schedule.pxd":541
  *                 status_ptr[0] = -1
  *             for packed_block in prange(n_packed, schedule='static'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54738,7 +56441,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":523
+                  /* "cattention/_driver/schedule.pxd":545
  *                                <floating *>packed_keys(pb, ws, packed_block))
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):             # <<<<<<<<<<<<<<
@@ -54758,7 +56461,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                               {
                                   __pyx_v_item = (Py_ssize_t)(0 + 1 * __pyx_t_4);
 
-                                  /* "cattention/_driver/schedule.pxd":524
+                                  /* "cattention/_driver/schedule.pxd":546
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54770,7 +56473,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                                   if (__pyx_t_2) {
 
 
-                                    /* "cattention/_driver/schedule.pxd":526
+                                    /* "cattention/_driver/schedule.pxd":548
  *                 if ws != NULL:
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)             # <<<<<<<<<<<<<<
@@ -54779,16 +56482,16 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
                                     __pyx_f_10cattention_7_driver_8schedule_fetch_after(__pyx_v_pb, __pyx_v_ws, (__pyx_v_item + __pyx_v_n_workers), __pyx_v_n_query_blocks, 0);
 
-                                    /* "cattention/_driver/schedule.pxd":527
+                                    /* "cattention/_driver/schedule.pxd":549
  *                     # the dynamic schedule hands out items in turn
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)             # <<<<<<<<<<<<<<
  *             workspace_delete(ws)
- *     pb.kv_first = NULL
+ *             thread_done(kern)
 */
                                     __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_compute_query_block(__pyx_v_pb, __pyx_v_kern, __pyx_v_ws, __pyx_v_item, __pyx_v_n_query_blocks, __pyx_v_out, __pyx_v_scores);
 
-                                    /* "cattention/_driver/schedule.pxd":524
+                                    /* "cattention/_driver/schedule.pxd":546
  *             # (the end of a prange is a barrier: every block is packed here)
  *             for item in prange(n_items, schedule='dynamic'):
  *                 if ws != NULL:             # <<<<<<<<<<<<<<
@@ -54802,14 +56505,23 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
                   }
 
 
-                  /* "cattention/_driver/schedule.pxd":528
+                  /* "cattention/_driver/schedule.pxd":550
  *                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
  *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
  *             workspace_delete(ws)             # <<<<<<<<<<<<<<
+ *             thread_done(kern)
+ *     pb.kv_first = NULL
+*/
+                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+
+                  /* "cattention/_driver/schedule.pxd":551
+ *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+ *             workspace_delete(ws)
+ *             thread_done(kern)             # <<<<<<<<<<<<<<
  *     pb.kv_first = NULL
  *     free(kv_first)
 */
-                  __pyx_f_10cattention_7_driver_9workspace_workspace_delete(__pyx_v_ws);
+                  __pyx_f_10cattention_7_driver_8schedule_thread_done(__pyx_v_kern);
               }
           }
           #if ((defined(__APPLE__) || defined(__OSX__)) && (defined(__GNUC__) && (__GNUC__ > 2 || (__GNUC__ == 2 && (__GNUC_MINOR__ > 95)))))
@@ -54820,7 +56532,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
           #endif
         }
 
-        /* "cattention/_driver/schedule.pxd":513
+        /* "cattention/_driver/schedule.pxd":535
  *     else:
  *         ca_note_parallel_region()
  *         with parallel(num_threads=n_workers):             # <<<<<<<<<<<<<<
@@ -54839,17 +56551,17 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
   __pyx_L29:;
 
-  /* "cattention/_driver/schedule.pxd":529
- *                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
+  /* "cattention/_driver/schedule.pxd":552
  *             workspace_delete(ws)
+ *             thread_done(kern)
  *     pb.kv_first = NULL             # <<<<<<<<<<<<<<
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
 */
   __pyx_v_pb->kv_first = NULL;
 
-  /* "cattention/_driver/schedule.pxd":530
- *             workspace_delete(ws)
+  /* "cattention/_driver/schedule.pxd":553
+ *             thread_done(kern)
  *     pb.kv_first = NULL
  *     free(kv_first)             # <<<<<<<<<<<<<<
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
@@ -54857,7 +56569,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   free(__pyx_v_kv_first);
 
-  /* "cattention/_driver/schedule.pxd":531
+  /* "cattention/_driver/schedule.pxd":554
  *     pb.kv_first = NULL
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)             # <<<<<<<<<<<<<<
@@ -54865,7 +56577,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
 */
   ca_scratch_release(CA_SCRATCH_PACKED, __pyx_v_packed);
 
-  /* "cattention/_driver/schedule.pxd":532
+  /* "cattention/_driver/schedule.pxd":555
  *     free(kv_first)
  *     ca_scratch_release(CA_SCRATCH_PACKED, packed)
  *     return status             # <<<<<<<<<<<<<<
@@ -54876,7 +56588,7 @@ static CYTHON_INLINE int __pyx_fuse_1__pyx_f_10cattention_7_driver_8schedule_sch
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/schedule.pxd":413
+  /* "cattention/_driver/schedule.pxd":432
  * 
  * 
  * cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threads,             # <<<<<<<<<<<<<<

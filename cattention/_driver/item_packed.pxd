@@ -6,6 +6,7 @@ writing the SCORES rows as it goes (attend_query_block_with_scores)."""
 
 from cython cimport floating
 from libc.math cimport INFINITY
+from libc.stdint cimport uint16_t
 from libc.string cimport memset
 from cattention._driver.kernel_table cimport (
     ca_kernels, kernel_exp_sum, kernel_pv, kernel_pv_direct, kernel_row_max, kernel_score,
@@ -14,13 +15,61 @@ from cattention._driver.problem cimport K_BLOCK, Problem, ROW_GROUP, out_row_off
 from cattention._driver.operands cimport rows_in_place
 from cattention._driver.workspace cimport Workspace
 from cattention._driver.packing cimport (
-    add_nonfinite_values, nonfinite_flag, packed_keys, packed_values, query_rows,
-    panel_width)
+    add_nonfinite_values, bf16_query_rows, nonfinite_flag, packed_keys, packed_values,
+    query_rows, panel_width)
 from cattention._driver.visibility cimport mask_scores, visible_ranges
 from cattention._driver.softmax cimport (
     begin_rows, begin_step, collect_totals, exp_sum_by_blocks, finish_rows, fold_sink,
     nan_rows_of_neg_inf_logits, row_sink, softmax_block, start_sums, store_lse,
     store_lse_of_empty_row)
+
+
+cdef inline const floating *block_query_rows(const Problem *pb, Py_ssize_t b,
+                                             Py_ssize_t row0, Py_ssize_t n_rows,
+                                             floating *q_packed, Py_ssize_t *ldq) noexcept nogil:
+    """The query rows the score tiles read: the compute dtype's (query_rows),
+    or with bfloat16 tiles padded bfloat16 rows (bf16_query_rows) in
+    q_packed, returned as the same pointer type (score_tiles reads them as
+    the table's)."""
+    if floating is float:
+        if pb.bf16_score:
+            return <const floating *>bf16_query_rows(pb, b, row0, n_rows,
+                                                     <uint16_t *>q_packed, ldq)
+    return query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, ldq)
+
+
+cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const floating *q_rows,
+                             Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
+                             const floating *kt, Py_ssize_t n_cols, floating *s,
+                             Py_ssize_t lds, const void *ahead=NULL,
+                             Py_ssize_t ahead_bytes=0) noexcept nogil:
+    """Logits of rows first_row.. (of block_query_rows) against a packed K^T
+    block: the table's bfloat16 tiles, or its score kernel."""
+    cdef Py_ssize_t P = panel_width(kt)
+    if floating is float:
+        if pb.bf16_score:
+            kern.score_bf16(<const uint16_t *>q_rows + first_row * ldq, ldq, n_rows,
+                            <const uint16_t *>kt, pb.ld_k * 2 * P, n_cols, pb.d_k,
+                            <float>pb.scale, s, lds, ahead, ahead_bytes)
+            return
+    kernel_score(kern, q_rows + first_row * ldq, ldq, n_rows, kt, pb.ld_k * P, n_cols, pb.d_k,
+                 pb.scale, s, lds, ahead, ahead_bytes)
+
+
+cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,
+                          Py_ssize_t ldp, Py_ssize_t n_rows, const floating *v_packed,
+                          Py_ssize_t n_keys, floating *acc, const void *ahead=NULL,
+                          Py_ssize_t ahead_bytes=0) noexcept nogil:
+    """acc += p . V of a packed block: the table's bfloat16 tiles, or its
+    P.V kernel."""
+    cdef Py_ssize_t P = panel_width(v_packed)
+    if floating is float:
+        if pb.bf16_pv:
+            kern.pv_bf16(p, ldp, n_rows, <const uint16_t *>v_packed, pb.block_keys * 2 * P,
+                         n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
+            return
+    kernel_pv(kern, p, ldp, n_rows, v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc,
+              pb.ld_v, ahead, ahead_bytes)
 
 
 cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, Workspace *ws,
@@ -47,7 +96,7 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
 
     begin_rows(pb, ws, b, row0, n_rows, acc, &first_key, &last_key)
     if last_key > first_key:
-        q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+        q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
         # key blocks sit on fixed multiples of K_BLOCK whatever the rows see
         key0 = (first_key // K_BLOCK) * K_BLOCK
         while key0 < last_key:
@@ -82,32 +131,30 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
                     group_keys[group] = n_keys
             if group_keys[0] == n_keys:
                 # the first rows see the whole block, so all do: one call
-                kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
-                             round_up(n_keys, P), pb.d_k, pb.scale, s, K_BLOCK,
-                             next_kt, k_block_bytes)
+                score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,
+                            K_BLOCK, next_kt, k_block_bytes)
             else:
                 for i in range(n_groups):
                     group0 = i * ROW_GROUP
                     group_rows = min(ROW_GROUP, n_rows - group0)
                     if group_keys[i] > 0:
-                        kernel_score(kern, q_rows + group0 * ldq, ldq, group_rows,
-                                     kt, pb.ld_k * P, round_up(group_keys[i], P), pb.d_k,
-                                     pb.scale, s + group0 * K_BLOCK, K_BLOCK)
+                        score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
+                                    round_up(group_keys[i], P), s + group0 * K_BLOCK,
+                                    K_BLOCK)
             # columns a group skipped lie past its rows' visible range, so
             # masking overwrites them with -inf before anything reads them
             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
             softmax_block(pb, kern, ws, n_rows, n_keys, s)
             if group_keys[0] == n_keys:
-                kernel_pv(kern, s, K_BLOCK, n_rows, v_packed, pb.block_keys * P, n_keys,
-                          pb.ld_v, acc, pb.ld_v, next_v, v_block_bytes)
+                pv_tiles(pb, kern, s, K_BLOCK, n_rows, v_packed, n_keys, acc, next_v,
+                         v_block_bytes)
             else:
                 for i in range(n_groups):
                     group0 = i * ROW_GROUP
                     group_rows = min(ROW_GROUP, n_rows - group0)
                     if group_keys[i] > 0:
-                        kernel_pv(kern, s + group0 * K_BLOCK, K_BLOCK, group_rows, v_packed,
-                                  pb.block_keys * P, group_keys[i], pb.ld_v,
-                                  acc + group0 * pb.ld_v, pb.ld_v)
+                        pv_tiles(pb, kern, s + group0 * K_BLOCK, K_BLOCK, group_rows,
+                                 v_packed, group_keys[i], acc + group0 * pb.ld_v)
             if nonfinite_flag(pb, ws, block)[0]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
@@ -169,7 +216,10 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         return
 
     first_block = (first_key // K_BLOCK) * K_BLOCK
-    q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+    if pb.direct:
+        q_rows = query_rows(pb, b, row0, n_rows, q_packed, pb.ld_k, &ldq)
+    else:
+        q_rows = block_query_rows(pb, b, row0, n_rows, q_packed, &ldq)
     # pass 1: masked logits into SCORES, keys nobody sees as zeros
     for i in range(n_rows):
         scores_row = scores_block + i * ld_scores
@@ -199,8 +249,8 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
         else:
             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)
-            kernel_score(kern, q_rows, ldq, n_rows, kt, pb.ld_k * P,
-                         round_up(n_keys, P), pb.d_k, pb.scale, tile, ld_tile)
+            score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,
+                        ld_tile)
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
         for i in range(n_rows):
             s_row = tile + i * ld_tile
@@ -252,8 +302,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
         else:
             v_packed = <const floating *>packed_values(pb, ws,
                                                        first_packed + key0 // K_BLOCK)
-            kernel_pv(kern, scores_block + key0, ld_scores, n_rows,
-                      v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc, pb.ld_v)
+            pv_tiles(pb, kern, scores_block + key0, ld_scores, n_rows, v_packed, n_keys, acc)
             if nonfinite_flag(pb, ws, first_packed + key0 // K_BLOCK)[0]:
                 add_nonfinite_values(pb, b, key0, n_keys, scores_block + key0, ld_scores,
                                      n_rows, acc, pb.ld_v)

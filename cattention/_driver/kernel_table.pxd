@@ -110,12 +110,29 @@ cdef extern from "kernels.h" nogil:
                                Py_ssize_t d_v, float *acc, Py_ssize_t ldacc,
                                const void *ahead, Py_ssize_t ahead_stride,
                                Py_ssize_t ahead_bytes) noexcept nogil
+        Py_ssize_t bf16_k_align
+        void (*pack_kt_bf16)(const uint16_t *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                             Py_ssize_t d_k, uint16_t *kt,
+                             Py_ssize_t kt_panel_stride) noexcept nogil
+        void (*score_bf16)(const uint16_t *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                           const uint16_t *kt, Py_ssize_t kt_panel_stride, Py_ssize_t n_cols,
+                           Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds,
+                           const void *ahead, Py_ssize_t ahead_bytes) noexcept nogil
+        int (*pack_v_bf16)(const uint16_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                           Py_ssize_t d_v, uint16_t *v_packed,
+                           Py_ssize_t v_panel_stride) noexcept nogil
+        void (*pv_bf16)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows, const uint16_t *v,
+                        Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
+                        float *acc, Py_ssize_t ldacc, const void *ahead,
+                        Py_ssize_t ahead_bytes) noexcept nogil
+        void (*end_of_thread)() noexcept nogil
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)
+    const char *ca_simd_note()
 
 
 cdef extern from "scalar.h" nogil:

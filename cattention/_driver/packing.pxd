@@ -10,9 +10,10 @@ from libc.stdint cimport uint8_t, uint16_t
 from cattention._driver.kernel_table cimport (
     CA_PANEL_F32, CA_PANEL_F64, ca_bfloat16_to_float, ca_half_to_float)
 from cattention._driver.problem cimport (
-    K_BLOCK, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Problem, key_extent, key_first,
-    round_up)
-from cattention._driver.operands cimport copy_rows, row_offset, rows_in_place
+    K_BLOCK, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, key_extent,
+    key_first, round_up)
+from cattention._driver.operands cimport (
+    contiguous_run, copy_rows, features_contiguous, row_offset, rows_in_place)
 from cattention._driver.workspace cimport Workspace
 
 
@@ -45,6 +46,51 @@ cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize
         ldq[0] = pb.q.row_stride
         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
     pack_queries(pb, b, row0, n_rows, q_packed, ld)
+    ldq[0] = ld
+    return q_packed
+
+
+cdef inline Py_ssize_t bf16_padded_features(const Problem *pb) noexcept nogil:
+    """Features of a bfloat16 tile row: d_k padded to the table's alignment."""
+    cdef Py_ssize_t align = pb.kern.bf16_k_align
+    return (pb.d_k + align - 1) // align * align
+
+
+cdef inline const uint16_t *bf16_rows(const Operand *op, Py_ssize_t b, Py_ssize_t row0,
+                                      Py_ssize_t n_rows, Py_ssize_t n_features,
+                                      uint16_t *copy, Py_ssize_t ld_copy,
+                                      Py_ssize_t *ld) noexcept nogil:
+    """bfloat16 rows row0.. of entry b with contiguous features (row stride in
+    *ld): where they lie (one page, contiguous features), else gathered into
+    copy (rows ld_copy apart). Their bits, unconverted."""
+    cdef Py_ssize_t j, c, at
+    cdef const uint16_t *data = <const uint16_t *>op.data
+    if contiguous_run(op, row0, n_rows) == n_rows and features_contiguous(op, n_features):
+        ld[0] = op.row_stride
+        return data + row_offset(op, b, row0)
+    for j in range(n_rows):
+        at = row_offset(op, b, row0 + j)
+        for c in range(n_features):
+            copy[j * ld_copy + c] = data[at + c * op.col_stride]
+    ld[0] = ld_copy
+    return copy
+
+
+cdef inline const uint16_t *bf16_query_rows(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
+                                            Py_ssize_t n_rows, uint16_t *q_packed,
+                                            Py_ssize_t *ldq) noexcept nogil:
+    """bfloat16 query rows for a table's bfloat16 tiles: copied, features
+    padded with zeros to the table's alignment, into q_packed (ldq apart);
+    tiles read whole blocks of rows, and a copy keeps them within it."""
+    cdef Py_ssize_t ld = bf16_padded_features(pb)
+    cdef const uint16_t *q = <const uint16_t *>pb.q.data
+    cdef Py_ssize_t i, c, at
+    for i in range(n_rows):
+        at = row_offset(&pb.q, b, row0 + i)
+        for c in range(pb.d_k):
+            q_packed[i * ld + c] = q[at + c * pb.q.col_stride]
+        for c in range(pb.d_k, ld):
+            q_packed[i * ld + c] = 0
     ldq[0] = ld
     return q_packed
 
@@ -220,12 +266,34 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     if n_keys <= 0 or key0 + n_keys <= key_first(pb, kv):
         nonfinite_flag(pb, ws, block)[0] = 0
         return
+    cdef const uint16_t *bf16
+    if floating is float:
+        if pb.bf16_score:
+            # bfloat16 keys in the table's pair panels, their bits as they are
+            bf16 = bf16_rows(&pb.k, b, key0, n_keys, pb.d_k,
+                             <uint16_t *>(<floating *>ws.base + ws.off_k_rows), pb.ld_k,
+                             &ld_k_rows)
+            pb.kern.pack_kt_bf16(bf16, ld_k_rows, n_keys, pb.d_k, <uint16_t *>kt,
+                                 pb.ld_k * 2 * CA_PANEL_F32)
+        if pb.bf16_pv:
+            bf16 = bf16_rows(&pb.v, b, key0, n_keys, pb.d_v,
+                             <uint16_t *>(<floating *>ws.base + ws.off_v_rows), pb.ld_v,
+                             &ld_v_rows)
+            nonfinite_flag(pb, ws, block)[0] = pb.kern.pack_v_bf16(
+                bf16, ld_v_rows, n_keys, pb.d_v, <uint16_t *>packed_values(pb, ws, block),
+                pb.block_keys * 2 * CA_PANEL_F32)
+        if pb.bf16_score and pb.bf16_pv:
+            return
     # strided rows are packed from where they are; rows gathered from
     # several pages or converted are contiguous copies
-    cdef const floating *k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
-                                                <floating *>ws.base + ws.off_k_rows,
-                                                pb.ld_k, &ld_k_rows, &col_k_rows)
-    pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+    cdef const floating *k_rows
+    if not pb.bf16_score:
+        k_rows = rows_in_place(pb, &pb.k, b, key0, n_keys, pb.d_k,
+                               <floating *>ws.base + ws.off_k_rows, pb.ld_k, &ld_k_rows,
+                               &col_k_rows)
+        pack_keys_transposed(pb, k_rows, ld_k_rows, col_k_rows, n_keys, kt)
+    if pb.bf16_pv:
+        return
     cdef const floating *v_rows
     if pb.d_v > 0:
         v_rows = rows_in_place(pb, &pb.v, b, key0, n_keys, pb.d_v,

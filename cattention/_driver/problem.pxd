@@ -176,6 +176,11 @@ cdef struct Problem:
     void *packed_v               # K_BLOCK rows of ld_v per (kv, key block)
     uint8_t *value_nonfinite     # per (kv, key block): V held NaN or Inf
     bint direct                  # few query rows: K and V read in place
+    # packed path of bfloat16 q and K (V) on a table with bfloat16 tiles: K^T
+    # (V) packed in the table's bfloat16 layout, the scores (P.V) its tiles'
+    # (kernels.h); q rows packed as padded bfloat16
+    bint bf16_score
+    bint bf16_pv
     Py_ssize_t itemsize          # of the compute dtype
     const ca_kernels *kern       # conversions while packing, the final division of ATTN rows
     # direct path: keys split into chunks of split_keys (a multiple of

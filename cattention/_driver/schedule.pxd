@@ -24,8 +24,8 @@ from libc.stdlib cimport free, malloc, qsort
 from cattention._driver.problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
-    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, entry_rows, fold_period, key_extent,
-    out_row_offset, round_up)
+    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, STORE_BF16, entry_rows, fold_period,
+    key_extent, out_row_offset, round_up)
 from cattention._driver.operands cimport operand_itemsize, rows_span
 from cattention._driver.workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
@@ -50,6 +50,13 @@ cdef extern from "openmp_shim.h" nogil:
     int CA_HAVE_OPENMP
     int CA_OPENMP_VERSION
     const char *ca_openmp_runtime()
+
+
+cdef inline void thread_done(const ca_kernels *kern) noexcept nogil:
+    """A thread has done its part of a call: the table gives up its
+    per-thread state (AMX's tiles), if it keeps any."""
+    if kern.end_of_thread != NULL:
+        kern.end_of_thread()
 
 
 cdef inline Py_ssize_t item_rows(const Problem *pb, Py_ssize_t item,
@@ -229,6 +236,16 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
     pb.kern = kern
     # the path depends on the shape alone, never on the layout or threads
     pb.direct = pb.n_queries <= DIRECT_ROWS
+    # bfloat16 q and K (V) on a table with bfloat16 tiles: the packed path
+    # multiplies them as they are (decode reads its rows in place); packed
+    # K^T rows and query rows hold the padded pairs
+    pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL
+                     and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+                     and pb.d_k > 0)
+    pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+                  and pb.v.storage == STORE_BF16 and pb.d_v > 0)
+    if pb.bf16_score:
+        pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
     cdef double kv_bytes = 0
     cdef int status
     if n_threads > 1:
@@ -385,6 +402,7 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
                                  group_first[group + 1] - group_first[group],
                                  item % pb.n_splits, out, partial)
             workspace_delete(ws)
+            thread_done(kern)
         if status == 0 and pb.n_splits > 1:
             for b in range(pb.n_batch):
                 merge_splits(pb, b, partial, out)
@@ -401,6 +419,7 @@ cdef inline int schedule_decode(Problem *pb, const ca_kernels *kern, int n_threa
                                      group_first[group + 1] - group_first[group],
                                      item % pb.n_splits, out, partial)
             workspace_delete(ws)
+            thread_done(kern)
             if pb.n_splits > 1:
                 for b in prange(pb.n_batch, schedule='static'):
                     if status_ptr[0] == 0:
@@ -485,6 +504,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
                 compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
                                     (kv + 1) * group, out, scores)
             workspace_delete(ws)
+            thread_done(kern)
     elif n_workers <= 1:
         ws = workspace_new(pb, itemsize)
         if ws == NULL:
@@ -496,6 +516,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
                 fetch_after(pb, ws, item + 1, n_query_blocks, False)
                 compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
             workspace_delete(ws)
+            thread_done(kern)
     elif per_entry:
         ca_note_parallel_region()
         with parallel(num_threads=n_workers):
@@ -508,6 +529,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
                     compute_whole_entry(pb, kern, ws, kv * group, group, n_query_blocks,
                                         (kv + n_workers) * group, out, scores)
             workspace_delete(ws)
+            thread_done(kern)
     else:
         ca_note_parallel_region()
         with parallel(num_threads=n_workers):
@@ -526,6 +548,7 @@ cdef inline int schedule_packed(Problem *pb, const ca_kernels *kern, int n_threa
                     fetch_after(pb, ws, item + n_workers, n_query_blocks, False)
                     compute_query_block(pb, kern, ws, item, n_query_blocks, out, scores)
             workspace_delete(ws)
+            thread_done(kern)
     pb.kv_first = NULL
     free(kv_first)
     ca_scratch_release(CA_SCRATCH_PACKED, packed)

@@ -59,7 +59,9 @@ cdef inline Workspace *workspace_new_group(const Problem *pb, size_t itemsize,
     cdef Workspace *ws = &header
     # each region starts on a 64-byte boundary (8 doubles / 16 floats)
     ws.off_q = n
-    n += round_up(n_rows * pb.ld_k, 16)
+    # (bfloat16 tiles read query rows 16 at a time, up to 31 past a call's
+    # last row: rows they never use, but that must exist)
+    n += round_up((n_rows + (32 if pb.bf16_score else 0)) * pb.ld_k, 16)
     ws.off_s = n
     n += round_up(n_rows * K_BLOCK, 16)
     ws.off_acc = n

@@ -54,6 +54,14 @@ char *getenv(const char *name)
     return NULL;
 }
 
+/* the guest has no kernel: a system call (dispatch.c's request for AMX's
+   tile state) is refused */
+long syscall(long number, ...)
+{
+    (void)number;
+    return -1;
+}
+
 /* CPUID leaf 7 ECX of the emulated CPU: the harness checks that the model
    is the one it asked for (Skylake-X has no AVX512_VBMI, ECX bit 1) */
 uint32_t ca_image_cpuid7_ecx(void)

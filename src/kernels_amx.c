@@ -1,0 +1,287 @@
+/*
+ * The AMX table (Sapphire Rapids and later): the AVX512-BF16 table, with
+ * the scores and P.V of bfloat16 q, K and V in AMX tiles (tiles_amx.h).
+ *
+ * Scores: q rows (padded to 32 features) times K^T pair panels, 32 rows x
+ * 32 keys per pass, summed in runs of CA_SUM_FEATURES features from zero
+ * as the float32 tiles sum them, then scaled.
+ *
+ * P.V keeps float32's accuracy: P is float32, so each weight p is split
+ * into three bfloat16 parts, p = hi + mid + lo (hi = p rounded to
+ * bfloat16, mid = the rest rounded, lo = what is left rounded: 3 x 8
+ * significant bits, every bit of p's 24 for a normal float), and P.V is
+ * the sum of the three tile products, each exact per product and summed
+ * in float32, in runs of CA_SUM_KEYS keys from zero as the float32 tiles
+ * sum them. (Only weights below 2^-110 lose their low part to bfloat16's
+ * flushing of denormals: at most 2^-126 |v| each.)
+ */
+#include "kernels.h"
+
+#if CA_HAVE_X86_KERNELS
+
+#include "simd_avx512.h"
+#include "kernels_simd.h"
+#include "kernels_bf16.h"
+#include "tiles_amx.h"
+
+/* features of q and K^T a tile step takes: 16 pairs */
+#define AMX_STEP_FEATURES 32
+/* keys of P and V a tile step takes */
+#define AMX_STEP_KEYS 32
+
+static void pack_kt_bf16(const uint16_t *k, ptrdiff_t ldk, ptrdiff_t n_keys, ptrdiff_t d_k,
+                         uint16_t *kt, ptrdiff_t kt_panel_stride)
+{
+    bf16_pack_kt_aligned(k, ldk, n_keys, d_k, kt, kt_panel_stride, AMX_STEP_FEATURES);
+}
+
+/* rows [0, n_rows) x 16 columns of a stored 16 x 16 float32 tile into s:
+   the first run of a sum stored, later ones added, the last one scaled */
+CA_AMX_TARGET static inline void amx_tile_into(const float *tile, ptrdiff_t n_rows, float *s,
+                                               ptrdiff_t lds, int first, int last,
+                                               __m512 factor)
+{
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        __m512 x = _mm512_loadu_ps(tile + r * 16);
+        if (!first)
+            x = _mm512_add_ps(_mm512_loadu_ps(s + r * lds), x);
+        if (last)
+            x = _mm512_mul_ps(x, factor);
+        _mm512_storeu_ps(s + r * lds, x);
+    }
+}
+
+/* s = factor * (q . kt): q rows of padded bfloat16 (ldq a multiple of 32,
+   rows readable up to the next multiple of 16: the driver's padded query
+   block), n_cols a multiple of 16 */
+CA_AMX_TARGET static void score_bf16_amx(const uint16_t *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                         const uint16_t *kt, ptrdiff_t kt_panel_stride,
+                                         ptrdiff_t n_cols, ptrdiff_t d_k, float factor,
+                                         float *s, ptrdiff_t lds, const void *ahead,
+                                         ptrdiff_t ahead_bytes)
+{
+    amx_configure();
+    const ptrdiff_t n_steps = (d_k + AMX_STEP_FEATURES - 1) / AMX_STEP_FEATURES;
+    const ptrdiff_t run_steps = CA_SUM_FEATURES / AMX_STEP_FEATURES;
+    const __m512 factor_v = _mm512_set1_ps(factor);
+    float tiles[4][16 * 16] __attribute__((aligned(64)));
+    ca_ahead next = ahead_start(ahead, ahead_bytes, ((n_cols + 31) / 32) * ((n_rows + 31) / 32));
+    for (ptrdiff_t j = 0; j < n_cols; j += 32, ahead_step(&next)) {
+        const int two_panels = n_cols - j >= 32;
+        const uint16_t *panel = kt + (j / 16) * kt_panel_stride;
+        for (ptrdiff_t i = 0; i < n_rows; i += 32) {
+            const int two_row_tiles = n_rows - i > 16;
+            const uint16_t *q_i = q + i * ldq;
+            /* one pass at least: d_k = 0 gives zeros */
+            for (ptrdiff_t r0 = 0; r0 == 0 || r0 < n_steps; r0 += run_steps) {
+                const ptrdiff_t r1 = n_steps - r0 > run_steps ? r0 + run_steps : n_steps;
+                _tile_zero(AMX_C0);
+                _tile_zero(AMX_C1);
+                _tile_zero(AMX_C2);
+                _tile_zero(AMX_C3);
+                for (ptrdiff_t t = r0; t < r1; ++t) {
+                    /* A: 16 query rows x 32 features; B: 16 pairs x 16 keys */
+                    _tile_loadd(AMX_A0, q_i + t * AMX_STEP_FEATURES, ldq * 2);
+                    _tile_loadd(AMX_A2, panel + t * 16 * 32, 64);
+                    _tile_dpbf16ps(AMX_C0, AMX_A0, AMX_A2);
+                    if (two_panels) {
+                        _tile_loadd(AMX_B, panel + kt_panel_stride + t * 16 * 32, 64);
+                        _tile_dpbf16ps(AMX_C1, AMX_A0, AMX_B);
+                    }
+                    if (two_row_tiles) {
+                        _tile_loadd(AMX_A1, q_i + 16 * ldq + t * AMX_STEP_FEATURES, ldq * 2);
+                        _tile_dpbf16ps(AMX_C2, AMX_A1, AMX_A2);
+                        if (two_panels)
+                            _tile_dpbf16ps(AMX_C3, AMX_A1, AMX_B);
+                    }
+                }
+                _tile_stored(AMX_C0, tiles[0], 64);
+                _tile_stored(AMX_C1, tiles[1], 64);
+                _tile_stored(AMX_C2, tiles[2], 64);
+                _tile_stored(AMX_C3, tiles[3], 64);
+                const int first = r0 == 0;
+                const int last = r1 >= n_steps;
+                const ptrdiff_t rows0 = n_rows - i < 16 ? n_rows - i : 16;
+                amx_tile_into(tiles[0], rows0, s + i * lds + j, lds, first, last, factor_v);
+                if (two_panels)
+                    amx_tile_into(tiles[1], rows0, s + i * lds + j + 16, lds, first, last,
+                                  factor_v);
+                if (two_row_tiles) {
+                    const ptrdiff_t rows1 = n_rows - i - 16 < 16 ? n_rows - i - 16 : 16;
+                    amx_tile_into(tiles[2], rows1, s + (i + 16) * lds + j, lds, first, last,
+                                  factor_v);
+                    if (two_panels)
+                        amx_tile_into(tiles[3], rows1, s + (i + 16) * lds + j + 16, lds, first,
+                                      last, factor_v);
+                }
+            }
+        }
+    }
+}
+
+/* V in pair panels for TDPBF16PS's B: panel c holds value columns
+   c*16 .. c*16+15; its row kp holds keys 2kp and 2kp+1 of each column side
+   by side (64 bytes), keys from n_keys up to the next multiple of
+   AMX_STEP_KEYS and columns past d_v zero. A NaN or infinity is left 0
+   (the driver adds it back where its weight is not 0), as pack_v_f32. */
+CA_AMX_TARGET static int pack_v_bf16(const uint16_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                                     ptrdiff_t d_v, uint16_t *v_packed,
+                                     ptrdiff_t v_panel_stride)
+{
+    /* lane 2c takes column c of the first key, lane 2c + 1 of the second */
+    static const uint16_t interleave[32] = {
+        0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i order = _mm512_loadu_si512(interleave);
+    const __m512i exponent = _mm512_set1_epi16(0x7F80);
+    const ptrdiff_t padded_keys = (n_keys + AMX_STEP_KEYS - 1) / AMX_STEP_KEYS * AMX_STEP_KEYS;
+    __mmask32 nonfinite = 0;
+    for (ptrdiff_t c0 = 0; c0 < d_v; c0 += 16) {
+        const __mmask16 cols = (__mmask16)(d_v - c0 >= 16 ? 0xFFFFu
+                                                          : (1u << (d_v - c0)) - 1u);
+        uint16_t *panel = v_packed + (c0 / 16) * v_panel_stride;
+        for (ptrdiff_t j = 0; j < padded_keys; j += 2) {
+            const __m512i first = j < n_keys
+                ? _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(cols, v + j * ldv + c0))
+                : _mm512_setzero_si512();
+            const __m512i second = j + 1 < n_keys
+                ? _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(cols, v + (j + 1) * ldv + c0))
+                : _mm512_setzero_si512();
+            __m512i pair = _mm512_permutex2var_epi16(first, order, second);
+            const __mmask32 bad = _mm512_cmpeq_epi16_mask(_mm512_and_si512(pair, exponent),
+                                                         exponent);
+            if (bad) {
+                pair = _mm512_maskz_mov_epi16(~bad, pair);
+                nonfinite |= bad;
+            }
+            _mm512_storeu_si512(panel + (j / 2) * 32, pair);
+        }
+    }
+    return nonfinite != 0;
+}
+
+/* the three bfloat16 parts of 16 rows x 32 weights (rows past n_rows and
+   keys past n_keys 0): parts[t] is a 16 x 32 bfloat16 tile A */
+CA_AMX_TARGET static inline void split_weights(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                               ptrdiff_t n_keys, uint16_t parts[3][16 * 32])
+{
+    const __mmask16 low = (__mmask16)(n_keys >= 16 ? 0xFFFFu : (1u << n_keys) - 1u);
+    const __mmask16 high = (__mmask16)(n_keys >= 32 ? 0xFFFFu
+                                       : n_keys > 16 ? (1u << (n_keys - 16)) - 1u : 0u);
+    for (ptrdiff_t r = 0; r < 16; ++r) {
+        __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+        if (r < n_rows) {
+            x0 = _mm512_maskz_loadu_ps(low, p + r * ldp);
+            x1 = _mm512_maskz_loadu_ps(high, p + r * ldp + 16);
+        }
+        for (int t = 0; t < 3; ++t) {
+            /* rounded to nearest even; the rest is exact in float32 */
+            const __m512bh part = _mm512_cvtne2ps_pbh(x1, x0);
+            _mm512_storeu_si512(parts[t] + r * 32, (__m512i)part);
+            const __m512i bits = (__m512i)part;
+            const __m512 back0 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+            const __m512 back1 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)),
+                                  16));
+            x0 = _mm512_sub_ps(x0, back0);
+            x1 = _mm512_sub_ps(x1, back1);
+        }
+    }
+}
+
+/* the most value columns one pass of P.V sums (the columns' runs kept in a
+   buffer on the stack) */
+#define AMX_PV_COLS 256
+
+/* acc += p . v over n_keys keys: 16 rows at a time, runs of CA_SUM_KEYS
+   keys from zero (the parts of a run split once, then every group of 64
+   value columns), the runs added in order, then joining acc */
+CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                      const uint16_t *v, ptrdiff_t v_panel_stride,
+                                      ptrdiff_t n_keys, ptrdiff_t n_vcols, float *acc,
+                                      ptrdiff_t ldacc, const void *ahead,
+                                      ptrdiff_t ahead_bytes)
+{
+    amx_configure();
+    const ptrdiff_t run_steps = CA_SUM_KEYS / AMX_STEP_KEYS;
+    uint16_t parts[CA_SUM_KEYS / AMX_STEP_KEYS][3][16 * 32] __attribute__((aligned(64)));
+    float tiles[4][16 * 16] __attribute__((aligned(64)));
+    float block[16 * AMX_PV_COLS] __attribute__((aligned(64)));
+    ca_ahead next = ahead_start(ahead, ahead_bytes, (n_rows + 15) / 16);
+    for (ptrdiff_t i = 0; i < n_rows; i += 16, ahead_step(&next)) {
+        const ptrdiff_t rows = n_rows - i < 16 ? n_rows - i : 16;
+        for (ptrdiff_t c_chunk = 0; c_chunk < n_vcols; c_chunk += AMX_PV_COLS) {
+            const ptrdiff_t chunk_cols = n_vcols - c_chunk < AMX_PV_COLS ? n_vcols - c_chunk
+                                                                           : AMX_PV_COLS;
+            for (ptrdiff_t k0 = 0; k0 < n_keys; k0 += CA_SUM_KEYS) {
+                const ptrdiff_t run_keys = n_keys - k0 < CA_SUM_KEYS ? n_keys - k0 : CA_SUM_KEYS;
+                const ptrdiff_t steps = (run_keys + AMX_STEP_KEYS - 1) / AMX_STEP_KEYS;
+                for (ptrdiff_t t = 0; t < steps; ++t)
+                    split_weights(p + i * ldp + k0 + t * AMX_STEP_KEYS, ldp, rows,
+                                  run_keys - t * AMX_STEP_KEYS, parts[t]);
+                for (ptrdiff_t c0 = 0; c0 < chunk_cols; c0 += 64) {
+                    const int n_tiles = (int)((chunk_cols - c0) / 16 < 4 ? (chunk_cols - c0) / 16 : 4);
+                    const uint16_t *panel = v + ((c_chunk + c0) / 16) * v_panel_stride;
+                    _tile_zero(AMX_C0);
+                    _tile_zero(AMX_C1);
+                    _tile_zero(AMX_C2);
+                    _tile_zero(AMX_C3);
+                    for (ptrdiff_t t = 0; t < steps; ++t) {
+                        const ptrdiff_t pair_row = (k0 + t * AMX_STEP_KEYS) / 2;
+                        _tile_loadd(AMX_A0, parts[t][0], 64);
+                        _tile_loadd(AMX_A1, parts[t][1], 64);
+                        _tile_loadd(AMX_A2, parts[t][2], 64);
+#define AMX_PV_TILE(C, X) \
+                        if ((X) < n_tiles) { \
+                            _tile_loadd(AMX_B, panel + (X) * v_panel_stride + pair_row * 32, 64); \
+                            _tile_dpbf16ps(C, AMX_A0, AMX_B); \
+                            _tile_dpbf16ps(C, AMX_A1, AMX_B); \
+                            _tile_dpbf16ps(C, AMX_A2, AMX_B); \
+                        }
+                        AMX_PV_TILE(AMX_C0, 0)
+                        AMX_PV_TILE(AMX_C1, 1)
+                        AMX_PV_TILE(AMX_C2, 2)
+                        AMX_PV_TILE(AMX_C3, 3)
+#undef AMX_PV_TILE
+                    }
+                    _tile_stored(AMX_C0, tiles[0], 64);
+                    _tile_stored(AMX_C1, tiles[1], 64);
+                    _tile_stored(AMX_C2, tiles[2], 64);
+                    _tile_stored(AMX_C3, tiles[3], 64);
+                    for (int x = 0; x < n_tiles; ++x)
+                        for (ptrdiff_t r = 0; r < rows; ++r) {
+                            float *sum = block + r * AMX_PV_COLS + c0 + x * 16;
+                            __m512 run = _mm512_load_ps(tiles[x] + r * 16);
+                            if (k0 > 0)
+                                run = _mm512_add_ps(_mm512_load_ps(sum), run);
+                            _mm512_store_ps(sum, run);
+                        }
+                }
+            }
+            /* the block's runs join the accumulator: one addition per block */
+            for (ptrdiff_t r = 0; r < rows; ++r)
+                for (ptrdiff_t c = 0; c < chunk_cols; c += 16) {
+                    float *a = acc + (i + r) * ldacc + c_chunk + c;
+                    _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a),
+                                                      _mm512_load_ps(block + r * AMX_PV_COLS + c)));
+                }
+        }
+    }
+    (void)run_steps;
+}
+
+static void end_of_thread(void)
+{
+    amx_release();
+}
+
+#undef CA_BF16_TILE_ENTRIES
+#define CA_BF16_TILE_ENTRIES \
+        .bf16_k_align = AMX_STEP_FEATURES, .pack_kt_bf16 = pack_kt_bf16, \
+        .score_bf16 = score_bf16_amx, .pack_v_bf16 = pack_v_bf16, .pv_bf16 = pv_bf16_amx, \
+        .end_of_thread = end_of_thread,
+
+CA_DEFINE_KERNEL_TABLE(ca_kernels_amx, "amx");
+
+#endif /* CA_HAVE_X86_KERNELS */
