@@ -466,3 +466,32 @@ def test_output_is_the_layout_models_want():
                                       np.repeat(v.numpy(), groups, axis=1), causal=True,
                                       scale=0.5)
     np.testing.assert_allclose(attn.numpy(), expected.transpose(0, 2, 1, 3), rtol=0, atol=1e-6)
+
+
+def test_benchmark_harness_on_a_tiny_model(monkeypatch):
+    """benchmarks/transformers_e2e.py's measurement on a tiny model: the
+    records, the attention clocks, and no dense mask for cattention on the
+    left-padded batch where sdpa gets one per layer call."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "transformers_e2e.py"
+    if not path.is_file():
+        pytest.skip("benchmarks/ is not here (tests run outside the source tree)")
+    spec = importlib.util.spec_from_file_location("bench_transformers_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    # its dataclasses look their module up while being defined
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    names = bench.register_timed_implementations()
+    model = tiny_model("llama", torch.float64, IMPLEMENTATION)
+    ids, mask = bench.prompts(4, 16, VOCAB)
+    assert mask[:, 0].tolist() == [1, 0, 0, 0] and mask[:, -1].all()
+    results = bench.measure(model, names, bench.IMPLEMENTATIONS, ids, mask, steps=3, repeats=1)
+    assert set(results) == set(bench.IMPLEMENTATIONS)
+    for result in results.values():
+        assert result["pp_tokens_per_s"] > 0 and result["tg_tokens_per_s"] > 0
+        assert result["pp_attention_ms"] > 0 and len(result["tokens"][0]) == 3
+    assert results["cattention"]["dense_masks"] == 0
+    assert results["sdpa"]["dense_masks"] > 0
+    assert results["cattention"]["tokens"] == results["sdpa"]["tokens"]

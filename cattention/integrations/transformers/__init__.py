@@ -33,8 +33,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 4):
     raise ImportError(f"{_NEEDS}; found transformers {transformers.__version__}")
 
-from ._attention import attention_forward
-from ._masks import MaskStructure, structured_mask
+from ._attention import attention_forward  # noqa: E402 (after the checks above)
+from ._masks import MaskStructure, structured_mask  # noqa: E402
 
 __all__ = ["MaskStructure", "attention_forward", "register", "structured_mask"]
 

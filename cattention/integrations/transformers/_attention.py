@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from numpy.typing import NDArray
 
 import cattention
 
