@@ -296,18 +296,17 @@ def test_output_attentions_are_the_weights(name):
             np.testing.assert_allclose(rows.sum(-1).numpy(), 1.0, rtol=1e-12)
 
 
-def test_bfloat16_model_within_bfloat16_rounding():
-    """A bfloat16 model runs on views of its tensors (no float32 copies):
-    logits within the FlashAttention rule of eager bfloat16's error."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_half_precision_models_within_their_rounding(name, dtype):
+    """bfloat16 and float16 models run on views of their tensors (no float32
+    copies; gpt-oss's sinks too): logits within 2x eager's RMS error."""
     ids, mask, positions = batch(PROMPTS, "left")
-    truth = forward("llama", tiny_model("llama", torch.float64, REFERENCE), ids, mask,
-                    positions)
-    eager = forward("llama", tiny_model("llama", torch.bfloat16, "eager"), ids, mask,
-                    positions)
-    ours = forward("llama", tiny_model("llama", torch.bfloat16, IMPLEMENTATION), ids, mask,
-                   positions)
-    assert ours.dtype == torch.bfloat16
-    ours, eager, truth = (real_rows("llama", x, mask).double() for x in (ours, eager, truth))
+    truth = forward(name, tiny_model(name, torch.float64, REFERENCE), ids, mask, positions)
+    eager = forward(name, tiny_model(name, dtype, "eager"), ids, mask, positions)
+    ours = forward(name, tiny_model(name, dtype, IMPLEMENTATION), ids, mask, positions)
+    assert ours.dtype == dtype
+    ours, eager, truth = (real_rows(name, x, mask).double() for x in (ours, eager, truth))
     assert rms_err(ours.numpy(), truth.numpy()) <= F32_RTOL_RMS * rms_err(eager.numpy(),
                                                                           truth.numpy())
 

@@ -139,7 +139,10 @@ def attention_forward(
     if softcap is not None:
         options["softcap"] = softcap
     if s_aux is not None:
-        options["sinks"] = as_array(s_aux.detach(), "s_aux")
+        # cattention takes real-number sinks, not bfloat16 ones: H values to convert
+        sinks = s_aux.detach()
+        options["sinks"] = as_array(sinks.float() if sinks.dtype == torch.bfloat16 else sinks,
+                                    "s_aux")
     if n_heads != key.shape[1]:
         options["enable_gqa"] = True
     # the layout the output projection reads; cattention writes (B, H, T, d)
