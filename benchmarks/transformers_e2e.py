@@ -187,6 +187,56 @@ def measure(model, names: dict[str, str], implementations, ids, mask, steps: int
     } for name, done in runs.items()}
 
 
+def _microseconds(call, calls: int = 2000, rounds: int = 7) -> float:
+    for _ in range(200):
+        call()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - started) / calls)
+    return 1e6 * best
+
+
+def per_call_costs(n_keys: int = 1024) -> dict[str, float]:
+    """One layer call at decode size (1 query row, n_keys keys, 8:2 heads,
+    d = 64, float32, one thread), best of rounds, in microseconds:
+    cattention.attention on the arrays, the adapter's attention function on
+    the tensors (the difference is what the adapter adds), and transformers'
+    sdpa function; plain causal and with a left-padded start."""
+    class Layer(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = 4
+
+    layer = Layer()
+    torch.manual_seed(0)
+    query = torch.randn(1, 1, 8, 64).transpose(1, 2)     # a view of (B, T, H, d), as models make
+    key, value = torch.randn(1, 2, n_keys, 64), torch.randn(1, 2, n_keys, 64)
+    q, k, v = query.numpy(), key.numpy(), value.numpy()
+    out = torch.empty(1, 1, 8, 64).numpy().transpose(0, 2, 1, 3)
+    padding = torch.ones(1, n_keys, dtype=torch.bool)
+    padding[:, :7] = False
+    costs = {}
+    with torch.inference_mode():
+        for label, padded in (("causal", None), ("left-padded", padding)):
+            structure = ca_hf.structured_mask(batch_size=1, q_length=1, kv_length=n_keys,
+                                              q_offset=n_keys - 1, attention_mask=padded)
+            dense = masking_utils.sdpa_mask(batch_size=1, q_length=1, kv_length=n_keys,
+                                            q_offset=n_keys - 1, attention_mask=padded)
+            options = dict(structure.options, enable_gqa=True, scale=0.125)
+            costs[f"cattention.attention, {label}"] = _microseconds(
+                lambda: cattention.attention(q, k, v, **options))
+            costs[f"cattention.attention out=, {label}"] = _microseconds(
+                lambda: cattention.attention(q, k, v, out=out, **options))
+            costs[f"adapter, {label}"] = _microseconds(
+                lambda: ca_hf.attention_forward(layer, query, key, value, structure,
+                                                scaling=0.125))
+            costs[f"sdpa function, {label}"] = _microseconds(
+                lambda: sdpa_attention_forward(layer, query, key, value, dense, scaling=0.125))
+    return costs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -202,6 +252,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="2 layers, a 128-token prompt, 16 steps, 1 repeat")
     parser.add_argument("--json", help="also write the records to this file")
+    parser.add_argument("--per-call-only", action="store_true",
+                        help="only the cost of one layer call at decode size")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.prompt, args.gen, args.repeats = 2, 128, 16, 1
@@ -211,6 +263,20 @@ def main(argv=None) -> int:
           f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"cattention {cattention.__version__}; Llama-3.2-1B-shaped layers x {args.layers}, "
           f"vocab {args.vocab}, pp{args.prompt} then tg{args.gen}, median of {args.repeats}")
+    torch.set_num_threads(1)
+    cattention.set_num_threads(1)
+    print("one layer call at decode size (1 x 1024 keys, 8:2 heads, d 64, float32, 1 thread):")
+    costs = per_call_costs()
+    for label, microseconds in costs.items():
+        print(f"  {label:40s} {microseconds:7.1f} us")
+    for label in ("causal", "left-padded"):
+        # at one query row the adapter makes the call without out= (the
+        # result is already the layout the model wants)
+        added = costs[f"adapter, {label}"] - costs[f"cattention.attention, {label}"]
+        print(f"  {label}: the adapter adds {added:.1f} us to the cattention.attention call "
+              "it makes")
+    if args.per_call_only:
+        return 0
     header = (f"{'dtype':9s} {'thr':>3s} {'batch':>5s} {'impl':10s} {'pp t/s':>9s} "
               f"{'pp attn ms':>10s} {'tg t/s':>8s} {'tg attn ms/step':>15s} {'dense':>5s} "
               f"{'pp vs sdpa':>10s} {'attn vs sdpa':>12s} {'tg vs sdpa':>10s}")
