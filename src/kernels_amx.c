@@ -161,13 +161,23 @@ CA_AMX_TARGET static int pack_v_bf16(const uint16_t *v, ptrdiff_t ldv, ptrdiff_t
 }
 
 /* the three bfloat16 parts of 16 rows x 32 weights (rows past n_rows and
-   keys past n_keys 0): parts[t] is a 16 x 32 bfloat16 tile A */
+   keys past n_keys 0), parts[t] a 16 x 32 bfloat16 tile A: each part the
+   leading 16 bits of what the parts before it leave (a truncation, so its
+   float32 value is those bits as they are, and the rest is exact: 8
+   significant bits a part, every bit of a normal float in three) */
 CA_AMX_TARGET static inline void split_weights(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
-                                               ptrdiff_t n_keys, uint16_t parts[3][16 * 32])
+                                               ptrdiff_t n_keys, uint16_t *parts,
+                                               ptrdiff_t part_stride)
 {
     const __mmask16 low = (__mmask16)(n_keys >= 16 ? 0xFFFFu : (1u << n_keys) - 1u);
     const __mmask16 high = (__mmask16)(n_keys >= 32 ? 0xFFFFu
                                        : n_keys > 16 ? (1u << (n_keys - 16)) - 1u : 0u);
+    const __m512i leading = _mm512_set1_epi32((int)0xFFFF0000u);
+    /* the upper halves of 32 floats, in order */
+    static const uint16_t upper_halves[32] = {
+        1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+        33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    const __m512i gather = _mm512_loadu_si512(upper_halves);
     for (ptrdiff_t r = 0; r < 16; ++r) {
         __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
         if (r < n_rows) {
@@ -175,17 +185,15 @@ CA_AMX_TARGET static inline void split_weights(const float *p, ptrdiff_t ldp, pt
             x1 = _mm512_maskz_loadu_ps(high, p + r * ldp + 16);
         }
         for (int t = 0; t < 3; ++t) {
-            /* rounded to nearest even; the rest is exact in float32 */
-            const __m512bh part = _mm512_cvtne2ps_pbh(x1, x0);
-            _mm512_storeu_si512(parts[t] + r * 32, (__m512i)part);
-            const __m512i bits = (__m512i)part;
-            const __m512 back0 = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
-            const __m512 back1 = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)),
-                                  16));
-            x0 = _mm512_sub_ps(x0, back0);
-            x1 = _mm512_sub_ps(x1, back1);
+            const __m512 part0 = _mm512_castsi512_ps(
+                _mm512_and_si512(_mm512_castps_si512(x0), leading));
+            const __m512 part1 = _mm512_castsi512_ps(
+                _mm512_and_si512(_mm512_castps_si512(x1), leading));
+            _mm512_storeu_si512(parts + t * part_stride + r * 32,
+                                _mm512_permutex2var_epi16(_mm512_castps_si512(part0), gather,
+                                                          _mm512_castps_si512(part1)));
+            x0 = _mm512_sub_ps(x0, part0);
+            x1 = _mm512_sub_ps(x1, part1);
         }
     }
 }
@@ -194,9 +202,30 @@ CA_AMX_TARGET static inline void split_weights(const float *p, ptrdiff_t ldp, pt
    buffer on the stack) */
 #define AMX_PV_COLS 256
 
-/* acc += p . v over n_keys keys: 16 rows at a time, runs of CA_SUM_KEYS
-   keys from zero (the parts of a run split once, then every group of 64
-   value columns), the runs added in order, then joining acc */
+/* one step of 32 keys for 32 rows x 32 value columns: the two column
+   panels (B) loaded once, then for each of the three parts the two row
+   tiles (A), four accumulators interleaved (a tile register is not
+   renamed, and an accumulator's next product waits for its last) */
+#define AMX_PV_STEP(parts0, parts1, part_stride, b0, b1, two_rows, two_cols) \
+    _tile_loadd(AMX_A2, (b0), 64); \
+    if (two_cols) \
+        _tile_loadd(AMX_B, (b1), 64); \
+    for (int part_ = 0; part_ < 3; ++part_) { \
+        _tile_loadd(AMX_A0, (parts0) + part_ * (part_stride), 64); \
+        _tile_dpbf16ps(AMX_C0, AMX_A0, AMX_A2); \
+        if (two_cols) \
+            _tile_dpbf16ps(AMX_C1, AMX_A0, AMX_B); \
+        if (two_rows) { \
+            _tile_loadd(AMX_A1, (parts1) + part_ * (part_stride), 64); \
+            _tile_dpbf16ps(AMX_C2, AMX_A1, AMX_A2); \
+            if (two_cols) \
+                _tile_dpbf16ps(AMX_C3, AMX_A1, AMX_B); \
+        } \
+    }
+
+/* acc += p . v over n_keys keys: 32 rows at a time, runs of CA_SUM_KEYS
+   keys from zero (the parts of a run split once, then every pair of value
+   panels), the runs added in order, then joining acc */
 CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                       const uint16_t *v, ptrdiff_t v_panel_stride,
                                       ptrdiff_t n_keys, ptrdiff_t n_vcols, float *acc,
@@ -204,13 +233,15 @@ CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n
                                       ptrdiff_t ahead_bytes)
 {
     amx_configure();
-    const ptrdiff_t run_steps = CA_SUM_KEYS / AMX_STEP_KEYS;
-    uint16_t parts[CA_SUM_KEYS / AMX_STEP_KEYS][3][16 * 32] __attribute__((aligned(64)));
+    enum { STEPS = CA_SUM_KEYS / AMX_STEP_KEYS, PART = 16 * 32 };
+    /* [row tile][step][part] 16 x 32 bfloat16 */
+    uint16_t parts[2][STEPS][3 * PART] __attribute__((aligned(64)));
     float tiles[4][16 * 16] __attribute__((aligned(64)));
-    float block[16 * AMX_PV_COLS] __attribute__((aligned(64)));
-    ca_ahead next = ahead_start(ahead, ahead_bytes, (n_rows + 15) / 16);
-    for (ptrdiff_t i = 0; i < n_rows; i += 16, ahead_step(&next)) {
-        const ptrdiff_t rows = n_rows - i < 16 ? n_rows - i : 16;
+    float block[32 * AMX_PV_COLS] __attribute__((aligned(64)));
+    ca_ahead next = ahead_start(ahead, ahead_bytes, (n_rows + 31) / 32);
+    for (ptrdiff_t i = 0; i < n_rows; i += 32, ahead_step(&next)) {
+        const ptrdiff_t rows = n_rows - i < 32 ? n_rows - i : 32;
+        const int two_rows = rows > 16;
         for (ptrdiff_t c_chunk = 0; c_chunk < n_vcols; c_chunk += AMX_PV_COLS) {
             const ptrdiff_t chunk_cols = n_vcols - c_chunk < AMX_PV_COLS ? n_vcols - c_chunk
                                                                            : AMX_PV_COLS;
@@ -218,10 +249,12 @@ CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n
                 const ptrdiff_t run_keys = n_keys - k0 < CA_SUM_KEYS ? n_keys - k0 : CA_SUM_KEYS;
                 const ptrdiff_t steps = (run_keys + AMX_STEP_KEYS - 1) / AMX_STEP_KEYS;
                 for (ptrdiff_t t = 0; t < steps; ++t)
-                    split_weights(p + i * ldp + k0 + t * AMX_STEP_KEYS, ldp, rows,
-                                  run_keys - t * AMX_STEP_KEYS, parts[t]);
-                for (ptrdiff_t c0 = 0; c0 < chunk_cols; c0 += 64) {
-                    const int n_tiles = (int)((chunk_cols - c0) / 16 < 4 ? (chunk_cols - c0) / 16 : 4);
+                    for (int h = 0; h < 1 + two_rows; ++h)
+                        split_weights(p + (i + 16 * h) * ldp + k0 + t * AMX_STEP_KEYS, ldp,
+                                      rows - 16 * h, run_keys - t * AMX_STEP_KEYS,
+                                      parts[h][t], PART);
+                for (ptrdiff_t c0 = 0; c0 < chunk_cols; c0 += 32) {
+                    const int two_cols = chunk_cols - c0 > 16;
                     const uint16_t *panel = v + ((c_chunk + c0) / 16) * v_panel_stride;
                     _tile_zero(AMX_C0);
                     _tile_zero(AMX_C1);
@@ -229,34 +262,27 @@ CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n
                     _tile_zero(AMX_C3);
                     for (ptrdiff_t t = 0; t < steps; ++t) {
                         const ptrdiff_t pair_row = (k0 + t * AMX_STEP_KEYS) / 2;
-                        _tile_loadd(AMX_A0, parts[t][0], 64);
-                        _tile_loadd(AMX_A1, parts[t][1], 64);
-                        _tile_loadd(AMX_A2, parts[t][2], 64);
-#define AMX_PV_TILE(C, X) \
-                        if ((X) < n_tiles) { \
-                            _tile_loadd(AMX_B, panel + (X) * v_panel_stride + pair_row * 32, 64); \
-                            _tile_dpbf16ps(C, AMX_A0, AMX_B); \
-                            _tile_dpbf16ps(C, AMX_A1, AMX_B); \
-                            _tile_dpbf16ps(C, AMX_A2, AMX_B); \
-                        }
-                        AMX_PV_TILE(AMX_C0, 0)
-                        AMX_PV_TILE(AMX_C1, 1)
-                        AMX_PV_TILE(AMX_C2, 2)
-                        AMX_PV_TILE(AMX_C3, 3)
-#undef AMX_PV_TILE
+                        AMX_PV_STEP(parts[0][t], parts[1][t], PART, panel + pair_row * 32,
+                                    panel + v_panel_stride + pair_row * 32, two_rows,
+                                    two_cols)
                     }
                     _tile_stored(AMX_C0, tiles[0], 64);
                     _tile_stored(AMX_C1, tiles[1], 64);
                     _tile_stored(AMX_C2, tiles[2], 64);
                     _tile_stored(AMX_C3, tiles[3], 64);
-                    for (int x = 0; x < n_tiles; ++x)
-                        for (ptrdiff_t r = 0; r < rows; ++r) {
-                            float *sum = block + r * AMX_PV_COLS + c0 + x * 16;
+                    for (int x = 0; x < 4; ++x) {
+                        const int row_tile = x / 2, col = x % 2;
+                        if (col && !two_cols)
+                            continue;
+                        const ptrdiff_t n = rows - 16 * row_tile;
+                        for (ptrdiff_t r = 0; r < (n < 16 ? n : 16); ++r) {
+                            float *sum = block + (16 * row_tile + r) * AMX_PV_COLS + c0 + 16 * col;
                             __m512 run = _mm512_load_ps(tiles[x] + r * 16);
                             if (k0 > 0)
                                 run = _mm512_add_ps(_mm512_load_ps(sum), run);
                             _mm512_store_ps(sum, run);
                         }
+                    }
                 }
             }
             /* the block's runs join the accumulator: one addition per block */
@@ -268,8 +294,8 @@ CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n
                 }
         }
     }
-    (void)run_steps;
 }
+#undef AMX_PV_STEP
 
 static void end_of_thread(void)
 {
