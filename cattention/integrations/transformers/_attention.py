@@ -146,12 +146,6 @@ def attention_forward(
     if n_heads != key.shape[1]:
         options["enable_gqa"] = True
     q, k, v = as_array(query, "query"), as_array(key, "key"), as_array(value, "value")
-    if n_queries == 1 and not output_attentions:
-        # one query row (a decode step): cattention's (B, H, 1, d) result is
-        # already the (B, 1, H, d) layout, so it is taken as it is, and the
-        # call is the plain one, the cheapest at this size
-        attn = as_tensor(cattention.attention(q, k, v, **options))
-        return attn.view(batch_size, 1, n_heads, d_v), None
     # the layout the output projection reads; cattention writes (B, H, T, d)
     # through a transposed view of it
     attn = torch.empty((batch_size, n_queries, n_heads, d_v), dtype=query.dtype)
