@@ -16,7 +16,8 @@ SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd 
 	cattention/_driver/*.pyx cattention/_driver/*.pxd src/*.c src/*.h)
 
 .PHONY: install build run test typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
-	bench bench-deps bench-quick bench-pipeline bench-serving asan fuzz reliability clean distclean
+	bench bench-deps bench-quick bench-bf16 bench-pipeline bench-serving asan fuzz reliability \
+	clean distclean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -147,6 +148,11 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(VPY) benchmarks/attention.py --quick
+
+# the bfloat16 cases (beside float32 on the same values and the peers) on
+# every kernel table this CPU runs, 1 and 2 threads
+bench-bf16: bench-deps
+	$(VPY) benchmarks/attention.py --cases bfloat16 --simd all
 
 # cattention between NumPy BLAS calls and in a threaded service
 # (benchmarks/pipeline.py), in the default environment.
