@@ -113,8 +113,9 @@ def attention(
     Parameters
     ----------
     q : array_like, shape (..., T, d_k)
-        Queries: float16, float32 or float64, or integer or bool (computed
-        as float64); see Notes for mixed dtypes.
+        Queries: float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
+        float64, or integer or bool (computed as float64); see Notes for
+        mixed dtypes.
     k : array_like, shape (..., S, d_k)
         Keys, of the same kinds of dtype.
     v : array_like, shape (..., S, d_v)
