@@ -78,11 +78,6 @@ html_sidebars = {"index": [], "changelog": [], "benchmarks": []}
 html_show_sourcelink = False
 
 myst_heading_anchors = 3
-# Getting started includes the README's block on the wheels, which opens
-# with a third-level heading (it sits under "Installing" there); MyST parses
-# an included file as a document of its own and would warn that it does not
-# start at the first level.
-suppress_warnings = ["myst.header"]
 
 
 # docs/scale-out.md (how a Dask graph grows over machines, with measured

@@ -165,3 +165,22 @@ def test_site_page_renders(page, tmp_path):
     assert 0.005 < dark < 0.6, f"{page}: {dark:.3%} of the pixels dark"
     rows_with_ink = (pixels.std(axis=(1, 2)) > 0.02).mean()
     assert rows_with_ink > 0.2, f"{page}: only {rows_with_ink:.0%} of the rows hold anything"
+
+
+# The README's Python blocks, in order, in one namespace: they run as shown.
+README = DOCS.parent / "README.md"
+
+
+@pytest.mark.skipif(not README.exists(), reason="no README beside the tests")
+def test_readme_examples():
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"),
+                        re.MULTILINE | re.DOTALL)
+    assert len(blocks) >= 4
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), namespace)
+    np = namespace["np"]
+    assert namespace["out"].shape == namespace["q"].shape[:-1] + (64,)
+    assert list(namespace["lengths"]) == [300, 40, 1, 0]
+    assert np.allclose(namespace["out"], cattention.attention(namespace["q"], namespace["k"],
+                                                              namespace["v"]), atol=1e-5)
