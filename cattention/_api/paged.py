@@ -31,6 +31,7 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[False] = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
@@ -46,6 +47,7 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[True],
     num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
@@ -61,6 +63,7 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
@@ -75,6 +78,7 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
@@ -85,10 +89,11 @@ def attention_with_paged_kvcache(
     page_size]`` (for every K/V head). The new rows are written there at
     positions ``cache_lengths[b]`` onwards, ``cache_lengths`` is advanced
     **in place**, then each sequence's queries attend to its valid
-    positions with bottom-right causal alignment (its new tokens are the
-    last of them). Pages are read where they are, never gathered. The
-    results are bitwise the same for any thread count and any order of the
-    pages; they agree with those of the same keys held contiguously
+    positions with bottom-right causal alignment (its queries are the last
+    of them; a sequence may append another number of rows than it has
+    queries). Pages are read where they
+    are, never gathered. The results are bitwise the same for any thread
+    count and any order of the pages; they agree with those of the same keys held contiguously
     (:func:`cattention.attention_with_kvcache`) to rounding, not bitwise: a
     decode step's key steps end where pages do, and how its keys are split
     into chunks depends on the shapes (a contiguous cache's S_max among
@@ -110,13 +115,21 @@ def attention_with_paged_kvcache(
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence, updated in place; its dtype must
         hold max_pages * page_size.
-    k_new : array_like, shape (B, H_kv, T, d_k), or (total_q, H_kv, d_k)
-    v_new : array_like, shape (B, H_kv, T, d_v), or (total_q, H_kv, d_v)
-        Rows to append (both or neither), in q's layout.
+    k_new : array_like, shape (B, H_kv, T_new, d_k), or (total_new, H_kv, d_k)
+    v_new : array_like, shape (B, H_kv, T_new, d_v), or (total_new, H_kv, d_v)
+        Rows to append (both or neither), in q's layout: padded with any
+        T_new (T_new = T for a step whose every new token is a query, as
+        in the contiguous call), or packed, sequence b's from
+        ``cu_seqlens_k_new[b]`` (by default ``cu_seqlens_q``: one new row
+        per query row).
     cu_seqlens_q : array_like of int, shape (B + 1,), optional
         Continuous batching: q, k_new and v_new are packed along the token
         axis, sequence b bringing ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``
         tokens (a prompt chunk, 1 for a decoding sequence, or 0).
+    cu_seqlens_k_new : array_like of int, shape (B + 1,), optional
+        With packed rows: where each sequence's new rows start in k_new and
+        v_new, when their counts differ from its queries' (speculative
+        decoding, a chunk appended without all of its queries).
     causal, scale, window, softcap, return_lse, num_threads
         As in :func:`cattention.attention`.
     kv_starts : array_like of int, shape (B,), optional
@@ -126,8 +139,9 @@ def attention_with_paged_kvcache(
         are never read.
     out : ndarray, shape of q with d_v last, optional
         Where to write ATTN, as :func:`cattention.attention`'s ``out``.
-    alibi_slopes, sinks : array_like, shape (H,), optional
-        One ALiBi slope, or one sink logit (-inf: none), per query head.
+    alibi_slopes, sinks : array_like, shape (H,) or (B, H), optional
+        One ALiBi slope, or one sink logit (-inf: none), per query head, or
+        per sequence and query head.
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
         With int8 pages (and only then): each row's scale, written as rows
         are appended (k_new and v_new are then float, quantized on append).
@@ -154,7 +168,8 @@ def attention_with_paged_kvcache(
         with another of them, q, k_new or v_new; new rows holding a value
         the pages cannot store (beyond a float dtype's range, or NaN or
         infinite for int8 pages); negative lengths; an option out of range,
-        or one the compute dtype cannot hold.
+        or one the compute dtype cannot hold; ``cu_seqlens_k_new`` without
+        packed new rows, or not describing k_new.
     TypeError
         On pages that differ in dtype or are not in native byte order, a q
         wider than the pages, new rows that cannot be cast to the pages'
@@ -183,14 +198,15 @@ def attention_with_paged_kvcache(
                                   v_new, cu_seqlens_q, causal, scale, window, softcap,
                                   alibi_slopes, sinks, k_scale, v_scale, return_lse,
                                   num_threads, local.limit)
-            if kv_starts is None and out is None else None)
+            if kv_starts is None and out is None and cu_seqlens_k_new is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends, result = prepare_paged(
         q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
         cu_seqlens_q=cu_seqlens_q, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out)
+        return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out,
+        cu_seqlens_k_new=cu_seqlens_k_new)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
         attn, lse = entries.run(call, result)
