@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import cattention as ca
-from reference import assert_bitwise_equal, assert_matches_reference
+from reference import (assert_bfloat16_matches_reference, assert_bitwise_equal,
+                       assert_matches_reference)
 
 try:
     import ml_dtypes
@@ -69,6 +70,104 @@ def _sequence(pages, table, b, length, scale=None):
     p = np.arange(length)
     rows = _values(pages, scale)[table[b, p // page_size], :, p % page_size]
     return np.swapaxes(rows, 0, 1)
+
+
+# ------------------------------------------------------------ cache_batch_idx
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_cache_batch_idx_reads_and_appends_the_chosen_entries(cache_dtype):
+    """Batch row b works on cache entry cache_batch_idx[b]: the entries it
+    names take the rows the same call appends to copies of them, the others
+    stay as they were, and the result matches the float64 reference over
+    the entries' keys."""
+    rng = np.random.default_rng(11)
+    n_entries, H, H_kv, S_max, d = 5, 4, 2, 30, 8
+    k_cache, v_cache, scales = _caches(rng, cache_dtype, (n_entries, H_kv, S_max, d),
+                                       (n_entries, H_kv, S_max, d))
+    idx = np.array([4, 0, 2])
+    q = rng.standard_normal((3, H, 2, d)).astype(_q_dtype(cache_dtype))
+    new = rng.standard_normal((3, H_kv, 2, d)).astype(np.float32 if cache_dtype != np.float64
+                                                      else np.float64)
+    lengths = np.array([7, 0, 28])
+    got = _copies(k_cache, v_cache, lengths, *scales.values())
+    out, lse = ca.attention_with_kvcache(q, got[0], got[1], got[2], new, new,
+                                         cache_batch_idx=idx, return_lse=True,
+                                         **dict(zip(scales, got[3:])))
+    assert got[2].tolist() == [9, 2, 30]
+    # the same append to copies of the entries, without cache_batch_idx
+    entries = [a[idx] for a in (k_cache, v_cache)] + [lengths.copy()]
+    entry_scales = [a[idx] for a in scales.values()]
+    ca.attention_with_kvcache(q, *entries, new, new, **dict(zip(scales, entry_scales)))
+    for cache, chosen in zip(got[:2] + got[3:], entries[:2] + entry_scales):
+        assert_bitwise_equal(cache[idx], chosen)
+    others = [1, 3]
+    for cache, before in zip(got[:2] + got[3:], [k_cache, v_cache, *scales.values()]):
+        assert_bitwise_equal(cache[others], before[others])
+    k_scale, v_scale = (got[3], got[4]) if scales else (None, None)
+    for b, entry in enumerate(idx):
+        n = int(got[2][b])
+        keys, values = (np.repeat(_values(c[entry], s[entry] if s is not None else None)[:, :n],
+                                  2, axis=0)
+                        for c, s in ((got[0], k_scale), (got[1], v_scale)))
+        if q.dtype in (np.float32, np.float64):
+            assert_matches_reference(out[b], None, q[b], keys, values, causal=True, lse=lse[b])
+        else:
+            assert_bfloat16_matches_reference(out[b], None, q[b], keys.astype(np.float32),
+                                              values.astype(np.float32), causal=True,
+                                              lse=lse[b])
+
+
+def test_cache_batch_idx_of_every_entry_in_order_is_the_call_without_it():
+    rng = np.random.default_rng(12)
+    k_cache = rng.standard_normal((3, 2, 20, 8)).astype(np.float32)
+    q = rng.standard_normal((3, 4, 1, 8)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 1, 8)).astype(np.float32)
+    lengths = np.array([4, 0, 19])
+    plain = _copies(k_cache, k_cache, lengths)
+    want = ca.attention_with_kvcache(q, *plain, new, new)
+    got = _copies(k_cache, k_cache, lengths)
+    out = ca.attention_with_kvcache(q, *got, new, new, cache_batch_idx=np.arange(3))
+    for g, w in zip(got, plain):
+        assert_bitwise_equal(g, w)
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(idx=[0, 2, 0]), ValueError, r"cache_batch_idx gives cache entry 0 to batch rows 0 "
+                                      r"and 2, and the call appends to it"),
+    (dict(idx=[0, 4, 1]), ValueError, r"cache_batch_idx\[1\] = 4 is not a cache entry: "
+                                      r"k_cache \(4, 1, 8, 4\) has 4, \[0, 4\)"),
+    (dict(idx=[0, -1, 1]), ValueError, r"cache_batch_idx\[1\] = -1 is not a cache entry"),
+    (dict(idx=[0.0, 1.0, 2.0]), TypeError, r"cache_batch_idx must be integers"),
+    (dict(idx=[[0, 1, 2]]), ValueError, r"cache_batch_idx must be 1-D"),
+    (dict(idx=[0, 1]), ValueError, r"q must have shape \(B, H, T, d_k\) = \(2, H, T, 4\) to "
+                                   r"match cache_batch_idx \(2 batch rows\)"),
+    (dict(lengths=np.array([1, 2, 3, 4])), ValueError,
+     r"cache_lengths must be an integer ndarray of shape \(3,\)"),
+    (dict(lengths=np.array([1, 8, 0])), ValueError, r"cache overflow"),
+])
+def test_cache_batch_idx_errors_write_nothing(change, error, match):
+    k_cache = np.zeros((4, 1, 8, 4), np.float32)
+    v_cache = np.zeros((4, 1, 8, 4), np.float32)
+    lengths = change.get("lengths", np.array([1, 2, 3]))
+    before = lengths.copy()
+    step = np.ones((3, 1, 1, 4), np.float32)
+    with pytest.raises(error, match=match):
+        ca.attention_with_kvcache(step, k_cache, v_cache, lengths, step, step,
+                                  cache_batch_idx=change.get("idx", [3, 0, 1]))
+    assert not k_cache.any() and not v_cache.any()
+    assert_bitwise_equal(lengths, before)
+
+
+def test_cache_batch_idx_rows_may_share_an_entry_they_only_read():
+    rng = np.random.default_rng(14)
+    k_cache = rng.standard_normal((3, 2, 16, 8)).astype(np.float64)
+    q = rng.standard_normal((2, 2, 1, 8))
+    lengths = np.array([9, 12])
+    out = ca.attention_with_kvcache(q, k_cache, k_cache, lengths, cache_batch_idx=[1, 1])
+    for b in range(2):
+        keys = k_cache[1, :, :lengths[b]]
+        assert_matches_reference(out[b], None, q[b], keys, keys, causal=True)
 
 
 # ------------------------------------------------- ALiBi slopes per sequence

@@ -8,7 +8,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .._prepare import dense
+from .._prepare import dense, entries
 from .._prepare.kvcache import prepare_kvcache
 from .._prepare.options import local
 
@@ -26,6 +26,7 @@ def attention_with_kvcache(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cache_batch_idx: Optional[ArrayLike] = None,
     return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]: ...
 
@@ -41,6 +42,7 @@ def attention_with_kvcache(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cache_batch_idx: Optional[ArrayLike] = None,
     return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -56,6 +58,7 @@ def attention_with_kvcache(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cache_batch_idx: Optional[ArrayLike] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> (NDArray[np.floating[Any]]
       | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
@@ -71,6 +74,7 @@ def attention_with_kvcache(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     v_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cache_batch_idx: Optional[ArrayLike] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
@@ -80,7 +84,8 @@ def attention_with_kvcache(
     advanced by ``T_new`` **in place**, and ``q[b]`` attends to the first
     ``cache_lengths[b]`` keys (after the update) with bottom-right causal
     alignment: the T queries are the last T of those positions. The caches
-    are never reallocated or copied.
+    are never reallocated or copied. With ``cache_batch_idx``, batch row b
+    works on the cache entry it names.
 
     Parameters
     ----------
@@ -88,13 +93,15 @@ def attention_with_kvcache(
         Queries; H may be a multiple of H_kv (grouped-query attention).
     k_cache : ndarray, shape (B, H_kv, S_max, d_k)
     v_cache : ndarray, shape (B, H_kv, S_max, d_v)
+        (B_cache entries instead of B with ``cache_batch_idx``.)
         Writable arrays of one dtype, owned by the caller: float32, float64,
         or float16 or int8 with a float32 (or float16) q, in which case the
         cache is converted block by block as it is read (a half or a quarter
         of the bytes per decode step) and the result is float32 (float16
         for a float16 q).
     cache_lengths : ndarray of int, shape (B,)
-        Filled positions of each sequence; a writable integer array, updated
+        Filled positions of each sequence (of the cache entry of each batch
+        row, with ``cache_batch_idx``); a writable integer array, updated
         in place. Its dtype must hold S_max (``int32`` or ``int64`` always
         do; ``uint8`` holds at most 255, ``int16`` 32767) so that advancing
         it cannot wrap around.
@@ -126,6 +133,18 @@ def attention_with_kvcache(
     out : ndarray, shape (B, H, T, d_v), optional
         Where to write ATTN, as :func:`cattention.attention`'s ``out``
         (any strides; not the caches, the lengths or the scales).
+    cache_batch_idx : array_like of int, shape (B,), optional
+        The cache entry of each batch row (FlashAttention's
+        ``cache_batch_idx``): batch row b reads and appends entry
+        ``cache_batch_idx[b]`` of caches (and int8 scales) of B_cache
+        entries, so requests join and leave a batch while their caches
+        stay where they are. Everything else (q, k_new, v_new,
+        cache_lengths, kv_starts, out, ALiBi slopes and sinks per sequence)
+        is per batch row. Entries in [0, B_cache); two batch rows that
+        append may not name one entry (rows that only read may). The
+        results agree with those of the same entries in caches of their own
+        to rounding, not bitwise (the keys are split into chunks by other
+        shapes).
 
     Returns
     -------
@@ -147,13 +166,16 @@ def attention_with_kvcache(
         with H != H_kv, if ``k_new`` or ``v_new`` holds a value the cache
         cannot store (beyond a float cache's range, or NaN or infinite for
         an int8 one), or an option out of range (as in
-        :func:`cattention.attention`).
+        :func:`cattention.attention`); a ``cache_batch_idx``
+        that is not 1-D of B entries, names an entry outside the caches, or
+        gives one entry to two batch rows that append.
     TypeError
         If the caches are not float16, float32, float64 or int8, differ in dtype
         or are not in native byte order (reading them would copy them), if
         q is wider than the cache (it would be converted whole), if
-        ``k_new`` or ``v_new`` cannot be cast to the cache dtype, or if the
-        dtype of ``cache_lengths`` cannot hold S_max.
+        ``k_new`` or ``v_new`` cannot be cast to the cache dtype, if the
+        dtype of ``cache_lengths`` cannot hold S_max, or if
+        ``cache_batch_idx`` is not integers.
 
     Every check runs before anything is written, so a call refused for its
     arguments leaves caches and lengths as they were. If the computation
@@ -171,21 +193,28 @@ def attention_with_kvcache(
     >>> out = ca.attention_with_kvcache(step, k_cache, v_cache, lengths, step, step)
     >>> out.shape, lengths
     ((1, 2, 3, 8), array([3]))
+
     """
     fast = (driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                                     scale, enable_gqa, window, softcap, alibi_slopes, sinks,
                                     k_scale, v_scale, return_lse, num_threads, local.limit)
-            if kv_starts is None and out is None else None)
+            if kv_starts is None and out is None and cache_batch_idx is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
-    call, appends = prepare_kvcache(
+    call, appends, result = prepare_kvcache(
         q, k_cache, v_cache, cache_lengths, k_new, v_new, causal=causal, scale=scale,
         enable_gqa=enable_gqa, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
-        num_threads=num_threads, kv_starts=kv_starts, out=out)
+        num_threads=num_threads, kv_starts=kv_starts, out=out,
+        cache_batch_idx=cache_batch_idx)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
-        attn, _, lse = dense.run(call)
-    if call.want_lse:
-        return attn, lse  # type: ignore[return-value]
-    return attn  # type: ignore[return-value]
+        if isinstance(call, entries.EntriesCall):
+            attn, lse = entries.run(call, result)
+        else:
+            dense_attn, _, lse = dense.run(call)
+            assert dense_attn is not None
+            attn = dense_attn
+    if lse is not None:
+        return attn, lse
+    return attn

@@ -195,7 +195,10 @@ class Appends:
     start: NDArray[np.intp]          # before the call
     n_new: NDArray[np.intp]          # rows each sequence appends
     writes: list[Write]
-    page_ids: Optional[NDArray[np.intp]] = None   # a paged cache's table, flattened
+    # a paged cache's table, flattened; for a contiguous cache whose entries
+    # are not the sequences' own (cache_batch_idx), the entry of each
+    # sequence, as a table of one page of S_max rows each
+    page_ids: Optional[NDArray[np.intp]] = None
     pages_per_seq: int = 0
 
     @contextlib.contextmanager
