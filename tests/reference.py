@@ -21,6 +21,7 @@ __all__ = [
     "reference_attention_lse",
     "reference_lse",
     "numpy_attention_f32",
+    "reference_rotary",
     "visible_positions",
     "max_abs_err",
     "assert_matches_reference",
@@ -292,6 +293,29 @@ def reference_attention_lse(q, k, v, causal=False, mask=None, scale=None, **opti
 def numpy_attention_f32(q, k, v, causal=False, mask=None, scale=None, **options):
     """The same formula done plainly in float32.  Returns ``(attn, scores)``."""
     return _attention(q, k, v, causal, mask, scale, np.float32, **options)[:2]
+
+
+def reference_rotary(x, cos, sin, positions, interleaved=False):
+    """float64 rotary position embedding of x (..., d) at ``positions``
+    (broadcastable to x.shape[:-1]): each rotated pair of features is a
+    complex number multiplied by ``cos[p] + 1j * sin[p]`` (the rotation by
+    the angle of position p), the pair being features (i, i + r/2)
+    (GPT-NeoX) or (2i, 2i + 1) (interleaved, GPT-J) of the first
+    ``r = 2 * cos.shape[1]``; the other features stay."""
+    x = np.array(x, dtype=np.float64)
+    cos = np.asarray(cos, dtype=np.float64)
+    sin = np.asarray(sin, dtype=np.float64)
+    half = cos.shape[1]
+    at = np.broadcast_to(np.asarray(positions), x.shape[:-1])
+    turn = cos[at] + 1j * sin[at]
+    if interleaved:
+        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    else:
+        first, second = slice(0, half), slice(half, 2 * half)
+    pairs = (x[..., first] + 1j * x[..., second]) * turn
+    x[..., first] = pairs.real
+    x[..., second] = pairs.imag
+    return x
 
 
 # ---------------------------------------------------------------------------

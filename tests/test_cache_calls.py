@@ -1,14 +1,16 @@
-"""The cache calls a serving runtime makes (issue 43): cache_batch_idx,
-ALiBi slopes per sequence in the packed and paged calls, paged appends of
-another number of rows than q has. Each against the float64 reference
-(tests/reference.py)."""
+"""The cache calls a serving runtime makes (issue 43): rotary embeddings of q
+and the new keys as they are read and appended, cache_batch_idx, ALiBi
+slopes per sequence in the packed and paged calls, paged appends of
+another number of rows than q has, and the log-sum-exp of rows that see no
+key. Each against the float64 reference (tests/reference.py), or bitwise
+against what a caller doing the same work first in NumPy gets."""
 
 import numpy as np
 import pytest
 
 import cattention as ca
 from reference import (assert_bfloat16_matches_reference, assert_bitwise_equal,
-                       assert_matches_reference)
+                       assert_matches_reference, reference_rotary)
 
 try:
     import ml_dtypes
@@ -18,6 +20,32 @@ except ImportError:
     BFLOAT16 = []
 
 CACHE_DTYPES = [np.float32, np.float64, np.float16, "int8"] + BFLOAT16
+
+
+def rope_tables(n_positions, half, dtype=np.float32, base=10000.0):
+    """cos and sin of position p times the frequencies base^(-i / half)."""
+    angles = np.arange(n_positions)[:, None] * base ** (-np.arange(half) / half)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def rotate_first(x, cos, sin, positions, interleaved, compute):
+    """What a caller rotating first does, by the documented formula, in
+    NumPy in the compute dtype: x (..., d) at positions (broadcastable to
+    x.shape[:-1])."""
+    x = np.asarray(x).astype(compute)
+    half = cos.shape[1]
+    at = np.broadcast_to(positions, x.shape[:-1])
+    c = cos.astype(compute)[at]
+    s = sin.astype(compute)[at]
+    if interleaved:
+        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    else:
+        first, second = slice(0, half), slice(half, 2 * half)
+    x1, x2 = x[..., first].copy(), x[..., second].copy()
+    out = x.copy()
+    out[..., first] = x1 * c - x2 * s
+    out[..., second] = x2 * c + x1 * s
+    return out
 
 
 def _compute(cache_dtype):
@@ -53,7 +81,163 @@ def _q_dtype(cache_dtype):
     return _compute(cache_dtype)
 
 
-# ------------------------------------------------------------- paged helpers
+# ------------------------------------------------------------ rotary: kvcache
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("T,T_new", [(1, 1), (5, 5), (2, 6)], ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=str)
+def test_kvcache_rotary_is_rotating_first(compiled_path, cache_dtype, interleaved, T, T_new,
+                                          heads):
+    """Output, caches and lengths are bitwise those of the call without
+    rotary on q and k_new rotated first in NumPy (the documented formula, in
+    the compute dtype, then rounded once to where each goes); the caller's
+    q is not modified; the compiled step and the general path agree."""
+    H, H_kv = heads
+    rng = np.random.default_rng(T * 10 + T_new + H)
+    B, S_max, d = 3, 40, 16
+    compute = _compute(cache_dtype)
+    k_cache, v_cache, scales = _caches(rng, cache_dtype, (B, H_kv, S_max, d), (B, H_kv, S_max, 8))
+    q = rng.standard_normal((B, H, T, d)).astype(_q_dtype(cache_dtype))
+    new_dtype = compute if cache_dtype != np.float16 else np.float32
+    k_new = rng.standard_normal((B, H_kv, T_new, d)).astype(new_dtype)
+    v_new = rng.standard_normal((B, H_kv, T_new, 8)).astype(new_dtype)
+    lengths = np.array([0, 9, S_max - T_new])
+    cos, sin = rope_tables(S_max, 6, compute)
+    q_before = q.copy()
+    taken = compiled_path("kvcache_shortcut")
+    got = _copies(k_cache, v_cache, lengths, *scales.values())
+    out = ca.attention_with_kvcache(q, *got[:3], k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                    rotary_interleaved=interleaved,
+                                    **dict(zip(scales, got[3:])))
+    assert_bitwise_equal(q, q_before)
+    # the caller's way: positions first, rotation in NumPy, the plain call
+    q_at = (lengths + T_new - T)[:, None, None] + np.arange(T)
+    k_at = lengths[:, None, None] + np.arange(T_new)
+    q_rot = rotate_first(q, cos, sin, q_at, interleaved, compute).astype(q.dtype)
+    k_rot = rotate_first(k_new, cos, sin, k_at, interleaved, compute)
+    want = _copies(k_cache, v_cache, lengths, *scales.values())
+    expected = ca.attention_with_kvcache(q_rot, *want[:3], k_rot, v_new, return_lse=True,
+                                         **dict(zip(scales, want[3:])))
+    for g, w in zip([out] + got, [expected[0]] + want):
+        assert_bitwise_equal(g, w)
+    # the general path (kv_starts of zeros changes nothing) gives the same bits
+    general = _copies(k_cache, v_cache, lengths, *scales.values())
+    by_general = ca.attention_with_kvcache(
+        q, *general[:3], k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+        rotary_interleaved=interleaved, return_lse=True, kv_starts=np.zeros(B, int),
+        **dict(zip(scales, general[3:])))
+    for g, w in zip(by_general + tuple(general), expected + tuple(want)):
+        assert_bitwise_equal(g, w)
+    if cache_dtype in (np.float32, np.float64, np.float16):
+        # a plain serving step with rotary runs compiled (its tables read in place)
+        assert taken[0] is True
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_kvcache_rotary_matches_the_float64_reference(simd, dtype, causal):
+    """q rotated at the last T positions, the new keys at theirs, the cached
+    keys as they are (rotated when they were appended): the float64
+    reference on those rotated exactly."""
+    rng = np.random.default_rng(7)
+    B, H, H_kv, d, S_max, T = 3, 8, 2, 32, 70, 4
+    k_cache = rng.standard_normal((B, H_kv, S_max, d)).astype(dtype)
+    v_cache = rng.standard_normal((B, H_kv, S_max, d)).astype(dtype)
+    q = rng.standard_normal((B, H, T, d)).astype(dtype)
+    k_new = rng.standard_normal((B, H_kv, T, d)).astype(dtype)
+    v_new = rng.standard_normal((B, H_kv, T, d)).astype(dtype)
+    lengths = np.array([0, 20, 66])
+    old = lengths.copy()
+    cos, sin = rope_tables(128, 12, dtype)
+    out = ca.attention_with_kvcache(q, k_cache, v_cache, lengths, k_new, v_new, causal=causal,
+                                    rotary_cos=cos, rotary_sin=sin)
+    for b in range(B):
+        n = int(lengths[b])
+        positions = np.arange(old[b], n)
+        k_ref = np.concatenate([k_cache[b, :, :old[b]].astype(np.float64),
+                                reference_rotary(k_new[b], cos, sin, positions)], axis=1)
+        v_ref = v_cache[b, :, :n]
+        # the keys stored: the reference rotation, rounded once
+        np.testing.assert_allclose(k_cache[b, :, old[b]:n], k_ref[:, old[b]:],
+                                   rtol=0, atol=4 * np.finfo(dtype).eps * 4)
+        q_ref = reference_rotary(q[b], cos, sin, positions)
+        assert_matches_reference(out[b], None, q_ref, np.repeat(k_ref, 4, axis=0),
+                                 np.repeat(v_ref, 4, axis=0).astype(np.float64), causal=causal)
+
+
+def test_kvcache_rotary_positions_count_the_left_padding():
+    """With kv_starts, positions still count from the cache's row 0 (as
+    FlashAttention's with cache_leftpad): the rotation is that of the call
+    without kv_starts, which only hides the padding keys."""
+    rng = np.random.default_rng(8)
+    k_cache = rng.standard_normal((2, 2, 32, 8)).astype(np.float32)
+    q = rng.standard_normal((2, 2, 3, 8)).astype(np.float32)
+    new = rng.standard_normal((2, 2, 3, 8)).astype(np.float32)
+    cos, sin = rope_tables(64, 4)
+    lengths = np.array([10, 4])
+    starts = np.array([6, 0])
+    caches = _copies(k_cache, k_cache, lengths)
+    out = ca.attention_with_kvcache(q, *caches, new, new, rotary_cos=cos, rotary_sin=sin,
+                                    kv_starts=starts)
+    at = lengths[:, None, None] + np.arange(3)
+    rotated = rotate_first(new, cos, sin, at, False, np.float32)
+    assert_bitwise_equal(caches[0][:, :, 10:13][0], rotated[0])
+    plain = _copies(k_cache, k_cache, lengths)
+    want = ca.attention_with_kvcache(rotate_first(q, cos, sin, at, False, np.float32),
+                                     *plain, rotated, new, kv_starts=starts)
+    assert_bitwise_equal(out, want)
+    assert_bitwise_equal(caches[0], plain[0])
+
+
+def test_rotary_reads_tables_of_any_layout_byte_order_and_exact_dtype():
+    """Big-endian, strided, transposed, float16 (exact in float32) tables,
+    strided and big-endian q and new rows: the bits of native contiguous
+    float32 ones; the tables are not modified."""
+    rng = np.random.default_rng(9)
+    k_cache = rng.standard_normal((2, 2, 40, 16)).astype(np.float32)
+    q = rng.standard_normal((2, 4, 2, 16)).astype(np.float32)
+    new = rng.standard_normal((2, 2, 2, 16)).astype(np.float32)
+    lengths = np.array([3, 30])
+    cos, sin = (t.astype(np.float16).astype(np.float32) for t in rope_tables(48, 8))
+    plain = _copies(k_cache, k_cache, lengths)
+    want = ca.attention_with_kvcache(q, *plain, new, new, rotary_cos=cos, rotary_sin=sin)
+    wide = np.zeros(q.shape[:-1] + (32,), np.float32)
+    wide[..., 1::2] = q
+    layouts = [
+        (cos.astype(">f4"), sin.astype(">f4"), q, new),
+        (np.asfortranarray(cos), sin.T.copy().T, wide[..., 1::2], new.astype(">f4")),
+        (np.repeat(cos, 2, axis=1)[:, ::2], sin[::-1][::-1], q.astype(">f4"), new),
+        (cos.astype(np.float16), sin.astype(np.float16), q, new),
+    ]
+    for c, s, q_given, new_given in layouts:
+        before = (c.copy(), s.copy())
+        caches = _copies(k_cache, k_cache, lengths)
+        got = ca.attention_with_kvcache(q_given, *caches, new_given, new, rotary_cos=c,
+                                        rotary_sin=s)
+        assert_bitwise_equal(got, want)
+        for g, w in zip(caches, plain):
+            assert_bitwise_equal(g, w)
+        assert_bitwise_equal(c, before[0])
+        assert_bitwise_equal(s, before[1])
+
+
+def test_rotary_gives_the_same_bits_for_any_thread_count():
+    rng = np.random.default_rng(10)
+    k_cache = rng.standard_normal((3, 2, 600, 64)).astype(np.float32)
+    q = rng.standard_normal((3, 8, 40, 64)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 40, 64)).astype(np.float32)
+    cos, sin = rope_tables(700, 32)
+    results = []
+    for threads in (1, 2, 3):
+        caches = _copies(k_cache, k_cache, np.array([0, 100, 550]))
+        results.append(ca.attention_with_kvcache(q, *caches, new, new, rotary_cos=cos,
+                                                 rotary_sin=sin, num_threads=threads))
+    for r in results[1:]:
+        assert_bitwise_equal(r, results[0])
+
+
+# -------------------------------------------------------------- rotary: paged
 
 def _pages_from(rng, n_seq, H_kv, page_size, max_pages, d, dtype, spare=3):
     """Shuffled pages (unused ones between) and the block table."""
@@ -70,6 +254,126 @@ def _sequence(pages, table, b, length, scale=None):
     p = np.arange(length)
     rows = _values(pages, scale)[table[b, p // page_size], :, p % page_size]
     return np.swapaxes(rows, 0, 1)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+def test_paged_rotary_is_rotating_first(compiled_path, cache_dtype, layout, page_size):
+    rng = np.random.default_rng(page_size)
+    n_seq, H, H_kv, d, max_pages = 3, 8, 2, 16, -(-50 // page_size)
+    compute = _compute(cache_dtype)
+    k_pages, v_pages, scales, table = _pages_from(rng, n_seq, H_kv, page_size, max_pages, d,
+                                                  cache_dtype)
+    lengths = np.array([0, 13, 40])
+    cos, sin = rope_tables(64, 8, compute)
+    interleaved = page_size == 7
+    new_dtype = compute if cache_dtype != np.float16 else np.float32
+    if layout == "padded":
+        T = 3
+        q = rng.standard_normal((n_seq, H, T, d)).astype(_q_dtype(cache_dtype))
+        new = rng.standard_normal((n_seq, H_kv, T, d)).astype(new_dtype)
+        q_at = k_at = lengths[:, None, None] + np.arange(T)
+        kwargs = {}
+    else:
+        counts = np.array([4, 1, 2])
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        q = rng.standard_normal((int(cu[-1]), H, d)).astype(_q_dtype(cache_dtype))
+        new = rng.standard_normal((int(cu[-1]), H_kv, d)).astype(new_dtype)
+        seq = np.repeat(np.arange(n_seq), counts)
+        q_at = k_at = (lengths[seq] + np.arange(cu[-1]) - cu[:-1][seq])[:, None]
+        kwargs = dict(cu_seqlens_q=cu)
+    taken = compiled_path("paged_shortcut")
+    got = _copies(k_pages, v_pages, lengths, *scales.values())
+    out = ca.attention_with_paged_kvcache(
+        q, got[0], got[1], table, got[2], new, new, rotary_cos=cos, rotary_sin=sin,
+        rotary_interleaved=interleaved, **kwargs, **dict(zip(scales, got[3:])))
+    want = _copies(k_pages, v_pages, lengths, *scales.values())
+    expected = ca.attention_with_paged_kvcache(
+        rotate_first(q, cos, sin, q_at, interleaved, compute).astype(q.dtype), want[0],
+        want[1], table, want[2], rotate_first(new, cos, sin, k_at, interleaved, compute),
+        new, **kwargs, **dict(zip(scales, want[3:])))
+    for g, w in zip([out] + got, [expected] + want):
+        assert_bitwise_equal(g, w)
+    if layout == "padded" and cache_dtype in (np.float32, np.float64):
+        assert taken[0] is True
+
+
+# ------------------------------------------------------------ rotary: errors
+
+def _small_kvcache():
+    k_cache = np.zeros((2, 1, 8, 4), np.float32)
+    v_cache = np.zeros((2, 1, 8, 4), np.float32)
+    lengths = np.array([2, 5])
+    step = np.ones((2, 1, 1, 4), np.float32)
+    return k_cache, v_cache, lengths, step
+
+
+_COS, _SIN = rope_tables(8, 2)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(rotary_cos=_COS), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_sin=_SIN), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_interleaved=True), ValueError,
+     r"rotary_interleaved=True is given without rotary_cos and rotary_sin"),
+    (dict(rotary_cos=_COS, rotary_sin=_SIN, rotary_interleaved="yes"), TypeError,
+     r"^rotary_interleaved must be a bool"),
+    (dict(rotary_cos=_COS, rotary_sin=_SIN[:, :1]), ValueError,
+     r"rotary_cos \(8, 2\) and rotary_sin \(8, 1\) must share one shape"),
+    (dict(rotary_cos=_COS[:, 0], rotary_sin=_SIN[:, 0]), ValueError,
+     r"rotary_cos must be 2-D \(max_position, rotary_dim / 2\); got shape \(8,\)"),
+    (dict(rotary_cos=np.ones((8, 3), np.float32), rotary_sin=np.ones((8, 3), np.float32)),
+     ValueError, r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 6 must lie in \[2, d_k = 4\]"),
+    (dict(rotary_cos=np.ones((8, 0), np.float32), rotary_sin=np.ones((8, 0), np.float32)),
+     ValueError, r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 0 must lie in"),
+    (dict(rotary_cos=_COS.astype(np.float64), rotary_sin=_SIN), TypeError,
+     r"rotary_cos has dtype float64, but these inputs compute in float32"),
+    (dict(rotary_cos=_COS, rotary_sin=np.ones((8, 2), np.int32)), TypeError,
+     r"rotary_sin must be floating point .* got dtype int32"),
+    (dict(rotary_cos=_COS[:5], rotary_sin=_SIN[:5]), ValueError,
+     r"rotary_cos and rotary_sin hold 5 positions \(axis 0 of shape \(5, 2\)\), but q of "
+     r"sequence 1 needs position 5"),
+])
+@pytest.mark.parametrize("call", ["kvcache", "paged"])
+def test_rotary_errors_name_the_argument_and_write_nothing(kwargs, error, match, call):
+    k_cache, v_cache, lengths, step = _small_kvcache()
+    before = _copies(k_cache, v_cache, lengths)
+    with pytest.raises(error, match=match):
+        if call == "kvcache":
+            ca.attention_with_kvcache(step, k_cache, v_cache, lengths, step, step, **kwargs)
+        else:
+            # the same two sequences as pages of 8 positions
+            ca.attention_with_paged_kvcache(step, k_cache, v_cache, np.array([[0], [1]]),
+                                            lengths, step, step, **kwargs)
+    for got, want in zip((k_cache, v_cache, lengths), before):
+        assert_bitwise_equal(got, want)
+
+
+def test_rotary_rows_before_position_zero_are_refused():
+    """More query rows than a sequence has positions after the append: the
+    first would sit before position 0."""
+    k_cache, v_cache, lengths, step = _small_kvcache()
+    q = np.ones((2, 1, 4, 4), np.float32)
+    with pytest.raises(ValueError, match=r"rotary: a row of q of sequence 0 sits at position "
+                                         r"-3"):
+        ca.attention_with_kvcache(q, k_cache, v_cache, np.array([0, 5]), step, step,
+                                  rotary_cos=_COS, rotary_sin=_SIN)
+    assert not k_cache.any()
+
+
+def test_rotary_beyond_a_float16_cache_is_named_as_rotated():
+    """A new key whose rotation leaves float16's range is refused before
+    anything is written, named as rotated (its own value fits)."""
+    k_cache = np.zeros((1, 1, 8, 4), np.float16)
+    lengths = np.array([1])
+    new = np.full((1, 1, 1, 4), 60000.0, np.float32)
+    cos = np.full((8, 2), np.float32(np.sqrt(0.5)))
+    with pytest.raises(ValueError, match=r"k_new \(rotated\)\[0, 0, 0, 2\] = .* is beyond the "
+                                         r"range of the float16 cache"):
+        ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache, k_cache.copy(),
+                                  lengths, new, new, rotary_cos=cos, rotary_sin=cos)
+    assert lengths.tolist() == [1] and not k_cache.any()
 
 
 # ------------------------------------------------------------ cache_batch_idx
@@ -130,6 +434,47 @@ def test_cache_batch_idx_of_every_entry_in_order_is_the_call_without_it():
     for g, w in zip(got, plain):
         assert_bitwise_equal(g, w)
     np.testing.assert_allclose(out, want, rtol=0, atol=2e-6)
+
+
+def test_cache_batch_idx_with_rotary_starts_out_alibi_and_threads():
+    """Every option of the call beside cache_batch_idx: the rotation, left
+    padding, ALiBi slopes per (batch row, head), out=, the LSE; and the same
+    bits for any thread count."""
+    rng = np.random.default_rng(13)
+    n_entries, H, H_kv, S_max, d, T = 4, 4, 2, 64, 16, 3
+    k_cache = rng.standard_normal((n_entries, H_kv, S_max, d)).astype(np.float32)
+    v_cache = rng.standard_normal((n_entries, H_kv, S_max, d)).astype(np.float32)
+    idx = np.array([3, 1])
+    q = rng.standard_normal((2, H, T, d)).astype(np.float32)
+    new = rng.standard_normal((2, H_kv, T, d)).astype(np.float32)
+    lengths = np.array([10, 40])
+    starts = np.array([4, 0])
+    slopes = rng.uniform(0.05, 0.5, (2, H))
+    cos, sin = rope_tables(S_max, 8)
+    results = []
+    for threads in (1, 2):
+        caches = _copies(k_cache, v_cache, lengths)
+        out = np.empty((2, T, H, d), np.float32).transpose(0, 2, 1, 3)
+        got, lse = ca.attention_with_kvcache(
+            q, *caches, new, new, cache_batch_idx=idx, rotary_cos=cos, rotary_sin=sin,
+            kv_starts=starts, alibi_slopes=slopes, out=out, return_lse=True,
+            num_threads=threads)
+        assert got is out
+        results.append((got.copy(), lse, *caches))
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)
+    got, lse, k_after, v_after, lengths_after = results[0]
+    for b, entry in enumerate(idx):
+        n = int(lengths_after[b])
+        positions = np.arange(lengths[b], n)
+        keys = k_cache[entry, :, :n].astype(np.float64)
+        keys[:, lengths[b]:] = reference_rotary(new[b], cos, sin, positions)
+        np.testing.assert_allclose(k_after[entry, :, :n], keys, rtol=0, atol=1e-5)
+        q_ref = reference_rotary(q[b], cos, sin, positions)
+        assert_matches_reference(
+            got[b], None, q_ref, np.repeat(keys, 2, axis=0)[:, starts[b]:],
+            np.repeat(v_after[entry, :, :n], 2, axis=0)[:, starts[b]:].astype(np.float64),
+            causal=True, alibi_slopes=slopes[b], lse=lse[b])
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -251,8 +596,9 @@ def test_paged_new_rows_of_another_count_than_q(simd, dtype, T, T_new):
 
 
 def test_paged_packed_new_rows_with_cu_seqlens_k_new(simd):
-    """Packed queries and packed new rows of other counts per sequence:
-    the new rows where the table says, and the reference."""
+    """Packed queries and packed new rows of other counts per sequence,
+    with rotary: bitwise the contiguous caches' call on the same rows
+    (pages holding whole decode steps), and the reference."""
     rng = np.random.default_rng(17)
     H, H_kv, d, page_size, max_pages = 4, 2, 16, 8, 8
     k_pages, v_pages, _, table = _pages_from(rng, 3, H_kv, page_size, max_pages, d,
@@ -264,17 +610,21 @@ def test_paged_packed_new_rows_with_cu_seqlens_k_new(simd):
     cu_new = np.concatenate([[0], np.cumsum(new_counts)])
     q = rng.standard_normal((cu_q[-1], H, d)).astype(np.float32)
     new = rng.standard_normal((cu_new[-1], H_kv, d)).astype(np.float32)
+    cos, sin = rope_tables(64, 8)
     attn = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, new, new,
-                                           cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new)
+                                           cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_new,
+                                           rotary_cos=cos, rotary_sin=sin)
     assert lengths.tolist() == (old + new_counts).tolist()
     for b in range(3):
         n = int(lengths[b])
         keys = _sequence(k_pages, table, b, n)
         rows = slice(cu_new[b], cu_new[b + 1])
-        np.testing.assert_array_equal(keys[:, old[b]:], np.swapaxes(new[rows], 0, 1))
+        rotated = reference_rotary(np.swapaxes(new[rows], 0, 1), cos, sin, np.arange(old[b], n))
+        np.testing.assert_allclose(keys[:, old[b]:], rotated, rtol=0, atol=1e-5)
         q_b = np.swapaxes(q[cu_q[b]:cu_q[b + 1]], 0, 1)
+        q_ref = reference_rotary(q_b, cos, sin, np.arange(n - q_counts[b], n))
         assert_matches_reference(
-            np.swapaxes(attn[cu_q[b]:cu_q[b + 1]], 0, 1), None, q_b,
+            np.swapaxes(attn[cu_q[b]:cu_q[b + 1]], 0, 1), None, q_ref,
             np.repeat(keys, 2, axis=0),
             np.repeat(_sequence(v_pages, table, b, n), 2, axis=0), causal=True)
 

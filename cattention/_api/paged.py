@@ -31,7 +31,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
-    cu_seqlens_k_new: Optional[ArrayLike] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[False] = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
@@ -47,7 +48,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
-    cu_seqlens_k_new: Optional[ArrayLike] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[True],
     num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
@@ -63,7 +65,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
-    cu_seqlens_k_new: Optional[ArrayLike] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
@@ -78,7 +81,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
-    cu_seqlens_k_new: Optional[ArrayLike] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
@@ -91,7 +95,8 @@ def attention_with_paged_kvcache(
     **in place**, then each sequence's queries attend to its valid
     positions with bottom-right causal alignment (its queries are the last
     of them; a sequence may append another number of rows than it has
-    queries). Pages are read where they
+    queries). With rotary tables, q and the new keys are rotated at their
+    positions as they are read and appended. Pages are read where they
     are, never gathered. The results are bitwise the same for any thread
     count and any order of the pages; they agree with those of the same keys held contiguously
     (:func:`cattention.attention_with_kvcache`) to rounding, not bitwise: a
@@ -142,6 +147,14 @@ def attention_with_paged_kvcache(
     alibi_slopes, sinks : array_like, shape (H,) or (B, H), optional
         One ALiBi slope, or one sink logit (-inf: none), per query head, or
         per sequence and query head.
+    rotary_cos, rotary_sin : array_like, shape (max_position, rotary_dim / 2), optional
+    rotary_interleaved : bool, default False
+        Rotary position embeddings, as in
+        :func:`cattention.attention_with_kvcache`: sequence b's new keys at
+        positions ``cache_lengths[b] + t``, its queries at the last of its
+        positions after the append, the pages holding rotated keys; bitwise
+        the call without tables on rows rotated first by the formula
+        documented there.
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
         With int8 pages (and only then): each row's scale, written as rows
         are appended (k_new and v_new are then float, quantized on append).
@@ -169,7 +182,8 @@ def attention_with_paged_kvcache(
         the pages cannot store (beyond a float dtype's range, or NaN or
         infinite for int8 pages); negative lengths; an option out of range,
         or one the compute dtype cannot hold; ``cu_seqlens_k_new`` without
-        packed new rows, or not describing k_new.
+        packed new rows, or not describing k_new; rotary tables as
+        :func:`cattention.attention_with_kvcache` refuses them.
     TypeError
         On pages that differ in dtype or are not in native byte order, a q
         wider than the pages, new rows that cannot be cast to the pages'
@@ -197,7 +211,8 @@ def attention_with_paged_kvcache(
     fast = (driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
                                   v_new, cu_seqlens_q, causal, scale, window, softcap,
                                   alibi_slopes, sinks, k_scale, v_scale, return_lse,
-                                  num_threads, local.limit)
+                                  num_threads, local.limit, rotary_cos, rotary_sin,
+                                  rotary_interleaved)
             if kv_starts is None and out is None and cu_seqlens_k_new is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
@@ -206,7 +221,8 @@ def attention_with_paged_kvcache(
         cu_seqlens_q=cu_seqlens_q, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out,
-        cu_seqlens_k_new=cu_seqlens_k_new)
+        cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
         attn, lse = entries.run(call, result)

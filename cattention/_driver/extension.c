@@ -1334,6 +1334,49 @@ static int __Pyx_init_tpflags_variables(void) {
 #include "team.h"
 #include "openmp_shim.h"
 #include <float.h>
+
+    /* the rotation of one row's first 2 * half features (x's features
+       x_col elements apart, out's contiguous, the table rows' c_col and
+       s_col), with contraction into fused multiply-adds off: each product
+       and sum rounded on its own */
+    #if defined(__clang__)
+    #define CA_NO_CONTRACT
+    #define CA_NO_CONTRACT_BODY _Pragma("STDC FP_CONTRACT OFF")
+    #elif defined(__GNUC__)
+    #define CA_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+    #define CA_NO_CONTRACT_BODY
+    #else
+    #define CA_NO_CONTRACT
+    #define CA_NO_CONTRACT_BODY
+    #endif
+    #define CA_DEFINE_ROTATE(T, NAME)                                              \
+    static CA_NO_CONTRACT void NAME(const T *x, Py_ssize_t x_col, T *out,          \
+                                    const T *c, Py_ssize_t c_col, const T *s,      \
+                                    Py_ssize_t s_col, Py_ssize_t half,             \
+                                    int interleaved) {                             \
+        CA_NO_CONTRACT_BODY                                                        \
+        Py_ssize_t i;                                                              \
+        if (interleaved) {                                                         \
+            for (i = 0; i < half; i++) {                                           \
+                T x1 = x[2 * i * x_col], x2 = x[(2 * i + 1) * x_col];              \
+                T ci = c[i * c_col], si = s[i * s_col];                            \
+                T a = x1 * ci, b = x2 * si, e = x2 * ci, f = x1 * si;              \
+                out[2 * i] = a - b;                                                \
+                out[2 * i + 1] = e + f;                                            \
+            }                                                                      \
+        } else {                                                                   \
+            for (i = 0; i < half; i++) {                                           \
+                T x1 = x[i * x_col], x2 = x[(i + half) * x_col];                   \
+                T ci = c[i * c_col], si = s[i * s_col];                            \
+                T a = x1 * ci, b = x2 * si, e = x2 * ci, f = x1 * si;              \
+                out[i] = a - b;                                                    \
+                out[i + half] = e + f;                                             \
+            }                                                                      \
+        }                                                                          \
+    }
+    CA_DEFINE_ROTATE(float, ca_rotate_f32)
+    CA_DEFINE_ROTATE(double, ca_rotate_f64)
+    
 #include "pythread.h"
 
     typedef int (*__pyx_memoryview_to_dtype_func_type)(char*, PyObject*);
@@ -1590,6 +1633,7 @@ static const char* const __pyx_f[] = {
   "cattention/_driver/from_arrays.pxd",
   "cattention/_driver/runs.pxd",
   "cattention/_driver/accepts.pxd",
+  "cattention/_driver/rotary.pxd",
   "cattention/_driver/shortcuts.pxd",
   ".venv/lib/python3.11/site-packages/Cython/Includes/cpython/type.pxd",
 };
@@ -2458,6 +2502,34 @@ struct __pyx_t_10cattention_7_driver_7appends_NewRows {
   Py_ssize_t row_stride;
   Py_ssize_t col_stride;
 };
+struct __pyx_t_10cattention_7_driver_6rotary_RotaryRows;
+
+/* "cattention/_driver/rotary.pxd":83
+ * 
+ * 
+ * cdef struct RotaryRows:             # <<<<<<<<<<<<<<
+ *     # rows (a, h, t) of an (A, H, T, d) array x (byte strides, any) rotated
+ *     # into out (C-contiguous, of x's shape and dtype), row (a, h, t) at
+*/
+struct __pyx_t_10cattention_7_driver_6rotary_RotaryRows {
+  char const *x;
+  Py_ssize_t stride[4];
+  char *out;
+  char const *cos;
+  char const *sin;
+  Py_ssize_t cos_row;
+  Py_ssize_t cos_col;
+  Py_ssize_t sin_row;
+  Py_ssize_t sin_col;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *position;
+  Py_ssize_t n_lead;
+  Py_ssize_t n_heads;
+  Py_ssize_t n_rows;
+  Py_ssize_t n_features;
+  Py_ssize_t half;
+  Py_ssize_t itemsize;
+  int interleaved;
+};
 struct __pyx_t_10cattention_7_driver_9extension_HeadCall;
 
 /* "cattention/_driver/extension.pxd":19
@@ -2489,7 +2561,7 @@ struct __pyx_t_10cattention_7_driver_9extension_HeadCall {
   int n_threads;
 };
 
-/* "cattention/_driver/extension.pyx":424
+/* "cattention/_driver/extension.pyx":426
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -4781,14 +4853,21 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_7accepts_plain_lengths(Py
 static CYTHON_INLINE int __pyx_f_10cattention_7_driver_7accepts_new_rows_shaped(PyArrayObject *, PyArrayObject *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t); /*proto*/
 static CYTHON_INLINE int __pyx_f_10cattention_7_driver_7accepts_step_arrays_fit(PyArrayObject *, PyArrayObject *, PyArrayObject *, PyArrayObject *, Py_ssize_t, int, int); /*proto*/
 
+/* Module declarations from "cattention._driver.rotary" */
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_6rotary_rotate_rows(struct __pyx_t_10cattention_7_driver_6rotary_RotaryRows const *); /*proto*/
+static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_6rotary_rotated(PyArrayObject *, PyArrayObject *, PyArrayObject *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *, int); /*proto*/
+static CYTHON_INLINE int __pyx_f_10cattention_7_driver_6rotary_tables_usable(PyObject *, PyObject *, int, Py_ssize_t); /*proto*/
+static CYTHON_INLINE int __pyx_f_10cattention_7_driver_6rotary_rotary_step_usable(PyArrayObject *, PyArrayObject *, PyObject *, PyObject *, PyObject *, int, Py_ssize_t); /*proto*/
+static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_6rotary_rotated_step(PyArrayObject *, PyArrayObject *, PyArrayObject *, PyArrayObject *, int, PyArrayObject *, Py_ssize_t); /*proto*/
+
 /* Module declarations from "cattention._driver.shortcuts" */
 static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, int); /*proto*/
 static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(ca_kernels const *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *); /*proto*/
-static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(ca_kernels const *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *); /*proto*/
+static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(ca_kernels const *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *); /*proto*/
 static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f_10cattention_7_driver_9shortcuts_table_entry(PyArrayObject *, Py_ssize_t, Py_ssize_t); /*proto*/
 static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_once(__pyx_t_10cattention_7_driver_12kernel_table_intp_t const *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *); /*proto*/
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(struct __pyx_t_10cattention_7_driver_12from_entries_Place *, PyArrayObject *, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *, int, int, int); /*proto*/
-static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(ca_kernels const *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *); /*proto*/
+static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(ca_kernels const *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *, PyObject *); /*proto*/
 
 /* Module declarations from "cattention._driver.extension" */
 static ca_kernels const *__pyx_v_10cattention_7_driver_9extension__kernels;
@@ -4869,7 +4948,7 @@ static const char __pyx_k_Cannot_transpose_memoryview_with[] = "Cannot transpose
 static const char __pyx_k_Empty_shape_tuple_for_cython_arr[] = "Empty shape tuple for cython.array";
 static const char __pyx_k_Indirect_dimensions_not_supporte[] = "Indirect dimensions not supported";
 static const char __pyx_k_Out_of_bounds_on_buffer_access_a[] = "Out of bounds on buffer access (axis %zd)";
-static const char __pyx_k_The_compiled_driver_s_module_the[] = "The compiled driver\047s module: the entries the Python layer calls, the\nC-level API (extension.pxd, exported through ``cattention.cython_attention``),\nand run-time introspection (kernel tables, OpenMP). Each entry is thin; the\nalgorithm lives in the headers it cimports, read in order:\n\n    kernel_table.pxd  the C kernel table (src/kernels.h) and its trampolines\n    problem.pxd       tuning constants, Operand, RowOptions, Problem\n    operands.pxd      how an operand\047s rows are reached (in place or copied)\n    workspace.pxd     per-thread scratch of a work item\n    packing.pxd       Q rows, K^T panels and V rows packed block by block\n    visibility.pxd    the keys each row sees, masking of a score tile\n    softmax.pxd       online-softmax state, LSE, merge of split-key partials\n    item_packed.pxd   packed-path work items (without and with SCORES)\n    item_direct.pxd   direct-path (decode) work items\n    schedule.pxd      work items over OpenMP threads, the thread count\n    from_arrays.pxd   NumPy arrays (dense calls) to a Problem\n    from_entries.pxd  sequences of their own lengths to entry tables and Problems\n    runs.pxd          a Problem run without the GIL\n    checks.pxd        the checks of scalar options, for both ways in\n    appends.pxd       new rows written into a KV cache, the cache lengths\n    accepts.pxd       what a compiled shortcut takes as it is\n    shortcuts.pxd     the compiled shortcut of each layout\n\nEach work item is one (batch entry, block of up to ``Q_BLOCK`` query rows)\nand is computed by exactly one thread with block boundaries that depend only\non the problem shape, so the result is bitwise the same for any thread\ncount. Everything below the entries runs without the GIL on raw pointers;\nthe Python layer (``_prepare``) has checked shapes and dtypes, made the\ninputs aligned and native, and allocated the outputs, or a shortcut has\nfound them so.\n\nThe helpers are ``cdef inline`` functions in ``.pxd`` files, com""piled into\nthis one extension, so splitting the driver costs no call. Operands are raw\npointers with element strides rather than typed memoryviews: they may be\nbroadcast (stride 0), strided or transposed, float16 or int8, and are\nreached per batch entry through offset tables, which a memoryview does not\nexpress.\n";
+static const char __pyx_k_The_compiled_driver_s_module_the[] = "The compiled driver\047s module: the entries the Python layer calls, the\nC-level API (extension.pxd, exported through ``cattention.cython_attention``),\nand run-time introspection (kernel tables, OpenMP). Each entry is thin; the\nalgorithm lives in the headers it cimports, read in order:\n\n    kernel_table.pxd  the C kernel table (src/kernels.h) and its trampolines\n    problem.pxd       tuning constants, Operand, RowOptions, Problem\n    operands.pxd      how an operand\047s rows are reached (in place or copied)\n    workspace.pxd     per-thread scratch of a work item\n    packing.pxd       Q rows, K^T panels and V rows packed block by block\n    visibility.pxd    the keys each row sees, masking of a score tile\n    softmax.pxd       online-softmax state, LSE, merge of split-key partials\n    item_packed.pxd   packed-path work items (without and with SCORES)\n    item_direct.pxd   direct-path (decode) work items\n    schedule.pxd      work items over OpenMP threads, the thread count\n    from_arrays.pxd   NumPy arrays (dense calls) to a Problem\n    from_entries.pxd  sequences of their own lengths to entry tables and Problems\n    runs.pxd          a Problem run without the GIL\n    checks.pxd        the checks of scalar options, for both ways in\n    appends.pxd       new rows written into a KV cache, the cache lengths\n    rotary.pxd        rotary embeddings of q and new keys, into scratch rows\n    accepts.pxd       what a compiled shortcut takes as it is\n    shortcuts.pxd     the compiled shortcut of each layout\n\nEach work item is one (batch entry, block of up to ``Q_BLOCK`` query rows)\nand is computed by exactly one thread with block boundaries that depend only\non the problem shape, so the result is bitwise the same for any thread\ncount. Everything below the entries runs without the GIL on raw pointers;\nthe Python layer (``_prepare``) has checked shapes and dtypes, made the\ninputs aligned and native, and allocated the outputs, or a shortcut has\nfoun""d them so.\n\nThe helpers are ``cdef inline`` functions in ``.pxd`` files, compiled into\nthis one extension, so splitting the driver costs no call. Operands are raw\npointers with element strides rather than typed memoryviews: they may be\nbroadcast (stride 0), strided or transposed, float16 or int8, and are\nreached per batch entry through offset tables, which a memoryview does not\nexpress.\n";
 static const char __pyx_k_Unable_to_convert_item_to_object[] = "Unable to convert item to object";
 static const char __pyx_k_got_differing_extents_in_dimensi[] = "got differing extents in dimension %d (got %zd and %zd)";
 /* #### Code section: decls ### */
@@ -4936,11 +5015,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows(CYTHON_UNUSED PyObject *__pyx_self, Py_ssize_t __pyx_v_group, Py_ssize_t __pyx_v_n_rows, int __pyx_v_has_mask, int __pyx_v_has_alibi); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k, PyArrayObject *__pyx_v_v, PyArrayObject *__pyx_v_mask, PyArrayObject *__pyx_v_k_scale, PyArrayObject *__pyx_v_v_scale, PyObject *__pyx_v_batch_shape, Py_ssize_t __pyx_v_kv_group, Py_ssize_t __pyx_v_query_period, __Pyx_memviewslice __pyx_v_kv_lengths, __Pyx_memviewslice __pyx_v_kv_starts, PyObject *__pyx_v_options, PyArrayObject *__pyx_v_out, PyArrayObject *__pyx_v_scores, PyArrayObject *__pyx_v_lse); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_call); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_52__defaults__(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_54__defaults__(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
 static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_cache, PyArrayObject *__pyx_v_rows, __Pyx_memviewslice __pyx_v_seq_offset, int __pyx_v_row_axis, int __pyx_v_head_axis, __Pyx_memviewslice __pyx_v_start, __Pyx_memviewslice __pyx_v_n_new, __Pyx_memviewslice __pyx_v_page_ids, Py_ssize_t __pyx_v_pages_per_seq); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_46rotate_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_x, PyArrayObject *__pyx_v_cos, PyArrayObject *__pyx_v_sin, __Pyx_memviewslice __pyx_v_positions, int __pyx_v_interleaved); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_48attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_50kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit, PyObject *__pyx_v_rotary_cos, PyObject *__pyx_v_rotary_sin, PyObject *__pyx_v_rotary_interleaved); /* proto */
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_52paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit, PyObject *__pyx_v_rotary_cos, PyObject *__pyx_v_rotary_sin, PyObject *__pyx_v_rotary_interleaved); /* proto */
 static PyObject *__pyx_tp_new__initialisation_10cattention_7_driver_9extension___pyx_defaults(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
     PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
@@ -5116,8 +5196,8 @@ namespace {
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_values;
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[4];
-    PyObject *__pyx_codeobj_tab[26];
-    PyObject *__pyx_string_tab[281];
+    PyObject *__pyx_codeobj_tab[27];
+    PyObject *__pyx_string_tab[290];
     PyObject *__pyx_number_tab[4];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -5280,174 +5360,183 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_col_stride __pyx_string_tab[110]
 #define __pyx_n_u_compiled_simd __pyx_string_tab[111]
 #define __pyx_n_u_compiler __pyx_string_tab[112]
-#define __pyx_n_u_count __pyx_string_tab[113]
-#define __pyx_n_u_cu_seqlens_q __pyx_string_tab[114]
-#define __pyx_n_u_d __pyx_string_tab[115]
-#define __pyx_n_u_d_k __pyx_string_tab[116]
-#define __pyx_n_u_d_v __pyx_string_tab[117]
-#define __pyx_n_u_decode __pyx_string_tab[118]
-#define __pyx_n_u_dst __pyx_string_tab[119]
-#define __pyx_n_u_dtype __pyx_string_tab[120]
-#define __pyx_n_u_dtype_is_object __pyx_string_tab[121]
-#define __pyx_n_u_enable_gqa __pyx_string_tab[122]
-#define __pyx_n_u_encode __pyx_string_tab[123]
-#define __pyx_n_u_encoded __pyx_string_tab[124]
-#define __pyx_n_u_enumerate __pyx_string_tab[125]
-#define __pyx_n_u_error __pyx_string_tab[126]
-#define __pyx_n_u_errors __pyx_string_tab[127]
-#define __pyx_n_u_finfo __pyx_string_tab[128]
-#define __pyx_n_u_flags __pyx_string_tab[129]
-#define __pyx_n_u_float32 __pyx_string_tab[130]
-#define __pyx_n_u_float64 __pyx_string_tab[131]
-#define __pyx_n_u_forked_after_parallel __pyx_string_tab[132]
-#define __pyx_n_u_format __pyx_string_tab[133]
-#define __pyx_n_u_fortran __pyx_string_tab[134]
-#define __pyx_n_u_get_simd __pyx_string_tab[135]
-#define __pyx_n_u_group __pyx_string_tab[136]
-#define __pyx_n_u_h_stride __pyx_string_tab[137]
-#define __pyx_n_u_has_alibi __pyx_string_tab[138]
-#define __pyx_n_u_has_mask __pyx_string_tab[139]
-#define __pyx_n_u_head_axis __pyx_string_tab[140]
-#define __pyx_n_u_i __pyx_string_tab[141]
-#define __pyx_n_u_id __pyx_string_tab[142]
-#define __pyx_n_u_in_float32 __pyx_string_tab[143]
-#define __pyx_n_u_index __pyx_string_tab[144]
-#define __pyx_n_u_items __pyx_string_tab[145]
-#define __pyx_n_u_itemsize __pyx_string_tab[146]
-#define __pyx_n_u_k __pyx_string_tab[147]
-#define __pyx_n_u_k_cache __pyx_string_tab[148]
-#define __pyx_n_u_k_new __pyx_string_tab[149]
-#define __pyx_n_u_k_offset __pyx_string_tab[150]
-#define __pyx_n_u_k_pages __pyx_string_tab[151]
-#define __pyx_n_u_k_scale __pyx_string_tab[152]
-#define __pyx_n_u_k_scale_offset __pyx_string_tab[153]
-#define __pyx_n_u_kern __pyx_string_tab[154]
-#define __pyx_n_u_kv_group __pyx_string_tab[155]
-#define __pyx_n_u_kv_lengths __pyx_string_tab[156]
-#define __pyx_n_u_kv_starts __pyx_string_tab[157]
-#define __pyx_n_u_kvcache_shortcut __pyx_string_tab[158]
-#define __pyx_n_u_left __pyx_string_tab[159]
-#define __pyx_n_u_limit __pyx_string_tab[160]
-#define __pyx_n_u_lse __pyx_string_tab[161]
-#define __pyx_n_u_lse_offset __pyx_string_tab[162]
-#define __pyx_n_u_mask __pyx_string_tab[163]
-#define __pyx_n_u_max __pyx_string_tab[164]
-#define __pyx_n_u_max_threads __pyx_string_tab[165]
-#define __pyx_n_u_memview __pyx_string_tab[166]
-#define __pyx_n_u_mode __pyx_string_tab[167]
-#define __pyx_n_u_n __pyx_string_tab[168]
-#define __pyx_n_u_n_batch_dims __pyx_string_tab[169]
-#define __pyx_n_u_n_heads __pyx_string_tab[170]
-#define __pyx_n_u_n_kv_heads __pyx_string_tab[171]
-#define __pyx_n_u_n_new __pyx_string_tab[172]
-#define __pyx_n_u_n_rows __pyx_string_tab[173]
-#define __pyx_n_u_n_seq __pyx_string_tab[174]
-#define __pyx_n_u_n_threads __pyx_string_tab[175]
-#define __pyx_n_u_name __pyx_string_tab[176]
-#define __pyx_n_u_names __pyx_string_tab[177]
-#define __pyx_n_u_ndim __pyx_string_tab[178]
-#define __pyx_n_u_num_threads __pyx_string_tab[179]
-#define __pyx_n_u_numbers __pyx_string_tab[180]
-#define __pyx_n_u_numpy __pyx_string_tab[181]
-#define __pyx_n_u_obj __pyx_string_tab[182]
-#define __pyx_n_u_openmp_enabled __pyx_string_tab[183]
-#define __pyx_n_u_openmp_runtime __pyx_string_tab[184]
-#define __pyx_n_u_openmp_version __pyx_string_tab[185]
-#define __pyx_n_u_operator __pyx_string_tab[186]
-#define __pyx_n_u_options __pyx_string_tab[187]
-#define __pyx_n_u_out __pyx_string_tab[188]
-#define __pyx_n_u_out_offset __pyx_string_tab[189]
-#define __pyx_n_u_pack __pyx_string_tab[190]
-#define __pyx_n_u_page_ids __pyx_string_tab[191]
-#define __pyx_n_u_page_size __pyx_string_tab[192]
-#define __pyx_n_u_page_stride __pyx_string_tab[193]
-#define __pyx_n_u_paged_shortcut __pyx_string_tab[194]
-#define __pyx_n_u_pages_per_seq __pyx_string_tab[195]
-#define __pyx_n_u_pb __pyx_string_tab[196]
-#define __pyx_n_u_plan __pyx_string_tab[197]
-#define __pyx_n_u_pop __pyx_string_tab[198]
-#define __pyx_n_u_q __pyx_string_tab[199]
-#define __pyx_n_u_q_lengths __pyx_string_tab[200]
-#define __pyx_n_u_q_offset __pyx_string_tab[201]
-#define __pyx_n_u_query_period __pyx_string_tab[202]
-#define __pyx_n_u_register __pyx_string_tab[203]
-#define __pyx_n_u_register_bfloat16 __pyx_string_tab[204]
-#define __pyx_n_u_replace __pyx_string_tab[205]
-#define __pyx_n_u_reshape __pyx_string_tab[206]
-#define __pyx_n_u_resolve_threads __pyx_string_tab[207]
-#define __pyx_n_u_return_lse __pyx_string_tab[208]
-#define __pyx_n_u_return_scores __pyx_string_tab[209]
-#define __pyx_n_u_right __pyx_string_tab[210]
-#define __pyx_n_u_row __pyx_string_tab[211]
-#define __pyx_n_u_row_axis __pyx_string_tab[212]
-#define __pyx_n_u_rows __pyx_string_tab[213]
-#define __pyx_n_u_run_arrays __pyx_string_tab[214]
-#define __pyx_n_u_run_entries __pyx_string_tab[215]
-#define __pyx_n_u_scale __pyx_string_tab[216]
-#define __pyx_n_u_scores __pyx_string_tab[217]
-#define __pyx_n_u_seq_offset __pyx_string_tab[218]
-#define __pyx_n_u_serial_ns __pyx_string_tab[219]
-#define __pyx_n_u_set_simd __pyx_string_tab[220]
-#define __pyx_n_u_setdefault __pyx_string_tab[221]
-#define __pyx_n_u_shape __pyx_string_tab[222]
-#define __pyx_n_u_simd_tile __pyx_string_tab[223]
-#define __pyx_n_u_sinks __pyx_string_tab[224]
-#define __pyx_n_u_size __pyx_string_tab[225]
-#define __pyx_n_u_smallest_subnormal __pyx_string_tab[226]
-#define __pyx_n_u_softcap __pyx_string_tab[227]
-#define __pyx_n_u_src __pyx_string_tab[228]
-#define __pyx_n_u_stacks_grouped_rows __pyx_string_tab[229]
-#define __pyx_n_u_start __pyx_string_tab[230]
-#define __pyx_n_u_step __pyx_string_tab[231]
-#define __pyx_n_u_stop __pyx_string_tab[232]
-#define __pyx_n_u_struct __pyx_string_tab[233]
-#define __pyx_n_u_t_stride __pyx_string_tab[234]
-#define __pyx_n_u_team_size __pyx_string_tab[235]
-#define __pyx_n_u_thread_limit __pyx_string_tab[236]
-#define __pyx_n_u_threads __pyx_string_tab[237]
-#define __pyx_n_u_tile __pyx_string_tab[238]
-#define __pyx_n_u_type_num __pyx_string_tab[239]
-#define __pyx_n_u_unpack __pyx_string_tab[240]
-#define __pyx_n_u_update __pyx_string_tab[241]
-#define __pyx_n_u_v __pyx_string_tab[242]
-#define __pyx_n_u_v_cache __pyx_string_tab[243]
-#define __pyx_n_u_v_new __pyx_string_tab[244]
-#define __pyx_n_u_v_offset __pyx_string_tab[245]
-#define __pyx_n_u_v_pages __pyx_string_tab[246]
-#define __pyx_n_u_v_scale __pyx_string_tab[247]
-#define __pyx_n_u_v_scale_offset __pyx_string_tab[248]
-#define __pyx_n_u_value __pyx_string_tab[249]
-#define __pyx_n_u_values __pyx_string_tab[250]
-#define __pyx_n_u_window_2 __pyx_string_tab[251]
-#define __pyx_n_u_x __pyx_string_tab[252]
-#define __pyx_n_b_O __pyx_string_tab[253]
-#define __pyx_kp_b_int_struct___pyx_t_10cattention __pyx_string_tab[254]
-#define __pyx_kp_b_iso88591_3aq __pyx_string_tab[255]
-#define __pyx_kp_b_iso88591_4q __pyx_string_tab[256]
-#define __pyx_kp_b_iso88591_awa __pyx_string_tab[257]
-#define __pyx_kp_b_iso88591_q_uA __pyx_string_tab[258]
-#define __pyx_kp_b_iso88591_1 __pyx_string_tab[259]
-#define __pyx_kp_b_iso88591_1M __pyx_string_tab[260]
-#define __pyx_kp_b_iso88591_q_xz __pyx_string_tab[261]
-#define __pyx_kp_b_iso88591_G_c __pyx_string_tab[262]
-#define __pyx_kp_b_iso88591_4q_2 __pyx_string_tab[263]
-#define __pyx_kp_b_iso88591_G86 __pyx_string_tab[264]
-#define __pyx_kp_b_iso88591_6_6 __pyx_string_tab[265]
-#define __pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q __pyx_string_tab[266]
-#define __pyx_kp_b_iso88591_q_q_a __pyx_string_tab[267]
-#define __pyx_kp_b_iso88591_q_1 __pyx_string_tab[268]
-#define __pyx_kp_b_iso88591_G_Cwawa __pyx_string_tab[269]
-#define __pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa __pyx_string_tab[270]
-#define __pyx_kp_b_iso88591_a_D_D_0_A __pyx_string_tab[271]
-#define __pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa __pyx_string_tab[272]
-#define __pyx_kp_b_iso88591__8 __pyx_string_tab[273]
-#define __pyx_kp_b_iso88591_AU_4AQ_uCq_j_q __pyx_string_tab[274]
-#define __pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q __pyx_string_tab[275]
-#define __pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_q __pyx_string_tab[276]
-#define __pyx_kp_b_iso88591_az_Cs_q_81_WIYa __pyx_string_tab[277]
-#define __pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D __pyx_string_tab[278]
-#define __pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_AQd_S __pyx_string_tab[279]
-#define __pyx_kp_b_iso88591_Qc __pyx_string_tab[280]
+#define __pyx_n_u_cos __pyx_string_tab[113]
+#define __pyx_n_u_count __pyx_string_tab[114]
+#define __pyx_n_u_cu_seqlens_q __pyx_string_tab[115]
+#define __pyx_n_u_d __pyx_string_tab[116]
+#define __pyx_n_u_d_k __pyx_string_tab[117]
+#define __pyx_n_u_d_v __pyx_string_tab[118]
+#define __pyx_n_u_decode __pyx_string_tab[119]
+#define __pyx_n_u_dst __pyx_string_tab[120]
+#define __pyx_n_u_dtype __pyx_string_tab[121]
+#define __pyx_n_u_dtype_is_object __pyx_string_tab[122]
+#define __pyx_n_u_enable_gqa __pyx_string_tab[123]
+#define __pyx_n_u_encode __pyx_string_tab[124]
+#define __pyx_n_u_encoded __pyx_string_tab[125]
+#define __pyx_n_u_enumerate __pyx_string_tab[126]
+#define __pyx_n_u_error __pyx_string_tab[127]
+#define __pyx_n_u_errors __pyx_string_tab[128]
+#define __pyx_n_u_finfo __pyx_string_tab[129]
+#define __pyx_n_u_flags __pyx_string_tab[130]
+#define __pyx_n_u_float32 __pyx_string_tab[131]
+#define __pyx_n_u_float64 __pyx_string_tab[132]
+#define __pyx_n_u_forked_after_parallel __pyx_string_tab[133]
+#define __pyx_n_u_format __pyx_string_tab[134]
+#define __pyx_n_u_fortran __pyx_string_tab[135]
+#define __pyx_n_u_get_simd __pyx_string_tab[136]
+#define __pyx_n_u_group __pyx_string_tab[137]
+#define __pyx_n_u_h_stride __pyx_string_tab[138]
+#define __pyx_n_u_has_alibi __pyx_string_tab[139]
+#define __pyx_n_u_has_mask __pyx_string_tab[140]
+#define __pyx_n_u_head_axis __pyx_string_tab[141]
+#define __pyx_n_u_i __pyx_string_tab[142]
+#define __pyx_n_u_id __pyx_string_tab[143]
+#define __pyx_n_u_in_float32 __pyx_string_tab[144]
+#define __pyx_n_u_index __pyx_string_tab[145]
+#define __pyx_n_u_interleaved __pyx_string_tab[146]
+#define __pyx_n_u_items __pyx_string_tab[147]
+#define __pyx_n_u_itemsize __pyx_string_tab[148]
+#define __pyx_n_u_k __pyx_string_tab[149]
+#define __pyx_n_u_k_cache __pyx_string_tab[150]
+#define __pyx_n_u_k_new __pyx_string_tab[151]
+#define __pyx_n_u_k_offset __pyx_string_tab[152]
+#define __pyx_n_u_k_pages __pyx_string_tab[153]
+#define __pyx_n_u_k_scale __pyx_string_tab[154]
+#define __pyx_n_u_k_scale_offset __pyx_string_tab[155]
+#define __pyx_n_u_kern __pyx_string_tab[156]
+#define __pyx_n_u_kv_group __pyx_string_tab[157]
+#define __pyx_n_u_kv_lengths __pyx_string_tab[158]
+#define __pyx_n_u_kv_starts __pyx_string_tab[159]
+#define __pyx_n_u_kvcache_shortcut __pyx_string_tab[160]
+#define __pyx_n_u_left __pyx_string_tab[161]
+#define __pyx_n_u_limit __pyx_string_tab[162]
+#define __pyx_n_u_lse __pyx_string_tab[163]
+#define __pyx_n_u_lse_offset __pyx_string_tab[164]
+#define __pyx_n_u_mask __pyx_string_tab[165]
+#define __pyx_n_u_max __pyx_string_tab[166]
+#define __pyx_n_u_max_threads __pyx_string_tab[167]
+#define __pyx_n_u_memview __pyx_string_tab[168]
+#define __pyx_n_u_mode __pyx_string_tab[169]
+#define __pyx_n_u_n __pyx_string_tab[170]
+#define __pyx_n_u_n_batch_dims __pyx_string_tab[171]
+#define __pyx_n_u_n_heads __pyx_string_tab[172]
+#define __pyx_n_u_n_kv_heads __pyx_string_tab[173]
+#define __pyx_n_u_n_new __pyx_string_tab[174]
+#define __pyx_n_u_n_rows __pyx_string_tab[175]
+#define __pyx_n_u_n_seq __pyx_string_tab[176]
+#define __pyx_n_u_n_threads __pyx_string_tab[177]
+#define __pyx_n_u_name __pyx_string_tab[178]
+#define __pyx_n_u_names __pyx_string_tab[179]
+#define __pyx_n_u_ndim __pyx_string_tab[180]
+#define __pyx_n_u_num_threads __pyx_string_tab[181]
+#define __pyx_n_u_numbers __pyx_string_tab[182]
+#define __pyx_n_u_numpy __pyx_string_tab[183]
+#define __pyx_n_u_obj __pyx_string_tab[184]
+#define __pyx_n_u_openmp_enabled __pyx_string_tab[185]
+#define __pyx_n_u_openmp_runtime __pyx_string_tab[186]
+#define __pyx_n_u_openmp_version __pyx_string_tab[187]
+#define __pyx_n_u_operator __pyx_string_tab[188]
+#define __pyx_n_u_options __pyx_string_tab[189]
+#define __pyx_n_u_out __pyx_string_tab[190]
+#define __pyx_n_u_out_offset __pyx_string_tab[191]
+#define __pyx_n_u_pack __pyx_string_tab[192]
+#define __pyx_n_u_page_ids __pyx_string_tab[193]
+#define __pyx_n_u_page_size __pyx_string_tab[194]
+#define __pyx_n_u_page_stride __pyx_string_tab[195]
+#define __pyx_n_u_paged_shortcut __pyx_string_tab[196]
+#define __pyx_n_u_pages_per_seq __pyx_string_tab[197]
+#define __pyx_n_u_pb __pyx_string_tab[198]
+#define __pyx_n_u_plan __pyx_string_tab[199]
+#define __pyx_n_u_pop __pyx_string_tab[200]
+#define __pyx_n_u_positions __pyx_string_tab[201]
+#define __pyx_n_u_q __pyx_string_tab[202]
+#define __pyx_n_u_q_lengths __pyx_string_tab[203]
+#define __pyx_n_u_q_offset __pyx_string_tab[204]
+#define __pyx_n_u_query_period __pyx_string_tab[205]
+#define __pyx_n_u_register __pyx_string_tab[206]
+#define __pyx_n_u_register_bfloat16 __pyx_string_tab[207]
+#define __pyx_n_u_replace __pyx_string_tab[208]
+#define __pyx_n_u_reshape __pyx_string_tab[209]
+#define __pyx_n_u_resolve_threads __pyx_string_tab[210]
+#define __pyx_n_u_return_lse __pyx_string_tab[211]
+#define __pyx_n_u_return_scores __pyx_string_tab[212]
+#define __pyx_n_u_right __pyx_string_tab[213]
+#define __pyx_n_u_rotary_cos __pyx_string_tab[214]
+#define __pyx_n_u_rotary_interleaved __pyx_string_tab[215]
+#define __pyx_n_u_rotary_sin __pyx_string_tab[216]
+#define __pyx_n_u_rotate_rows __pyx_string_tab[217]
+#define __pyx_n_u_row __pyx_string_tab[218]
+#define __pyx_n_u_row_axis __pyx_string_tab[219]
+#define __pyx_n_u_rows __pyx_string_tab[220]
+#define __pyx_n_u_run_arrays __pyx_string_tab[221]
+#define __pyx_n_u_run_entries __pyx_string_tab[222]
+#define __pyx_n_u_scale __pyx_string_tab[223]
+#define __pyx_n_u_scores __pyx_string_tab[224]
+#define __pyx_n_u_seq_offset __pyx_string_tab[225]
+#define __pyx_n_u_serial_ns __pyx_string_tab[226]
+#define __pyx_n_u_set_simd __pyx_string_tab[227]
+#define __pyx_n_u_setdefault __pyx_string_tab[228]
+#define __pyx_n_u_shape __pyx_string_tab[229]
+#define __pyx_n_u_simd_tile __pyx_string_tab[230]
+#define __pyx_n_u_sin __pyx_string_tab[231]
+#define __pyx_n_u_sinks __pyx_string_tab[232]
+#define __pyx_n_u_size __pyx_string_tab[233]
+#define __pyx_n_u_smallest_subnormal __pyx_string_tab[234]
+#define __pyx_n_u_softcap __pyx_string_tab[235]
+#define __pyx_n_u_src __pyx_string_tab[236]
+#define __pyx_n_u_stacks_grouped_rows __pyx_string_tab[237]
+#define __pyx_n_u_start __pyx_string_tab[238]
+#define __pyx_n_u_step __pyx_string_tab[239]
+#define __pyx_n_u_stop __pyx_string_tab[240]
+#define __pyx_n_u_struct __pyx_string_tab[241]
+#define __pyx_n_u_t_stride __pyx_string_tab[242]
+#define __pyx_n_u_team_size __pyx_string_tab[243]
+#define __pyx_n_u_thread_limit __pyx_string_tab[244]
+#define __pyx_n_u_threads __pyx_string_tab[245]
+#define __pyx_n_u_tile __pyx_string_tab[246]
+#define __pyx_n_u_type_num __pyx_string_tab[247]
+#define __pyx_n_u_unpack __pyx_string_tab[248]
+#define __pyx_n_u_update __pyx_string_tab[249]
+#define __pyx_n_u_v __pyx_string_tab[250]
+#define __pyx_n_u_v_cache __pyx_string_tab[251]
+#define __pyx_n_u_v_new __pyx_string_tab[252]
+#define __pyx_n_u_v_offset __pyx_string_tab[253]
+#define __pyx_n_u_v_pages __pyx_string_tab[254]
+#define __pyx_n_u_v_scale __pyx_string_tab[255]
+#define __pyx_n_u_v_scale_offset __pyx_string_tab[256]
+#define __pyx_n_u_value __pyx_string_tab[257]
+#define __pyx_n_u_values __pyx_string_tab[258]
+#define __pyx_n_u_window_2 __pyx_string_tab[259]
+#define __pyx_n_u_x __pyx_string_tab[260]
+#define __pyx_n_b_O __pyx_string_tab[261]
+#define __pyx_kp_b_int_struct___pyx_t_10cattention __pyx_string_tab[262]
+#define __pyx_kp_b_iso88591_3aq __pyx_string_tab[263]
+#define __pyx_kp_b_iso88591_4q __pyx_string_tab[264]
+#define __pyx_kp_b_iso88591_awa __pyx_string_tab[265]
+#define __pyx_kp_b_iso88591_q_uA __pyx_string_tab[266]
+#define __pyx_kp_b_iso88591_1 __pyx_string_tab[267]
+#define __pyx_kp_b_iso88591_1M __pyx_string_tab[268]
+#define __pyx_kp_b_iso88591_q_xz __pyx_string_tab[269]
+#define __pyx_kp_b_iso88591_G_c __pyx_string_tab[270]
+#define __pyx_kp_b_iso88591_4q_2 __pyx_string_tab[271]
+#define __pyx_kp_b_iso88591_G86 __pyx_string_tab[272]
+#define __pyx_kp_b_iso88591_6_6 __pyx_string_tab[273]
+#define __pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q __pyx_string_tab[274]
+#define __pyx_kp_b_iso88591_q_q_a __pyx_string_tab[275]
+#define __pyx_kp_b_iso88591_q_1 __pyx_string_tab[276]
+#define __pyx_kp_b_iso88591_G_Cwawa __pyx_string_tab[277]
+#define __pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa __pyx_string_tab[278]
+#define __pyx_kp_b_iso88591_a_D_D_0_A __pyx_string_tab[279]
+#define __pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa __pyx_string_tab[280]
+#define __pyx_kp_b_iso88591__8 __pyx_string_tab[281]
+#define __pyx_kp_b_iso88591_AU_4AQ_uCq_j_q __pyx_string_tab[282]
+#define __pyx_kp_b_iso88591_az_Cs_q_81_WIYa __pyx_string_tab[283]
+#define __pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q_1 __pyx_string_tab[284]
+#define __pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_Q __pyx_string_tab[285]
+#define __pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D __pyx_string_tab[286]
+#define __pyx_kp_b_iso88591_y_as_Q_xq_5_V1_81CuE_1D __pyx_string_tab[287]
+#define __pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_AQd_S __pyx_string_tab[288]
+#define __pyx_kp_b_iso88591_Qc __pyx_string_tab[289]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
 #define __pyx_int_1 __pyx_number_tab[2]
@@ -5497,8 +5586,8 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<26; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<281; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<27; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<290; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -5553,8 +5642,8 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<26; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<281; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<27; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<290; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -67678,7 +67767,1335 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_7accepts_step_arrays_fit(
   return __pyx_r;
 }
 
-/* "cattention/_driver/shortcuts.pxd":30
+/* "cattention/_driver/rotary.pxd":99
+ * 
+ * 
+ * cdef inline void rotate_rows(const RotaryRows *r) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """Every row of r rotated into r.out (float32 or float64 by itemsize)."""
+ *     cdef Py_ssize_t a, h, t, i, p
+*/
+
+static CYTHON_INLINE void __pyx_f_10cattention_7_driver_6rotary_rotate_rows(struct __pyx_t_10cattention_7_driver_6rotary_RotaryRows const *__pyx_v_r) {
+  Py_ssize_t __pyx_v_a;
+  Py_ssize_t __pyx_v_h;
+  Py_ssize_t __pyx_v_t;
+  Py_ssize_t __pyx_v_i;
+  Py_ssize_t __pyx_v_p;
+  Py_ssize_t __pyx_v_col;
+  Py_ssize_t __pyx_v_cos_col;
+  Py_ssize_t __pyx_v_sin_col;
+  Py_ssize_t __pyx_v_row_bytes;
+  Py_ssize_t __pyx_v_rotated_bytes;
+  char const *__pyx_v_src;
+  char *__pyx_v_dst;
+  char *__pyx_t_1;
+  Py_ssize_t __pyx_t_2;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  Py_ssize_t __pyx_t_5;
+  Py_ssize_t __pyx_t_6;
+  Py_ssize_t __pyx_t_7;
+  Py_ssize_t __pyx_t_8;
+  Py_ssize_t __pyx_t_9;
+  Py_ssize_t __pyx_t_10;
+  int __pyx_t_11;
+  Py_ssize_t __pyx_t_12;
+  Py_ssize_t __pyx_t_13;
+  Py_ssize_t __pyx_t_14;
+
+  /* "cattention/_driver/rotary.pxd":102
+ *     """Every row of r rotated into r.out (float32 or float64 by itemsize)."""
+ *     cdef Py_ssize_t a, h, t, i, p
+ *     cdef Py_ssize_t col = r.stride[3] // r.itemsize             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t cos_col = r.cos_col // r.itemsize
+ *     cdef Py_ssize_t sin_col = r.sin_col // r.itemsize
+*/
+  __pyx_v_col = ((__pyx_v_r->stride[3]) / __pyx_v_r->itemsize);
+
+  /* "cattention/_driver/rotary.pxd":103
+ *     cdef Py_ssize_t a, h, t, i, p
+ *     cdef Py_ssize_t col = r.stride[3] // r.itemsize
+ *     cdef Py_ssize_t cos_col = r.cos_col // r.itemsize             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t sin_col = r.sin_col // r.itemsize
+ *     cdef Py_ssize_t row_bytes = r.n_features * r.itemsize
+*/
+  __pyx_v_cos_col = (__pyx_v_r->cos_col / __pyx_v_r->itemsize);
+
+  /* "cattention/_driver/rotary.pxd":104
+ *     cdef Py_ssize_t col = r.stride[3] // r.itemsize
+ *     cdef Py_ssize_t cos_col = r.cos_col // r.itemsize
+ *     cdef Py_ssize_t sin_col = r.sin_col // r.itemsize             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t row_bytes = r.n_features * r.itemsize
+ *     cdef Py_ssize_t rotated_bytes = 2 * r.half * r.itemsize
+*/
+  __pyx_v_sin_col = (__pyx_v_r->sin_col / __pyx_v_r->itemsize);
+
+  /* "cattention/_driver/rotary.pxd":105
+ *     cdef Py_ssize_t cos_col = r.cos_col // r.itemsize
+ *     cdef Py_ssize_t sin_col = r.sin_col // r.itemsize
+ *     cdef Py_ssize_t row_bytes = r.n_features * r.itemsize             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t rotated_bytes = 2 * r.half * r.itemsize
+ *     cdef const char *src
+*/
+  __pyx_v_row_bytes = (__pyx_v_r->n_features * __pyx_v_r->itemsize);
+
+  /* "cattention/_driver/rotary.pxd":106
+ *     cdef Py_ssize_t sin_col = r.sin_col // r.itemsize
+ *     cdef Py_ssize_t row_bytes = r.n_features * r.itemsize
+ *     cdef Py_ssize_t rotated_bytes = 2 * r.half * r.itemsize             # <<<<<<<<<<<<<<
+ *     cdef const char *src
+ *     cdef char *dst = r.out
+*/
+  __pyx_v_rotated_bytes = ((2 * __pyx_v_r->half) * __pyx_v_r->itemsize);
+
+  /* "cattention/_driver/rotary.pxd":108
+ *     cdef Py_ssize_t rotated_bytes = 2 * r.half * r.itemsize
+ *     cdef const char *src
+ *     cdef char *dst = r.out             # <<<<<<<<<<<<<<
+ *     for a in range(r.n_lead):
+ *         for h in range(r.n_heads):
+*/
+  __pyx_t_1 = __pyx_v_r->out;
+
+  __pyx_v_dst = __pyx_t_1;
+
+  /* "cattention/_driver/rotary.pxd":109
+ *     cdef const char *src
+ *     cdef char *dst = r.out
+ *     for a in range(r.n_lead):             # <<<<<<<<<<<<<<
+ *         for h in range(r.n_heads):
+ *             for t in range(r.n_rows):
+*/
+
+  __pyx_t_2 = __pyx_v_r->n_lead;
+  __pyx_t_3 = __pyx_t_2;
+
+  for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
+    __pyx_v_a = __pyx_t_4;
+
+    /* "cattention/_driver/rotary.pxd":110
+ *     cdef char *dst = r.out
+ *     for a in range(r.n_lead):
+ *         for h in range(r.n_heads):             # <<<<<<<<<<<<<<
+ *             for t in range(r.n_rows):
+ *                 src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]
+*/
+
+    __pyx_t_5 = __pyx_v_r->n_heads;
+    __pyx_t_6 = __pyx_t_5;
+
+    for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
+      __pyx_v_h = __pyx_t_7;
+
+      /* "cattention/_driver/rotary.pxd":111
+ *     for a in range(r.n_lead):
+ *         for h in range(r.n_heads):
+ *             for t in range(r.n_rows):             # <<<<<<<<<<<<<<
+ *                 src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]
+ *                 p = r.position[a * r.n_rows + t]
+*/
+
+      __pyx_t_8 = __pyx_v_r->n_rows;
+      __pyx_t_9 = __pyx_t_8;
+
+      for (__pyx_t_10 = 0; __pyx_t_10 < __pyx_t_9; __pyx_t_10+=1) {
+        __pyx_v_t = __pyx_t_10;
+
+        /* "cattention/_driver/rotary.pxd":112
+ *         for h in range(r.n_heads):
+ *             for t in range(r.n_rows):
+ *                 src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]             # <<<<<<<<<<<<<<
+ *                 p = r.position[a * r.n_rows + t]
+ *                 if r.itemsize == 4:
+*/
+        __pyx_v_src = (((__pyx_v_r->x + (__pyx_v_a * (__pyx_v_r->stride[0]))) + (__pyx_v_h * (__pyx_v_r->stride[1]))) + (__pyx_v_t * (__pyx_v_r->stride[2])));
+
+        /* "cattention/_driver/rotary.pxd":113
+ *             for t in range(r.n_rows):
+ *                 src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]
+ *                 p = r.position[a * r.n_rows + t]             # <<<<<<<<<<<<<<
+ *                 if r.itemsize == 4:
+ *                     ca_rotate_f32(<const float *>src, col, <float *>dst,
+*/
+        __pyx_v_p = (__pyx_v_r->position[((__pyx_v_a * __pyx_v_r->n_rows) + __pyx_v_t)]);
+
+        /* "cattention/_driver/rotary.pxd":114
+ *                 src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]
+ *                 p = r.position[a * r.n_rows + t]
+ *                 if r.itemsize == 4:             # <<<<<<<<<<<<<<
+ *                     ca_rotate_f32(<const float *>src, col, <float *>dst,
+ *                                   <const float *>(r.cos + p * r.cos_row), cos_col,
+*/
+        __pyx_t_11 = (__pyx_v_r->itemsize == 4);
+
+        if (__pyx_t_11) {
+
+
+          /* "cattention/_driver/rotary.pxd":115
+ *                 p = r.position[a * r.n_rows + t]
+ *                 if r.itemsize == 4:
+ *                     ca_rotate_f32(<const float *>src, col, <float *>dst,             # <<<<<<<<<<<<<<
+ *                                   <const float *>(r.cos + p * r.cos_row), cos_col,
+ *                                   <const float *>(r.sin + p * r.sin_row), sin_col,
+*/
+          ca_rotate_f32(((float const *)__pyx_v_src), __pyx_v_col, ((float *)__pyx_v_dst), ((float const *)(__pyx_v_r->cos + (__pyx_v_p * __pyx_v_r->cos_row))), __pyx_v_cos_col, ((float const *)(__pyx_v_r->sin + (__pyx_v_p * __pyx_v_r->sin_row))), __pyx_v_sin_col, __pyx_v_r->half, __pyx_v_r->interleaved);
+
+          /* "cattention/_driver/rotary.pxd":114
+ *                 src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]
+ *                 p = r.position[a * r.n_rows + t]
+ *                 if r.itemsize == 4:             # <<<<<<<<<<<<<<
+ *                     ca_rotate_f32(<const float *>src, col, <float *>dst,
+ *                                   <const float *>(r.cos + p * r.cos_row), cos_col,
+*/
+          goto __pyx_L9;
+        }
+
+        /* "cattention/_driver/rotary.pxd":120
+ *                                   r.half, r.interleaved)
+ *                 else:
+ *                     ca_rotate_f64(<const double *>src, col, <double *>dst,             # <<<<<<<<<<<<<<
+ *                                   <const double *>(r.cos + p * r.cos_row), cos_col,
+ *                                   <const double *>(r.sin + p * r.sin_row), sin_col,
+*/
+        /*else*/ {
+
+          /* "cattention/_driver/rotary.pxd":123
+ *                                   <const double *>(r.cos + p * r.cos_row), cos_col,
+ *                                   <const double *>(r.sin + p * r.sin_row), sin_col,
+ *                                   r.half, r.interleaved)             # <<<<<<<<<<<<<<
+ *                 # the features past the rotated ones, as they are
+ *                 if col == 1:
+*/
+          ca_rotate_f64(((double const *)__pyx_v_src), __pyx_v_col, ((double *)__pyx_v_dst), ((double const *)(__pyx_v_r->cos + (__pyx_v_p * __pyx_v_r->cos_row))), __pyx_v_cos_col, ((double const *)(__pyx_v_r->sin + (__pyx_v_p * __pyx_v_r->sin_row))), __pyx_v_sin_col, __pyx_v_r->half, __pyx_v_r->interleaved);
+        }
+        __pyx_L9:;
+
+        /* "cattention/_driver/rotary.pxd":125
+ *                                   r.half, r.interleaved)
+ *                 # the features past the rotated ones, as they are
+ *                 if col == 1:             # <<<<<<<<<<<<<<
+ *                     memcpy(dst + rotated_bytes, src + rotated_bytes, row_bytes - rotated_bytes)
+ *                 else:
+*/
+        __pyx_t_11 = (__pyx_v_col == 1);
+
+        if (__pyx_t_11) {
+
+
+          /* "cattention/_driver/rotary.pxd":126
+ *                 # the features past the rotated ones, as they are
+ *                 if col == 1:
+ *                     memcpy(dst + rotated_bytes, src + rotated_bytes, row_bytes - rotated_bytes)             # <<<<<<<<<<<<<<
+ *                 else:
+ *                     for i in range(2 * r.half, r.n_features):
+*/
+          (void)(memcpy((__pyx_v_dst + __pyx_v_rotated_bytes), (__pyx_v_src + __pyx_v_rotated_bytes), (__pyx_v_row_bytes - __pyx_v_rotated_bytes)));
+
+          /* "cattention/_driver/rotary.pxd":125
+ *                                   r.half, r.interleaved)
+ *                 # the features past the rotated ones, as they are
+ *                 if col == 1:             # <<<<<<<<<<<<<<
+ *                     memcpy(dst + rotated_bytes, src + rotated_bytes, row_bytes - rotated_bytes)
+ *                 else:
+*/
+          goto __pyx_L10;
+        }
+
+        /* "cattention/_driver/rotary.pxd":128
+ *                     memcpy(dst + rotated_bytes, src + rotated_bytes, row_bytes - rotated_bytes)
+ *                 else:
+ *                     for i in range(2 * r.half, r.n_features):             # <<<<<<<<<<<<<<
+ *                         memcpy(dst + i * r.itemsize, src + i * r.stride[3], r.itemsize)
+ *                 dst += row_bytes
+*/
+        /*else*/ {
+
+          __pyx_t_12 = __pyx_v_r->n_features;
+          __pyx_t_13 = __pyx_t_12;
+
+          for (__pyx_t_14 = (2 * __pyx_v_r->half); __pyx_t_14 < __pyx_t_13; __pyx_t_14+=1) {
+            __pyx_v_i = __pyx_t_14;
+
+            /* "cattention/_driver/rotary.pxd":129
+ *                 else:
+ *                     for i in range(2 * r.half, r.n_features):
+ *                         memcpy(dst + i * r.itemsize, src + i * r.stride[3], r.itemsize)             # <<<<<<<<<<<<<<
+ *                 dst += row_bytes
+ * 
+*/
+            (void)(memcpy((__pyx_v_dst + (__pyx_v_i * __pyx_v_r->itemsize)), (__pyx_v_src + (__pyx_v_i * (__pyx_v_r->stride[3]))), __pyx_v_r->itemsize));
+          }
+
+        }
+        __pyx_L10:;
+
+        /* "cattention/_driver/rotary.pxd":130
+ *                     for i in range(2 * r.half, r.n_features):
+ *                         memcpy(dst + i * r.itemsize, src + i * r.stride[3], r.itemsize)
+ *                 dst += row_bytes             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+        __pyx_v_dst = (__pyx_v_dst + __pyx_v_row_bytes);
+      }
+
+    }
+
+  }
+
+
+  /* "cattention/_driver/rotary.pxd":99
+ * 
+ * 
+ * cdef inline void rotate_rows(const RotaryRows *r) noexcept nogil:             # <<<<<<<<<<<<<<
+ *     """Every row of r rotated into r.out (float32 or float64 by itemsize)."""
+ *     cdef Py_ssize_t a, h, t, i, p
+*/
+
+  /* function exit code */
+
+
+
+
+
+
+
+
+
+
+
+
+}
+
+/* "cattention/_driver/rotary.pxd":133
+ * 
+ * 
+ * cdef inline cnp.ndarray rotated(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin,             # <<<<<<<<<<<<<<
+ *                                 const intp_t *position, bint interleaved):
+ *     """A new C-contiguous array of the 4-D x rotated, row (a, ., t) at
+*/
+
+static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_6rotary_rotated(PyArrayObject *__pyx_v_x, PyArrayObject *__pyx_v_cos, PyArrayObject *__pyx_v_sin, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_position, int __pyx_v_interleaved) {
+  struct __pyx_t_10cattention_7_driver_6rotary_RotaryRows __pyx_v_r;
+  int __pyx_v_d;
+  PyArrayObject *__pyx_v_out = 0;
+  PyArrayObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  int __pyx_t_2;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("rotated", 0);
+
+  /* "cattention/_driver/rotary.pxd":141
+ *     cdef RotaryRows r
+ *     cdef int d
+ *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(4, cnp.PyArray_DIMS(x), cnp.PyArray_TYPE(x), 0)             # <<<<<<<<<<<<<<
+ *     r.x = <const char *>cnp.PyArray_DATA(x)
+ *     for d in range(4):
+*/
+  __pyx_t_1 = PyArray_EMPTY(4, PyArray_DIMS(__pyx_v_x), PyArray_TYPE(__pyx_v_x), 0); if (unlikely(!__pyx_t_1)) __PYX_ERR(7, 141, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 141, __pyx_L1_error)
+  __pyx_v_out = ((PyArrayObject *)__pyx_t_1);
+  __pyx_t_1 = 0;
+
+  /* "cattention/_driver/rotary.pxd":142
+ *     cdef int d
+ *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(4, cnp.PyArray_DIMS(x), cnp.PyArray_TYPE(x), 0)
+ *     r.x = <const char *>cnp.PyArray_DATA(x)             # <<<<<<<<<<<<<<
+ *     for d in range(4):
+ *         r.stride[d] = cnp.PyArray_STRIDE(x, d)
+*/
+  __pyx_v_r.x = ((char const *)PyArray_DATA(__pyx_v_x));
+
+  /* "cattention/_driver/rotary.pxd":143
+ *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(4, cnp.PyArray_DIMS(x), cnp.PyArray_TYPE(x), 0)
+ *     r.x = <const char *>cnp.PyArray_DATA(x)
+ *     for d in range(4):             # <<<<<<<<<<<<<<
+ *         r.stride[d] = cnp.PyArray_STRIDE(x, d)
+ *     r.out = <char *>cnp.PyArray_DATA(out)
+*/
+  for (__pyx_t_2 = 0; __pyx_t_2 < 4; __pyx_t_2+=1) {
+    __pyx_v_d = __pyx_t_2;
+
+    /* "cattention/_driver/rotary.pxd":144
+ *     r.x = <const char *>cnp.PyArray_DATA(x)
+ *     for d in range(4):
+ *         r.stride[d] = cnp.PyArray_STRIDE(x, d)             # <<<<<<<<<<<<<<
+ *     r.out = <char *>cnp.PyArray_DATA(out)
+ *     r.cos = <const char *>cnp.PyArray_DATA(cos)
+*/
+    (__pyx_v_r.stride[__pyx_v_d]) = PyArray_STRIDE(__pyx_v_x, __pyx_v_d);
+  }
+
+  /* "cattention/_driver/rotary.pxd":145
+ *     for d in range(4):
+ *         r.stride[d] = cnp.PyArray_STRIDE(x, d)
+ *     r.out = <char *>cnp.PyArray_DATA(out)             # <<<<<<<<<<<<<<
+ *     r.cos = <const char *>cnp.PyArray_DATA(cos)
+ *     r.sin = <const char *>cnp.PyArray_DATA(sin)
+*/
+  __pyx_v_r.out = ((char *)PyArray_DATA(__pyx_v_out));
+
+  /* "cattention/_driver/rotary.pxd":146
+ *         r.stride[d] = cnp.PyArray_STRIDE(x, d)
+ *     r.out = <char *>cnp.PyArray_DATA(out)
+ *     r.cos = <const char *>cnp.PyArray_DATA(cos)             # <<<<<<<<<<<<<<
+ *     r.sin = <const char *>cnp.PyArray_DATA(sin)
+ *     r.cos_row = cnp.PyArray_STRIDE(cos, 0)
+*/
+  __pyx_v_r.cos = ((char const *)PyArray_DATA(__pyx_v_cos));
+
+  /* "cattention/_driver/rotary.pxd":147
+ *     r.out = <char *>cnp.PyArray_DATA(out)
+ *     r.cos = <const char *>cnp.PyArray_DATA(cos)
+ *     r.sin = <const char *>cnp.PyArray_DATA(sin)             # <<<<<<<<<<<<<<
+ *     r.cos_row = cnp.PyArray_STRIDE(cos, 0)
+ *     r.cos_col = cnp.PyArray_STRIDE(cos, 1)
+*/
+  __pyx_v_r.sin = ((char const *)PyArray_DATA(__pyx_v_sin));
+
+  /* "cattention/_driver/rotary.pxd":148
+ *     r.cos = <const char *>cnp.PyArray_DATA(cos)
+ *     r.sin = <const char *>cnp.PyArray_DATA(sin)
+ *     r.cos_row = cnp.PyArray_STRIDE(cos, 0)             # <<<<<<<<<<<<<<
+ *     r.cos_col = cnp.PyArray_STRIDE(cos, 1)
+ *     r.sin_row = cnp.PyArray_STRIDE(sin, 0)
+*/
+  __pyx_v_r.cos_row = PyArray_STRIDE(__pyx_v_cos, 0);
+
+  /* "cattention/_driver/rotary.pxd":149
+ *     r.sin = <const char *>cnp.PyArray_DATA(sin)
+ *     r.cos_row = cnp.PyArray_STRIDE(cos, 0)
+ *     r.cos_col = cnp.PyArray_STRIDE(cos, 1)             # <<<<<<<<<<<<<<
+ *     r.sin_row = cnp.PyArray_STRIDE(sin, 0)
+ *     r.sin_col = cnp.PyArray_STRIDE(sin, 1)
+*/
+  __pyx_v_r.cos_col = PyArray_STRIDE(__pyx_v_cos, 1);
+
+  /* "cattention/_driver/rotary.pxd":150
+ *     r.cos_row = cnp.PyArray_STRIDE(cos, 0)
+ *     r.cos_col = cnp.PyArray_STRIDE(cos, 1)
+ *     r.sin_row = cnp.PyArray_STRIDE(sin, 0)             # <<<<<<<<<<<<<<
+ *     r.sin_col = cnp.PyArray_STRIDE(sin, 1)
+ *     r.position = position
+*/
+  __pyx_v_r.sin_row = PyArray_STRIDE(__pyx_v_sin, 0);
+
+  /* "cattention/_driver/rotary.pxd":151
+ *     r.cos_col = cnp.PyArray_STRIDE(cos, 1)
+ *     r.sin_row = cnp.PyArray_STRIDE(sin, 0)
+ *     r.sin_col = cnp.PyArray_STRIDE(sin, 1)             # <<<<<<<<<<<<<<
+ *     r.position = position
+ *     r.n_lead = cnp.PyArray_DIM(x, 0)
+*/
+  __pyx_v_r.sin_col = PyArray_STRIDE(__pyx_v_sin, 1);
+
+  /* "cattention/_driver/rotary.pxd":152
+ *     r.sin_row = cnp.PyArray_STRIDE(sin, 0)
+ *     r.sin_col = cnp.PyArray_STRIDE(sin, 1)
+ *     r.position = position             # <<<<<<<<<<<<<<
+ *     r.n_lead = cnp.PyArray_DIM(x, 0)
+ *     r.n_heads = cnp.PyArray_DIM(x, 1)
+*/
+  __pyx_v_r.position = __pyx_v_position;
+
+  /* "cattention/_driver/rotary.pxd":153
+ *     r.sin_col = cnp.PyArray_STRIDE(sin, 1)
+ *     r.position = position
+ *     r.n_lead = cnp.PyArray_DIM(x, 0)             # <<<<<<<<<<<<<<
+ *     r.n_heads = cnp.PyArray_DIM(x, 1)
+ *     r.n_rows = cnp.PyArray_DIM(x, 2)
+*/
+  __pyx_v_r.n_lead = PyArray_DIM(__pyx_v_x, 0);
+
+  /* "cattention/_driver/rotary.pxd":154
+ *     r.position = position
+ *     r.n_lead = cnp.PyArray_DIM(x, 0)
+ *     r.n_heads = cnp.PyArray_DIM(x, 1)             # <<<<<<<<<<<<<<
+ *     r.n_rows = cnp.PyArray_DIM(x, 2)
+ *     r.n_features = cnp.PyArray_DIM(x, 3)
+*/
+  __pyx_v_r.n_heads = PyArray_DIM(__pyx_v_x, 1);
+
+  /* "cattention/_driver/rotary.pxd":155
+ *     r.n_lead = cnp.PyArray_DIM(x, 0)
+ *     r.n_heads = cnp.PyArray_DIM(x, 1)
+ *     r.n_rows = cnp.PyArray_DIM(x, 2)             # <<<<<<<<<<<<<<
+ *     r.n_features = cnp.PyArray_DIM(x, 3)
+ *     r.half = cnp.PyArray_DIM(cos, 1)
+*/
+  __pyx_v_r.n_rows = PyArray_DIM(__pyx_v_x, 2);
+
+  /* "cattention/_driver/rotary.pxd":156
+ *     r.n_heads = cnp.PyArray_DIM(x, 1)
+ *     r.n_rows = cnp.PyArray_DIM(x, 2)
+ *     r.n_features = cnp.PyArray_DIM(x, 3)             # <<<<<<<<<<<<<<
+ *     r.half = cnp.PyArray_DIM(cos, 1)
+ *     r.itemsize = cnp.PyArray_ITEMSIZE(x)
+*/
+  __pyx_v_r.n_features = PyArray_DIM(__pyx_v_x, 3);
+
+  /* "cattention/_driver/rotary.pxd":157
+ *     r.n_rows = cnp.PyArray_DIM(x, 2)
+ *     r.n_features = cnp.PyArray_DIM(x, 3)
+ *     r.half = cnp.PyArray_DIM(cos, 1)             # <<<<<<<<<<<<<<
+ *     r.itemsize = cnp.PyArray_ITEMSIZE(x)
+ *     r.interleaved = interleaved
+*/
+  __pyx_v_r.half = PyArray_DIM(__pyx_v_cos, 1);
+
+  /* "cattention/_driver/rotary.pxd":158
+ *     r.n_features = cnp.PyArray_DIM(x, 3)
+ *     r.half = cnp.PyArray_DIM(cos, 1)
+ *     r.itemsize = cnp.PyArray_ITEMSIZE(x)             # <<<<<<<<<<<<<<
+ *     r.interleaved = interleaved
+ *     with nogil:
+*/
+  __pyx_v_r.itemsize = PyArray_ITEMSIZE(__pyx_v_x);
+
+  /* "cattention/_driver/rotary.pxd":159
+ *     r.half = cnp.PyArray_DIM(cos, 1)
+ *     r.itemsize = cnp.PyArray_ITEMSIZE(x)
+ *     r.interleaved = interleaved             # <<<<<<<<<<<<<<
+ *     with nogil:
+ *         rotate_rows(&r)
+*/
+  __pyx_v_r.interleaved = __pyx_v_interleaved;
+
+  /* "cattention/_driver/rotary.pxd":160
+ *     r.itemsize = cnp.PyArray_ITEMSIZE(x)
+ *     r.interleaved = interleaved
+ *     with nogil:             # <<<<<<<<<<<<<<
+ *         rotate_rows(&r)
+ *     return out
+*/
+  {
+      PyThreadState * _save;
+      _save = PyEval_SaveThread();
+      __Pyx_FastGIL_Remember();
+      /*try:*/ {
+
+        /* "cattention/_driver/rotary.pxd":161
+ *     r.interleaved = interleaved
+ *     with nogil:
+ *         rotate_rows(&r)             # <<<<<<<<<<<<<<
+ *     return out
+ * 
+*/
+        __pyx_f_10cattention_7_driver_6rotary_rotate_rows((&__pyx_v_r));
+      }
+
+      /* "cattention/_driver/rotary.pxd":160
+ *     r.itemsize = cnp.PyArray_ITEMSIZE(x)
+ *     r.interleaved = interleaved
+ *     with nogil:             # <<<<<<<<<<<<<<
+ *         rotate_rows(&r)
+ *     return out
+*/
+      /*finally:*/ {
+        /*normal exit:*/{
+          __Pyx_FastGIL_Forget();
+          PyEval_RestoreThread(_save);
+          goto __pyx_L7;
+        }
+        __pyx_L7:;
+      }
+  }
+
+  /* "cattention/_driver/rotary.pxd":162
+ *     with nogil:
+ *         rotate_rows(&r)
+ *     return out             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  {
+    PyArrayObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __Pyx_INCREF((PyObject *)__pyx_v_out);
+      __pyx_r = __pyx_v_out;
+    }
+    __Pyx_XDECREF((PyObject *)__pyx_temp);
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/rotary.pxd":133
+ * 
+ * 
+ * cdef inline cnp.ndarray rotated(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin,             # <<<<<<<<<<<<<<
+ *                                 const intp_t *position, bint interleaved):
+ *     """A new C-contiguous array of the 4-D x rotated, row (a, ., t) at
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_AddTraceback("cattention._driver.rotary.rotated", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = 0;
+  __pyx_L0:;
+
+
+  __Pyx_XDECREF((PyObject *)__pyx_v_out);
+  __Pyx_XGIVEREF((PyObject *)__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "cattention/_driver/rotary.pxd":167
+ * # ------------------------------------------------ what a compiled step takes
+ * 
+ * cdef inline bint tables_usable(object cos, object sin, int type_num,             # <<<<<<<<<<<<<<
+ *                                Py_ssize_t d_k) noexcept:
+ *     """Tables a compiled step reads in place: ndarrays of type_num (the
+*/
+
+static CYTHON_INLINE int __pyx_f_10cattention_7_driver_6rotary_tables_usable(PyObject *__pyx_v_cos, PyObject *__pyx_v_sin, int __pyx_v_type_num, Py_ssize_t __pyx_v_d_k) {
+  PyArrayObject *__pyx_v_c = 0;
+  PyArrayObject *__pyx_v_s = 0;
+  int __pyx_r;
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  int __pyx_t_2;
+  PyObject *__pyx_t_3 = NULL;
+  __Pyx_RefNannySetupContext("tables_usable", 0);
+
+  /* "cattention/_driver/rotary.pxd":173
+ *     2 * half <= d_k, usable in place (the general path checks, converts and
+ *     names the others)."""
+ *     if type(cos) is not cnp.ndarray or type(sin) is not cnp.ndarray:             # <<<<<<<<<<<<<<
+ *         return False
+ *     cdef cnp.ndarray c = <cnp.ndarray>cos
+*/
+  __pyx_t_2 = (((PyObject *)Py_TYPE(__pyx_v_cos)) != ((PyObject *)__pyx_mstate_global->__pyx_ptype_5numpy_ndarray));
+  if (!__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L4_bool_binop_done;
+  }
+  __pyx_t_2 = (((PyObject *)Py_TYPE(__pyx_v_sin)) != ((PyObject *)__pyx_mstate_global->__pyx_ptype_5numpy_ndarray));
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L4_bool_binop_done:;
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/rotary.pxd":174
+ *     names the others)."""
+ *     if type(cos) is not cnp.ndarray or type(sin) is not cnp.ndarray:
+ *         return False             # <<<<<<<<<<<<<<
+ *     cdef cnp.ndarray c = <cnp.ndarray>cos
+ *     cdef cnp.ndarray s = <cnp.ndarray>sin
+*/
+    {
+
+      __pyx_r = 0;
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/rotary.pxd":173
+ *     2 * half <= d_k, usable in place (the general path checks, converts and
+ *     names the others)."""
+ *     if type(cos) is not cnp.ndarray or type(sin) is not cnp.ndarray:             # <<<<<<<<<<<<<<
+ *         return False
+ *     cdef cnp.ndarray c = <cnp.ndarray>cos
+*/
+  }
+
+  /* "cattention/_driver/rotary.pxd":175
+ *     if type(cos) is not cnp.ndarray or type(sin) is not cnp.ndarray:
+ *         return False
+ *     cdef cnp.ndarray c = <cnp.ndarray>cos             # <<<<<<<<<<<<<<
+ *     cdef cnp.ndarray s = <cnp.ndarray>sin
+ *     return (cnp.PyArray_NDIM(c) == 2 and cnp.PyArray_NDIM(s) == 2
+*/
+  __pyx_t_3 = __pyx_v_cos;
+  __Pyx_INCREF(__pyx_t_3);
+  __pyx_v_c = ((PyArrayObject *)__pyx_t_3);
+  __pyx_t_3 = 0;
+
+  /* "cattention/_driver/rotary.pxd":176
+ *         return False
+ *     cdef cnp.ndarray c = <cnp.ndarray>cos
+ *     cdef cnp.ndarray s = <cnp.ndarray>sin             # <<<<<<<<<<<<<<
+ *     return (cnp.PyArray_NDIM(c) == 2 and cnp.PyArray_NDIM(s) == 2
+ *             and cnp.PyArray_DIM(c, 0) == cnp.PyArray_DIM(s, 0)
+*/
+  __pyx_t_3 = __pyx_v_sin;
+  __Pyx_INCREF(__pyx_t_3);
+  __pyx_v_s = ((PyArrayObject *)__pyx_t_3);
+  __pyx_t_3 = 0;
+
+  /* "cattention/_driver/rotary.pxd":177
+ *     cdef cnp.ndarray c = <cnp.ndarray>cos
+ *     cdef cnp.ndarray s = <cnp.ndarray>sin
+ *     return (cnp.PyArray_NDIM(c) == 2 and cnp.PyArray_NDIM(s) == 2             # <<<<<<<<<<<<<<
+ *             and cnp.PyArray_DIM(c, 0) == cnp.PyArray_DIM(s, 0)
+ *             and cnp.PyArray_DIM(c, 1) == cnp.PyArray_DIM(s, 1)
+*/
+  __pyx_t_2 = (PyArray_NDIM(__pyx_v_c) == 2);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+
+  /* "cattention/_driver/rotary.pxd":178
+ *     cdef cnp.ndarray s = <cnp.ndarray>sin
+ *     return (cnp.PyArray_NDIM(c) == 2 and cnp.PyArray_NDIM(s) == 2
+ *             and cnp.PyArray_DIM(c, 0) == cnp.PyArray_DIM(s, 0)             # <<<<<<<<<<<<<<
+ *             and cnp.PyArray_DIM(c, 1) == cnp.PyArray_DIM(s, 1)
+ *             and cnp.PyArray_DIM(c, 1) >= 1 and 2 * cnp.PyArray_DIM(c, 1) <= d_k
+*/
+  __pyx_t_2 = (PyArray_NDIM(__pyx_v_s) == 2);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+
+  /* "cattention/_driver/rotary.pxd":179
+ *     return (cnp.PyArray_NDIM(c) == 2 and cnp.PyArray_NDIM(s) == 2
+ *             and cnp.PyArray_DIM(c, 0) == cnp.PyArray_DIM(s, 0)
+ *             and cnp.PyArray_DIM(c, 1) == cnp.PyArray_DIM(s, 1)             # <<<<<<<<<<<<<<
+ *             and cnp.PyArray_DIM(c, 1) >= 1 and 2 * cnp.PyArray_DIM(c, 1) <= d_k
+ *             and usable_input(c, type_num) and usable_input(s, type_num))
+*/
+  __pyx_t_2 = (PyArray_DIM(__pyx_v_c, 0) == PyArray_DIM(__pyx_v_s, 0));
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+
+  /* "cattention/_driver/rotary.pxd":180
+ *             and cnp.PyArray_DIM(c, 0) == cnp.PyArray_DIM(s, 0)
+ *             and cnp.PyArray_DIM(c, 1) == cnp.PyArray_DIM(s, 1)
+ *             and cnp.PyArray_DIM(c, 1) >= 1 and 2 * cnp.PyArray_DIM(c, 1) <= d_k             # <<<<<<<<<<<<<<
+ *             and usable_input(c, type_num) and usable_input(s, type_num))
+ * 
+*/
+  __pyx_t_2 = (PyArray_DIM(__pyx_v_c, 1) == PyArray_DIM(__pyx_v_s, 1));
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+  __pyx_t_2 = (PyArray_DIM(__pyx_v_c, 1) >= 1);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+
+  /* "cattention/_driver/rotary.pxd":181
+ *             and cnp.PyArray_DIM(c, 1) == cnp.PyArray_DIM(s, 1)
+ *             and cnp.PyArray_DIM(c, 1) >= 1 and 2 * cnp.PyArray_DIM(c, 1) <= d_k
+ *             and usable_input(c, type_num) and usable_input(s, type_num))             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_t_2 = ((2 * PyArray_DIM(__pyx_v_c, 1)) <= __pyx_v_d_k);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+  __pyx_t_2 = __pyx_f_10cattention_7_driver_7accepts_usable_input(__pyx_v_c, __pyx_v_type_num);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L6_bool_binop_done;
+  }
+  __pyx_t_2 = __pyx_f_10cattention_7_driver_7accepts_usable_input(__pyx_v_s, __pyx_v_type_num);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L6_bool_binop_done:;
+  {
+    __pyx_r = __pyx_t_1;
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/rotary.pxd":167
+ * # ------------------------------------------------ what a compiled step takes
+ * 
+ * cdef inline bint tables_usable(object cos, object sin, int type_num,             # <<<<<<<<<<<<<<
+ *                                Py_ssize_t d_k) noexcept:
+ *     """Tables a compiled step reads in place: ndarrays of type_num (the
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+  __Pyx_XDECREF((PyObject *)__pyx_v_c);
+  __Pyx_XDECREF((PyObject *)__pyx_v_s);
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "cattention/_driver/rotary.pxd":184
+ * 
+ * 
+ * cdef inline bint rotary_step_usable(cnp.ndarray q, cnp.ndarray k_new, object cos, object sin,             # <<<<<<<<<<<<<<
+ *                                     object interleaved_flag, int compute,
+ *                                     Py_ssize_t d_k) noexcept:
+*/
+
+static CYTHON_INLINE int __pyx_f_10cattention_7_driver_6rotary_rotary_step_usable(PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k_new, PyObject *__pyx_v_cos, PyObject *__pyx_v_sin, PyObject *__pyx_v_interleaved_flag, int __pyx_v_compute, Py_ssize_t __pyx_v_d_k) {
+  int __pyx_r;
+  int __pyx_t_1;
+  int __pyx_t_2;
+
+  /* "cattention/_driver/rotary.pxd":190
+ *     the compute type (so that their rotation is rounded once, where it
+ *     goes), the tables usable in place, and rotary_interleaved a bool."""
+ *     return ((interleaved_flag is True or interleaved_flag is False)             # <<<<<<<<<<<<<<
+ *             and cnp.PyArray_TYPE(q) == compute
+ *             and (k_new is None or cnp.PyArray_TYPE(k_new) == compute)
+*/
+  __pyx_t_2 = (__pyx_v_interleaved_flag == Py_True);
+  if (!__pyx_t_2) {
+
+  } else {
+
+    goto __pyx_L4_next_and;
+  }
+  __pyx_t_2 = (__pyx_v_interleaved_flag == Py_False);
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L3_bool_binop_done;
+  }
+  __pyx_L4_next_and:;
+
+  /* "cattention/_driver/rotary.pxd":191
+ *     goes), the tables usable in place, and rotary_interleaved a bool."""
+ *     return ((interleaved_flag is True or interleaved_flag is False)
+ *             and cnp.PyArray_TYPE(q) == compute             # <<<<<<<<<<<<<<
+ *             and (k_new is None or cnp.PyArray_TYPE(k_new) == compute)
+ *             and tables_usable(cos, sin, compute, d_k))
+*/
+  __pyx_t_2 = (PyArray_TYPE(__pyx_v_q) == __pyx_v_compute);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L3_bool_binop_done;
+  }
+
+  /* "cattention/_driver/rotary.pxd":192
+ *     return ((interleaved_flag is True or interleaved_flag is False)
+ *             and cnp.PyArray_TYPE(q) == compute
+ *             and (k_new is None or cnp.PyArray_TYPE(k_new) == compute)             # <<<<<<<<<<<<<<
+ *             and tables_usable(cos, sin, compute, d_k))
+ * 
+*/
+  __pyx_t_2 = (((PyObject *)__pyx_v_k_new) == Py_None);
+  if (!__pyx_t_2) {
+
+  } else {
+
+    goto __pyx_L7_next_and;
+  }
+  __pyx_t_2 = (PyArray_TYPE(__pyx_v_k_new) == __pyx_v_compute);
+
+  if (__pyx_t_2) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_2;
+
+    goto __pyx_L3_bool_binop_done;
+  }
+  __pyx_L7_next_and:;
+
+  /* "cattention/_driver/rotary.pxd":193
+ *             and cnp.PyArray_TYPE(q) == compute
+ *             and (k_new is None or cnp.PyArray_TYPE(k_new) == compute)
+ *             and tables_usable(cos, sin, compute, d_k))             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_t_2 = __pyx_f_10cattention_7_driver_6rotary_tables_usable(__pyx_v_cos, __pyx_v_sin, __pyx_v_compute, __pyx_v_d_k);
+
+
+  __pyx_t_1 = __pyx_t_2;
+
+  __pyx_L3_bool_binop_done:;
+  {
+    __pyx_r = __pyx_t_1;
+  }
+  goto __pyx_L0;
+
+  /* "cattention/_driver/rotary.pxd":184
+ * 
+ * 
+ * cdef inline bint rotary_step_usable(cnp.ndarray q, cnp.ndarray k_new, object cos, object sin,             # <<<<<<<<<<<<<<
+ *                                     object interleaved_flag, int compute,
+ *                                     Py_ssize_t d_k) noexcept:
+*/
+
+  /* function exit code */
+  __pyx_L0:;
+
+  return __pyx_r;
+}
+
+/* "cattention/_driver/rotary.pxd":196
+ * 
+ * 
+ * cdef inline object rotated_step(cnp.ndarray q, cnp.ndarray k_new, cnp.ndarray cos,             # <<<<<<<<<<<<<<
+ *                                 cnp.ndarray sin, bint interleaved, cnp.ndarray lengths,
+ *                                 Py_ssize_t n_new):
+*/
+
+static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_6rotary_rotated_step(PyArrayObject *__pyx_v_q, PyArrayObject *__pyx_v_k_new, PyArrayObject *__pyx_v_cos, PyArrayObject *__pyx_v_sin, int __pyx_v_interleaved, PyArrayObject *__pyx_v_lengths, Py_ssize_t __pyx_v_n_new) {
+  Py_ssize_t __pyx_v_n_seq;
+  Py_ssize_t __pyx_v_n_queries;
+  Py_ssize_t __pyx_v_s;
+  Py_ssize_t __pyx_v_t;
+  Py_ssize_t __pyx_v_start;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_position;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_k_position;
+  PyArrayObject *__pyx_v_q_rotated = NULL;
+  PyObject *__pyx_v_k_rotated = NULL;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  Py_ssize_t __pyx_t_2;
+  Py_ssize_t __pyx_t_3;
+  Py_ssize_t __pyx_t_4;
+  int __pyx_t_5;
+  Py_ssize_t __pyx_t_6;
+  Py_ssize_t __pyx_t_7;
+  Py_ssize_t __pyx_t_8;
+  PyObject *__pyx_t_9 = NULL;
+  PyObject *__pyx_t_10 = NULL;
+  int __pyx_t_11;
+  int __pyx_t_12;
+  char const *__pyx_t_13;
+  PyObject *__pyx_t_14 = NULL;
+  PyObject *__pyx_t_15 = NULL;
+  PyObject *__pyx_t_16 = NULL;
+  PyObject *__pyx_t_17 = NULL;
+  PyObject *__pyx_t_18 = NULL;
+  PyObject *__pyx_t_19 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("rotated_step", 0);
+
+  /* "cattention/_driver/rotary.pxd":205
+ *     keys those from lengths[s]. None when a position lies outside the
+ *     tables (the general path names it) or memory ran out."""
+ *     cdef Py_ssize_t n_seq = cnp.PyArray_DIM(q, 0)             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(q, 2)
+ *     cdef Py_ssize_t s, t, start
+*/
+  __pyx_v_n_seq = PyArray_DIM(__pyx_v_q, 0);
+
+  /* "cattention/_driver/rotary.pxd":206
+ *     tables (the general path names it) or memory ran out."""
+ *     cdef Py_ssize_t n_seq = cnp.PyArray_DIM(q, 0)
+ *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(q, 2)             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t s, t, start
+ *     cdef intp_t *position = <intp_t *>malloc((n_seq * (n_queries + n_new) + 1)
+*/
+  __pyx_v_n_queries = PyArray_DIM(__pyx_v_q, 2);
+
+  /* "cattention/_driver/rotary.pxd":208
+ *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(q, 2)
+ *     cdef Py_ssize_t s, t, start
+ *     cdef intp_t *position = <intp_t *>malloc((n_seq * (n_queries + n_new) + 1)             # <<<<<<<<<<<<<<
+ *                                              * sizeof(intp_t))
+ *     if position == NULL:
+*/
+  __pyx_v_position = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((((__pyx_v_n_seq * (__pyx_v_n_queries + __pyx_v_n_new)) + 1) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
+
+  /* "cattention/_driver/rotary.pxd":210
+ *     cdef intp_t *position = <intp_t *>malloc((n_seq * (n_queries + n_new) + 1)
+ *                                              * sizeof(intp_t))
+ *     if position == NULL:             # <<<<<<<<<<<<<<
+ *         return None
+ *     cdef intp_t *k_position = position + n_seq * n_queries
+*/
+  __pyx_t_1 = (__pyx_v_position == NULL);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/rotary.pxd":211
+ *                                              * sizeof(intp_t))
+ *     if position == NULL:
+ *         return None             # <<<<<<<<<<<<<<
+ *     cdef intp_t *k_position = position + n_seq * n_queries
+ *     for s in range(n_seq):
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/rotary.pxd":210
+ *     cdef intp_t *position = <intp_t *>malloc((n_seq * (n_queries + n_new) + 1)
+ *                                              * sizeof(intp_t))
+ *     if position == NULL:             # <<<<<<<<<<<<<<
+ *         return None
+ *     cdef intp_t *k_position = position + n_seq * n_queries
+*/
+  }
+
+  /* "cattention/_driver/rotary.pxd":212
+ *     if position == NULL:
+ *         return None
+ *     cdef intp_t *k_position = position + n_seq * n_queries             # <<<<<<<<<<<<<<
+ *     for s in range(n_seq):
+ *         start = load_length(lengths, s)
+*/
+  __pyx_v_k_position = (__pyx_v_position + (__pyx_v_n_seq * __pyx_v_n_queries));
+
+  /* "cattention/_driver/rotary.pxd":213
+ *         return None
+ *     cdef intp_t *k_position = position + n_seq * n_queries
+ *     for s in range(n_seq):             # <<<<<<<<<<<<<<
+ *         start = load_length(lengths, s)
+ *         if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):
+*/
+
+  __pyx_t_2 = __pyx_v_n_seq;
+  __pyx_t_3 = __pyx_t_2;
+
+  for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
+    __pyx_v_s = __pyx_t_4;
+
+    /* "cattention/_driver/rotary.pxd":214
+ *     cdef intp_t *k_position = position + n_seq * n_queries
+ *     for s in range(n_seq):
+ *         start = load_length(lengths, s)             # <<<<<<<<<<<<<<
+ *         if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):
+ *             free(position)
+*/
+    __pyx_v_start = __pyx_f_10cattention_7_driver_7appends_load_length(__pyx_v_lengths, __pyx_v_s);
+
+    /* "cattention/_driver/rotary.pxd":215
+ *     for s in range(n_seq):
+ *         start = load_length(lengths, s)
+ *         if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):             # <<<<<<<<<<<<<<
+ *             free(position)
+ *             return None
+*/
+    __pyx_t_5 = (((__pyx_v_start + __pyx_v_n_new) - __pyx_v_n_queries) < 0);
+
+    if (!__pyx_t_5) {
+
+    } else {
+
+      __pyx_t_1 = __pyx_t_5;
+
+      goto __pyx_L7_bool_binop_done;
+    }
+    __pyx_t_5 = ((__pyx_v_start + __pyx_v_n_new) > PyArray_DIM(__pyx_v_cos, 0));
+
+
+    __pyx_t_1 = __pyx_t_5;
+
+    __pyx_L7_bool_binop_done:;
+    if (__pyx_t_1) {
+
+
+      /* "cattention/_driver/rotary.pxd":216
+ *         start = load_length(lengths, s)
+ *         if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):
+ *             free(position)             # <<<<<<<<<<<<<<
+ *             return None
+ *         for t in range(n_queries):
+*/
+      free(__pyx_v_position);
+
+      /* "cattention/_driver/rotary.pxd":217
+ *         if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):
+ *             free(position)
+ *             return None             # <<<<<<<<<<<<<<
+ *         for t in range(n_queries):
+ *             position[s * n_queries + t] = start + n_new - n_queries + t
+*/
+      {
+        PyObject *__pyx_temp;
+        {
+          __pyx_temp = __pyx_r;
+          __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+        }
+        __Pyx_XDECREF(__pyx_temp);
+      }
+      goto __pyx_L0;
+
+      /* "cattention/_driver/rotary.pxd":215
+ *     for s in range(n_seq):
+ *         start = load_length(lengths, s)
+ *         if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):             # <<<<<<<<<<<<<<
+ *             free(position)
+ *             return None
+*/
+    }
+
+    /* "cattention/_driver/rotary.pxd":218
+ *             free(position)
+ *             return None
+ *         for t in range(n_queries):             # <<<<<<<<<<<<<<
+ *             position[s * n_queries + t] = start + n_new - n_queries + t
+ *         for t in range(n_new):
+*/
+
+    __pyx_t_6 = __pyx_v_n_queries;
+    __pyx_t_7 = __pyx_t_6;
+
+    for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
+      __pyx_v_t = __pyx_t_8;
+
+      /* "cattention/_driver/rotary.pxd":219
+ *             return None
+ *         for t in range(n_queries):
+ *             position[s * n_queries + t] = start + n_new - n_queries + t             # <<<<<<<<<<<<<<
+ *         for t in range(n_new):
+ *             k_position[s * n_new + t] = start + t
+*/
+      (__pyx_v_position[((__pyx_v_s * __pyx_v_n_queries) + __pyx_v_t)]) = (((__pyx_v_start + __pyx_v_n_new) - __pyx_v_n_queries) + __pyx_v_t);
+    }
+
+
+    /* "cattention/_driver/rotary.pxd":220
+ *         for t in range(n_queries):
+ *             position[s * n_queries + t] = start + n_new - n_queries + t
+ *         for t in range(n_new):             # <<<<<<<<<<<<<<
+ *             k_position[s * n_new + t] = start + t
+ *     try:
+*/
+
+    __pyx_t_6 = __pyx_v_n_new;
+    __pyx_t_7 = __pyx_t_6;
+
+    for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
+      __pyx_v_t = __pyx_t_8;
+
+      /* "cattention/_driver/rotary.pxd":221
+ *             position[s * n_queries + t] = start + n_new - n_queries + t
+ *         for t in range(n_new):
+ *             k_position[s * n_new + t] = start + t             # <<<<<<<<<<<<<<
+ *     try:
+ *         q_rotated = rotated(q, cos, sin, position, interleaved)
+*/
+      (__pyx_v_k_position[((__pyx_v_s * __pyx_v_n_new) + __pyx_v_t)]) = (__pyx_v_start + __pyx_v_t);
+    }
+
+  }
+
+
+  /* "cattention/_driver/rotary.pxd":222
+ *         for t in range(n_new):
+ *             k_position[s * n_new + t] = start + t
+ *     try:             # <<<<<<<<<<<<<<
+ *         q_rotated = rotated(q, cos, sin, position, interleaved)
+ *         k_rotated = (rotated(k_new, cos, sin, k_position, interleaved)
+*/
+  /*try:*/ {
+
+    /* "cattention/_driver/rotary.pxd":223
+ *             k_position[s * n_new + t] = start + t
+ *     try:
+ *         q_rotated = rotated(q, cos, sin, position, interleaved)             # <<<<<<<<<<<<<<
+ *         k_rotated = (rotated(k_new, cos, sin, k_position, interleaved)
+ *                      if k_new is not None else None)
+*/
+    __pyx_t_9 = ((PyObject *)__pyx_f_10cattention_7_driver_6rotary_rotated(__pyx_v_q, __pyx_v_cos, __pyx_v_sin, __pyx_v_position, __pyx_v_interleaved)); if (unlikely(!__pyx_t_9)) __PYX_ERR(7, 223, __pyx_L14_error)
+    __Pyx_GOTREF(__pyx_t_9);
+    __pyx_v_q_rotated = ((PyArrayObject *)__pyx_t_9);
+    __pyx_t_9 = 0;
+
+    /* "cattention/_driver/rotary.pxd":225
+ *         q_rotated = rotated(q, cos, sin, position, interleaved)
+ *         k_rotated = (rotated(k_new, cos, sin, k_position, interleaved)
+ *                      if k_new is not None else None)             # <<<<<<<<<<<<<<
+ *     finally:
+ *         free(position)
+*/
+    __pyx_t_1 = (((PyObject *)__pyx_v_k_new) != Py_None);
+    if (__pyx_t_1) {
+
+      /* "cattention/_driver/rotary.pxd":224
+ *     try:
+ *         q_rotated = rotated(q, cos, sin, position, interleaved)
+ *         k_rotated = (rotated(k_new, cos, sin, k_position, interleaved)             # <<<<<<<<<<<<<<
+ *                      if k_new is not None else None)
+ *     finally:
+*/
+      __pyx_t_10 = ((PyObject *)__pyx_f_10cattention_7_driver_6rotary_rotated(__pyx_v_k_new, __pyx_v_cos, __pyx_v_sin, __pyx_v_k_position, __pyx_v_interleaved)); if (unlikely(!__pyx_t_10)) __PYX_ERR(7, 224, __pyx_L14_error)
+      __Pyx_GOTREF(__pyx_t_10);
+      __pyx_t_9 = __pyx_t_10;
+      __pyx_t_10 = 0;
+    } else {
+
+      /* "cattention/_driver/rotary.pxd":225
+ *         q_rotated = rotated(q, cos, sin, position, interleaved)
+ *         k_rotated = (rotated(k_new, cos, sin, k_position, interleaved)
+ *                      if k_new is not None else None)             # <<<<<<<<<<<<<<
+ *     finally:
+ *         free(position)
+*/
+      __Pyx_INCREF(Py_None);
+      __pyx_t_9 = Py_None;
+    }
+
+    __pyx_v_k_rotated = __pyx_t_9;
+    __pyx_t_9 = 0;
+  }
+
+  /* "cattention/_driver/rotary.pxd":227
+ *                      if k_new is not None else None)
+ *     finally:
+ *         free(position)             # <<<<<<<<<<<<<<
+ *     return q_rotated, k_rotated
+*/
+  /*finally:*/ {
+    /*normal exit:*/{
+      free(__pyx_v_position);
+      goto __pyx_L15;
+    }
+    __pyx_L14_error:;
+    /*exception exit:*/{
+      __Pyx_PyThreadState_declare
+      __Pyx_PyThreadState_assign
+      __pyx_t_14 = 0; __pyx_t_15 = 0; __pyx_t_16 = 0; __pyx_t_17 = 0; __pyx_t_18 = 0; __pyx_t_19 = 0;
+      __Pyx_XDECREF(__pyx_t_10); __pyx_t_10 = 0;
+      __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
+       __Pyx_ExceptionSwap(&__pyx_t_17, &__pyx_t_18, &__pyx_t_19);
+      if ( unlikely(__Pyx_GetException(&__pyx_t_14, &__pyx_t_15, &__pyx_t_16) < 0)) __Pyx_ErrFetch(&__pyx_t_14, &__pyx_t_15, &__pyx_t_16);
+      __Pyx_XGOTREF(__pyx_t_14);
+      __Pyx_XGOTREF(__pyx_t_15);
+      __Pyx_XGOTREF(__pyx_t_16);
+      __Pyx_XGOTREF(__pyx_t_17);
+      __Pyx_XGOTREF(__pyx_t_18);
+      __Pyx_XGOTREF(__pyx_t_19);
+      __pyx_t_11 = __pyx_lineno; __pyx_t_12 = __pyx_clineno; __pyx_t_13 = __pyx_filename;
+      {
+        free(__pyx_v_position);
+      }
+      __Pyx_XGIVEREF(__pyx_t_17);
+      __Pyx_XGIVEREF(__pyx_t_18);
+      __Pyx_XGIVEREF(__pyx_t_19);
+      __Pyx_ExceptionReset(__pyx_t_17, __pyx_t_18, __pyx_t_19);
+      __Pyx_XGIVEREF(__pyx_t_14);
+      __Pyx_XGIVEREF(__pyx_t_15);
+      __Pyx_XGIVEREF(__pyx_t_16);
+      __Pyx_ErrRestore(__pyx_t_14, __pyx_t_15, __pyx_t_16);
+      __pyx_t_14 = 0; __pyx_t_15 = 0; __pyx_t_16 = 0; __pyx_t_17 = 0; __pyx_t_18 = 0; __pyx_t_19 = 0;
+      __pyx_lineno = __pyx_t_11; __pyx_clineno = __pyx_t_12; __pyx_filename = __pyx_t_13;
+      goto __pyx_L1_error;
+    }
+    __pyx_L15:;
+  }
+
+  /* "cattention/_driver/rotary.pxd":228
+ *     finally:
+ *         free(position)
+ *     return q_rotated, k_rotated             # <<<<<<<<<<<<<<
+*/
+  __pyx_t_9 = PyTuple_New(2); if (unlikely(!__pyx_t_9)) __PYX_ERR(7, 228, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_9);
+  __Pyx_INCREF((PyObject *)__pyx_v_q_rotated);
+  __Pyx_GIVEREF((PyObject *)__pyx_v_q_rotated);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 0, ((PyObject *)__pyx_v_q_rotated)) != (0)) __PYX_ERR(7, 228, __pyx_L1_error);
+  __Pyx_INCREF(__pyx_v_k_rotated);
+  __Pyx_GIVEREF(__pyx_v_k_rotated);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 1, __pyx_v_k_rotated) != (0)) __PYX_ERR(7, 228, __pyx_L1_error);
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_9;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_9 = 0;
+  goto __pyx_L0;
+
+  /* "cattention/_driver/rotary.pxd":196
+ * 
+ * 
+ * cdef inline object rotated_step(cnp.ndarray q, cnp.ndarray k_new, cnp.ndarray cos,             # <<<<<<<<<<<<<<
+ *                                 cnp.ndarray sin, bint interleaved, cnp.ndarray lengths,
+ *                                 Py_ssize_t n_new):
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_9);
+  __Pyx_XDECREF(__pyx_t_10);
+  __Pyx_AddTraceback("cattention._driver.rotary.rotated_step", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = 0;
+  __pyx_L0:;
+
+
+
+
+
+
+
+  __Pyx_XDECREF((PyObject *)__pyx_v_q_rotated);
+  __Pyx_XDECREF(__pyx_v_k_rotated);
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "cattention/_driver/shortcuts.pxd":31
  * 
  * 
  * cdef inline cnp.ndarray np_empty4(Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t n3,             # <<<<<<<<<<<<<<
@@ -67700,7 +69117,7 @@ static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_9shortcuts_np_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("np_empty4", 0);
 
-  /* "cattention/_driver/shortcuts.pxd":34
+  /* "cattention/_driver/shortcuts.pxd":35
  *     """An uninitialised C-contiguous 4-D output."""
  *     cdef cnp.npy_intp dims[4]
  *     dims[0], dims[1], dims[2], dims[3] = n0, n1, n2, n3             # <<<<<<<<<<<<<<
@@ -67724,16 +69141,16 @@ static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_9shortcuts_np_
   (__pyx_v_dims[3]) = __pyx_t_4;
 
 
-  /* "cattention/_driver/shortcuts.pxd":35
+  /* "cattention/_driver/shortcuts.pxd":36
  *     cdef cnp.npy_intp dims[4]
  *     dims[0], dims[1], dims[2], dims[3] = n0, n1, n2, n3
  *     return cnp.PyArray_EMPTY(4, dims, type_num, 0)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_5 = PyArray_EMPTY(4, __pyx_v_dims, __pyx_v_type_num, 0); if (unlikely(!__pyx_t_5)) __PYX_ERR(7, 35, __pyx_L1_error)
+  __pyx_t_5 = PyArray_EMPTY(4, __pyx_v_dims, __pyx_v_type_num, 0); if (unlikely(!__pyx_t_5)) __PYX_ERR(8, 36, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  if (!(likely(((__pyx_t_5) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_5, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 35, __pyx_L1_error)
+  if (!(likely(((__pyx_t_5) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_5, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 36, __pyx_L1_error)
   {
     PyArrayObject *__pyx_temp;
     {
@@ -67745,7 +69162,7 @@ static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_9shortcuts_np_
   __pyx_t_5 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/shortcuts.pxd":30
+  /* "cattention/_driver/shortcuts.pxd":31
  * 
  * 
  * cdef inline cnp.ndarray np_empty4(Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t n3,             # <<<<<<<<<<<<<<
@@ -67765,7 +69182,7 @@ static CYTHON_INLINE PyArrayObject *__pyx_f_10cattention_7_driver_9shortcuts_np_
   return __pyx_r;
 }
 
-/* "cattention/_driver/shortcuts.pxd":40
+/* "cattention/_driver/shortcuts.pxd":41
  * # ------------------------------------------------------------------ dense
  * 
  * cdef inline object attention_shortcut(             # <<<<<<<<<<<<<<
@@ -67823,7 +69240,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("attention_shortcut", 0);
 
-  /* "cattention/_driver/shortcuts.pxd":50
+  /* "cattention/_driver/shortcuts.pxd":51
  *     strides, nonempty, and no option but causal, scale, return_scores and
  *     num_threads; else None."""
  *     if (mask is not None or lse_flag is not False or kv_lengths is not None             # <<<<<<<<<<<<<<
@@ -67849,7 +69266,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":51
+  /* "cattention/_driver/shortcuts.pxd":52
  *     num_threads; else None."""
  *     if (mask is not None or lse_flag is not False or kv_lengths is not None
  *             or window is not None or softcap is not None or alibi_slopes is not None             # <<<<<<<<<<<<<<
@@ -67884,7 +69301,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":52
+  /* "cattention/_driver/shortcuts.pxd":53
  *     if (mask is not None or lse_flag is not False or kv_lengths is not None
  *             or window is not None or softcap is not None or alibi_slopes is not None
  *             or sinks is not None or k_scale is not None or v_scale is not None):             # <<<<<<<<<<<<<<
@@ -67924,7 +69341,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 
   __pyx_L4_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":50
+  /* "cattention/_driver/shortcuts.pxd":51
  *     strides, nonempty, and no option but causal, scale, return_scores and
  *     num_threads; else None."""
  *     if (mask is not None or lse_flag is not False or kv_lengths is not None             # <<<<<<<<<<<<<<
@@ -67934,7 +69351,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":53
+    /* "cattention/_driver/shortcuts.pxd":54
  *             or window is not None or softcap is not None or alibi_slopes is not None
  *             or sinks is not None or k_scale is not None or v_scale is not None):
  *         return None             # <<<<<<<<<<<<<<
@@ -67951,7 +69368,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":50
+    /* "cattention/_driver/shortcuts.pxd":51
  *     strides, nonempty, and no option but causal, scale, return_scores and
  *     num_threads; else None."""
  *     if (mask is not None or lse_flag is not False or kv_lengths is not None             # <<<<<<<<<<<<<<
@@ -67960,37 +69377,37 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":54
+  /* "cattention/_driver/shortcuts.pxd":55
  *             or sinks is not None or k_scale is not None or v_scale is not None):
  *         return None
  *     cdef bint causal = check_flag(causal_flag, "causal")             # <<<<<<<<<<<<<<
  *     cdef bint return_scores = check_flag(scores_flag, "return_scores")
  *     cdef bint grouped = check_flag(gqa_flag, "enable_gqa")
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_causal_flag, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(7, 54, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_causal_flag, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(8, 55, __pyx_L1_error)
   __pyx_v_causal = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":55
+  /* "cattention/_driver/shortcuts.pxd":56
  *         return None
  *     cdef bint causal = check_flag(causal_flag, "causal")
  *     cdef bint return_scores = check_flag(scores_flag, "return_scores")             # <<<<<<<<<<<<<<
  *     cdef bint grouped = check_flag(gqa_flag, "enable_gqa")
  *     if not are_ndarrays(q, k, v):
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_scores_flag, __pyx_mstate_global->__pyx_n_u_return_scores); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(7, 55, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_scores_flag, __pyx_mstate_global->__pyx_n_u_return_scores); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(8, 56, __pyx_L1_error)
   __pyx_v_return_scores = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":56
+  /* "cattention/_driver/shortcuts.pxd":57
  *     cdef bint causal = check_flag(causal_flag, "causal")
  *     cdef bint return_scores = check_flag(scores_flag, "return_scores")
  *     cdef bint grouped = check_flag(gqa_flag, "enable_gqa")             # <<<<<<<<<<<<<<
  *     if not are_ndarrays(q, k, v):
  *         return None
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_gqa_flag, __pyx_mstate_global->__pyx_n_u_enable_gqa); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(7, 56, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_gqa_flag, __pyx_mstate_global->__pyx_n_u_enable_gqa); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(8, 57, __pyx_L1_error)
   __pyx_v_grouped = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":57
+  /* "cattention/_driver/shortcuts.pxd":58
  *     cdef bint return_scores = check_flag(scores_flag, "return_scores")
  *     cdef bint grouped = check_flag(gqa_flag, "enable_gqa")
  *     if not are_ndarrays(q, k, v):             # <<<<<<<<<<<<<<
@@ -68002,7 +69419,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":58
+    /* "cattention/_driver/shortcuts.pxd":59
  *     cdef bint grouped = check_flag(gqa_flag, "enable_gqa")
  *     if not are_ndarrays(q, k, v):
  *         return None             # <<<<<<<<<<<<<<
@@ -68019,7 +69436,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":57
+    /* "cattention/_driver/shortcuts.pxd":58
  *     cdef bint return_scores = check_flag(scores_flag, "return_scores")
  *     cdef bint grouped = check_flag(gqa_flag, "enable_gqa")
  *     if not are_ndarrays(q, k, v):             # <<<<<<<<<<<<<<
@@ -68028,7 +69445,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":59
+  /* "cattention/_driver/shortcuts.pxd":60
  *     if not are_ndarrays(q, k, v):
  *         return None
  *     cdef cnp.ndarray qa = <cnp.ndarray>q             # <<<<<<<<<<<<<<
@@ -68040,7 +69457,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   __pyx_v_qa = ((PyArrayObject *)__pyx_t_3);
   __pyx_t_3 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":60
+  /* "cattention/_driver/shortcuts.pxd":61
  *         return None
  *     cdef cnp.ndarray qa = <cnp.ndarray>q
  *     cdef cnp.ndarray ka = <cnp.ndarray>k             # <<<<<<<<<<<<<<
@@ -68052,7 +69469,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   __pyx_v_ka = ((PyArrayObject *)__pyx_t_3);
   __pyx_t_3 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":61
+  /* "cattention/_driver/shortcuts.pxd":62
  *     cdef cnp.ndarray qa = <cnp.ndarray>q
  *     cdef cnp.ndarray ka = <cnp.ndarray>k
  *     cdef cnp.ndarray va = <cnp.ndarray>v             # <<<<<<<<<<<<<<
@@ -68064,7 +69481,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   __pyx_v_va = ((PyArrayObject *)__pyx_t_3);
   __pyx_t_3 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":62
+  /* "cattention/_driver/shortcuts.pxd":63
  *     cdef cnp.ndarray ka = <cnp.ndarray>k
  *     cdef cnp.ndarray va = <cnp.ndarray>v
  *     cdef int type_num = cnp.PyArray_TYPE(qa)             # <<<<<<<<<<<<<<
@@ -68073,7 +69490,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_type_num = PyArray_TYPE(__pyx_v_qa);
 
-  /* "cattention/_driver/shortcuts.pxd":63
+  /* "cattention/_driver/shortcuts.pxd":64
  *     cdef cnp.ndarray va = <cnp.ndarray>v
  *     cdef int type_num = cnp.PyArray_TYPE(qa)
  *     cdef int compute = compute_type(type_num)             # <<<<<<<<<<<<<<
@@ -68082,7 +69499,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_compute = __pyx_f_10cattention_7_driver_7accepts_compute_type(__pyx_v_type_num);
 
-  /* "cattention/_driver/shortcuts.pxd":64
+  /* "cattention/_driver/shortcuts.pxd":65
  *     cdef int type_num = cnp.PyArray_TYPE(qa)
  *     cdef int compute = compute_type(type_num)
  *     cdef int ndim = cnp.PyArray_NDIM(qa)             # <<<<<<<<<<<<<<
@@ -68091,7 +69508,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_ndim = PyArray_NDIM(__pyx_v_qa);
 
-  /* "cattention/_driver/shortcuts.pxd":66
+  /* "cattention/_driver/shortcuts.pxd":67
  *     cdef int ndim = cnp.PyArray_NDIM(qa)
  *     cdef int d
  *     cdef Py_ssize_t n_batch = 1             # <<<<<<<<<<<<<<
@@ -68100,7 +69517,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_n_batch = 1;
 
-  /* "cattention/_driver/shortcuts.pxd":68
+  /* "cattention/_driver/shortcuts.pxd":69
  *     cdef Py_ssize_t n_batch = 1
  *     cdef Py_ssize_t shape[64]
  *     if compute < 0:             # <<<<<<<<<<<<<<
@@ -68112,7 +69529,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":69
+    /* "cattention/_driver/shortcuts.pxd":70
  *     cdef Py_ssize_t shape[64]
  *     if compute < 0:
  *         return None             # <<<<<<<<<<<<<<
@@ -68129,7 +69546,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":68
+    /* "cattention/_driver/shortcuts.pxd":69
  *     cdef Py_ssize_t n_batch = 1
  *     cdef Py_ssize_t shape[64]
  *     if compute < 0:             # <<<<<<<<<<<<<<
@@ -68138,7 +69555,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":70
+  /* "cattention/_driver/shortcuts.pxd":71
  *     if compute < 0:
  *         return None
  *     if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim             # <<<<<<<<<<<<<<
@@ -68164,7 +69581,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     goto __pyx_L16_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":71
+  /* "cattention/_driver/shortcuts.pxd":72
  *         return None
  *     if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim
  *             or cnp.PyArray_NDIM(va) != ndim):             # <<<<<<<<<<<<<<
@@ -68188,7 +69605,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 
   __pyx_L16_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":70
+  /* "cattention/_driver/shortcuts.pxd":71
  *     if compute < 0:
  *         return None
  *     if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim             # <<<<<<<<<<<<<<
@@ -68198,7 +69615,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":72
+    /* "cattention/_driver/shortcuts.pxd":73
  *     if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim
  *             or cnp.PyArray_NDIM(va) != ndim):
  *         return None             # <<<<<<<<<<<<<<
@@ -68215,7 +69632,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":70
+    /* "cattention/_driver/shortcuts.pxd":71
  *     if compute < 0:
  *         return None
  *     if (ndim < (3 if grouped else 2) or cnp.PyArray_NDIM(ka) != ndim             # <<<<<<<<<<<<<<
@@ -68224,7 +69641,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":73
+  /* "cattention/_driver/shortcuts.pxd":74
  *             or cnp.PyArray_NDIM(va) != ndim):
  *         return None
  *     if not (usable_input(qa, type_num) and usable_input(ka, type_num)             # <<<<<<<<<<<<<<
@@ -68242,7 +69659,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     goto __pyx_L20_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":74
+  /* "cattention/_driver/shortcuts.pxd":75
  *         return None
  *     if not (usable_input(qa, type_num) and usable_input(ka, type_num)
  *             and usable_input(va, type_num)):             # <<<<<<<<<<<<<<
@@ -68266,7 +69683,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 
   __pyx_L20_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":73
+  /* "cattention/_driver/shortcuts.pxd":74
  *             or cnp.PyArray_NDIM(va) != ndim):
  *         return None
  *     if not (usable_input(qa, type_num) and usable_input(ka, type_num)             # <<<<<<<<<<<<<<
@@ -68279,7 +69696,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":75
+    /* "cattention/_driver/shortcuts.pxd":76
  *     if not (usable_input(qa, type_num) and usable_input(ka, type_num)
  *             and usable_input(va, type_num)):
  *         return None             # <<<<<<<<<<<<<<
@@ -68296,7 +69713,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":73
+    /* "cattention/_driver/shortcuts.pxd":74
  *             or cnp.PyArray_NDIM(va) != ndim):
  *         return None
  *     if not (usable_input(qa, type_num) and usable_input(ka, type_num)             # <<<<<<<<<<<<<<
@@ -68305,7 +69722,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":76
+  /* "cattention/_driver/shortcuts.pxd":77
  *             and usable_input(va, type_num)):
  *         return None
  *     cdef Py_ssize_t group = 1             # <<<<<<<<<<<<<<
@@ -68314,7 +69731,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_group = 1;
 
-  /* "cattention/_driver/shortcuts.pxd":78
+  /* "cattention/_driver/shortcuts.pxd":79
  *     cdef Py_ssize_t group = 1
  *     cdef Py_ssize_t n_kv_heads
  *     for d in range(ndim - 2):             # <<<<<<<<<<<<<<
@@ -68328,7 +69745,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_d = __pyx_t_6;
 
-    /* "cattention/_driver/shortcuts.pxd":79
+    /* "cattention/_driver/shortcuts.pxd":80
  *     cdef Py_ssize_t n_kv_heads
  *     for d in range(ndim - 2):
  *         shape[d] = cnp.PyArray_DIM(qa, d)             # <<<<<<<<<<<<<<
@@ -68337,7 +69754,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     (__pyx_v_shape[__pyx_v_d]) = PyArray_DIM(__pyx_v_qa, __pyx_v_d);
 
-    /* "cattention/_driver/shortcuts.pxd":80
+    /* "cattention/_driver/shortcuts.pxd":81
  *     for d in range(ndim - 2):
  *         shape[d] = cnp.PyArray_DIM(qa, d)
  *         if grouped and d == ndim - 3:             # <<<<<<<<<<<<<<
@@ -68359,7 +69776,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":82
+      /* "cattention/_driver/shortcuts.pxd":83
  *         if grouped and d == ndim - 3:
  *             # the head axis: H query heads in groups of H / H_kv per K/V head
  *             n_kv_heads = cnp.PyArray_DIM(ka, d)             # <<<<<<<<<<<<<<
@@ -68368,7 +69785,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
       __pyx_v_n_kv_heads = PyArray_DIM(__pyx_v_ka, __pyx_v_d);
 
-      /* "cattention/_driver/shortcuts.pxd":83
+      /* "cattention/_driver/shortcuts.pxd":84
  *             # the head axis: H query heads in groups of H / H_kv per K/V head
  *             n_kv_heads = cnp.PyArray_DIM(ka, d)
  *             if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0             # <<<<<<<<<<<<<<
@@ -68386,7 +69803,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
         goto __pyx_L29_bool_binop_done;
       }
 
-      /* "cattention/_driver/shortcuts.pxd":84
+      /* "cattention/_driver/shortcuts.pxd":85
  *             n_kv_heads = cnp.PyArray_DIM(ka, d)
  *             if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0
  *                     or shape[d] % n_kv_heads != 0):             # <<<<<<<<<<<<<<
@@ -68410,7 +69827,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 
       __pyx_L29_bool_binop_done:;
 
-      /* "cattention/_driver/shortcuts.pxd":83
+      /* "cattention/_driver/shortcuts.pxd":84
  *             # the head axis: H query heads in groups of H / H_kv per K/V head
  *             n_kv_heads = cnp.PyArray_DIM(ka, d)
  *             if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0             # <<<<<<<<<<<<<<
@@ -68420,7 +69837,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/shortcuts.pxd":85
+        /* "cattention/_driver/shortcuts.pxd":86
  *             if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0
  *                     or shape[d] % n_kv_heads != 0):
  *                 return None             # <<<<<<<<<<<<<<
@@ -68437,7 +69854,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
         }
         goto __pyx_L0;
 
-        /* "cattention/_driver/shortcuts.pxd":83
+        /* "cattention/_driver/shortcuts.pxd":84
  *             # the head axis: H query heads in groups of H / H_kv per K/V head
  *             n_kv_heads = cnp.PyArray_DIM(ka, d)
  *             if (cnp.PyArray_DIM(va, d) != n_kv_heads or n_kv_heads == 0             # <<<<<<<<<<<<<<
@@ -68446,7 +69863,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":86
+      /* "cattention/_driver/shortcuts.pxd":87
  *                     or shape[d] % n_kv_heads != 0):
  *                 return None
  *             group = shape[d] // n_kv_heads             # <<<<<<<<<<<<<<
@@ -68455,7 +69872,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
       __pyx_v_group = ((__pyx_v_shape[__pyx_v_d]) / __pyx_v_n_kv_heads);
 
-      /* "cattention/_driver/shortcuts.pxd":80
+      /* "cattention/_driver/shortcuts.pxd":81
  *     for d in range(ndim - 2):
  *         shape[d] = cnp.PyArray_DIM(qa, d)
  *         if grouped and d == ndim - 3:             # <<<<<<<<<<<<<<
@@ -68465,7 +69882,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
       goto __pyx_L25;
     }
 
-    /* "cattention/_driver/shortcuts.pxd":87
+    /* "cattention/_driver/shortcuts.pxd":88
  *                 return None
  *             group = shape[d] // n_kv_heads
  *         elif cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:             # <<<<<<<<<<<<<<
@@ -68491,7 +69908,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":88
+      /* "cattention/_driver/shortcuts.pxd":89
  *             group = shape[d] // n_kv_heads
  *         elif cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:
  *             return None             # <<<<<<<<<<<<<<
@@ -68508,7 +69925,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":87
+      /* "cattention/_driver/shortcuts.pxd":88
  *                 return None
  *             group = shape[d] // n_kv_heads
  *         elif cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:             # <<<<<<<<<<<<<<
@@ -68518,7 +69935,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     __pyx_L25:;
 
-    /* "cattention/_driver/shortcuts.pxd":89
+    /* "cattention/_driver/shortcuts.pxd":90
  *         elif cnp.PyArray_DIM(ka, d) != shape[d] or cnp.PyArray_DIM(va, d) != shape[d]:
  *             return None
  *         n_batch *= shape[d]             # <<<<<<<<<<<<<<
@@ -68529,7 +69946,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":90
+  /* "cattention/_driver/shortcuts.pxd":91
  *             return None
  *         n_batch *= shape[d]
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, ndim - 2)             # <<<<<<<<<<<<<<
@@ -68538,7 +69955,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_n_queries = PyArray_DIM(__pyx_v_qa, (__pyx_v_ndim - 2));
 
-  /* "cattention/_driver/shortcuts.pxd":91
+  /* "cattention/_driver/shortcuts.pxd":92
  *         n_batch *= shape[d]
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, ndim - 2)
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(qa, ndim - 1)             # <<<<<<<<<<<<<<
@@ -68547,7 +69964,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_d_k = PyArray_DIM(__pyx_v_qa, (__pyx_v_ndim - 1));
 
-  /* "cattention/_driver/shortcuts.pxd":92
+  /* "cattention/_driver/shortcuts.pxd":93
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, ndim - 2)
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(qa, ndim - 1)
  *     cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)             # <<<<<<<<<<<<<<
@@ -68556,7 +69973,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_n_keys = PyArray_DIM(__pyx_v_ka, (__pyx_v_ndim - 2));
 
-  /* "cattention/_driver/shortcuts.pxd":93
+  /* "cattention/_driver/shortcuts.pxd":94
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(qa, ndim - 1)
  *     cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)             # <<<<<<<<<<<<<<
@@ -68565,7 +69982,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_d_v = PyArray_DIM(__pyx_v_va, (__pyx_v_ndim - 1));
 
-  /* "cattention/_driver/shortcuts.pxd":94
+  /* "cattention/_driver/shortcuts.pxd":95
  *     cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)
  *     if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys             # <<<<<<<<<<<<<<
@@ -68583,7 +70000,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     goto __pyx_L35_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":95
+  /* "cattention/_driver/shortcuts.pxd":96
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)
  *     if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys
  *             or n_batch == 0 or n_queries == 0):             # <<<<<<<<<<<<<<
@@ -68617,7 +70034,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 
   __pyx_L35_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":94
+  /* "cattention/_driver/shortcuts.pxd":95
  *     cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)
  *     if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys             # <<<<<<<<<<<<<<
@@ -68627,7 +70044,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":96
+    /* "cattention/_driver/shortcuts.pxd":97
  *     if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys
  *             or n_batch == 0 or n_queries == 0):
  *         return None             # <<<<<<<<<<<<<<
@@ -68644,7 +70061,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":94
+    /* "cattention/_driver/shortcuts.pxd":95
  *     cdef Py_ssize_t n_keys = cnp.PyArray_DIM(ka, ndim - 2)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(va, ndim - 1)
  *     if (cnp.PyArray_DIM(ka, ndim - 1) != d_k or cnp.PyArray_DIM(va, ndim - 2) != n_keys             # <<<<<<<<<<<<<<
@@ -68653,7 +70070,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":98
+  /* "cattention/_driver/shortcuts.pxd":99
  *         return None
  *     if not output_fits(<double>n_batch * n_queries
  *                        * (n_keys if return_scores and n_keys > d_v else d_v),             # <<<<<<<<<<<<<<
@@ -68681,7 +70098,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":99
+  /* "cattention/_driver/shortcuts.pxd":100
  *     if not output_fits(<double>n_batch * n_queries
  *                        * (n_keys if return_scores and n_keys > d_v else d_v),
  *                        8 if compute == cnp.NPY_FLOAT64 else 4):             # <<<<<<<<<<<<<<
@@ -68699,7 +70116,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":97
+  /* "cattention/_driver/shortcuts.pxd":98
  *             or n_batch == 0 or n_queries == 0):
  *         return None
  *     if not output_fits(<double>n_batch * n_queries             # <<<<<<<<<<<<<<
@@ -68713,7 +70130,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":100
+    /* "cattention/_driver/shortcuts.pxd":101
  *                        * (n_keys if return_scores and n_keys > d_v else d_v),
  *                        8 if compute == cnp.NPY_FLOAT64 else 4):
  *         return None             # <<<<<<<<<<<<<<
@@ -68730,7 +70147,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":97
+    /* "cattention/_driver/shortcuts.pxd":98
  *             or n_batch == 0 or n_queries == 0):
  *         return None
  *     if not output_fits(<double>n_batch * n_queries             # <<<<<<<<<<<<<<
@@ -68739,28 +70156,28 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":102
+  /* "cattention/_driver/shortcuts.pxd":103
  *         return None
  *     cdef RowOptions row
  *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
  * 
 */
-  __pyx_t_9 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, (__pyx_v_compute == NPY_FLOAT32)); if (unlikely(__pyx_t_9 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(7, 102, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, (__pyx_v_compute == NPY_FLOAT32)); if (unlikely(__pyx_t_9 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(8, 103, __pyx_L1_error)
   __pyx_f_10cattention_7_driver_7problem_plain_row_options((&__pyx_v_row), __pyx_v_causal, __pyx_t_9);
 
 
-  /* "cattention/_driver/shortcuts.pxd":103
+  /* "cattention/_driver/shortcuts.pxd":104
  *     cdef RowOptions row
  *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)             # <<<<<<<<<<<<<<
  * 
  *     shape[ndim - 2] = n_queries
 */
-  __pyx_t_8 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(__pyx_t_8 == ((Py_ssize_t)-1L))) __PYX_ERR(7, 103, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(__pyx_t_8 == ((Py_ssize_t)-1L))) __PYX_ERR(8, 104, __pyx_L1_error)
   __pyx_v_threads = __pyx_t_8;
 
-  /* "cattention/_driver/shortcuts.pxd":105
+  /* "cattention/_driver/shortcuts.pxd":106
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
  * 
  *     shape[ndim - 2] = n_queries             # <<<<<<<<<<<<<<
@@ -68769,7 +70186,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   (__pyx_v_shape[(__pyx_v_ndim - 2)]) = __pyx_v_n_queries;
 
-  /* "cattention/_driver/shortcuts.pxd":106
+  /* "cattention/_driver/shortcuts.pxd":107
  * 
  *     shape[ndim - 2] = n_queries
  *     shape[ndim - 1] = d_v             # <<<<<<<<<<<<<<
@@ -68778,20 +70195,20 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   (__pyx_v_shape[(__pyx_v_ndim - 1)]) = __pyx_v_d_v;
 
-  /* "cattention/_driver/shortcuts.pxd":107
+  /* "cattention/_driver/shortcuts.pxd":108
  *     shape[ndim - 2] = n_queries
  *     shape[ndim - 1] = d_v
  *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)             # <<<<<<<<<<<<<<
  *     cdef cnp.ndarray scores = None
  *     if return_scores:
 */
-  __pyx_t_3 = PyArray_EMPTY(__pyx_v_ndim, ((npy_intp *)__pyx_v_shape), __pyx_v_compute, 0); if (unlikely(!__pyx_t_3)) __PYX_ERR(7, 107, __pyx_L1_error)
+  __pyx_t_3 = PyArray_EMPTY(__pyx_v_ndim, ((npy_intp *)__pyx_v_shape), __pyx_v_compute, 0); if (unlikely(!__pyx_t_3)) __PYX_ERR(8, 108, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 107, __pyx_L1_error)
+  if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 108, __pyx_L1_error)
   __pyx_v_out = ((PyArrayObject *)__pyx_t_3);
   __pyx_t_3 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":108
+  /* "cattention/_driver/shortcuts.pxd":109
  *     shape[ndim - 1] = d_v
  *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
  *     cdef cnp.ndarray scores = None             # <<<<<<<<<<<<<<
@@ -68801,7 +70218,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   __Pyx_INCREF(Py_None);
   __pyx_v_scores = ((PyArrayObject *)Py_None);
 
-  /* "cattention/_driver/shortcuts.pxd":109
+  /* "cattention/_driver/shortcuts.pxd":110
  *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
  *     cdef cnp.ndarray scores = None
  *     if return_scores:             # <<<<<<<<<<<<<<
@@ -68810,7 +70227,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   if (__pyx_v_return_scores) {
 
-    /* "cattention/_driver/shortcuts.pxd":110
+    /* "cattention/_driver/shortcuts.pxd":111
  *     cdef cnp.ndarray scores = None
  *     if return_scores:
  *         shape[ndim - 1] = n_keys             # <<<<<<<<<<<<<<
@@ -68819,20 +70236,20 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     (__pyx_v_shape[(__pyx_v_ndim - 1)]) = __pyx_v_n_keys;
 
-    /* "cattention/_driver/shortcuts.pxd":111
+    /* "cattention/_driver/shortcuts.pxd":112
  *     if return_scores:
  *         shape[ndim - 1] = n_keys
  *         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t query_period = 0
  *     if stacks_grouped_rows(group, n_queries, False, False):
 */
-    __pyx_t_3 = PyArray_EMPTY(__pyx_v_ndim, ((npy_intp *)__pyx_v_shape), __pyx_v_compute, 0); if (unlikely(!__pyx_t_3)) __PYX_ERR(7, 111, __pyx_L1_error)
+    __pyx_t_3 = PyArray_EMPTY(__pyx_v_ndim, ((npy_intp *)__pyx_v_shape), __pyx_v_compute, 0); if (unlikely(!__pyx_t_3)) __PYX_ERR(8, 112, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 111, __pyx_L1_error)
+    if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 112, __pyx_L1_error)
     __Pyx_DECREF_SET(__pyx_v_scores, ((PyArrayObject *)__pyx_t_3));
     __pyx_t_3 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":109
+    /* "cattention/_driver/shortcuts.pxd":110
  *     cdef cnp.ndarray out = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
  *     cdef cnp.ndarray scores = None
  *     if return_scores:             # <<<<<<<<<<<<<<
@@ -68841,7 +70258,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":112
+  /* "cattention/_driver/shortcuts.pxd":113
  *         shape[ndim - 1] = n_keys
  *         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
  *     cdef Py_ssize_t query_period = 0             # <<<<<<<<<<<<<<
@@ -68850,7 +70267,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   __pyx_v_query_period = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":113
+  /* "cattention/_driver/shortcuts.pxd":114
  *         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
  *     cdef Py_ssize_t query_period = 0
  *     if stacks_grouped_rows(group, n_queries, False, False):             # <<<<<<<<<<<<<<
@@ -68862,7 +70279,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":116
+    /* "cattention/_driver/shortcuts.pxd":117
  *         # a decode step: the G query heads' rows stacked as their K/V head's
  *         # rows (the outputs, C-contiguous, are the same memory either way)
  *         qa = qa.reshape((<object>q).shape[:ndim - 3]             # <<<<<<<<<<<<<<
@@ -68871,37 +70288,37 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     __pyx_t_10 = ((PyObject *)__pyx_v_qa);
     __Pyx_INCREF(__pyx_t_10);
-    __pyx_t_11 = __Pyx_PyObject_GetAttrStr(__pyx_v_q, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_11)) __PYX_ERR(7, 116, __pyx_L1_error)
+    __pyx_t_11 = __Pyx_PyObject_GetAttrStr(__pyx_v_q, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_11)) __PYX_ERR(8, 117, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
-    __pyx_t_12 = __Pyx_PyObject_GetSlice(__pyx_t_11, 0, (__pyx_v_ndim - 3), NULL, NULL, NULL, 0, 1, 0); if (unlikely(!__pyx_t_12)) __PYX_ERR(7, 116, __pyx_L1_error)
+    __pyx_t_12 = __Pyx_PyObject_GetSlice(__pyx_t_11, 0, (__pyx_v_ndim - 3), NULL, NULL, NULL, 0, 1, 0); if (unlikely(!__pyx_t_12)) __PYX_ERR(8, 117, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":117
+    /* "cattention/_driver/shortcuts.pxd":118
  *         # rows (the outputs, C-contiguous, are the same memory either way)
  *         qa = qa.reshape((<object>q).shape[:ndim - 3]
  *                         + (shape[ndim - 3] // group, group * n_queries, d_k))             # <<<<<<<<<<<<<<
  *         shape[ndim - 3] //= group
  *         query_period = n_queries
 */
-    __pyx_t_11 = PyLong_FromSsize_t(((__pyx_v_shape[(__pyx_v_ndim - 3)]) / __pyx_v_group)); if (unlikely(!__pyx_t_11)) __PYX_ERR(7, 117, __pyx_L1_error)
+    __pyx_t_11 = PyLong_FromSsize_t(((__pyx_v_shape[(__pyx_v_ndim - 3)]) / __pyx_v_group)); if (unlikely(!__pyx_t_11)) __PYX_ERR(8, 118, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
-    __pyx_t_13 = PyLong_FromSsize_t((__pyx_v_group * __pyx_v_n_queries)); if (unlikely(!__pyx_t_13)) __PYX_ERR(7, 117, __pyx_L1_error)
+    __pyx_t_13 = PyLong_FromSsize_t((__pyx_v_group * __pyx_v_n_queries)); if (unlikely(!__pyx_t_13)) __PYX_ERR(8, 118, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_13);
-    __pyx_t_14 = PyLong_FromSsize_t(__pyx_v_d_k); if (unlikely(!__pyx_t_14)) __PYX_ERR(7, 117, __pyx_L1_error)
+    __pyx_t_14 = PyLong_FromSsize_t(__pyx_v_d_k); if (unlikely(!__pyx_t_14)) __PYX_ERR(8, 118, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
-    __pyx_t_15 = PyTuple_New(3); if (unlikely(!__pyx_t_15)) __PYX_ERR(7, 117, __pyx_L1_error)
+    __pyx_t_15 = PyTuple_New(3); if (unlikely(!__pyx_t_15)) __PYX_ERR(8, 118, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_15);
     __Pyx_GIVEREF(__pyx_t_11);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 0, __pyx_t_11) != (0)) __PYX_ERR(7, 117, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 0, __pyx_t_11) != (0)) __PYX_ERR(8, 118, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_13);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 1, __pyx_t_13) != (0)) __PYX_ERR(7, 117, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 1, __pyx_t_13) != (0)) __PYX_ERR(8, 118, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_14);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 2, __pyx_t_14) != (0)) __PYX_ERR(7, 117, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_15, 2, __pyx_t_14) != (0)) __PYX_ERR(8, 118, __pyx_L1_error);
     __pyx_t_11 = 0;
     __pyx_t_13 = 0;
     __pyx_t_14 = 0;
-    __pyx_t_14 = PyNumber_Add(__pyx_t_12, __pyx_t_15); if (unlikely(!__pyx_t_14)) __PYX_ERR(7, 117, __pyx_L1_error)
+    __pyx_t_14 = PyNumber_Add(__pyx_t_12, __pyx_t_15); if (unlikely(!__pyx_t_14)) __PYX_ERR(8, 118, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
     __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
     __Pyx_DECREF(__pyx_t_15); __pyx_t_15 = 0;
@@ -68911,22 +70328,22 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
       __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_reshape, __pyx_callargs+__pyx_t_16, (2-__pyx_t_16) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_10); __pyx_t_10 = 0;
       __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(7, 116, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(8, 117, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
 
-    /* "cattention/_driver/shortcuts.pxd":116
+    /* "cattention/_driver/shortcuts.pxd":117
  *         # a decode step: the G query heads' rows stacked as their K/V head's
  *         # rows (the outputs, C-contiguous, are the same memory either way)
  *         qa = qa.reshape((<object>q).shape[:ndim - 3]             # <<<<<<<<<<<<<<
  *                         + (shape[ndim - 3] // group, group * n_queries, d_k))
  *         shape[ndim - 3] //= group
 */
-    if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 116, __pyx_L1_error)
+    if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 117, __pyx_L1_error)
     __Pyx_DECREF_SET(__pyx_v_qa, ((PyArrayObject *)__pyx_t_3));
     __pyx_t_3 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":118
+    /* "cattention/_driver/shortcuts.pxd":119
  *         qa = qa.reshape((<object>q).shape[:ndim - 3]
  *                         + (shape[ndim - 3] // group, group * n_queries, d_k))
  *         shape[ndim - 3] //= group             # <<<<<<<<<<<<<<
@@ -68937,7 +70354,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     __pyx_t_4 = (__pyx_v_ndim - 3);
     (__pyx_v_shape[__pyx_t_4]) = ((__pyx_v_shape[__pyx_t_4]) / __pyx_v_group);
 
-    /* "cattention/_driver/shortcuts.pxd":119
+    /* "cattention/_driver/shortcuts.pxd":120
  *                         + (shape[ndim - 3] // group, group * n_queries, d_k))
  *         shape[ndim - 3] //= group
  *         query_period = n_queries             # <<<<<<<<<<<<<<
@@ -68946,7 +70363,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     __pyx_v_query_period = __pyx_v_n_queries;
 
-    /* "cattention/_driver/shortcuts.pxd":120
+    /* "cattention/_driver/shortcuts.pxd":121
  *         shape[ndim - 3] //= group
  *         query_period = n_queries
  *         group = 1             # <<<<<<<<<<<<<<
@@ -68955,7 +70372,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     __pyx_v_group = 1;
 
-    /* "cattention/_driver/shortcuts.pxd":113
+    /* "cattention/_driver/shortcuts.pxd":114
  *         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
  *     cdef Py_ssize_t query_period = 0
  *     if stacks_grouped_rows(group, n_queries, False, False):             # <<<<<<<<<<<<<<
@@ -68964,17 +70381,17 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":122
+  /* "cattention/_driver/shortcuts.pxd":123
  *         group = 1
  *     cdef Problem pb
  *     cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2,             # <<<<<<<<<<<<<<
  *                                              shape, group, &row)
  *     if query_period > 0:
 */
-  __pyx_t_17 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_qa, __pyx_v_ka, __pyx_v_va, ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), (__pyx_v_ndim - 2), __pyx_v_shape, __pyx_v_group, (&__pyx_v_row)); if (unlikely(__pyx_t_17 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(7, 122, __pyx_L1_error)
+  __pyx_t_17 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_qa, __pyx_v_ka, __pyx_v_va, ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), (__pyx_v_ndim - 2), __pyx_v_shape, __pyx_v_group, (&__pyx_v_row)); if (unlikely(__pyx_t_17 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(8, 123, __pyx_L1_error)
   __pyx_v_index = __pyx_t_17;
 
-  /* "cattention/_driver/shortcuts.pxd":124
+  /* "cattention/_driver/shortcuts.pxd":125
  *     cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2,
  *                                              shape, group, &row)
  *     if query_period > 0:             # <<<<<<<<<<<<<<
@@ -68986,7 +70403,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":125
+    /* "cattention/_driver/shortcuts.pxd":126
  *                                              shape, group, &row)
  *     if query_period > 0:
  *         pb.query_period = query_period             # <<<<<<<<<<<<<<
@@ -68995,7 +70412,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     __pyx_v_pb.query_period = __pyx_v_query_period;
 
-    /* "cattention/_driver/shortcuts.pxd":124
+    /* "cattention/_driver/shortcuts.pxd":125
  *     cdef intp_t *index = problem_from_arrays(&pb, qa, ka, va, None, None, None, ndim - 2,
  *                                              shape, group, &row)
  *     if query_period > 0:             # <<<<<<<<<<<<<<
@@ -69004,17 +70421,17 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":126
+  /* "cattention/_driver/shortcuts.pxd":127
  *     if query_period > 0:
  *         pb.query_period = query_period
  *     run_then_free(&pb, index, kern, threads, out, scores)             # <<<<<<<<<<<<<<
  *     if type_num != compute:
  *         # bfloat16 in: the results rounded once to it
 */
-  __pyx_t_6 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_kern, __pyx_v_threads, __pyx_v_out, __pyx_v_scores); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(7, 126, __pyx_L1_error)
+  __pyx_t_6 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_kern, __pyx_v_threads, __pyx_v_out, __pyx_v_scores); if (unlikely(__pyx_t_6 == ((int)-1))) __PYX_ERR(8, 127, __pyx_L1_error)
 
 
-  /* "cattention/_driver/shortcuts.pxd":127
+  /* "cattention/_driver/shortcuts.pxd":128
  *         pb.query_period = query_period
  *     run_then_free(&pb, index, kern, threads, out, scores)
  *     if type_num != compute:             # <<<<<<<<<<<<<<
@@ -69026,20 +70443,20 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":129
+    /* "cattention/_driver/shortcuts.pxd":130
  *     if type_num != compute:
  *         # bfloat16 in: the results rounded once to it
  *         out = cnp.PyArray_Cast(out, type_num)             # <<<<<<<<<<<<<<
  *         if return_scores:
  *             scores = cnp.PyArray_Cast(scores, type_num)
 */
-    __pyx_t_3 = PyArray_Cast(__pyx_v_out, __pyx_v_type_num); if (unlikely(!__pyx_t_3)) __PYX_ERR(7, 129, __pyx_L1_error)
+    __pyx_t_3 = PyArray_Cast(__pyx_v_out, __pyx_v_type_num); if (unlikely(!__pyx_t_3)) __PYX_ERR(8, 130, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 129, __pyx_L1_error)
+    if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 130, __pyx_L1_error)
     __Pyx_DECREF_SET(__pyx_v_out, ((PyArrayObject *)__pyx_t_3));
     __pyx_t_3 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":130
+    /* "cattention/_driver/shortcuts.pxd":131
  *         # bfloat16 in: the results rounded once to it
  *         out = cnp.PyArray_Cast(out, type_num)
  *         if return_scores:             # <<<<<<<<<<<<<<
@@ -69048,20 +70465,20 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     if (__pyx_v_return_scores) {
 
-      /* "cattention/_driver/shortcuts.pxd":131
+      /* "cattention/_driver/shortcuts.pxd":132
  *         out = cnp.PyArray_Cast(out, type_num)
  *         if return_scores:
  *             scores = cnp.PyArray_Cast(scores, type_num)             # <<<<<<<<<<<<<<
  *     if return_scores:
  *         return out, scores
 */
-      __pyx_t_3 = PyArray_Cast(__pyx_v_scores, __pyx_v_type_num); if (unlikely(!__pyx_t_3)) __PYX_ERR(7, 131, __pyx_L1_error)
+      __pyx_t_3 = PyArray_Cast(__pyx_v_scores, __pyx_v_type_num); if (unlikely(!__pyx_t_3)) __PYX_ERR(8, 132, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 131, __pyx_L1_error)
+      if (!(likely(((__pyx_t_3) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_3, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 132, __pyx_L1_error)
       __Pyx_DECREF_SET(__pyx_v_scores, ((PyArrayObject *)__pyx_t_3));
       __pyx_t_3 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":130
+      /* "cattention/_driver/shortcuts.pxd":131
  *         # bfloat16 in: the results rounded once to it
  *         out = cnp.PyArray_Cast(out, type_num)
  *         if return_scores:             # <<<<<<<<<<<<<<
@@ -69070,7 +70487,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":127
+    /* "cattention/_driver/shortcuts.pxd":128
  *         pb.query_period = query_period
  *     run_then_free(&pb, index, kern, threads, out, scores)
  *     if type_num != compute:             # <<<<<<<<<<<<<<
@@ -69079,7 +70496,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":132
+  /* "cattention/_driver/shortcuts.pxd":133
  *         if return_scores:
  *             scores = cnp.PyArray_Cast(scores, type_num)
  *     if return_scores:             # <<<<<<<<<<<<<<
@@ -69088,21 +70505,21 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   if (__pyx_v_return_scores) {
 
-    /* "cattention/_driver/shortcuts.pxd":133
+    /* "cattention/_driver/shortcuts.pxd":134
  *             scores = cnp.PyArray_Cast(scores, type_num)
  *     if return_scores:
  *         return out, scores             # <<<<<<<<<<<<<<
  *     return out
  * 
 */
-    __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(7, 133, __pyx_L1_error)
+    __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(8, 134, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __Pyx_INCREF((PyObject *)__pyx_v_out);
     __Pyx_GIVEREF((PyObject *)__pyx_v_out);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, ((PyObject *)__pyx_v_out)) != (0)) __PYX_ERR(7, 133, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, ((PyObject *)__pyx_v_out)) != (0)) __PYX_ERR(8, 134, __pyx_L1_error);
     __Pyx_INCREF((PyObject *)__pyx_v_scores);
     __Pyx_GIVEREF((PyObject *)__pyx_v_scores);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, ((PyObject *)__pyx_v_scores)) != (0)) __PYX_ERR(7, 133, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, ((PyObject *)__pyx_v_scores)) != (0)) __PYX_ERR(8, 134, __pyx_L1_error);
     {
       PyObject *__pyx_temp;
       {
@@ -69114,7 +70531,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
     __pyx_t_3 = 0;
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":132
+    /* "cattention/_driver/shortcuts.pxd":133
  *         if return_scores:
  *             scores = cnp.PyArray_Cast(scores, type_num)
  *     if return_scores:             # <<<<<<<<<<<<<<
@@ -69123,7 +70540,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":134
+  /* "cattention/_driver/shortcuts.pxd":135
  *     if return_scores:
  *         return out, scores
  *     return out             # <<<<<<<<<<<<<<
@@ -69141,7 +70558,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/shortcuts.pxd":40
+  /* "cattention/_driver/shortcuts.pxd":41
  * # ------------------------------------------------------------------ dense
  * 
  * cdef inline object attention_shortcut(             # <<<<<<<<<<<<<<
@@ -69191,7 +70608,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
   return __pyx_r;
 }
 
-/* "cattention/_driver/shortcuts.pxd":139
+/* "cattention/_driver/shortcuts.pxd":140
  * # ----------------------------------------------------- contiguous KV cache
  * 
  * cdef inline object kvcache_shortcut(             # <<<<<<<<<<<<<<
@@ -69199,7 +70616,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_attentio
  *         object k_new, object v_new, object causal_flag, object scale, object gqa_flag,
 */
 
-static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(ca_kernels const *__pyx_v_kern, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal_flag, PyObject *__pyx_v_scale, PyObject *__pyx_v_gqa_flag, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_lse_flag, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(ca_kernels const *__pyx_v_kern, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal_flag, PyObject *__pyx_v_scale, PyObject *__pyx_v_gqa_flag, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_lse_flag, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit, PyObject *__pyx_v_rotary_cos, PyObject *__pyx_v_rotary_sin, PyObject *__pyx_v_interleaved_flag) {
   int __pyx_v_q_type;
   int __pyx_v_cache_type;
   int __pyx_v_causal;
@@ -69220,7 +70637,9 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   Py_ssize_t __pyx_v_n_new;
   struct __pyx_t_10cattention_7_driver_7problem_RowOptions __pyx_v_row;
   int __pyx_v_compute;
+  int __pyx_v_rotating;
   Py_ssize_t __pyx_v_threads;
+  PyObject *__pyx_v_rotated = NULL;
   Py_ssize_t __pyx_v_group;
   Py_ssize_t __pyx_v_shape[2];
   Py_ssize_t __pyx_v_query_period;
@@ -69249,26 +70668,27 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   Py_ssize_t __pyx_t_6;
   PyObject *__pyx_t_7 = NULL;
   PyObject *__pyx_t_8 = NULL;
-  PyObject *__pyx_t_9 = NULL;
+  PyObject *(*__pyx_t_9)(PyObject *);
   PyObject *__pyx_t_10 = NULL;
   PyObject *__pyx_t_11 = NULL;
   PyObject *__pyx_t_12 = NULL;
-  size_t __pyx_t_13;
-  Py_ssize_t __pyx_t_14;
+  PyObject *__pyx_t_13 = NULL;
+  size_t __pyx_t_14;
   Py_ssize_t __pyx_t_15;
-  int __pyx_t_16;
-  PyObject *__pyx_t_17 = NULL;
+  Py_ssize_t __pyx_t_16;
+  int __pyx_t_17;
   PyObject *__pyx_t_18 = NULL;
   PyObject *__pyx_t_19 = NULL;
-  __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_t_20;
+  PyObject *__pyx_t_20 = NULL;
+  __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_t_21;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("kvcache_shortcut", 0);
 
-  /* "cattention/_driver/shortcuts.pxd":153
- *     every other one it touches, the new rows within S_max; no option but
- *     causal, scale and num_threads. Else None, before anything is written."""
+  /* "cattention/_driver/shortcuts.pxd":157
+ *     (rotary.pxd: q and new rows of the compute type, every position within
+ *     the tables). Else None, before anything is written."""
  *     if (window is not None or softcap is not None or alibi_slopes is not None             # <<<<<<<<<<<<<<
  *             or sinks is not None or k_scale is not None or v_scale is not None
  *             or lse_flag is not False):
@@ -69292,8 +70712,8 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":154
- *     causal, scale and num_threads. Else None, before anything is written."""
+  /* "cattention/_driver/shortcuts.pxd":158
+ *     the tables). Else None, before anything is written."""
  *     if (window is not None or softcap is not None or alibi_slopes is not None
  *             or sinks is not None or k_scale is not None or v_scale is not None             # <<<<<<<<<<<<<<
  *             or lse_flag is not False):
@@ -69327,7 +70747,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":155
+  /* "cattention/_driver/shortcuts.pxd":159
  *     if (window is not None or softcap is not None or alibi_slopes is not None
  *             or sinks is not None or k_scale is not None or v_scale is not None
  *             or lse_flag is not False):             # <<<<<<<<<<<<<<
@@ -69349,9 +70769,9 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
   __pyx_L4_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":153
- *     every other one it touches, the new rows within S_max; no option but
- *     causal, scale and num_threads. Else None, before anything is written."""
+  /* "cattention/_driver/shortcuts.pxd":157
+ *     (rotary.pxd: q and new rows of the compute type, every position within
+ *     the tables). Else None, before anything is written."""
  *     if (window is not None or softcap is not None or alibi_slopes is not None             # <<<<<<<<<<<<<<
  *             or sinks is not None or k_scale is not None or v_scale is not None
  *             or lse_flag is not False):
@@ -69359,7 +70779,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":156
+    /* "cattention/_driver/shortcuts.pxd":160
  *             or sinks is not None or k_scale is not None or v_scale is not None
  *             or lse_flag is not False):
  *         return None             # <<<<<<<<<<<<<<
@@ -69376,16 +70796,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":153
- *     every other one it touches, the new rows within S_max; no option but
- *     causal, scale and num_threads. Else None, before anything is written."""
+    /* "cattention/_driver/shortcuts.pxd":157
+ *     (rotary.pxd: q and new rows of the compute type, every position within
+ *     the tables). Else None, before anything is written."""
  *     if (window is not None or softcap is not None or alibi_slopes is not None             # <<<<<<<<<<<<<<
  *             or sinks is not None or k_scale is not None or v_scale is not None
  *             or lse_flag is not False):
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":157
+  /* "cattention/_driver/shortcuts.pxd":161
  *             or lse_flag is not False):
  *         return None
  *     if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)             # <<<<<<<<<<<<<<
@@ -69403,7 +70823,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     goto __pyx_L12_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":158
+  /* "cattention/_driver/shortcuts.pxd":162
  *         return None
  *     if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)
  *             or not (causal_flag is True or causal_flag is False)):             # <<<<<<<<<<<<<<
@@ -69432,7 +70852,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
   __pyx_L12_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":157
+  /* "cattention/_driver/shortcuts.pxd":161
  *             or lse_flag is not False):
  *         return None
  *     if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)             # <<<<<<<<<<<<<<
@@ -69442,7 +70862,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":159
+    /* "cattention/_driver/shortcuts.pxd":163
  *     if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)
  *             or not (causal_flag is True or causal_flag is False)):
  *         return None             # <<<<<<<<<<<<<<
@@ -69459,7 +70879,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":157
+    /* "cattention/_driver/shortcuts.pxd":161
  *             or lse_flag is not False):
  *         return None
  *     if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)             # <<<<<<<<<<<<<<
@@ -69468,7 +70888,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":160
+  /* "cattention/_driver/shortcuts.pxd":164
  *             or not (causal_flag is True or causal_flag is False)):
  *         return None
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)             # <<<<<<<<<<<<<<
@@ -69477,7 +70897,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_q_type = PyArray_TYPE(((PyArrayObject *)__pyx_v_q));
 
-  /* "cattention/_driver/shortcuts.pxd":161
+  /* "cattention/_driver/shortcuts.pxd":165
  *         return None
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
  *     cdef int cache_type = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)             # <<<<<<<<<<<<<<
@@ -69486,7 +70906,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_cache_type = PyArray_TYPE(((PyArrayObject *)__pyx_v_k_cache));
 
-  /* "cattention/_driver/shortcuts.pxd":162
+  /* "cattention/_driver/shortcuts.pxd":166
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
  *     cdef int cache_type = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)
  *     if not serving_step_dtypes(q_type, cache_type):             # <<<<<<<<<<<<<<
@@ -69498,7 +70918,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":163
+    /* "cattention/_driver/shortcuts.pxd":167
  *     cdef int cache_type = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)
  *     if not serving_step_dtypes(q_type, cache_type):
  *         return None             # <<<<<<<<<<<<<<
@@ -69515,7 +70935,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":162
+    /* "cattention/_driver/shortcuts.pxd":166
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
  *     cdef int cache_type = cnp.PyArray_TYPE(<cnp.ndarray>k_cache)
  *     if not serving_step_dtypes(q_type, cache_type):             # <<<<<<<<<<<<<<
@@ -69524,7 +70944,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":164
+  /* "cattention/_driver/shortcuts.pxd":168
  *     if not serving_step_dtypes(q_type, cache_type):
  *         return None
  *     if gqa_flag is not None and gqa_flag is not True:             # <<<<<<<<<<<<<<
@@ -69548,7 +70968,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":165
+    /* "cattention/_driver/shortcuts.pxd":169
  *         return None
  *     if gqa_flag is not None and gqa_flag is not True:
  *         return None             # <<<<<<<<<<<<<<
@@ -69565,7 +70985,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":164
+    /* "cattention/_driver/shortcuts.pxd":168
  *     if not serving_step_dtypes(q_type, cache_type):
  *         return None
  *     if gqa_flag is not None and gqa_flag is not True:             # <<<<<<<<<<<<<<
@@ -69574,7 +70994,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":166
+  /* "cattention/_driver/shortcuts.pxd":170
  *     if gqa_flag is not None and gqa_flag is not True:
  *         return None
  *     cdef bint causal = causal_flag is True             # <<<<<<<<<<<<<<
@@ -69584,7 +71004,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __pyx_t_1 = (__pyx_v_causal_flag == Py_True);
   __pyx_v_causal = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":167
+  /* "cattention/_driver/shortcuts.pxd":171
  *         return None
  *     cdef bint causal = causal_flag is True
  *     cdef bint appending = k_new is not None             # <<<<<<<<<<<<<<
@@ -69594,7 +71014,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __pyx_t_1 = (__pyx_v_k_new != Py_None);
   __pyx_v_appending = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":168
+  /* "cattention/_driver/shortcuts.pxd":172
  *     cdef bint causal = causal_flag is True
  *     cdef bint appending = k_new is not None
  *     cdef cnp.ndarray qa = <cnp.ndarray>q             # <<<<<<<<<<<<<<
@@ -69606,7 +71026,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __pyx_v_qa = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":169
+  /* "cattention/_driver/shortcuts.pxd":173
  *     cdef bint appending = k_new is not None
  *     cdef cnp.ndarray qa = <cnp.ndarray>q
  *     cdef cnp.ndarray kc = <cnp.ndarray>k_cache             # <<<<<<<<<<<<<<
@@ -69618,7 +71038,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __pyx_v_kc = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":170
+  /* "cattention/_driver/shortcuts.pxd":174
  *     cdef cnp.ndarray qa = <cnp.ndarray>q
  *     cdef cnp.ndarray kc = <cnp.ndarray>k_cache
  *     cdef cnp.ndarray vc = <cnp.ndarray>v_cache             # <<<<<<<<<<<<<<
@@ -69630,7 +71050,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __pyx_v_vc = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":171
+  /* "cattention/_driver/shortcuts.pxd":175
  *     cdef cnp.ndarray kc = <cnp.ndarray>k_cache
  *     cdef cnp.ndarray vc = <cnp.ndarray>v_cache
  *     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths             # <<<<<<<<<<<<<<
@@ -69642,7 +71062,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __pyx_v_lengths = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":172
+  /* "cattention/_driver/shortcuts.pxd":176
  *     cdef cnp.ndarray vc = <cnp.ndarray>v_cache
  *     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None             # <<<<<<<<<<<<<<
@@ -69656,11 +71076,11 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     __Pyx_INCREF(Py_None);
     __pyx_t_4 = Py_None;
   }
-  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 172, __pyx_L1_error)
+  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 176, __pyx_L1_error)
   __pyx_v_kn = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":173
+  /* "cattention/_driver/shortcuts.pxd":177
  *     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None             # <<<<<<<<<<<<<<
@@ -69674,11 +71094,11 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     __Pyx_INCREF(Py_None);
     __pyx_t_4 = Py_None;
   }
-  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 173, __pyx_L1_error)
+  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 177, __pyx_L1_error)
   __pyx_v_vn = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":174
+  /* "cattention/_driver/shortcuts.pxd":178
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if not step_arrays_fit(qa, kc, vc, lengths, -1, q_type, cache_type):             # <<<<<<<<<<<<<<
@@ -69690,7 +71110,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":175
+    /* "cattention/_driver/shortcuts.pxd":179
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if not step_arrays_fit(qa, kc, vc, lengths, -1, q_type, cache_type):
  *         return None             # <<<<<<<<<<<<<<
@@ -69707,7 +71127,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":174
+    /* "cattention/_driver/shortcuts.pxd":178
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if not step_arrays_fit(qa, kc, vc, lengths, -1, q_type, cache_type):             # <<<<<<<<<<<<<<
@@ -69716,7 +71136,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":176
+  /* "cattention/_driver/shortcuts.pxd":180
  *     if not step_arrays_fit(qa, kc, vc, lengths, -1, q_type, cache_type):
  *         return None
  *     cdef Py_ssize_t n_batch = cnp.PyArray_DIM(kc, 0)             # <<<<<<<<<<<<<<
@@ -69725,7 +71145,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_batch = PyArray_DIM(__pyx_v_kc, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":177
+  /* "cattention/_driver/shortcuts.pxd":181
  *         return None
  *     cdef Py_ssize_t n_batch = cnp.PyArray_DIM(kc, 0)
  *     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kc, 1)             # <<<<<<<<<<<<<<
@@ -69734,7 +71154,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_kv_heads = PyArray_DIM(__pyx_v_kc, 1);
 
-  /* "cattention/_driver/shortcuts.pxd":178
+  /* "cattention/_driver/shortcuts.pxd":182
  *     cdef Py_ssize_t n_batch = cnp.PyArray_DIM(kc, 0)
  *     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kc, 1)
  *     cdef Py_ssize_t max_keys = cnp.PyArray_DIM(kc, 2)             # <<<<<<<<<<<<<<
@@ -69743,7 +71163,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_max_keys = PyArray_DIM(__pyx_v_kc, 2);
 
-  /* "cattention/_driver/shortcuts.pxd":179
+  /* "cattention/_driver/shortcuts.pxd":183
  *     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kc, 1)
  *     cdef Py_ssize_t max_keys = cnp.PyArray_DIM(kc, 2)
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(kc, 3)             # <<<<<<<<<<<<<<
@@ -69752,7 +71172,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_d_k = PyArray_DIM(__pyx_v_kc, 3);
 
-  /* "cattention/_driver/shortcuts.pxd":180
+  /* "cattention/_driver/shortcuts.pxd":184
  *     cdef Py_ssize_t max_keys = cnp.PyArray_DIM(kc, 2)
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(kc, 3)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vc, 3)             # <<<<<<<<<<<<<<
@@ -69761,7 +71181,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_d_v = PyArray_DIM(__pyx_v_vc, 3);
 
-  /* "cattention/_driver/shortcuts.pxd":181
+  /* "cattention/_driver/shortcuts.pxd":185
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(kc, 3)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vc, 3)
  *     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)             # <<<<<<<<<<<<<<
@@ -69770,7 +71190,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_heads = PyArray_DIM(__pyx_v_qa, 1);
 
-  /* "cattention/_driver/shortcuts.pxd":182
+  /* "cattention/_driver/shortcuts.pxd":186
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vc, 3)
  *     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)             # <<<<<<<<<<<<<<
@@ -69779,7 +71199,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_queries = PyArray_DIM(__pyx_v_qa, 2);
 
-  /* "cattention/_driver/shortcuts.pxd":183
+  /* "cattention/_driver/shortcuts.pxd":187
  *     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
  *     if not plain_lengths(lengths, max_keys):             # <<<<<<<<<<<<<<
@@ -69791,7 +71211,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":184
+    /* "cattention/_driver/shortcuts.pxd":188
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
  *     if not plain_lengths(lengths, max_keys):
  *         return None             # <<<<<<<<<<<<<<
@@ -69808,7 +71228,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":183
+    /* "cattention/_driver/shortcuts.pxd":187
  *     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
  *     if not plain_lengths(lengths, max_keys):             # <<<<<<<<<<<<<<
@@ -69817,7 +71237,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":185
+  /* "cattention/_driver/shortcuts.pxd":189
  *     if not plain_lengths(lengths, max_keys):
  *         return None
  *     cdef Py_ssize_t n_new = 0             # <<<<<<<<<<<<<<
@@ -69826,7 +71246,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_new = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":186
+  /* "cattention/_driver/shortcuts.pxd":190
  *         return None
  *     cdef Py_ssize_t n_new = 0
  *     if appending:             # <<<<<<<<<<<<<<
@@ -69835,7 +71255,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   if (__pyx_v_appending) {
 
-    /* "cattention/_driver/shortcuts.pxd":187
+    /* "cattention/_driver/shortcuts.pxd":191
  *     cdef Py_ssize_t n_new = 0
  *     if appending:
  *         if not new_rows_shaped(kn, vn, n_batch, n_kv_heads, d_k, d_v):             # <<<<<<<<<<<<<<
@@ -69847,7 +71267,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":188
+      /* "cattention/_driver/shortcuts.pxd":192
  *     if appending:
  *         if not new_rows_shaped(kn, vn, n_batch, n_kv_heads, d_k, d_v):
  *             return None             # <<<<<<<<<<<<<<
@@ -69864,7 +71284,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":187
+      /* "cattention/_driver/shortcuts.pxd":191
  *     cdef Py_ssize_t n_new = 0
  *     if appending:
  *         if not new_rows_shaped(kn, vn, n_batch, n_kv_heads, d_k, d_v):             # <<<<<<<<<<<<<<
@@ -69873,7 +71293,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":189
+    /* "cattention/_driver/shortcuts.pxd":193
  *         if not new_rows_shaped(kn, vn, n_batch, n_kv_heads, d_k, d_v):
  *             return None
  *         n_new = cnp.PyArray_DIM(kn, 2)             # <<<<<<<<<<<<<<
@@ -69882,7 +71302,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     __pyx_v_n_new = PyArray_DIM(__pyx_v_kn, 2);
 
-    /* "cattention/_driver/shortcuts.pxd":190
+    /* "cattention/_driver/shortcuts.pxd":194
  *             return None
  *         n_new = cnp.PyArray_DIM(kn, 2)
  *         if n_new == 0 or not writes_apart(kc, vc, lengths, qa, kn, vn):             # <<<<<<<<<<<<<<
@@ -69908,7 +71328,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":191
+      /* "cattention/_driver/shortcuts.pxd":195
  *         n_new = cnp.PyArray_DIM(kn, 2)
  *         if n_new == 0 or not writes_apart(kc, vc, lengths, qa, kn, vn):
  *             return None             # <<<<<<<<<<<<<<
@@ -69925,7 +71345,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":190
+      /* "cattention/_driver/shortcuts.pxd":194
  *             return None
  *         n_new = cnp.PyArray_DIM(kn, 2)
  *         if n_new == 0 or not writes_apart(kc, vc, lengths, qa, kn, vn):             # <<<<<<<<<<<<<<
@@ -69934,7 +71354,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":194
+    /* "cattention/_driver/shortcuts.pxd":198
  *         # new float32 rows for a float16 cache are converted as the general
  *         # path converts them; one beyond float16's range is its to refuse
  *         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:             # <<<<<<<<<<<<<<
@@ -69960,7 +71380,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":195
+      /* "cattention/_driver/shortcuts.pxd":199
  *         # path converts them; one beyond float16's range is its to refuse
  *         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
  *             if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32             # <<<<<<<<<<<<<<
@@ -69978,7 +71398,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
         goto __pyx_L31_bool_binop_done;
       }
 
-      /* "cattention/_driver/shortcuts.pxd":196
+      /* "cattention/_driver/shortcuts.pxd":200
  *         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
  *             if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32
  *                     and usable_input(kn, cnp.NPY_FLOAT32)             # <<<<<<<<<<<<<<
@@ -69996,7 +71416,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
         goto __pyx_L31_bool_binop_done;
       }
 
-      /* "cattention/_driver/shortcuts.pxd":197
+      /* "cattention/_driver/shortcuts.pxd":201
  *             if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32
  *                     and usable_input(kn, cnp.NPY_FLOAT32)
  *                     and usable_input(vn, cnp.NPY_FLOAT32)):             # <<<<<<<<<<<<<<
@@ -70010,7 +71430,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
       __pyx_L31_bool_binop_done:;
 
-      /* "cattention/_driver/shortcuts.pxd":195
+      /* "cattention/_driver/shortcuts.pxd":199
  *         # path converts them; one beyond float16's range is its to refuse
  *         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
  *             if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32             # <<<<<<<<<<<<<<
@@ -70023,7 +71443,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       if (__pyx_t_3) {
 
 
-        /* "cattention/_driver/shortcuts.pxd":198
+        /* "cattention/_driver/shortcuts.pxd":202
  *                     and usable_input(kn, cnp.NPY_FLOAT32)
  *                     and usable_input(vn, cnp.NPY_FLOAT32)):
  *                 return None             # <<<<<<<<<<<<<<
@@ -70040,7 +71460,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
         }
         goto __pyx_L0;
 
-        /* "cattention/_driver/shortcuts.pxd":195
+        /* "cattention/_driver/shortcuts.pxd":199
  *         # path converts them; one beyond float16's range is its to refuse
  *         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:
  *             if not (cnp.PyArray_TYPE(vn) == cnp.NPY_FLOAT32             # <<<<<<<<<<<<<<
@@ -70049,7 +71469,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":194
+      /* "cattention/_driver/shortcuts.pxd":198
  *         # new float32 rows for a float16 cache are converted as the general
  *         # path converts them; one beyond float16's range is its to refuse
  *         if cache_type == cnp.NPY_FLOAT16 and cnp.PyArray_TYPE(kn) == cnp.NPY_FLOAT32:             # <<<<<<<<<<<<<<
@@ -70059,7 +71479,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       goto __pyx_L27;
     }
 
-    /* "cattention/_driver/shortcuts.pxd":199
+    /* "cattention/_driver/shortcuts.pxd":203
  *                     and usable_input(vn, cnp.NPY_FLOAT32)):
  *                 return None
  *         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):             # <<<<<<<<<<<<<<
@@ -70088,7 +71508,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":200
+      /* "cattention/_driver/shortcuts.pxd":204
  *                 return None
  *         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
  *             return None             # <<<<<<<<<<<<<<
@@ -70105,7 +71525,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":199
+      /* "cattention/_driver/shortcuts.pxd":203
  *                     and usable_input(vn, cnp.NPY_FLOAT32)):
  *                 return None
  *         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):             # <<<<<<<<<<<<<<
@@ -70115,7 +71535,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     __pyx_L27:;
 
-    /* "cattention/_driver/shortcuts.pxd":186
+    /* "cattention/_driver/shortcuts.pxd":190
  *         return None
  *     cdef Py_ssize_t n_new = 0
  *     if appending:             # <<<<<<<<<<<<<<
@@ -70124,7 +71544,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":201
+  /* "cattention/_driver/shortcuts.pxd":205
  *         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
  *             return None
  *     if not output_fits(<double>n_batch * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):             # <<<<<<<<<<<<<<
@@ -70136,7 +71556,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":202
+    /* "cattention/_driver/shortcuts.pxd":206
  *             return None
  *     if not output_fits(<double>n_batch * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):
  *         return None             # <<<<<<<<<<<<<<
@@ -70153,7 +71573,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":201
+    /* "cattention/_driver/shortcuts.pxd":205
  *         elif not (usable_input(kn, cache_type) and usable_input(vn, cache_type)):
  *             return None
  *     if not output_fits(<double>n_batch * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):             # <<<<<<<<<<<<<<
@@ -70162,46 +71582,292 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":204
+  /* "cattention/_driver/shortcuts.pxd":208
  *         return None
  *     cdef RowOptions row
  *     cdef int compute = compute_type(q_type)             # <<<<<<<<<<<<<<
- *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
- *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
 */
   __pyx_v_compute = __pyx_f_10cattention_7_driver_7accepts_compute_type(__pyx_v_q_type);
 
-  /* "cattention/_driver/shortcuts.pxd":205
+  /* "cattention/_driver/shortcuts.pxd":209
  *     cdef RowOptions row
  *     cdef int compute = compute_type(q_type)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None             # <<<<<<<<<<<<<<
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+*/
+  __pyx_t_3 = (__pyx_v_rotary_cos == Py_None);
+  if (__pyx_t_3) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_3;
+
+    goto __pyx_L37_bool_binop_done;
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":210
+ *     cdef int compute = compute_type(q_type)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)             # <<<<<<<<<<<<<<
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+ *                                            compute, d_k):
+*/
+  __pyx_t_3 = (__pyx_v_rotary_sin == Py_None);
+  if (__pyx_t_3) {
+
+  } else {
+
+    __pyx_t_1 = __pyx_t_3;
+
+    goto __pyx_L37_bool_binop_done;
+  }
+  __pyx_t_3 = (__pyx_v_interleaved_flag == Py_False);
+
+  __pyx_t_1 = __pyx_t_3;
+
+  __pyx_L37_bool_binop_done:;
+
+  /* "cattention/_driver/shortcuts.pxd":209
+ *     cdef RowOptions row
+ *     cdef int compute = compute_type(q_type)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None             # <<<<<<<<<<<<<<
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+*/
+  __pyx_v_rotating = (!__pyx_t_1);
+
+
+  /* "cattention/_driver/shortcuts.pxd":211
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,             # <<<<<<<<<<<<<<
+ *                                            compute, d_k):
+ *         return None
+*/
+  if (__pyx_v_rotating) {
+  } else {
+
+    __pyx_t_1 = __pyx_v_rotating;
+    goto __pyx_L41_bool_binop_done;
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":212
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+ *                                            compute, d_k):             # <<<<<<<<<<<<<<
+ *         return None
+ *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
+*/
+  __pyx_t_3 = (!__pyx_f_10cattention_7_driver_6rotary_rotary_step_usable(__pyx_v_qa, __pyx_v_kn, __pyx_v_rotary_cos, __pyx_v_rotary_sin, __pyx_v_interleaved_flag, __pyx_v_compute, __pyx_v_d_k));
+
+
+  __pyx_t_1 = __pyx_t_3;
+
+  __pyx_L41_bool_binop_done:;
+
+  /* "cattention/_driver/shortcuts.pxd":211
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,             # <<<<<<<<<<<<<<
+ *                                            compute, d_k):
+ *         return None
+*/
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/shortcuts.pxd":213
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+ *                                            compute, d_k):
+ *         return None             # <<<<<<<<<<<<<<
+ *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
+ *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/shortcuts.pxd":211
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,             # <<<<<<<<<<<<<<
+ *                                            compute, d_k):
+ *         return None
+*/
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":214
+ *                                            compute, d_k):
+ *         return None
  *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
  * 
 */
-  __pyx_t_5 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, (__pyx_v_compute == NPY_FLOAT32)); if (unlikely(__pyx_t_5 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(7, 205, __pyx_L1_error)
+  __pyx_t_5 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, (__pyx_v_compute == NPY_FLOAT32)); if (unlikely(__pyx_t_5 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(8, 214, __pyx_L1_error)
   __pyx_f_10cattention_7_driver_7problem_plain_row_options((&__pyx_v_row), __pyx_v_causal, __pyx_t_5);
 
 
-  /* "cattention/_driver/shortcuts.pxd":206
- *     cdef int compute = compute_type(q_type)
+  /* "cattention/_driver/shortcuts.pxd":215
+ *         return None
  *     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)             # <<<<<<<<<<<<<<
  * 
- *     # everything that allocates comes before the append: the grouped rows,
+ *     # everything that allocates comes before the append: q and the new keys
 */
-  __pyx_t_6 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(__pyx_t_6 == ((Py_ssize_t)-1L))) __PYX_ERR(7, 206, __pyx_L1_error)
+  __pyx_t_6 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(__pyx_t_6 == ((Py_ssize_t)-1L))) __PYX_ERR(8, 215, __pyx_L1_error)
   __pyx_v_threads = __pyx_t_6;
 
-  /* "cattention/_driver/shortcuts.pxd":211
- *     # the output, float32 rows for a float16 cache converted as the general
- *     # path converts them
+  /* "cattention/_driver/shortcuts.pxd":220
+ *     # rotated, the grouped rows, the output, float32 rows for a float16
+ *     # cache converted as the general path converts them
+ *     if rotating:             # <<<<<<<<<<<<<<
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:
+*/
+  if (__pyx_v_rotating) {
+
+    /* "cattention/_driver/shortcuts.pxd":221
+ *     # cache converted as the general path converts them
+ *     if rotating:
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)             # <<<<<<<<<<<<<<
+ *         if rotated is None:
+ *             return None
+*/
+    if (!(likely(((__pyx_v_rotary_cos) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_rotary_cos, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 221, __pyx_L1_error)
+    if (!(likely(((__pyx_v_rotary_sin) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_rotary_sin, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 221, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_IsTrue(__pyx_v_interleaved_flag); if (unlikely((__pyx_t_1 == (int)-1) && PyErr_Occurred())) __PYX_ERR(8, 221, __pyx_L1_error)
+    __pyx_t_4 = __pyx_f_10cattention_7_driver_6rotary_rotated_step(__pyx_v_qa, __pyx_v_kn, ((PyArrayObject *)__pyx_v_rotary_cos), ((PyArrayObject *)__pyx_v_rotary_sin), __pyx_t_1, __pyx_v_lengths, __pyx_v_n_new); if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 221, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_4);
+
+    __pyx_v_rotated = __pyx_t_4;
+    __pyx_t_4 = 0;
+
+    /* "cattention/_driver/shortcuts.pxd":222
+ *     if rotating:
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:             # <<<<<<<<<<<<<<
+ *             return None
+ *         qa, kn = rotated
+*/
+    __pyx_t_1 = (__pyx_v_rotated == Py_None);
+    if (__pyx_t_1) {
+
+
+      /* "cattention/_driver/shortcuts.pxd":223
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:
+ *             return None             # <<<<<<<<<<<<<<
+ *         qa, kn = rotated
+ *     cdef Py_ssize_t group = n_heads // n_kv_heads
+*/
+      {
+        PyObject *__pyx_temp;
+        {
+          __pyx_temp = __pyx_r;
+          __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+        }
+        __Pyx_XDECREF(__pyx_temp);
+      }
+      goto __pyx_L0;
+
+      /* "cattention/_driver/shortcuts.pxd":222
+ *     if rotating:
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:             # <<<<<<<<<<<<<<
+ *             return None
+ *         qa, kn = rotated
+*/
+    }
+
+    /* "cattention/_driver/shortcuts.pxd":224
+ *         if rotated is None:
+ *             return None
+ *         qa, kn = rotated             # <<<<<<<<<<<<<<
+ *     cdef Py_ssize_t group = n_heads // n_kv_heads
+ *     cdef Py_ssize_t shape[2]
+*/
+    if ((likely(PyTuple_CheckExact(__pyx_v_rotated))) || (PyList_CheckExact(__pyx_v_rotated))) {
+      PyObject* sequence = __pyx_v_rotated;
+      Py_ssize_t size = __Pyx_PySequence_SIZE(sequence);
+      if (unlikely(size != 2)) {
+        if (size > 2) __Pyx_RaiseTooManyValuesError(2);
+        else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
+        __PYX_ERR(8, 224, __pyx_L1_error)
+      }
+      #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
+      if (likely(PyTuple_CheckExact(sequence))) {
+        __pyx_t_4 = PyTuple_GET_ITEM(sequence, 0);
+        __Pyx_INCREF(__pyx_t_4);
+        __pyx_t_7 = PyTuple_GET_ITEM(sequence, 1);
+        __Pyx_INCREF(__pyx_t_7);
+      } else {
+        __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 224, __pyx_L1_error)
+        __Pyx_XGOTREF(__pyx_t_4);
+        __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
+        if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 224, __pyx_L1_error)
+        __Pyx_XGOTREF(__pyx_t_7);
+      }
+      #else
+      __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 224, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_4);
+      __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 224, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_7);
+      #endif
+    } else {
+      Py_ssize_t index = -1;
+      __pyx_t_8 = PyObject_GetIter(__pyx_v_rotated); if (unlikely(!__pyx_t_8)) __PYX_ERR(8, 224, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_8);
+      __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_8);
+      index = 0; __pyx_t_4 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_4)) goto __pyx_L45_unpacking_failed;
+      __Pyx_GOTREF(__pyx_t_4);
+      index = 1; __pyx_t_7 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_7)) goto __pyx_L45_unpacking_failed;
+      __Pyx_GOTREF(__pyx_t_7);
+      if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(8, 224, __pyx_L1_error)
+      __pyx_t_9 = NULL;
+      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+      goto __pyx_L46_unpacking_done;
+      __pyx_L45_unpacking_failed:;
+      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+      __pyx_t_9 = NULL;
+      if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
+      __PYX_ERR(8, 224, __pyx_L1_error)
+      __pyx_L46_unpacking_done:;
+    }
+    if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 224, __pyx_L1_error)
+    if (!(likely(((__pyx_t_7) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_7, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 224, __pyx_L1_error)
+    __Pyx_DECREF_SET(__pyx_v_qa, ((PyArrayObject *)__pyx_t_4));
+    __pyx_t_4 = 0;
+    __Pyx_DECREF_SET(__pyx_v_kn, ((PyArrayObject *)__pyx_t_7));
+    __pyx_t_7 = 0;
+
+    /* "cattention/_driver/shortcuts.pxd":220
+ *     # rotated, the grouped rows, the output, float32 rows for a float16
+ *     # cache converted as the general path converts them
+ *     if rotating:             # <<<<<<<<<<<<<<
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:
+*/
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":225
+ *             return None
+ *         qa, kn = rotated
  *     cdef Py_ssize_t group = n_heads // n_kv_heads             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t shape[2]
  *     cdef Py_ssize_t query_period = 0
 */
   __pyx_v_group = (__pyx_v_n_heads / __pyx_v_n_kv_heads);
 
-  /* "cattention/_driver/shortcuts.pxd":213
+  /* "cattention/_driver/shortcuts.pxd":227
  *     cdef Py_ssize_t group = n_heads // n_kv_heads
  *     cdef Py_ssize_t shape[2]
  *     cdef Py_ssize_t query_period = 0             # <<<<<<<<<<<<<<
@@ -70210,7 +71876,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_query_period = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":214
+  /* "cattention/_driver/shortcuts.pxd":228
  *     cdef Py_ssize_t shape[2]
  *     cdef Py_ssize_t query_period = 0
  *     shape[0] = n_batch             # <<<<<<<<<<<<<<
@@ -70219,7 +71885,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   (__pyx_v_shape[0]) = __pyx_v_n_batch;
 
-  /* "cattention/_driver/shortcuts.pxd":215
+  /* "cattention/_driver/shortcuts.pxd":229
  *     cdef Py_ssize_t query_period = 0
  *     shape[0] = n_batch
  *     shape[1] = n_heads             # <<<<<<<<<<<<<<
@@ -70228,19 +71894,19 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   (__pyx_v_shape[1]) = __pyx_v_n_heads;
 
-  /* "cattention/_driver/shortcuts.pxd":216
+  /* "cattention/_driver/shortcuts.pxd":230
  *     shape[0] = n_batch
  *     shape[1] = n_heads
  *     cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, compute)             # <<<<<<<<<<<<<<
  *     if stacks_grouped_rows(group, n_queries, False, False):
  *         qa = qa.reshape((n_batch, n_kv_heads, group * n_queries, d_k))
 */
-  __pyx_t_4 = ((PyObject *)__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(__pyx_v_n_batch, __pyx_v_n_heads, __pyx_v_n_queries, __pyx_v_d_v, __pyx_v_compute)); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 216, __pyx_L1_error)
-  __Pyx_GOTREF(__pyx_t_4);
-  __pyx_v_out = ((PyArrayObject *)__pyx_t_4);
-  __pyx_t_4 = 0;
+  __pyx_t_7 = ((PyObject *)__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(__pyx_v_n_batch, __pyx_v_n_heads, __pyx_v_n_queries, __pyx_v_d_v, __pyx_v_compute)); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 230, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_7);
+  __pyx_v_out = ((PyArrayObject *)__pyx_t_7);
+  __pyx_t_7 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":217
+  /* "cattention/_driver/shortcuts.pxd":231
  *     shape[1] = n_heads
  *     cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, compute)
  *     if stacks_grouped_rows(group, n_queries, False, False):             # <<<<<<<<<<<<<<
@@ -70252,51 +71918,51 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":218
+    /* "cattention/_driver/shortcuts.pxd":232
  *     cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, compute)
  *     if stacks_grouped_rows(group, n_queries, False, False):
  *         qa = qa.reshape((n_batch, n_kv_heads, group * n_queries, d_k))             # <<<<<<<<<<<<<<
  *         shape[1] = n_kv_heads
  *         query_period = n_queries
 */
-    __pyx_t_7 = ((PyObject *)__pyx_v_qa);
-    __Pyx_INCREF(__pyx_t_7);
-    __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_n_batch); if (unlikely(!__pyx_t_8)) __PYX_ERR(7, 218, __pyx_L1_error)
+    __pyx_t_4 = ((PyObject *)__pyx_v_qa);
+    __Pyx_INCREF(__pyx_t_4);
+    __pyx_t_8 = PyLong_FromSsize_t(__pyx_v_n_batch); if (unlikely(!__pyx_t_8)) __PYX_ERR(8, 232, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
-    __pyx_t_9 = PyLong_FromSsize_t(__pyx_v_n_kv_heads); if (unlikely(!__pyx_t_9)) __PYX_ERR(7, 218, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_9);
-    __pyx_t_10 = PyLong_FromSsize_t((__pyx_v_group * __pyx_v_n_queries)); if (unlikely(!__pyx_t_10)) __PYX_ERR(7, 218, __pyx_L1_error)
+    __pyx_t_10 = PyLong_FromSsize_t(__pyx_v_n_kv_heads); if (unlikely(!__pyx_t_10)) __PYX_ERR(8, 232, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
-    __pyx_t_11 = PyLong_FromSsize_t(__pyx_v_d_k); if (unlikely(!__pyx_t_11)) __PYX_ERR(7, 218, __pyx_L1_error)
+    __pyx_t_11 = PyLong_FromSsize_t((__pyx_v_group * __pyx_v_n_queries)); if (unlikely(!__pyx_t_11)) __PYX_ERR(8, 232, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
-    __pyx_t_12 = PyTuple_New(4); if (unlikely(!__pyx_t_12)) __PYX_ERR(7, 218, __pyx_L1_error)
+    __pyx_t_12 = PyLong_FromSsize_t(__pyx_v_d_k); if (unlikely(!__pyx_t_12)) __PYX_ERR(8, 232, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
+    __pyx_t_13 = PyTuple_New(4); if (unlikely(!__pyx_t_13)) __PYX_ERR(8, 232, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_13);
     __Pyx_GIVEREF(__pyx_t_8);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_12, 0, __pyx_t_8) != (0)) __PYX_ERR(7, 218, __pyx_L1_error);
-    __Pyx_GIVEREF(__pyx_t_9);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_12, 1, __pyx_t_9) != (0)) __PYX_ERR(7, 218, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 0, __pyx_t_8) != (0)) __PYX_ERR(8, 232, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_10);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_12, 2, __pyx_t_10) != (0)) __PYX_ERR(7, 218, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 1, __pyx_t_10) != (0)) __PYX_ERR(8, 232, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_11);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_12, 3, __pyx_t_11) != (0)) __PYX_ERR(7, 218, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 2, __pyx_t_11) != (0)) __PYX_ERR(8, 232, __pyx_L1_error);
+    __Pyx_GIVEREF(__pyx_t_12);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 3, __pyx_t_12) != (0)) __PYX_ERR(8, 232, __pyx_L1_error);
     __pyx_t_8 = 0;
-    __pyx_t_9 = 0;
     __pyx_t_10 = 0;
     __pyx_t_11 = 0;
-    __pyx_t_13 = 0;
+    __pyx_t_12 = 0;
+    __pyx_t_14 = 0;
     {
-      PyObject *__pyx_callargs[2] = {__pyx_t_7, __pyx_t_12};
-      __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_reshape, __pyx_callargs+__pyx_t_13, (2-__pyx_t_13) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
-      __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
-      __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 218, __pyx_L1_error)
-      __Pyx_GOTREF(__pyx_t_4);
+      PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_t_13};
+      __pyx_t_7 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_reshape, __pyx_callargs+__pyx_t_14, (2-__pyx_t_14) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+      __Pyx_DECREF(__pyx_t_13); __pyx_t_13 = 0;
+      if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 232, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_7);
     }
-    if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 218, __pyx_L1_error)
-    __Pyx_DECREF_SET(__pyx_v_qa, ((PyArrayObject *)__pyx_t_4));
-    __pyx_t_4 = 0;
+    if (!(likely(((__pyx_t_7) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_7, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 232, __pyx_L1_error)
+    __Pyx_DECREF_SET(__pyx_v_qa, ((PyArrayObject *)__pyx_t_7));
+    __pyx_t_7 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":219
+    /* "cattention/_driver/shortcuts.pxd":233
  *     if stacks_grouped_rows(group, n_queries, False, False):
  *         qa = qa.reshape((n_batch, n_kv_heads, group * n_queries, d_k))
  *         shape[1] = n_kv_heads             # <<<<<<<<<<<<<<
@@ -70305,7 +71971,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     (__pyx_v_shape[1]) = __pyx_v_n_kv_heads;
 
-    /* "cattention/_driver/shortcuts.pxd":220
+    /* "cattention/_driver/shortcuts.pxd":234
  *         qa = qa.reshape((n_batch, n_kv_heads, group * n_queries, d_k))
  *         shape[1] = n_kv_heads
  *         query_period = n_queries             # <<<<<<<<<<<<<<
@@ -70314,7 +71980,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     __pyx_v_query_period = __pyx_v_n_queries;
 
-    /* "cattention/_driver/shortcuts.pxd":221
+    /* "cattention/_driver/shortcuts.pxd":235
  *         shape[1] = n_kv_heads
  *         query_period = n_queries
  *         group = 1             # <<<<<<<<<<<<<<
@@ -70323,7 +71989,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     __pyx_v_group = 1;
 
-    /* "cattention/_driver/shortcuts.pxd":217
+    /* "cattention/_driver/shortcuts.pxd":231
  *     shape[1] = n_heads
  *     cdef cnp.ndarray out = np_empty4(n_batch, n_heads, n_queries, d_v, compute)
  *     if stacks_grouped_rows(group, n_queries, False, False):             # <<<<<<<<<<<<<<
@@ -70332,7 +71998,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":222
+  /* "cattention/_driver/shortcuts.pxd":236
  *         query_period = n_queries
  *         group = 1
  *     cdef cnp.ndarray k_rows = kn             # <<<<<<<<<<<<<<
@@ -70342,7 +72008,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __Pyx_INCREF((PyObject *)__pyx_v_kn);
   __pyx_v_k_rows = __pyx_v_kn;
 
-  /* "cattention/_driver/shortcuts.pxd":223
+  /* "cattention/_driver/shortcuts.pxd":237
  *         group = 1
  *     cdef cnp.ndarray k_rows = kn
  *     cdef cnp.ndarray v_rows = vn             # <<<<<<<<<<<<<<
@@ -70352,7 +72018,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __Pyx_INCREF((PyObject *)__pyx_v_vn);
   __pyx_v_v_rows = __pyx_v_vn;
 
-  /* "cattention/_driver/shortcuts.pxd":224
+  /* "cattention/_driver/shortcuts.pxd":238
  *     cdef cnp.ndarray k_rows = kn
  *     cdef cnp.ndarray v_rows = vn
  *     if appending and cache_type != cnp.PyArray_TYPE(kn):             # <<<<<<<<<<<<<<
@@ -70363,18 +72029,18 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   } else {
 
     __pyx_t_1 = __pyx_v_appending;
-    goto __pyx_L39_bool_binop_done;
+    goto __pyx_L49_bool_binop_done;
   }
   __pyx_t_3 = (__pyx_v_cache_type != PyArray_TYPE(__pyx_v_kn));
 
 
   __pyx_t_1 = __pyx_t_3;
 
-  __pyx_L39_bool_binop_done:;
+  __pyx_L49_bool_binop_done:;
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":225
+    /* "cattention/_driver/shortcuts.pxd":239
  *     cdef cnp.ndarray v_rows = vn
  *     if appending and cache_type != cnp.PyArray_TYPE(kn):
  *         if not (half_holds(kn) and half_holds(vn)):             # <<<<<<<<<<<<<<
@@ -70389,21 +72055,21 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
       __pyx_t_1 = __pyx_t_3;
 
-      goto __pyx_L42_bool_binop_done;
+      goto __pyx_L52_bool_binop_done;
     }
     __pyx_t_3 = __pyx_f_10cattention_7_driver_7accepts_half_holds(__pyx_v_vn);
 
 
     __pyx_t_1 = __pyx_t_3;
 
-    __pyx_L42_bool_binop_done:;
+    __pyx_L52_bool_binop_done:;
     __pyx_t_3 = (!__pyx_t_1);
 
 
     if (__pyx_t_3) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":226
+      /* "cattention/_driver/shortcuts.pxd":240
  *     if appending and cache_type != cnp.PyArray_TYPE(kn):
  *         if not (half_holds(kn) and half_holds(vn)):
  *             return None             # <<<<<<<<<<<<<<
@@ -70420,7 +72086,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":225
+      /* "cattention/_driver/shortcuts.pxd":239
  *     cdef cnp.ndarray v_rows = vn
  *     if appending and cache_type != cnp.PyArray_TYPE(kn):
  *         if not (half_holds(kn) and half_holds(vn)):             # <<<<<<<<<<<<<<
@@ -70429,33 +72095,33 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":227
+    /* "cattention/_driver/shortcuts.pxd":241
  *         if not (half_holds(kn) and half_holds(vn)):
  *             return None
  *         k_rows = cnp.PyArray_Cast(kn, cnp.NPY_FLOAT16)             # <<<<<<<<<<<<<<
  *         v_rows = cnp.PyArray_Cast(vn, cnp.NPY_FLOAT16)
  * 
 */
-    __pyx_t_4 = PyArray_Cast(__pyx_v_kn, NPY_FLOAT16); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 227, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
-    if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 227, __pyx_L1_error)
-    __Pyx_DECREF_SET(__pyx_v_k_rows, ((PyArrayObject *)__pyx_t_4));
-    __pyx_t_4 = 0;
+    __pyx_t_7 = PyArray_Cast(__pyx_v_kn, NPY_FLOAT16); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 241, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_7);
+    if (!(likely(((__pyx_t_7) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_7, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 241, __pyx_L1_error)
+    __Pyx_DECREF_SET(__pyx_v_k_rows, ((PyArrayObject *)__pyx_t_7));
+    __pyx_t_7 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":228
+    /* "cattention/_driver/shortcuts.pxd":242
  *             return None
  *         k_rows = cnp.PyArray_Cast(kn, cnp.NPY_FLOAT16)
  *         v_rows = cnp.PyArray_Cast(vn, cnp.NPY_FLOAT16)             # <<<<<<<<<<<<<<
  * 
  *     # the lengths before the call, each leaving room for the new rows, the
 */
-    __pyx_t_4 = PyArray_Cast(__pyx_v_vn, NPY_FLOAT16); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 228, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
-    if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 228, __pyx_L1_error)
-    __Pyx_DECREF_SET(__pyx_v_v_rows, ((PyArrayObject *)__pyx_t_4));
-    __pyx_t_4 = 0;
+    __pyx_t_7 = PyArray_Cast(__pyx_v_vn, NPY_FLOAT16); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 242, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_7);
+    if (!(likely(((__pyx_t_7) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_7, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 242, __pyx_L1_error)
+    __Pyx_DECREF_SET(__pyx_v_v_rows, ((PyArrayObject *)__pyx_t_7));
+    __pyx_t_7 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":224
+    /* "cattention/_driver/shortcuts.pxd":238
  *     cdef cnp.ndarray k_rows = kn
  *     cdef cnp.ndarray v_rows = vn
  *     if appending and cache_type != cnp.PyArray_TYPE(kn):             # <<<<<<<<<<<<<<
@@ -70464,7 +72130,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":232
+  /* "cattention/_driver/shortcuts.pxd":246
  *     # the lengths before the call, each leaving room for the new rows, the
  *     # new rows' places, and the lengths after it of each batch entry
  *     cdef Py_ssize_t n_entries = shape[0] * shape[1]             # <<<<<<<<<<<<<<
@@ -70473,7 +72139,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_entries = ((__pyx_v_shape[0]) * (__pyx_v_shape[1]));
 
-  /* "cattention/_driver/shortcuts.pxd":233
+  /* "cattention/_driver/shortcuts.pxd":247
  *     # new rows' places, and the lengths after it of each batch entry
  *     cdef Py_ssize_t n_entries = shape[0] * shape[1]
  *     cdef intp_t *start = <intp_t *>malloc((3 * n_batch + n_entries) * sizeof(intp_t))             # <<<<<<<<<<<<<<
@@ -70482,7 +72148,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_start = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((((3 * __pyx_v_n_batch) + __pyx_v_n_entries) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
-  /* "cattention/_driver/shortcuts.pxd":234
+  /* "cattention/_driver/shortcuts.pxd":248
  *     cdef Py_ssize_t n_entries = shape[0] * shape[1]
  *     cdef intp_t *start = <intp_t *>malloc((3 * n_batch + n_entries) * sizeof(intp_t))
  *     if start == NULL:             # <<<<<<<<<<<<<<
@@ -70494,7 +72160,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_3) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":235
+    /* "cattention/_driver/shortcuts.pxd":249
  *     cdef intp_t *start = <intp_t *>malloc((3 * n_batch + n_entries) * sizeof(intp_t))
  *     if start == NULL:
  *         return None             # <<<<<<<<<<<<<<
@@ -70511,7 +72177,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":234
+    /* "cattention/_driver/shortcuts.pxd":248
  *     cdef Py_ssize_t n_entries = shape[0] * shape[1]
  *     cdef intp_t *start = <intp_t *>malloc((3 * n_batch + n_entries) * sizeof(intp_t))
  *     if start == NULL:             # <<<<<<<<<<<<<<
@@ -70520,7 +72186,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":236
+  /* "cattention/_driver/shortcuts.pxd":250
  *     if start == NULL:
  *         return None
  *     cdef intp_t *n_new_of = start + n_batch             # <<<<<<<<<<<<<<
@@ -70529,7 +72195,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_n_new_of = (__pyx_v_start + __pyx_v_n_batch);
 
-  /* "cattention/_driver/shortcuts.pxd":237
+  /* "cattention/_driver/shortcuts.pxd":251
  *         return None
  *     cdef intp_t *n_new_of = start + n_batch
  *     cdef intp_t *seq_offset = start + 2 * n_batch             # <<<<<<<<<<<<<<
@@ -70538,7 +72204,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_seq_offset = (__pyx_v_start + (2 * __pyx_v_n_batch));
 
-  /* "cattention/_driver/shortcuts.pxd":238
+  /* "cattention/_driver/shortcuts.pxd":252
  *     cdef intp_t *n_new_of = start + n_batch
  *     cdef intp_t *seq_offset = start + 2 * n_batch
  *     cdef intp_t *entry_lengths = start + 3 * n_batch             # <<<<<<<<<<<<<<
@@ -70547,7 +72213,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   __pyx_v_entry_lengths = (__pyx_v_start + (3 * __pyx_v_n_batch));
 
-  /* "cattention/_driver/shortcuts.pxd":240
+  /* "cattention/_driver/shortcuts.pxd":254
  *     cdef intp_t *entry_lengths = start + 3 * n_batch
  *     cdef Py_ssize_t b, e
  *     for b in range(n_batch):             # <<<<<<<<<<<<<<
@@ -70556,12 +72222,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
 
   __pyx_t_6 = __pyx_v_n_batch;
-  __pyx_t_14 = __pyx_t_6;
+  __pyx_t_15 = __pyx_t_6;
 
-  for (__pyx_t_15 = 0; __pyx_t_15 < __pyx_t_14; __pyx_t_15+=1) {
-    __pyx_v_b = __pyx_t_15;
+  for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
+    __pyx_v_b = __pyx_t_16;
 
-    /* "cattention/_driver/shortcuts.pxd":241
+    /* "cattention/_driver/shortcuts.pxd":255
  *     cdef Py_ssize_t b, e
  *     for b in range(n_batch):
  *         start[b] = load_length(lengths, b)             # <<<<<<<<<<<<<<
@@ -70570,7 +72236,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     (__pyx_v_start[__pyx_v_b]) = __pyx_f_10cattention_7_driver_7appends_load_length(__pyx_v_lengths, __pyx_v_b);
 
-    /* "cattention/_driver/shortcuts.pxd":242
+    /* "cattention/_driver/shortcuts.pxd":256
  *     for b in range(n_batch):
  *         start[b] = load_length(lengths, b)
  *         n_new_of[b] = n_new             # <<<<<<<<<<<<<<
@@ -70579,7 +72245,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     (__pyx_v_n_new_of[__pyx_v_b]) = __pyx_v_n_new;
 
-    /* "cattention/_driver/shortcuts.pxd":243
+    /* "cattention/_driver/shortcuts.pxd":257
  *         start[b] = load_length(lengths, b)
  *         n_new_of[b] = n_new
  *         if start[b] < 0 or start[b] > max_keys - n_new:             # <<<<<<<<<<<<<<
@@ -70594,18 +72260,18 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
       __pyx_t_3 = __pyx_t_1;
 
-      goto __pyx_L48_bool_binop_done;
+      goto __pyx_L58_bool_binop_done;
     }
     __pyx_t_1 = ((__pyx_v_start[__pyx_v_b]) > (__pyx_v_max_keys - __pyx_v_n_new));
 
 
     __pyx_t_3 = __pyx_t_1;
 
-    __pyx_L48_bool_binop_done:;
+    __pyx_L58_bool_binop_done:;
     if (__pyx_t_3) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":244
+      /* "cattention/_driver/shortcuts.pxd":258
  *         n_new_of[b] = n_new
  *         if start[b] < 0 or start[b] > max_keys - n_new:
  *             free(start)             # <<<<<<<<<<<<<<
@@ -70614,7 +72280,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       free(__pyx_v_start);
 
-      /* "cattention/_driver/shortcuts.pxd":245
+      /* "cattention/_driver/shortcuts.pxd":259
  *         if start[b] < 0 or start[b] > max_keys - n_new:
  *             free(start)
  *             return None             # <<<<<<<<<<<<<<
@@ -70631,7 +72297,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":243
+      /* "cattention/_driver/shortcuts.pxd":257
  *         start[b] = load_length(lengths, b)
  *         n_new_of[b] = n_new
  *         if start[b] < 0 or start[b] > max_keys - n_new:             # <<<<<<<<<<<<<<
@@ -70642,7 +72308,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":246
+  /* "cattention/_driver/shortcuts.pxd":260
  *             free(start)
  *             return None
  *     for e in range(n_entries):             # <<<<<<<<<<<<<<
@@ -70651,12 +72317,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
 
   __pyx_t_6 = __pyx_v_n_entries;
-  __pyx_t_14 = __pyx_t_6;
+  __pyx_t_15 = __pyx_t_6;
 
-  for (__pyx_t_15 = 0; __pyx_t_15 < __pyx_t_14; __pyx_t_15+=1) {
-    __pyx_v_e = __pyx_t_15;
+  for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
+    __pyx_v_e = __pyx_t_16;
 
-    /* "cattention/_driver/shortcuts.pxd":247
+    /* "cattention/_driver/shortcuts.pxd":261
  *             return None
  *     for e in range(n_entries):
  *         entry_lengths[e] = start[e // shape[1]] + n_new             # <<<<<<<<<<<<<<
@@ -70667,7 +72333,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":255
+  /* "cattention/_driver/shortcuts.pxd":269
  *     cdef NewRows rows
  *     cdef int k_or_v
  *     if appending:             # <<<<<<<<<<<<<<
@@ -70676,17 +72342,17 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   if (__pyx_v_appending) {
 
-    /* "cattention/_driver/shortcuts.pxd":256
+    /* "cattention/_driver/shortcuts.pxd":270
  *     cdef int k_or_v
  *     if appending:
  *         for k_or_v in range(2):             # <<<<<<<<<<<<<<
  *             cache_rows_of(&cache, kc if k_or_v == 0 else vc, NULL, 0)
  *             new_rows_of(&rows, k_rows if k_or_v == 0 else v_rows, seq_offset)
 */
-    for (__pyx_t_16 = 0; __pyx_t_16 < 2; __pyx_t_16+=1) {
-      __pyx_v_k_or_v = __pyx_t_16;
+    for (__pyx_t_17 = 0; __pyx_t_17 < 2; __pyx_t_17+=1) {
+      __pyx_v_k_or_v = __pyx_t_17;
 
-      /* "cattention/_driver/shortcuts.pxd":257
+      /* "cattention/_driver/shortcuts.pxd":271
  *     if appending:
  *         for k_or_v in range(2):
  *             cache_rows_of(&cache, kc if k_or_v == 0 else vc, NULL, 0)             # <<<<<<<<<<<<<<
@@ -70697,16 +72363,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
       if (__pyx_t_3) {
         __Pyx_INCREF((PyObject *)__pyx_v_kc);
-        __pyx_t_4 = ((PyObject *)__pyx_v_kc);
+        __pyx_t_7 = ((PyObject *)__pyx_v_kc);
       } else {
         __Pyx_INCREF((PyObject *)__pyx_v_vc);
-        __pyx_t_4 = ((PyObject *)__pyx_v_vc);
+        __pyx_t_7 = ((PyObject *)__pyx_v_vc);
       }
 
-      __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_cache), ((PyArrayObject *)__pyx_t_4), NULL, 0);
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+      __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_cache), ((PyArrayObject *)__pyx_t_7), NULL, 0);
+      __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":258
+      /* "cattention/_driver/shortcuts.pxd":272
  *         for k_or_v in range(2):
  *             cache_rows_of(&cache, kc if k_or_v == 0 else vc, NULL, 0)
  *             new_rows_of(&rows, k_rows if k_or_v == 0 else v_rows, seq_offset)             # <<<<<<<<<<<<<<
@@ -70717,16 +72383,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
       if (__pyx_t_3) {
         __Pyx_INCREF((PyObject *)__pyx_v_k_rows);
-        __pyx_t_4 = ((PyObject *)__pyx_v_k_rows);
+        __pyx_t_7 = ((PyObject *)__pyx_v_k_rows);
       } else {
         __Pyx_INCREF((PyObject *)__pyx_v_v_rows);
-        __pyx_t_4 = ((PyObject *)__pyx_v_v_rows);
+        __pyx_t_7 = ((PyObject *)__pyx_v_v_rows);
       }
 
-      __pyx_f_10cattention_7_driver_7appends_new_rows_of((&__pyx_v_rows), ((PyArrayObject *)__pyx_t_4), __pyx_v_seq_offset);
-      __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+      __pyx_f_10cattention_7_driver_7appends_new_rows_of((&__pyx_v_rows), ((PyArrayObject *)__pyx_t_7), __pyx_v_seq_offset);
+      __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":260
+      /* "cattention/_driver/shortcuts.pxd":274
  *             new_rows_of(&rows, k_rows if k_or_v == 0 else v_rows, seq_offset)
  *             append_rows(&cache, &rows, start, n_new_of, n_batch, n_kv_heads,
  *                         d_k if k_or_v == 0 else d_v)             # <<<<<<<<<<<<<<
@@ -70744,7 +72410,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       }
 
 
-      /* "cattention/_driver/shortcuts.pxd":259
+      /* "cattention/_driver/shortcuts.pxd":273
  *             cache_rows_of(&cache, kc if k_or_v == 0 else vc, NULL, 0)
  *             new_rows_of(&rows, k_rows if k_or_v == 0 else v_rows, seq_offset)
  *             append_rows(&cache, &rows, start, n_new_of, n_batch, n_kv_heads,             # <<<<<<<<<<<<<<
@@ -70755,7 +72421,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
     }
 
-    /* "cattention/_driver/shortcuts.pxd":261
+    /* "cattention/_driver/shortcuts.pxd":275
  *             append_rows(&cache, &rows, start, n_new_of, n_batch, n_kv_heads,
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)             # <<<<<<<<<<<<<<
@@ -70764,7 +72430,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
     __pyx_f_10cattention_7_driver_7appends_store_lengths(__pyx_v_lengths, __pyx_v_start, __pyx_v_n_new);
 
-    /* "cattention/_driver/shortcuts.pxd":255
+    /* "cattention/_driver/shortcuts.pxd":269
  *     cdef NewRows rows
  *     cdef int k_or_v
  *     if appending:             # <<<<<<<<<<<<<<
@@ -70773,7 +72439,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":262
+  /* "cattention/_driver/shortcuts.pxd":276
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -70783,23 +72449,23 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   {
     __Pyx_PyThreadState_declare
     __Pyx_PyThreadState_assign
-    __Pyx_ExceptionSave(&__pyx_t_17, &__pyx_t_18, &__pyx_t_19);
-    __Pyx_XGOTREF(__pyx_t_17);
+    __Pyx_ExceptionSave(&__pyx_t_18, &__pyx_t_19, &__pyx_t_20);
     __Pyx_XGOTREF(__pyx_t_18);
     __Pyx_XGOTREF(__pyx_t_19);
+    __Pyx_XGOTREF(__pyx_t_20);
     /*try:*/ {
 
-      /* "cattention/_driver/shortcuts.pxd":263
+      /* "cattention/_driver/shortcuts.pxd":277
  *         store_lengths(lengths, start, n_new)
  *     try:
  *         index = problem_from_arrays(&pb, qa, kc, vc, None, None, None, 2, shape, group, &row)             # <<<<<<<<<<<<<<
  *         if query_period > 0:
  *             pb.query_period = query_period
 */
-      __pyx_t_20 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_qa, __pyx_v_kc, __pyx_v_vc, ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), 2, __pyx_v_shape, __pyx_v_group, (&__pyx_v_row)); if (unlikely(__pyx_t_20 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(7, 263, __pyx_L55_error)
-      __pyx_v_index = __pyx_t_20;
+      __pyx_t_21 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_qa, __pyx_v_kc, __pyx_v_vc, ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), ((PyArrayObject *)Py_None), 2, __pyx_v_shape, __pyx_v_group, (&__pyx_v_row)); if (unlikely(__pyx_t_21 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(8, 277, __pyx_L65_error)
+      __pyx_v_index = __pyx_t_21;
 
-      /* "cattention/_driver/shortcuts.pxd":264
+      /* "cattention/_driver/shortcuts.pxd":278
  *     try:
  *         index = problem_from_arrays(&pb, qa, kc, vc, None, None, None, 2, shape, group, &row)
  *         if query_period > 0:             # <<<<<<<<<<<<<<
@@ -70811,7 +72477,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
       if (__pyx_t_3) {
 
 
-        /* "cattention/_driver/shortcuts.pxd":265
+        /* "cattention/_driver/shortcuts.pxd":279
  *         index = problem_from_arrays(&pb, qa, kc, vc, None, None, None, 2, shape, group, &row)
  *         if query_period > 0:
  *             pb.query_period = query_period             # <<<<<<<<<<<<<<
@@ -70820,7 +72486,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
         __pyx_v_pb.query_period = __pyx_v_query_period;
 
-        /* "cattention/_driver/shortcuts.pxd":264
+        /* "cattention/_driver/shortcuts.pxd":278
  *     try:
  *         index = problem_from_arrays(&pb, qa, kc, vc, None, None, None, 2, shape, group, &row)
  *         if query_period > 0:             # <<<<<<<<<<<<<<
@@ -70829,7 +72495,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":266
+      /* "cattention/_driver/shortcuts.pxd":280
  *         if query_period > 0:
  *             pb.query_period = query_period
  *         set_kv_lengths(&pb, entry_lengths, index)             # <<<<<<<<<<<<<<
@@ -70838,17 +72504,17 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       __pyx_f_10cattention_7_driver_11from_arrays_set_kv_lengths((&__pyx_v_pb), __pyx_v_entry_lengths, __pyx_v_index);
 
-      /* "cattention/_driver/shortcuts.pxd":267
+      /* "cattention/_driver/shortcuts.pxd":281
  *             pb.query_period = query_period
  *         set_kv_lengths(&pb, entry_lengths, index)
  *         run_then_free(&pb, index, kern, threads, out, None)             # <<<<<<<<<<<<<<
  *     except BaseException:
  *         # the computation failed (its memory): the new rows are given back,
 */
-      __pyx_t_16 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_kern, __pyx_v_threads, __pyx_v_out, ((PyArrayObject *)Py_None)); if (unlikely(__pyx_t_16 == ((int)-1))) __PYX_ERR(7, 267, __pyx_L55_error)
+      __pyx_t_17 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_kern, __pyx_v_threads, __pyx_v_out, ((PyArrayObject *)Py_None)); if (unlikely(__pyx_t_17 == ((int)-1))) __PYX_ERR(8, 281, __pyx_L65_error)
 
 
-      /* "cattention/_driver/shortcuts.pxd":262
+      /* "cattention/_driver/shortcuts.pxd":276
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -70856,35 +72522,35 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
  *         if query_period > 0:
 */
     }
-    __Pyx_XDECREF(__pyx_t_17); __pyx_t_17 = 0;
     __Pyx_XDECREF(__pyx_t_18); __pyx_t_18 = 0;
     __Pyx_XDECREF(__pyx_t_19); __pyx_t_19 = 0;
-    goto __pyx_L60_try_end;
-    __pyx_L55_error:;
+    __Pyx_XDECREF(__pyx_t_20); __pyx_t_20 = 0;
+    goto __pyx_L70_try_end;
+    __pyx_L65_error:;
     __Pyx_XDECREF(__pyx_t_10); __pyx_t_10 = 0;
     __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
     __Pyx_XDECREF(__pyx_t_12); __pyx_t_12 = 0;
+    __Pyx_XDECREF(__pyx_t_13); __pyx_t_13 = 0;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":268
+    /* "cattention/_driver/shortcuts.pxd":282
  *         set_kv_lengths(&pb, entry_lengths, index)
  *         run_then_free(&pb, index, kern, threads, out, None)
  *     except BaseException:             # <<<<<<<<<<<<<<
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
 */
-    __pyx_t_16 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
-    if (__pyx_t_16) {
+    __pyx_t_17 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
+    if (__pyx_t_17) {
       __Pyx_AddTraceback("cattention._driver.shortcuts.kvcache_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_4, &__pyx_t_12, &__pyx_t_7) < 0) __PYX_ERR(7, 268, __pyx_L57_except_error)
-      __Pyx_XGOTREF(__pyx_t_4);
-      __Pyx_XGOTREF(__pyx_t_12);
+      if (__Pyx_GetException(&__pyx_t_7, &__pyx_t_13, &__pyx_t_4) < 0) __PYX_ERR(8, 282, __pyx_L67_except_error)
       __Pyx_XGOTREF(__pyx_t_7);
+      __Pyx_XGOTREF(__pyx_t_13);
+      __Pyx_XGOTREF(__pyx_t_4);
 
-      /* "cattention/_driver/shortcuts.pxd":271
+      /* "cattention/_driver/shortcuts.pxd":285
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
  *         if appending:             # <<<<<<<<<<<<<<
@@ -70893,7 +72559,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       if (__pyx_v_appending) {
 
-        /* "cattention/_driver/shortcuts.pxd":272
+        /* "cattention/_driver/shortcuts.pxd":286
  *         # their slots free again past the lengths
  *         if appending:
  *             store_lengths(lengths, start, 0)             # <<<<<<<<<<<<<<
@@ -70902,7 +72568,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
         __pyx_f_10cattention_7_driver_7appends_store_lengths(__pyx_v_lengths, __pyx_v_start, 0);
 
-        /* "cattention/_driver/shortcuts.pxd":271
+        /* "cattention/_driver/shortcuts.pxd":285
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
  *         if appending:             # <<<<<<<<<<<<<<
@@ -70911,7 +72577,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":273
+      /* "cattention/_driver/shortcuts.pxd":287
  *         if appending:
  *             store_lengths(lengths, start, 0)
  *         free(start)             # <<<<<<<<<<<<<<
@@ -70920,39 +72586,39 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
       free(__pyx_v_start);
 
-      /* "cattention/_driver/shortcuts.pxd":274
+      /* "cattention/_driver/shortcuts.pxd":288
  *             store_lengths(lengths, start, 0)
  *         free(start)
  *         raise             # <<<<<<<<<<<<<<
  *     free(start)
  *     if q_type != compute:
 */
-      __Pyx_GIVEREF(__pyx_t_4);
-      __Pyx_GIVEREF(__pyx_t_12);
-      __Pyx_XGIVEREF(__pyx_t_7);
-      __Pyx_ErrRestoreWithState(__pyx_t_4, __pyx_t_12, __pyx_t_7);
-      __pyx_t_4 = 0;  __pyx_t_12 = 0;  __pyx_t_7 = 0; 
-      __PYX_ERR(7, 274, __pyx_L57_except_error)
+      __Pyx_GIVEREF(__pyx_t_7);
+      __Pyx_GIVEREF(__pyx_t_13);
+      __Pyx_XGIVEREF(__pyx_t_4);
+      __Pyx_ErrRestoreWithState(__pyx_t_7, __pyx_t_13, __pyx_t_4);
+      __pyx_t_7 = 0;  __pyx_t_13 = 0;  __pyx_t_4 = 0; 
+      __PYX_ERR(8, 288, __pyx_L67_except_error)
     }
-    goto __pyx_L57_except_error;
+    goto __pyx_L67_except_error;
 
-    /* "cattention/_driver/shortcuts.pxd":262
+    /* "cattention/_driver/shortcuts.pxd":276
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
  *         index = problem_from_arrays(&pb, qa, kc, vc, None, None, None, 2, shape, group, &row)
  *         if query_period > 0:
 */
-    __pyx_L57_except_error:;
-    __Pyx_XGIVEREF(__pyx_t_17);
+    __pyx_L67_except_error:;
     __Pyx_XGIVEREF(__pyx_t_18);
     __Pyx_XGIVEREF(__pyx_t_19);
-    __Pyx_ExceptionReset(__pyx_t_17, __pyx_t_18, __pyx_t_19);
+    __Pyx_XGIVEREF(__pyx_t_20);
+    __Pyx_ExceptionReset(__pyx_t_18, __pyx_t_19, __pyx_t_20);
     goto __pyx_L1_error;
-    __pyx_L60_try_end:;
+    __pyx_L70_try_end:;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":275
+  /* "cattention/_driver/shortcuts.pxd":289
  *         free(start)
  *         raise
  *     free(start)             # <<<<<<<<<<<<<<
@@ -70961,7 +72627,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   free(__pyx_v_start);
 
-  /* "cattention/_driver/shortcuts.pxd":276
+  /* "cattention/_driver/shortcuts.pxd":290
  *         raise
  *     free(start)
  *     if q_type != compute:             # <<<<<<<<<<<<<<
@@ -70973,27 +72639,27 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   if (__pyx_t_3) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":278
+    /* "cattention/_driver/shortcuts.pxd":292
  *     if q_type != compute:
  *         # bfloat16 in: the result rounded once to it
  *         return cnp.PyArray_Cast(out, q_type)             # <<<<<<<<<<<<<<
  *     return out
  * 
 */
-    __pyx_t_7 = PyArray_Cast(__pyx_v_out, __pyx_v_q_type); if (unlikely(!__pyx_t_7)) __PYX_ERR(7, 278, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_7);
+    __pyx_t_4 = PyArray_Cast(__pyx_v_out, __pyx_v_q_type); if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 292, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_4);
     {
       PyObject *__pyx_temp;
       {
         __pyx_temp = __pyx_r;
-        __pyx_r = __pyx_t_7;
+        __pyx_r = __pyx_t_4;
       }
       __Pyx_XDECREF(__pyx_temp);
     }
-    __pyx_t_7 = 0;
+    __pyx_t_4 = 0;
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":276
+    /* "cattention/_driver/shortcuts.pxd":290
  *         raise
  *     free(start)
  *     if q_type != compute:             # <<<<<<<<<<<<<<
@@ -71002,7 +72668,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":279
+  /* "cattention/_driver/shortcuts.pxd":293
  *         # bfloat16 in: the result rounded once to it
  *         return cnp.PyArray_Cast(out, q_type)
  *     return out             # <<<<<<<<<<<<<<
@@ -71020,7 +72686,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/shortcuts.pxd":139
+  /* "cattention/_driver/shortcuts.pxd":140
  * # ----------------------------------------------------- contiguous KV cache
  * 
  * cdef inline object kvcache_shortcut(             # <<<<<<<<<<<<<<
@@ -71033,10 +72699,10 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   __Pyx_XDECREF(__pyx_t_4);
   __Pyx_XDECREF(__pyx_t_7);
   __Pyx_XDECREF(__pyx_t_8);
-  __Pyx_XDECREF(__pyx_t_9);
   __Pyx_XDECREF(__pyx_t_10);
   __Pyx_XDECREF(__pyx_t_11);
   __Pyx_XDECREF(__pyx_t_12);
+  __Pyx_XDECREF(__pyx_t_13);
   __Pyx_AddTraceback("cattention._driver.shortcuts.kvcache_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = 0;
   __pyx_L0:;
@@ -71062,6 +72728,8 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
 
 
 
+  __Pyx_XDECREF(__pyx_v_rotated);
+
 
 
   __Pyx_XDECREF((PyObject *)__pyx_v_out);
@@ -71084,7 +72752,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_kvcache_
   return __pyx_r;
 }
 
-/* "cattention/_driver/shortcuts.pxd":284
+/* "cattention/_driver/shortcuts.pxd":298
  * # ------------------------------------------------------------ paged KV cache
  * 
  * cdef inline intp_t table_entry(cnp.ndarray table, Py_ssize_t s, Py_ssize_t slot) noexcept:             # <<<<<<<<<<<<<<
@@ -71097,7 +72765,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_r;
   int __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":287
+  /* "cattention/_driver/shortcuts.pxd":301
  *     """block_table[s, slot] of an aligned int64 or int32 table."""
  *     cdef char *at = (<char *>cnp.PyArray_DATA(table) + s * cnp.PyArray_STRIDE(table, 0)
  *                      + slot * cnp.PyArray_STRIDE(table, 1))             # <<<<<<<<<<<<<<
@@ -71106,7 +72774,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
 */
   __pyx_v_at = ((((char *)PyArray_DATA(__pyx_v_table)) + (__pyx_v_s * PyArray_STRIDE(__pyx_v_table, 0))) + (__pyx_v_slot * PyArray_STRIDE(__pyx_v_table, 1)));
 
-  /* "cattention/_driver/shortcuts.pxd":288
+  /* "cattention/_driver/shortcuts.pxd":302
  *     cdef char *at = (<char *>cnp.PyArray_DATA(table) + s * cnp.PyArray_STRIDE(table, 0)
  *                      + slot * cnp.PyArray_STRIDE(table, 1))
  *     if cnp.PyArray_TYPE(table) == cnp.NPY_INT64:             # <<<<<<<<<<<<<<
@@ -71118,7 +72786,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":289
+    /* "cattention/_driver/shortcuts.pxd":303
  *                      + slot * cnp.PyArray_STRIDE(table, 1))
  *     if cnp.PyArray_TYPE(table) == cnp.NPY_INT64:
  *         return (<long long *>at)[0]             # <<<<<<<<<<<<<<
@@ -71131,7 +72799,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":288
+    /* "cattention/_driver/shortcuts.pxd":302
  *     cdef char *at = (<char *>cnp.PyArray_DATA(table) + s * cnp.PyArray_STRIDE(table, 0)
  *                      + slot * cnp.PyArray_STRIDE(table, 1))
  *     if cnp.PyArray_TYPE(table) == cnp.NPY_INT64:             # <<<<<<<<<<<<<<
@@ -71140,7 +72808,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":290
+  /* "cattention/_driver/shortcuts.pxd":304
  *     if cnp.PyArray_TYPE(table) == cnp.NPY_INT64:
  *         return (<long long *>at)[0]
  *     return (<int *>at)[0]             # <<<<<<<<<<<<<<
@@ -71153,7 +72821,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/shortcuts.pxd":284
+  /* "cattention/_driver/shortcuts.pxd":298
  * # ------------------------------------------------------------ paged KV cache
  * 
  * cdef inline intp_t table_entry(cnp.ndarray table, Py_ssize_t s, Py_ssize_t slot) noexcept:             # <<<<<<<<<<<<<<
@@ -71168,7 +72836,7 @@ static CYTHON_INLINE __pyx_t_10cattention_7_driver_12kernel_table_intp_t __pyx_f
   return __pyx_r;
 }
 
-/* "cattention/_driver/shortcuts.pxd":293
+/* "cattention/_driver/shortcuts.pxd":307
  * 
  * 
  * cdef inline bint pages_written_once(const intp_t *table, Py_ssize_t n_seq, Py_ssize_t max_pages,             # <<<<<<<<<<<<<<
@@ -71191,7 +72859,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   Py_ssize_t __pyx_t_6;
   Py_ssize_t __pyx_t_7;
 
-  /* "cattention/_driver/shortcuts.pxd":300
+  /* "cattention/_driver/shortcuts.pxd":314
  *     sequence holds, and no two land on one row. (A page written to and used
  *     twice is always one or the other, the general path's to refuse.)"""
  *     cdef unsigned char *page_uses = <unsigned char *>calloc(n_pages, 1)             # <<<<<<<<<<<<<<
@@ -71200,7 +72868,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
   __pyx_v_page_uses = ((unsigned char *)calloc(__pyx_v_n_pages, 1));
 
-  /* "cattention/_driver/shortcuts.pxd":302
+  /* "cattention/_driver/shortcuts.pxd":316
  *     cdef unsigned char *page_uses = <unsigned char *>calloc(n_pages, 1)
  *     cdef Py_ssize_t s, slot, page
  *     cdef bint once = True             # <<<<<<<<<<<<<<
@@ -71209,7 +72877,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
   __pyx_v_once = 1;
 
-  /* "cattention/_driver/shortcuts.pxd":303
+  /* "cattention/_driver/shortcuts.pxd":317
  *     cdef Py_ssize_t s, slot, page
  *     cdef bint once = True
  *     if page_uses == NULL:             # <<<<<<<<<<<<<<
@@ -71221,7 +72889,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":304
+    /* "cattention/_driver/shortcuts.pxd":318
  *     cdef bint once = True
  *     if page_uses == NULL:
  *         return False             # <<<<<<<<<<<<<<
@@ -71234,7 +72902,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":303
+    /* "cattention/_driver/shortcuts.pxd":317
  *     cdef Py_ssize_t s, slot, page
  *     cdef bint once = True
  *     if page_uses == NULL:             # <<<<<<<<<<<<<<
@@ -71243,7 +72911,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":305
+  /* "cattention/_driver/shortcuts.pxd":319
  *     if page_uses == NULL:
  *         return False
  *     for s in range(n_seq):             # <<<<<<<<<<<<<<
@@ -71257,7 +72925,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_s = __pyx_t_4;
 
-    /* "cattention/_driver/shortcuts.pxd":306
+    /* "cattention/_driver/shortcuts.pxd":320
  *         return False
  *     for s in range(n_seq):
  *         for slot in range(start[s] // page_size, (new_length[s] - 1) // page_size + 1):             # <<<<<<<<<<<<<<
@@ -71271,7 +72939,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
     for (__pyx_t_7 = ((__pyx_v_start[__pyx_v_s]) / __pyx_v_page_size); __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_slot = __pyx_t_7;
 
-      /* "cattention/_driver/shortcuts.pxd":307
+      /* "cattention/_driver/shortcuts.pxd":321
  *     for s in range(n_seq):
  *         for slot in range(start[s] // page_size, (new_length[s] - 1) // page_size + 1):
  *             page_uses[table[s * max_pages + slot]] = 1             # <<<<<<<<<<<<<<
@@ -71284,7 +72952,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":308
+  /* "cattention/_driver/shortcuts.pxd":322
  *         for slot in range(start[s] // page_size, (new_length[s] - 1) // page_size + 1):
  *             page_uses[table[s * max_pages + slot]] = 1
  *     for s in range(n_seq):             # <<<<<<<<<<<<<<
@@ -71298,7 +72966,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_s = __pyx_t_4;
 
-    /* "cattention/_driver/shortcuts.pxd":309
+    /* "cattention/_driver/shortcuts.pxd":323
  *             page_uses[table[s * max_pages + slot]] = 1
  *     for s in range(n_seq):
  *         for slot in range((new_length[s] + page_size - 1) // page_size):             # <<<<<<<<<<<<<<
@@ -71312,7 +72980,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
     for (__pyx_t_7 = 0; __pyx_t_7 < __pyx_t_6; __pyx_t_7+=1) {
       __pyx_v_slot = __pyx_t_7;
 
-      /* "cattention/_driver/shortcuts.pxd":310
+      /* "cattention/_driver/shortcuts.pxd":324
  *     for s in range(n_seq):
  *         for slot in range((new_length[s] + page_size - 1) // page_size):
  *             page = table[s * max_pages + slot]             # <<<<<<<<<<<<<<
@@ -71321,7 +72989,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
       __pyx_v_page = (__pyx_v_table[((__pyx_v_s * __pyx_v_max_pages) + __pyx_v_slot)]);
 
-      /* "cattention/_driver/shortcuts.pxd":311
+      /* "cattention/_driver/shortcuts.pxd":325
  *         for slot in range((new_length[s] + page_size - 1) // page_size):
  *             page = table[s * max_pages + slot]
  *             if page_uses[page] == 2:             # <<<<<<<<<<<<<<
@@ -71333,7 +73001,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/shortcuts.pxd":312
+        /* "cattention/_driver/shortcuts.pxd":326
  *             page = table[s * max_pages + slot]
  *             if page_uses[page] == 2:
  *                 once = False             # <<<<<<<<<<<<<<
@@ -71342,7 +73010,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
         __pyx_v_once = 0;
 
-        /* "cattention/_driver/shortcuts.pxd":313
+        /* "cattention/_driver/shortcuts.pxd":327
  *             if page_uses[page] == 2:
  *                 once = False
  *                 break             # <<<<<<<<<<<<<<
@@ -71351,7 +73019,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
         goto __pyx_L11_break;
 
-        /* "cattention/_driver/shortcuts.pxd":311
+        /* "cattention/_driver/shortcuts.pxd":325
  *         for slot in range((new_length[s] + page_size - 1) // page_size):
  *             page = table[s * max_pages + slot]
  *             if page_uses[page] == 2:             # <<<<<<<<<<<<<<
@@ -71360,7 +73028,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":314
+      /* "cattention/_driver/shortcuts.pxd":328
  *                 once = False
  *                 break
  *             if page_uses[page] == 1:             # <<<<<<<<<<<<<<
@@ -71372,7 +73040,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
       if (__pyx_t_1) {
 
 
-        /* "cattention/_driver/shortcuts.pxd":315
+        /* "cattention/_driver/shortcuts.pxd":329
  *                 break
  *             if page_uses[page] == 1:
  *                 page_uses[page] = 2             # <<<<<<<<<<<<<<
@@ -71381,7 +73049,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
         (__pyx_v_page_uses[__pyx_v_page]) = 2;
 
-        /* "cattention/_driver/shortcuts.pxd":314
+        /* "cattention/_driver/shortcuts.pxd":328
  *                 once = False
  *                 break
  *             if page_uses[page] == 1:             # <<<<<<<<<<<<<<
@@ -71393,7 +73061,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
     __pyx_L11_break:;
 
 
-    /* "cattention/_driver/shortcuts.pxd":316
+    /* "cattention/_driver/shortcuts.pxd":330
  *             if page_uses[page] == 1:
  *                 page_uses[page] = 2
  *         if not once:             # <<<<<<<<<<<<<<
@@ -71405,7 +73073,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":317
+      /* "cattention/_driver/shortcuts.pxd":331
  *                 page_uses[page] = 2
  *         if not once:
  *             break             # <<<<<<<<<<<<<<
@@ -71414,7 +73082,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
       goto __pyx_L9_break;
 
-      /* "cattention/_driver/shortcuts.pxd":316
+      /* "cattention/_driver/shortcuts.pxd":330
  *             if page_uses[page] == 1:
  *                 page_uses[page] = 2
  *         if not once:             # <<<<<<<<<<<<<<
@@ -71426,7 +73094,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   __pyx_L9_break:;
 
 
-  /* "cattention/_driver/shortcuts.pxd":318
+  /* "cattention/_driver/shortcuts.pxd":332
  *         if not once:
  *             break
  *     free(page_uses)             # <<<<<<<<<<<<<<
@@ -71435,7 +73103,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
 */
   free(__pyx_v_page_uses);
 
-  /* "cattention/_driver/shortcuts.pxd":319
+  /* "cattention/_driver/shortcuts.pxd":333
  *             break
  *     free(page_uses)
  *     return once             # <<<<<<<<<<<<<<
@@ -71448,7 +73116,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/shortcuts.pxd":293
+  /* "cattention/_driver/shortcuts.pxd":307
  * 
  * 
  * cdef inline bint pages_written_once(const intp_t *table, Py_ssize_t n_seq, Py_ssize_t max_pages,             # <<<<<<<<<<<<<<
@@ -71467,7 +73135,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9shortcuts_pages_written_
   return __pyx_r;
 }
 
-/* "cattention/_driver/shortcuts.pxd":322
+/* "cattention/_driver/shortcuts.pxd":336
  * 
  * 
  * cdef inline void set_place(Place *place, cnp.ndarray arr, const intp_t *seq_offset,             # <<<<<<<<<<<<<<
@@ -71480,7 +73148,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
   Py_ssize_t __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/shortcuts.pxd":326
+  /* "cattention/_driver/shortcuts.pxd":340
  *     """The Place of arr: element strides of its token, head, feature (last)
  *     and page axes (page_axis -1: not paged)."""
  *     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(arr)             # <<<<<<<<<<<<<<
@@ -71489,7 +73157,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_item = PyArray_ITEMSIZE(__pyx_v_arr);
 
-  /* "cattention/_driver/shortcuts.pxd":327
+  /* "cattention/_driver/shortcuts.pxd":341
  *     and page axes (page_axis -1: not paged)."""
  *     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(arr)
  *     place.data = <const char *>cnp.PyArray_DATA(arr)             # <<<<<<<<<<<<<<
@@ -71498,7 +73166,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_place->data = ((char const *)PyArray_DATA(__pyx_v_arr));
 
-  /* "cattention/_driver/shortcuts.pxd":328
+  /* "cattention/_driver/shortcuts.pxd":342
  *     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(arr)
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)             # <<<<<<<<<<<<<<
@@ -71507,7 +73175,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_place->type_num = PyArray_TYPE(__pyx_v_arr);
 
-  /* "cattention/_driver/shortcuts.pxd":329
+  /* "cattention/_driver/shortcuts.pxd":343
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = seq_offset             # <<<<<<<<<<<<<<
@@ -71516,7 +73184,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_place->seq_offset = __pyx_v_seq_offset;
 
-  /* "cattention/_driver/shortcuts.pxd":330
+  /* "cattention/_driver/shortcuts.pxd":344
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = seq_offset
  *     place.t_stride = cnp.PyArray_STRIDE(arr, t_axis) // item             # <<<<<<<<<<<<<<
@@ -71525,7 +73193,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_place->t_stride = (PyArray_STRIDE(__pyx_v_arr, __pyx_v_t_axis) / __pyx_v_item);
 
-  /* "cattention/_driver/shortcuts.pxd":331
+  /* "cattention/_driver/shortcuts.pxd":345
  *     place.seq_offset = seq_offset
  *     place.t_stride = cnp.PyArray_STRIDE(arr, t_axis) // item
  *     place.h_stride = cnp.PyArray_STRIDE(arr, h_axis) // item             # <<<<<<<<<<<<<<
@@ -71534,7 +73202,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_place->h_stride = (PyArray_STRIDE(__pyx_v_arr, __pyx_v_h_axis) / __pyx_v_item);
 
-  /* "cattention/_driver/shortcuts.pxd":332
+  /* "cattention/_driver/shortcuts.pxd":346
  *     place.t_stride = cnp.PyArray_STRIDE(arr, t_axis) // item
  *     place.h_stride = cnp.PyArray_STRIDE(arr, h_axis) // item
  *     place.col_stride = cnp.PyArray_STRIDE(arr, cnp.PyArray_NDIM(arr) - 1) // item             # <<<<<<<<<<<<<<
@@ -71543,7 +73211,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 */
   __pyx_v_place->col_stride = (PyArray_STRIDE(__pyx_v_arr, (PyArray_NDIM(__pyx_v_arr) - 1)) / __pyx_v_item);
 
-  /* "cattention/_driver/shortcuts.pxd":333
+  /* "cattention/_driver/shortcuts.pxd":347
  *     place.h_stride = cnp.PyArray_STRIDE(arr, h_axis) // item
  *     place.col_stride = cnp.PyArray_STRIDE(arr, cnp.PyArray_NDIM(arr) - 1) // item
  *     place.page_stride = cnp.PyArray_STRIDE(arr, page_axis) // item if page_axis >= 0 else 0             # <<<<<<<<<<<<<<
@@ -71562,7 +73230,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 
   __pyx_v_place->page_stride = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":322
+  /* "cattention/_driver/shortcuts.pxd":336
  * 
  * 
  * cdef inline void set_place(Place *place, cnp.ndarray arr, const intp_t *seq_offset,             # <<<<<<<<<<<<<<
@@ -71575,7 +73243,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
 
 }
 
-/* "cattention/_driver/shortcuts.pxd":336
+/* "cattention/_driver/shortcuts.pxd":350
  * 
  * 
  * cdef inline object paged_shortcut(             # <<<<<<<<<<<<<<
@@ -71583,7 +73251,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9shortcuts_set_place(str
  *         object cache_lengths, object k_new, object v_new, object cu_seqlens_q,
 */
 
-static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(ca_kernels const *__pyx_v_kern, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal_flag, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_lse_flag, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(ca_kernels const *__pyx_v_kern, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal_flag, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_lse_flag, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit, PyObject *__pyx_v_rotary_cos, PyObject *__pyx_v_rotary_sin, PyObject *__pyx_v_interleaved_flag) {
   int __pyx_v_q_type;
   int __pyx_v_page_type;
   int __pyx_v_appending;
@@ -71607,7 +73275,9 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   Py_ssize_t __pyx_v_n_new;
   struct __pyx_t_10cattention_7_driver_7problem_RowOptions __pyx_v_row;
   int __pyx_v_compute;
+  int __pyx_v_rotating;
   Py_ssize_t __pyx_v_threads;
+  PyObject *__pyx_v_rotated = NULL;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_page_ids;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_start;
   __pyx_t_10cattention_7_driver_12kernel_table_intp_t *__pyx_v_new_length;
@@ -71635,25 +73305,26 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   PyObject *__pyx_t_4 = NULL;
   double __pyx_t_5;
   Py_ssize_t __pyx_t_6;
-  Py_ssize_t __pyx_t_7;
-  Py_ssize_t __pyx_t_8;
-  Py_ssize_t __pyx_t_9;
+  PyObject *__pyx_t_7 = NULL;
+  PyObject *__pyx_t_8 = NULL;
+  PyObject *(*__pyx_t_9)(PyObject *);
   Py_ssize_t __pyx_t_10;
   Py_ssize_t __pyx_t_11;
-  PyObject *__pyx_t_12 = NULL;
-  PyObject *__pyx_t_13 = NULL;
-  PyObject *__pyx_t_14 = NULL;
-  int __pyx_t_15;
+  Py_ssize_t __pyx_t_12;
+  Py_ssize_t __pyx_t_13;
+  Py_ssize_t __pyx_t_14;
+  PyObject *__pyx_t_15 = NULL;
   PyObject *__pyx_t_16 = NULL;
   PyObject *__pyx_t_17 = NULL;
+  int __pyx_t_18;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("paged_shortcut", 0);
 
-  /* "cattention/_driver/shortcuts.pxd":353
- *     used once (pages_written_once); no option but causal, scale and
- *     num_threads. Else None, before anything is written."""
+  /* "cattention/_driver/shortcuts.pxd":368
+ *     and rotary tables that the step reads in place (as for
+ *     kvcache_shortcut). Else None, before anything is written."""
  *     if (cu_seqlens_q is not None or window is not None or softcap is not None             # <<<<<<<<<<<<<<
  *             or alibi_slopes is not None or sinks is not None or k_scale is not None
  *             or v_scale is not None or lse_flag is not False):
@@ -71677,8 +73348,8 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":354
- *     num_threads. Else None, before anything is written."""
+  /* "cattention/_driver/shortcuts.pxd":369
+ *     kvcache_shortcut). Else None, before anything is written."""
  *     if (cu_seqlens_q is not None or window is not None or softcap is not None
  *             or alibi_slopes is not None or sinks is not None or k_scale is not None             # <<<<<<<<<<<<<<
  *             or v_scale is not None or lse_flag is not False):
@@ -71712,7 +73383,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":355
+  /* "cattention/_driver/shortcuts.pxd":370
  *     if (cu_seqlens_q is not None or window is not None or softcap is not None
  *             or alibi_slopes is not None or sinks is not None or k_scale is not None
  *             or v_scale is not None or lse_flag is not False):             # <<<<<<<<<<<<<<
@@ -71743,9 +73414,9 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
   __pyx_L4_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":353
- *     used once (pages_written_once); no option but causal, scale and
- *     num_threads. Else None, before anything is written."""
+  /* "cattention/_driver/shortcuts.pxd":368
+ *     and rotary tables that the step reads in place (as for
+ *     kvcache_shortcut). Else None, before anything is written."""
  *     if (cu_seqlens_q is not None or window is not None or softcap is not None             # <<<<<<<<<<<<<<
  *             or alibi_slopes is not None or sinks is not None or k_scale is not None
  *             or v_scale is not None or lse_flag is not False):
@@ -71753,7 +73424,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":356
+    /* "cattention/_driver/shortcuts.pxd":371
  *             or alibi_slopes is not None or sinks is not None or k_scale is not None
  *             or v_scale is not None or lse_flag is not False):
  *         return None             # <<<<<<<<<<<<<<
@@ -71770,16 +73441,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":353
- *     used once (pages_written_once); no option but causal, scale and
- *     num_threads. Else None, before anything is written."""
+    /* "cattention/_driver/shortcuts.pxd":368
+ *     and rotary tables that the step reads in place (as for
+ *     kvcache_shortcut). Else None, before anything is written."""
  *     if (cu_seqlens_q is not None or window is not None or softcap is not None             # <<<<<<<<<<<<<<
  *             or alibi_slopes is not None or sinks is not None or k_scale is not None
  *             or v_scale is not None or lse_flag is not False):
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":357
+  /* "cattention/_driver/shortcuts.pxd":372
  *             or v_scale is not None or lse_flag is not False):
  *         return None
  *     if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)             # <<<<<<<<<<<<<<
@@ -71797,7 +73468,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     goto __pyx_L13_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":358
+  /* "cattention/_driver/shortcuts.pxd":373
  *         return None
  *     if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)
  *             or type(block_table) is not cnp.ndarray             # <<<<<<<<<<<<<<
@@ -71814,7 +73485,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     goto __pyx_L13_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":359
+  /* "cattention/_driver/shortcuts.pxd":374
  *     if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)
  *             or type(block_table) is not cnp.ndarray
  *             or not (causal_flag is True or causal_flag is False)):             # <<<<<<<<<<<<<<
@@ -71843,7 +73514,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
   __pyx_L13_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":357
+  /* "cattention/_driver/shortcuts.pxd":372
  *             or v_scale is not None or lse_flag is not False):
  *         return None
  *     if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)             # <<<<<<<<<<<<<<
@@ -71853,7 +73524,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":360
+    /* "cattention/_driver/shortcuts.pxd":375
  *             or type(block_table) is not cnp.ndarray
  *             or not (causal_flag is True or causal_flag is False)):
  *         return None             # <<<<<<<<<<<<<<
@@ -71870,7 +73541,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":357
+    /* "cattention/_driver/shortcuts.pxd":372
  *             or v_scale is not None or lse_flag is not False):
  *         return None
  *     if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)             # <<<<<<<<<<<<<<
@@ -71879,7 +73550,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":361
+  /* "cattention/_driver/shortcuts.pxd":376
  *             or not (causal_flag is True or causal_flag is False)):
  *         return None
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)             # <<<<<<<<<<<<<<
@@ -71888,7 +73559,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_q_type = PyArray_TYPE(((PyArrayObject *)__pyx_v_q));
 
-  /* "cattention/_driver/shortcuts.pxd":362
+  /* "cattention/_driver/shortcuts.pxd":377
  *         return None
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
  *     cdef int page_type = cnp.PyArray_TYPE(<cnp.ndarray>k_pages)             # <<<<<<<<<<<<<<
@@ -71897,7 +73568,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_page_type = PyArray_TYPE(((PyArrayObject *)__pyx_v_k_pages));
 
-  /* "cattention/_driver/shortcuts.pxd":363
+  /* "cattention/_driver/shortcuts.pxd":378
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
  *     cdef int page_type = cnp.PyArray_TYPE(<cnp.ndarray>k_pages)
  *     if not serving_step_dtypes(q_type, page_type):             # <<<<<<<<<<<<<<
@@ -71909,7 +73580,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":364
+    /* "cattention/_driver/shortcuts.pxd":379
  *     cdef int page_type = cnp.PyArray_TYPE(<cnp.ndarray>k_pages)
  *     if not serving_step_dtypes(q_type, page_type):
  *         return None             # <<<<<<<<<<<<<<
@@ -71926,7 +73597,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":363
+    /* "cattention/_driver/shortcuts.pxd":378
  *     cdef int q_type = cnp.PyArray_TYPE(<cnp.ndarray>q)
  *     cdef int page_type = cnp.PyArray_TYPE(<cnp.ndarray>k_pages)
  *     if not serving_step_dtypes(q_type, page_type):             # <<<<<<<<<<<<<<
@@ -71935,7 +73606,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":365
+  /* "cattention/_driver/shortcuts.pxd":380
  *     if not serving_step_dtypes(q_type, page_type):
  *         return None
  *     cdef bint appending = k_new is not None             # <<<<<<<<<<<<<<
@@ -71945,7 +73616,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   __pyx_t_1 = (__pyx_v_k_new != Py_None);
   __pyx_v_appending = __pyx_t_1;
 
-  /* "cattention/_driver/shortcuts.pxd":366
+  /* "cattention/_driver/shortcuts.pxd":381
  *         return None
  *     cdef bint appending = k_new is not None
  *     cdef cnp.ndarray qa = <cnp.ndarray>q             # <<<<<<<<<<<<<<
@@ -71957,7 +73628,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   __pyx_v_qa = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":367
+  /* "cattention/_driver/shortcuts.pxd":382
  *     cdef bint appending = k_new is not None
  *     cdef cnp.ndarray qa = <cnp.ndarray>q
  *     cdef cnp.ndarray kp = <cnp.ndarray>k_pages             # <<<<<<<<<<<<<<
@@ -71969,7 +73640,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   __pyx_v_kp = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":368
+  /* "cattention/_driver/shortcuts.pxd":383
  *     cdef cnp.ndarray qa = <cnp.ndarray>q
  *     cdef cnp.ndarray kp = <cnp.ndarray>k_pages
  *     cdef cnp.ndarray vp = <cnp.ndarray>v_pages             # <<<<<<<<<<<<<<
@@ -71981,7 +73652,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   __pyx_v_vp = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":369
+  /* "cattention/_driver/shortcuts.pxd":384
  *     cdef cnp.ndarray kp = <cnp.ndarray>k_pages
  *     cdef cnp.ndarray vp = <cnp.ndarray>v_pages
  *     cdef cnp.ndarray table = <cnp.ndarray>block_table             # <<<<<<<<<<<<<<
@@ -71993,7 +73664,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   __pyx_v_table = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":370
+  /* "cattention/_driver/shortcuts.pxd":385
  *     cdef cnp.ndarray vp = <cnp.ndarray>v_pages
  *     cdef cnp.ndarray table = <cnp.ndarray>block_table
  *     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths             # <<<<<<<<<<<<<<
@@ -72005,7 +73676,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   __pyx_v_lengths = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":371
+  /* "cattention/_driver/shortcuts.pxd":386
  *     cdef cnp.ndarray table = <cnp.ndarray>block_table
  *     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None             # <<<<<<<<<<<<<<
@@ -72019,11 +73690,11 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __Pyx_INCREF(Py_None);
     __pyx_t_4 = Py_None;
   }
-  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 371, __pyx_L1_error)
+  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 386, __pyx_L1_error)
   __pyx_v_kn = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":372
+  /* "cattention/_driver/shortcuts.pxd":387
  *     cdef cnp.ndarray lengths = <cnp.ndarray>cache_lengths
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None             # <<<<<<<<<<<<<<
@@ -72037,11 +73708,11 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     __Pyx_INCREF(Py_None);
     __pyx_t_4 = Py_None;
   }
-  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(7, 372, __pyx_L1_error)
+  if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 387, __pyx_L1_error)
   __pyx_v_vn = ((PyArrayObject *)__pyx_t_4);
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":373
+  /* "cattention/_driver/shortcuts.pxd":388
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if cnp.PyArray_NDIM(table) != 2 or not (usable_input(table, cnp.NPY_INT64)             # <<<<<<<<<<<<<<
@@ -72059,7 +73730,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     goto __pyx_L20_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":374
+  /* "cattention/_driver/shortcuts.pxd":389
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if cnp.PyArray_NDIM(table) != 2 or not (usable_input(table, cnp.NPY_INT64)
  *                                             or usable_input(table, cnp.NPY_INT32)):             # <<<<<<<<<<<<<<
@@ -72083,7 +73754,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
   __pyx_L22_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":373
+  /* "cattention/_driver/shortcuts.pxd":388
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if cnp.PyArray_NDIM(table) != 2 or not (usable_input(table, cnp.NPY_INT64)             # <<<<<<<<<<<<<<
@@ -72100,7 +73771,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":375
+    /* "cattention/_driver/shortcuts.pxd":390
  *     if cnp.PyArray_NDIM(table) != 2 or not (usable_input(table, cnp.NPY_INT64)
  *                                             or usable_input(table, cnp.NPY_INT32)):
  *         return None             # <<<<<<<<<<<<<<
@@ -72117,7 +73788,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":373
+    /* "cattention/_driver/shortcuts.pxd":388
  *     cdef cnp.ndarray kn = <cnp.ndarray>k_new if appending else None
  *     cdef cnp.ndarray vn = <cnp.ndarray>v_new if appending else None
  *     if cnp.PyArray_NDIM(table) != 2 or not (usable_input(table, cnp.NPY_INT64)             # <<<<<<<<<<<<<<
@@ -72126,7 +73797,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":376
+  /* "cattention/_driver/shortcuts.pxd":391
  *                                             or usable_input(table, cnp.NPY_INT32)):
  *         return None
  *     if (cnp.PyArray_DIM(table, 1) == 0             # <<<<<<<<<<<<<<
@@ -72144,7 +73815,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     goto __pyx_L25_bool_binop_done;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":377
+  /* "cattention/_driver/shortcuts.pxd":392
  *         return None
  *     if (cnp.PyArray_DIM(table, 1) == 0
  *             or not step_arrays_fit(qa, kp, vp, lengths, cnp.PyArray_DIM(table, 0), q_type,             # <<<<<<<<<<<<<<
@@ -72158,7 +73829,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
   __pyx_L25_bool_binop_done:;
 
-  /* "cattention/_driver/shortcuts.pxd":376
+  /* "cattention/_driver/shortcuts.pxd":391
  *                                             or usable_input(table, cnp.NPY_INT32)):
  *         return None
  *     if (cnp.PyArray_DIM(table, 1) == 0             # <<<<<<<<<<<<<<
@@ -72168,7 +73839,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":379
+    /* "cattention/_driver/shortcuts.pxd":394
  *             or not step_arrays_fit(qa, kp, vp, lengths, cnp.PyArray_DIM(table, 0), q_type,
  *                                    page_type)):
  *         return None             # <<<<<<<<<<<<<<
@@ -72185,7 +73856,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":376
+    /* "cattention/_driver/shortcuts.pxd":391
  *                                             or usable_input(table, cnp.NPY_INT32)):
  *         return None
  *     if (cnp.PyArray_DIM(table, 1) == 0             # <<<<<<<<<<<<<<
@@ -72194,7 +73865,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":380
+  /* "cattention/_driver/shortcuts.pxd":395
  *                                    page_type)):
  *         return None
  *     cdef Py_ssize_t n_pages = cnp.PyArray_DIM(kp, 0)             # <<<<<<<<<<<<<<
@@ -72203,7 +73874,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_pages = PyArray_DIM(__pyx_v_kp, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":381
+  /* "cattention/_driver/shortcuts.pxd":396
  *         return None
  *     cdef Py_ssize_t n_pages = cnp.PyArray_DIM(kp, 0)
  *     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kp, 1)             # <<<<<<<<<<<<<<
@@ -72212,7 +73883,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_kv_heads = PyArray_DIM(__pyx_v_kp, 1);
 
-  /* "cattention/_driver/shortcuts.pxd":382
+  /* "cattention/_driver/shortcuts.pxd":397
  *     cdef Py_ssize_t n_pages = cnp.PyArray_DIM(kp, 0)
  *     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kp, 1)
  *     cdef Py_ssize_t page_size = cnp.PyArray_DIM(kp, 2)             # <<<<<<<<<<<<<<
@@ -72221,7 +73892,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_page_size = PyArray_DIM(__pyx_v_kp, 2);
 
-  /* "cattention/_driver/shortcuts.pxd":383
+  /* "cattention/_driver/shortcuts.pxd":398
  *     cdef Py_ssize_t n_kv_heads = cnp.PyArray_DIM(kp, 1)
  *     cdef Py_ssize_t page_size = cnp.PyArray_DIM(kp, 2)
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(kp, 3)             # <<<<<<<<<<<<<<
@@ -72230,7 +73901,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_d_k = PyArray_DIM(__pyx_v_kp, 3);
 
-  /* "cattention/_driver/shortcuts.pxd":384
+  /* "cattention/_driver/shortcuts.pxd":399
  *     cdef Py_ssize_t page_size = cnp.PyArray_DIM(kp, 2)
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(kp, 3)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vp, 3)             # <<<<<<<<<<<<<<
@@ -72239,7 +73910,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_d_v = PyArray_DIM(__pyx_v_vp, 3);
 
-  /* "cattention/_driver/shortcuts.pxd":385
+  /* "cattention/_driver/shortcuts.pxd":400
  *     cdef Py_ssize_t d_k = cnp.PyArray_DIM(kp, 3)
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vp, 3)
  *     cdef Py_ssize_t n_seq = cnp.PyArray_DIM(table, 0)             # <<<<<<<<<<<<<<
@@ -72248,7 +73919,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_seq = PyArray_DIM(__pyx_v_table, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":386
+  /* "cattention/_driver/shortcuts.pxd":401
  *     cdef Py_ssize_t d_v = cnp.PyArray_DIM(vp, 3)
  *     cdef Py_ssize_t n_seq = cnp.PyArray_DIM(table, 0)
  *     cdef Py_ssize_t max_pages = cnp.PyArray_DIM(table, 1)             # <<<<<<<<<<<<<<
@@ -72257,7 +73928,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_max_pages = PyArray_DIM(__pyx_v_table, 1);
 
-  /* "cattention/_driver/shortcuts.pxd":387
+  /* "cattention/_driver/shortcuts.pxd":402
  *     cdef Py_ssize_t n_seq = cnp.PyArray_DIM(table, 0)
  *     cdef Py_ssize_t max_pages = cnp.PyArray_DIM(table, 1)
  *     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)             # <<<<<<<<<<<<<<
@@ -72266,7 +73937,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_heads = PyArray_DIM(__pyx_v_qa, 1);
 
-  /* "cattention/_driver/shortcuts.pxd":388
+  /* "cattention/_driver/shortcuts.pxd":403
  *     cdef Py_ssize_t max_pages = cnp.PyArray_DIM(table, 1)
  *     cdef Py_ssize_t n_heads = cnp.PyArray_DIM(qa, 1)
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)             # <<<<<<<<<<<<<<
@@ -72275,7 +73946,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_queries = PyArray_DIM(__pyx_v_qa, 2);
 
-  /* "cattention/_driver/shortcuts.pxd":390
+  /* "cattention/_driver/shortcuts.pxd":405
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
  *     # positions a sequence can hold; int32 lengths must hold every one
  *     if <double>max_pages * page_size > 4.0e18:             # <<<<<<<<<<<<<<
@@ -72287,7 +73958,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":391
+    /* "cattention/_driver/shortcuts.pxd":406
  *     # positions a sequence can hold; int32 lengths must hold every one
  *     if <double>max_pages * page_size > 4.0e18:
  *         return None             # <<<<<<<<<<<<<<
@@ -72304,7 +73975,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":390
+    /* "cattention/_driver/shortcuts.pxd":405
  *     cdef Py_ssize_t n_queries = cnp.PyArray_DIM(qa, 2)
  *     # positions a sequence can hold; int32 lengths must hold every one
  *     if <double>max_pages * page_size > 4.0e18:             # <<<<<<<<<<<<<<
@@ -72313,7 +73984,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":392
+  /* "cattention/_driver/shortcuts.pxd":407
  *     if <double>max_pages * page_size > 4.0e18:
  *         return None
  *     cdef Py_ssize_t capacity = max_pages * page_size             # <<<<<<<<<<<<<<
@@ -72322,7 +73993,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_capacity = (__pyx_v_max_pages * __pyx_v_page_size);
 
-  /* "cattention/_driver/shortcuts.pxd":393
+  /* "cattention/_driver/shortcuts.pxd":408
  *         return None
  *     cdef Py_ssize_t capacity = max_pages * page_size
  *     if not plain_lengths(lengths, capacity):             # <<<<<<<<<<<<<<
@@ -72334,7 +74005,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":394
+    /* "cattention/_driver/shortcuts.pxd":409
  *     cdef Py_ssize_t capacity = max_pages * page_size
  *     if not plain_lengths(lengths, capacity):
  *         return None             # <<<<<<<<<<<<<<
@@ -72351,7 +74022,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":393
+    /* "cattention/_driver/shortcuts.pxd":408
  *         return None
  *     cdef Py_ssize_t capacity = max_pages * page_size
  *     if not plain_lengths(lengths, capacity):             # <<<<<<<<<<<<<<
@@ -72360,7 +74031,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":395
+  /* "cattention/_driver/shortcuts.pxd":410
  *     if not plain_lengths(lengths, capacity):
  *         return None
  *     cdef Py_ssize_t n_new = 0             # <<<<<<<<<<<<<<
@@ -72369,7 +74040,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_new = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":396
+  /* "cattention/_driver/shortcuts.pxd":411
  *         return None
  *     cdef Py_ssize_t n_new = 0
  *     if appending:             # <<<<<<<<<<<<<<
@@ -72378,7 +74049,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   if (__pyx_v_appending) {
 
-    /* "cattention/_driver/shortcuts.pxd":397
+    /* "cattention/_driver/shortcuts.pxd":412
  *     cdef Py_ssize_t n_new = 0
  *     if appending:
  *         if not (new_rows_shaped(kn, vn, n_seq, n_kv_heads, d_k, d_v)             # <<<<<<<<<<<<<<
@@ -72396,7 +74067,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       goto __pyx_L31_bool_binop_done;
     }
 
-    /* "cattention/_driver/shortcuts.pxd":398
+    /* "cattention/_driver/shortcuts.pxd":413
  *     if appending:
  *         if not (new_rows_shaped(kn, vn, n_seq, n_kv_heads, d_k, d_v)
  *                 and cnp.PyArray_DIM(kn, 2) == n_queries):             # <<<<<<<<<<<<<<
@@ -72410,7 +74081,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
     __pyx_L31_bool_binop_done:;
 
-    /* "cattention/_driver/shortcuts.pxd":397
+    /* "cattention/_driver/shortcuts.pxd":412
  *     cdef Py_ssize_t n_new = 0
  *     if appending:
  *         if not (new_rows_shaped(kn, vn, n_seq, n_kv_heads, d_k, d_v)             # <<<<<<<<<<<<<<
@@ -72423,7 +74094,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":399
+      /* "cattention/_driver/shortcuts.pxd":414
  *         if not (new_rows_shaped(kn, vn, n_seq, n_kv_heads, d_k, d_v)
  *                 and cnp.PyArray_DIM(kn, 2) == n_queries):
  *             return None             # <<<<<<<<<<<<<<
@@ -72440,7 +74111,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":397
+      /* "cattention/_driver/shortcuts.pxd":412
  *     cdef Py_ssize_t n_new = 0
  *     if appending:
  *         if not (new_rows_shaped(kn, vn, n_seq, n_kv_heads, d_k, d_v)             # <<<<<<<<<<<<<<
@@ -72449,7 +74120,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":400
+    /* "cattention/_driver/shortcuts.pxd":415
  *                 and cnp.PyArray_DIM(kn, 2) == n_queries):
  *             return None
  *         n_new = n_queries             # <<<<<<<<<<<<<<
@@ -72458,7 +74129,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     __pyx_v_n_new = __pyx_v_n_queries;
 
-    /* "cattention/_driver/shortcuts.pxd":401
+    /* "cattention/_driver/shortcuts.pxd":416
  *             return None
  *         n_new = n_queries
  *         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):             # <<<<<<<<<<<<<<
@@ -72487,7 +74158,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     if (__pyx_t_1) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":402
+      /* "cattention/_driver/shortcuts.pxd":417
  *         n_new = n_queries
  *         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
  *             return None             # <<<<<<<<<<<<<<
@@ -72504,7 +74175,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":401
+      /* "cattention/_driver/shortcuts.pxd":416
  *             return None
  *         n_new = n_queries
  *         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):             # <<<<<<<<<<<<<<
@@ -72513,7 +74184,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":403
+    /* "cattention/_driver/shortcuts.pxd":418
  *         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
  *             return None
  *         if not (writes_apart(kp, vp, lengths, qa, kn, vn)             # <<<<<<<<<<<<<<
@@ -72531,7 +74202,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       goto __pyx_L37_bool_binop_done;
     }
 
-    /* "cattention/_driver/shortcuts.pxd":404
+    /* "cattention/_driver/shortcuts.pxd":419
  *             return None
  *         if not (writes_apart(kp, vp, lengths, qa, kn, vn)
  *                 and apart(kp, table) and apart(vp, table) and apart(lengths, table)):             # <<<<<<<<<<<<<<
@@ -72565,7 +74236,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
     __pyx_L37_bool_binop_done:;
 
-    /* "cattention/_driver/shortcuts.pxd":403
+    /* "cattention/_driver/shortcuts.pxd":418
  *         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
  *             return None
  *         if not (writes_apart(kp, vp, lengths, qa, kn, vn)             # <<<<<<<<<<<<<<
@@ -72578,7 +74249,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":405
+      /* "cattention/_driver/shortcuts.pxd":420
  *         if not (writes_apart(kp, vp, lengths, qa, kn, vn)
  *                 and apart(kp, table) and apart(vp, table) and apart(lengths, table)):
  *             return None             # <<<<<<<<<<<<<<
@@ -72595,7 +74266,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
       }
       goto __pyx_L0;
 
-      /* "cattention/_driver/shortcuts.pxd":403
+      /* "cattention/_driver/shortcuts.pxd":418
  *         if not (usable_input(kn, page_type) and usable_input(vn, page_type)):
  *             return None
  *         if not (writes_apart(kp, vp, lengths, qa, kn, vn)             # <<<<<<<<<<<<<<
@@ -72604,7 +74275,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":396
+    /* "cattention/_driver/shortcuts.pxd":411
  *         return None
  *     cdef Py_ssize_t n_new = 0
  *     if appending:             # <<<<<<<<<<<<<<
@@ -72613,7 +74284,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":406
+  /* "cattention/_driver/shortcuts.pxd":421
  *                 and apart(kp, table) and apart(vp, table) and apart(lengths, table)):
  *             return None
  *     if not output_fits(<double>n_seq * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):             # <<<<<<<<<<<<<<
@@ -72625,7 +74296,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":407
+    /* "cattention/_driver/shortcuts.pxd":422
  *             return None
  *     if not output_fits(<double>n_seq * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):
  *         return None             # <<<<<<<<<<<<<<
@@ -72642,7 +74313,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":406
+    /* "cattention/_driver/shortcuts.pxd":421
  *                 and apart(kp, table) and apart(vp, table) and apart(lengths, table)):
  *             return None
  *     if not output_fits(<double>n_seq * n_heads * n_queries * d_v, cnp.PyArray_ITEMSIZE(qa)):             # <<<<<<<<<<<<<<
@@ -72651,36 +74322,149 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":409
+  /* "cattention/_driver/shortcuts.pxd":424
  *         return None
  *     cdef RowOptions row
  *     cdef int compute = compute_type(q_type)             # <<<<<<<<<<<<<<
- *     plain_row_options(&row, causal_flag is True,
- *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
 */
   __pyx_v_compute = __pyx_f_10cattention_7_driver_7accepts_compute_type(__pyx_v_q_type);
 
-  /* "cattention/_driver/shortcuts.pxd":410
+  /* "cattention/_driver/shortcuts.pxd":425
  *     cdef RowOptions row
  *     cdef int compute = compute_type(q_type)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None             # <<<<<<<<<<<<<<
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+*/
+  __pyx_t_1 = (__pyx_v_rotary_cos == Py_None);
+  if (__pyx_t_1) {
+
+  } else {
+
+    __pyx_t_2 = __pyx_t_1;
+
+    goto __pyx_L42_bool_binop_done;
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":426
+ *     cdef int compute = compute_type(q_type)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)             # <<<<<<<<<<<<<<
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+ *                                            compute, d_k):
+*/
+  __pyx_t_1 = (__pyx_v_rotary_sin == Py_None);
+  if (__pyx_t_1) {
+
+  } else {
+
+    __pyx_t_2 = __pyx_t_1;
+
+    goto __pyx_L42_bool_binop_done;
+  }
+  __pyx_t_1 = (__pyx_v_interleaved_flag == Py_False);
+
+  __pyx_t_2 = __pyx_t_1;
+
+  __pyx_L42_bool_binop_done:;
+
+  /* "cattention/_driver/shortcuts.pxd":425
+ *     cdef RowOptions row
+ *     cdef int compute = compute_type(q_type)
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None             # <<<<<<<<<<<<<<
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+*/
+  __pyx_v_rotating = (!__pyx_t_2);
+
+
+  /* "cattention/_driver/shortcuts.pxd":427
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,             # <<<<<<<<<<<<<<
+ *                                            compute, d_k):
+ *         return None
+*/
+  if (__pyx_v_rotating) {
+  } else {
+
+    __pyx_t_2 = __pyx_v_rotating;
+    goto __pyx_L46_bool_binop_done;
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":428
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+ *                                            compute, d_k):             # <<<<<<<<<<<<<<
+ *         return None
+ *     plain_row_options(&row, causal_flag is True,
+*/
+  __pyx_t_1 = (!__pyx_f_10cattention_7_driver_6rotary_rotary_step_usable(__pyx_v_qa, __pyx_v_kn, __pyx_v_rotary_cos, __pyx_v_rotary_sin, __pyx_v_interleaved_flag, __pyx_v_compute, __pyx_v_d_k));
+
+
+  __pyx_t_2 = __pyx_t_1;
+
+  __pyx_L46_bool_binop_done:;
+
+  /* "cattention/_driver/shortcuts.pxd":427
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,             # <<<<<<<<<<<<<<
+ *                                            compute, d_k):
+ *         return None
+*/
+  if (__pyx_t_2) {
+
+
+    /* "cattention/_driver/shortcuts.pxd":429
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+ *                                            compute, d_k):
+ *         return None             # <<<<<<<<<<<<<<
+ *     plain_row_options(&row, causal_flag is True,
+ *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "cattention/_driver/shortcuts.pxd":427
+ *     cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+ *                               and interleaved_flag is False)
+ *     if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,             # <<<<<<<<<<<<<<
+ *                                            compute, d_k):
+ *         return None
+*/
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":430
+ *                                            compute, d_k):
+ *         return None
  *     plain_row_options(&row, causal_flag is True,             # <<<<<<<<<<<<<<
  *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 */
   __pyx_t_2 = (__pyx_v_causal_flag == Py_True);
 
-  /* "cattention/_driver/shortcuts.pxd":411
- *     cdef int compute = compute_type(q_type)
+  /* "cattention/_driver/shortcuts.pxd":431
+ *         return None
  *     plain_row_options(&row, causal_flag is True,
  *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
- * 
+ *     if rotating:
 */
-  __pyx_t_5 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, (__pyx_v_compute == NPY_FLOAT32)); if (unlikely(__pyx_t_5 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(7, 411, __pyx_L1_error)
+  __pyx_t_5 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, (__pyx_v_compute == NPY_FLOAT32)); if (unlikely(__pyx_t_5 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(8, 431, __pyx_L1_error)
 
-  /* "cattention/_driver/shortcuts.pxd":410
- *     cdef RowOptions row
- *     cdef int compute = compute_type(q_type)
+  /* "cattention/_driver/shortcuts.pxd":430
+ *                                            compute, d_k):
+ *         return None
  *     plain_row_options(&row, causal_flag is True,             # <<<<<<<<<<<<<<
  *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
@@ -72689,17 +74473,150 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
 
 
-  /* "cattention/_driver/shortcuts.pxd":412
+  /* "cattention/_driver/shortcuts.pxd":432
  *     plain_row_options(&row, causal_flag is True,
  *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
  *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)             # <<<<<<<<<<<<<<
+ *     if rotating:
+ *         # q and the new keys rotated before anything else allocates
+*/
+  __pyx_t_6 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(__pyx_t_6 == ((Py_ssize_t)-1L))) __PYX_ERR(8, 432, __pyx_L1_error)
+  __pyx_v_threads = __pyx_t_6;
+
+  /* "cattention/_driver/shortcuts.pxd":433
+ *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
+ *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+ *     if rotating:             # <<<<<<<<<<<<<<
+ *         # q and the new keys rotated before anything else allocates
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+*/
+  if (__pyx_v_rotating) {
+
+    /* "cattention/_driver/shortcuts.pxd":435
+ *     if rotating:
+ *         # q and the new keys rotated before anything else allocates
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)             # <<<<<<<<<<<<<<
+ *         if rotated is None:
+ *             return None
+*/
+    if (!(likely(((__pyx_v_rotary_cos) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_rotary_cos, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 435, __pyx_L1_error)
+    if (!(likely(((__pyx_v_rotary_sin) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_rotary_sin, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 435, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_v_interleaved_flag); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(8, 435, __pyx_L1_error)
+    __pyx_t_4 = __pyx_f_10cattention_7_driver_6rotary_rotated_step(__pyx_v_qa, __pyx_v_kn, ((PyArrayObject *)__pyx_v_rotary_cos), ((PyArrayObject *)__pyx_v_rotary_sin), __pyx_t_2, __pyx_v_lengths, __pyx_v_n_new); if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 435, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_4);
+
+    __pyx_v_rotated = __pyx_t_4;
+    __pyx_t_4 = 0;
+
+    /* "cattention/_driver/shortcuts.pxd":436
+ *         # q and the new keys rotated before anything else allocates
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:             # <<<<<<<<<<<<<<
+ *             return None
+ *         qa, kn = rotated
+*/
+    __pyx_t_2 = (__pyx_v_rotated == Py_None);
+    if (__pyx_t_2) {
+
+
+      /* "cattention/_driver/shortcuts.pxd":437
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:
+ *             return None             # <<<<<<<<<<<<<<
+ *         qa, kn = rotated
+ * 
+*/
+      {
+        PyObject *__pyx_temp;
+        {
+          __pyx_temp = __pyx_r;
+          __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+        }
+        __Pyx_XDECREF(__pyx_temp);
+      }
+      goto __pyx_L0;
+
+      /* "cattention/_driver/shortcuts.pxd":436
+ *         # q and the new keys rotated before anything else allocates
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+ *         if rotated is None:             # <<<<<<<<<<<<<<
+ *             return None
+ *         qa, kn = rotated
+*/
+    }
+
+    /* "cattention/_driver/shortcuts.pxd":438
+ *         if rotated is None:
+ *             return None
+ *         qa, kn = rotated             # <<<<<<<<<<<<<<
  * 
  *     # one buffer: the table as intp, the old and new lengths, the query rows
 */
-  __pyx_t_6 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(__pyx_t_6 == ((Py_ssize_t)-1L))) __PYX_ERR(7, 412, __pyx_L1_error)
-  __pyx_v_threads = __pyx_t_6;
+    if ((likely(PyTuple_CheckExact(__pyx_v_rotated))) || (PyList_CheckExact(__pyx_v_rotated))) {
+      PyObject* sequence = __pyx_v_rotated;
+      Py_ssize_t size = __Pyx_PySequence_SIZE(sequence);
+      if (unlikely(size != 2)) {
+        if (size > 2) __Pyx_RaiseTooManyValuesError(2);
+        else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
+        __PYX_ERR(8, 438, __pyx_L1_error)
+      }
+      #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
+      if (likely(PyTuple_CheckExact(sequence))) {
+        __pyx_t_4 = PyTuple_GET_ITEM(sequence, 0);
+        __Pyx_INCREF(__pyx_t_4);
+        __pyx_t_7 = PyTuple_GET_ITEM(sequence, 1);
+        __Pyx_INCREF(__pyx_t_7);
+      } else {
+        __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 438, __pyx_L1_error)
+        __Pyx_XGOTREF(__pyx_t_4);
+        __pyx_t_7 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
+        if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 438, __pyx_L1_error)
+        __Pyx_XGOTREF(__pyx_t_7);
+      }
+      #else
+      __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(8, 438, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_4);
+      __pyx_t_7 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 438, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_7);
+      #endif
+    } else {
+      Py_ssize_t index = -1;
+      __pyx_t_8 = PyObject_GetIter(__pyx_v_rotated); if (unlikely(!__pyx_t_8)) __PYX_ERR(8, 438, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_8);
+      __pyx_t_9 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_8);
+      index = 0; __pyx_t_4 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_4)) goto __pyx_L50_unpacking_failed;
+      __Pyx_GOTREF(__pyx_t_4);
+      index = 1; __pyx_t_7 = __pyx_t_9(__pyx_t_8); if (unlikely(!__pyx_t_7)) goto __pyx_L50_unpacking_failed;
+      __Pyx_GOTREF(__pyx_t_7);
+      if (__Pyx_IternextUnpackEndCheck(__pyx_t_9(__pyx_t_8), 2) < (0)) __PYX_ERR(8, 438, __pyx_L1_error)
+      __pyx_t_9 = NULL;
+      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+      goto __pyx_L51_unpacking_done;
+      __pyx_L50_unpacking_failed:;
+      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
+      __pyx_t_9 = NULL;
+      if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
+      __PYX_ERR(8, 438, __pyx_L1_error)
+      __pyx_L51_unpacking_done:;
+    }
+    if (!(likely(((__pyx_t_4) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 438, __pyx_L1_error)
+    if (!(likely(((__pyx_t_7) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_7, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(8, 438, __pyx_L1_error)
+    __Pyx_DECREF_SET(__pyx_v_qa, ((PyArrayObject *)__pyx_t_4));
+    __pyx_t_4 = 0;
+    __Pyx_DECREF_SET(__pyx_v_kn, ((PyArrayObject *)__pyx_t_7));
+    __pyx_t_7 = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":417
+    /* "cattention/_driver/shortcuts.pxd":433
+ *                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
+ *     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+ *     if rotating:             # <<<<<<<<<<<<<<
+ *         # q and the new keys rotated before anything else allocates
+ *         rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+*/
+  }
+
+  /* "cattention/_driver/shortcuts.pxd":443
  *     # and new rows of each sequence, and the places of q, K/V, out and the
  *     # new rows
  *     cdef intp_t *page_ids = <intp_t *>malloc((n_seq * max_pages + 8 * n_seq) * sizeof(intp_t))             # <<<<<<<<<<<<<<
@@ -72708,7 +74625,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_page_ids = ((__pyx_t_10cattention_7_driver_12kernel_table_intp_t *)malloc((((__pyx_v_n_seq * __pyx_v_max_pages) + (8 * __pyx_v_n_seq)) * (sizeof(__pyx_t_10cattention_7_driver_12kernel_table_intp_t)))));
 
-  /* "cattention/_driver/shortcuts.pxd":418
+  /* "cattention/_driver/shortcuts.pxd":444
  *     # new rows
  *     cdef intp_t *page_ids = <intp_t *>malloc((n_seq * max_pages + 8 * n_seq) * sizeof(intp_t))
  *     if page_ids == NULL:             # <<<<<<<<<<<<<<
@@ -72720,7 +74637,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":419
+    /* "cattention/_driver/shortcuts.pxd":445
  *     cdef intp_t *page_ids = <intp_t *>malloc((n_seq * max_pages + 8 * n_seq) * sizeof(intp_t))
  *     if page_ids == NULL:
  *         return None             # <<<<<<<<<<<<<<
@@ -72737,7 +74654,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":418
+    /* "cattention/_driver/shortcuts.pxd":444
  *     # new rows
  *     cdef intp_t *page_ids = <intp_t *>malloc((n_seq * max_pages + 8 * n_seq) * sizeof(intp_t))
  *     if page_ids == NULL:             # <<<<<<<<<<<<<<
@@ -72746,7 +74663,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":420
+  /* "cattention/_driver/shortcuts.pxd":446
  *     if page_ids == NULL:
  *         return None
  *     cdef intp_t *start = page_ids + n_seq * max_pages             # <<<<<<<<<<<<<<
@@ -72755,7 +74672,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_start = (__pyx_v_page_ids + (__pyx_v_n_seq * __pyx_v_max_pages));
 
-  /* "cattention/_driver/shortcuts.pxd":421
+  /* "cattention/_driver/shortcuts.pxd":447
  *         return None
  *     cdef intp_t *start = page_ids + n_seq * max_pages
  *     cdef intp_t *new_length = start + n_seq             # <<<<<<<<<<<<<<
@@ -72764,7 +74681,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_new_length = (__pyx_v_start + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":422
+  /* "cattention/_driver/shortcuts.pxd":448
  *     cdef intp_t *start = page_ids + n_seq * max_pages
  *     cdef intp_t *new_length = start + n_seq
  *     cdef intp_t *q_lengths = new_length + n_seq             # <<<<<<<<<<<<<<
@@ -72773,7 +74690,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_q_lengths = (__pyx_v_new_length + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":423
+  /* "cattention/_driver/shortcuts.pxd":449
  *     cdef intp_t *new_length = start + n_seq
  *     cdef intp_t *q_lengths = new_length + n_seq
  *     cdef intp_t *n_new_of = q_lengths + n_seq             # <<<<<<<<<<<<<<
@@ -72782,7 +74699,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_n_new_of = (__pyx_v_q_lengths + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":424
+  /* "cattention/_driver/shortcuts.pxd":450
  *     cdef intp_t *q_lengths = new_length + n_seq
  *     cdef intp_t *n_new_of = q_lengths + n_seq
  *     cdef intp_t *q_offset = n_new_of + n_seq             # <<<<<<<<<<<<<<
@@ -72791,7 +74708,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_q_offset = (__pyx_v_n_new_of + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":425
+  /* "cattention/_driver/shortcuts.pxd":451
  *     cdef intp_t *n_new_of = q_lengths + n_seq
  *     cdef intp_t *q_offset = n_new_of + n_seq
  *     cdef intp_t *zeros = q_offset + n_seq             # <<<<<<<<<<<<<<
@@ -72800,7 +74717,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_zeros = (__pyx_v_q_offset + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":426
+  /* "cattention/_driver/shortcuts.pxd":452
  *     cdef intp_t *q_offset = n_new_of + n_seq
  *     cdef intp_t *zeros = q_offset + n_seq
  *     cdef intp_t *out_offset = zeros + n_seq             # <<<<<<<<<<<<<<
@@ -72809,7 +74726,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_out_offset = (__pyx_v_zeros + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":427
+  /* "cattention/_driver/shortcuts.pxd":453
  *     cdef intp_t *zeros = q_offset + n_seq
  *     cdef intp_t *out_offset = zeros + n_seq
  *     cdef intp_t *rows_offset = out_offset + n_seq             # <<<<<<<<<<<<<<
@@ -72818,7 +74735,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_rows_offset = (__pyx_v_out_offset + __pyx_v_n_seq);
 
-  /* "cattention/_driver/shortcuts.pxd":429
+  /* "cattention/_driver/shortcuts.pxd":455
  *     cdef intp_t *rows_offset = out_offset + n_seq
  *     cdef Py_ssize_t s, slot, page
  *     cdef bint declined = False             # <<<<<<<<<<<<<<
@@ -72827,7 +74744,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_declined = 0;
 
-  /* "cattention/_driver/shortcuts.pxd":430
+  /* "cattention/_driver/shortcuts.pxd":456
  *     cdef Py_ssize_t s, slot, page
  *     cdef bint declined = False
  *     for s in range(n_seq):             # <<<<<<<<<<<<<<
@@ -72836,12 +74753,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
 
   __pyx_t_6 = __pyx_v_n_seq;
-  __pyx_t_7 = __pyx_t_6;
+  __pyx_t_10 = __pyx_t_6;
 
-  for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
-    __pyx_v_s = __pyx_t_8;
+  for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
+    __pyx_v_s = __pyx_t_11;
 
-    /* "cattention/_driver/shortcuts.pxd":431
+    /* "cattention/_driver/shortcuts.pxd":457
  *     cdef bint declined = False
  *     for s in range(n_seq):
  *         for slot in range(max_pages):             # <<<<<<<<<<<<<<
@@ -72849,13 +74766,13 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *         start[s] = load_length(lengths, s)
 */
 
-    __pyx_t_9 = __pyx_v_max_pages;
-    __pyx_t_10 = __pyx_t_9;
+    __pyx_t_12 = __pyx_v_max_pages;
+    __pyx_t_13 = __pyx_t_12;
 
-    for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
-      __pyx_v_slot = __pyx_t_11;
+    for (__pyx_t_14 = 0; __pyx_t_14 < __pyx_t_13; __pyx_t_14+=1) {
+      __pyx_v_slot = __pyx_t_14;
 
-      /* "cattention/_driver/shortcuts.pxd":432
+      /* "cattention/_driver/shortcuts.pxd":458
  *     for s in range(n_seq):
  *         for slot in range(max_pages):
  *             page_ids[s * max_pages + slot] = table_entry(table, s, slot)             # <<<<<<<<<<<<<<
@@ -72866,7 +74783,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
 
 
-    /* "cattention/_driver/shortcuts.pxd":433
+    /* "cattention/_driver/shortcuts.pxd":459
  *         for slot in range(max_pages):
  *             page_ids[s * max_pages + slot] = table_entry(table, s, slot)
  *         start[s] = load_length(lengths, s)             # <<<<<<<<<<<<<<
@@ -72875,7 +74792,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     (__pyx_v_start[__pyx_v_s]) = __pyx_f_10cattention_7_driver_7appends_load_length(__pyx_v_lengths, __pyx_v_s);
 
-    /* "cattention/_driver/shortcuts.pxd":434
+    /* "cattention/_driver/shortcuts.pxd":460
  *             page_ids[s * max_pages + slot] = table_entry(table, s, slot)
  *         start[s] = load_length(lengths, s)
  *         if start[s] < 0 or start[s] > capacity - n_new:             # <<<<<<<<<<<<<<
@@ -72890,18 +74807,18 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
       __pyx_t_2 = __pyx_t_1;
 
-      goto __pyx_L48_bool_binop_done;
+      goto __pyx_L58_bool_binop_done;
     }
     __pyx_t_1 = ((__pyx_v_start[__pyx_v_s]) > (__pyx_v_capacity - __pyx_v_n_new));
 
 
     __pyx_t_2 = __pyx_t_1;
 
-    __pyx_L48_bool_binop_done:;
+    __pyx_L58_bool_binop_done:;
     if (__pyx_t_2) {
 
 
-      /* "cattention/_driver/shortcuts.pxd":435
+      /* "cattention/_driver/shortcuts.pxd":461
  *         start[s] = load_length(lengths, s)
  *         if start[s] < 0 or start[s] > capacity - n_new:
  *             declined = True             # <<<<<<<<<<<<<<
@@ -72910,16 +74827,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       __pyx_v_declined = 1;
 
-      /* "cattention/_driver/shortcuts.pxd":436
+      /* "cattention/_driver/shortcuts.pxd":462
  *         if start[s] < 0 or start[s] > capacity - n_new:
  *             declined = True
  *             break             # <<<<<<<<<<<<<<
  *         new_length[s] = start[s] + n_new
  *         # every page the sequence reads is a page id
 */
-      goto __pyx_L44_break;
+      goto __pyx_L54_break;
 
-      /* "cattention/_driver/shortcuts.pxd":434
+      /* "cattention/_driver/shortcuts.pxd":460
  *             page_ids[s * max_pages + slot] = table_entry(table, s, slot)
  *         start[s] = load_length(lengths, s)
  *         if start[s] < 0 or start[s] > capacity - n_new:             # <<<<<<<<<<<<<<
@@ -72928,7 +74845,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     }
 
-    /* "cattention/_driver/shortcuts.pxd":437
+    /* "cattention/_driver/shortcuts.pxd":463
  *             declined = True
  *             break
  *         new_length[s] = start[s] + n_new             # <<<<<<<<<<<<<<
@@ -72937,7 +74854,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     (__pyx_v_new_length[__pyx_v_s]) = ((__pyx_v_start[__pyx_v_s]) + __pyx_v_n_new);
 
-    /* "cattention/_driver/shortcuts.pxd":439
+    /* "cattention/_driver/shortcuts.pxd":465
  *         new_length[s] = start[s] + n_new
  *         # every page the sequence reads is a page id
  *         for slot in range((new_length[s] + page_size - 1) // page_size):             # <<<<<<<<<<<<<<
@@ -72945,13 +74862,13 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *             if page < 0 or page >= n_pages:
 */
 
-    __pyx_t_9 = ((((__pyx_v_new_length[__pyx_v_s]) + __pyx_v_page_size) - 1) / __pyx_v_page_size);
-    __pyx_t_10 = __pyx_t_9;
+    __pyx_t_12 = ((((__pyx_v_new_length[__pyx_v_s]) + __pyx_v_page_size) - 1) / __pyx_v_page_size);
+    __pyx_t_13 = __pyx_t_12;
 
-    for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
-      __pyx_v_slot = __pyx_t_11;
+    for (__pyx_t_14 = 0; __pyx_t_14 < __pyx_t_13; __pyx_t_14+=1) {
+      __pyx_v_slot = __pyx_t_14;
 
-      /* "cattention/_driver/shortcuts.pxd":440
+      /* "cattention/_driver/shortcuts.pxd":466
  *         # every page the sequence reads is a page id
  *         for slot in range((new_length[s] + page_size - 1) // page_size):
  *             page = page_ids[s * max_pages + slot]             # <<<<<<<<<<<<<<
@@ -72960,7 +74877,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       __pyx_v_page = (__pyx_v_page_ids[((__pyx_v_s * __pyx_v_max_pages) + __pyx_v_slot)]);
 
-      /* "cattention/_driver/shortcuts.pxd":441
+      /* "cattention/_driver/shortcuts.pxd":467
  *         for slot in range((new_length[s] + page_size - 1) // page_size):
  *             page = page_ids[s * max_pages + slot]
  *             if page < 0 or page >= n_pages:             # <<<<<<<<<<<<<<
@@ -72975,18 +74892,18 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
         __pyx_t_2 = __pyx_t_1;
 
-        goto __pyx_L53_bool_binop_done;
+        goto __pyx_L63_bool_binop_done;
       }
       __pyx_t_1 = (__pyx_v_page >= __pyx_v_n_pages);
 
 
       __pyx_t_2 = __pyx_t_1;
 
-      __pyx_L53_bool_binop_done:;
+      __pyx_L63_bool_binop_done:;
       if (__pyx_t_2) {
 
 
-        /* "cattention/_driver/shortcuts.pxd":442
+        /* "cattention/_driver/shortcuts.pxd":468
  *             page = page_ids[s * max_pages + slot]
  *             if page < 0 or page >= n_pages:
  *                 declined = True             # <<<<<<<<<<<<<<
@@ -72995,7 +74912,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
         __pyx_v_declined = 1;
 
-        /* "cattention/_driver/shortcuts.pxd":441
+        /* "cattention/_driver/shortcuts.pxd":467
  *         for slot in range((new_length[s] + page_size - 1) // page_size):
  *             page = page_ids[s * max_pages + slot]
  *             if page < 0 or page >= n_pages:             # <<<<<<<<<<<<<<
@@ -73006,7 +74923,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
 
 
-    /* "cattention/_driver/shortcuts.pxd":443
+    /* "cattention/_driver/shortcuts.pxd":469
  *             if page < 0 or page >= n_pages:
  *                 declined = True
  *         if declined:             # <<<<<<<<<<<<<<
@@ -73015,16 +74932,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     if (__pyx_v_declined) {
 
-      /* "cattention/_driver/shortcuts.pxd":444
+      /* "cattention/_driver/shortcuts.pxd":470
  *                 declined = True
  *         if declined:
  *             break             # <<<<<<<<<<<<<<
  *     if not declined and appending:
  *         declined = not pages_written_once(page_ids, n_seq, max_pages, page_size, n_pages,
 */
-      goto __pyx_L44_break;
+      goto __pyx_L54_break;
 
-      /* "cattention/_driver/shortcuts.pxd":443
+      /* "cattention/_driver/shortcuts.pxd":469
  *             if page < 0 or page >= n_pages:
  *                 declined = True
  *         if declined:             # <<<<<<<<<<<<<<
@@ -73033,10 +74950,10 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     }
   }
-  __pyx_L44_break:;
+  __pyx_L54_break:;
 
 
-  /* "cattention/_driver/shortcuts.pxd":445
+  /* "cattention/_driver/shortcuts.pxd":471
  *         if declined:
  *             break
  *     if not declined and appending:             # <<<<<<<<<<<<<<
@@ -73051,15 +74968,15 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
     __pyx_t_2 = __pyx_t_1;
 
-    goto __pyx_L57_bool_binop_done;
+    goto __pyx_L67_bool_binop_done;
   }
 
   __pyx_t_2 = __pyx_v_appending;
-  __pyx_L57_bool_binop_done:;
+  __pyx_L67_bool_binop_done:;
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":446
+    /* "cattention/_driver/shortcuts.pxd":472
  *             break
  *     if not declined and appending:
  *         declined = not pages_written_once(page_ids, n_seq, max_pages, page_size, n_pages,             # <<<<<<<<<<<<<<
@@ -73068,7 +74985,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     __pyx_v_declined = (!__pyx_f_10cattention_7_driver_9shortcuts_pages_written_once(__pyx_v_page_ids, __pyx_v_n_seq, __pyx_v_max_pages, __pyx_v_page_size, __pyx_v_n_pages, __pyx_v_start, __pyx_v_new_length));
 
-    /* "cattention/_driver/shortcuts.pxd":445
+    /* "cattention/_driver/shortcuts.pxd":471
  *         if declined:
  *             break
  *     if not declined and appending:             # <<<<<<<<<<<<<<
@@ -73077,7 +74994,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":448
+  /* "cattention/_driver/shortcuts.pxd":474
  *         declined = not pages_written_once(page_ids, n_seq, max_pages, page_size, n_pages,
  *                                           start, new_length)
  *     if declined:             # <<<<<<<<<<<<<<
@@ -73086,7 +75003,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   if (__pyx_v_declined) {
 
-    /* "cattention/_driver/shortcuts.pxd":449
+    /* "cattention/_driver/shortcuts.pxd":475
  *                                           start, new_length)
  *     if declined:
  *         free(page_ids)             # <<<<<<<<<<<<<<
@@ -73095,7 +75012,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     free(__pyx_v_page_ids);
 
-    /* "cattention/_driver/shortcuts.pxd":450
+    /* "cattention/_driver/shortcuts.pxd":476
  *     if declined:
  *         free(page_ids)
  *         return None             # <<<<<<<<<<<<<<
@@ -73112,7 +75029,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":448
+    /* "cattention/_driver/shortcuts.pxd":474
  *         declined = not pages_written_once(page_ids, n_seq, max_pages, page_size, n_pages,
  *                                           start, new_length)
  *     if declined:             # <<<<<<<<<<<<<<
@@ -73121,7 +75038,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":453
+  /* "cattention/_driver/shortcuts.pxd":479
  * 
  *     cdef EntryPlan plan
  *     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(qa)             # <<<<<<<<<<<<<<
@@ -73130,7 +75047,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_item = PyArray_ITEMSIZE(__pyx_v_qa);
 
-  /* "cattention/_driver/shortcuts.pxd":454
+  /* "cattention/_driver/shortcuts.pxd":480
  *     cdef EntryPlan plan
  *     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(qa)
  *     for s in range(n_seq):             # <<<<<<<<<<<<<<
@@ -73139,12 +75056,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
 
   __pyx_t_6 = __pyx_v_n_seq;
-  __pyx_t_7 = __pyx_t_6;
+  __pyx_t_10 = __pyx_t_6;
 
-  for (__pyx_t_8 = 0; __pyx_t_8 < __pyx_t_7; __pyx_t_8+=1) {
-    __pyx_v_s = __pyx_t_8;
+  for (__pyx_t_11 = 0; __pyx_t_11 < __pyx_t_10; __pyx_t_11+=1) {
+    __pyx_v_s = __pyx_t_11;
 
-    /* "cattention/_driver/shortcuts.pxd":455
+    /* "cattention/_driver/shortcuts.pxd":481
  *     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(qa)
  *     for s in range(n_seq):
  *         q_lengths[s] = n_queries             # <<<<<<<<<<<<<<
@@ -73153,7 +75070,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     (__pyx_v_q_lengths[__pyx_v_s]) = __pyx_v_n_queries;
 
-    /* "cattention/_driver/shortcuts.pxd":456
+    /* "cattention/_driver/shortcuts.pxd":482
  *     for s in range(n_seq):
  *         q_lengths[s] = n_queries
  *         n_new_of[s] = n_new             # <<<<<<<<<<<<<<
@@ -73162,7 +75079,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     (__pyx_v_n_new_of[__pyx_v_s]) = __pyx_v_n_new;
 
-    /* "cattention/_driver/shortcuts.pxd":457
+    /* "cattention/_driver/shortcuts.pxd":483
  *         q_lengths[s] = n_queries
  *         n_new_of[s] = n_new
  *         q_offset[s] = s * (cnp.PyArray_STRIDE(qa, 0) // item)             # <<<<<<<<<<<<<<
@@ -73171,7 +75088,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     (__pyx_v_q_offset[__pyx_v_s]) = (__pyx_v_s * (PyArray_STRIDE(__pyx_v_qa, 0) / __pyx_v_item));
 
-    /* "cattention/_driver/shortcuts.pxd":458
+    /* "cattention/_driver/shortcuts.pxd":484
  *         n_new_of[s] = n_new
  *         q_offset[s] = s * (cnp.PyArray_STRIDE(qa, 0) // item)
  *         zeros[s] = 0             # <<<<<<<<<<<<<<
@@ -73180,7 +75097,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     (__pyx_v_zeros[__pyx_v_s]) = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":459
+    /* "cattention/_driver/shortcuts.pxd":485
  *         q_offset[s] = s * (cnp.PyArray_STRIDE(qa, 0) // item)
  *         zeros[s] = 0
  *         out_offset[s] = s * n_heads * n_queries * d_v             # <<<<<<<<<<<<<<
@@ -73191,7 +75108,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   }
 
 
-  /* "cattention/_driver/shortcuts.pxd":461
+  /* "cattention/_driver/shortcuts.pxd":487
  *         out_offset[s] = s * n_heads * n_queries * d_v
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads, plan.d_k, plan.d_v = (
  *         n_seq, n_heads, n_kv_heads, d_k, d_v)             # <<<<<<<<<<<<<<
@@ -73200,16 +75117,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_t_6 = __pyx_v_n_seq;
 
-  __pyx_t_7 = __pyx_v_n_heads;
+  __pyx_t_10 = __pyx_v_n_heads;
 
-  __pyx_t_8 = __pyx_v_n_kv_heads;
+  __pyx_t_11 = __pyx_v_n_kv_heads;
 
-  __pyx_t_9 = __pyx_v_d_k;
+  __pyx_t_12 = __pyx_v_d_k;
 
-  __pyx_t_10 = __pyx_v_d_v;
+  __pyx_t_13 = __pyx_v_d_v;
 
 
-  /* "cattention/_driver/shortcuts.pxd":460
+  /* "cattention/_driver/shortcuts.pxd":486
  *         zeros[s] = 0
  *         out_offset[s] = s * n_heads * n_queries * d_v
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads, plan.d_k, plan.d_v = (             # <<<<<<<<<<<<<<
@@ -73217,12 +75134,12 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *     plan.q_lengths = q_lengths
 */
   __pyx_v_plan.n_seq = __pyx_t_6;
-  __pyx_v_plan.n_heads = __pyx_t_7;
-  __pyx_v_plan.n_kv_heads = __pyx_t_8;
-  __pyx_v_plan.d_k = __pyx_t_9;
-  __pyx_v_plan.d_v = __pyx_t_10;
+  __pyx_v_plan.n_heads = __pyx_t_10;
+  __pyx_v_plan.n_kv_heads = __pyx_t_11;
+  __pyx_v_plan.d_k = __pyx_t_12;
+  __pyx_v_plan.d_v = __pyx_t_13;
 
-  /* "cattention/_driver/shortcuts.pxd":462
+  /* "cattention/_driver/shortcuts.pxd":488
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads, plan.d_k, plan.d_v = (
  *         n_seq, n_heads, n_kv_heads, d_k, d_v)
  *     plan.q_lengths = q_lengths             # <<<<<<<<<<<<<<
@@ -73231,7 +75148,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.q_lengths = __pyx_v_q_lengths;
 
-  /* "cattention/_driver/shortcuts.pxd":463
+  /* "cattention/_driver/shortcuts.pxd":489
  *         n_seq, n_heads, n_kv_heads, d_k, d_v)
  *     plan.q_lengths = q_lengths
  *     plan.kv_lengths = new_length             # <<<<<<<<<<<<<<
@@ -73240,7 +75157,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.kv_lengths = __pyx_v_new_length;
 
-  /* "cattention/_driver/shortcuts.pxd":464
+  /* "cattention/_driver/shortcuts.pxd":490
  *     plan.q_lengths = q_lengths
  *     plan.kv_lengths = new_length
  *     plan.kv_starts = NULL             # <<<<<<<<<<<<<<
@@ -73249,7 +75166,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.kv_starts = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":465
+  /* "cattention/_driver/shortcuts.pxd":491
  *     plan.kv_lengths = new_length
  *     plan.kv_starts = NULL
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)             # <<<<<<<<<<<<<<
@@ -73258,7 +75175,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.q), __pyx_v_qa, __pyx_v_q_offset, 2, 1, -1);
 
-  /* "cattention/_driver/shortcuts.pxd":466
+  /* "cattention/_driver/shortcuts.pxd":492
  *     plan.kv_starts = NULL
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)             # <<<<<<<<<<<<<<
@@ -73267,7 +75184,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.k), __pyx_v_kp, __pyx_v_zeros, 2, 1, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":467
+  /* "cattention/_driver/shortcuts.pxd":493
  *     set_place(&plan.q, qa, q_offset, 2, 1, -1)
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)             # <<<<<<<<<<<<<<
@@ -73276,7 +75193,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.v), __pyx_v_vp, __pyx_v_zeros, 2, 1, 0);
 
-  /* "cattention/_driver/shortcuts.pxd":468
+  /* "cattention/_driver/shortcuts.pxd":494
  *     set_place(&plan.k, kp, zeros, 2, 1, 0)
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)
  *     plan.lse.data = NULL             # <<<<<<<<<<<<<<
@@ -73285,7 +75202,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.lse.data = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":469
+  /* "cattention/_driver/shortcuts.pxd":495
  *     set_place(&plan.v, vp, zeros, 2, 1, 0)
  *     plan.lse.data = NULL
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -73294,7 +75211,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":470
+  /* "cattention/_driver/shortcuts.pxd":496
  *     plan.lse.data = NULL
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -73303,7 +75220,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":471
+  /* "cattention/_driver/shortcuts.pxd":497
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL             # <<<<<<<<<<<<<<
@@ -73312,7 +75229,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.alibi = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":472
+  /* "cattention/_driver/shortcuts.pxd":498
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL
  *     plan.sinks = NULL             # <<<<<<<<<<<<<<
@@ -73321,7 +75238,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.sinks = NULL;
 
-  /* "cattention/_driver/shortcuts.pxd":473
+  /* "cattention/_driver/shortcuts.pxd":499
  *     plan.alibi = NULL
  *     plan.sinks = NULL
  *     plan.page_ids = page_ids             # <<<<<<<<<<<<<<
@@ -73330,7 +75247,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.page_ids = __pyx_v_page_ids;
 
-  /* "cattention/_driver/shortcuts.pxd":474
+  /* "cattention/_driver/shortcuts.pxd":500
  *     plan.sinks = NULL
  *     plan.page_ids = page_ids
  *     plan.pages_per_seq = max_pages             # <<<<<<<<<<<<<<
@@ -73339,7 +75256,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.pages_per_seq = __pyx_v_max_pages;
 
-  /* "cattention/_driver/shortcuts.pxd":475
+  /* "cattention/_driver/shortcuts.pxd":501
  *     plan.page_ids = page_ids
  *     plan.pages_per_seq = max_pages
  *     plan.page_size = page_size             # <<<<<<<<<<<<<<
@@ -73348,7 +75265,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.page_size = __pyx_v_page_size;
 
-  /* "cattention/_driver/shortcuts.pxd":477
+  /* "cattention/_driver/shortcuts.pxd":503
  *     plan.page_size = page_size
  *     cdef cnp.ndarray out
  *     try:             # <<<<<<<<<<<<<<
@@ -73358,25 +75275,25 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   {
     __Pyx_PyThreadState_declare
     __Pyx_PyThreadState_assign
-    __Pyx_ExceptionSave(&__pyx_t_12, &__pyx_t_13, &__pyx_t_14);
-    __Pyx_XGOTREF(__pyx_t_12);
-    __Pyx_XGOTREF(__pyx_t_13);
-    __Pyx_XGOTREF(__pyx_t_14);
+    __Pyx_ExceptionSave(&__pyx_t_15, &__pyx_t_16, &__pyx_t_17);
+    __Pyx_XGOTREF(__pyx_t_15);
+    __Pyx_XGOTREF(__pyx_t_16);
+    __Pyx_XGOTREF(__pyx_t_17);
     /*try:*/ {
 
-      /* "cattention/_driver/shortcuts.pxd":478
+      /* "cattention/_driver/shortcuts.pxd":504
  *     cdef cnp.ndarray out
  *     try:
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)             # <<<<<<<<<<<<<<
  *     except BaseException:
  *         free(page_ids)
 */
-      __pyx_t_4 = ((PyObject *)__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(__pyx_v_n_seq, __pyx_v_n_heads, __pyx_v_n_queries, __pyx_v_d_v, __pyx_v_compute)); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 478, __pyx_L62_error)
-      __Pyx_GOTREF(__pyx_t_4);
-      __pyx_v_out = ((PyArrayObject *)__pyx_t_4);
-      __pyx_t_4 = 0;
+      __pyx_t_7 = ((PyObject *)__pyx_f_10cattention_7_driver_9shortcuts_np_empty4(__pyx_v_n_seq, __pyx_v_n_heads, __pyx_v_n_queries, __pyx_v_d_v, __pyx_v_compute)); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 504, __pyx_L72_error)
+      __Pyx_GOTREF(__pyx_t_7);
+      __pyx_v_out = ((PyArrayObject *)__pyx_t_7);
+      __pyx_t_7 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":477
+      /* "cattention/_driver/shortcuts.pxd":503
  *     plan.page_size = page_size
  *     cdef cnp.ndarray out
  *     try:             # <<<<<<<<<<<<<<
@@ -73384,29 +75301,31 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *     except BaseException:
 */
     }
-    __Pyx_XDECREF(__pyx_t_12); __pyx_t_12 = 0;
-    __Pyx_XDECREF(__pyx_t_13); __pyx_t_13 = 0;
-    __Pyx_XDECREF(__pyx_t_14); __pyx_t_14 = 0;
-    goto __pyx_L67_try_end;
-    __pyx_L62_error:;
+    __Pyx_XDECREF(__pyx_t_15); __pyx_t_15 = 0;
+    __Pyx_XDECREF(__pyx_t_16); __pyx_t_16 = 0;
+    __Pyx_XDECREF(__pyx_t_17); __pyx_t_17 = 0;
+    goto __pyx_L77_try_end;
+    __pyx_L72_error:;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
+    __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":479
+    /* "cattention/_driver/shortcuts.pxd":505
  *     try:
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
  *     except BaseException:             # <<<<<<<<<<<<<<
  *         free(page_ids)
  *         raise
 */
-    __pyx_t_15 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
-    if (__pyx_t_15) {
+    __pyx_t_18 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
+    if (__pyx_t_18) {
       __Pyx_AddTraceback("cattention._driver.shortcuts.paged_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_4, &__pyx_t_16, &__pyx_t_17) < 0) __PYX_ERR(7, 479, __pyx_L64_except_error)
+      if (__Pyx_GetException(&__pyx_t_7, &__pyx_t_4, &__pyx_t_8) < 0) __PYX_ERR(8, 505, __pyx_L74_except_error)
+      __Pyx_XGOTREF(__pyx_t_7);
       __Pyx_XGOTREF(__pyx_t_4);
-      __Pyx_XGOTREF(__pyx_t_16);
-      __Pyx_XGOTREF(__pyx_t_17);
+      __Pyx_XGOTREF(__pyx_t_8);
 
-      /* "cattention/_driver/shortcuts.pxd":480
+      /* "cattention/_driver/shortcuts.pxd":506
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
  *     except BaseException:
  *         free(page_ids)             # <<<<<<<<<<<<<<
@@ -73415,39 +75334,39 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       free(__pyx_v_page_ids);
 
-      /* "cattention/_driver/shortcuts.pxd":481
+      /* "cattention/_driver/shortcuts.pxd":507
  *     except BaseException:
  *         free(page_ids)
  *         raise             # <<<<<<<<<<<<<<
  *     set_place(&plan.out, out, out_offset, 2, 1, -1)
  *     plan.out.seq_offset = out_offset
 */
+      __Pyx_GIVEREF(__pyx_t_7);
       __Pyx_GIVEREF(__pyx_t_4);
-      __Pyx_GIVEREF(__pyx_t_16);
-      __Pyx_XGIVEREF(__pyx_t_17);
-      __Pyx_ErrRestoreWithState(__pyx_t_4, __pyx_t_16, __pyx_t_17);
-      __pyx_t_4 = 0;  __pyx_t_16 = 0;  __pyx_t_17 = 0; 
-      __PYX_ERR(7, 481, __pyx_L64_except_error)
+      __Pyx_XGIVEREF(__pyx_t_8);
+      __Pyx_ErrRestoreWithState(__pyx_t_7, __pyx_t_4, __pyx_t_8);
+      __pyx_t_7 = 0;  __pyx_t_4 = 0;  __pyx_t_8 = 0; 
+      __PYX_ERR(8, 507, __pyx_L74_except_error)
     }
-    goto __pyx_L64_except_error;
+    goto __pyx_L74_except_error;
 
-    /* "cattention/_driver/shortcuts.pxd":477
+    /* "cattention/_driver/shortcuts.pxd":503
  *     plan.page_size = page_size
  *     cdef cnp.ndarray out
  *     try:             # <<<<<<<<<<<<<<
  *         out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
  *     except BaseException:
 */
-    __pyx_L64_except_error:;
-    __Pyx_XGIVEREF(__pyx_t_12);
-    __Pyx_XGIVEREF(__pyx_t_13);
-    __Pyx_XGIVEREF(__pyx_t_14);
-    __Pyx_ExceptionReset(__pyx_t_12, __pyx_t_13, __pyx_t_14);
+    __pyx_L74_except_error:;
+    __Pyx_XGIVEREF(__pyx_t_15);
+    __Pyx_XGIVEREF(__pyx_t_16);
+    __Pyx_XGIVEREF(__pyx_t_17);
+    __Pyx_ExceptionReset(__pyx_t_15, __pyx_t_16, __pyx_t_17);
     goto __pyx_L1_error;
-    __pyx_L67_try_end:;
+    __pyx_L77_try_end:;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":482
+  /* "cattention/_driver/shortcuts.pxd":508
  *         free(page_ids)
  *         raise
  *     set_place(&plan.out, out, out_offset, 2, 1, -1)             # <<<<<<<<<<<<<<
@@ -73456,7 +75375,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_f_10cattention_7_driver_9shortcuts_set_place((&__pyx_v_plan.out), __pyx_v_out, __pyx_v_out_offset, 2, 1, -1);
 
-  /* "cattention/_driver/shortcuts.pxd":483
+  /* "cattention/_driver/shortcuts.pxd":509
  *         raise
  *     set_place(&plan.out, out, out_offset, 2, 1, -1)
  *     plan.out.seq_offset = out_offset             # <<<<<<<<<<<<<<
@@ -73465,7 +75384,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   __pyx_v_plan.out.seq_offset = __pyx_v_out_offset;
 
-  /* "cattention/_driver/shortcuts.pxd":489
+  /* "cattention/_driver/shortcuts.pxd":515
  *     cdef NewRows rows
  *     cdef int k_or_v
  *     if appending:             # <<<<<<<<<<<<<<
@@ -73474,17 +75393,17 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   if (__pyx_v_appending) {
 
-    /* "cattention/_driver/shortcuts.pxd":490
+    /* "cattention/_driver/shortcuts.pxd":516
  *     cdef int k_or_v
  *     if appending:
  *         for k_or_v in range(2):             # <<<<<<<<<<<<<<
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)
 */
-    for (__pyx_t_15 = 0; __pyx_t_15 < 2; __pyx_t_15+=1) {
-      __pyx_v_k_or_v = __pyx_t_15;
+    for (__pyx_t_18 = 0; __pyx_t_18 < 2; __pyx_t_18+=1) {
+      __pyx_v_k_or_v = __pyx_t_18;
 
-      /* "cattention/_driver/shortcuts.pxd":491
+      /* "cattention/_driver/shortcuts.pxd":517
  *     if appending:
  *         for k_or_v in range(2):
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)             # <<<<<<<<<<<<<<
@@ -73495,16 +75414,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
       if (__pyx_t_2) {
         __Pyx_INCREF((PyObject *)__pyx_v_kp);
-        __pyx_t_17 = ((PyObject *)__pyx_v_kp);
+        __pyx_t_8 = ((PyObject *)__pyx_v_kp);
       } else {
         __Pyx_INCREF((PyObject *)__pyx_v_vp);
-        __pyx_t_17 = ((PyObject *)__pyx_v_vp);
+        __pyx_t_8 = ((PyObject *)__pyx_v_vp);
       }
 
-      __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_cache), ((PyArrayObject *)__pyx_t_17), __pyx_v_page_ids, __pyx_v_max_pages);
-      __Pyx_DECREF(__pyx_t_17); __pyx_t_17 = 0;
+      __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_cache), ((PyArrayObject *)__pyx_t_8), __pyx_v_page_ids, __pyx_v_max_pages);
+      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":492
+      /* "cattention/_driver/shortcuts.pxd":518
  *         for k_or_v in range(2):
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)             # <<<<<<<<<<<<<<
@@ -73515,16 +75434,16 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
       if (__pyx_t_2) {
         __Pyx_INCREF((PyObject *)__pyx_v_kn);
-        __pyx_t_17 = ((PyObject *)__pyx_v_kn);
+        __pyx_t_8 = ((PyObject *)__pyx_v_kn);
       } else {
         __Pyx_INCREF((PyObject *)__pyx_v_vn);
-        __pyx_t_17 = ((PyObject *)__pyx_v_vn);
+        __pyx_t_8 = ((PyObject *)__pyx_v_vn);
       }
 
-      __pyx_f_10cattention_7_driver_7appends_new_rows_of((&__pyx_v_rows), ((PyArrayObject *)__pyx_t_17), __pyx_v_rows_offset);
-      __Pyx_DECREF(__pyx_t_17); __pyx_t_17 = 0;
+      __pyx_f_10cattention_7_driver_7appends_new_rows_of((&__pyx_v_rows), ((PyArrayObject *)__pyx_t_8), __pyx_v_rows_offset);
+      __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-      /* "cattention/_driver/shortcuts.pxd":494
+      /* "cattention/_driver/shortcuts.pxd":520
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)
  *             append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,
  *                         d_k if k_or_v == 0 else d_v)             # <<<<<<<<<<<<<<
@@ -73535,25 +75454,25 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
       if (__pyx_t_2) {
 
-        __pyx_t_10 = __pyx_v_d_k;
+        __pyx_t_13 = __pyx_v_d_k;
       } else {
 
-        __pyx_t_10 = __pyx_v_d_v;
+        __pyx_t_13 = __pyx_v_d_v;
       }
 
 
-      /* "cattention/_driver/shortcuts.pxd":493
+      /* "cattention/_driver/shortcuts.pxd":519
  *             cache_rows_of(&cache, kp if k_or_v == 0 else vp, page_ids, max_pages)
  *             new_rows_of(&rows, kn if k_or_v == 0 else vn, rows_offset)
  *             append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,             # <<<<<<<<<<<<<<
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
 */
-      __pyx_f_10cattention_7_driver_7appends_append_rows((&__pyx_v_cache), (&__pyx_v_rows), __pyx_v_start, __pyx_v_n_new_of, __pyx_v_n_seq, __pyx_v_n_kv_heads, __pyx_t_10);
+      __pyx_f_10cattention_7_driver_7appends_append_rows((&__pyx_v_cache), (&__pyx_v_rows), __pyx_v_start, __pyx_v_n_new_of, __pyx_v_n_seq, __pyx_v_n_kv_heads, __pyx_t_13);
 
     }
 
-    /* "cattention/_driver/shortcuts.pxd":495
+    /* "cattention/_driver/shortcuts.pxd":521
  *             append_rows(&cache, &rows, start, n_new_of, n_seq, n_kv_heads,
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)             # <<<<<<<<<<<<<<
@@ -73562,7 +75481,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
     __pyx_f_10cattention_7_driver_7appends_store_lengths(__pyx_v_lengths, __pyx_v_start, __pyx_v_n_new);
 
-    /* "cattention/_driver/shortcuts.pxd":489
+    /* "cattention/_driver/shortcuts.pxd":515
  *     cdef NewRows rows
  *     cdef int k_or_v
  *     if appending:             # <<<<<<<<<<<<<<
@@ -73571,7 +75490,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":496
+  /* "cattention/_driver/shortcuts.pxd":522
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -73581,23 +75500,23 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   {
     __Pyx_PyThreadState_declare
     __Pyx_PyThreadState_assign
-    __Pyx_ExceptionSave(&__pyx_t_14, &__pyx_t_13, &__pyx_t_12);
-    __Pyx_XGOTREF(__pyx_t_14);
-    __Pyx_XGOTREF(__pyx_t_13);
-    __Pyx_XGOTREF(__pyx_t_12);
+    __Pyx_ExceptionSave(&__pyx_t_17, &__pyx_t_16, &__pyx_t_15);
+    __Pyx_XGOTREF(__pyx_t_17);
+    __Pyx_XGOTREF(__pyx_t_16);
+    __Pyx_XGOTREF(__pyx_t_15);
     /*try:*/ {
 
-      /* "cattention/_driver/shortcuts.pxd":497
+      /* "cattention/_driver/shortcuts.pxd":523
  *         store_lengths(lengths, start, n_new)
  *     try:
  *         run_plan(&plan, &row, kern, threads, out)             # <<<<<<<<<<<<<<
  *     except BaseException:
  *         # the computation failed (its memory): the new rows are given back,
 */
-      __pyx_t_15 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_kern, __pyx_v_threads, __pyx_v_out); if (unlikely(__pyx_t_15 == ((int)-1))) __PYX_ERR(7, 497, __pyx_L73_error)
+      __pyx_t_18 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_kern, __pyx_v_threads, __pyx_v_out); if (unlikely(__pyx_t_18 == ((int)-1))) __PYX_ERR(8, 523, __pyx_L83_error)
 
 
-      /* "cattention/_driver/shortcuts.pxd":496
+      /* "cattention/_driver/shortcuts.pxd":522
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
@@ -73605,31 +75524,31 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
  *     except BaseException:
 */
     }
-    __Pyx_XDECREF(__pyx_t_14); __pyx_t_14 = 0;
-    __Pyx_XDECREF(__pyx_t_13); __pyx_t_13 = 0;
-    __Pyx_XDECREF(__pyx_t_12); __pyx_t_12 = 0;
-    goto __pyx_L78_try_end;
-    __pyx_L73_error:;
-    __Pyx_XDECREF(__pyx_t_16); __pyx_t_16 = 0;
     __Pyx_XDECREF(__pyx_t_17); __pyx_t_17 = 0;
+    __Pyx_XDECREF(__pyx_t_16); __pyx_t_16 = 0;
+    __Pyx_XDECREF(__pyx_t_15); __pyx_t_15 = 0;
+    goto __pyx_L88_try_end;
+    __pyx_L83_error:;
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
+    __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
+    __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
 
-    /* "cattention/_driver/shortcuts.pxd":498
+    /* "cattention/_driver/shortcuts.pxd":524
  *     try:
  *         run_plan(&plan, &row, kern, threads, out)
  *     except BaseException:             # <<<<<<<<<<<<<<
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
 */
-    __pyx_t_15 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
-    if (__pyx_t_15) {
+    __pyx_t_18 = __Pyx_PyErr_ExceptionMatches(((PyObject *)(((PyTypeObject*)PyExc_BaseException))));
+    if (__pyx_t_18) {
       __Pyx_AddTraceback("cattention._driver.shortcuts.paged_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
-      if (__Pyx_GetException(&__pyx_t_17, &__pyx_t_16, &__pyx_t_4) < 0) __PYX_ERR(7, 498, __pyx_L75_except_error)
-      __Pyx_XGOTREF(__pyx_t_17);
-      __Pyx_XGOTREF(__pyx_t_16);
+      if (__Pyx_GetException(&__pyx_t_8, &__pyx_t_4, &__pyx_t_7) < 0) __PYX_ERR(8, 524, __pyx_L85_except_error)
+      __Pyx_XGOTREF(__pyx_t_8);
       __Pyx_XGOTREF(__pyx_t_4);
+      __Pyx_XGOTREF(__pyx_t_7);
 
-      /* "cattention/_driver/shortcuts.pxd":501
+      /* "cattention/_driver/shortcuts.pxd":527
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
  *         if appending:             # <<<<<<<<<<<<<<
@@ -73638,7 +75557,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       if (__pyx_v_appending) {
 
-        /* "cattention/_driver/shortcuts.pxd":502
+        /* "cattention/_driver/shortcuts.pxd":528
  *         # their slots free again past the lengths
  *         if appending:
  *             store_lengths(lengths, start, 0)             # <<<<<<<<<<<<<<
@@ -73647,7 +75566,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
         __pyx_f_10cattention_7_driver_7appends_store_lengths(__pyx_v_lengths, __pyx_v_start, 0);
 
-        /* "cattention/_driver/shortcuts.pxd":501
+        /* "cattention/_driver/shortcuts.pxd":527
  *         # the computation failed (its memory): the new rows are given back,
  *         # their slots free again past the lengths
  *         if appending:             # <<<<<<<<<<<<<<
@@ -73656,7 +75575,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       }
 
-      /* "cattention/_driver/shortcuts.pxd":503
+      /* "cattention/_driver/shortcuts.pxd":529
  *         if appending:
  *             store_lengths(lengths, start, 0)
  *         free(page_ids)             # <<<<<<<<<<<<<<
@@ -73665,39 +75584,39 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
       free(__pyx_v_page_ids);
 
-      /* "cattention/_driver/shortcuts.pxd":504
+      /* "cattention/_driver/shortcuts.pxd":530
  *             store_lengths(lengths, start, 0)
  *         free(page_ids)
  *         raise             # <<<<<<<<<<<<<<
  *     free(page_ids)
  *     if q_type != compute:
 */
-      __Pyx_GIVEREF(__pyx_t_17);
-      __Pyx_GIVEREF(__pyx_t_16);
-      __Pyx_XGIVEREF(__pyx_t_4);
-      __Pyx_ErrRestoreWithState(__pyx_t_17, __pyx_t_16, __pyx_t_4);
-      __pyx_t_17 = 0;  __pyx_t_16 = 0;  __pyx_t_4 = 0; 
-      __PYX_ERR(7, 504, __pyx_L75_except_error)
+      __Pyx_GIVEREF(__pyx_t_8);
+      __Pyx_GIVEREF(__pyx_t_4);
+      __Pyx_XGIVEREF(__pyx_t_7);
+      __Pyx_ErrRestoreWithState(__pyx_t_8, __pyx_t_4, __pyx_t_7);
+      __pyx_t_8 = 0;  __pyx_t_4 = 0;  __pyx_t_7 = 0; 
+      __PYX_ERR(8, 530, __pyx_L85_except_error)
     }
-    goto __pyx_L75_except_error;
+    goto __pyx_L85_except_error;
 
-    /* "cattention/_driver/shortcuts.pxd":496
+    /* "cattention/_driver/shortcuts.pxd":522
  *                         d_k if k_or_v == 0 else d_v)
  *         store_lengths(lengths, start, n_new)
  *     try:             # <<<<<<<<<<<<<<
  *         run_plan(&plan, &row, kern, threads, out)
  *     except BaseException:
 */
-    __pyx_L75_except_error:;
-    __Pyx_XGIVEREF(__pyx_t_14);
-    __Pyx_XGIVEREF(__pyx_t_13);
-    __Pyx_XGIVEREF(__pyx_t_12);
-    __Pyx_ExceptionReset(__pyx_t_14, __pyx_t_13, __pyx_t_12);
+    __pyx_L85_except_error:;
+    __Pyx_XGIVEREF(__pyx_t_17);
+    __Pyx_XGIVEREF(__pyx_t_16);
+    __Pyx_XGIVEREF(__pyx_t_15);
+    __Pyx_ExceptionReset(__pyx_t_17, __pyx_t_16, __pyx_t_15);
     goto __pyx_L1_error;
-    __pyx_L78_try_end:;
+    __pyx_L88_try_end:;
   }
 
-  /* "cattention/_driver/shortcuts.pxd":505
+  /* "cattention/_driver/shortcuts.pxd":531
  *         free(page_ids)
  *         raise
  *     free(page_ids)             # <<<<<<<<<<<<<<
@@ -73706,7 +75625,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   free(__pyx_v_page_ids);
 
-  /* "cattention/_driver/shortcuts.pxd":506
+  /* "cattention/_driver/shortcuts.pxd":532
  *         raise
  *     free(page_ids)
  *     if q_type != compute:             # <<<<<<<<<<<<<<
@@ -73718,26 +75637,26 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   if (__pyx_t_2) {
 
 
-    /* "cattention/_driver/shortcuts.pxd":508
+    /* "cattention/_driver/shortcuts.pxd":534
  *     if q_type != compute:
  *         # bfloat16 in: the result rounded once to it
  *         return cnp.PyArray_Cast(out, q_type)             # <<<<<<<<<<<<<<
  *     return out
 */
-    __pyx_t_4 = PyArray_Cast(__pyx_v_out, __pyx_v_q_type); if (unlikely(!__pyx_t_4)) __PYX_ERR(7, 508, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_t_4);
+    __pyx_t_7 = PyArray_Cast(__pyx_v_out, __pyx_v_q_type); if (unlikely(!__pyx_t_7)) __PYX_ERR(8, 534, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_7);
     {
       PyObject *__pyx_temp;
       {
         __pyx_temp = __pyx_r;
-        __pyx_r = __pyx_t_4;
+        __pyx_r = __pyx_t_7;
       }
       __Pyx_XDECREF(__pyx_temp);
     }
-    __pyx_t_4 = 0;
+    __pyx_t_7 = 0;
     goto __pyx_L0;
 
-    /* "cattention/_driver/shortcuts.pxd":506
+    /* "cattention/_driver/shortcuts.pxd":532
  *         raise
  *     free(page_ids)
  *     if q_type != compute:             # <<<<<<<<<<<<<<
@@ -73746,7 +75665,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 */
   }
 
-  /* "cattention/_driver/shortcuts.pxd":509
+  /* "cattention/_driver/shortcuts.pxd":535
  *         # bfloat16 in: the result rounded once to it
  *         return cnp.PyArray_Cast(out, q_type)
  *     return out             # <<<<<<<<<<<<<<
@@ -73762,7 +75681,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/shortcuts.pxd":336
+  /* "cattention/_driver/shortcuts.pxd":350
  * 
  * 
  * cdef inline object paged_shortcut(             # <<<<<<<<<<<<<<
@@ -73773,8 +75692,8 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   /* function exit code */
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_4);
-  __Pyx_XDECREF(__pyx_t_16);
-  __Pyx_XDECREF(__pyx_t_17);
+  __Pyx_XDECREF(__pyx_t_7);
+  __Pyx_XDECREF(__pyx_t_8);
   __Pyx_AddTraceback("cattention._driver.shortcuts.paged_shortcut", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __pyx_r = 0;
   __pyx_L0:;
@@ -73803,6 +75722,8 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
 
 
 
+  __Pyx_XDECREF(__pyx_v_rotated);
+
 
 
 
@@ -73826,7 +75747,7 @@ static CYTHON_INLINE PyObject *__pyx_f_10cattention_7_driver_9shortcuts_paged_sh
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":86
+/* "cattention/_driver/extension.pyx":88
  * # ------------------------------------------- C-level API (extension.pxd)
  * 
  * cdef inline bint missing(const void *data, Py_ssize_t n_rows,             # <<<<<<<<<<<<<<
@@ -73839,7 +75760,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
   int __pyx_t_1;
   int __pyx_t_2;
 
-  /* "cattention/_driver/extension.pyx":88
+  /* "cattention/_driver/extension.pyx":90
  * cdef inline bint missing(const void *data, Py_ssize_t n_rows,
  *                          Py_ssize_t n_features) noexcept nogil:
  *     return data == NULL and n_rows > 0 and n_features > 0             # <<<<<<<<<<<<<<
@@ -73877,7 +75798,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":86
+  /* "cattention/_driver/extension.pyx":88
  * # ------------------------------------------- C-level API (extension.pxd)
  * 
  * cdef inline bint missing(const void *data, Py_ssize_t n_rows,             # <<<<<<<<<<<<<<
@@ -73890,7 +75811,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":91
+/* "cattention/_driver/extension.pyx":93
  * 
  * 
  * cdef inline void head_place(Place *place, const void *data, int type_num,             # <<<<<<<<<<<<<<
@@ -73900,7 +75821,7 @@ static CYTHON_INLINE int __pyx_f_10cattention_7_driver_9extension_missing(void c
 
 static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(struct __pyx_t_10cattention_7_driver_12from_entries_Place *__pyx_v_place, void const *__pyx_v_data, int __pyx_v_type_num, __pyx_t_10cattention_7_driver_12kernel_table_intp_t const *__pyx_v_zero, Py_ssize_t __pyx_v_row_stride) {
 
-  /* "cattention/_driver/extension.pyx":93
+  /* "cattention/_driver/extension.pyx":95
  * cdef inline void head_place(Place *place, const void *data, int type_num,
  *                             const intp_t *zero, Py_ssize_t row_stride) noexcept nogil:
  *     place.data = <const char *>data             # <<<<<<<<<<<<<<
@@ -73909,7 +75830,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->data = ((char const *)__pyx_v_data);
 
-  /* "cattention/_driver/extension.pyx":94
+  /* "cattention/_driver/extension.pyx":96
  *                             const intp_t *zero, Py_ssize_t row_stride) noexcept nogil:
  *     place.data = <const char *>data
  *     place.type_num = type_num             # <<<<<<<<<<<<<<
@@ -73918,7 +75839,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->type_num = __pyx_v_type_num;
 
-  /* "cattention/_driver/extension.pyx":95
+  /* "cattention/_driver/extension.pyx":97
  *     place.data = <const char *>data
  *     place.type_num = type_num
  *     place.seq_offset = zero             # <<<<<<<<<<<<<<
@@ -73927,7 +75848,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->seq_offset = __pyx_v_zero;
 
-  /* "cattention/_driver/extension.pyx":96
+  /* "cattention/_driver/extension.pyx":98
  *     place.type_num = type_num
  *     place.seq_offset = zero
  *     place.t_stride = row_stride             # <<<<<<<<<<<<<<
@@ -73936,7 +75857,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->t_stride = __pyx_v_row_stride;
 
-  /* "cattention/_driver/extension.pyx":97
+  /* "cattention/_driver/extension.pyx":99
  *     place.seq_offset = zero
  *     place.t_stride = row_stride
  *     place.h_stride = 0             # <<<<<<<<<<<<<<
@@ -73945,7 +75866,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->h_stride = 0;
 
-  /* "cattention/_driver/extension.pyx":98
+  /* "cattention/_driver/extension.pyx":100
  *     place.t_stride = row_stride
  *     place.h_stride = 0
  *     place.col_stride = 1             # <<<<<<<<<<<<<<
@@ -73954,7 +75875,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->col_stride = 1;
 
-  /* "cattention/_driver/extension.pyx":99
+  /* "cattention/_driver/extension.pyx":101
  *     place.h_stride = 0
  *     place.col_stride = 1
  *     place.page_stride = 0             # <<<<<<<<<<<<<<
@@ -73963,7 +75884,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
 */
   __pyx_v_place->page_stride = 0;
 
-  /* "cattention/_driver/extension.pyx":91
+  /* "cattention/_driver/extension.pyx":93
  * 
  * 
  * cdef inline void head_place(Place *place, const void *data, int type_num,             # <<<<<<<<<<<<<<
@@ -73974,7 +75895,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_head_place(st
   /* function exit code */
 }
 
-/* "cattention/_driver/extension.pyx":102
+/* "cattention/_driver/extension.pyx":104
  * 
  * 
  * cdef int head_attention(const HeadCall *call) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -74005,7 +75926,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   int __pyx_t_7;
   int __pyx_t_8;
 
-  /* "cattention/_driver/extension.pyx":105
+  /* "cattention/_driver/extension.pyx":107
  *     """One head through the same driver as the Python API: a plan of one
  *     sequence and one head."""
  *     cdef bint in_float32 = call.type_num == cnp.NPY_FLOAT32             # <<<<<<<<<<<<<<
@@ -74014,7 +75935,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_in_float32 = (__pyx_v_call->type_num == NPY_FLOAT32);
 
-  /* "cattention/_driver/extension.pyx":111
+  /* "cattention/_driver/extension.pyx":113
  *     cdef EntryPlan plan
  *     cdef EntryTable tables[2]
  *     cdef Py_ssize_t n_tables = 0             # <<<<<<<<<<<<<<
@@ -74023,7 +75944,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_n_tables = 0;
 
-  /* "cattention/_driver/extension.pyx":116
+  /* "cattention/_driver/extension.pyx":118
  *     cdef intp_t *index
  *     cdef int status
  *     cdef bint with_out = call.out != NULL             # <<<<<<<<<<<<<<
@@ -74032,7 +75953,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_with_out = (__pyx_v_call->out != NULL);
 
-  /* "cattention/_driver/extension.pyx":117
+  /* "cattention/_driver/extension.pyx":119
  *     cdef int status
  *     cdef bint with_out = call.out != NULL
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:             # <<<<<<<<<<<<<<
@@ -74078,7 +75999,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":118
+    /* "cattention/_driver/extension.pyx":120
  *     cdef bint with_out = call.out != NULL
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
  *         return CATTENTION_ERR_SIZE             # <<<<<<<<<<<<<<
@@ -74091,7 +76012,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":117
+    /* "cattention/_driver/extension.pyx":119
  *     cdef int status
  *     cdef bint with_out = call.out != NULL
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:             # <<<<<<<<<<<<<<
@@ -74100,7 +76021,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":119
+  /* "cattention/_driver/extension.pyx":121
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
  *         return CATTENTION_ERR_SIZE
  *     if call.flags & ~CATTENTION_CAUSAL:             # <<<<<<<<<<<<<<
@@ -74112,7 +76033,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":120
+    /* "cattention/_driver/extension.pyx":122
  *         return CATTENTION_ERR_SIZE
  *     if call.flags & ~CATTENTION_CAUSAL:
  *         return CATTENTION_ERR_FLAGS             # <<<<<<<<<<<<<<
@@ -74125,7 +76046,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":119
+    /* "cattention/_driver/extension.pyx":121
  *     if call.n_queries < 0 or call.n_keys < 0 or call.d_k < 0 or call.d_v < 0:
  *         return CATTENTION_ERR_SIZE
  *     if call.flags & ~CATTENTION_CAUSAL:             # <<<<<<<<<<<<<<
@@ -74134,7 +76055,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":121
+  /* "cattention/_driver/extension.pyx":123
  *     if call.flags & ~CATTENTION_CAUSAL:
  *         return CATTENTION_ERR_FLAGS
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):             # <<<<<<<<<<<<<<
@@ -74160,7 +76081,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":122
+    /* "cattention/_driver/extension.pyx":124
  *         return CATTENTION_ERR_FLAGS
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):
  *         return CATTENTION_ERR_SCALE             # <<<<<<<<<<<<<<
@@ -74173,7 +76094,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":121
+    /* "cattention/_driver/extension.pyx":123
  *     if call.flags & ~CATTENTION_CAUSAL:
  *         return CATTENTION_ERR_FLAGS
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):             # <<<<<<<<<<<<<<
@@ -74182,7 +76103,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":123
+  /* "cattention/_driver/extension.pyx":125
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):
  *         return CATTENTION_ERR_SCALE
  *     if not with_out and call.scores == NULL:             # <<<<<<<<<<<<<<
@@ -74208,7 +76129,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":124
+    /* "cattention/_driver/extension.pyx":126
  *         return CATTENTION_ERR_SCALE
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER             # <<<<<<<<<<<<<<
@@ -74221,7 +76142,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":123
+    /* "cattention/_driver/extension.pyx":125
  *     if not isfinite(call.scale) or not holds(call.scale, in_float32):
  *         return CATTENTION_ERR_SCALE
  *     if not with_out and call.scores == NULL:             # <<<<<<<<<<<<<<
@@ -74230,7 +76151,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":125
+  /* "cattention/_driver/extension.pyx":127
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)             # <<<<<<<<<<<<<<
@@ -74248,7 +76169,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     goto __pyx_L16_bool_binop_done;
   }
 
-  /* "cattention/_driver/extension.pyx":126
+  /* "cattention/_driver/extension.pyx":128
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)
  *             or (with_out and (missing(call.v, call.n_keys, call.d_v)             # <<<<<<<<<<<<<<
@@ -74272,7 +76193,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     goto __pyx_L16_bool_binop_done;
   }
 
-  /* "cattention/_driver/extension.pyx":127
+  /* "cattention/_driver/extension.pyx":129
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)
  *             or (with_out and (missing(call.v, call.n_keys, call.d_v)
  *                               or missing(call.out, call.n_queries, call.d_v)))):             # <<<<<<<<<<<<<<
@@ -74296,7 +76217,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_L16_bool_binop_done:;
 
-  /* "cattention/_driver/extension.pyx":125
+  /* "cattention/_driver/extension.pyx":127
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)             # <<<<<<<<<<<<<<
@@ -74306,7 +76227,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":128
+    /* "cattention/_driver/extension.pyx":130
  *             or (with_out and (missing(call.v, call.n_keys, call.d_v)
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER             # <<<<<<<<<<<<<<
@@ -74319,7 +76240,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":125
+    /* "cattention/_driver/extension.pyx":127
  *     if not with_out and call.scores == NULL:
  *         return CATTENTION_ERR_POINTER
  *     if (missing(call.q, call.n_queries, call.d_k) or missing(call.k, call.n_keys, call.d_k)             # <<<<<<<<<<<<<<
@@ -74328,7 +76249,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":129
+  /* "cattention/_driver/extension.pyx":131
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)             # <<<<<<<<<<<<<<
@@ -74351,7 +76272,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   __pyx_L23_next_or:;
 
-  /* "cattention/_driver/extension.pyx":130
+  /* "cattention/_driver/extension.pyx":132
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):             # <<<<<<<<<<<<<<
@@ -74375,7 +76296,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_L22_bool_binop_done:;
 
-  /* "cattention/_driver/extension.pyx":129
+  /* "cattention/_driver/extension.pyx":131
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)             # <<<<<<<<<<<<<<
@@ -74385,7 +76306,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":131
+    /* "cattention/_driver/extension.pyx":133
  *     if ((with_out and call.out_row_stride < call.d_v)
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
  *         return CATTENTION_ERR_STRIDE             # <<<<<<<<<<<<<<
@@ -74398,7 +76319,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":129
+    /* "cattention/_driver/extension.pyx":131
  *                               or missing(call.out, call.n_queries, call.d_v)))):
  *         return CATTENTION_ERR_POINTER
  *     if ((with_out and call.out_row_stride < call.d_v)             # <<<<<<<<<<<<<<
@@ -74407,7 +76328,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":132
+  /* "cattention/_driver/extension.pyx":134
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
  *         return CATTENTION_ERR_STRIDE
  *     if call.n_queries == 0:             # <<<<<<<<<<<<<<
@@ -74419,7 +76340,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":133
+    /* "cattention/_driver/extension.pyx":135
  *         return CATTENTION_ERR_STRIDE
  *     if call.n_queries == 0:
  *         return CATTENTION_OK             # <<<<<<<<<<<<<<
@@ -74432,7 +76353,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":132
+    /* "cattention/_driver/extension.pyx":134
  *             or (call.scores != NULL and call.scores_row_stride < call.n_keys)):
  *         return CATTENTION_ERR_STRIDE
  *     if call.n_queries == 0:             # <<<<<<<<<<<<<<
@@ -74441,7 +76362,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":134
+  /* "cattention/_driver/extension.pyx":136
  *     if call.n_queries == 0:
  *         return CATTENTION_OK
  *     zero[0] = 0             # <<<<<<<<<<<<<<
@@ -74450,7 +76371,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   (__pyx_v_zero[0]) = 0;
 
-  /* "cattention/_driver/extension.pyx":135
+  /* "cattention/_driver/extension.pyx":137
  *         return CATTENTION_OK
  *     zero[0] = 0
  *     n_rows[0] = call.n_queries             # <<<<<<<<<<<<<<
@@ -74462,7 +76383,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   (__pyx_v_n_rows[0]) = __pyx_t_3;
 
 
-  /* "cattention/_driver/extension.pyx":136
+  /* "cattention/_driver/extension.pyx":138
  *     zero[0] = 0
  *     n_rows[0] = call.n_queries
  *     n_valid[0] = call.n_keys             # <<<<<<<<<<<<<<
@@ -74474,7 +76395,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   (__pyx_v_n_valid[0]) = __pyx_t_3;
 
 
-  /* "cattention/_driver/extension.pyx":137
+  /* "cattention/_driver/extension.pyx":139
  *     n_rows[0] = call.n_queries
  *     n_valid[0] = call.n_keys
  *     plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)             # <<<<<<<<<<<<<<
@@ -74483,7 +76404,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_7problem_plain_row_options((&__pyx_v_row), ((__pyx_v_call->flags & CATTENTION_CAUSAL) != 0), __pyx_v_call->scale);
 
-  /* "cattention/_driver/extension.pyx":138
+  /* "cattention/_driver/extension.pyx":140
  *     n_valid[0] = call.n_keys
  *     plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1             # <<<<<<<<<<<<<<
@@ -74500,7 +76421,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   __pyx_v_plan.n_heads = __pyx_t_4;
   __pyx_v_plan.n_kv_heads = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":139
+  /* "cattention/_driver/extension.pyx":141
  *     plain_row_options(&row, (call.flags & CATTENTION_CAUSAL) != 0, call.scale)
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1
  *     plan.d_k = call.d_k             # <<<<<<<<<<<<<<
@@ -74511,7 +76432,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_v_plan.d_k = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":140
+  /* "cattention/_driver/extension.pyx":142
  *     plan.n_seq, plan.n_heads, plan.n_kv_heads = 1, 1, 1
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v if with_out else 0             # <<<<<<<<<<<<<<
@@ -74527,7 +76448,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   __pyx_v_plan.d_v = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":141
+  /* "cattention/_driver/extension.pyx":143
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v if with_out else 0
  *     plan.q_lengths = n_rows             # <<<<<<<<<<<<<<
@@ -74536,7 +76457,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.q_lengths = __pyx_v_n_rows;
 
-  /* "cattention/_driver/extension.pyx":142
+  /* "cattention/_driver/extension.pyx":144
  *     plan.d_v = call.d_v if with_out else 0
  *     plan.q_lengths = n_rows
  *     plan.kv_lengths = n_valid             # <<<<<<<<<<<<<<
@@ -74545,7 +76466,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.kv_lengths = __pyx_v_n_valid;
 
-  /* "cattention/_driver/extension.pyx":143
+  /* "cattention/_driver/extension.pyx":145
  *     plan.q_lengths = n_rows
  *     plan.kv_lengths = n_valid
  *     plan.kv_starts = NULL             # <<<<<<<<<<<<<<
@@ -74554,7 +76475,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.kv_starts = NULL;
 
-  /* "cattention/_driver/extension.pyx":144
+  /* "cattention/_driver/extension.pyx":146
  *     plan.kv_lengths = n_valid
  *     plan.kv_starts = NULL
  *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)             # <<<<<<<<<<<<<<
@@ -74563,7 +76484,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.q), __pyx_v_call->q, __pyx_v_call->type_num, __pyx_v_zero, __pyx_v_call->q_row_stride);
 
-  /* "cattention/_driver/extension.pyx":145
+  /* "cattention/_driver/extension.pyx":147
  *     plan.kv_starts = NULL
  *     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)             # <<<<<<<<<<<<<<
@@ -74572,7 +76493,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.k), __pyx_v_call->k, __pyx_v_call->type_num, __pyx_v_zero, __pyx_v_call->k_row_stride);
 
-  /* "cattention/_driver/extension.pyx":147
+  /* "cattention/_driver/extension.pyx":149
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
  *     # SCORES alone: V is not read
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,             # <<<<<<<<<<<<<<
@@ -74587,7 +76508,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     __pyx_t_6 = __pyx_v_call->k;
   }
 
-  /* "cattention/_driver/extension.pyx":148
+  /* "cattention/_driver/extension.pyx":150
  *     # SCORES alone: V is not read
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,
  *                call.v_row_stride if with_out else call.k_row_stride)             # <<<<<<<<<<<<<<
@@ -74602,7 +76523,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     __pyx_t_5 = __pyx_v_call->k_row_stride;
   }
 
-  /* "cattention/_driver/extension.pyx":147
+  /* "cattention/_driver/extension.pyx":149
  *     head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
  *     # SCORES alone: V is not read
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,             # <<<<<<<<<<<<<<
@@ -74613,7 +76534,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
 
 
-  /* "cattention/_driver/extension.pyx":149
+  /* "cattention/_driver/extension.pyx":151
  *     head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,
  *                call.v_row_stride if with_out else call.k_row_stride)
  *     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)             # <<<<<<<<<<<<<<
@@ -74622,7 +76543,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.out), __pyx_v_call->out, __pyx_v_call->type_num, __pyx_v_zero, __pyx_v_call->out_row_stride);
 
-  /* "cattention/_driver/extension.pyx":150
+  /* "cattention/_driver/extension.pyx":152
  *                call.v_row_stride if with_out else call.k_row_stride)
  *     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)
  *     head_place(&plan.lse, call.lse, call.type_num, zero, 1)             # <<<<<<<<<<<<<<
@@ -74631,7 +76552,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_9extension_head_place((&__pyx_v_plan.lse), __pyx_v_call->lse, __pyx_v_call->type_num, __pyx_v_zero, 1);
 
-  /* "cattention/_driver/extension.pyx":151
+  /* "cattention/_driver/extension.pyx":153
  *     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)
  *     head_place(&plan.lse, call.lse, call.type_num, zero, 1)
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -74640,7 +76561,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":152
+  /* "cattention/_driver/extension.pyx":154
  *     head_place(&plan.lse, call.lse, call.type_num, zero, 1)
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -74649,7 +76570,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":153
+  /* "cattention/_driver/extension.pyx":155
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL             # <<<<<<<<<<<<<<
@@ -74658,7 +76579,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.alibi = NULL;
 
-  /* "cattention/_driver/extension.pyx":154
+  /* "cattention/_driver/extension.pyx":156
  *     plan.v_scale.data = NULL
  *     plan.alibi = NULL
  *     plan.sinks = NULL             # <<<<<<<<<<<<<<
@@ -74667,7 +76588,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.sinks = NULL;
 
-  /* "cattention/_driver/extension.pyx":155
+  /* "cattention/_driver/extension.pyx":157
  *     plan.alibi = NULL
  *     plan.sinks = NULL
  *     plan.page_ids = NULL             # <<<<<<<<<<<<<<
@@ -74676,7 +76597,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.page_ids = NULL;
 
-  /* "cattention/_driver/extension.pyx":156
+  /* "cattention/_driver/extension.pyx":158
  *     plan.sinks = NULL
  *     plan.page_ids = NULL
  *     plan.pages_per_seq = 0             # <<<<<<<<<<<<<<
@@ -74685,7 +76606,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.pages_per_seq = 0;
 
-  /* "cattention/_driver/extension.pyx":157
+  /* "cattention/_driver/extension.pyx":159
  *     plan.page_ids = NULL
  *     plan.pages_per_seq = 0
  *     plan.page_size = 0             # <<<<<<<<<<<<<<
@@ -74694,7 +76615,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_plan.page_size = 0;
 
-  /* "cattention/_driver/extension.pyx":158
+  /* "cattention/_driver/extension.pyx":160
  *     plan.pages_per_seq = 0
  *     plan.page_size = 0
  *     if plan_entries(&plan, tables, &n_tables) != 0:             # <<<<<<<<<<<<<<
@@ -74706,7 +76627,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":159
+    /* "cattention/_driver/extension.pyx":161
  *     plan.page_size = 0
  *     if plan_entries(&plan, tables, &n_tables) != 0:
  *         return CATTENTION_ERR_NO_MEMORY             # <<<<<<<<<<<<<<
@@ -74719,7 +76640,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":158
+    /* "cattention/_driver/extension.pyx":160
  *     plan.pages_per_seq = 0
  *     plan.page_size = 0
  *     if plan_entries(&plan, tables, &n_tables) != 0:             # <<<<<<<<<<<<<<
@@ -74728,7 +76649,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":160
+  /* "cattention/_driver/extension.pyx":162
  *     if plan_entries(&plan, tables, &n_tables) != 0:
  *         return CATTENTION_ERR_NO_MEMORY
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)             # <<<<<<<<<<<<<<
@@ -74737,7 +76658,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_v_index = __pyx_f_10cattention_7_driver_12from_entries_problem_from_table((&__pyx_v_pb), (&(__pyx_v_tables[0])), (&__pyx_v_plan), (&__pyx_v_row));
 
-  /* "cattention/_driver/extension.pyx":161
+  /* "cattention/_driver/extension.pyx":163
  *         return CATTENTION_ERR_NO_MEMORY
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)
  *     if index == NULL:             # <<<<<<<<<<<<<<
@@ -74749,7 +76670,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":162
+    /* "cattention/_driver/extension.pyx":164
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)
  *     if index == NULL:
  *         free_tables(tables, n_tables)             # <<<<<<<<<<<<<<
@@ -74758,7 +76679,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
     __pyx_f_10cattention_7_driver_12from_entries_free_tables(__pyx_v_tables, __pyx_v_n_tables);
 
-    /* "cattention/_driver/extension.pyx":163
+    /* "cattention/_driver/extension.pyx":165
  *     if index == NULL:
  *         free_tables(tables, n_tables)
  *         return CATTENTION_ERR_NO_MEMORY             # <<<<<<<<<<<<<<
@@ -74771,7 +76692,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":161
+    /* "cattention/_driver/extension.pyx":163
  *         return CATTENTION_ERR_NO_MEMORY
  *     index = problem_from_table(&pb, &tables[0], &plan, &row)
  *     if index == NULL:             # <<<<<<<<<<<<<<
@@ -74780,7 +76701,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":164
+  /* "cattention/_driver/extension.pyx":166
  *         free_tables(tables, n_tables)
  *         return CATTENTION_ERR_NO_MEMORY
  *     pb.ld_scores = call.scores_row_stride             # <<<<<<<<<<<<<<
@@ -74791,7 +76712,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 
   __pyx_v_pb.ld_scores = __pyx_t_5;
 
-  /* "cattention/_driver/extension.pyx":165
+  /* "cattention/_driver/extension.pyx":167
  *         return CATTENTION_ERR_NO_MEMORY
  *     pb.ld_scores = call.scores_row_stride
  *     if in_float32:             # <<<<<<<<<<<<<<
@@ -74800,7 +76721,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   if (__pyx_v_in_float32) {
 
-    /* "cattention/_driver/extension.pyx":166
+    /* "cattention/_driver/extension.pyx":168
  *     pb.ld_scores = call.scores_row_stride
  *     if in_float32:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,             # <<<<<<<<<<<<<<
@@ -74818,7 +76739,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
 
 
-    /* "cattention/_driver/extension.pyx":167
+    /* "cattention/_driver/extension.pyx":169
  *     if in_float32:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
  *                                  <float *>call.out, <float *>call.scores)             # <<<<<<<<<<<<<<
@@ -74828,7 +76749,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     __pyx_v_status = __pyx_fuse_0__pyx_f_10cattention_7_driver_8schedule_compute_problem((&__pyx_v_pb), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_7, ((float *)__pyx_v_call->out), ((float *)__pyx_v_call->scores));
 
 
-    /* "cattention/_driver/extension.pyx":165
+    /* "cattention/_driver/extension.pyx":167
  *         return CATTENTION_ERR_NO_MEMORY
  *     pb.ld_scores = call.scores_row_stride
  *     if in_float32:             # <<<<<<<<<<<<<<
@@ -74838,7 +76759,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     goto __pyx_L29;
   }
 
-  /* "cattention/_driver/extension.pyx":169
+  /* "cattention/_driver/extension.pyx":171
  *                                  <float *>call.out, <float *>call.scores)
  *     else:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,             # <<<<<<<<<<<<<<
@@ -74857,7 +76778,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
     }
 
 
-    /* "cattention/_driver/extension.pyx":170
+    /* "cattention/_driver/extension.pyx":172
  *     else:
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
  *                                  <double *>call.out, <double *>call.scores)             # <<<<<<<<<<<<<<
@@ -74869,7 +76790,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   __pyx_L29:;
 
-  /* "cattention/_driver/extension.pyx":171
+  /* "cattention/_driver/extension.pyx":173
  *         status = compute_problem(&pb, _kernels, call.n_threads if call.n_threads >= 1 else 1,
  *                                  <double *>call.out, <double *>call.scores)
  *     free(index)             # <<<<<<<<<<<<<<
@@ -74878,7 +76799,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   free(__pyx_v_index);
 
-  /* "cattention/_driver/extension.pyx":172
+  /* "cattention/_driver/extension.pyx":174
  *                                  <double *>call.out, <double *>call.scores)
  *     free(index)
  *     free_tables(tables, n_tables)             # <<<<<<<<<<<<<<
@@ -74887,7 +76808,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
 */
   __pyx_f_10cattention_7_driver_12from_entries_free_tables(__pyx_v_tables, __pyx_v_n_tables);
 
-  /* "cattention/_driver/extension.pyx":173
+  /* "cattention/_driver/extension.pyx":175
  *     free(index)
  *     free_tables(tables, n_tables)
  *     return CATTENTION_ERR_NO_MEMORY if status != 0 else CATTENTION_OK             # <<<<<<<<<<<<<<
@@ -74909,7 +76830,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   }
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":102
+  /* "cattention/_driver/extension.pyx":104
  * 
  * 
  * cdef int head_attention(const HeadCall *call) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -74934,7 +76855,7 @@ static int __pyx_f_10cattention_7_driver_9extension_head_attention(struct __pyx_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":178
+/* "cattention/_driver/extension.pyx":180
  * # ------------------------------------------------------------ introspection
  * 
  * def get_simd():             # <<<<<<<<<<<<<<
@@ -74969,20 +76890,20 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_get_simd(CYTHON_UNUSE
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("get_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":180
+  /* "cattention/_driver/extension.pyx":182
  * def get_simd():
  *     """Name of the kernel table in use."""
  *     return (<bytes>_kernels.name).decode()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBytes_FromString(__pyx_v_10cattention_7_driver_9extension__kernels->name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 180, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBytes_FromString(__pyx_v_10cattention_7_driver_9extension__kernels->name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 182, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if (unlikely(__pyx_t_1 == Py_None)) {
     PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-    __PYX_ERR(0, 180, __pyx_L1_error)
+    __PYX_ERR(0, 182, __pyx_L1_error)
   }
-  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 180, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 182, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
@@ -74996,7 +76917,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_get_simd(CYTHON_UNUSE
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":178
+  /* "cattention/_driver/extension.pyx":180
  * # ------------------------------------------------------------ introspection
  * 
  * def get_simd():             # <<<<<<<<<<<<<<
@@ -75016,7 +76937,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_get_simd(CYTHON_UNUSE
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":183
+/* "cattention/_driver/extension.pyx":185
  * 
  * 
  * def available_simd():             # <<<<<<<<<<<<<<
@@ -75058,7 +76979,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("available_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":186
+  /* "cattention/_driver/extension.pyx":188
  *     """Names of the kernel tables this CPU can run, best last."""
  *     cdef const char *names[8]
  *     cdef int n = ca_available_kernels(names, 8)             # <<<<<<<<<<<<<<
@@ -75067,7 +76988,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
 */
   __pyx_v_n = ca_available_kernels(__pyx_v_names, 8);
 
-  /* "cattention/_driver/extension.pyx":187
+  /* "cattention/_driver/extension.pyx":189
  *     cdef const char *names[8]
  *     cdef int n = ca_available_kernels(names, 8)
  *     return [(<bytes>names[i]).decode() for i in range(n)]             # <<<<<<<<<<<<<<
@@ -75075,7 +76996,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 187, __pyx_L1_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 189, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
 
     __pyx_t_2 = __pyx_v_n;
@@ -75083,17 +77004,17 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
 
     for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
       __pyx_7genexpr__pyx_v_i = __pyx_t_4;
-      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_7genexpr__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 187, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_7genexpr__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 189, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       if (unlikely(__pyx_t_5 == Py_None)) {
         PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-        __PYX_ERR(0, 187, __pyx_L1_error)
+        __PYX_ERR(0, 189, __pyx_L1_error)
       }
-      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 187, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 189, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_GIVEREF(__pyx_t_6);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 187, __pyx_L1_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 189, __pyx_L1_error)
       __pyx_t_6 = 0;
     }
 
@@ -75109,7 +77030,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":183
+  /* "cattention/_driver/extension.pyx":185
  * 
  * 
  * def available_simd():             # <<<<<<<<<<<<<<
@@ -75133,7 +77054,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_2available_simd(CYTHO
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":190
+/* "cattention/_driver/extension.pyx":192
  * 
  * 
  * def compiled_simd():             # <<<<<<<<<<<<<<
@@ -75175,7 +77096,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("compiled_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":194
+  /* "cattention/_driver/extension.pyx":196
  *     not, best last."""
  *     cdef const char *names[8]
  *     cdef int n = ca_compiled_kernels(names, 8)             # <<<<<<<<<<<<<<
@@ -75184,7 +77105,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
 */
   __pyx_v_n = ca_compiled_kernels(__pyx_v_names, 8);
 
-  /* "cattention/_driver/extension.pyx":195
+  /* "cattention/_driver/extension.pyx":197
  *     cdef const char *names[8]
  *     cdef int n = ca_compiled_kernels(names, 8)
  *     return [(<bytes>names[i]).decode() for i in range(n)]             # <<<<<<<<<<<<<<
@@ -75192,7 +77113,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
  * 
 */
   { /* enter inner scope */
-    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 195, __pyx_L1_error)
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 197, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
 
     __pyx_t_2 = __pyx_v_n;
@@ -75200,17 +77121,17 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
 
     for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
       __pyx_8genexpr1__pyx_v_i = __pyx_t_4;
-      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_8genexpr1__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 195, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PyBytes_FromString((__pyx_v_names[__pyx_8genexpr1__pyx_v_i])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 197, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       if (unlikely(__pyx_t_5 == Py_None)) {
         PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-        __PYX_ERR(0, 195, __pyx_L1_error)
+        __PYX_ERR(0, 197, __pyx_L1_error)
       }
-      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 195, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_decode_bytes(((PyObject*)__pyx_t_5), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 197, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_GIVEREF(__pyx_t_6);
-      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 195, __pyx_L1_error)
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_6))) __PYX_ERR(0, 197, __pyx_L1_error)
       __pyx_t_6 = 0;
     }
 
@@ -75226,7 +77147,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":190
+  /* "cattention/_driver/extension.pyx":192
  * 
  * 
  * def compiled_simd():             # <<<<<<<<<<<<<<
@@ -75250,7 +77171,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_4compiled_simd(CYTHON
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":198
+/* "cattention/_driver/extension.pyx":200
  * 
  * 
  * def simd_tile():             # <<<<<<<<<<<<<<
@@ -75288,7 +77209,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("simd_tile", 0);
 
-  /* "cattention/_driver/extension.pyx":201
+  /* "cattention/_driver/extension.pyx":203
  *     """The register tile of the table in use: (rows, float32 columns,
  *     float64 columns)."""
  *     cdef const ca_kernel_tile *tile = <const ca_kernel_tile *>_kernels             # <<<<<<<<<<<<<<
@@ -75297,27 +77218,27 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
 */
   __pyx_v_tile = ((ca_kernels const *)__pyx_v_10cattention_7_driver_9extension__kernels);
 
-  /* "cattention/_driver/extension.pyx":202
+  /* "cattention/_driver/extension.pyx":204
  *     float64 columns)."""
  *     cdef const ca_kernel_tile *tile = <const ca_kernel_tile *>_kernels
  *     return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_rows); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_rows); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 204, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f32); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f32); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 204, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_tile->tile_cols_f64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 204, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 202, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 204, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 204, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 204, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 202, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 204, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
@@ -75332,7 +77253,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":198
+  /* "cattention/_driver/extension.pyx":200
  * 
  * 
  * def simd_tile():             # <<<<<<<<<<<<<<
@@ -75355,7 +77276,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_6simd_tile(CYTHON_UNU
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":205
+/* "cattention/_driver/extension.pyx":207
  * 
  * 
  * def set_simd(name):             # <<<<<<<<<<<<<<
@@ -75403,32 +77324,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 205, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 207, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 205, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 207, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "set_simd", 0) < (0)) __PYX_ERR(0, 205, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "set_simd", 0) < (0)) __PYX_ERR(0, 207, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, i); __PYX_ERR(0, 205, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, i); __PYX_ERR(0, 207, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 205, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 207, __pyx_L3_error)
     }
     __pyx_v_name = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 205, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("set_simd", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 207, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -75470,33 +77391,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("set_simd", 0);
 
-  /* "cattention/_driver/extension.pyx":211
+  /* "cattention/_driver/extension.pyx":213
  *     cannot run it."""
  *     global _kernels
  *     cdef bytes encoded = str(name).encode()             # <<<<<<<<<<<<<<
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:
 */
-  __pyx_t_1 = __Pyx_PyObject_Unicode(__pyx_v_name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 211, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_Unicode(__pyx_v_name); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = PyUnicode_AsEncodedString(((PyObject*)__pyx_t_1), NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 211, __pyx_L1_error)
+  __pyx_t_2 = PyUnicode_AsEncodedString(((PyObject*)__pyx_t_1), NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 213, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_encoded = ((PyObject*)__pyx_t_2);
   __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":212
+  /* "cattention/_driver/extension.pyx":214
  *     global _kernels
  *     cdef bytes encoded = str(name).encode()
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)             # <<<<<<<<<<<<<<
  *     if kern == NULL:
  *         raise ValueError(
 */
-  __pyx_t_3 = __Pyx_PyBytes_AsString(__pyx_v_encoded); if (unlikely((!__pyx_t_3) && PyErr_Occurred())) __PYX_ERR(0, 212, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyBytes_AsString(__pyx_v_encoded); if (unlikely((!__pyx_t_3) && PyErr_Occurred())) __PYX_ERR(0, 214, __pyx_L1_error)
   __pyx_v_kern = ca_kernels_by_name(__pyx_t_3);
 
 
-  /* "cattention/_driver/extension.pyx":213
+  /* "cattention/_driver/extension.pyx":215
  *     cdef bytes encoded = str(name).encode()
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:             # <<<<<<<<<<<<<<
@@ -75508,7 +77429,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "cattention/_driver/extension.pyx":214
+    /* "cattention/_driver/extension.pyx":216
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:
  *         raise ValueError(             # <<<<<<<<<<<<<<
@@ -75517,29 +77438,29 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
 */
     __pyx_t_1 = NULL;
 
-    /* "cattention/_driver/extension.pyx":215
+    /* "cattention/_driver/extension.pyx":217
  *     if kern == NULL:
  *         raise ValueError(
  *             f"SIMD level {name!r} is not available on this CPU; "             # <<<<<<<<<<<<<<
  *             f"available: {available_simd()}")
  *     _kernels = kern
 */
-    __pyx_t_5 = __Pyx_PyObject_FormatSimpleAndDecref(PyObject_Repr(__pyx_v_name), __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 215, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_FormatSimpleAndDecref(PyObject_Repr(__pyx_v_name), __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 217, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
 
-    /* "cattention/_driver/extension.pyx":216
+    /* "cattention/_driver/extension.pyx":218
  *         raise ValueError(
  *             f"SIMD level {name!r} is not available on this CPU; "
  *             f"available: {available_simd()}")             # <<<<<<<<<<<<<<
  *     _kernels = kern
  * 
 */
-    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_available_simd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 216, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_available_simd); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 218, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyObject_CallNoArg(__pyx_t_6); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 216, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_CallNoArg(__pyx_t_6); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 218, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_7, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 216, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_7, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 218, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_SIMD_level;
@@ -75547,7 +77468,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
     __pyx_t_8[2] = __pyx_mstate_global->__pyx_kp_u_is_not_available_on_this_CPU_av;
     __pyx_t_8[3] = __pyx_t_6;
 
-    /* "cattention/_driver/extension.pyx":215
+    /* "cattention/_driver/extension.pyx":217
  *     if kern == NULL:
  *         raise ValueError(
  *             f"SIMD level {name!r} is not available on this CPU; "             # <<<<<<<<<<<<<<
@@ -75563,7 +77484,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
     __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_8[1]) | __Pyx_PyUnicode_KIND_04(__pyx_t_8[3]);
     #endif
     __pyx_t_7 = __Pyx_PyUnicode_Join(__pyx_t_8, 4, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 215, __pyx_L1_error)
+    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 217, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
@@ -75573,14 +77494,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
       __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_11, (2-__pyx_t_11) | (__pyx_t_11*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
       __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 214, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 216, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 214, __pyx_L1_error)
+    __PYX_ERR(0, 216, __pyx_L1_error)
 
-    /* "cattention/_driver/extension.pyx":213
+    /* "cattention/_driver/extension.pyx":215
  *     cdef bytes encoded = str(name).encode()
  *     cdef const ca_kernels *kern = ca_kernels_by_name(encoded)
  *     if kern == NULL:             # <<<<<<<<<<<<<<
@@ -75589,7 +77510,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
 */
   }
 
-  /* "cattention/_driver/extension.pyx":217
+  /* "cattention/_driver/extension.pyx":219
  *             f"SIMD level {name!r} is not available on this CPU; "
  *             f"available: {available_simd()}")
  *     _kernels = kern             # <<<<<<<<<<<<<<
@@ -75598,7 +77519,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
 */
   __pyx_v_10cattention_7_driver_9extension__kernels = __pyx_v_kern;
 
-  /* "cattention/_driver/extension.pyx":205
+  /* "cattention/_driver/extension.pyx":207
  * 
  * 
  * def set_simd(name):             # <<<<<<<<<<<<<<
@@ -75625,7 +77546,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_8set_simd(CYTHON_UNUS
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":220
+/* "cattention/_driver/extension.pyx":222
  * 
  * 
  * def compiler():             # <<<<<<<<<<<<<<
@@ -75659,20 +77580,20 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_10compiler(CYTHON_UNU
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("compiler", 0);
 
-  /* "cattention/_driver/extension.pyx":221
+  /* "cattention/_driver/extension.pyx":223
  * 
  * def compiler():
  *     return (<bytes>ca_compiler_version()).decode()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBytes_FromString(ca_compiler_version()); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBytes_FromString(ca_compiler_version()); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 223, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if (unlikely(__pyx_t_1 == Py_None)) {
     PyErr_Format(PyExc_AttributeError, "\047NoneType\047 object has no attribute \047%.30s\047", "decode");
-    __PYX_ERR(0, 221, __pyx_L1_error)
+    __PYX_ERR(0, 223, __pyx_L1_error)
   }
-  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_decode_bytes(((PyObject*)__pyx_t_1), 0, PY_SSIZE_T_MAX, NULL, NULL, NULL); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 223, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   {
@@ -75686,7 +77607,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_10compiler(CYTHON_UNU
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":220
+  /* "cattention/_driver/extension.pyx":222
  * 
  * 
  * def compiler():             # <<<<<<<<<<<<<<
@@ -75706,7 +77627,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_10compiler(CYTHON_UNU
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":224
+/* "cattention/_driver/extension.pyx":226
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
@@ -75754,32 +77675,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_type_num,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 224, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 226, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 224, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 226, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "register_bfloat16", 0) < (0)) __PYX_ERR(0, 224, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "register_bfloat16", 0) < (0)) __PYX_ERR(0, 226, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, i); __PYX_ERR(0, 224, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, i); __PYX_ERR(0, 226, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 224, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 226, __pyx_L3_error)
     }
-    __pyx_v_type_num = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_type_num == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 224, __pyx_L3_error)
+    __pyx_v_type_num = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_type_num == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 226, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 224, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("register_bfloat16", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 226, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -75806,7 +77727,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12register_bfloat16(C
   __Pyx_RefNannyDeclarations
   __Pyx_RefNannySetupContext("register_bfloat16", 0);
 
-  /* "cattention/_driver/extension.pyx":228
+  /* "cattention/_driver/extension.pyx":230
  *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
  *     computed in float32, and the shortcuts take them."""
  *     ca_set_bfloat16_type(type_num)             # <<<<<<<<<<<<<<
@@ -75815,7 +77736,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12register_bfloat16(C
 */
   ca_set_bfloat16_type(__pyx_v_type_num);
 
-  /* "cattention/_driver/extension.pyx":224
+  /* "cattention/_driver/extension.pyx":226
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
@@ -75830,7 +77751,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_12register_bfloat16(C
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":231
+/* "cattention/_driver/extension.pyx":233
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
@@ -75863,14 +77784,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14openmp_enabled(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_enabled", 0);
 
-  /* "cattention/_driver/extension.pyx":232
+  /* "cattention/_driver/extension.pyx":234
  * 
  * def openmp_enabled():
  *     return bool(CA_HAVE_OPENMP)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(CA_HAVE_OPENMP != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 232, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(CA_HAVE_OPENMP != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 234, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -75883,7 +77804,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14openmp_enabled(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":231
+  /* "cattention/_driver/extension.pyx":233
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
@@ -75902,7 +77823,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_14openmp_enabled(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":235
+/* "cattention/_driver/extension.pyx":237
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
@@ -75938,7 +77859,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_version", 0);
 
-  /* "cattention/_driver/extension.pyx":236
+  /* "cattention/_driver/extension.pyx":238
  * 
  * def openmp_version():
  *     return int(CA_OPENMP_VERSION)             # <<<<<<<<<<<<<<
@@ -75946,7 +77867,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
  * 
 */
   __pyx_t_2 = NULL;
-  __pyx_t_3 = __Pyx_PyLong_From_int(CA_OPENMP_VERSION); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 236, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(CA_OPENMP_VERSION); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 238, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 1;
   {
@@ -75954,7 +77875,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(&PyLong_Type), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 236, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 238, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -75968,7 +77889,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":235
+  /* "cattention/_driver/extension.pyx":237
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
@@ -75989,7 +77910,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_16openmp_version(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":239
+/* "cattention/_driver/extension.pyx":241
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
@@ -76027,14 +77948,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("openmp_runtime", 0);
 
-  /* "cattention/_driver/extension.pyx":242
+  /* "cattention/_driver/extension.pyx":244
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
  *     return (<bytes>ca_openmp_runtime()).decode(errors="replace")             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_3 = __Pyx_PyBytes_FromString(ca_openmp_runtime()); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyBytes_FromString(ca_openmp_runtime()); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 244, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_2 = __pyx_t_3;
   __Pyx_INCREF(__pyx_t_2);
@@ -76045,13 +77966,13 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_n_u_replace};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 242, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_errors};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+1, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 242, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 244, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -76061,10 +77982,10 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
     #endif
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 242, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(PyUnicode_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("str", __pyx_t_1))) __PYX_ERR(0, 242, __pyx_L1_error)
+  if (!(likely(PyUnicode_CheckExact(__pyx_t_1))||((__pyx_t_1) == Py_None) || __Pyx_RaiseUnexpectedTypeError("str", __pyx_t_1))) __PYX_ERR(0, 244, __pyx_L1_error)
   {
     PyObject *__pyx_temp;
     {
@@ -76076,7 +77997,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":239
+  /* "cattention/_driver/extension.pyx":241
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
@@ -76098,7 +78019,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_18openmp_runtime(CYTH
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":245
+/* "cattention/_driver/extension.pyx":247
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
@@ -76133,7 +78054,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("max_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":248
+  /* "cattention/_driver/extension.pyx":250
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -76145,7 +78066,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":249
+    /* "cattention/_driver/extension.pyx":251
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():
  *         return 1             # <<<<<<<<<<<<<<
@@ -76163,7 +78084,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":248
+    /* "cattention/_driver/extension.pyx":250
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
  *     if ca_forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -76172,14 +78093,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":250
+  /* "cattention/_driver/extension.pyx":252
  *     if ca_forked_after_parallel():
  *         return 1
  *     return omp_get_max_threads()             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyLong_From_int(omp_get_max_threads()); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 250, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(omp_get_max_threads()); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 252, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   {
     PyObject *__pyx_temp;
@@ -76192,7 +78113,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":245
+  /* "cattention/_driver/extension.pyx":247
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
@@ -76211,7 +78132,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_20max_threads(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":253
+/* "cattention/_driver/extension.pyx":255
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
@@ -76260,39 +78181,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_n_threads,&__pyx_mstate_global->__pyx_n_u_serial_ns,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 253, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 255, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 253, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 255, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 253, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 255, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "team_size", 0) < (0)) __PYX_ERR(0, 253, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "team_size", 0) < (0)) __PYX_ERR(0, 255, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, i); __PYX_ERR(0, 253, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, i); __PYX_ERR(0, 255, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 253, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 255, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 253, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 255, __pyx_L3_error)
     }
-    __pyx_v_n_threads = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_n_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 253, __pyx_L3_error)
-    __pyx_v_serial_ns = __Pyx_PyFloat_AsDouble(values[1]); if (unlikely((__pyx_v_serial_ns == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 253, __pyx_L3_error)
+    __pyx_v_n_threads = __Pyx_PyLong_As_int(values[0]); if (unlikely((__pyx_v_n_threads == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 255, __pyx_L3_error)
+    __pyx_v_serial_ns = __Pyx_PyFloat_AsDouble(values[1]); if (unlikely((__pyx_v_serial_ns == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 255, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 253, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("team_size", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 255, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -76324,14 +78245,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22team_size(CYTHON_UN
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("team_size", 0);
 
-  /* "cattention/_driver/extension.pyx":256
+  /* "cattention/_driver/extension.pyx":258
  *     """Threads a call of estimated one-thread time serial_ns (in ns) allowed
  *     n_threads would start now (src/team.h); for tests."""
  *     return ca_team_size(n_threads, serial_ns)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(ca_team_size(__pyx_v_n_threads, __pyx_v_serial_ns)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 256, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(ca_team_size(__pyx_v_n_threads, __pyx_v_serial_ns)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 258, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -76344,7 +78265,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22team_size(CYTHON_UN
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":253
+  /* "cattention/_driver/extension.pyx":255
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
@@ -76363,7 +78284,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_22team_size(CYTHON_UN
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":259
+/* "cattention/_driver/extension.pyx":261
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -76397,14 +78318,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24forked_after_parall
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("forked_after_parallel", 0);
 
-  /* "cattention/_driver/extension.pyx":261
+  /* "cattention/_driver/extension.pyx":263
  * def forked_after_parallel():
  *     """True in a child process forked after a parallel region had run."""
  *     return bool(ca_forked_after_parallel())             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(ca_forked_after_parallel() != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 261, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong((!(!(ca_forked_after_parallel() != 0)))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -76417,7 +78338,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24forked_after_parall
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":259
+  /* "cattention/_driver/extension.pyx":261
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
@@ -76436,7 +78357,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_24forked_after_parall
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":267
+/* "cattention/_driver/extension.pyx":269
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
@@ -76484,39 +78405,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_value,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 267, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 269, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 267, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 269, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 267, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 269, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_flag", 0) < (0)) __PYX_ERR(0, 267, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_flag", 0) < (0)) __PYX_ERR(0, 269, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, i); __PYX_ERR(0, 267, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, i); __PYX_ERR(0, 269, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 267, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 269, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 267, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 269, __pyx_L3_error)
     }
     __pyx_v_value = values[0];
     __pyx_v_name = ((PyObject*)values[1]);
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 267, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_flag", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 269, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -76527,7 +78448,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 267, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 269, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_26check_flag(__pyx_self, __pyx_v_value, __pyx_v_name);
 
   /* function exit code */
@@ -76557,15 +78478,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26check_flag(CYTHON_U
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_flag", 0);
 
-  /* "cattention/_driver/extension.pyx":268
+  /* "cattention/_driver/extension.pyx":270
  * 
  * def check_flag(value, str name):
  *     return _check_flag(value, name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_value, __pyx_v_name); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 268, __pyx_L1_error)
-  __pyx_t_2 = __Pyx_PyBool_FromLong(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 268, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_flag(__pyx_v_value, __pyx_v_name); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 270, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyBool_FromLong(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 270, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -76579,7 +78500,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26check_flag(CYTHON_U
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":267
+  /* "cattention/_driver/extension.pyx":269
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
@@ -76598,7 +78519,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_26check_flag(CYTHON_U
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":271
+/* "cattention/_driver/extension.pyx":273
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
@@ -76647,46 +78568,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_d_k,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 271, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 273, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 273, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 273, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 271, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 273, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_scale", 0) < (0)) __PYX_ERR(0, 271, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_scale", 0) < (0)) __PYX_ERR(0, 273, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, i); __PYX_ERR(0, 271, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, i); __PYX_ERR(0, 273, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 271, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 273, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 271, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 273, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 271, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 273, __pyx_L3_error)
     }
     __pyx_v_scale = values[0];
-    __pyx_v_d_k = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_d_k == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 271, __pyx_L3_error)
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 271, __pyx_L3_error)
+    __pyx_v_d_k = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_d_k == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 273, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 273, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 271, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_scale", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 273, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -76719,15 +78640,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_scale(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_scale", 0);
 
-  /* "cattention/_driver/extension.pyx":272
+  /* "cattention/_driver/extension.pyx":274
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):
  *     return _check_scale(scale, d_k, in_float32)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 272, __pyx_L1_error)
-  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 272, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_scale(__pyx_v_scale, __pyx_v_d_k, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 274, __pyx_L1_error)
+  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 274, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -76741,7 +78662,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_scale(CYTHON_
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":271
+  /* "cattention/_driver/extension.pyx":273
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
@@ -76760,7 +78681,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_28check_scale(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":275
+/* "cattention/_driver/extension.pyx":277
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
@@ -76808,39 +78729,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_in_float32,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 275, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 277, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 275, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 275, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_softcap", 0) < (0)) __PYX_ERR(0, 275, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_softcap", 0) < (0)) __PYX_ERR(0, 277, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, i); __PYX_ERR(0, 275, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, i); __PYX_ERR(0, 277, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 275, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 277, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 275, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 277, __pyx_L3_error)
     }
     __pyx_v_softcap = values[0];
-    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 275, __pyx_L3_error)
+    __pyx_v_in_float32 = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_in_float32 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 277, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 275, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_softcap", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 277, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -76872,15 +78793,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_softcap(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_softcap", 0);
 
-  /* "cattention/_driver/extension.pyx":276
+  /* "cattention/_driver/extension.pyx":278
  * 
  * def check_softcap(softcap, bint in_float32):
  *     return _check_softcap(softcap, in_float32)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_softcap(__pyx_v_softcap, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 276, __pyx_L1_error)
-  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 276, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_softcap(__pyx_v_softcap, __pyx_v_in_float32); if (unlikely(__pyx_t_1 == ((double)-1.0) && PyErr_Occurred())) __PYX_ERR(0, 278, __pyx_L1_error)
+  __pyx_t_2 = PyFloat_FromDouble(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 278, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -76894,7 +78815,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_softcap(CYTHO
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":275
+  /* "cattention/_driver/extension.pyx":277
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
@@ -76913,7 +78834,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_30check_softcap(CYTHO
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":279
+/* "cattention/_driver/extension.pyx":281
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
@@ -76961,39 +78882,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_causal,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 279, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 281, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 279, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 281, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 279, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 281, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_window", 0) < (0)) __PYX_ERR(0, 279, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_window", 0) < (0)) __PYX_ERR(0, 281, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, i); __PYX_ERR(0, 279, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, i); __PYX_ERR(0, 281, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 279, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 281, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 279, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 281, __pyx_L3_error)
     }
     __pyx_v_window = values[0];
-    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 279, __pyx_L3_error)
+    __pyx_v_causal = __Pyx_PyObject_IsTrue(values[1]); if (unlikely((__pyx_v_causal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 281, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 279, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_window", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 281, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -77029,33 +78950,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_window", 0);
 
-  /* "cattention/_driver/extension.pyx":281
+  /* "cattention/_driver/extension.pyx":283
  * def check_window(window, bint causal):
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)             # <<<<<<<<<<<<<<
  *     return left, right
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_window(__pyx_v_window, __pyx_v_causal, (&__pyx_v_left), (&__pyx_v_right)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 281, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_window(__pyx_v_window, __pyx_v_causal, (&__pyx_v_left), (&__pyx_v_right)); if (unlikely(__pyx_t_1 == ((int)-1))) __PYX_ERR(0, 283, __pyx_L1_error)
 
 
-  /* "cattention/_driver/extension.pyx":282
+  /* "cattention/_driver/extension.pyx":284
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)
  *     return left, right             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_v_left); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 282, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_v_left); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 284, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_right); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 282, __pyx_L1_error)
+  __pyx_t_3 = PyLong_FromSsize_t(__pyx_v_right); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 284, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 282, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 284, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 282, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 284, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_3) != (0)) __PYX_ERR(0, 282, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_3) != (0)) __PYX_ERR(0, 284, __pyx_L1_error);
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
   {
@@ -77069,7 +78990,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
   __pyx_t_4 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":279
+  /* "cattention/_driver/extension.pyx":281
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
@@ -77092,7 +79013,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_32check_window(CYTHON
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":285
+/* "cattention/_driver/extension.pyx":287
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -77140,35 +79061,35 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_n,&__pyx_mstate_global->__pyx_n_u_name,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 285, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 287, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 285, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 287, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 285, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 287, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_num_threads", 0) < (0)) __PYX_ERR(0, 285, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "check_num_threads", 0) < (0)) __PYX_ERR(0, 287, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject*)((PyObject*)__pyx_mstate_global->__pyx_n_u_num_threads)));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, i); __PYX_ERR(0, 285, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, i); __PYX_ERR(0, 287, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 285, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 287, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 285, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 287, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -77179,7 +79100,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 285, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("check_num_threads", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 287, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -77190,7 +79111,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 285, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_name), (&PyUnicode_Type), 1, "name", 1))) __PYX_ERR(0, 287, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_34check_num_threads(__pyx_self, __pyx_v_n, __pyx_v_name);
 
   /* function exit code */
@@ -77220,15 +79141,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(C
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("check_num_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":286
+  /* "cattention/_driver/extension.pyx":288
  * 
  * def check_num_threads(n, str name="num_threads"):
  *     return _check_num_threads(n, name)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_num_threads(__pyx_v_n, __pyx_v_name); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 286, __pyx_L1_error)
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 286, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_check_num_threads(__pyx_v_n, __pyx_v_name); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 288, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 288, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -77242,7 +79163,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(C
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":285
+  /* "cattention/_driver/extension.pyx":287
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -77261,7 +79182,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_34check_num_threads(C
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":289
+/* "cattention/_driver/extension.pyx":291
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
@@ -77309,39 +79230,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 289, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 291, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 289, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 291, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 289, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 291, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "resolve_threads", 0) < (0)) __PYX_ERR(0, 289, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "resolve_threads", 0) < (0)) __PYX_ERR(0, 291, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, i); __PYX_ERR(0, 289, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, i); __PYX_ERR(0, 291, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 289, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 291, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 289, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 291, __pyx_L3_error)
     }
     __pyx_v_num_threads = values[0];
     __pyx_v_limit = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 289, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("resolve_threads", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 291, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -77372,15 +79293,15 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("resolve_threads", 0);
 
-  /* "cattention/_driver/extension.pyx":290
+  /* "cattention/_driver/extension.pyx":292
  * 
  * def resolve_threads(num_threads, limit):
  *     return _resolve_threads(num_threads, limit)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_limit); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 290, __pyx_L1_error)
-  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 290, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_6checks_resolve_threads(__pyx_v_num_threads, __pyx_v_limit); if (unlikely(__pyx_t_1 == ((Py_ssize_t)-1L))) __PYX_ERR(0, 292, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(__pyx_t_1); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 292, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -77394,7 +79315,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":289
+  /* "cattention/_driver/extension.pyx":291
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
@@ -77413,7 +79334,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_36resolve_threads(CYT
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":293
+/* "cattention/_driver/extension.pyx":295
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):             # <<<<<<<<<<<<<<
@@ -77463,53 +79384,53 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_group,&__pyx_mstate_global->__pyx_n_u_n_rows,&__pyx_mstate_global->__pyx_n_u_has_mask,&__pyx_mstate_global->__pyx_n_u_has_alibi,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 293, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 295, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 293, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 293, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 293, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 293, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 295, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "stacks_grouped_rows", 0) < (0)) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "stacks_grouped_rows", 0) < (0)) __PYX_ERR(0, 295, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 4; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, i); __PYX_ERR(0, 293, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, i); __PYX_ERR(0, 295, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 4)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 295, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 295, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 295, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 295, __pyx_L3_error)
     }
-    __pyx_v_group = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_n_rows = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_rows == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_has_mask = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_has_mask == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
-    __pyx_v_has_alibi = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_has_alibi == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 293, __pyx_L3_error)
+    __pyx_v_group = __Pyx_PyIndex_AsSsize_t(values[0]); if (unlikely((__pyx_v_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 295, __pyx_L3_error)
+    __pyx_v_n_rows = __Pyx_PyIndex_AsSsize_t(values[1]); if (unlikely((__pyx_v_n_rows == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 295, __pyx_L3_error)
+    __pyx_v_has_mask = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_has_mask == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 295, __pyx_L3_error)
+    __pyx_v_has_alibi = __Pyx_PyObject_IsTrue(values[3]); if (unlikely((__pyx_v_has_alibi == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 295, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 293, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("stacks_grouped_rows", 1, 4, 4, __pyx_nargs); __PYX_ERR(0, 295, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -77543,14 +79464,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("stacks_grouped_rows", 0);
 
-  /* "cattention/_driver/extension.pyx":294
+  /* "cattention/_driver/extension.pyx":296
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):
  *     return _stacks_grouped_rows(group, n_rows, has_mask, has_alibi)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask, __pyx_v_has_alibi)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 294, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyBool_FromLong(__pyx_f_10cattention_7_driver_12from_entries_stacks_grouped_rows(__pyx_v_group, __pyx_v_n_rows, __pyx_v_has_mask, __pyx_v_has_alibi)); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 296, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -77563,7 +79484,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":293
+  /* "cattention/_driver/extension.pyx":295
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):             # <<<<<<<<<<<<<<
@@ -77582,7 +79503,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_38stacks_grouped_rows
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":299
+/* "cattention/_driver/extension.pyx":301
  * # ------------------------------------------------------------ the runs
  * 
  * cdef inline void read_row_options(object options, RowOptions *row,             # <<<<<<<<<<<<<<
@@ -77610,40 +79531,40 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("read_row_options", 0);
 
-  /* "cattention/_driver/extension.pyx":302
+  /* "cattention/_driver/extension.pyx":304
  *                                   const double[::1] alibi, const double[::1] sinks):
  *     """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
  *     row.causal = options.causal             # <<<<<<<<<<<<<<
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_causal); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_1); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->causal = __pyx_t_2;
 
-  /* "cattention/_driver/extension.pyx":303
+  /* "cattention/_driver/extension.pyx":305
  *     """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
  *     row.causal = options.causal
  *     row.scale = options.scale             # <<<<<<<<<<<<<<
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 303, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->scale = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":304
+  /* "cattention/_driver/extension.pyx":306
  *     row.causal = options.causal
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window             # <<<<<<<<<<<<<<
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_window_2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 304, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_window_2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 306, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
     PyObject* sequence = __pyx_t_1;
@@ -77651,7 +79572,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 304, __pyx_L1_error)
+      __PYX_ERR(0, 306, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -77661,22 +79582,22 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
       __Pyx_INCREF(__pyx_t_5);
     } else {
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 306, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
       __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 304, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 306, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_5);
     }
     #else
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 304, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 306, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 304, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 306, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_6 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 304, __pyx_L1_error)
+    __pyx_t_6 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 306, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_7 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_6);
@@ -77684,7 +79605,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     __Pyx_GOTREF(__pyx_t_4);
     index = 1; __pyx_t_5 = __pyx_t_7(__pyx_t_6); if (unlikely(!__pyx_t_5)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_5);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_7(__pyx_t_6), 2) < (0)) __PYX_ERR(0, 304, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_7(__pyx_t_6), 2) < (0)) __PYX_ERR(0, 306, __pyx_L1_error)
     __pyx_t_7 = NULL;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     goto __pyx_L4_unpacking_done;
@@ -77692,30 +79613,30 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 304, __pyx_L1_error)
+    __PYX_ERR(0, 306, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
-  __pyx_t_8 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_8 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyIndex_AsSsize_t(__pyx_t_4); if (unlikely((__pyx_t_8 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_5); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 304, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyIndex_AsSsize_t(__pyx_t_5); if (unlikely((__pyx_t_9 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 306, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   __pyx_v_row->window_left = __pyx_t_8;
   __pyx_v_row->window_right = __pyx_t_9;
 
-  /* "cattention/_driver/extension.pyx":305
+  /* "cattention/_driver/extension.pyx":307
  *     row.scale = options.scale
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap             # <<<<<<<<<<<<<<
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
  *     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_softcap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 305, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_softcap); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 307, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 305, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyFloat_AsDouble(__pyx_t_1); if (unlikely((__pyx_t_3 == (double)-1) && PyErr_Occurred())) __PYX_ERR(0, 307, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_row->softcap = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":306
+  /* "cattention/_driver/extension.pyx":308
  *     row.window_left, row.window_right = options.window
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL             # <<<<<<<<<<<<<<
@@ -77749,7 +79670,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 
   __pyx_v_row->alibi_slope = __pyx_t_10;
 
-  /* "cattention/_driver/extension.pyx":307
+  /* "cattention/_driver/extension.pyx":309
  *     row.softcap = options.softcap
  *     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
  *     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL             # <<<<<<<<<<<<<<
@@ -77783,7 +79704,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
 
   __pyx_v_row->sink = __pyx_t_13;
 
-  /* "cattention/_driver/extension.pyx":299
+  /* "cattention/_driver/extension.pyx":301
  * # ------------------------------------------------------------ the runs
  * 
  * cdef inline void read_row_options(object options, RowOptions *row,             # <<<<<<<<<<<<<<
@@ -77804,7 +79725,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_row_opti
   __Pyx_RefNannyFinishContext();
 }
 
-/* "cattention/_driver/extension.pyx":310
+/* "cattention/_driver/extension.pyx":312
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
@@ -77866,110 +79787,110 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_batch_shape,&__pyx_mstate_global->__pyx_n_u_kv_group,&__pyx_mstate_global->__pyx_n_u_query_period,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_kv_starts,&__pyx_mstate_global->__pyx_n_u_options,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_scores,&__pyx_mstate_global->__pyx_n_u_lse,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 310, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 312, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 310, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 312, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_arrays", 0) < (0)) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_arrays", 0) < (0)) __PYX_ERR(0, 312, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 15; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, i); __PYX_ERR(0, 310, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, i); __PYX_ERR(0, 312, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 15)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 312, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 310, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 312, __pyx_L3_error)
     }
     __pyx_v_q = ((PyArrayObject *)values[0]);
     __pyx_v_k = ((PyArrayObject *)values[1]);
@@ -77978,10 +79899,10 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_k_scale = ((PyArrayObject *)values[4]);
     __pyx_v_v_scale = ((PyArrayObject *)values[5]);
     __pyx_v_batch_shape = ((PyObject*)values[6]);
-    __pyx_v_kv_group = __Pyx_PyIndex_AsSsize_t(values[7]); if (unlikely((__pyx_v_kv_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L3_error)
-    __pyx_v_query_period = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_query_period == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 312, __pyx_L3_error)
-    __pyx_v_kv_lengths = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[9], 0); if (unlikely(!__pyx_v_kv_lengths.memview)) __PYX_ERR(0, 313, __pyx_L3_error)
-    __pyx_v_kv_starts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[10], 0); if (unlikely(!__pyx_v_kv_starts.memview)) __PYX_ERR(0, 313, __pyx_L3_error)
+    __pyx_v_kv_group = __Pyx_PyIndex_AsSsize_t(values[7]); if (unlikely((__pyx_v_kv_group == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L3_error)
+    __pyx_v_query_period = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_query_period == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 314, __pyx_L3_error)
+    __pyx_v_kv_lengths = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[9], 0); if (unlikely(!__pyx_v_kv_lengths.memview)) __PYX_ERR(0, 315, __pyx_L3_error)
+    __pyx_v_kv_starts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[10], 0); if (unlikely(!__pyx_v_kv_starts.memview)) __PYX_ERR(0, 315, __pyx_L3_error)
     __pyx_v_options = values[11];
     __pyx_v_out = ((PyArrayObject *)values[12]);
     __pyx_v_scores = ((PyArrayObject *)values[13]);
@@ -77989,7 +79910,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, __pyx_nargs); __PYX_ERR(0, 310, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("run_arrays", 1, 15, 15, __pyx_nargs); __PYX_ERR(0, 312, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -78002,16 +79923,16 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_q), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "q", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_mask), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "mask", 0))) __PYX_ERR(0, 310, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k_scale", 0))) __PYX_ERR(0, 311, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v_scale", 0))) __PYX_ERR(0, 311, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_batch_shape), (&PyTuple_Type), 1, "batch_shape", 1))) __PYX_ERR(0, 311, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_out), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "out", 0))) __PYX_ERR(0, 314, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_scores), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "scores", 0))) __PYX_ERR(0, 314, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_lse), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "lse", 0))) __PYX_ERR(0, 314, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_q), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "q", 0))) __PYX_ERR(0, 312, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k", 0))) __PYX_ERR(0, 312, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v", 0))) __PYX_ERR(0, 312, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_mask), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "mask", 0))) __PYX_ERR(0, 312, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_k_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "k_scale", 0))) __PYX_ERR(0, 313, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_v_scale), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "v_scale", 0))) __PYX_ERR(0, 313, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_batch_shape), (&PyTuple_Type), 1, "batch_shape", 1))) __PYX_ERR(0, 313, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_out), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "out", 0))) __PYX_ERR(0, 316, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_scores), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "scores", 0))) __PYX_ERR(0, 316, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_lse), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "lse", 0))) __PYX_ERR(0, 316, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_40run_arrays(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_batch_shape, __pyx_v_kv_group, __pyx_v_query_period, __pyx_v_kv_lengths, __pyx_v_kv_starts, __pyx_v_options, __pyx_v_out, __pyx_v_scores, __pyx_v_lse);
 
   /* function exit code */
@@ -78064,37 +79985,37 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("run_arrays", 0);
 
-  /* "cattention/_driver/extension.pyx":332
+  /* "cattention/_driver/extension.pyx":334
  *     query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
  *     of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
  *     cdef const double[::1] alibi = options.alibi             # <<<<<<<<<<<<<<
  *     cdef const double[::1] sinks = options.sinks
  *     cdef RowOptions row
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 332, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 332, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_2.memview)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_alibi = __pyx_t_2;
   __pyx_t_2.memview = NULL;
   __pyx_t_2.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":333
+  /* "cattention/_driver/extension.pyx":335
  *     of int8 ``k`` / ``v``, of their shape with a last axis of size 1."""
  *     cdef const double[::1] alibi = options.alibi
  *     cdef const double[::1] sinks = options.sinks             # <<<<<<<<<<<<<<
  *     cdef RowOptions row
  *     cdef Problem pb
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 333, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 335, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 333, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 335, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_sinks = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":336
+  /* "cattention/_driver/extension.pyx":338
  *     cdef RowOptions row
  *     cdef Problem pb
  *     cdef Py_ssize_t n_batch_dims = len(batch_shape)             # <<<<<<<<<<<<<<
@@ -78103,12 +80024,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   if (unlikely(__pyx_v_batch_shape == Py_None)) {
     PyErr_SetString(PyExc_TypeError, "object of type \047NoneType\047 has no len()");
-    __PYX_ERR(0, 336, __pyx_L1_error)
+    __PYX_ERR(0, 338, __pyx_L1_error)
   }
-  __pyx_t_4 = __Pyx_PyTuple_GET_SIZE(__pyx_v_batch_shape); if (unlikely(__pyx_t_4 == ((Py_ssize_t)-1))) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyTuple_GET_SIZE(__pyx_v_batch_shape); if (unlikely(__pyx_t_4 == ((Py_ssize_t)-1))) __PYX_ERR(0, 338, __pyx_L1_error)
   __pyx_v_n_batch_dims = __pyx_t_4;
 
-  /* "cattention/_driver/extension.pyx":339
+  /* "cattention/_driver/extension.pyx":341
  *     cdef Py_ssize_t shape[64]
  *     cdef Py_ssize_t d
  *     for d in range(n_batch_dims):             # <<<<<<<<<<<<<<
@@ -78122,7 +80043,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   for (__pyx_t_6 = 0; __pyx_t_6 < __pyx_t_5; __pyx_t_6+=1) {
     __pyx_v_d = __pyx_t_6;
 
-    /* "cattention/_driver/extension.pyx":340
+    /* "cattention/_driver/extension.pyx":342
  *     cdef Py_ssize_t d
  *     for d in range(n_batch_dims):
  *         shape[d] = batch_shape[d]             # <<<<<<<<<<<<<<
@@ -78131,34 +80052,34 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
     if (unlikely(__pyx_v_batch_shape == Py_None)) {
       PyErr_SetString(PyExc_TypeError, "\047NoneType\047 object is not subscriptable");
-      __PYX_ERR(0, 340, __pyx_L1_error)
+      __PYX_ERR(0, 342, __pyx_L1_error)
     }
-    __pyx_t_7 = __Pyx_PyIndex_AsSsize_t(__Pyx_PyTuple_GET_ITEM(__pyx_v_batch_shape, __pyx_v_d)); if (unlikely((__pyx_t_7 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 340, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyIndex_AsSsize_t(__Pyx_PyTuple_GET_ITEM(__pyx_v_batch_shape, __pyx_v_d)); if (unlikely((__pyx_t_7 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 342, __pyx_L1_error)
     (__pyx_v_shape[__pyx_v_d]) = __pyx_t_7;
 
   }
 
 
-  /* "cattention/_driver/extension.pyx":341
+  /* "cattention/_driver/extension.pyx":343
  *     for d in range(n_batch_dims):
  *         shape[d] = batch_shape[d]
  *     read_row_options(options, &row, alibi, sinks)             # <<<<<<<<<<<<<<
  *     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
  *                                              n_batch_dims, shape, kv_group, &row)
 */
-  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_v_options, (&__pyx_v_row), __pyx_v_alibi, __pyx_v_sinks); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 341, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_v_options, (&__pyx_v_row), __pyx_v_alibi, __pyx_v_sinks); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 343, __pyx_L1_error)
 
-  /* "cattention/_driver/extension.pyx":342
+  /* "cattention/_driver/extension.pyx":344
  *         shape[d] = batch_shape[d]
  *     read_row_options(options, &row, alibi, sinks)
  *     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,             # <<<<<<<<<<<<<<
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
 */
-  __pyx_t_8 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_kv_group, (&__pyx_v_row)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 342, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_10cattention_7_driver_11from_arrays_problem_from_arrays((&__pyx_v_pb), __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_mask, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_kv_group, (&__pyx_v_row)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 344, __pyx_L1_error)
   __pyx_v_index = __pyx_t_8;
 
-  /* "cattention/_driver/extension.pyx":344
+  /* "cattention/_driver/extension.pyx":346
  *     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL             # <<<<<<<<<<<<<<
@@ -78176,7 +80097,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 
   __pyx_v_pb.lse = __pyx_t_9;
 
-  /* "cattention/_driver/extension.pyx":345
+  /* "cattention/_driver/extension.pyx":347
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
  *     if query_period > 0:             # <<<<<<<<<<<<<<
@@ -78188,7 +80109,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   if (__pyx_t_10) {
 
 
-    /* "cattention/_driver/extension.pyx":346
+    /* "cattention/_driver/extension.pyx":348
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
  *     if query_period > 0:
  *         pb.query_period = query_period             # <<<<<<<<<<<<<<
@@ -78197,7 +80118,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
     __pyx_v_pb.query_period = __pyx_v_query_period;
 
-    /* "cattention/_driver/extension.pyx":345
+    /* "cattention/_driver/extension.pyx":347
  *                                              n_batch_dims, shape, kv_group, &row)
  *     pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
  *     if query_period > 0:             # <<<<<<<<<<<<<<
@@ -78206,7 +80127,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   }
 
-  /* "cattention/_driver/extension.pyx":347
+  /* "cattention/_driver/extension.pyx":349
  *     if query_period > 0:
  *         pb.query_period = query_period
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:             # <<<<<<<<<<<<<<
@@ -78232,7 +80153,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   if (__pyx_t_10) {
 
 
-    /* "cattention/_driver/extension.pyx":348
+    /* "cattention/_driver/extension.pyx":350
  *         pb.query_period = query_period
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
  *         set_kv_lengths(&pb, &kv_lengths[0], index)             # <<<<<<<<<<<<<<
@@ -78242,7 +80163,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
     __pyx_t_12 = 0;
     __pyx_f_10cattention_7_driver_11from_arrays_set_kv_lengths((&__pyx_v_pb), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_lengths.data) + __pyx_t_12)) )))), __pyx_v_index);
 
-    /* "cattention/_driver/extension.pyx":347
+    /* "cattention/_driver/extension.pyx":349
  *     if query_period > 0:
  *         pb.query_period = query_period
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:             # <<<<<<<<<<<<<<
@@ -78251,7 +80172,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   }
 
-  /* "cattention/_driver/extension.pyx":349
+  /* "cattention/_driver/extension.pyx":351
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
  *         set_kv_lengths(&pb, &kv_lengths[0], index)
  *     if kv_starts is not None and kv_starts.shape[0] > 0:             # <<<<<<<<<<<<<<
@@ -78277,7 +80198,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   if (__pyx_t_10) {
 
 
-    /* "cattention/_driver/extension.pyx":350
+    /* "cattention/_driver/extension.pyx":352
  *         set_kv_lengths(&pb, &kv_lengths[0], index)
  *     if kv_starts is not None and kv_starts.shape[0] > 0:
  *         set_kv_starts(&pb, &kv_starts[0])             # <<<<<<<<<<<<<<
@@ -78287,7 +80208,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
     __pyx_t_12 = 0;
     __pyx_f_10cattention_7_driver_11from_arrays_set_kv_starts((&__pyx_v_pb), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_kv_starts.data) + __pyx_t_12)) )))));
 
-    /* "cattention/_driver/extension.pyx":349
+    /* "cattention/_driver/extension.pyx":351
  *     if kv_lengths is not None and kv_lengths.shape[0] > 0:
  *         set_kv_lengths(&pb, &kv_lengths[0], index)
  *     if kv_starts is not None and kv_starts.shape[0] > 0:             # <<<<<<<<<<<<<<
@@ -78296,7 +80217,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   }
 
-  /* "cattention/_driver/extension.pyx":351
+  /* "cattention/_driver/extension.pyx":353
  *     if kv_starts is not None and kv_starts.shape[0] > 0:
  *         set_kv_starts(&pb, &kv_starts[0])
  *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):             # <<<<<<<<<<<<<<
@@ -78321,16 +80242,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   if (__pyx_t_10) {
 
 
-    /* "cattention/_driver/extension.pyx":352
+    /* "cattention/_driver/extension.pyx":354
  *         set_kv_starts(&pb, &kv_starts[0])
  *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
  *         set_out_offsets(&pb, out, n_batch_dims, shape, index)             # <<<<<<<<<<<<<<
  *     run_then_free(&pb, index, _kernels, options.threads, out, scores)
  * 
 */
-    __pyx_f_10cattention_7_driver_11from_arrays_set_out_offsets((&__pyx_v_pb), __pyx_v_out, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 352, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_11from_arrays_set_out_offsets((&__pyx_v_pb), __pyx_v_out, __pyx_v_n_batch_dims, __pyx_v_shape, __pyx_v_index); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 354, __pyx_L1_error)
 
-    /* "cattention/_driver/extension.pyx":351
+    /* "cattention/_driver/extension.pyx":353
  *     if kv_starts is not None and kv_starts.shape[0] > 0:
  *         set_kv_starts(&pb, &kv_starts[0])
  *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):             # <<<<<<<<<<<<<<
@@ -78339,22 +80260,22 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
 */
   }
 
-  /* "cattention/_driver/extension.pyx":353
+  /* "cattention/_driver/extension.pyx":355
  *     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
  *         set_out_offsets(&pb, out, n_batch_dims, shape, index)
  *     run_then_free(&pb, index, _kernels, options.threads, out, scores)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 353, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_options, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 355, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_4 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 353, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_4 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 355, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_13 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_4, __pyx_v_out, __pyx_v_scores); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 353, __pyx_L1_error)
+  __pyx_t_13 = __pyx_f_10cattention_7_driver_4runs_run_then_free((&__pyx_v_pb), __pyx_v_index, __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_4, __pyx_v_out, __pyx_v_scores); if (unlikely(__pyx_t_13 == ((int)-1))) __PYX_ERR(0, 355, __pyx_L1_error)
 
 
 
-  /* "cattention/_driver/extension.pyx":310
+  /* "cattention/_driver/extension.pyx":312
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
@@ -78385,7 +80306,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_40run_arrays(CYTHON_U
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":356
+/* "cattention/_driver/extension.pyx":358
  * 
  * 
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):             # <<<<<<<<<<<<<<
@@ -78404,20 +80325,20 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("read_place", 0);
 
-  /* "cattention/_driver/extension.pyx":358
+  /* "cattention/_driver/extension.pyx":360
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):
  *     """The Place of a ``_prepare.entries.Place``."""
  *     cdef cnp.ndarray arr = given.array             # <<<<<<<<<<<<<<
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 358, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 360, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 358, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 360, __pyx_L1_error)
   __pyx_v_arr = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "cattention/_driver/extension.pyx":359
+  /* "cattention/_driver/extension.pyx":361
  *     """The Place of a ``_prepare.entries.Place``."""
  *     cdef cnp.ndarray arr = given.array
  *     place.data = <const char *>cnp.PyArray_DATA(arr)             # <<<<<<<<<<<<<<
@@ -78426,7 +80347,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
   __pyx_v_place->data = ((char const *)PyArray_DATA(__pyx_v_arr));
 
-  /* "cattention/_driver/extension.pyx":360
+  /* "cattention/_driver/extension.pyx":362
  *     cdef cnp.ndarray arr = given.array
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)             # <<<<<<<<<<<<<<
@@ -78435,7 +80356,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
 */
   __pyx_v_place->type_num = PyArray_TYPE(__pyx_v_arr);
 
-  /* "cattention/_driver/extension.pyx":361
+  /* "cattention/_driver/extension.pyx":363
  *     place.data = <const char *>cnp.PyArray_DATA(arr)
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = &seq_offset[0]             # <<<<<<<<<<<<<<
@@ -78445,59 +80366,59 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   __pyx_t_2 = 0;
   __pyx_v_place->seq_offset = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_seq_offset.data) + __pyx_t_2)) ))));
 
-  /* "cattention/_driver/extension.pyx":362
+  /* "cattention/_driver/extension.pyx":364
  *     place.type_num = cnp.PyArray_TYPE(arr)
  *     place.seq_offset = &seq_offset[0]
  *     place.t_stride = given.t_stride             # <<<<<<<<<<<<<<
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_t_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_t_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 364, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->t_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":363
+  /* "cattention/_driver/extension.pyx":365
  *     place.seq_offset = &seq_offset[0]
  *     place.t_stride = given.t_stride
  *     place.h_stride = given.h_stride             # <<<<<<<<<<<<<<
  *     place.col_stride = given.col_stride
  *     place.page_stride = given.page_stride
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_h_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_h_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->h_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":364
+  /* "cattention/_driver/extension.pyx":366
  *     place.t_stride = given.t_stride
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride             # <<<<<<<<<<<<<<
  *     place.page_stride = given.page_stride
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_col_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 364, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_col_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 364, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->col_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":365
+  /* "cattention/_driver/extension.pyx":367
  *     place.h_stride = given.h_stride
  *     place.col_stride = given.col_stride
  *     place.page_stride = given.page_stride             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_page_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_given, __pyx_mstate_global->__pyx_n_u_page_stride); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 365, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_3 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_place->page_stride = __pyx_t_3;
 
-  /* "cattention/_driver/extension.pyx":356
+  /* "cattention/_driver/extension.pyx":358
  * 
  * 
  * cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):             # <<<<<<<<<<<<<<
@@ -78516,7 +80437,7 @@ static CYTHON_INLINE void __pyx_f_10cattention_7_driver_9extension_read_place(st
   __Pyx_RefNannyFinishContext();
 }
 
-/* "cattention/_driver/extension.pyx":368
+/* "cattention/_driver/extension.pyx":370
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
@@ -78564,32 +80485,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_call,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 368, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 370, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 368, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 370, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_entries", 0) < (0)) __PYX_ERR(0, 368, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "run_entries", 0) < (0)) __PYX_ERR(0, 370, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, i); __PYX_ERR(0, 368, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, i); __PYX_ERR(0, 370, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 368, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 370, __pyx_L3_error)
     }
     __pyx_v_call = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 368, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("run_entries", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 370, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -78664,198 +80585,198 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("run_entries", 0);
 
-  /* "cattention/_driver/extension.pyx":375
+  /* "cattention/_driver/extension.pyx":377
  *     native byte order and aligned; the options' alibi and sinks are None or
  *     one value per (sequence, query head)."""
  *     cdef const double[::1] alibi = call.options.alibi             # <<<<<<<<<<<<<<
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_alibi); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 377, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_3.memview)) __PYX_ERR(0, 377, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_alibi = __pyx_t_3;
   __pyx_t_3.memview = NULL;
   __pyx_t_3.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":376
+  /* "cattention/_driver/extension.pyx":378
  *     one value per (sequence, query head)."""
  *     cdef const double[::1] alibi = call.options.alibi
  *     cdef const double[::1] sinks = call.options.sinks             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 378, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_sinks); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_4 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_4.memview)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_4.memview)) __PYX_ERR(0, 378, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_sinks = __pyx_t_4;
   __pyx_t_4.memview = NULL;
   __pyx_t_4.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":377
+  /* "cattention/_driver/extension.pyx":379
  *     cdef const double[::1] alibi = call.options.alibi
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
  *     cdef const intp_t[::1] kv_starts = call.kv_starts
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 379, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_5.memview)) __PYX_ERR(0, 379, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_q_lengths = __pyx_t_5;
   __pyx_t_5.memview = NULL;
   __pyx_t_5.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":378
+  /* "cattention/_driver/extension.pyx":380
  *     cdef const double[::1] sinks = call.options.sinks
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] kv_starts = call.kv_starts
  *     cdef const intp_t[::1] page_ids = call.page_ids
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_lengths); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 380, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_6.memview)) __PYX_ERR(0, 380, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_kv_lengths = __pyx_t_6;
   __pyx_t_6.memview = NULL;
   __pyx_t_6.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":379
+  /* "cattention/_driver/extension.pyx":381
  *     cdef const intp_t[::1] q_lengths = call.q_lengths
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
  *     cdef const intp_t[::1] kv_starts = call.kv_starts             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] page_ids = call.page_ids
  *     # the places' offsets, held here while the plan points into them
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_starts); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 379, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_kv_starts); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 381, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_7.memview)) __PYX_ERR(0, 379, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_7.memview)) __PYX_ERR(0, 381, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_kv_starts = __pyx_t_7;
   __pyx_t_7.memview = NULL;
   __pyx_t_7.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":380
+  /* "cattention/_driver/extension.pyx":382
  *     cdef const intp_t[::1] kv_lengths = call.kv_lengths
  *     cdef const intp_t[::1] kv_starts = call.kv_starts
  *     cdef const intp_t[::1] page_ids = call.page_ids             # <<<<<<<<<<<<<<
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_ids); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 380, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_ids); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 380, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_page_ids = __pyx_t_8;
   __pyx_t_8.memview = NULL;
   __pyx_t_8.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":382
+  /* "cattention/_driver/extension.pyx":384
  *     cdef const intp_t[::1] page_ids = call.page_ids
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 382, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 382, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 382, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_9.memview)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_q_offset = __pyx_t_9;
   __pyx_t_9.memview = NULL;
   __pyx_t_9.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":383
+  /* "cattention/_driver/extension.pyx":385
  *     # the places' offsets, held here while the plan points into them
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 383, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 383, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 383, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 385, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_k_offset = __pyx_t_10;
   __pyx_t_10.memview = NULL;
   __pyx_t_10.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":384
+  /* "cattention/_driver/extension.pyx":386
  *     cdef const intp_t[::1] q_offset = call.q.seq_offset
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 386, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 386, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __pyx_t_11 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_11.memview)) __PYX_ERR(0, 386, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_v_offset = __pyx_t_11;
   __pyx_t_11.memview = NULL;
   __pyx_t_11.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":385
+  /* "cattention/_driver/extension.pyx":387
  *     cdef const intp_t[::1] k_offset = call.k.seq_offset
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 385, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 385, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 385, __pyx_L1_error)
+  __pyx_t_12 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_12.memview)) __PYX_ERR(0, 387, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_out_offset = __pyx_t_12;
   __pyx_t_12.memview = NULL;
   __pyx_t_12.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":386
+  /* "cattention/_driver/extension.pyx":388
  *     cdef const intp_t[::1] v_offset = call.v.seq_offset
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 388, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_t_14 = (__pyx_t_1 != Py_None);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   if (__pyx_t_14) {
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 386, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 388, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 386, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 388, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 386, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 388, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_13 = __pyx_t_15;
     __pyx_t_15.memview = NULL;
     __pyx_t_15.data = NULL;
   } else {
-    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 386, __pyx_L1_error)
+    __pyx_t_15 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_15.memview)) __PYX_ERR(0, 388, __pyx_L1_error)
     __pyx_t_13 = __pyx_t_15;
     __pyx_t_15.memview = NULL;
     __pyx_t_15.data = NULL;
@@ -78865,38 +80786,38 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __pyx_t_13.memview = NULL;
   __pyx_t_13.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":387
+  /* "cattention/_driver/extension.pyx":389
  *     cdef const intp_t[::1] out_offset = call.out.seq_offset
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None             # <<<<<<<<<<<<<<
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 389, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_14) {
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 387, __pyx_L1_error)
+    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_1, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 389, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_16 = __pyx_t_17;
     __pyx_t_17.memview = NULL;
     __pyx_t_17.data = NULL;
   } else {
 
-    /* "cattention/_driver/extension.pyx":388
+    /* "cattention/_driver/extension.pyx":390
  *     cdef const intp_t[::1] lse_offset = call.lse.seq_offset if call.lse is not None else None
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)             # <<<<<<<<<<<<<<
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
  *                                              else None)
 */
-    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 388, __pyx_L1_error)
+    __pyx_t_17 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_17.memview)) __PYX_ERR(0, 390, __pyx_L1_error)
     __pyx_t_16 = __pyx_t_17;
     __pyx_t_17.memview = NULL;
     __pyx_t_17.data = NULL;
@@ -78906,38 +80827,38 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __pyx_t_16.memview = NULL;
   __pyx_t_16.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":389
+  /* "cattention/_driver/extension.pyx":391
  *     cdef const intp_t[::1] k_scale_offset = (call.k_scale.seq_offset if call.k_scale is not None
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None             # <<<<<<<<<<<<<<
  *                                              else None)
  *     cdef EntryPlan plan
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 391, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_t_14 = (__pyx_t_1 != Py_None);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   if (__pyx_t_14) {
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 391, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 389, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seq_offset); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 391, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 389, __pyx_L1_error)
+    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(__pyx_t_2, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 391, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_18 = __pyx_t_19;
     __pyx_t_19.memview = NULL;
     __pyx_t_19.data = NULL;
   } else {
 
-    /* "cattention/_driver/extension.pyx":390
+    /* "cattention/_driver/extension.pyx":392
  *                                              else None)
  *     cdef const intp_t[::1] v_scale_offset = (call.v_scale.seq_offset if call.v_scale is not None
  *                                              else None)             # <<<<<<<<<<<<<<
  *     cdef EntryPlan plan
  *     cdef RowOptions row
 */
-    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 390, __pyx_L1_error)
+    __pyx_t_19 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_19.memview)) __PYX_ERR(0, 392, __pyx_L1_error)
     __pyx_t_18 = __pyx_t_19;
     __pyx_t_19.memview = NULL;
     __pyx_t_19.data = NULL;
@@ -78947,23 +80868,23 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   __pyx_t_18.memview = NULL;
   __pyx_t_18.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":393
+  /* "cattention/_driver/extension.pyx":395
  *     cdef EntryPlan plan
  *     cdef RowOptions row
  *     read_row_options(call.options, &row, None, None)             # <<<<<<<<<<<<<<
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_20 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_20.memview)) __PYX_ERR(0, 393, __pyx_L1_error)
-  __pyx_t_21 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_21.memview)) __PYX_ERR(0, 393, __pyx_L1_error)
-  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_t_2, (&__pyx_v_row), __pyx_t_20, __pyx_t_21); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 393, __pyx_L1_error)
+  __pyx_t_20 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_20.memview)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_21 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_21.memview)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_row_options(__pyx_t_2, (&__pyx_v_row), __pyx_t_20, __pyx_t_21); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 395, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_20, 1);; __pyx_t_20.memview = NULL; __pyx_t_20.data = NULL;
   __PYX_XCLEAR_MEMVIEW(&__pyx_t_21, 1);; __pyx_t_21.memview = NULL; __pyx_t_21.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":394
+  /* "cattention/_driver/extension.pyx":396
  *     cdef RowOptions row
  *     read_row_options(call.options, &row, None, None)
  *     plan.n_seq = q_lengths.shape[0]             # <<<<<<<<<<<<<<
@@ -78972,59 +80893,59 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.n_seq = (__pyx_v_q_lengths.shape[0]);
 
-  /* "cattention/_driver/extension.pyx":395
+  /* "cattention/_driver/extension.pyx":397
  *     read_row_options(call.options, &row, None, None)
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads             # <<<<<<<<<<<<<<
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.n_heads = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":396
+  /* "cattention/_driver/extension.pyx":398
  *     plan.n_seq = q_lengths.shape[0]
  *     plan.n_heads = call.n_heads
  *     plan.n_kv_heads = call.n_kv_heads             # <<<<<<<<<<<<<<
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_kv_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_n_kv_heads); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.n_kv_heads = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":397
+  /* "cattention/_driver/extension.pyx":399
  *     plan.n_heads = call.n_heads
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k             # <<<<<<<<<<<<<<
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.d_k = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":398
+  /* "cattention/_driver/extension.pyx":400
  *     plan.n_kv_heads = call.n_kv_heads
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v             # <<<<<<<<<<<<<<
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_d_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 400, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 398, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 400, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.d_v = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":399
+  /* "cattention/_driver/extension.pyx":401
  *     plan.d_k = call.d_k
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
@@ -79044,7 +80965,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 
   __pyx_v_plan.q_lengths = __pyx_t_23;
 
-  /* "cattention/_driver/extension.pyx":400
+  /* "cattention/_driver/extension.pyx":402
  *     plan.d_v = call.d_v
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
@@ -79064,7 +80985,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 
   __pyx_v_plan.kv_lengths = __pyx_t_25;
 
-  /* "cattention/_driver/extension.pyx":401
+  /* "cattention/_driver/extension.pyx":403
  *     plan.q_lengths = &q_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL             # <<<<<<<<<<<<<<
@@ -79098,55 +81019,55 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 
   __pyx_v_plan.kv_starts = __pyx_t_26;
 
-  /* "cattention/_driver/extension.pyx":402
+  /* "cattention/_driver/extension.pyx":404
  *     plan.kv_lengths = &kv_lengths[0] if plan.n_seq > 0 else NULL
  *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
  *     read_place(&plan.q, call.q, q_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 402, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_q); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.q), __pyx_t_2, __pyx_v_q_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 402, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.q), __pyx_t_2, __pyx_v_q_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 404, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":403
+  /* "cattention/_driver/extension.pyx":405
  *     plan.kv_starts = &kv_starts[0] if kv_starts is not None and plan.n_seq > 0 else NULL
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 403, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 405, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k), __pyx_t_2, __pyx_v_k_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 403, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k), __pyx_t_2, __pyx_v_k_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 405, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":404
+  /* "cattention/_driver/extension.pyx":406
  *     read_place(&plan.q, call.q, q_offset)
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)             # <<<<<<<<<<<<<<
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 404, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 406, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v), __pyx_t_2, __pyx_v_v_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 404, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v), __pyx_t_2, __pyx_v_v_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 406, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":405
+  /* "cattention/_driver/extension.pyx":407
  *     read_place(&plan.k, call.k, k_offset)
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)             # <<<<<<<<<<<<<<
  *     plan.lse.data = NULL
  *     if call.lse is not None:
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 405, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 407, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.out), __pyx_t_2, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 405, __pyx_L1_error)
+  __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.out), __pyx_t_2, __pyx_v_out_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 407, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "cattention/_driver/extension.pyx":406
+  /* "cattention/_driver/extension.pyx":408
  *     read_place(&plan.v, call.v, v_offset)
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL             # <<<<<<<<<<<<<<
@@ -79155,33 +81076,33 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.lse.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":407
+  /* "cattention/_driver/extension.pyx":409
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
  *     if call.lse is not None:             # <<<<<<<<<<<<<<
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 407, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 409, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_14) {
 
 
-    /* "cattention/_driver/extension.pyx":408
+    /* "cattention/_driver/extension.pyx":410
  *     plan.lse.data = NULL
  *     if call.lse is not None:
  *         read_place(&plan.lse, call.lse, lse_offset)             # <<<<<<<<<<<<<<
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 408, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_lse); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 410, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.lse), __pyx_t_2, __pyx_v_lse_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 408, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.lse), __pyx_t_2, __pyx_v_lse_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 410, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":407
+    /* "cattention/_driver/extension.pyx":409
  *     read_place(&plan.out, call.out, out_offset)
  *     plan.lse.data = NULL
  *     if call.lse is not None:             # <<<<<<<<<<<<<<
@@ -79190,7 +81111,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":409
+  /* "cattention/_driver/extension.pyx":411
  *     if call.lse is not None:
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -79199,7 +81120,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.k_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":410
+  /* "cattention/_driver/extension.pyx":412
  *         read_place(&plan.lse, call.lse, lse_offset)
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL             # <<<<<<<<<<<<<<
@@ -79208,45 +81129,45 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   __pyx_v_plan.v_scale.data = NULL;
 
-  /* "cattention/_driver/extension.pyx":411
+  /* "cattention/_driver/extension.pyx":413
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:             # <<<<<<<<<<<<<<
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 411, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 413, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_14 = (__pyx_t_2 != Py_None);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_14) {
 
 
-    /* "cattention/_driver/extension.pyx":412
+    /* "cattention/_driver/extension.pyx":414
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)             # <<<<<<<<<<<<<<
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 412, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_k_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 414, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k_scale), __pyx_t_2, __pyx_v_k_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 412, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.k_scale), __pyx_t_2, __pyx_v_k_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 414, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":413
+    /* "cattention/_driver/extension.pyx":415
  *     if call.k_scale is not None:
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)             # <<<<<<<<<<<<<<
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
 */
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 413, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_v_scale); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 415, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v_scale), __pyx_t_2, __pyx_v_v_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 413, __pyx_L1_error)
+    __pyx_f_10cattention_7_driver_9extension_read_place((&__pyx_v_plan.v_scale), __pyx_t_2, __pyx_v_v_scale_offset); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 415, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "cattention/_driver/extension.pyx":411
+    /* "cattention/_driver/extension.pyx":413
  *     plan.k_scale.data = NULL
  *     plan.v_scale.data = NULL
  *     if call.k_scale is not None:             # <<<<<<<<<<<<<<
@@ -79255,7 +81176,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":414
+  /* "cattention/_driver/extension.pyx":416
  *         read_place(&plan.k_scale, call.k_scale, k_scale_offset)
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL             # <<<<<<<<<<<<<<
@@ -79275,7 +81196,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 
   __pyx_v_plan.alibi = __pyx_t_28;
 
-  /* "cattention/_driver/extension.pyx":415
+  /* "cattention/_driver/extension.pyx":417
  *         read_place(&plan.v_scale, call.v_scale, v_scale_offset)
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL             # <<<<<<<<<<<<<<
@@ -79295,7 +81216,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 
   __pyx_v_plan.sinks = __pyx_t_29;
 
-  /* "cattention/_driver/extension.pyx":416
+  /* "cattention/_driver/extension.pyx":418
  *     plan.alibi = &alibi[0] if alibi is not None else NULL
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL             # <<<<<<<<<<<<<<
@@ -79315,58 +81236,58 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
 
   __pyx_v_plan.page_ids = __pyx_t_30;
 
-  /* "cattention/_driver/extension.pyx":417
+  /* "cattention/_driver/extension.pyx":419
  *     plan.sinks = &sinks[0] if sinks is not None else NULL
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq             # <<<<<<<<<<<<<<
  *     plan.page_size = call.page_size
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_pages_per_seq); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_pages_per_seq); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 417, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 419, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.pages_per_seq = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":418
+  /* "cattention/_driver/extension.pyx":420
  *     plan.page_ids = &page_ids[0] if page_ids is not None else NULL
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size             # <<<<<<<<<<<<<<
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)
  * 
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 418, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_page_size); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 420, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 418, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_2); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 420, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_plan.page_size = __pyx_t_22;
 
-  /* "cattention/_driver/extension.pyx":419
+  /* "cattention/_driver/extension.pyx":421
  *     plan.pages_per_seq = call.pages_per_seq
  *     plan.page_size = call.page_size
  *     run_plan(&plan, &row, _kernels, call.options.threads, call.out.array)             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_options); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_threads); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_22 = __Pyx_PyIndex_AsSsize_t(__pyx_t_1); if (unlikely((__pyx_t_22 == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_call, __pyx_mstate_global->__pyx_n_u_out); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 419, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 421, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  if (!(likely(((__pyx_t_2) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_2, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 419, __pyx_L1_error)
-  __pyx_t_31 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_22, ((PyArrayObject *)__pyx_t_2)); if (unlikely(__pyx_t_31 == ((int)-1))) __PYX_ERR(0, 419, __pyx_L1_error)
+  if (!(likely(((__pyx_t_2) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_2, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 421, __pyx_L1_error)
+  __pyx_t_31 = __pyx_f_10cattention_7_driver_4runs_run_plan((&__pyx_v_plan), (&__pyx_v_row), __pyx_v_10cattention_7_driver_9extension__kernels, __pyx_t_22, ((PyArrayObject *)__pyx_t_2)); if (unlikely(__pyx_t_31 == ((int)-1))) __PYX_ERR(0, 421, __pyx_L1_error)
 
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
 
-  /* "cattention/_driver/extension.pyx":368
+  /* "cattention/_driver/extension.pyx":370
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
@@ -79421,7 +81342,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":424
+/* "cattention/_driver/extension.pyx":426
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -79429,7 +81350,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_42run_entries(CYTHON_
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_52__defaults__(CYTHON_UNUSED PyObject *__pyx_self) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_54__defaults__(CYTHON_UNUSED PyObject *__pyx_self) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -79439,41 +81360,41 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_52__defaults__(CYTHON
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__defaults__", 0);
-  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
 
-  /* "cattention/_driver/extension.pyx":427
+  /* "cattention/_driver/extension.pyx":429
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
  *                 Py_ssize_t pages_per_seq=0):             # <<<<<<<<<<<<<<
  *     """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
  *     of head h of sequence s, at byte seq_offset[s] + t * rows.strides[row_axis]
 */
-  __pyx_t_2 = PyLong_FromSsize_t(((Py_ssize_t)0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 427, __pyx_L1_error)
+  __pyx_t_2 = PyLong_FromSsize_t(((Py_ssize_t)0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 429, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "cattention/_driver/extension.pyx":424
+  /* "cattention/_driver/extension.pyx":426
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
-  __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 426, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 426, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
-  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 426, __pyx_L1_error);
   __Pyx_INCREF(Py_None);
   __Pyx_GIVEREF(Py_None);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_None) != (0)) __PYX_ERR(0, 424, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, Py_None) != (0)) __PYX_ERR(0, 426, __pyx_L1_error);
   __pyx_t_3 = 0;
   {
     PyObject *__pyx_temp;
@@ -79548,104 +81469,104 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_cache,&__pyx_mstate_global->__pyx_n_u_rows,&__pyx_mstate_global->__pyx_n_u_seq_offset,&__pyx_mstate_global->__pyx_n_u_row_axis,&__pyx_mstate_global->__pyx_n_u_head_axis,&__pyx_mstate_global->__pyx_n_u_start,&__pyx_mstate_global->__pyx_n_u_n_new,&__pyx_mstate_global->__pyx_n_u_page_ids,&__pyx_mstate_global->__pyx_n_u_pages_per_seq,0};
     struct __pyx_defaults *__pyx_dynamic_args = __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self);
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 424, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 426, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "append_rows", 0) < (0)) __PYX_ERR(0, 424, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "append_rows", 0) < (0)) __PYX_ERR(0, 426, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 7; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, i); __PYX_ERR(0, 424, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, i); __PYX_ERR(0, 426, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 426, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 426, __pyx_L3_error)
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 426, __pyx_L3_error)
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 426, __pyx_L3_error)
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 426, __pyx_L3_error)
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 426, __pyx_L3_error)
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 426, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 424, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 426, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
     __pyx_v_cache = ((PyArrayObject *)values[0]);
     __pyx_v_rows = ((PyArrayObject *)values[1]);
-    __pyx_v_seq_offset = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[2], 0); if (unlikely(!__pyx_v_seq_offset.memview)) __PYX_ERR(0, 424, __pyx_L3_error)
-    __pyx_v_row_axis = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_row_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 425, __pyx_L3_error)
-    __pyx_v_head_axis = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_head_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 425, __pyx_L3_error)
-    __pyx_v_start = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[5], 0); if (unlikely(!__pyx_v_start.memview)) __PYX_ERR(0, 425, __pyx_L3_error)
-    __pyx_v_n_new = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[6], 0); if (unlikely(!__pyx_v_n_new.memview)) __PYX_ERR(0, 426, __pyx_L3_error)
+    __pyx_v_seq_offset = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[2], 0); if (unlikely(!__pyx_v_seq_offset.memview)) __PYX_ERR(0, 426, __pyx_L3_error)
+    __pyx_v_row_axis = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_row_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 427, __pyx_L3_error)
+    __pyx_v_head_axis = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_head_axis == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 427, __pyx_L3_error)
+    __pyx_v_start = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[5], 0); if (unlikely(!__pyx_v_start.memview)) __PYX_ERR(0, 427, __pyx_L3_error)
+    __pyx_v_n_new = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[6], 0); if (unlikely(!__pyx_v_n_new.memview)) __PYX_ERR(0, 428, __pyx_L3_error)
     if (values[7]) {
-      __pyx_v_page_ids = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[7], 0); if (unlikely(!__pyx_v_page_ids.memview)) __PYX_ERR(0, 426, __pyx_L3_error)
+      __pyx_v_page_ids = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[7], 0); if (unlikely(!__pyx_v_page_ids.memview)) __PYX_ERR(0, 428, __pyx_L3_error)
     } else {
       __pyx_v_page_ids = __pyx_dynamic_args->arg0;
       __PYX_INC_MEMVIEW(&__pyx_v_page_ids, 1);
     }
     if (values[8]) {
-      __pyx_v_pages_per_seq = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_pages_per_seq == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 427, __pyx_L3_error)
+      __pyx_v_pages_per_seq = __Pyx_PyIndex_AsSsize_t(values[8]); if (unlikely((__pyx_v_pages_per_seq == (Py_ssize_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 429, __pyx_L3_error)
     } else {
       __pyx_v_pages_per_seq = ((Py_ssize_t)((Py_ssize_t)0));
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, __pyx_nargs); __PYX_ERR(0, 424, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("append_rows", 0, 7, 9, __pyx_nargs); __PYX_ERR(0, 426, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -79660,8 +81581,8 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cache), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cache", 0))) __PYX_ERR(0, 424, __pyx_L1_error)
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_rows), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "rows", 0))) __PYX_ERR(0, 424, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cache), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cache", 0))) __PYX_ERR(0, 426, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_rows), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "rows", 0))) __PYX_ERR(0, 426, __pyx_L1_error)
   __pyx_r = __pyx_pf_10cattention_7_driver_9extension_44append_rows(__pyx_self, __pyx_v_cache, __pyx_v_rows, __pyx_v_seq_offset, __pyx_v_row_axis, __pyx_v_head_axis, __pyx_v_start, __pyx_v_n_new, __pyx_v_page_ids, __pyx_v_pages_per_seq);
 
   /* function exit code */
@@ -79700,7 +81621,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   Py_ssize_t __pyx_t_4;
   __Pyx_RefNannySetupContext("append_rows", 0);
 
-  /* "cattention/_driver/extension.pyx":435
+  /* "cattention/_driver/extension.pyx":437
  *     cdef CacheRows dst
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]             # <<<<<<<<<<<<<<
@@ -79709,7 +81630,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_n_seq = (__pyx_v_start.shape[0]);
 
-  /* "cattention/_driver/extension.pyx":436
+  /* "cattention/_driver/extension.pyx":438
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:             # <<<<<<<<<<<<<<
@@ -79721,7 +81642,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "cattention/_driver/extension.pyx":437
+    /* "cattention/_driver/extension.pyx":439
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:
  *         return             # <<<<<<<<<<<<<<
@@ -79738,7 +81659,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
     }
     goto __pyx_L0;
 
-    /* "cattention/_driver/extension.pyx":436
+    /* "cattention/_driver/extension.pyx":438
  *     cdef NewRows src
  *     cdef Py_ssize_t n_seq = start.shape[0]
  *     if n_seq == 0:             # <<<<<<<<<<<<<<
@@ -79747,7 +81668,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   }
 
-  /* "cattention/_driver/extension.pyx":438
+  /* "cattention/_driver/extension.pyx":440
  *     if n_seq == 0:
  *         return
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)             # <<<<<<<<<<<<<<
@@ -79768,7 +81689,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   __pyx_f_10cattention_7_driver_7appends_cache_rows_of((&__pyx_v_dst), __pyx_v_cache, __pyx_t_2, __pyx_v_pages_per_seq);
 
 
-  /* "cattention/_driver/extension.pyx":439
+  /* "cattention/_driver/extension.pyx":441
  *         return
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
  *     src.data = <const char *>cnp.PyArray_DATA(rows)             # <<<<<<<<<<<<<<
@@ -79777,7 +81698,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.data = ((char const *)PyArray_DATA(__pyx_v_rows));
 
-  /* "cattention/_driver/extension.pyx":440
+  /* "cattention/_driver/extension.pyx":442
  *     cache_rows_of(&dst, cache, &page_ids[0] if page_ids is not None else NULL, pages_per_seq)
  *     src.data = <const char *>cnp.PyArray_DATA(rows)
  *     src.seq_offset = &seq_offset[0]             # <<<<<<<<<<<<<<
@@ -79787,7 +81708,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   __pyx_t_3 = 0;
   __pyx_v_src.seq_offset = (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_seq_offset.data) + __pyx_t_3)) ))));
 
-  /* "cattention/_driver/extension.pyx":441
+  /* "cattention/_driver/extension.pyx":443
  *     src.data = <const char *>cnp.PyArray_DATA(rows)
  *     src.seq_offset = &seq_offset[0]
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)             # <<<<<<<<<<<<<<
@@ -79796,7 +81717,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.head_stride = PyArray_STRIDE(__pyx_v_rows, __pyx_v_head_axis);
 
-  /* "cattention/_driver/extension.pyx":442
+  /* "cattention/_driver/extension.pyx":444
  *     src.seq_offset = &seq_offset[0]
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)             # <<<<<<<<<<<<<<
@@ -79805,7 +81726,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.row_stride = PyArray_STRIDE(__pyx_v_rows, __pyx_v_row_axis);
 
-  /* "cattention/_driver/extension.pyx":443
+  /* "cattention/_driver/extension.pyx":445
  *     src.head_stride = cnp.PyArray_STRIDE(rows, head_axis)
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)             # <<<<<<<<<<<<<<
@@ -79814,7 +81735,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_v_src.col_stride = PyArray_STRIDE(__pyx_v_rows, (PyArray_NDIM(__pyx_v_rows) - 1));
 
-  /* "cattention/_driver/extension.pyx":444
+  /* "cattention/_driver/extension.pyx":446
  *     src.row_stride = cnp.PyArray_STRIDE(rows, row_axis)
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
  *     _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),             # <<<<<<<<<<<<<<
@@ -79824,7 +81745,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   __pyx_t_3 = 0;
   __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":445
+  /* "cattention/_driver/extension.pyx":447
  *     src.col_stride = cnp.PyArray_STRIDE(rows, cnp.PyArray_NDIM(rows) - 1)
  *     _append_rows(&dst, &src, &start[0], &n_new[0], n_seq, cnp.PyArray_DIM(cache, 1),
  *                  cnp.PyArray_DIM(cache, 3))             # <<<<<<<<<<<<<<
@@ -79833,7 +81754,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
   __pyx_f_10cattention_7_driver_7appends_append_rows((&__pyx_v_dst), (&__pyx_v_src), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_start.data) + __pyx_t_3)) )))), (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_n_new.data) + __pyx_t_4)) )))), __pyx_v_n_seq, PyArray_DIM(__pyx_v_cache, 1), PyArray_DIM(__pyx_v_cache, 3));
 
-  /* "cattention/_driver/extension.pyx":424
+  /* "cattention/_driver/extension.pyx":426
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
@@ -79852,7 +81773,240 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":450
+/* "cattention/_driver/extension.pyx":452
+ * # ----------------------------------------------------------------- rotary
+ * 
+ * def rotate_rows(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, const intp_t[::1] positions,             # <<<<<<<<<<<<<<
+ *                 bint interleaved):
+ *     """A new C-contiguous array of the rows of x rotated (rotary.pxd), row
+*/
+
+/* Python wrapper */
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_47rotate_rows(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_46rotate_rows, "A new C-contiguous array of the rows of x rotated (rotary.pxd), row\n    (a, h, t) at positions[a * T + t], without the GIL. Preconditions\n    (checked by the caller): x 4-D (A, H, T, d) float32 or float64, and the\n    tables (n_positions, half) of its dtype, each aligned, native, strides\n    multiples of the itemsize; 2 * half <= d; A * T positions in [0,\n    n_positions).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_47rotate_rows = {"rotate_rows", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_47rotate_rows, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_46rotate_rows};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_47rotate_rows(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyArrayObject *__pyx_v_x = 0;
+  PyArrayObject *__pyx_v_cos = 0;
+  PyArrayObject *__pyx_v_sin = 0;
+  __Pyx_memviewslice __pyx_v_positions = { 0, 0, { 0 }, { 0 }, { 0 } };
+  int __pyx_v_interleaved;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[5] = {0,0,0,0,0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("rotate_rows (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_x,&__pyx_mstate_global->__pyx_n_u_cos,&__pyx_mstate_global->__pyx_n_u_sin,&__pyx_mstate_global->__pyx_n_u_positions,&__pyx_mstate_global->__pyx_n_u_interleaved,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 452, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  5:
+        values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 452, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  4:
+        values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 452, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  3:
+        values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 452, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  2:
+        values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 452, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 452, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "rotate_rows", 0) < (0)) __PYX_ERR(0, 452, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 5; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("rotate_rows", 1, 5, 5, i); __PYX_ERR(0, 452, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 5)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 452, __pyx_L3_error)
+      values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 452, __pyx_L3_error)
+      values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 452, __pyx_L3_error)
+      values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 452, __pyx_L3_error)
+      values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 452, __pyx_L3_error)
+    }
+    __pyx_v_x = ((PyArrayObject *)values[0]);
+    __pyx_v_cos = ((PyArrayObject *)values[1]);
+    __pyx_v_sin = ((PyArrayObject *)values[2]);
+    __pyx_v_positions = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(values[3], 0); if (unlikely(!__pyx_v_positions.memview)) __PYX_ERR(0, 452, __pyx_L3_error)
+    __pyx_v_interleaved = __Pyx_PyObject_IsTrue(values[4]); if (unlikely((__pyx_v_interleaved == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 453, __pyx_L3_error)
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("rotate_rows", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 452, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_positions, 1);
+  __Pyx_AddTraceback("cattention._driver.extension.rotate_rows", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_x), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "x", 0))) __PYX_ERR(0, 452, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_cos), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "cos", 0))) __PYX_ERR(0, 452, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_sin), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "sin", 0))) __PYX_ERR(0, 452, __pyx_L1_error)
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_46rotate_rows(__pyx_self, __pyx_v_x, __pyx_v_cos, __pyx_v_sin, __pyx_v_positions, __pyx_v_interleaved);
+
+  /* function exit code */
+  goto __pyx_L0;
+  __pyx_L1_error:;
+  __pyx_r = NULL;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  goto __pyx_L7_cleaned_up;
+  __pyx_L0:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __pyx_L7_cleaned_up:;
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_positions, 1);
+
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_46rotate_rows(CYTHON_UNUSED PyObject *__pyx_self, PyArrayObject *__pyx_v_x, PyArrayObject *__pyx_v_cos, PyArrayObject *__pyx_v_sin, __Pyx_memviewslice __pyx_v_positions, int __pyx_v_interleaved) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  int __pyx_t_1;
+  PyObject *__pyx_t_2 = NULL;
+  Py_ssize_t __pyx_t_3;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("rotate_rows", 0);
+
+  /* "cattention/_driver/extension.pyx":460
+ *     multiples of the itemsize; 2 * half <= d; A * T positions in [0,
+ *     n_positions)."""
+ *     if positions.shape[0] == 0:             # <<<<<<<<<<<<<<
+ *         return _rotated(x, cos, sin, NULL, interleaved)
+ *     return _rotated(x, cos, sin, &positions[0], interleaved)
+*/
+  __pyx_t_1 = ((__pyx_v_positions.shape[0]) == 0);
+
+  if (__pyx_t_1) {
+
+
+    /* "cattention/_driver/extension.pyx":461
+ *     n_positions)."""
+ *     if positions.shape[0] == 0:
+ *         return _rotated(x, cos, sin, NULL, interleaved)             # <<<<<<<<<<<<<<
+ *     return _rotated(x, cos, sin, &positions[0], interleaved)
+ * 
+*/
+    __pyx_t_2 = ((PyObject *)__pyx_f_10cattention_7_driver_6rotary_rotated(__pyx_v_x, __pyx_v_cos, __pyx_v_sin, NULL, __pyx_v_interleaved)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 461, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_2);
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = __pyx_t_2;
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    __pyx_t_2 = 0;
+    goto __pyx_L0;
+
+    /* "cattention/_driver/extension.pyx":460
+ *     multiples of the itemsize; 2 * half <= d; A * T positions in [0,
+ *     n_positions)."""
+ *     if positions.shape[0] == 0:             # <<<<<<<<<<<<<<
+ *         return _rotated(x, cos, sin, NULL, interleaved)
+ *     return _rotated(x, cos, sin, &positions[0], interleaved)
+*/
+  }
+
+  /* "cattention/_driver/extension.pyx":462
+ *     if positions.shape[0] == 0:
+ *         return _rotated(x, cos, sin, NULL, interleaved)
+ *     return _rotated(x, cos, sin, &positions[0], interleaved)             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_t_3 = 0;
+  __pyx_t_2 = ((PyObject *)__pyx_f_10cattention_7_driver_6rotary_rotated(__pyx_v_x, __pyx_v_cos, __pyx_v_sin, (&(*((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) ( /* dim=0 */ ((char *) (((__pyx_t_10cattention_7_driver_12kernel_table_intp_t const  *) __pyx_v_positions.data) + __pyx_t_3)) )))), __pyx_v_interleaved)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 462, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_2;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_2 = 0;
+  goto __pyx_L0;
+
+  /* "cattention/_driver/extension.pyx":452
+ * # ----------------------------------------------------------------- rotary
+ * 
+ * def rotate_rows(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, const intp_t[::1] positions,             # <<<<<<<<<<<<<<
+ *                 bint interleaved):
+ *     """A new C-contiguous array of the rows of x rotated (rotary.pxd), row
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_AddTraceback("cattention._driver.extension.rotate_rows", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "cattention/_driver/extension.pyx":467
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
@@ -79861,16 +82015,16 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_44append_rows(CYTHON_
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_47attention_shortcut(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_49attention_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_46attention_shortcut, "The result of ``attention`` when the call is the common case, else None\n    (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_47attention_shortcut = {"attention_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_47attention_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_46attention_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_47attention_shortcut(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_48attention_shortcut, "The result of ``attention`` when the call is the common case, else None\n    (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_49attention_shortcut = {"attention_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_49attention_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_48attention_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_49attention_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -79917,128 +82071,128 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k,&__pyx_mstate_global->__pyx_n_u_v,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_mask,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_return_scores,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_kv_lengths,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 450, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 467, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 450, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 467, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "attention_shortcut", 0) < (0)) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "attention_shortcut", 0) < (0)) __PYX_ERR(0, 467, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 18; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, i); __PYX_ERR(0, 450, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, i); __PYX_ERR(0, 467, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 18)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 467, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 450, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 467, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k = values[1];
@@ -80061,7 +82215,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 450, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("attention_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 467, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -80072,7 +82226,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_num_threads, __pyx_v_thread_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_48attention_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_num_threads, __pyx_v_thread_limit);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -80082,7 +82236,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_48attention_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k, PyObject *__pyx_v_v, PyObject *__pyx_v_causal, PyObject *__pyx_v_mask, PyObject *__pyx_v_scale, PyObject *__pyx_v_return_scores, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_kv_lengths, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -80091,14 +82245,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("attention_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":455
+  /* "cattention/_driver/extension.pyx":472
  *     """The result of ``attention`` when the call is the common case, else None
  *     (shortcuts.pxd)."""
  *     return _attention_shortcut(_kernels, q, k, v, causal, mask, scale, return_scores,             # <<<<<<<<<<<<<<
  *                                return_lse, enable_gqa, kv_lengths, window, softcap,
  *                                alibi_slopes, sinks, k_scale, v_scale, num_threads,
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 455, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_attention_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k, __pyx_v_v, __pyx_v_causal, __pyx_v_mask, __pyx_v_scale, __pyx_v_return_scores, __pyx_v_return_lse, __pyx_v_enable_gqa, __pyx_v_kv_lengths, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 472, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -80111,7 +82265,7 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":450
+  /* "cattention/_driver/extension.pyx":467
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
@@ -80130,25 +82284,25 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_46attention_shortcut(
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":461
+/* "cattention/_driver/extension.pyx":478
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
  *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
- *                      return_lse, num_threads, thread_limit):
+ *                      return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_49kvcache_shortcut(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_51kvcache_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_48kvcache_shortcut, "The result of ``attention_with_kvcache`` for a common serving step,\n    else None before anything is written (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_49kvcache_shortcut = {"kvcache_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_49kvcache_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_48kvcache_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_49kvcache_shortcut(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_50kvcache_shortcut, "The result of ``attention_with_kvcache`` for a common serving step,\n    else None before anything is written (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_51kvcache_shortcut = {"kvcache_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_51kvcache_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_50kvcache_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_51kvcache_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -80173,11 +82327,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   PyObject *__pyx_v_return_lse = 0;
   PyObject *__pyx_v_num_threads = 0;
   PyObject *__pyx_v_thread_limit = 0;
+  PyObject *__pyx_v_rotary_cos = 0;
+  PyObject *__pyx_v_rotary_sin = 0;
+  PyObject *__pyx_v_rotary_interleaved = 0;
   #if !CYTHON_VECTORCALL
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[18] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
+  PyObject* values[21] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -80193,130 +82350,148 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_cache,&__pyx_mstate_global->__pyx_n_u_v_cache,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_cache,&__pyx_mstate_global->__pyx_n_u_v_cache,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_enable_gqa,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,&__pyx_mstate_global->__pyx_n_u_rotary_cos,&__pyx_mstate_global->__pyx_n_u_rotary_sin,&__pyx_mstate_global->__pyx_n_u_rotary_interleaved,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 461, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 478, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
+        case 21:
+        values[20] = __Pyx_ArgRef_FASTCALL(__pyx_args, 20);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 478, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 20:
+        values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 478, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 19:
+        values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 478, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 461, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 478, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "kvcache_shortcut", 0) < (0)) __PYX_ERR(0, 461, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 18; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 18, 18, i); __PYX_ERR(0, 461, __pyx_L3_error) }
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "kvcache_shortcut", 0) < (0)) __PYX_ERR(0, 478, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 21; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 21, 21, i); __PYX_ERR(0, 478, __pyx_L3_error) }
       }
-    } else if (unlikely(__pyx_nargs != 18)) {
+    } else if (unlikely(__pyx_nargs != 21)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 478, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 461, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 478, __pyx_L3_error)
+      values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 478, __pyx_L3_error)
+      values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 478, __pyx_L3_error)
+      values[20] = __Pyx_ArgRef_FASTCALL(__pyx_args, 20);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 478, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k_cache = values[1];
@@ -80336,10 +82511,13 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_return_lse = values[15];
     __pyx_v_num_threads = values[16];
     __pyx_v_thread_limit = values[17];
+    __pyx_v_rotary_cos = values[18];
+    __pyx_v_rotary_sin = values[19];
+    __pyx_v_rotary_interleaved = values[20];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 18, 18, __pyx_nargs); __PYX_ERR(0, 461, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("kvcache_shortcut", 1, 21, 21, __pyx_nargs); __PYX_ERR(0, 478, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -80350,7 +82528,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_50kvcache_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit, __pyx_v_rotary_cos, __pyx_v_rotary_sin, __pyx_v_rotary_interleaved);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -80360,7 +82538,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_50kvcache_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_cache, PyObject *__pyx_v_v_cache, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_enable_gqa, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit, PyObject *__pyx_v_rotary_cos, PyObject *__pyx_v_rotary_sin, PyObject *__pyx_v_rotary_interleaved) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -80369,14 +82547,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CY
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("kvcache_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":466
+  /* "cattention/_driver/extension.pyx":484
  *     """The result of ``attention_with_kvcache`` for a common serving step,
  *     else None before anything is written (shortcuts.pxd)."""
  *     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,             # <<<<<<<<<<<<<<
  *                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
- *                              v_scale, return_lse, num_threads, thread_limit)
+ *                              v_scale, return_lse, num_threads, thread_limit, rotary_cos,
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 466, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_kvcache_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_cache, __pyx_v_v_cache, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_causal, __pyx_v_scale, __pyx_v_enable_gqa, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit, __pyx_v_rotary_cos, __pyx_v_rotary_sin, __pyx_v_rotary_interleaved); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -80389,12 +82567,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CY
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":461
+  /* "cattention/_driver/extension.pyx":478
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
  *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
- *                      return_lse, num_threads, thread_limit):
+ *                      return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
 */
 
   /* function exit code */
@@ -80408,25 +82586,25 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_48kvcache_shortcut(CY
   return __pyx_r;
 }
 
-/* "cattention/_driver/extension.pyx":471
+/* "cattention/_driver/extension.pyx":490
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
  *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
- *                    v_scale, return_lse, num_threads, thread_limit):
+ *                    v_scale, return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_53paged_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_50paged_shortcut, "The result of ``attention_with_paged_kvcache`` for a common serving\n    step, else None before anything is written (shortcuts.pxd).");
-static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_51paged_shortcut = {"paged_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_50paged_shortcut};
-static PyObject *__pyx_pw_10cattention_7_driver_9extension_51paged_shortcut(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_10cattention_7_driver_9extension_52paged_shortcut, "The result of ``attention_with_paged_kvcache`` for a common serving\n    step, else None before anything is written (shortcuts.pxd).");
+static PyMethodDef __pyx_mdef_10cattention_7_driver_9extension_53paged_shortcut = {"paged_shortcut", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cattention_7_driver_9extension_53paged_shortcut, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cattention_7_driver_9extension_52paged_shortcut};
+static PyObject *__pyx_pw_10cattention_7_driver_9extension_53paged_shortcut(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -80452,11 +82630,14 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   PyObject *__pyx_v_return_lse = 0;
   PyObject *__pyx_v_num_threads = 0;
   PyObject *__pyx_v_thread_limit = 0;
+  PyObject *__pyx_v_rotary_cos = 0;
+  PyObject *__pyx_v_rotary_sin = 0;
+  PyObject *__pyx_v_rotary_interleaved = 0;
   #if !CYTHON_VECTORCALL
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[19] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
+  PyObject* values[22] = {0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -80472,136 +82653,154 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_pages,&__pyx_mstate_global->__pyx_n_u_v_pages,&__pyx_mstate_global->__pyx_n_u_block_table,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_cu_seqlens_q,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_q,&__pyx_mstate_global->__pyx_n_u_k_pages,&__pyx_mstate_global->__pyx_n_u_v_pages,&__pyx_mstate_global->__pyx_n_u_block_table,&__pyx_mstate_global->__pyx_n_u_cache_lengths,&__pyx_mstate_global->__pyx_n_u_k_new,&__pyx_mstate_global->__pyx_n_u_v_new,&__pyx_mstate_global->__pyx_n_u_cu_seqlens_q,&__pyx_mstate_global->__pyx_n_u_causal,&__pyx_mstate_global->__pyx_n_u_scale,&__pyx_mstate_global->__pyx_n_u_window_2,&__pyx_mstate_global->__pyx_n_u_softcap,&__pyx_mstate_global->__pyx_n_u_alibi_slopes,&__pyx_mstate_global->__pyx_n_u_sinks,&__pyx_mstate_global->__pyx_n_u_k_scale,&__pyx_mstate_global->__pyx_n_u_v_scale,&__pyx_mstate_global->__pyx_n_u_return_lse,&__pyx_mstate_global->__pyx_n_u_num_threads,&__pyx_mstate_global->__pyx_n_u_thread_limit,&__pyx_mstate_global->__pyx_n_u_rotary_cos,&__pyx_mstate_global->__pyx_n_u_rotary_sin,&__pyx_mstate_global->__pyx_n_u_rotary_interleaved,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 471, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 490, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
+        case 22:
+        values[21] = __Pyx_ArgRef_FASTCALL(__pyx_args, 21);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[21])) __PYX_ERR(0, 490, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 21:
+        values[20] = __Pyx_ArgRef_FASTCALL(__pyx_args, 20);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 490, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case 20:
+        values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 490, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
         case 19:
         values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 18:
         values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 17:
         values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 16:
         values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 15:
         values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 14:
         values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 13:
         values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 471, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 490, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "paged_shortcut", 0) < (0)) __PYX_ERR(0, 471, __pyx_L3_error)
-      for (Py_ssize_t i = __pyx_nargs; i < 19; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 19, 19, i); __PYX_ERR(0, 471, __pyx_L3_error) }
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "paged_shortcut", 0) < (0)) __PYX_ERR(0, 490, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 22; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 22, 22, i); __PYX_ERR(0, 490, __pyx_L3_error) }
       }
-    } else if (unlikely(__pyx_nargs != 19)) {
+    } else if (unlikely(__pyx_nargs != 22)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[12] = __Pyx_ArgRef_FASTCALL(__pyx_args, 12);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[12])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[13] = __Pyx_ArgRef_FASTCALL(__pyx_args, 13);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[13])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[14] = __Pyx_ArgRef_FASTCALL(__pyx_args, 14);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[14])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[15] = __Pyx_ArgRef_FASTCALL(__pyx_args, 15);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[15])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[16] = __Pyx_ArgRef_FASTCALL(__pyx_args, 16);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[16])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[17] = __Pyx_ArgRef_FASTCALL(__pyx_args, 17);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[17])) __PYX_ERR(0, 490, __pyx_L3_error)
       values[18] = __Pyx_ArgRef_FASTCALL(__pyx_args, 18);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 471, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[18])) __PYX_ERR(0, 490, __pyx_L3_error)
+      values[19] = __Pyx_ArgRef_FASTCALL(__pyx_args, 19);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[19])) __PYX_ERR(0, 490, __pyx_L3_error)
+      values[20] = __Pyx_ArgRef_FASTCALL(__pyx_args, 20);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[20])) __PYX_ERR(0, 490, __pyx_L3_error)
+      values[21] = __Pyx_ArgRef_FASTCALL(__pyx_args, 21);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[21])) __PYX_ERR(0, 490, __pyx_L3_error)
     }
     __pyx_v_q = values[0];
     __pyx_v_k_pages = values[1];
@@ -80622,10 +82821,13 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
     __pyx_v_return_lse = values[16];
     __pyx_v_num_threads = values[17];
     __pyx_v_thread_limit = values[18];
+    __pyx_v_rotary_cos = values[19];
+    __pyx_v_rotary_sin = values[20];
+    __pyx_v_rotary_interleaved = values[21];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 19, 19, __pyx_nargs); __PYX_ERR(0, 471, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("paged_shortcut", 1, 22, 22, __pyx_nargs); __PYX_ERR(0, 490, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -80636,7 +82838,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit);
+  __pyx_r = __pyx_pf_10cattention_7_driver_9extension_52paged_shortcut(__pyx_self, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit, __pyx_v_rotary_cos, __pyx_v_rotary_sin, __pyx_v_rotary_interleaved);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -80646,7 +82848,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit) {
+static PyObject *__pyx_pf_10cattention_7_driver_9extension_52paged_shortcut(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_q, PyObject *__pyx_v_k_pages, PyObject *__pyx_v_v_pages, PyObject *__pyx_v_block_table, PyObject *__pyx_v_cache_lengths, PyObject *__pyx_v_k_new, PyObject *__pyx_v_v_new, PyObject *__pyx_v_cu_seqlens_q, PyObject *__pyx_v_causal, PyObject *__pyx_v_scale, PyObject *__pyx_v_window, PyObject *__pyx_v_softcap, PyObject *__pyx_v_alibi_slopes, PyObject *__pyx_v_sinks, PyObject *__pyx_v_k_scale, PyObject *__pyx_v_v_scale, PyObject *__pyx_v_return_lse, PyObject *__pyx_v_num_threads, PyObject *__pyx_v_thread_limit, PyObject *__pyx_v_rotary_cos, PyObject *__pyx_v_rotary_sin, PyObject *__pyx_v_rotary_interleaved) {
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   PyObject *__pyx_t_1 = NULL;
@@ -80655,14 +82857,14 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(CYTH
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("paged_shortcut", 0);
 
-  /* "cattention/_driver/extension.pyx":476
+  /* "cattention/_driver/extension.pyx":496
  *     """The result of ``attention_with_paged_kvcache`` for a common serving
  *     step, else None before anything is written (shortcuts.pxd)."""
  *     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,             # <<<<<<<<<<<<<<
  *                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
- *                            sinks, k_scale, v_scale, return_lse, num_threads, thread_limit)
+ *                            sinks, k_scale, v_scale, return_lse, num_threads, thread_limit,
 */
-  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 476, __pyx_L1_error)
+  __pyx_t_1 = __pyx_f_10cattention_7_driver_9shortcuts_paged_shortcut(__pyx_v_10cattention_7_driver_9extension__kernels, __pyx_v_q, __pyx_v_k_pages, __pyx_v_v_pages, __pyx_v_block_table, __pyx_v_cache_lengths, __pyx_v_k_new, __pyx_v_v_new, __pyx_v_cu_seqlens_q, __pyx_v_causal, __pyx_v_scale, __pyx_v_window, __pyx_v_softcap, __pyx_v_alibi_slopes, __pyx_v_sinks, __pyx_v_k_scale, __pyx_v_v_scale, __pyx_v_return_lse, __pyx_v_num_threads, __pyx_v_thread_limit, __pyx_v_rotary_cos, __pyx_v_rotary_sin, __pyx_v_rotary_interleaved); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 496, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -80675,12 +82877,12 @@ static PyObject *__pyx_pf_10cattention_7_driver_9extension_50paged_shortcut(CYTH
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "cattention/_driver/extension.pyx":471
+  /* "cattention/_driver/extension.pyx":490
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
  *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
- *                    v_scale, return_lse, num_threads, thread_limit):
+ *                    v_scale, return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
 */
 
   /* function exit code */
@@ -82055,14 +84257,14 @@ static int __Pyx_modinit_Exttype___pyx_defaults(__pyx_mstatetype *__pyx_mstate) 
   __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_defaults", 0);
   /*--- Exttype __pyx_defaults ---*/
   #if CYTHON_USE_TYPE_SPECS
-  __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10cattention_7_driver_9extension___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_10cattention_7_driver_9extension___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 426, __pyx_L1_error)
   #else
   __pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults = &__pyx_type_10cattention_7_driver_9extension___pyx_defaults;
   #endif
   #if !CYTHON_COMPILING_IN_LIMITED_API
   #endif
   #if !CYTHON_USE_TYPE_SPECS
-  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults) < (0)) __PYX_ERR(0, 424, __pyx_L1_error)
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults) < (0)) __PYX_ERR(0, 426, __pyx_L1_error)
   #endif
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults);
@@ -82272,7 +84474,7 @@ static int __Pyx_modinit_Type_import_code(__pyx_mstatetype *__pyx_mstate) {
   CYTHON_UNUSED_VAR(__pyx_mstate);
   __Pyx_RefNannySetupContext("__Pyx_modinit_Type_import_code", 0);
   /*--- Type import code ---*/
-  __pyx_t_1 = PyImport_ImportModule(__Pyx_BUILTIN_MODULE_NAME); if (unlikely(!__pyx_t_1)) __PYX_ERR(8, 9, __pyx_L1_error)
+  __pyx_t_1 = PyImport_ImportModule(__Pyx_BUILTIN_MODULE_NAME); if (unlikely(!__pyx_t_1)) __PYX_ERR(9, 9, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_mstate->__pyx_ptype_7cpython_4type_type = __Pyx_ImportType_3_3_1(__pyx_t_1, __Pyx_BUILTIN_MODULE_NAME, "type",
   #if defined(PYPY_VERSION_NUM) && PYPY_VERSION_NUM < 0x050B0000
@@ -82282,7 +84484,7 @@ static int __Pyx_modinit_Type_import_code(__pyx_mstatetype *__pyx_mstate) {
   #else
   sizeof(PyHeapTypeObject), __PYX_GET_STRUCT_ALIGNMENT_3_3_1(PyHeapTypeObject),
   #endif
-  __Pyx_ImportType_CheckSize_Warn_3_3_1); if (!__pyx_mstate->__pyx_ptype_7cpython_4type_type) __PYX_ERR(8, 9, __pyx_L1_error)
+  __Pyx_ImportType_CheckSize_Warn_3_3_1); if (!__pyx_mstate->__pyx_ptype_7cpython_4type_type) __PYX_ERR(9, 9, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_1 = PyImport_ImportModule("numpy"); if (unlikely(!__pyx_t_1)) __PYX_ERR(2, 229, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
@@ -83233,17 +85435,17 @@ __Pyx_RefNannySetupContext("PyInit_extension", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Enum, __pyx_t_4) < (0)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":79
+  /* "cattention/_driver/extension.pyx":81
  *         int tile_cols_f64
  * 
  * cnp.import_array()             # <<<<<<<<<<<<<<
  * 
  * cdef const ca_kernels *_kernels = ca_default_kernels()
 */
-  __pyx_t_9 = __pyx_f_5numpy_import_array(); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 79, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_5numpy_import_array(); if (unlikely(__pyx_t_9 == ((int)-1))) __PYX_ERR(0, 81, __pyx_L1_error)
 
 
-  /* "cattention/_driver/extension.pyx":81
+  /* "cattention/_driver/extension.pyx":83
  * cnp.import_array()
  * 
  * cdef const ca_kernels *_kernels = ca_default_kernels()             # <<<<<<<<<<<<<<
@@ -83252,410 +85454,425 @@ __Pyx_RefNannySetupContext("PyInit_extension", 0);
 */
   __pyx_v_10cattention_7_driver_9extension__kernels = ca_default_kernels();
 
-  /* "cattention/_driver/extension.pyx":178
+  /* "cattention/_driver/extension.pyx":180
  * # ------------------------------------------------------------ introspection
  * 
  * def get_simd():             # <<<<<<<<<<<<<<
  *     """Name of the kernel table in use."""
  *     return (<bytes>_kernels.name).decode()
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_1get_simd, 0, __pyx_mstate_global->__pyx_n_u_get_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 178, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_1get_simd, 0, __pyx_mstate_global->__pyx_n_u_get_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 180, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_get_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 178, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_get_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 180, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":183
+  /* "cattention/_driver/extension.pyx":185
  * 
  * 
  * def available_simd():             # <<<<<<<<<<<<<<
  *     """Names of the kernel tables this CPU can run, best last."""
  *     cdef const char *names[8]
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_3available_simd, 0, __pyx_mstate_global->__pyx_n_u_available_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 183, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_3available_simd, 0, __pyx_mstate_global->__pyx_n_u_available_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 185, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_available_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 183, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_available_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 185, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":190
+  /* "cattention/_driver/extension.pyx":192
  * 
  * 
  * def compiled_simd():             # <<<<<<<<<<<<<<
  *     """Names of the kernel tables compiled in, whether this CPU runs them or
  *     not, best last."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_5compiled_simd, 0, __pyx_mstate_global->__pyx_n_u_compiled_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 190, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_5compiled_simd, 0, __pyx_mstate_global->__pyx_n_u_compiled_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 192, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiled_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 190, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiled_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 192, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":198
+  /* "cattention/_driver/extension.pyx":200
  * 
  * 
  * def simd_tile():             # <<<<<<<<<<<<<<
  *     """The register tile of the table in use: (rows, float32 columns,
  *     float64 columns)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_7simd_tile, 0, __pyx_mstate_global->__pyx_n_u_simd_tile, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 198, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_7simd_tile, 0, __pyx_mstate_global->__pyx_n_u_simd_tile, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_simd_tile, __pyx_t_4) < (0)) __PYX_ERR(0, 198, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_simd_tile, __pyx_t_4) < (0)) __PYX_ERR(0, 200, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":205
+  /* "cattention/_driver/extension.pyx":207
  * 
  * 
  * def set_simd(name):             # <<<<<<<<<<<<<<
  *     """Use the kernel table called ``name`` (for tests and benchmarks).
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_9set_simd, 0, __pyx_mstate_global->__pyx_n_u_set_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 205, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_9set_simd, 0, __pyx_mstate_global->__pyx_n_u_set_simd, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 207, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_set_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 205, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_set_simd, __pyx_t_4) < (0)) __PYX_ERR(0, 207, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":220
+  /* "cattention/_driver/extension.pyx":222
  * 
  * 
  * def compiler():             # <<<<<<<<<<<<<<
  *     return (<bytes>ca_compiler_version()).decode()
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_11compiler, 0, __pyx_mstate_global->__pyx_n_u_compiler, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 220, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_11compiler, 0, __pyx_mstate_global->__pyx_n_u_compiler, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 222, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiler, __pyx_t_4) < (0)) __PYX_ERR(0, 220, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_compiler, __pyx_t_4) < (0)) __PYX_ERR(0, 222, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":224
+  /* "cattention/_driver/extension.pyx":226
  * 
  * 
  * def register_bfloat16(int type_num):             # <<<<<<<<<<<<<<
  *     """Tell the driver NumPy's type number of ml_dtypes.bfloat16 (assigned
  *     when ml_dtypes is imported): operands of it are stored as bfloat16 and
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_13register_bfloat16, 0, __pyx_mstate_global->__pyx_n_u_register_bfloat16, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 224, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_13register_bfloat16, 0, __pyx_mstate_global->__pyx_n_u_register_bfloat16, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 226, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_register_bfloat16, __pyx_t_4) < (0)) __PYX_ERR(0, 224, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_register_bfloat16, __pyx_t_4) < (0)) __PYX_ERR(0, 226, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":231
+  /* "cattention/_driver/extension.pyx":233
  * 
  * 
  * def openmp_enabled():             # <<<<<<<<<<<<<<
  *     return bool(CA_HAVE_OPENMP)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_15openmp_enabled, 0, __pyx_mstate_global->__pyx_n_u_openmp_enabled, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 231, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_15openmp_enabled, 0, __pyx_mstate_global->__pyx_n_u_openmp_enabled, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 233, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_enabled, __pyx_t_4) < (0)) __PYX_ERR(0, 231, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_enabled, __pyx_t_4) < (0)) __PYX_ERR(0, 233, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":235
+  /* "cattention/_driver/extension.pyx":237
  * 
  * 
  * def openmp_version():             # <<<<<<<<<<<<<<
  *     return int(CA_OPENMP_VERSION)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_17openmp_version, 0, __pyx_mstate_global->__pyx_n_u_openmp_version, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 235, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_17openmp_version, 0, __pyx_mstate_global->__pyx_n_u_openmp_version, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_version, __pyx_t_4) < (0)) __PYX_ERR(0, 235, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_version, __pyx_t_4) < (0)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":239
+  /* "cattention/_driver/extension.pyx":241
  * 
  * 
  * def openmp_runtime():             # <<<<<<<<<<<<<<
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_19openmp_runtime, 0, __pyx_mstate_global->__pyx_n_u_openmp_runtime, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 239, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_19openmp_runtime, 0, __pyx_mstate_global->__pyx_n_u_openmp_runtime, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 241, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_runtime, __pyx_t_4) < (0)) __PYX_ERR(0, 239, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_openmp_runtime, __pyx_t_4) < (0)) __PYX_ERR(0, 241, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":245
+  /* "cattention/_driver/extension.pyx":247
  * 
  * 
  * def max_threads():             # <<<<<<<<<<<<<<
  *     """OpenMP's current maximum for a parallel region started by this thread,
  *     or 1 in a child forked after a parallel region (calls run serially there)."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_21max_threads, 0, __pyx_mstate_global->__pyx_n_u_max_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_21max_threads, 0, __pyx_mstate_global->__pyx_n_u_max_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 247, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_max_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 245, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_max_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 247, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":253
+  /* "cattention/_driver/extension.pyx":255
  * 
  * 
  * def team_size(int n_threads, double serial_ns):             # <<<<<<<<<<<<<<
  *     """Threads a call of estimated one-thread time serial_ns (in ns) allowed
  *     n_threads would start now (src/team.h); for tests."""
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_23team_size, 0, __pyx_mstate_global->__pyx_n_u_team_size, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 253, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_23team_size, 0, __pyx_mstate_global->__pyx_n_u_team_size, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 255, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_team_size, __pyx_t_4) < (0)) __PYX_ERR(0, 253, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_team_size, __pyx_t_4) < (0)) __PYX_ERR(0, 255, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":259
+  /* "cattention/_driver/extension.pyx":261
  * 
  * 
  * def forked_after_parallel():             # <<<<<<<<<<<<<<
  *     """True in a child process forked after a parallel region had run."""
  *     return bool(ca_forked_after_parallel())
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_25forked_after_parallel, 0, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 259, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_25forked_after_parallel, 0, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 261, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, __pyx_t_4) < (0)) __PYX_ERR(0, 259, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_forked_after_parallel, __pyx_t_4) < (0)) __PYX_ERR(0, 261, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":267
+  /* "cattention/_driver/extension.pyx":269
  * # (checks.pxd), for the general path
  * 
  * def check_flag(value, str name):             # <<<<<<<<<<<<<<
  *     return _check_flag(value, name)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_27check_flag, 0, __pyx_mstate_global->__pyx_n_u_check_flag, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 267, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_27check_flag, 0, __pyx_mstate_global->__pyx_n_u_check_flag, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 269, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_flag, __pyx_t_4) < (0)) __PYX_ERR(0, 267, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_flag, __pyx_t_4) < (0)) __PYX_ERR(0, 269, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":271
+  /* "cattention/_driver/extension.pyx":273
  * 
  * 
  * def check_scale(scale, Py_ssize_t d_k, bint in_float32):             # <<<<<<<<<<<<<<
  *     return _check_scale(scale, d_k, in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_29check_scale, 0, __pyx_mstate_global->__pyx_n_u_check_scale, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 271, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_29check_scale, 0, __pyx_mstate_global->__pyx_n_u_check_scale, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 273, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_scale, __pyx_t_4) < (0)) __PYX_ERR(0, 271, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_scale, __pyx_t_4) < (0)) __PYX_ERR(0, 273, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":275
+  /* "cattention/_driver/extension.pyx":277
  * 
  * 
  * def check_softcap(softcap, bint in_float32):             # <<<<<<<<<<<<<<
  *     return _check_softcap(softcap, in_float32)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_31check_softcap, 0, __pyx_mstate_global->__pyx_n_u_check_softcap, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 275, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_31check_softcap, 0, __pyx_mstate_global->__pyx_n_u_check_softcap, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 277, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_softcap, __pyx_t_4) < (0)) __PYX_ERR(0, 275, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_softcap, __pyx_t_4) < (0)) __PYX_ERR(0, 277, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":279
+  /* "cattention/_driver/extension.pyx":281
  * 
  * 
  * def check_window(window, bint causal):             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t left, right
  *     _check_window(window, causal, &left, &right)
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_33check_window, 0, __pyx_mstate_global->__pyx_n_u_check_window, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 279, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_33check_window, 0, __pyx_mstate_global->__pyx_n_u_check_window, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 281, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_window, __pyx_t_4) < (0)) __PYX_ERR(0, 279, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_window, __pyx_t_4) < (0)) __PYX_ERR(0, 281, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":285
+  /* "cattention/_driver/extension.pyx":287
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
  *     return _check_num_threads(n, name)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_35check_num_threads, 0, __pyx_mstate_global->__pyx_n_u_check_num_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 285, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_35check_num_threads, 0, __pyx_mstate_global->__pyx_n_u_check_num_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 287, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_4, __pyx_mstate_global->__pyx_tuple[3]);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_num_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 285, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_check_num_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 287, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":289
+  /* "cattention/_driver/extension.pyx":291
  * 
  * 
  * def resolve_threads(num_threads, limit):             # <<<<<<<<<<<<<<
  *     return _resolve_threads(num_threads, limit)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_37resolve_threads, 0, __pyx_mstate_global->__pyx_n_u_resolve_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 289, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_37resolve_threads, 0, __pyx_mstate_global->__pyx_n_u_resolve_threads, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[18])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 291, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_resolve_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 289, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_resolve_threads, __pyx_t_4) < (0)) __PYX_ERR(0, 291, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":293
+  /* "cattention/_driver/extension.pyx":295
  * 
  * 
  * def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):             # <<<<<<<<<<<<<<
  *     return _stacks_grouped_rows(group, n_rows, has_mask, has_alibi)
  * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_39stacks_grouped_rows, 0, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 293, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_39stacks_grouped_rows, 0, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[19])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 293, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_stacks_grouped_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 295, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":310
+  /* "cattention/_driver/extension.pyx":312
  * 
  * 
  * def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,             # <<<<<<<<<<<<<<
  *                cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
  *                Py_ssize_t kv_group, Py_ssize_t query_period,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_41run_arrays, 0, __pyx_mstate_global->__pyx_n_u_run_arrays, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 310, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_41run_arrays, 0, __pyx_mstate_global->__pyx_n_u_run_arrays, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[20])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 312, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_arrays, __pyx_t_4) < (0)) __PYX_ERR(0, 310, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_arrays, __pyx_t_4) < (0)) __PYX_ERR(0, 312, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":368
+  /* "cattention/_driver/extension.pyx":370
  * 
  * 
  * def run_entries(object call):             # <<<<<<<<<<<<<<
  *     """Run an entries call (``_prepare/entries.py``: packed sequences, paged
  *     caches) into its out (and lse). Preconditions (checked by the caller):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_43run_entries, 0, __pyx_mstate_global->__pyx_n_u_run_entries, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 368, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_43run_entries, 0, __pyx_mstate_global->__pyx_n_u_run_entries, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[21])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 370, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_entries, __pyx_t_4) < (0)) __PYX_ERR(0, 368, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_run_entries, __pyx_t_4) < (0)) __PYX_ERR(0, 370, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":424
+  /* "cattention/_driver/extension.pyx":426
  * # ---------------------------------------------------------------- appends
  * 
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,             # <<<<<<<<<<<<<<
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_45append_rows, 0, __pyx_mstate_global->__pyx_n_u_append_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_45append_rows, 0, __pyx_mstate_global->__pyx_n_u_append_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[22])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 424, __pyx_L1_error)
+  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_10cattention_7_driver_9extension___pyx_defaults)) __PYX_ERR(0, 426, __pyx_L1_error)
 
-  /* "cattention/_driver/extension.pyx":426
+  /* "cattention/_driver/extension.pyx":428
  * def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offset,
  *                 int row_axis, int head_axis, const intp_t[::1] start,
  *                 const intp_t[::1] n_new, const intp_t[::1] page_ids=None,             # <<<<<<<<<<<<<<
  *                 Py_ssize_t pages_per_seq=0):
  *     """Write new rows into a 4-D cache or pages in place (appends.pxd): row t
 */
-  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 426, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_nn___pyx_t_10cattention_7_driver_12kernel_table_intp_t__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 428, __pyx_L1_error)
   __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_t_4)->arg0 = __pyx_t_10;
 
   __pyx_t_10.memview = NULL;
   __pyx_t_10.data = NULL;
-  __Pyx_CyFunction_SetDefaultsGetter(__pyx_t_4, __pyx_pf_10cattention_7_driver_9extension_52__defaults__);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_append_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 424, __pyx_L1_error)
+  __Pyx_CyFunction_SetDefaultsGetter(__pyx_t_4, __pyx_pf_10cattention_7_driver_9extension_54__defaults__);
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_append_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":450
+  /* "cattention/_driver/extension.pyx":452
+ * # ----------------------------------------------------------------- rotary
+ * 
+ * def rotate_rows(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, const intp_t[::1] positions,             # <<<<<<<<<<<<<<
+ *                 bint interleaved):
+ *     """A new C-contiguous array of the rows of x rotated (rotary.pxd), row
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_47rotate_rows, 0, __pyx_mstate_global->__pyx_n_u_rotate_rows, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 452, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_rotate_rows, __pyx_t_4) < (0)) __PYX_ERR(0, 452, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "cattention/_driver/extension.pyx":467
  * # -------------------------------------------------------------- shortcuts
  * 
  * def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,             # <<<<<<<<<<<<<<
  *                        kv_lengths, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
  *                        num_threads, thread_limit):
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_47attention_shortcut, 0, __pyx_mstate_global->__pyx_n_u_attention_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[23])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 450, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_49attention_shortcut, 0, __pyx_mstate_global->__pyx_n_u_attention_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 467, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_attention_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 450, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_attention_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 467, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":461
+  /* "cattention/_driver/extension.pyx":478
  * 
  * 
  * def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,             # <<<<<<<<<<<<<<
  *                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
- *                      return_lse, num_threads, thread_limit):
+ *                      return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_49kvcache_shortcut, 0, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[24])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 461, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_51kvcache_shortcut, 0, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 461, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_kvcache_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cattention/_driver/extension.pyx":471
+  /* "cattention/_driver/extension.pyx":490
  * 
  * 
  * def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,             # <<<<<<<<<<<<<<
  *                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
- *                    v_scale, return_lse, num_threads, thread_limit):
+ *                    v_scale, return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_51paged_shortcut, 0, __pyx_mstate_global->__pyx_n_u_paged_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[25])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 471, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_10cattention_7_driver_9extension_53paged_shortcut, 0, __pyx_mstate_global->__pyx_n_u_paged_shortcut, NULL, __pyx_mstate_global->__pyx_n_u_cattention__driver_extension, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[26])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 490, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_paged_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 471, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_paged_shortcut, __pyx_t_4) < (0)) __PYX_ERR(0, 490, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "cattention/_driver/extension.pyx":1
@@ -83774,7 +85991,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   if (__Pyx_PyTuple_SET_ITEM(__pyx_mstate_global->__pyx_tuple[1], 0, __pyx_mstate_global->__pyx_slice[0]) != (0)) __PYX_ERR(1, 763, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[1]);
 
-  /* "cattention/_driver/extension.pyx":242
+  /* "cattention/_driver/extension.pyx":244
  *     """Path of the loaded OpenMP runtime library ("" for a serial build or
  *     when the platform cannot tell)."""
  *     return (<bytes>ca_openmp_runtime()).decode(errors="replace")             # <<<<<<<<<<<<<<
@@ -83783,12 +86000,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_errors};
-    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 242, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[2]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[2]);
 
-  /* "cattention/_driver/extension.pyx":285
+  /* "cattention/_driver/extension.pyx":287
  * 
  * 
  * def check_num_threads(n, str name="num_threads"):             # <<<<<<<<<<<<<<
@@ -83797,7 +86014,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {((PyObject*)__pyx_mstate_global->__pyx_n_u_num_threads)};
-    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 285, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 287, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[3]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[3]);
@@ -83861,38 +86078,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{23},{65},{6},{42},{25},{9},{29},{37},{46},{33},{17},{51},{8},{2},{6},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{4},{25},{179},{11},{1},{13},{8},{32},{45},{15},{127},{7},{6},{2},{9},{50},{39},{34},{26},{46},{30},{37},{7},{49},{5},{8},{4},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{12},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{5},{12},{15},{11},{5},{18},{18},{14},{4},{11},{11},{5},{1},{5},{13},{4},{28},{6},{10},{17},{11},{13},{12},{18},{10},{13},{8},{5},{12},{1},{3},{3},{6},{3},{5},{15},{10},{6},{7},{9},{5},{6},{5},{5},{7},{7},{21},{6},{7},{8},{5},{8},{9},{8},{9},{1},{2},{10},{5},{5},{8},{1},{7},{5},{8},{7},{7},{14},{4},{8},{10},{9},{16},{4},{5},{3},{10},{4},{3},{11},{7},{4},{1},{12},{7},{10},{5},{6},{5},{9},{4},{5},{4},{11},{7},{5},{3},{14},{14},{14},{8},{7},{3},{10},{4},{8},{9},{11},{14},{13},{2},{4},{3},{1},{9},{8},{12},{8},{17},{7},{7},{15},{10},{13},{5},{3},{8},{4},{10},{11},{5},{6},{10},{9},{8},{10},{5},{9},{5},{4},{18},{7},{3},{19},{5},{4},{4},{6},{8},{9},{12},{7},{4},{8},{6},{6},{1},{7},{5},{8},{7},{7},{14},{5},{6},{6},{1}};
-    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{85},{11},{11},{13},{15},{13},{14},{18},{16},{14},{15},{26},{188},{25},{15},{22},{43},{28},{43},{11},{65},{55},{55},{53},{573},{283},{17}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{1},{23},{65},{6},{42},{25},{9},{29},{37},{46},{33},{17},{51},{8},{2},{6},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{4},{25},{179},{11},{1},{13},{8},{32},{45},{15},{127},{7},{6},{2},{9},{50},{39},{34},{26},{46},{30},{37},{7},{49},{5},{8},{4},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{12},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{5},{12},{15},{11},{5},{18},{18},{14},{4},{11},{11},{5},{1},{5},{13},{4},{28},{6},{10},{17},{11},{13},{12},{18},{10},{13},{8},{3},{5},{12},{1},{3},{3},{6},{3},{5},{15},{10},{6},{7},{9},{5},{6},{5},{5},{7},{7},{21},{6},{7},{8},{5},{8},{9},{8},{9},{1},{2},{10},{5},{11},{5},{8},{1},{7},{5},{8},{7},{7},{14},{4},{8},{10},{9},{16},{4},{5},{3},{10},{4},{3},{11},{7},{4},{1},{12},{7},{10},{5},{6},{5},{9},{4},{5},{4},{11},{7},{5},{3},{14},{14},{14},{8},{7},{3},{10},{4},{8},{9},{11},{14},{13},{2},{4},{3},{9},{1},{9},{8},{12},{8},{17},{7},{7},{15},{10},{13},{5},{10},{18},{10},{11},{3},{8},{4},{10},{11},{5},{6},{10},{9},{8},{10},{5},{9},{3},{5},{4},{18},{7},{3},{19},{5},{4},{4},{6},{8},{9},{12},{7},{4},{8},{6},{6},{1},{7},{5},{8},{7},{7},{14},{5},{6},{6},{1}};
+    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{85},{11},{11},{13},{15},{13},{14},{18},{16},{14},{15},{26},{188},{25},{15},{22},{43},{28},{43},{11},{65},{53},{62},{62},{573},{59},{283},{17}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2721 bytes) */
-static const char cstring[] = "x\332\225VKw\023G\026\306g\014\022o\034\002\304d\010ep\374`\260\202\301@0\014s\034\333!\236\023\022\314#\014\231\344\364)u\227\244F\255n\251\253[\266\231\027K-{\331\313^\366\262\227Zj\251\245\226Z\346\047\360\023\346\273U-\331$L\316\031\037\271\373V\325\255[\367~\367\273\267\232\261\205\357\233\302}\374d^2\307n\330\301\342uV\365\002\306\026\202\232`\246\327h\206\201`V\260\327\024\314\2530LJ\301l\027\263rq\225\331\201d\r^u\355 \264\004k\2042\200\021Zg\177g<`7v\231-\231\013s\274\315m\207\227\035\030qa\004\263\353O^\334\337\237^e#M_4}\234\341\006J\033\226\264\331\262\330\027\036\376\231\335`\013\236\317\276\363\\1\362w\264\310Y\331\363\034\266\360\334\017q\230\317\276\346\216\374\200R\323\223v`\267\351\204@T\205\017\247|\301-D\034\272\301\257\265\335\261V~\350\257\025\002\326\360\344\201\211\212\rHr-\316\334\260Q\246\023<\2179\334\257b\031f8\2538\0366z\345\327\302\014\036^gZ\273\264\312\036<\026\r\317\337\373\301\026;\004\371\003\323s\003\273\032z\241\204\047\026\263l\2376\374z\332vG\0132\360mKX\007\224\311\355\337[\177\177n\254\371\360/\353\334U\331\223\322\256\"o\036#\214\226<\327\331c\r\345d\033Nn\271m\356\330\026 \260\020\262\330mb/L\315\233\363t\356<\202\r|\356\316\353\370F\312\262\306\233*\275|\027\211\047L\351\237)`\306\271\321\300}\347\201\201A\rX\255\357\0055\360\007\033,\341\330X\342\201\200+\344<\216\244\034\"UO6\237,\255|\271\242B\361\005\201+\231\014\313\246\203(\204$D\313\241\355\0048\232H-Kl\253\302\366\274\220\271\002N#\304&\364\016n\000\345]&E@\002\233W\200\360\300\366\\\003\333m\267:\237cH\376b\267\242[\351\331\326\343\r\346\210\266p\330\317\234@s\362X\270e\0310 L\036\004\3408\314|aX>\366\372_\210]\314H\314\224\232{\273\373\353\253DI\307\322U\3448\036V\004\223&B7ky\022L\317q\310\003\317\225%^6-\243N\020\241DZ\n\204:\253q8\247\021_(\225J\327\331\363\353\354\306\242Z\324\343g4F\221HOEi\211\n\017\235\000\307p\324\340\362\027\262\345\007\0130\273HvC\027\313\266+\254\3739TJ\tiwl\323\016\234=\313\226T\272\302\245g\325\264\245\226,\327\033\3335\014_X\241)""\014\203Y\241\202\315\365\334%d\261m\003)\3030\251|\014\003\2205\367J\206\351\371\242\324\300>\233\373>\337c\025\364\014\235*\273\321\004\271\016\252\205\r\036\324~\243\241]\374PqJ\257\022\230\274\371\241\306\240\325\362\274i\355PEBv\307\231\320.Y<\340\245\017\254j\314\tg]`\262\264\203\352\362vX\376\032\035\273\317\375\005GT\320\177|\273Z\013\026\001\260\235\037\275\366l}kk\323q\354\246\264\345S\020\352\231h\205\3025\005\265\211\322~\3070\214\047{\273\370\337@E\030\337\201SOE\3050r\326\002p\200K\274\336\027\252\"@\230\r\232\260h\017\376*\241k\322\033Kr\264K\003IR\203\333\256z{V\350\2505\2277\364\233\2167\014\320\327\000\246\366X\256\t\263.\303\206\036\345\026I\244\372\323R\3506m\263\016k\233\356H\257\255.\000\262\321\n\2713:b\304\233\261d\252\226p`B\354\322\000\365:vK\036\010c,\357\357\013\204\244\270lI\014\362B4\006\201\"B\223*\333\352aH\307C\237\030\345\324(\207\225\n\n\271\211[\3232|oG*\np\271\347\232\266W\032\333\220\343\n6d\r\320\231a0\276\355\014i7\2542\227\242LUl(\226\224a\276n\250\240\351\0023L\223\023p\3640\034\341V\203\032\261\330\331o\014\245\274q\224\306\215\303\344!\334Tp\033\025\207W\265D\210\352\313M\352\tU\r\271\250\351\257\007\232\223\246\003\347\r\244\030M\333\204\203f\035\355\305\320\364\245\317\001\252,\345\177>\360\325\215i\206\200\266\005?\245\321B\213\253[F\233\324q\245\310@}<\250\007\201\254\357;\335\023\214j\213\203\303P\323OK\300Y\325\325\205\357\243\234\351!Q\207\025\217\302\221\352\302\274uS\275\356\254\340^\251\303\025^A\3477\232\334\0078\302\301$:@~\345\200\277\312\323*R\322\254\3451\324\2704T^IhpY\257\001\031\203n!\333\266\020v~\010\260\020\273T\030R?\336\210z\335P\331\250\023\317\353\206W\251\200Lu\234\\\0252\0075\177\215\326\204\357\326\333\206:\035\357<\211\220\300@\364\244z[\047w\304\016*|\365\005\206\013\004\277\334\010y\330\340\273\370\215\222\210\236O\267.\335\266\256kh\006YvC\272\006E\202\027N\310%8\352*\212\272\224\035wd\201\n\203\376%.\372\306\001z\350V\047U?E\232\300z\267\3214\362\366\235\217|$\333n\210|\004\372\021\3610B""\322\300\374\246\272\204P\000\370\345\0014\301 \302\310\260-\251\336\204\245\026T>H\264\306 (4\r\230#\207\233\345\246\303\335\246\327l\265F\350\265r\253\350}\376\036\351\331\236\345\213\252-A\202\321\333(\253\034.\337\301\247\244\003\016\343s\222\n\014/\317i\213Q\260\276\010B\3375\200t.I\272@\244j\274\200\014?E\nB\0171\033\252\310\225\204\352\363m!U\246\365\036\270\232\273\005ch\032\206+eN=\274\363KO\371@SF\200\252\221\266[\227\204\204l\020o\321\201\360\305\341\022y\235\274&\245o\202\047h\234\232@B\367\032M\235@4e\340\341\337\017\315 \310\201\014\004o(pu\200\206\342R\036,\035\251\n\020\271E\257\205\331\260\211;K\264\333\232\323m\242J;\017\242\2559\335\326dn\277\307i|\274\205B=\244n\027\273\337\343\323\230-hWX\336\327\215\345\033\373}\312\270\2337*\343\336\270S\031\337\300\253uD\216\217\033\027W\340\265\305C\272\014G\233\336N\014\047\217wnux\247\245\305\225N+\232\320\342\375\210G;1\327\203\007Q+.\304a\262\246\207\017\343\251x1YV\203\301\361O\343\345\370q:\225\217.\307\255\244\220\354\246o\272j\346D\347\321\340\354\\b\246\0272\030\376E\23718\263\220\252\021V\243/\343;\311\005=\234\212\246\242\205x!\231I\356\244S\351\014\035u\047\202\231_66\207g\246\336\2359t\370R\274\231\234OZ),\027\336\266;\317\242\211a\361\350Pm\234\211n\303\307VRL\047\322\363\351^\267\320}\323?\337o\221\342\356\3404KN\246\333)\247\321\277\243\355\350u2\221La0(L\307\227\325\206\226\032}\022\237\206\365#Jq4:\232]\352\362n\273\367\264\007\2353\321\004\316\372\034x\034\216\267c\221,\047\033\330~.\345i\220\255v\177\352O\365\347\007\333O\207\0373\034\240\242zw\344\320\341\342\240\000X\206\305\323\235\226\302\3503\302\225\026N(d\217\023\2244<I`\315&\353\311\016\354\355d\271\322G\203\251\317\223\355\244\232n\023 7;/\243M\340\1775~\t\305 \275\235\035\316\266G\252\363\203\271\207]N\250oD\047\342\215\001\273\221MfH\332\273\24223\233\254%/\323\265\3377\003\325\351x\"\006\354\357\216\035:|d89\035\237\215\327\342\027\311|\n\304\256\014\256\254dk\3316\001\031v\326\021P\361T\347u<1<1\rk3\303\351\213q\211\262s\232(""E\006Nt\376\022\317\304\253\3113\3408\335]\352\375g\360\303\313\341\247W\222RVD\212v{{\203\047\3334^L\357e\337\366N\366\267\363m\203\343\177\304\251?&2]\314\356u\277\357\337\035<}5x\365\343\360\322l\362-\266\036\355}\326\337!S\227\346\022\047[\352\266\306\333\000n\374&=\233\256\2472[\350\316\365\nH\333\345?\245\017\262\177\366\276\354/\017//\245/\263\255\356\253\036\037^f\330t\352\320\341\331d\005\204Ej\256\216\204y \262<\234\\H\047\t\255|4\227X\351\314/\352u\205\246\177+\220\376F61\022Nw\203\336\355~\241\377\206\374\236\\J\237g\237t/\367\047\373[\203\027?\r~\372yx\363\326\207g)\223\347\242\265\350y|\021\374\332\324\344,v\216F\323\361\234\346m\261s<Z\211\324\354\251\310\002\354\020\n\235 Z~O8\t\242\333\250\210#\360o>\373(\273\333\235\321;x\364&\231J\346\340\344\243\354f\366\262\273\366\276\366\353\254\220\205\335\215\336d\357Q\377f\377\345\340\371\213\341\344)j\022\321d\264\021O\306\033\311\304\3773\361u<\033W\022u\306d\347\233h\215\250\023tnG\005\004P\374\010u\273\214=Gb\013\016M\220R1*\306\007\005\322\276\027=\212\227\367\265\217%\263\360r\342\267\023\n&]\237Gp\350\243t\225\250\372?&O\000\343\277\241\212+\311\0268\361W*\234\342\2408\035\177\034ok@\236\307STKk\235\355N\005\272/\342k\250\366bv\254;\333\265z3 \317u\"\317]\352TW\351E\211\233Mn%<i\221x\264s\270\363\202\034\034\026O\302\204\210\356\203\232H\332\307\260\365\nb\010W\220\250\351\301\364\365t\r\335\311\312\256f\317\272\177\350\336\351M\367g\206K\367\273w{\327\372k}8s\344m\025\275\356$|\255\251\\^\354.\023.\377\212\276\212\370\260xlp\354\"q\240\360\366\037\321||\016H^K\277\316f\262[Y\271\013\214\316#\337-$\205\252\251\245\031]x\373&\272\200\016\366<\231N\347\262\211\354l\366U\006C\347@\001\036\005\350\347[h8\\C\177\027\300\005\361\335\301\225\325\356\014\216-^\200\261\t`\364\002%\\\310Z\243\346\273\202\333\342uZ@\337?\327\345\203C\323\004\035Z\335%\370l&S\377\005\256\020Xw";
-    PyObject *data = __Pyx_DecompressString(cstring, 2721, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (2811 bytes) */
+static const char cstring[] = "x\332\225V\315w\023G\022\307/\266%\300|8\004\210\311\022\306\340\370\203\305\n\006\203\301\260\3449\266C\274/$\230\217\260d\2237\2575\323\222\006\215f\244\351\031\331b\263Y\216:\316q\216s\234\343\034u\324QG\035u\344O\340O\330_u\217d\223\260yo\375\344\231\352\356\352\352\252_\375\252z4m\361\207:w\036=^\020\232m\325,\177\351\232Vv}M[\364+\\3\334Z=\360\271f\372\255:\327\334\222\206I\3015\313\301\254XZ\327,_h5Vv,?0\271V\013\204\017#\264\256\375Sc\276v}_\263\204\346\300\034k2\313fE\033F\034\030\301\354\346\343\347\367\016\246\327\265\241\246\307\353\036\316p|\251\rK\312l\221\037\010\017\376\246]\327\026]O\373\336u\370\320\337\341\"\323\212\256kk\213\317\274\000\207y\3327\314\026\037P\252\273\302\362\255&\235\340\3632\367\340\224\307\231\211\210\003\307\377\275\2663\322\312\016\375\275\202\257\325\\qh\242d\001\222L\213iNP+\322\t\256\253\331\314+c\031f\230V\262]lt\213\257\270\341?\270\246)\355\302\272v\377\021\257\271^\353G\213\357\021\344\367\r\327\361\255r\340\006\002\236\230\232iy\264\341\367\323\2263\\\020\276g\231\334<\244Ln\377\331\372\373s#\315\007_m2GfO\010\253\214\274\271\032a\264\354:vK\253I\047\233pr\307i2\3332\001\201\211\220\371~\035{aj\301X\240s\027\020\254\3571gA\3057T\026\025V\227\351e\373H<aJ\377\232\004f\224\033\005\334\367.\030\350W\200\325f\313\257\200?\330`r\333\302\022\3639\\!\347q$\345\020\251z\274\375xy\365\316\252\014\305\343\004\256\320DP4lD\301\005!Z\014,\333\307\321DjQ\320vJZ\313\r4\207\303i\204X\207\336\341\r\240\274\243\t\356\223\240-H@\230o\271\216\216\355\226S^\3100$\177\261[\322\255\360t\347\321\226f\363&\267\265_\030\201fg\2610\323\324a\200\033\314\367\301q\230\371R7=\354\365\276\344\373\230\021\230)\324[\373\007\353\353DI\333TUd\333.V\270&\014\204nT\262$\030\256m\223\007\256#\n\254h\230z\225 B\2114$\010U\255\302\340\234B|\261P(\\\323\236]\323\256/\311E5~Jc\024\211pe\224&/\261\300\366q\014C\r\256|)\032\236\277\010\263Kd7p\260l9\334\274\227A%\225\220v\3332,\337n\231\226\240\322\345\016=\313\206%\224d:\356\310\256\256{\334\014\014\256\353""\232\031H\330\034\327YF\026\233\026\220\322u\203\312G\327\001Y\275U\320\r\327\343\205\032\366Y\314\363XK+\241g\250TY\265:\310uX-\2501\277\362\007\r\345\342\207\212S\270%\337`\365\0175\006\245\226\345Mi\0072\022\262;\312\204r\311d>+|`UaN8\253\002\023\205=T\227\273\247e\257\341\261\007\334_\264y\t\375\307\263\312\025\177\t\000[\331\321\033O7wv\266m\333\252\013K<\001\241\236\362F\300\035\203S\233(\034t\014]\177\334\332\307\377\026*B\377\036\234z\302K\272\236\261\026\200\003\\\342\365\201P\346>\302\254\321\204I{\360W\n\034\203\336X\022\303]\nH\222j\314r\344\3335\003[\2569\254\246\336t\274\256\203\276:0\265Fr\205\033U\021\324\324(\263H\"\325\237\222\002\247n\031UX\333v\206zMy\001\220\215F\300\354\341\021C\336\214$C\266\204C\023|\237\006\250\327\221[\342P\030#\371`\237\317\005\305e\tb\220\033\2401p\024\021\232T\321\222\017]\330.\372\3040\247z1(\225P\310u\334\232\246\356\271{BR\200\211\226cXnadC\214*X\027\025@g\004\376\350\266\323\205U3\213L\360\"U\261.YR\204\371\252.\203\246\013L7\014F\300\321C\267\271S\366+\304b\373\2401\024\262\306Q\0305\016\203\005pS\302\255\227lVV\022!\252.7\241&d5d\242\242\277\032(N\0326\234\327\221b4m\003\016\032U\264\027]\321\227>\007\250\262\244\377\331\3003\\!/M#\000\272\r\270*\364\006\272\\\325\324\233\264\003\267\212\360\345\367\203|\020\316\352\312SmA/7\030h\0145\36549\374\225\215\235{\036*\232\036\002\245Xr)\"!\357\314\2337\344\353\366*\256\226*\274a%4\177\275\316<\340\303mL\242\td\267\016(,\235-#+\365J\026F\205\t]\246\226\204\032\023\325\n\300\321\351\"\262,\023\221g\207\000\016\276O\027\277gs4P\223\312D\250\307k^\255\35227Ub}UwK%P\253\n\047\312\\d\020g\257\341\032\367\234jS\227\216\340\235\245\024\022\370\210\016Um\252T\017\271Bm@~\217\341:\301/3B\316\326\330>~\303\224\342\006\240;\230\356^\307\321\025\237L\253&\034\235\202\302\013\047d\022\034u$a\035J\2243\264@eB\377\002\327~\355\020YT\343\023\262\273\"c\250\001\247V\327\263f\236\215<\344\335\252\361l\0042\022\r1B\376P\007uy%\241\034\360\313\002\250\203O\204\221n\231B\276\tK%\310\324\220h""\216@\220h\3520G\016\327\213u\2339u\267\256:4,7\032C\030\033\231y\264D\257E\033,\327\364x\331\022H\336\360\255\027e^Wn\343\013\323\006\265\361\225Iu\207\227k7\3710j\217\373\201\347\350\200<\223\004\335+B\366c\017=\024\346A\370L:D\216lFX\216\247:-\001\215\177\374$\263\3440pt\331,\244\204*\366,.$G\324!\0102\213\003\247\243\371\350\216\020\031\177\361\316.O\3514M\351>\252\017\347\341W\025\004\243\250\021\377\321\314\360\361\342P\021\330Yy\013\317\000\311\320\203\025\373\270j[\212w>\257\013\337\305\277\027\030\276\237e\301\347\254&3\243@\321%\0213\200\350TY\310 \006\3326\314\006u\\\177\274\331T\005\321$\2365\2638\232\252 \232\252\022\232\357\025\004\276\003\003.\037Bu\236\375\037\200\247\266\250\\\321\262+B_\271~\320\362\364\265\254\347\351wGMO\377\026^m\"r|\0479\270M\257.\035Q\345<\334\364fl0~\274}\263\315\332\r%\256\266\033\341\230\022\357\205,\334\213\230\032\334\017\033Q.\n\342\r5|\020MGK\361\212\034\364\217\177\026\255D\217\222\351lt)j\304\271x?y\335\2213S\355\207\3753\363\261\221\234Oa\370\255:\243\177z1\221#\254\206w\242\333\361y5\234\016\247\303\305h1\236\215o\047\323\311,\035u;\204\231\267[\333\203\323\323\357N\037\231\270\030m\307\347\342F\002\313\2717\315\366\323pl\220?:\220\033g\303[\360\261\021\347\223\261\344\\\322\352\344:\257{\347z\rR\334\357\237\322\342\023\311n\302h\364[\270\033\276\212\307\342i\014\372\271\231\350\222\334\320\220\243O\243S\260>)\025\207\243\243\351\305\016\3534\273O\272\3209\035\216\341\254/\200\307D\264\033\361x%\336\302\366\263\tK\374t\275\363so\272\267\320\337}2\370D\303\0012\252w\223G&\362\375\034`\031\344O\265\033\022\243\317\tWZ\230\222\310\036\047(ix\202\300\232\2137\343=\330\333K3\245\217\373\323_\304\273q9\331%@n\264_\204\333\300\377J\364\002\212~r+\235Hw\207\252\013\375\371\007\035F\250o\205S\321V_\273\236\216\247H\332\273\27443\027o\304/\222\215?7\003\325\231h,\002\354\357\216\035\231\230\034\214\317Dg\242\215\350y\274\220\000\261\313\375\313\253\351F\272K@\006\355M\004\224?\331~\025\215\r\246f`mv0s!*PvN\021\245\310\300""\224\0147z\235\234I6\023\221.v\346\2739\000y\351\257\311\375\364\327\356\235\336\312\340\322r\362\"\335\351\274\354\262\301%\r\233\246\010\227\257\242\331h=~\n\360g:\313\335\377\364\177|1\370\354r\\H\363\310\353~\267\325\177\274K\343\245\344n\372]\367D\017\203\205\370\327t%\333\335?\376\027x\374S,\222\245\364n\347\207\336Z\377\311\313\376\313\237\006\027\347\342\357`\341h\367\363\336\036Y\2748\037\333\351r\3477\354\277\270D\014~w\362\310\304\\\274\n\372\"QW\206\302\002\360Y\031\214/&\343\204]6\232\217\315d\366\255|]\246\351?\n\244\277\225\216\r\205S\035\277{\253\227\353\275&O\306\227\223g\351\247\235K\275\361\336N\377\371\317\375\237\177\031\334\270\371\341Y\312\353\331p#|\026]\000\333\266\025U\363\355\243\341L4\257X\234o\037\017WC9{24\221\004\010\271\266\037\256\274\047\234\000\355-\324\307$\374[H?N\327:\263j\007\013_\307\323\361<\234|\230\336H_t6\336\327~\225\346\322\240\263\325\035\357>\354\335\350\275\350?{>\030?I-#\034\017\267\242\361h+\036\373\177&\276\211\346\242R,\317\030o\177\033n\020\221\374\366\2550\207\000\362\037\243\212W\260g22\341\320\030)\345\303|tX \355\273\341\303h\345@\373X<\007/\307\3768!aR\325:\211C\037&\353D\334\37719\005\214\377\201\232.\305;\340\343\337\251\214\362\375\374L\364I\264\253\000y\026MSem\264w\333%\350>\217\256\242\366\363\351\261\316\\\307\354\316\202<\350O\3717\255p\022\210\n\024\326.\025\374>\216\371(\272\025O\304?\022k\216\267\357\300\303\3150@\037\233\006}W\210!\330z\215x\267F-\357\n\275(\347s\361\315\230\305\r\022\217\266\047\332\317)\266A\376\004N\347\341=T\024\362\375\t\334x\t1@\0240>\323\237\271\226l\240\315\231\351\225\364i\347\243\316\355\356Lov\260|\257\263\326\275\332\333\000\313\307\047\337\224\3214O \314\212\244\301\205\316\nA\372\357\360\353\220\r\362\307\372\307.\020}ro\376\025.Dg\221\204\253\3117\351lz3-v\000\3579\004\326@>\251\264\032\252\030ro^\207\347\321\n\237\3053\311|:\226\236I\277Na\350,\330\303B\037\027\303\016:\027SY[\003\346~\264\326\277\274\336\231\305\261\371\36306\006x\237\243\254sic\330\305Wq\355""\274Jr\270@\316vX\377\310\014\241\216\236y\021>\033\361\364\177\001[\377\225\002";
+    PyObject *data = __Pyx_DecompressString(cstring, 2811, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3675 bytes) */
-static const char cstring[] = "\377  (OpenM\377P\047s limi\177t), got\024\000\377the comp\377ute dtyp\337e of \022\000se\367 in\023\000s): \377its magn\377itude mu\363stB\000\034\001 [ a\377t 0x is \375nL\000availa\313blB\000nB\000\023\000CP\267U; \016\006: \"\005r\377epresentn)\002in Q\003be\000\006\377 >= 0 (o?r None\250\005x\002\376#\000a bool \357(Tru\257\000r F\367als\022\020posi\367tiv\310\001tege\275r\327\000read\357\000u\023nt\374\004J\006n\357\000 \003n\004\236\021\rt mo\371\000\242\006f\365i\220 e\304#a nu\373mb^\001oo la\337rge f\271\000a \367flo\241 obje\337ct>, \362#.:\377 <Memory\357View\357!<co\377ntiguous\377 and dir\354-\001\007\rin\021\005str/ided\"\010 \251 \004\031\363><(\tA\006>?Ca\275n\271Bssig\265@o\375 \240!-only \365m\240\002v\242\000Inva\327lid\200 d\360\000ex\271p\315\000|\000\047c\047t\001\047>\352\000tran\047\322c%\005oshap\244bax\240`\230\305A\311A\245\001a \223F\263#N\355o\377`th\315`Cyt\373ho\212@s del\235i\321 ate\210\000\355\001c\375t\277Ban PEPo-484\247\"re\331!\377s subcla\357sses\301\204\001bui\363lt\327`\321\204\001s. I\377f you ne\236\261 to p%\000%\tt\177hen set\370\204\001\373 \047\214\"ation\377_typing\047\360\212D\310a;\000\352b.SIM\377D level \353]a\261!l\376Dadd\373_n\315\000catte\376\324@on/_dri\277ver/ex\017\000s^V\000.pyx\026\007:\217\204\001\273ld\300\205\003llo7\000e\377 scratch\236\376$coll\301`\221\000s\177.abcd_k\363\205\001\3570 (q\254bk h\363av1\000\355\"(...\177, T, 0)\311b\372\n\003S\014\001), so\376\341\002default\376d\000ale 1/s\257qrt(T\000)\313\206\001u}n\034\000ined;\244$\371c!\001\364@licit\337lydis\345\206\001en\336\353\206\001gcis\004\003dn\373o P\005__red\377uce__ du\373e \362 non-t\376\205 ial __c\376\273\205\001__numpy\377._core.m\376\215\000iarray \357fail\245Cimp\367ort\033\tumat\305h\021\016s\236\002\232\207\005\221\206\tso\037ftcap\333\207\006\362h\276\206\003$\266\206\004\217\211\003u\317\002\254\001a\202E\215\003\037data.\013\020\340\204\003\262\206\001\376\217\206\003s.windo\343w \000\004\255\210\005\362\204\007(le\377ft, ""righ\177t) pair\212\212\003\377ASCIIEll\377ipsisRea\377lSequenc\365e\243\207\001.\250\207\007__Py\375x\001\000Dict_N>\321`Ref__\257\204\004\356 \354\332 \205\205\001__\001\005get/item\r\001d0\001\027\000\317func\035\001\030\000st\343at1\002\345#3\001mai\275n\003\002odulM\002n[am\002\003ewT\001p~\000\372\321 i\003\006hecks\301u`\000\026\001K\004!\001\321\213\001__~+\001unpickK\000\313En \005v\374\212\002\244\001qu#al[\005\260e\271fc\216\207\002\313\001\366\314dex\330\001set_\216\217\005set\276\006\003\006.\007t\267est\214 is\345ao\377utineabc\337alibi\000\002_s\337lopes\352E_b\377ufferapp\377end_rows\376\221\204\002asyncio\257.cor>\003s\331\206\006_\377shortcut\376\374\214\006_simdba\327seb\302\206\001_\207\211\002bl\317ock_\361\214\002\275\214\001_c\347cac\266 \001\001_le\257ngth\302\204\001l\257\207\007.:\262\207\004.\260\207\006cau\244\0002\001?k_flag\004\003\316!\013th\331\214\001s\025\003\211\205\002\004\004\371\204\003\374-\003\225\204\003cline_\336\340@trac\236\000ck\017col_\316\213\003\213\217\001\370\205\001\273\002\276\006\004rcoun\333\000_\367seq\245\000s_qd\377d_kd_vde\177codedst\270\217\002\342\275\217\002_\342 \352\214\003\230\207\003_gq\347aen#\001\000\003den\373um\331 teerr\373or\000\002sfinf\265o\313\001s\254\215\00232\263\215\0026\3774forked_\377after_pa\377rallelfo/rmat\354\213\004g\202`\346!\355g\220@ph\275\004has\371_\330B\005\001maskh\373eaC\000xisii\357din_^\004ind\353ex\225\205\001s\000\002ize\367kk_\216Bk_ne\377wk_offse\373tkw\000gesk_\370\336\207\002\000\004\024\005ernkv\341_y\002\005\000\276D\017\000sta\037rtskv\335B\225f\365\206\001~\375\221\002lselseZ\004\256\236\001max\000\000_\276Dm\353em\362\215\001m\332 nn_~\274cdimsn_\306\001P\004\000q\000\003\004\246\000n\236\204\002n\232A1n:\005\254\206\001\260\206\001sn5\000\224h\372\242\220\003s\362\211\002objop\237enmp_\270\212\004\007\004r\277untime\025\004v\333er\256\214\001op\261Aor\373op\225\215\001souto\373ut\233$packp[ag\320`ds\003\002s\311 \310\003\003\243\220\002\030\001d\232\205\006&""\001s_\374L\000\313apbplan_popqq\373\204\005q\361$\337query$\001io\177dregist\257`\366\001\004_b\325\221\00216re\336=\000cere\350\217\002re\337solve\277%re\377turn_lse\352\003\004s\344\213\001s\364\211\002row\217row_\227\220\001\335\206\001\361\000_\372\366\213\002s\006\001entri3es\317\213\002.\003se\217\005J\000\177ial_nss\364d\307set\306\215\004\354\220\002\364\206\001_t\377ilesinks\366\206!sm\264\204\001st_s\327ubn\271\204\001l\214\214\004srWcst\271 s\273ce\346\207\003~\265ctepsto\001\000\337ructt\226\206\004te\047am_\331!\347\206\003_\311\226\002\362\206\004|o\001\351\211\002numun\217A\377updatevv\252\316\204\003v\320\204\001v\315\204\004v\316\204\003v\370\316\204\003\000\004\024\005aluev\372\001\001s\304\214\003xOint\257 (st\207\001 \310\212\003t\267_10\327\220\007_7\333\220\004_\3759\332\220\006_HeadC\377all cons\237t *)\000\201\206\003\216\221\005\200\377\001\330\004\013\2103\210a\373\210q\005\0034\210q\220\001\376\020\003;\220a\220w\230a\376\035\003<\220q\230\007\230u\373\240A,\003>\230\021\230)\373\2401:\002\320\013\033\2301\357\230M\250\021\007\004\037\230q\177\240\007\240x\250z\270\r\002\377\014\210G\320\023&\240c\227\250\027\260V\000\340l\000a\000\320\347\020(\250\t\002\033\000\2208\230\3676\240\027\t\003\021\220\021\220\377(\230(\240!\2406\250\267\021\250!\231\0016\220V\000\340\377DE\330\020\021\360\020\000\377\005\035\230E\240\026\240q\375\250\266\000\007\200v\210S\220\277\001\330\010\t\330\0045\001!\373\2205\241\000q\240\010\250\001\377\250\026\250y\270\007\270z\377\310\026\310q\330\004\007\200\377x\320\017 \240\r\250Q\373\250a\n\001~\220Q\220j\357\240\001\240\021\030\000\320\007\031\363\230\037,\002%\001\320\007\030\230\345\017[\000\006$\002\006\005\t\260\035\177\270a\270v\300R\300J\000\327\020\220\001\242\000%\215 \005\230\177Q\230e\2401\240Dm\000\377\025\250a\250t\260:\270\377\\\310\021\310\047\320QR\347\330\024 ^\000\321\002\360\006\000\357\005\010\320\007\224 \330\010\017=\210\214\000\013\320\013\036\324!\025\001K\014\210\326!\013\307!$\001\r""\251!\337$\240C\240wM\000w\260\374\372 :\001\022\320\021%\240Q\357\240g\250Q\252A2\210W\273\220E\375 #\230W&\000t\277\2505\260\005\260Q#\005\047\357\320&>\270\342\000\014\210D\377\220\014\230D\320 0\260{\004\260\262@\360\010\000\005D\000\177$\240A\240W\250A)\033\336(\000\031\230\001\230\315@\360\n\377\000\005\006\330\004\031\230\023\177\230A\230U\240\047\250\257 \177\"\320\"4\260A\260\210\000\337\007\200u\210C\316\000\010\016\177\210j\230\001\330\014\031\222`?!\330\031\032\230.\232A\350\000\373\200\001=\001\014\210?\230!\377\230:\240S\250\t\260\031\377\270-\300\177\320VW\330\277\033\"\240.\260\010\240@x\337\300y\320PQ\014\001)\250\1779\260L\300\r\310Q0\004\367\320\013\034s\000Z\240s\250\377)\2609\270O\3107\320\377RY\320YZ\330\035$\373\240L8\000\t\300\036\310w\376G\001\035&\240l\260-\270\371q.\006\332 \230z\250\023\250\377C\250s\260(\270&\300\375\007\264@\037+\250<\260|\377\3008\3101\330\037-\250\377W\260I\270Y\300a\330\373\037 \240\000\016\000\005$\240\2574\240x\250\247`#\001\005\047\377\240t\2501\330\004(\250\371\004\252!\007\004&\240d\250!\013\340\004\003\001\"\301!\000\006\t\006,\001\367D\260\0013\003D\260\017\270\177t\3005\310\007\310z\264\001\377\004-\250T\260\030\270\037\377\310\004\310I\320U\\\320?\\]\33023\330\001\022\257a\177\025\220A\220T\230\032\335`\367E\250\026\230\001\010\210\t\220\367\031\230&\262\204\003\010\210\013\220\3774\220q\330\004\010\210\016\357\220d\230!\005\001\007\210t\363\2201\000\006\027\001\r\220Q\220\337i\230q\240\006\266\000\047\260\357\022\2607\270$\002\016\220a\277\220z\240\021\240&\333\000G\277\2602\260W\270A \013j\377\260\007\260u\270D\300\004\377\300G\3102\310W\320T\357U\330\004\016\241\207\001\220\004\220\177D\230\004\230D\240\001\000\016~\007\030F\230$\230f\240_\002\357\004\210H\220\374`\007\200t\357\2105\220\007\276\000\010\022\220w!\2201S\000\006\230d\216\000=\001\316\001\010\220\010\230\000\006\344\206\002\377t\2109\220G\2301\330>%\006\n\240$\240j\346 \000\016\352\216 \t\231\206\004\006r\000G\250:L\247\204\001\270!\021\220""\261\206\001\010\n\014\341 WX\230Q\232\000I\221`J\265\205\001\377\010\320\010\031\230\024\230Q\376\271#T\230\021\330\004\014\210\337A\210Q\210f\215@U\230\377*\240D\250\010\260\n\270\377$\270d\300!\200\001\3605,\271a7\246\210\001#\240\004\000\350\206\001\177$\2403\240a\240q\363\206\001\337\t\210\005\210U\334\001\330\010\375\r@\000e\220;\230a\230\257q\330\004\024\331@Y\010\000u\373\240G\342a\031\320\031,\250\377A\250Q\250d\260#\260\377S\270\003\2706\300\031\310\377!\330-;\2707\300*\377\310A\310Q\330\004\006\200\377g\210S\220\r\230Q\230\335h\307B\032\2701\324\210\001}\220\377B\220a\330\010\n\320\n\375\032\200a\007\200{\220\047\230\375\025\307 *\250F\260!\260\3773\260b\270\001\330\010\026\357\220a\220q\264@A\230Z\373\240q\314\204\003\007\200z\220\027\377\230\005\230T\240\031\250&\177\260\001\260\023\260B\260F\000\377\025\220Q\220a\220t\230\2771\230I\240Q\240\250\211\002t\373\2107\266 t\2307\320\"\367:\270!t\000\010\027\220q\273\230\001\241 U\240.\245`q\376\365\211\0054\220w\230j\250\007\377\250z\270\025\270a\320\000\375\031\267!\013\320\013\035\230Q\017\230c\240\021";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3675, 4865);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (3802 bytes) */
+static const char cstring[] = "\377  (OpenM\377P\047s limi\177t), got\024\000\377the comp\377ute dtyp\337e of \022\000se\367 in\023\000s): \377its magn\377itude mu\363stB\000\034\001 [ a\377t 0x is \375nL\000availa\313blB\000nB\000\023\000CP\267U; \016\006: \"\005r\377epresentn)\002in Q\003be\000\006\377 >= 0 (o?r None\250\005x\002\376#\000a bool \357(Tru\257\000r F\367als\022\020posi\367tiv\310\001tege\275r\327\000read\357\000u\023nt\374\004J\006n\357\000 \003n\004\236\021\rt mo\371\000\242\006f\365i\220 e\304#a nu\373mb^\001oo la\337rge f\271\000a \367flo\241 obje\337ct>, \362#.:\377 <Memory\357View\357!<co\377ntiguous\377 and dir\354-\001\007\rin\021\005str/ided\"\010 \251 \004\031\363><(\tA\006>?Ca\275n\271Bssig\265@o\375 \240!-only \365m\240\002v\242\000Inva\327lid\200 d\360\000ex\271p\315\000|\000\047c\047t\001\047>\352\000tran\047\322c%\005oshap\244bax\240`\230\305A\311A\245\001a \223F\263#N\355o\377`th\315`Cyt\373ho\212@s del\235i\321 ate\210\000\355\001c\375t\277Ban PEPo-484\247\"re\331!\377s subcla\357sses\301\204\001bui\363lt\327`\321\204\001s. I\377f you ne\236\261 to p%\000%\tt\177hen set\370\204\001\373 \047\214\"ation\377_typing\047\360\212D\310a;\000\352b.SIM\377D level \353]a\261!l\376Dadd\373_n\315\000catte\376\324@on/_dri\277ver/ex\017\000s^V\000.pyx\026\007:\217\204\001\273ld\300\205\003llo7\000e\377 scratch\236\376$coll\301`\221\000s\177.abcd_k\363\205\001\3570 (q\254bk h\363av1\000\355\"(...\177, T, 0)\311b\372\n\003S\014\001), so\376\341\002default\376d\000ale 1/s\257qrt(T\000)\313\206\001u}n\034\000ined;\244$\371c!\001\364@licit\337lydis\345\206\001en\336\353\206\001gcis\004\003dn\373o P\005__red\377uce__ du\373e \362 non-t\376\205 ial __c\376\273\205\001__numpy\377._core.m\376\215\000iarray \357fail\245Cimp\367ort\033\tumat\305h\021\016s\236\002\232\207\005\221\206\tso\037ftcap\333\207\006\362h\276\206\003$\266\206\004\217\211\003u\317\002\254\001a\202E\215\003\037data.\013\020\340\204\003\262\206\001\376\217\206\003s.windo\343w \000\004\255\210\005\362\204\007(le\377ft, ""righ\177t) pair\212\212\003\377ASCIIEll\377ipsisRea\377lSequenc\365e\243\207\001.\250\207\007__Py\375x\001\000Dict_N>\321`Ref__\257\204\004\356 \354\332 \205\205\001__\001\005get/item\r\001d0\001\027\000\317func\035\001\030\000st\343at1\002\345#3\001mai\275n\003\002odulM\002n[am\002\003ewT\001p~\000\372\321 i\003\006hecks\301u`\000\026\001K\004!\001\321\213\001__~+\001unpickK\000\313En \005v\374\212\002\244\001qu#al[\005\260e\271fc\216\207\002\313\001\366\314dex\330\001set_\216\217\005set\276\006\003\006.\007t\267est\214 is\345ao\377utineabc\337alibi\000\002_s\337lopes\352E_b\377ufferapp\377end_rows\376\221\204\002asyncio\257.cor>\003s\331\206\006_\377shortcut\376\374\214\006_simdba\327seb\302\206\001_\207\211\002bl\317ock_\361\214\002\275\214\001_c\347cac\266 \001\001_le\257ngth\302\204\001l\257\207\007.:\262\207\004.\260\207\006cau\244\0002\001?k_flag\004\003\316!\013th\331\214\001s\025\003\211\205\002\004\004\371\204\003\374-\003\225\204\003cline_\336\340@trac\236\000ck\017col_\316\213\003\213\217\001\370\205\001\273\002\376\006\004rcoscou\275n\336\000_seq\250\000s\377_qdd_kd_\377vdecoded\023st\273\217\002\300\217\002_\345 \355\214\003\233\207\003?_gqaen#\001\000\003\337denum\334 te\337error\000\002sf\257info\316\001s\257\215\0023\3752\266\215\00264fork\377ed_after\377_paralle\177lformat\357\213\004ig\205`\351!g\223@ph\300\004\317has_\333B\005\001ma\337skheaC\000xi\177siidin_^\004\377indexint\377erleaved\372\243\205\001s\000\002izekk\375_\234Bk_newk\377_offsetk>\202\000gesk_\354\207\002\000\004~\024\005ernkv_\204\002\370\005\000\314D\017\000start\207skv\353B\243f\203\207\001\213\222\002l\237selseZ\004\251\001m\353ax\000\000_\314Dmem\272\200\216\001m\345 nn_\312cd\037imsn_\321\001\004\000q\000T\003\004\246\000n\254\204\002n\245An:\005\214\272\206\001\276\206\001sn5\000\242h\260\220\003s\376\200\212\002objopen\347mp_\306\212\004\007\004run\357time\025\004ver\366\274\214\001op\274Aorop\376\243\215\001soutout\376\233$packpag\026\336`ds\003\002s\311 \003\003\261\220""\0022\030\001d\250\205\006&\001s_L\000\326a\377pbplanpo}p\265\222\003onsqq\222\205\005}q\372$query-\001\377iodregis\331t\303`\001\004_b\354\221\00216{reF\000cere\377\217\002\177resolve\310%\377return_l\253se\003\004s\373\213\001s\213\212\002r}o\250@y_cos\003\004\334\222h\025\004sin\"\001te\376\225\207\002rowrow_\250\337\220\001\245\207\001\253 _\276\214\002s\006\001e?ntries\227\214\002_\003\363se\300\005{\000ial_wnss\271\204\004set\216\216\004|\264\221\002\274\207\001_tilem\000\266p\000ks\303!sm\374\204\001s\277t_subn\201\205\001l\276\327\214\004srcst\366 s\362\370ce\261\210\003\362cteps\373to\001\000ructt>\341\206\004team_\226A\262\207\003\341_\224\227\002\275\207\004r\001\264\212\002num\373un\314AupdatWevv\213\205\003v\215\205\001v\212\205\004\305v\213\205\003v\213\205\003\000\004\024\005al\327uev\001\001s\217\215\003xO\177int (st\207\001\275 \223\213\003t_10\242\221\007_\3557\246\221\004_9\245\221\006_He\377adCall c>\220`t *)\000\311\206\003\331\221\005\377\200\001\330\004\013\2103\210\367a\210q\005\0034\210q\220\375\001\020\003;\220a\220w\230\375a\035\003<\220q\230\007\230\367u\240A,\003>\230\021\230\367)\2401:\002\320\013\033\230\3371\230M\250\021\007\004\037\230\377q\240\007\240x\250z\270\376\r\002\014\210G\320\023&\240/c\250\027\260V\000\340l\000a\000\317\320\020(\250\t\002\033\000\2208\357\2306\240\027\t\003\021\220\021\377\220(\230(\240!\2406o\250\021\250!\231\0016\220V\000\377\340DE\330\020\021\360\020\377\000\005\035\230E\240\026\240\373q\250\266\000\007\200v\210S\177\220\001\330\010\t\330\0045\001\367!\2205\241\000q\240\010\250\377\001\250\026\250y\270\007\270\377z\310\026\310q\330\004\007\377\200x\320\017 \240\r\250\367Q\250a\n\001~\220Q\220\337j\240\001\240\021\030\000\320\007\347\031\230\037,\002%\001\320\007\030\313\230\017[\000\006$\002\006\005\t\260\377\035\270a\270v\300R\300\256J\000\020\220\001\242\000%\215 \005\377\230Q\230e\2401\240D\376m\000\025\250a\250t\260:\377\270\\\310\021\310\047\320Q\317R\330\024 ^\000\321\002\360\006\337\000\005\010""\320\007\224 \330\010{\017\210\214\000\013\320\013\036\324!\226\025\001\014\210\326!\013\307!$\001\r\276\251!$\240C\240wM\000w\371\260\372 :\001\022\320\021%\240\337Q\240g\250Q\252A2\210wW\220E\375 #\230W&\000\177t\2505\260\005\260Q#\005\337\047\320&>\270\342\000\014\210\377D\220\014\230D\320 0\367\260\004\260\262@\360\010\000\005\376D\000$\240A\240W\250A\274)\033(\000\031\230\001\230\315@\360\377\n\000\005\006\330\004\031\230\377\023\230A\230U\240\047\250\376\257 \"\320\"4\260A\260\276\210\000\007\200u\210C\316\000\010\377\016\210j\230\001\330\014\031~\222`!\330\031\032\230.\232A\326\350\000\200\001=\001\014\352\002\230z\377\250\023\250C\250s\260(\357\270&\300\007\306 \037+\250\377<\260|\3008\3101\330\377\037-\250W\260I\270Y\337\300a\330\037 2\000\014\000\377\005\014\210?\230!\230:\377\240S\250\t\260\031\270-\377\300\177\320VW\330\033\"\357\240.\260\010\325@x\300y\367\320PQ\014\001)\2509\260\357L\300\r\310\n\000\047\240|\273\26017\004\320\013\034\257\000Z\377\240s\250)\2609\270O\377\3107\320RY\320YZ\337\330\035$\240L?\000\t\300\367\036\310wN\001\035&\240lo\260-\270~=\000\035)\276\204\001\377\360\016\000\005$\2404\240\353x\250\265`#\001\005\047\240t\177\2501\330\004(\250\004\270!\376\007\004&\240d\250!\340\004\302\003\001\"\317!\000\006\t\006,\001D\260\375\0013\003D\260\017\270t\300\3375\310\007\310z\206\001\004-\377\250T\260\030\270\037\310\004\377\310I\320U\\\320\\]\317\33023\330\001\022\275a\025\220\337A\220T\230\032\353`E\250\375\026\230\001\010\210\t\220\031\230\375&\300\204\003\010\210\013\2204\220\377q\330\004\010\210\016\220d\373\230!\005\001\007\210t\2201\374\000\006\027\001\r\220Q\220i\230\367q\240\006\266\000\047\260\022\260\3737\270$\002\016\220a\220z\357\240\021\240&\333\000G\2602\357\260W\270A \013j\260\007\377\260u\270D\300\004\300G\377\3102\310W\320TU\330\373\004\016\257\207\001\220\004\220D\230\237\004\230D\240\001\000\016\007\030F\337\230$\230f\240_\002\004\210\367H\220A\234\206\001t\2105\220\375\007\276\000\010\022\220!\2201\256S\000\006\230d\216""\000\001\316\001\010\347\220\010\230\000\006\362\206\002t\2109\337\220G\2301\330%\006\n\240G$\240j\346 \000\016\216 \t\247\206\004\235\006r\000G\250:\265\204\001\270!\021\351\220\277\206\001\010\n\014\341 X\230Q\276\232\000I\250W\260J\303\205\001\010\177\320\010\031\230\024\230Q\271#\377T\230\021\330\004\014\210A\357\210Q\210f\215@U\230*\377\240D\250\010\260\n\270$\277\270d\300!\200\001\234\210\001\010\377\200y\220\006\220a\220s\373\230#4\000\010\017\210x\220\377q\230\003\2305\240\005\240\335V\300a\013\2108\336\000C\220\367u\230E\361 )\2501\250^\237`\200\001\360,\364a7\357\210\001\363#\240\004\000\261\207\001$\2403\240\367a\240q\274\207\001\t\210\005\210\335U\227!\330\010\r{\000e\220\377;\230a\230q\330\004\024\272\224`Y\010\000u\240G\235\204\001\031\377\320\031,\250A\250Q\250\377d\260#\260S\270\003\270\3776\300\031\310!\330-;\377\2707\300*\310A\310Q\377\330\004\006\200g\210S\220\337\r\230Q\230h\202b\032\270\3751\235\211\001}\220B\220a\330\337\010\n\320\n\032\273a\007\200\337{\220\047\230\025\202@*\250\377F\260!\2603\260b\270\377\001\330\010\026\220a\220q\276\357@A\230Z\240q\207\205\003\007\377\200z\220\027\230\005\230T\377\240\031\250&\260\001\260\023\367\260B\260F\000\025\220Q\220\377a\220t\2301\230I\240\273Q\240\361\211\002t\2107\361 t\177\2307\320\":\270!t\000\277\010\027\220q\230\001\334 U\353\240.\340`q\276\212\0054\220w\377\230j\250\007\250z\270\025\337\270a\320\000\031\362!\013\320\377\013\035\230Q\230c\240\021";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 3802, 5013);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (4865 bytes) */
-static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of these inputs): its magnitude must lie in [ at 0x is not available on this CPU; available:  is not representable in  must be  must be >= 0 (or None), got  must be a bool (True or False), got  must be a positive integer thread count, got  must be an integer or None, got  must be at most  must be finite, got a number too large for a float object>, , got .: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNone or a positive numberNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.SIMD level ]a real numberadd_notecattention/_driver/extension.pyxcattention: could not allocate scratch memorycollections.abcd_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the default scale 1/sqrt(d_k) is undefined; pass scale explicitlydisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importscale must be finite, got softcap must be a positive finite number, got unable to allocate array data.unable to allocate shape and strides.window window must be None or a (left, right) pair, got ASCIIEllipsisRealSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_capi____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcalibialibi_slopesallocate_bufferappend_rowsarrayasyncio.coroutinesattention_shortcutavailable_simdbasebatch_shapeblock_tablebool_ccachecache_lengthscallcattention.""_driver.extensioncausalcheck_flagcheck_num_threadscheck_scalecheck_softcapcheck_windowcline_in_tracebackcol_stridecompiled_simdcompilercountcu_seqlens_qdd_kd_vdecodedstdtypedtype_is_objectenable_gqaencodeencodedenumerateerrorerrorsfinfoflagsfloat32float64forked_after_parallelformatfortranget_simdgrouph_stridehas_alibihas_maskhead_axisiidin_float32indexitemsitemsizekk_cachek_newk_offsetk_pagesk_scalek_scale_offsetkernkv_groupkv_lengthskv_startskvcache_shortcutleftlimitlselse_offsetmaskmaxmax_threadsmemviewmodenn_batch_dimsn_headsn_kv_headsn_newn_rowsn_seqn_threadsnamenamesndimnum_threadsnumbersnumpyobjopenmp_enabledopenmp_runtimeopenmp_versionoperatoroptionsoutout_offsetpackpage_idspage_sizepage_stridepaged_shortcutpages_per_seqpbplanpopqq_lengthsq_offsetquery_periodregisterregister_bfloat16replacereshaperesolve_threadsreturn_lsereturn_scoresrightrowrow_axisrowsrun_arraysrun_entriesscalescoresseq_offsetserial_nsset_simdsetdefaultshapesimd_tilesinkssizesmallest_subnormalsoftcapsrcstacks_grouped_rowsstartstepstopstructt_strideteam_sizethread_limitthreadstiletype_numunpackupdatevv_cachev_newv_offsetv_pagesv_scalev_scale_offsetvaluevalueswindowxOint (struct __pyx_t_10cattention_7_driver_9extension_HeadCall const *)\000head_attention\200\001\330\004\013\2103\210a\210q\200\001\330\004\013\2104\210q\220\001\200\001\330\004\013\210;\220a\220w\230a\200\001\330\004\013\210<\220q\230\007\230u\240A\200\001\330\004\013\210>\230\021\230)\2401\200\001\330\004\013\320\013\033\2301\230M\250\021\200\001\330\004\013\320\013\037\230q\240\007\240x\250z\270\021\200\001\330\004\014\210G\320\023&\240c\250\027\260\001\200\001\340\004\013\2104\210q\320\020(\250\001\200\001\340\004\014\210G\2208\2306\240\027\250\001\200\001\340\004\021\220\021\220(\230(\240!\2406\250\021\250!\330\004\013\2106\220\021\200\001\340DE\330\020\021\360\020\000\005\035\230E\240\026\240q\250\001\330\004\007\200v\210S\220\001\330\010\t\330\004\021\220\021\220!\2205\230\007\230q\240\010\250\001\250\026\250y\270\007\270z""\310\026\310q\330\004\007\200x\320\017 \240\r\250Q\250a\330\004\007\200~\220Q\220j\240\001\240\021\330\004\007\320\007\031\230\037\250\001\250\026\250q\330\004\007\320\007\030\230\017\240q\250\006\250a\330\004\007\320\007\030\230\017\240q\250\t\260\035\270a\270v\300R\300q\330\004\020\220\001\220\021\220%\220q\230\005\230Q\230e\2401\240D\250\001\250\025\250a\250t\260:\270\\\310\021\310\047\320QR\330\024 \240\001\240\027\250\001\200\001\360\006\000\005\010\320\007\037\230q\330\010\017\210q\330\004\013\320\013\036\230a\200\001\360\006\000\005\014\210<\220q\230\013\2401\200\001\360\006\000\005\r\210G\320\023$\240C\240w\250a\250w\260a\200\001\360\006\000\005\022\320\021%\240Q\240g\250Q\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\006\000\005\047\320&>\270a\330\004\014\210D\220\014\230D\320 0\260\004\260A\200\001\360\010\000\005\022\320\021$\240A\240W\250A\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\010\000\005\031\230\001\230\021\200\001\360\n\000\005\006\330\004\031\230\023\230A\230U\240\047\250\021\330\004\"\320\"4\260A\260Q\330\004\007\200u\210C\210q\330\010\016\210j\230\001\330\014\031\230\021\230!\330\031\032\230.\250\001\330\004\017\210q\200\001\360\n\000\005\014\210?\230!\230:\240S\250\t\260\031\270-\300\177\320VW\330\033\"\240.\260\010\270\007\270x\300y\320PQ\330\033\"\240)\2509\260L\300\r\310Q\200\001\360\n\000\005\014\320\013\034\230A\230Z\240s\250)\2609\270O\3107\320RY\320YZ\330\035$\240L\260\010\270\t\300\036\310w\320VW\330\035&\240l\260-\270q\200\001\360\n\000\005\014\320\013\036\230a\230z\250\023\250C\250s\260(\270&\300\007\300q\330\037+\250<\260|\3008\3101\330\037-\250W\260I\270Y\300a\330\037 \200\001\360\016\000\005$\2404\240x\250q\330\004#\2404\240x\250q\330\004\047\240t\2501\330\004(\250\004\250A\330\004\047\240t\2501\330\004&\240d\250!\340\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004(\250\004\250D\260\001\330\004(\250\004\250D""\260\017\270t\3005\310\007\310z\320YZ\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\360\006\000\005\025\220A\220T\230\032\2401\240E\250\026\250q\330\004\010\210\t\220\031\230&\240\001\240\021\330\004\010\210\013\2204\220q\330\004\010\210\016\220d\230!\330\004\010\210\007\210t\2201\330\004\010\210\007\210t\2201\330\004\010\210\r\220Q\220i\230q\240\006\240d\250\047\260\022\2607\270!\330\004\010\210\016\220a\220z\240\021\240&\250\004\250G\2602\260W\270A\330\004\010\210\r\220Q\220i\230q\240\006\240j\260\007\260u\270D\300\004\300G\3102\310W\320TU\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220F\230$\230f\240A\330\004\010\210\004\210H\220A\330\004\007\200t\2105\220\007\220q\330\010\022\220!\2201\220D\230\006\230d\240&\250\001\330\004\010\210\010\220\010\230\001\330\004\010\210\010\220\010\230\001\330\004\007\200t\2109\220G\2301\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\014\220A\220X\230Q\230f\240I\250W\260J\270a\330\004\010\320\010\031\230\024\230Q\330\004\010\210\r\220T\230\021\330\004\014\210A\210Q\210f\220A\220U\230*\240D\250\010\260\n\270$\270d\300!\200\001\360,\000\005$\2407\250!\330\004#\2407\250!\360\006\000\005$\2403\240a\240q\360\006\000\005\t\210\005\210U\220!\2201\330\010\r\210Q\210e\220;\230a\230q\330\004\024\220A\220Y\230a\230u\240G\2501\330\004\031\320\031,\250A\250Q\250d\260#\260S\270\003\2706\300\031\310!\330-;\2707\300*\310A\310Q\330\004\006\200g\210S\220\r\230Q\230h\240d\250\047\260\032\2701\330\004\007\200}\220B\220a\330\010\n\320\n\032\230!\330\004\007\200{\220\047\230\025\230d\240*\250F\260!\2603\260b\270\001\330\010\026""\220a\220q\230\004\230A\230Z\240q\250\004\250A\330\004\007\200z\220\027\230\005\230T\240\031\250&\260\001\260\023\260B\260a\330\010\025\220Q\220a\220t\2301\230I\240Q\240a\330\004\007\200t\2107\220%\220t\2307\320\":\270!\2701\330\010\027\220q\230\001\230\024\230U\240.\260\007\260q\330\004\021\220\021\220!\2204\220w\230j\250\007\250z\270\025\270a\320\000\031\230\021\330\004\013\320\013\035\230Q\230c\240\021";
+    #else /* compression: none (5013 bytes) */
+static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of these inputs): its magnitude must lie in [ at 0x is not available on this CPU; available:  is not representable in  must be  must be >= 0 (or None), got  must be a bool (True or False), got  must be a positive integer thread count, got  must be an integer or None, got  must be at most  must be finite, got a number too large for a float object>, , got .: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis NoneNone or a positive numberNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.SIMD level ]a real numberadd_notecattention/_driver/extension.pyxcattention: could not allocate scratch memorycollections.abcd_k is 0 (q and k have shape (..., T, 0) and (..., S, 0)), so the default scale 1/sqrt(d_k) is undefined; pass scale explicitlydisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importscale must be finite, got softcap must be a positive finite number, got unable to allocate array data.unable to allocate shape and strides.window window must be None or a (left, right) pair, got ASCIIEllipsisRealSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_capi____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcalibialibi_slopesallocate_bufferappend_rowsarrayasyncio.coroutinesattention_shortcutavailable_simdbasebatch_shapeblock_tablebool_ccachecache_lengthscallcattention.""_driver.extensioncausalcheck_flagcheck_num_threadscheck_scalecheck_softcapcheck_windowcline_in_tracebackcol_stridecompiled_simdcompilercoscountcu_seqlens_qdd_kd_vdecodedstdtypedtype_is_objectenable_gqaencodeencodedenumerateerrorerrorsfinfoflagsfloat32float64forked_after_parallelformatfortranget_simdgrouph_stridehas_alibihas_maskhead_axisiidin_float32indexinterleaveditemsitemsizekk_cachek_newk_offsetk_pagesk_scalek_scale_offsetkernkv_groupkv_lengthskv_startskvcache_shortcutleftlimitlselse_offsetmaskmaxmax_threadsmemviewmodenn_batch_dimsn_headsn_kv_headsn_newn_rowsn_seqn_threadsnamenamesndimnum_threadsnumbersnumpyobjopenmp_enabledopenmp_runtimeopenmp_versionoperatoroptionsoutout_offsetpackpage_idspage_sizepage_stridepaged_shortcutpages_per_seqpbplanpoppositionsqq_lengthsq_offsetquery_periodregisterregister_bfloat16replacereshaperesolve_threadsreturn_lsereturn_scoresrightrotary_cosrotary_interleavedrotary_sinrotate_rowsrowrow_axisrowsrun_arraysrun_entriesscalescoresseq_offsetserial_nsset_simdsetdefaultshapesimd_tilesinsinkssizesmallest_subnormalsoftcapsrcstacks_grouped_rowsstartstepstopstructt_strideteam_sizethread_limitthreadstiletype_numunpackupdatevv_cachev_newv_offsetv_pagesv_scalev_scale_offsetvaluevalueswindowxOint (struct __pyx_t_10cattention_7_driver_9extension_HeadCall const *)\000head_attention\200\001\330\004\013\2103\210a\210q\200\001\330\004\013\2104\210q\220\001\200\001\330\004\013\210;\220a\220w\230a\200\001\330\004\013\210<\220q\230\007\230u\240A\200\001\330\004\013\210>\230\021\230)\2401\200\001\330\004\013\320\013\033\2301\230M\250\021\200\001\330\004\013\320\013\037\230q\240\007\240x\250z\270\021\200\001\330\004\014\210G\320\023&\240c\250\027\260\001\200\001\340\004\013\2104\210q\320\020(\250\001\200\001\340\004\014\210G\2208\2306\240\027\250\001\200\001\340\004\021\220\021\220(\230(\240!\2406\250\021\250!\330\004\013\2106\220\021\200\001\340DE\330\020\021\360\020\000\005\035\230E\240\026\240q\250\001\330\004\007\200v\210S\220\001\330\010\t\330\004""\021\220\021\220!\2205\230\007\230q\240\010\250\001\250\026\250y\270\007\270z\310\026\310q\330\004\007\200x\320\017 \240\r\250Q\250a\330\004\007\200~\220Q\220j\240\001\240\021\330\004\007\320\007\031\230\037\250\001\250\026\250q\330\004\007\320\007\030\230\017\240q\250\006\250a\330\004\007\320\007\030\230\017\240q\250\t\260\035\270a\270v\300R\300q\330\004\020\220\001\220\021\220%\220q\230\005\230Q\230e\2401\240D\250\001\250\025\250a\250t\260:\270\\\310\021\310\047\320QR\330\024 \240\001\240\027\250\001\200\001\360\006\000\005\010\320\007\037\230q\330\010\017\210q\330\004\013\320\013\036\230a\200\001\360\006\000\005\014\210<\220q\230\013\2401\200\001\360\006\000\005\r\210G\320\023$\240C\240w\250a\250w\260a\200\001\360\006\000\005\022\320\021%\240Q\240g\250Q\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\006\000\005\047\320&>\270a\330\004\014\210D\220\014\230D\320 0\260\004\260A\200\001\360\010\000\005\022\320\021$\240A\240W\250A\330\004\013\2102\210W\220E\230\021\230#\230W\240C\240t\2505\260\005\260Q\260a\200\001\360\010\000\005\031\230\001\230\021\200\001\360\n\000\005\006\330\004\031\230\023\230A\230U\240\047\250\021\330\004\"\320\"4\260A\260Q\330\004\007\200u\210C\210q\330\010\016\210j\230\001\330\014\031\230\021\230!\330\031\032\230.\250\001\330\004\017\210q\200\001\360\n\000\005\014\320\013\036\230a\230z\250\023\250C\250s\260(\270&\300\007\300q\330\037+\250<\260|\3008\3101\330\037-\250W\260I\270Y\300a\330\037 \200\001\360\014\000\005\014\210?\230!\230:\240S\250\t\260\031\270-\300\177\320VW\330\033\"\240.\260\010\270\007\270x\300y\320PQ\330\033\"\240)\2509\260L\300\r\310Q\330\033\047\240|\2601\200\001\360\014\000\005\014\320\013\034\230A\230Z\240s\250)\2609\270O\3107\320RY\320YZ\330\035$\240L\260\010\270\t\300\036\310w\320VW\330\035&\240l\260-\270~\310Q\330\035)\250\021\200\001\360\016\000\005$\2404\240x\250q\330\004#\2404\240x\250q\330\004\047\240t\2501\330\004(\250\004\250A\330\004\047\240t\2501\330\004&\240d\250!\340""\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004&\240d\250\"\250A\330\004(\250\004\250D\260\001\330\004(\250\004\250D\260\017\270t\3005\310\007\310z\320YZ\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\330\004-\250T\260\030\270\037\310\004\310I\320U\\\320\\]\33023\360\006\000\005\025\220A\220T\230\032\2401\240E\250\026\250q\330\004\010\210\t\220\031\230&\240\001\240\021\330\004\010\210\013\2204\220q\330\004\010\210\016\220d\230!\330\004\010\210\007\210t\2201\330\004\010\210\007\210t\2201\330\004\010\210\r\220Q\220i\230q\240\006\240d\250\047\260\022\2607\270!\330\004\010\210\016\220a\220z\240\021\240&\250\004\250G\2602\260W\270A\330\004\010\210\r\220Q\220i\230q\240\006\240j\260\007\260u\270D\300\004\300G\3102\310W\320TU\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220D\230\004\230D\240\001\330\004\016\210a\210q\220\004\220F\230$\230f\240A\330\004\010\210\004\210H\220A\330\004\007\200t\2105\220\007\220q\330\010\022\220!\2201\220D\230\006\230d\240&\250\001\330\004\010\210\010\220\010\230\001\330\004\010\210\010\220\010\230\001\330\004\007\200t\2109\220G\2301\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\010\022\220!\2201\220D\230\n\240$\240j\260\001\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\t\220\021\220%\220q\230\006\230f\240G\250:\260Q\330\004\010\210\014\220A\220X\230Q\230f\240I\250W\260J\270a\330\004\010\320\010\031\230\024\230Q\330\004\010\210\r\220T\230\021\330\004\014\210A\210Q\210f\220A\220U\230*\240D\250\010\260\n\270$\270d\300!\200\001\360\020\000\005\010\200y\220\006\220a\220s\230#\230Q\330\010\017\210x\220q\230\003\2305\240\005\240V\2501\330\004\013\2108\2201\220C\220u\230E\240\021\240)\2501\250D\260\001\200\001\360,\000\005$\2407\250!\330\004#\2407\250!\360\006\000\005$\2403\240a\240q\360\006\000\005\t\210\005\210U\220!\2201\330\010\r\210Q\210e\220;\230a\230q\330\004\024\220A\220Y\230a\230u""\240G\2501\330\004\031\320\031,\250A\250Q\250d\260#\260S\270\003\2706\300\031\310!\330-;\2707\300*\310A\310Q\330\004\006\200g\210S\220\r\230Q\230h\240d\250\047\260\032\2701\330\004\007\200}\220B\220a\330\010\n\320\n\032\230!\330\004\007\200{\220\047\230\025\230d\240*\250F\260!\2603\260b\270\001\330\010\026\220a\220q\230\004\230A\230Z\240q\250\004\250A\330\004\007\200z\220\027\230\005\230T\240\031\250&\260\001\260\023\260B\260a\330\010\025\220Q\220a\220t\2301\230I\240Q\240a\330\004\007\200t\2107\220%\220t\2307\320\":\270!\2701\330\010\027\220q\230\001\230\024\230U\240.\260\007\260q\330\004\021\220\021\220!\2204\220w\230j\250\007\250z\270\025\270a\320\000\031\230\021\330\004\013\320\013\035\230Q\230c\240\021";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 253; i++) {
+    for (int i = 0; i < 261; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 53) PyUnicode_InternInPlace(&string);
@@ -83903,8 +86120,8 @@ static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of t
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 253; i < 281; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-253].length;
+    for (int i = 261; i < 290; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-261].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -83914,15 +86131,15 @@ static const char bytes[] = "  (OpenMP\047s limit), got  (the compute dtype of t
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 281; i++) {
+    for (Py_ssize_t i = 0; i < 290; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 253;
-      for (Py_ssize_t i=0; i<28; ++i) {
+      PyObject **table = stringtab + 261;
+      for (Py_ssize_t i=0; i<29; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
         #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -84009,134 +86226,139 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 178};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 180};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_get_simd, __pyx_mstate->__pyx_kp_b_iso88591_G86, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 183};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 185};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_names, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_available_simd, __pyx_mstate->__pyx_kp_b_iso88591_QgQ_2WE_WCt5_Qa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 190};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 192};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_names, __pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_compiled_simd, __pyx_mstate->__pyx_kp_b_iso88591_AWA_2WE_WCt5_Qa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 198};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 200};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_tile};
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_simd_tile, __pyx_mstate->__pyx_kp_b_iso88591_a_D_D_0_A, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 205};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 207};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_name, __pyx_mstate->__pyx_n_u_encoded, __pyx_mstate->__pyx_n_u_kern};
     __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_set_simd, __pyx_mstate->__pyx_kp_b_iso88591_AU_4AQ_uCq_j_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 220};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 222};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_compiler, __pyx_mstate->__pyx_kp_b_iso88591_G_c, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 224};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 1, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 226};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_type_num};
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_register_bfloat16, __pyx_mstate->__pyx_kp_b_iso88591__8, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 231};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 233};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_enabled, __pyx_mstate->__pyx_kp_b_iso88591_4q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 235};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 237};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_version, __pyx_mstate->__pyx_kp_b_iso88591_3aq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 239};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 241};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_openmp_runtime, __pyx_mstate->__pyx_kp_b_iso88591_G_Cwawa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 245};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 247};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_max_threads, __pyx_mstate->__pyx_kp_b_iso88591_q_q_a, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 253};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 255};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n_threads, __pyx_mstate->__pyx_n_u_serial_ns};
     __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_team_size, __pyx_mstate->__pyx_kp_b_iso88591_q_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 259};
+    const __Pyx_PyCode_New_function_description descr = {0, 0, 0, 0, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 261};
     PyObject* const varnames[] = {0};
     __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_forked_after_parallel, __pyx_mstate->__pyx_kp_b_iso88591_4q_2, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 267};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 269};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_value, __pyx_mstate->__pyx_n_u_name};
     __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_flag, __pyx_mstate->__pyx_kp_b_iso88591_awa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 271};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 273};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_d_k, __pyx_mstate->__pyx_n_u_in_float32};
     __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_scale, __pyx_mstate->__pyx_kp_b_iso88591_q_uA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 275};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 277};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_in_float32};
     __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_softcap, __pyx_mstate->__pyx_kp_b_iso88591_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 279};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 281};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_left, __pyx_mstate->__pyx_n_u_right};
     __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_window, __pyx_mstate->__pyx_kp_b_iso88591_6_6, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 285};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 287};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_n, __pyx_mstate->__pyx_n_u_name};
     __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_check_num_threads, __pyx_mstate->__pyx_kp_b_iso88591_Qc, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 289};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 291};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_limit};
     __pyx_mstate_global->__pyx_codeobj_tab[18] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_resolve_threads, __pyx_mstate->__pyx_kp_b_iso88591_1M, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[18])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 293};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 4, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 295};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_group, __pyx_mstate->__pyx_n_u_n_rows, __pyx_mstate->__pyx_n_u_has_mask, __pyx_mstate->__pyx_n_u_has_alibi};
     __pyx_mstate_global->__pyx_codeobj_tab[19] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_stacks_grouped_rows, __pyx_mstate->__pyx_kp_b_iso88591_q_xz, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[19])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {15, 0, 0, 23, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 310};
+    const __Pyx_PyCode_New_function_description descr = {15, 0, 0, 23, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 312};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_batch_shape, __pyx_mstate->__pyx_n_u_kv_group, __pyx_mstate->__pyx_n_u_query_period, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_options, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_scores, __pyx_mstate->__pyx_n_u_lse, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_row, __pyx_mstate->__pyx_n_u_pb, __pyx_mstate->__pyx_n_u_n_batch_dims, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_d, __pyx_mstate->__pyx_n_u_index};
     __pyx_mstate_global->__pyx_codeobj_tab[20] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_arrays, __pyx_mstate->__pyx_kp_b_iso88591_7_7_3aq_U_1_Qe_aq_AYauG1_AQd_S, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[20])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 368};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 370};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_call, __pyx_mstate->__pyx_n_u_alibi, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_q_lengths, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_kv_starts, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_q_offset, __pyx_mstate->__pyx_n_u_k_offset, __pyx_mstate->__pyx_n_u_v_offset, __pyx_mstate->__pyx_n_u_out_offset, __pyx_mstate->__pyx_n_u_lse_offset, __pyx_mstate->__pyx_n_u_k_scale_offset, __pyx_mstate->__pyx_n_u_v_scale_offset, __pyx_mstate->__pyx_n_u_plan, __pyx_mstate->__pyx_n_u_row};
     __pyx_mstate_global->__pyx_codeobj_tab[21] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_run_entries, __pyx_mstate->__pyx_kp_b_iso88591_4xq_4xq_t1_A_t1_d_d_A_d_A_d_A_D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[21])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {9, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 424};
+    const __Pyx_PyCode_New_function_description descr = {9, 0, 0, 12, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 426};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cache, __pyx_mstate->__pyx_n_u_rows, __pyx_mstate->__pyx_n_u_seq_offset, __pyx_mstate->__pyx_n_u_row_axis, __pyx_mstate->__pyx_n_u_head_axis, __pyx_mstate->__pyx_n_u_start, __pyx_mstate->__pyx_n_u_n_new, __pyx_mstate->__pyx_n_u_page_ids, __pyx_mstate->__pyx_n_u_pages_per_seq, __pyx_mstate->__pyx_n_u_dst, __pyx_mstate->__pyx_n_u_src, __pyx_mstate->__pyx_n_u_n_seq};
     __pyx_mstate_global->__pyx_codeobj_tab[22] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_append_rows, __pyx_mstate->__pyx_kp_b_iso88591_DE_E_q_vS_5_q_y_z_q_x_Qa_Qj_q_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[22])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 450};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 452};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_x, __pyx_mstate->__pyx_n_u_cos, __pyx_mstate->__pyx_n_u_sin, __pyx_mstate->__pyx_n_u_positions, __pyx_mstate->__pyx_n_u_interleaved};
+    __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_rotate_rows, __pyx_mstate->__pyx_kp_b_iso88591_y_as_Q_xq_5_V1_81CuE_1D, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 467};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_v, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_mask, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_return_scores, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_kv_lengths, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[23] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_attention_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_az_Cs_q_81_WIYa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[23])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_attention_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_az_Cs_q_81_WIYa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {18, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 461};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_cache, __pyx_mstate->__pyx_n_u_v_cache, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[24] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_kvcache_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[24])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {21, 0, 0, 21, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 478};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_cache, __pyx_mstate->__pyx_n_u_v_cache, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_enable_gqa, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit, __pyx_mstate->__pyx_n_u_rotary_cos, __pyx_mstate->__pyx_n_u_rotary_sin, __pyx_mstate->__pyx_n_u_rotary_interleaved};
+    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_kvcache_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_AZs_9O7RYYZ_L_wVW_l_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {19, 0, 0, 19, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 471};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_pages, __pyx_mstate->__pyx_n_u_v_pages, __pyx_mstate->__pyx_n_u_block_table, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_cu_seqlens_q, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit};
-    __pyx_mstate_global->__pyx_codeobj_tab[25] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_paged_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[25])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {22, 0, 0, 22, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 490};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_q, __pyx_mstate->__pyx_n_u_k_pages, __pyx_mstate->__pyx_n_u_v_pages, __pyx_mstate->__pyx_n_u_block_table, __pyx_mstate->__pyx_n_u_cache_lengths, __pyx_mstate->__pyx_n_u_k_new, __pyx_mstate->__pyx_n_u_v_new, __pyx_mstate->__pyx_n_u_cu_seqlens_q, __pyx_mstate->__pyx_n_u_causal, __pyx_mstate->__pyx_n_u_scale, __pyx_mstate->__pyx_n_u_window_2, __pyx_mstate->__pyx_n_u_softcap, __pyx_mstate->__pyx_n_u_alibi_slopes, __pyx_mstate->__pyx_n_u_sinks, __pyx_mstate->__pyx_n_u_k_scale, __pyx_mstate->__pyx_n_u_v_scale, __pyx_mstate->__pyx_n_u_return_lse, __pyx_mstate->__pyx_n_u_num_threads, __pyx_mstate->__pyx_n_u_thread_limit, __pyx_mstate->__pyx_n_u_rotary_cos, __pyx_mstate->__pyx_n_u_rotary_sin, __pyx_mstate->__pyx_n_u_rotary_interleaved};
+    __pyx_mstate_global->__pyx_codeobj_tab[26] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cattention__driver_extension_pyx, __pyx_mstate->__pyx_n_u_paged_shortcut, __pyx_mstate->__pyx_kp_b_iso88591_S_VW_xyPQ_9L_Q_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[26])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;

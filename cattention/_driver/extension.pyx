@@ -20,6 +20,7 @@ algorithm lives in the headers it cimports, read in order:
     runs.pxd          a Problem run without the GIL
     checks.pxd        the checks of scalar options, for both ways in
     appends.pxd       new rows written into a KV cache, the cache lengths
+    rotary.pxd        rotary embeddings of q and new keys, into scratch rows
     accepts.pxd       what a compiled shortcut takes as it is
     shortcuts.pxd     the compiled shortcut of each layout
 
@@ -61,6 +62,7 @@ from cattention._driver.from_entries cimport (
 from cattention._driver.runs cimport run_plan, run_then_free
 from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows as _append_rows, cache_rows_of)
+from cattention._driver.rotary cimport rotated as _rotated
 from cattention._driver.shortcuts cimport (
     attention_shortcut as _attention_shortcut, kvcache_shortcut as _kvcache_shortcut,
     paged_shortcut as _paged_shortcut)
@@ -445,6 +447,21 @@ def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offse
                  cnp.PyArray_DIM(cache, 3))
 
 
+# ----------------------------------------------------------------- rotary
+
+def rotate_rows(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, const intp_t[::1] positions,
+                bint interleaved):
+    """A new C-contiguous array of the rows of x rotated (rotary.pxd), row
+    (a, h, t) at positions[a * T + t], without the GIL. Preconditions
+    (checked by the caller): x 4-D (A, H, T, d) float32 or float64, and the
+    tables (n_positions, half) of its dtype, each aligned, native, strides
+    multiples of the itemsize; 2 * half <= d; A * T positions in [0,
+    n_positions)."""
+    if positions.shape[0] == 0:
+        return _rotated(x, cos, sin, NULL, interleaved)
+    return _rotated(x, cos, sin, &positions[0], interleaved)
+
+
 # -------------------------------------------------------------- shortcuts
 
 def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,
@@ -460,19 +477,23 @@ def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, 
 
 def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,
                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
-                     return_lse, num_threads, thread_limit):
+                     return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
+                     rotary_interleaved):
     """The result of ``attention_with_kvcache`` for a common serving step,
     else None before anything is written (shortcuts.pxd)."""
     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
-                             v_scale, return_lse, num_threads, thread_limit)
+                             v_scale, return_lse, num_threads, thread_limit, rotary_cos,
+                             rotary_sin, rotary_interleaved)
 
 
 def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
-                   v_scale, return_lse, num_threads, thread_limit):
+                   v_scale, return_lse, num_threads, thread_limit, rotary_cos, rotary_sin,
+                   rotary_interleaved):
     """The result of ``attention_with_paged_kvcache`` for a common serving
     step, else None before anything is written (shortcuts.pxd)."""
     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,
                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
-                           sinks, k_scale, v_scale, return_lse, num_threads, thread_limit)
+                           sinks, k_scale, v_scale, return_lse, num_threads, thread_limit,
+                           rotary_cos, rotary_sin, rotary_interleaved)

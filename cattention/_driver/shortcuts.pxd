@@ -24,6 +24,7 @@ from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
 from cattention._driver.from_entries cimport EntryPlan, Place, stacks_grouped_rows
 from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows, cache_rows_of, load_length, new_rows_of, store_lengths)
+from cattention._driver.rotary cimport rotary_step_usable, rotated_step
 from cattention._driver.runs cimport run_plan, run_then_free
 
 
@@ -140,7 +141,8 @@ cdef inline object kvcache_shortcut(
         const ca_kernels *kern, object q, object k_cache, object v_cache, object cache_lengths,
         object k_new, object v_new, object causal_flag, object scale, object gqa_flag,
         object window, object softcap, object alibi_slopes, object sinks, object k_scale,
-        object v_scale, object lse_flag, object num_threads, object thread_limit):
+        object v_scale, object lse_flag, object num_threads, object thread_limit,
+        object rotary_cos, object rotary_sin, object interleaved_flag):
     """``attention_with_kvcache`` for a serving step of float caches: q
     float32 or float64 of shape (B, H, T, d_k), caches of q's dtype (or
     float16 beside a float32 q) of shape (B, H_kv, S_max, d), H a multiple
@@ -149,7 +151,9 @@ cdef inline object kvcache_shortcut(
     the cache dtype (float32 into a float16 cache: converted, no value
     beyond its range); every array the call writes certainly apart from
     every other one it touches, the new rows within S_max; no option but
-    causal, scale and num_threads. Else None, before anything is written."""
+    causal, scale, num_threads and rotary tables that the step reads in place
+    (rotary.pxd: q and new rows of the compute type, every position within
+    the tables). Else None, before anything is written."""
     if (window is not None or softcap is not None or alibi_slopes is not None
             or sinks is not None or k_scale is not None or v_scale is not None
             or lse_flag is not False):
@@ -202,12 +206,22 @@ cdef inline object kvcache_shortcut(
         return None
     cdef RowOptions row
     cdef int compute = compute_type(q_type)
+    cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+                              and interleaved_flag is False)
+    if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+                                           compute, d_k):
+        return None
     plain_row_options(&row, causal, check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
-    # everything that allocates comes before the append: the grouped rows,
-    # the output, float32 rows for a float16 cache converted as the general
-    # path converts them
+    # everything that allocates comes before the append: q and the new keys
+    # rotated, the grouped rows, the output, float32 rows for a float16
+    # cache converted as the general path converts them
+    if rotating:
+        rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+        if rotated is None:
+            return None
+        qa, kn = rotated
     cdef Py_ssize_t group = n_heads // n_kv_heads
     cdef Py_ssize_t shape[2]
     cdef Py_ssize_t query_period = 0
@@ -338,7 +352,7 @@ cdef inline object paged_shortcut(
         object cache_lengths, object k_new, object v_new, object cu_seqlens_q,
         object causal_flag, object scale, object window, object softcap, object alibi_slopes,
         object sinks, object k_scale, object v_scale, object lse_flag, object num_threads,
-        object thread_limit):
+        object thread_limit, object rotary_cos, object rotary_sin, object interleaved_flag):
     """``attention_with_paged_kvcache`` for a decode or prefill step of float
     pages: q float32 or float64 of shape (B, H, T, d_k) (no cu_seqlens_q),
     pages of q's dtype (or float16 beside a float32 q) of shape (n_pages,
@@ -348,8 +362,9 @@ cdef inline object paged_shortcut(
     v_new None or of the pages' dtype; every array the call writes certainly
     apart from every other one it touches; each sequence's new rows within
     its table, every page it reads a page id, and every page it writes to
-    used once (pages_written_once); no option but causal, scale and
-    num_threads. Else None, before anything is written."""
+    used once (pages_written_once); no option but causal, scale, num_threads
+    and rotary tables that the step reads in place (as for
+    kvcache_shortcut). Else None, before anything is written."""
     if (cu_seqlens_q is not None or window is not None or softcap is not None
             or alibi_slopes is not None or sinks is not None or k_scale is not None
             or v_scale is not None or lse_flag is not False):
@@ -407,9 +422,20 @@ cdef inline object paged_shortcut(
         return None
     cdef RowOptions row
     cdef int compute = compute_type(q_type)
+    cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+                              and interleaved_flag is False)
+    if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+                                           compute, d_k):
+        return None
     plain_row_options(&row, causal_flag is True,
                       check_scale(scale, d_k, compute == cnp.NPY_FLOAT32))
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
+    if rotating:
+        # q and the new keys rotated before anything else allocates
+        rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
+        if rotated is None:
+            return None
+        qa, kn = rotated
 
     # one buffer: the table as intp, the old and new lengths, the query rows
     # and new rows of each sequence, and the places of q, K/V, out and the

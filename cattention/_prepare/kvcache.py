@@ -1,6 +1,7 @@
 """A decoding step against a contiguous KV cache, checked once: the cache's
-own checks (caches.py), then the attention over the cache, all before
-anything is written. The attention is a dense call (dense.py) when batch row b uses
+own checks (caches.py), the rotary embeddings of q and the new keys
+(rotary.py), then the attention over the cache, all before anything is
+written. The attention is a dense call (dense.py) when batch row b uses
 cache entry b, and an entries call (entries.py: each sequence read where
 its entry lies, no cache copied) when ``cache_batch_idx`` picks the entries."""
 
@@ -19,6 +20,7 @@ from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
 from .dense import DenseCall, prepare_dense
 from .entries import EntriesCall, head_options, outputs, place, queries
 from .options import row_options
+from .rotary import check_rotary, rotated_q
 
 _Array = NDArray[Any]
 
@@ -30,7 +32,9 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
                     sinks: Optional[ArrayLike], k_scale: Optional[_Array],
                     v_scale: Optional[_Array], return_lse: bool,
                     num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
-                    out: Optional[_Array] = None, cache_batch_idx: Optional[ArrayLike] = None,
+                    out: Optional[_Array] = None, rotary_cos: Optional[ArrayLike] = None,
+                    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: object = False,
+                    cache_batch_idx: Optional[ArrayLike] = None,
                     ) -> tuple[Union[DenseCall, EntriesCall], Appends, np.dtype[Any]]:
     """The call over the cache after the append (dense, or an entries call
     with cache_batch_idx), the append, and the result dtype."""
@@ -60,7 +64,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "
                         "convert (copy) the cache; pass q in the cache's dtype")
     compute = store_compute(k_cache.dtype)
-    n_heads = q.shape[1]
+    n_heads, n_queries = q.shape[1], q.shape[2]
     if enable_gqa is not None:
         enable_gqa = driver.check_flag(enable_gqa, "enable_gqa")
     if enable_gqa is False and n_heads != n_kv_heads:
@@ -72,6 +76,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         raise ValueError(f"the query heads of q {q.shape} must be a multiple of the "
                          f"key/value heads of k_cache {k_cache.shape}")
     lengths = check_cache_lengths(cache_lengths, n_batch, max_keys)
+    rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, d_k, compute)
 
     n_new = 0
     given = new_rows(k_new, v_new)
@@ -117,10 +122,20 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         refuse_shared_memory([("out", out)], [("q", q), ("k_cache", k_cache),
                                               ("v_cache", v_cache), ("cache_lengths", lengths),
                                               ("k_scale", k_scale), ("v_scale", v_scale)])
+    if rotary is not None:
+        # q's rows are the last T positions after the append (bottom-right,
+        # as the causal mask aligns them), the new keys the n_new from start
+        rows = np.arange(n_batch, dtype=np.intp)[:, None]
+        q_at = start[:, None] + (n_new - n_queries) + np.arange(n_queries, dtype=np.intp)
+        q = rotated_q(q, rotary, q_at, np.broadcast_to(rows, q_at.shape))
+        if given is not None and n_new > 0:
+            k_at = start[:, None] + np.arange(n_new, dtype=np.intp)
+            k_rows = rotary.rotate(k_rows, k_at, np.broadcast_to(rows, k_at.shape), "k_new")
     writes = []
     if given is not None and n_new > 0:
         sequences = np.arange(n_batch, dtype=np.intp)
-        writes = (as_stored("k_new", k_rows, k_cache, k_scale, sequences)
+        writes = (as_stored("k_new (rotated)" if rotary is not None else "k_new", k_rows,
+                            k_cache, k_scale, sequences)
                   + as_stored("v_new", v_rows, v_cache, v_scale, sequences))
     # with cache_batch_idx, sequence b's rows go to cache entry entry_of[b]:
     # the caches as pages of S_max rows, one page per sequence

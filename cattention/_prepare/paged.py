@@ -16,6 +16,7 @@ from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
                      result_dtype, store_compute)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
 from .options import row_options
+from .rotary import Rotary, check_rotary, rotated_q
 
 _Array = NDArray[Any]
 _Intp = NDArray[np.intp]
@@ -30,6 +31,8 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                   v_scale: Optional[_Array], return_lse: object,
                   num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
                   out: Optional[_Array] = None, cu_seqlens_k_new: Optional[ArrayLike] = None,
+                  rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
+                  rotary_interleaved: object = False,
                   ) -> tuple[EntriesCall, Appends, np.dtype[Any]]:
     """The entries call over the pages after the append, the append, and
     the result dtype."""
@@ -80,6 +83,7 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                         "(copy) every page; pass q in the pages' dtype")
     lengths = check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
     compute = store_compute(k_pages.dtype)
+    rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, d_k, compute)
 
     given = new_rows(k_new, v_new)
     if cu_seqlens_k_new is not None and (given is None or not packed):
@@ -161,9 +165,12 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     if kv_starts is not None:
         starts = check_sequence_starts(kv_starts, n_seq, max_pages * page_size,
                                        f"the positions block_table {table.shape} gives")
+    if rotary is not None:
+        q, given = _rotated(rotary, q, given, cu_q, cu_new, q_lengths, old_lengths, n_new)
     if given is not None:
         seq_index = cu_new[:-1] if cu_new is not None else np.arange(n_seq, dtype=np.intp)
-        writes = (as_stored("k_new", given[0], k_pages, k_scale, seq_index)
+        writes = (as_stored("k_new (rotated)" if rotary is not None else "k_new", given[0],
+                            k_pages, k_scale, seq_index)
                   + as_stored("v_new", given[1], v_pages, v_scale, seq_index))
     appends = Appends(lengths, old_lengths.astype(np.intp), n_new.astype(np.intp), writes,
                       table.reshape(-1), max_pages)
@@ -177,6 +184,34 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
         np.ascontiguousarray(q_lengths, np.intp), new_lengths.astype(np.intp), n_heads,
         n_kv_heads, d_k, d_v, options, table.reshape(-1), max_pages, page_size, starts, out)
     return call, appends, result
+
+
+def _rotated(rotary: Rotary, q: _Array, given: Optional[tuple[_Array, _Array]],
+             cu_q: Optional[_Intp], cu_new: Optional[_Intp], q_lengths: _Intp,
+             old_lengths: NDArray[np.int64], n_new: _Intp,
+             ) -> tuple[_Array, Optional[tuple[_Array, _Array]]]:
+    """q and the new keys rotated at their positions: sequence b's queries
+    are the last of its positions after the append (bottom-right, as the
+    causal mask aligns them), its new keys those from old_lengths[b]."""
+    new_lengths = (old_lengths + n_new).astype(np.intp)
+    old = old_lengths.astype(np.intp)
+    q_seq, q_row = _rows_of(cu_q, q_lengths, q.shape[2] if q.ndim == 4 else 0)
+    q = rotated_q(q, rotary, new_lengths[q_seq] - q_lengths[q_seq] + q_row, q_seq)
+    if given is None:
+        return q, None
+    k_new, v_new = given
+    k_seq, k_row = _rows_of(cu_new, n_new, k_new.shape[2] if k_new.ndim == 4 else 0)
+    return q, (rotary.rotate(k_new, old[k_seq] + k_row, k_seq, "k_new"), v_new)
+
+
+def _rows_of(cu: Optional[_Intp], counts: _Intp, n_rows: int) -> tuple[_Intp, _Intp]:
+    """(sequence, row within it) of each row: packed, of the rows from
+    cu[b] (shape (total,)); padded, n_rows each (shape (n_seq, n_rows))."""
+    if cu is None:
+        grid = np.indices((counts.size, n_rows), dtype=np.intp)
+        return grid[0], grid[1]
+    sequence = np.repeat(np.arange(counts.size, dtype=np.intp), counts)
+    return sequence, np.arange(sequence.size, dtype=np.intp) - cu[:-1][sequence]
 
 
 def _refuse_clashing_writes(table: _Intp, old_lengths: NDArray[np.int64], n_new: _Intp,
