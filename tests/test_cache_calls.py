@@ -658,3 +658,31 @@ def test_paged_new_row_counts_are_checked_and_nothing_is_written(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, new, new, **kwargs)
     assert lengths.tolist() == [3, 8] and not k_pages.any() and not v_pages.any()
+
+
+# ------------------------------------------------ LSE of rows that see no key
+
+def test_lse_of_rows_that_see_no_key_is_minus_inf_in_every_cache_call():
+    """-inf, as the log of an empty sum (FlashAttention's kernels give +inf):
+    a merge then gives such a chunk no weight. A row whose chunks all see no
+    key stays a zero row with -inf."""
+    rng = np.random.default_rng(18)
+    k_cache = rng.standard_normal((2, 1, 8, 4))
+    q = rng.standard_normal((2, 1, 3, 4))
+    # sequence 0 holds one key, so under causal alignment its first 2 rows see none
+    out, lse = ca.attention_with_kvcache(q, k_cache, k_cache, np.array([1, 8]),
+                                         return_lse=True)
+    assert np.all(np.isneginf(lse[0, 0, :2])) and not out[0, 0, :2].any()
+    paged, paged_lse = ca.attention_with_paged_kvcache(q, k_cache, k_cache, [[0], [1]],
+                                                       np.array([1, 8]), return_lse=True)
+    assert_bitwise_equal(np.isneginf(paged_lse), np.isneginf(lse))
+    # chunks of another library giving +inf for such rows: -inf first, as merge documents
+    other = np.where(np.isneginf(lse), np.inf, lse)
+    merged, merged_lse = ca.merge([out, out], [np.where(np.isposinf(other), -np.inf, other),
+                                              lse])
+    assert not merged[0, 0, :2].any() and np.all(np.isneginf(merged_lse[0, 0, :2]))
+    np.testing.assert_allclose(merged, out, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(merged_lse[np.isfinite(lse)], lse[np.isfinite(lse)] + np.log(2))
+    # left as +inf, merge reads the row as a NaN row of attention
+    with np.errstate(invalid="ignore"):
+        assert np.all(np.isnan(ca.merge([out, out], [other, lse])[0][0, 0, :2]))

@@ -185,6 +185,9 @@ def attention_with_kvcache(
     attn : ndarray, shape (B, H, T, d_v)
     lse : ndarray, shape (B, H, T)
         Only with ``return_lse=True``; the result is then ``(attn, lse)``.
+        ``-inf`` for a row that sees no key (the log of an empty sum), as
+        in :func:`cattention.attention`; FlashAttention gives ``+inf``
+        there (see :func:`cattention.merge`).
 
     Raises
     ------

@@ -136,7 +136,8 @@ def attention_with_paged_kvcache(
         v_new, when their counts differ from its queries' (speculative
         decoding, a chunk appended without all of its queries).
     causal, scale, window, softcap, return_lse, num_threads
-        As in :func:`cattention.attention`.
+        As in :func:`cattention.attention`. The log-sum-exp of a row that
+        sees no key is ``-inf`` (see :func:`cattention.merge`).
     kv_starts : array_like of int, shape (B,), optional
         The first valid position of each sequence (left padding): sequence
         b attends to positions ``kv_starts[b] <= j < cache_lengths[b]``

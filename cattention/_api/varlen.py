@@ -90,7 +90,8 @@ def attention_varlen(
         Allow H to be a multiple of H_kv: query head h reads K/V head
         h // (H // H_kv).
     return_lse : bool, default False
-        Also return the log-sum-exp of each row, shape (total_q, H).
+        Also return the log-sum-exp of each row, shape (total_q, H);
+        ``-inf`` for a row that sees no key (see :func:`cattention.merge`).
     out : ndarray, shape (total_q, H, d_v), optional
         Where to write ATTN, as :func:`cattention.attention`'s ``out``.
 
