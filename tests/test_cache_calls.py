@@ -87,8 +87,8 @@ def _q_dtype(cache_dtype):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
 @pytest.mark.parametrize("T,T_new", [(1, 1), (5, 5), (2, 6)], ids=str)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=str)
-def test_kvcache_rotary_is_rotating_first(compiled_path, cache_dtype, interleaved, T, T_new,
-                                          heads):
+def test_kvcache_rotary_is_rotating_first(compiled_path, general_path, cache_dtype, interleaved,
+                                          T, T_new, heads):
     """Output, caches and lengths are bitwise those of the call without
     rotary on q and k_new rotated first in NumPy (the documented formula, in
     the compute dtype, then rounded once to where each goes); the caller's
@@ -121,12 +121,12 @@ def test_kvcache_rotary_is_rotating_first(compiled_path, cache_dtype, interleave
                                          **dict(zip(scales, want[3:])))
     for g, w in zip([out] + got, [expected[0]] + want):
         assert_bitwise_equal(g, w)
-    # the general path (kv_starts of zeros changes nothing) gives the same bits
+    # the general path gives the same bits
     general = _copies(k_cache, v_cache, lengths, *scales.values())
-    by_general = ca.attention_with_kvcache(
-        q, *general[:3], k_new, v_new, rotary_cos=cos, rotary_sin=sin,
-        rotary_interleaved=interleaved, return_lse=True, kv_starts=np.zeros(B, int),
-        **dict(zip(scales, general[3:])))
+    with general_path("kvcache_shortcut"):
+        by_general = ca.attention_with_kvcache(
+            q, *general[:3], k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+            rotary_interleaved=interleaved, return_lse=True, **dict(zip(scales, general[3:])))
     for g, w in zip(by_general + tuple(general), expected + tuple(want)):
         assert_bitwise_equal(g, w)
     if cache_dtype in (np.float32, np.float64, np.float16):
@@ -259,7 +259,8 @@ def _sequence(pages, table, b, length, scale=None):
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("page_size", [1, 7, 16])
-def test_paged_rotary_is_rotating_first(compiled_path, cache_dtype, layout, page_size):
+def test_paged_rotary_is_rotating_first(compiled_path, general_path, cache_dtype, layout,
+                                        page_size):
     rng = np.random.default_rng(page_size)
     n_seq, H, H_kv, d, max_pages = 3, 8, 2, 16, -(-50 // page_size)
     compute = _compute(cache_dtype)
@@ -297,6 +298,15 @@ def test_paged_rotary_is_rotating_first(compiled_path, cache_dtype, layout, page
         assert_bitwise_equal(g, w)
     if layout == "padded" and cache_dtype in (np.float32, np.float64):
         assert taken[0] is True
+    # the general path gives the same bits
+    general = _copies(k_pages, v_pages, lengths, *scales.values())
+    with general_path("paged_shortcut"):
+        by_general = ca.attention_with_paged_kvcache(
+            q, general[0], general[1], table, general[2], new, new, rotary_cos=cos,
+            rotary_sin=sin, rotary_interleaved=interleaved, **kwargs,
+            **dict(zip(scales, general[3:])))
+    for g, w in zip([by_general] + general, [expected] + want):
+        assert_bitwise_equal(g, w)
 
 
 # ------------------------------------------------------------ rotary: errors

@@ -248,9 +248,9 @@ def attention_with_kvcache(
     """
     fast = (driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                                     scale, enable_gqa, window, softcap, alibi_slopes, sinks,
-                                    k_scale, v_scale, return_lse, num_threads, local.limit,
-                                    rotary_cos, rotary_sin, rotary_interleaved)
-            if kv_starts is None and out is None and cache_batch_idx is None else None)
+                                    k_scale, v_scale, kv_starts, out, return_lse, num_threads,
+                                    local.limit, rotary_cos, rotary_sin, rotary_interleaved)
+            if cache_batch_idx is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends, result = prepare_kvcache(

@@ -211,10 +211,10 @@ def attention_with_paged_kvcache(
     """
     fast = (driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
                                   v_new, cu_seqlens_q, causal, scale, window, softcap,
-                                  alibi_slopes, sinks, k_scale, v_scale, return_lse,
-                                  num_threads, local.limit, rotary_cos, rotary_sin,
+                                  alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
+                                  return_lse, num_threads, local.limit, rotary_cos, rotary_sin,
                                   rotary_interleaved)
-            if kv_starts is None and out is None and cu_seqlens_k_new is None else None)
+            if cu_seqlens_k_new is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends, result = prepare_paged(
