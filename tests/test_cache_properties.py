@@ -13,7 +13,7 @@ import pytest
 import cattention as ca
 from reference import (assert_bfloat16_matches_reference, assert_matches_reference,
                        reference_rotary)
-from test_cache_calls import (CACHE_DTYPES, _caches, _compute, _pages_from, _q_dtype,
+from test_cache_calls import (BFLOAT16, CACHE_DTYPES, _caches, _compute, _pages_from, _q_dtype,
                               _sequence, _values, ml_dtypes, rope_tables, rotate_first)
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -235,3 +235,61 @@ def test_property_paged_steps_match_the_reference(case):
         lse_b = lse[b] if not case["packed"] else np.swapaxes(lse[cu_q[b]:cu_q[b + 1]], 0, 1)
         _reference_check(out_b, lse_b, q_b, np.repeat(keys, group, axis=0),
                          np.repeat(values, group, axis=0), options, cache_dtype, q_dtype)
+
+
+@st.composite
+def varlen_batches(draw):
+    n_seq = draw(st.integers(1, 4))
+    k_lengths = draw(st.lists(st.integers(0, 40), min_size=n_seq, max_size=n_seq))
+    # rows past a causal sequence's keys see none of them (sinks only)
+    q_lengths = [draw(st.integers(0, min(6, n + 2))) for n in k_lengths]
+    H_kv = draw(st.sampled_from([1, 2]))
+    return dict(k_lengths=np.array(k_lengths), q_lengths=np.array(q_lengths), H_kv=H_kv,
+                H=H_kv * draw(st.sampled_from([1, 2, 3])), d=draw(st.sampled_from([3, 8, 16])),
+                d_v=draw(st.sampled_from([2, 8])),
+                dtype=draw(st.sampled_from([np.float32, np.float64] + BFLOAT16)),
+                alibi=draw(st.sampled_from(["per head", "per sequence"])),
+                sinks=draw(st.sampled_from([None, "per head", "per sequence"])),
+                causal=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@_SETTINGS
+@given(varlen_batches())
+def test_property_varlen_alibi_per_sequence_matches_the_reference(case):
+    """Packed sequences of random lengths (rows past a causal sequence's
+    keys included), grouped heads, float32, float64 and bfloat16 inputs,
+    ALiBi slopes (and sinks) per head or one row per sequence: each
+    sequence against the float64 reference with its own row of slopes."""
+    rng = np.random.default_rng(case["seed"])
+    H, H_kv, d, d_v = (case[k] for k in ("H", "H_kv", "d", "d_v"))
+    n_seq = len(case["k_lengths"])
+    cu_q = np.concatenate([[0], np.cumsum(case["q_lengths"])])
+    cu_k = np.concatenate([[0], np.cumsum(case["k_lengths"])])
+    dtype = case["dtype"]
+    q = rng.standard_normal((cu_q[-1], H, d)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], H_kv, d)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], H_kv, d_v)).astype(dtype)
+
+    def per(kind, draw):
+        return draw((n_seq, H)) if kind == "per sequence" else draw(H)
+
+    slopes = per(case["alibi"], lambda shape: rng.uniform(0.01, 0.6, shape))
+    sinks = (per(case["sinks"], lambda shape: rng.standard_normal(shape))
+             if case["sinks"] is not None else None)
+    out, lse = ca.attention_varlen(q, k, v, cu_q, cu_k, causal=case["causal"],
+                                   enable_gqa=H != H_kv, alibi_slopes=slopes, sinks=sinks,
+                                   return_lse=True)
+    group = H // H_kv
+    for i in range(n_seq):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if cu_q[i] == cu_q[i + 1]:
+            continue
+        options = dict(causal=case["causal"],
+                       alibi_slopes=slopes[i] if slopes.ndim == 2 else slopes)
+        if sinks is not None:
+            options["sinks"] = sinks[i] if sinks.ndim == 2 else sinks
+        _reference_check(np.swapaxes(out[rows], 0, 1), np.swapaxes(lse[rows], 0, 1),
+                         np.swapaxes(q[rows], 0, 1),
+                         np.repeat(np.swapaxes(k[keys], 0, 1), group, axis=0),
+                         np.repeat(np.swapaxes(v[keys], 0, 1), group, axis=0), options,
+                         None, dtype)
