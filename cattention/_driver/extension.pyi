@@ -68,8 +68,9 @@ def append_rows(
 
 def rotate_rows(
     x: NDArray[np.floating[Any]],
-    cos: NDArray[np.floating[Any]],
-    sin: NDArray[np.floating[Any]],
+    cos: NDArray[Any],
+    sin: NDArray[Any],
+    first: int,
     positions: NDArray[np.intp],
     interleaved: bool,
 ) -> NDArray[np.floating[Any]]: ...

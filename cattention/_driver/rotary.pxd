@@ -1,13 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
-"""Rotary position embeddings: rows of q or of new keys rotated, each at its
-own position, into a new array; and what a compiled step takes of them.
-Both ways in rotate here, before anything else: the general path
-(``_prepare/rotary.py``) and the compiled serving steps (shortcuts.pxd,
-with tables they read in place). New keys are rotated into scratch rather
-than as they are stored, so that the one conversion (or quantization) of
-new rows into a cache, and its checks, sees the rotated values before
-anything is written.
+"""Rotary position embeddings: one row rotated at its position
+(rotate_row); query rows are rotated so as they are read, into the
+workspace rows the kernels read anyway (packing.pxd), so no rotated copy
+of q is made; new keys, and 16-bit q that must be rounded back to their
+dtype, are rotated into a new array (rotated) before anything is written,
+so that the one conversion (or quantization) of new rows into a cache,
+and its checks, sees the rotated values. And what a compiled step takes
+of them (shortcuts.pxd).
 
 Feature pairs (x1, x2) of a row at position p, with c = cos[p, i] and
 s = sin[p, i], become
@@ -27,6 +27,7 @@ from libc.string cimport memcpy
 from cattention._driver.kernel_table cimport intp_t
 from cattention._driver.accepts cimport usable_input
 from cattention._driver.appends cimport load_length
+from cattention._driver.problem cimport Rotary
 
 cdef extern from *:
     """
@@ -80,85 +81,73 @@ cdef extern from *:
                        int interleaved) noexcept nogil
 
 
-cdef struct RotaryRows:
-    # rows (a, h, t) of an (A, H, T, d) array x (byte strides, any) rotated
-    # into out (C-contiguous, of x's shape and dtype), row (a, h, t) at
-    # position[a * T + t], whose cos and sin are row position of the tables
-    # (of x's dtype; byte strides of their rows and columns)
-    const char *x
-    Py_ssize_t stride[4]
-    char *out
-    const char *cos
-    const char *sin
-    Py_ssize_t cos_row, cos_col, sin_row, sin_col
-    const intp_t *position
-    Py_ssize_t n_lead, n_heads, n_rows, n_features, half, itemsize
-    bint interleaved
-
-
-cdef inline void rotate_rows(const RotaryRows *r) noexcept nogil:
-    """Every row of r rotated into r.out (float32 or float64 by itemsize)."""
-    cdef Py_ssize_t a, h, t, i, p
-    cdef Py_ssize_t col = r.stride[3] // r.itemsize
-    cdef Py_ssize_t cos_col = r.cos_col // r.itemsize
-    cdef Py_ssize_t sin_col = r.sin_col // r.itemsize
-    cdef Py_ssize_t row_bytes = r.n_features * r.itemsize
-    cdef Py_ssize_t rotated_bytes = 2 * r.half * r.itemsize
-    cdef const char *src
-    cdef char *dst = r.out
-    for a in range(r.n_lead):
-        for h in range(r.n_heads):
-            for t in range(r.n_rows):
-                src = r.x + a * r.stride[0] + h * r.stride[1] + t * r.stride[2]
-                p = r.position[a * r.n_rows + t]
-                if r.itemsize == 4:
-                    ca_rotate_f32(<const float *>src, col, <float *>dst,
-                                  <const float *>(r.cos + p * r.cos_row), cos_col,
-                                  <const float *>(r.sin + p * r.sin_row), sin_col,
-                                  r.half, r.interleaved)
-                else:
-                    ca_rotate_f64(<const double *>src, col, <double *>dst,
-                                  <const double *>(r.cos + p * r.cos_row), cos_col,
-                                  <const double *>(r.sin + p * r.sin_row), sin_col,
-                                  r.half, r.interleaved)
-                # the features past the rotated ones, as they are
-                if col == 1:
-                    memcpy(dst + rotated_bytes, src + rotated_bytes, row_bytes - rotated_bytes)
-                else:
-                    for i in range(2 * r.half, r.n_features):
-                        memcpy(dst + i * r.itemsize, src + i * r.stride[3], r.itemsize)
-                dst += row_bytes
-
-
-cdef inline cnp.ndarray rotated(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin,
-                                const intp_t *position, bint interleaved):
-    """A new C-contiguous array of the 4-D x rotated, row (a, ., t) at
-    position[a * T + t] (x and the tables of one float type, read in
-    place: aligned, native, strides multiples of the itemsize; every
-    position a row of the tables)."""
-    cdef RotaryRows r
-    cdef int d
-    cdef cnp.ndarray out = cnp.PyArray_EMPTY(4, cnp.PyArray_DIMS(x), cnp.PyArray_TYPE(x), 0)
-    r.x = <const char *>cnp.PyArray_DATA(x)
-    for d in range(4):
-        r.stride[d] = cnp.PyArray_STRIDE(x, d)
-    r.out = <char *>cnp.PyArray_DATA(out)
+cdef inline void rotary_of(Rotary *r, cnp.ndarray cos, cnp.ndarray sin, Py_ssize_t first,
+                           bint interleaved) noexcept:
+    """The Rotary of 2-D tables of one shape and float type, read in place
+    (aligned, native, strides multiples of the itemsize), whose row p -
+    first holds position p."""
     r.cos = <const char *>cnp.PyArray_DATA(cos)
     r.sin = <const char *>cnp.PyArray_DATA(sin)
     r.cos_row = cnp.PyArray_STRIDE(cos, 0)
     r.cos_col = cnp.PyArray_STRIDE(cos, 1)
     r.sin_row = cnp.PyArray_STRIDE(sin, 0)
     r.sin_col = cnp.PyArray_STRIDE(sin, 1)
-    r.position = position
-    r.n_lead = cnp.PyArray_DIM(x, 0)
-    r.n_heads = cnp.PyArray_DIM(x, 1)
-    r.n_rows = cnp.PyArray_DIM(x, 2)
-    r.n_features = cnp.PyArray_DIM(x, 3)
+    r.first = first
     r.half = cnp.PyArray_DIM(cos, 1)
-    r.itemsize = cnp.PyArray_ITEMSIZE(x)
     r.interleaved = interleaved
+
+
+cdef inline void rotate_row(const Rotary *r, const char *x, Py_ssize_t x_col, char *out,
+                            Py_ssize_t position, Py_ssize_t n_features,
+                            Py_ssize_t itemsize) noexcept nogil:
+    """Row x (features x_col elements apart; float32 or float64 by
+    itemsize) rotated at position into out (contiguous), its features from
+    2 * half on copied."""
+    cdef Py_ssize_t p = position - r.first
+    cdef Py_ssize_t rotated_bytes = 2 * r.half * itemsize
+    cdef Py_ssize_t i
+    if itemsize == 4:
+        ca_rotate_f32(<const float *>x, x_col, <float *>out,
+                      <const float *>(r.cos + p * r.cos_row), r.cos_col // 4,
+                      <const float *>(r.sin + p * r.sin_row), r.sin_col // 4, r.half,
+                      r.interleaved)
+    else:
+        ca_rotate_f64(<const double *>x, x_col, <double *>out,
+                      <const double *>(r.cos + p * r.cos_row), r.cos_col // 8,
+                      <const double *>(r.sin + p * r.sin_row), r.sin_col // 8, r.half,
+                      r.interleaved)
+    if x_col == 1:
+        memcpy(out + rotated_bytes, x + rotated_bytes, n_features * itemsize - rotated_bytes)
+    else:
+        for i in range(2 * r.half, n_features):
+            memcpy(out + i * itemsize, x + i * x_col * itemsize, itemsize)
+
+
+cdef inline cnp.ndarray rotated(cnp.ndarray x, const Rotary *r, const intp_t *position):
+    """A new C-contiguous array of the 4-D x (A, H, T, d) rotated, row (a,
+    h, t) at position[a * T + t] (x of the tables' float type, aligned,
+    native, strides multiples of the itemsize; every position one the
+    tables hold)."""
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(4, cnp.PyArray_DIMS(x), cnp.PyArray_TYPE(x), 0)
+    cdef const char *data = <const char *>cnp.PyArray_DATA(x)
+    cdef char *dst = <char *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t itemsize = cnp.PyArray_ITEMSIZE(x)
+    cdef Py_ssize_t n_lead = cnp.PyArray_DIM(x, 0)
+    cdef Py_ssize_t n_heads = cnp.PyArray_DIM(x, 1)
+    cdef Py_ssize_t n_rows = cnp.PyArray_DIM(x, 2)
+    cdef Py_ssize_t n_features = cnp.PyArray_DIM(x, 3)
+    cdef Py_ssize_t s0 = cnp.PyArray_STRIDE(x, 0)
+    cdef Py_ssize_t s1 = cnp.PyArray_STRIDE(x, 1)
+    cdef Py_ssize_t s2 = cnp.PyArray_STRIDE(x, 2)
+    cdef Py_ssize_t col = cnp.PyArray_STRIDE(x, 3) // itemsize
+    cdef Py_ssize_t a, h, t
     with nogil:
-        rotate_rows(&r)
+        for a in range(n_lead):
+            for h in range(n_heads):
+                for t in range(n_rows):
+                    rotate_row(r, data + a * s0 + h * s1 + t * s2, col, dst,
+                               position[a * n_rows + t], n_features, itemsize)
+                    dst += n_features * itemsize
     return out
 
 
@@ -185,44 +174,48 @@ cdef inline bint rotary_step_usable(cnp.ndarray q, cnp.ndarray k_new, object cos
                                     object interleaved_flag, int compute,
                                     Py_ssize_t d_k) noexcept:
     """A compiled step rotates q and its new keys itself when they are of
-    the compute type (so that their rotation is rounded once, where it
-    goes), the tables usable in place, and rotary_interleaved a bool."""
+    the compute type (q is then rotated as it is read, the new keys before
+    they are stored, each rounded once where it goes), the tables usable in
+    place, and rotary_interleaved a bool."""
     return ((interleaved_flag is True or interleaved_flag is False)
             and cnp.PyArray_TYPE(q) == compute
             and (k_new is None or cnp.PyArray_TYPE(k_new) == compute)
             and tables_usable(cos, sin, compute, d_k))
 
 
-cdef inline object rotated_step(cnp.ndarray q, cnp.ndarray k_new, cnp.ndarray cos,
-                                cnp.ndarray sin, bint interleaved, cnp.ndarray lengths,
-                                Py_ssize_t n_new):
-    """(q, k_new) of a step appending n_new rows to each sequence (q
-    (n_seq, H, T, d), k_new (n_seq, H_kv, n_new, d) or None; lengths the
-    plain cache_lengths before it) rotated at their positions: sequence s's
-    queries are the last T of its lengths[s] + n_new positions, its new
-    keys those from lengths[s]. None when a position lies outside the
-    tables (the general path names it) or memory ran out."""
-    cdef Py_ssize_t n_seq = cnp.PyArray_DIM(q, 0)
-    cdef Py_ssize_t n_queries = cnp.PyArray_DIM(q, 2)
-    cdef Py_ssize_t s, t, start
-    cdef intp_t *position = <intp_t *>malloc((n_seq * (n_queries + n_new) + 1)
-                                             * sizeof(intp_t))
-    if position == NULL:
-        return None
-    cdef intp_t *k_position = position + n_seq * n_queries
+cdef inline bint step_rotary(Rotary *r, object cos, object sin, object interleaved_flag,
+                             cnp.ndarray lengths, Py_ssize_t n_seq, Py_ssize_t n_queries,
+                             Py_ssize_t n_new) noexcept:
+    """The Rotary of a step's tables (tables_usable) appending n_new rows to
+    each of n_seq sequences with n_queries queries, if every position it
+    rotates is one the tables hold: sequence s's queries are the last
+    n_queries of its lengths[s] + n_new positions (the plain cache_lengths
+    before the step), its new keys those from lengths[s]. False otherwise
+    (the general path names the position)."""
+    cdef Py_ssize_t s, start
+    cdef Py_ssize_t n_positions = cnp.PyArray_DIM(<cnp.ndarray>cos, 0)
     for s in range(n_seq):
         start = load_length(lengths, s)
-        if start + n_new - n_queries < 0 or start + n_new > cnp.PyArray_DIM(cos, 0):
-            free(position)
-            return None
-        for t in range(n_queries):
-            position[s * n_queries + t] = start + n_new - n_queries + t
+        if start + n_new - n_queries < 0 or start + n_new > n_positions:
+            return False
+    rotary_of(r, <cnp.ndarray>cos, <cnp.ndarray>sin, 0, interleaved_flag is True)
+    return True
+
+
+cdef inline object rotated_new_rows(cnp.ndarray k_new, const Rotary *r, cnp.ndarray lengths):
+    """k_new (n_seq, H_kv, n_new, d) rotated at positions lengths[s] + t (a
+    step step_rotary accepted), or None if memory ran out."""
+    cdef Py_ssize_t n_seq = cnp.PyArray_DIM(k_new, 0)
+    cdef Py_ssize_t n_new = cnp.PyArray_DIM(k_new, 2)
+    cdef Py_ssize_t s, t, start
+    cdef intp_t *position = <intp_t *>malloc((n_seq * n_new + 1) * sizeof(intp_t))
+    if position == NULL:
+        return None
+    for s in range(n_seq):
+        start = load_length(lengths, s)
         for t in range(n_new):
-            k_position[s * n_new + t] = start + t
+            position[s * n_new + t] = start + t
     try:
-        q_rotated = rotated(q, cos, sin, position, interleaved)
-        k_rotated = (rotated(k_new, cos, sin, k_position, interleaved)
-                     if k_new is not None else None)
+        return rotated(k_new, r, position)
     finally:
         free(position)
-    return q_rotated, k_rotated

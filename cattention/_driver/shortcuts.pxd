@@ -18,7 +18,7 @@ from cattention._driver.accepts cimport (
     apart, are_ndarrays, compute_type, entry_positions, entry_reals, half_holds,
     new_rows_shaped, out_usable, output_fits, plain_lengths, serving_step_arrays,
     serving_step_dtypes, step_arrays_fit, usable_input, writes_apart)
-from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
+from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
 from cattention._driver.checks cimport (
     check_alibi_slopes, check_flag, check_key_positions, check_scale, check_sinks,
     check_softcap, check_window, resolve_threads)
@@ -26,7 +26,7 @@ from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
 from cattention._driver.from_entries cimport EntryPlan, Place, stacks_grouped_rows
 from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows, cache_rows_of, load_length, new_rows_of, store_lengths)
-from cattention._driver.rotary cimport rotary_step_usable, rotated_step
+from cattention._driver.rotary cimport rotary_step_usable, rotated_new_rows, step_rotary
 from cattention._driver.runs cimport run_dense, run_plan, run_then_free
 
 
@@ -381,15 +381,20 @@ cdef inline object kvcache_shortcut(
     row.softcap = check_softcap(softcap, in_float32)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
-    # everything that may decline comes before the append: q and the new
-    # keys rotated, the per-entry options (the lengths after the append are
-    # filled in below), float32 rows for a float16 cache converted as the
-    # general path converts them
+    # everything that may decline comes before the append: the new keys
+    # rotated (q is rotated as it is read), the per-entry options (the
+    # lengths after the append are filled in below), float32 rows for a
+    # float16 cache converted as the general path converts them
+    cdef Rotary rotary
     if rotating:
-        rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
-        if rotated is None:
+        if not step_rotary(&rotary, rotary_cos, rotary_sin, interleaved_flag, lengths, n_batch,
+                           n_queries, n_new):
             return None
-        qa, kn = rotated
+        if appending:
+            kn = rotated_new_rows(kn, &rotary, lengths)
+            if kn is None:
+                return None
+        row.rotary = &rotary
     cdef Py_ssize_t shape[4]
     shape[0] = n_batch
     shape[1] = n_heads
@@ -609,12 +614,18 @@ cdef inline object paged_shortcut(
     row.softcap = check_softcap(softcap, in_float32)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
     cdef bint return_lse = lse_flag is True
+    cdef Rotary rotary
     if rotating:
-        # q and the new keys rotated before anything else allocates
-        rotated = rotated_step(qa, kn, rotary_cos, rotary_sin, interleaved_flag, lengths, n_new)
-        if rotated is None:
+        # q is rotated as it is read, the new keys before anything else
+        # allocates
+        if not step_rotary(&rotary, rotary_cos, rotary_sin, interleaved_flag, lengths, n_seq,
+                           n_queries, n_new):
             return None
-        qa, kn = rotated
+        if appending:
+            kn = rotated_new_rows(kn, &rotary, lengths)
+            if kn is None:
+                return None
+        row.rotary = &rotary
     # the per-head options as per (sequence, head) values: the dense
     # gathering over the batch (n_seq, H)
     cdef Py_ssize_t shape[2]

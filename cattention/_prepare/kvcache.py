@@ -20,7 +20,7 @@ from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
 from .dense import DenseCall, prepare_dense
 from .entries import EntriesCall, head_options, outputs, place, queries
 from .options import row_options
-from .rotary import check_rotary, rotated_q
+from .rotary import check_rotary, rotate_queries
 
 _Array = NDArray[Any]
 
@@ -122,12 +122,13 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         refuse_shared_memory([("out", out)], [("q", q), ("k_cache", k_cache),
                                               ("v_cache", v_cache), ("cache_lengths", lengths),
                                               ("k_scale", k_scale), ("v_scale", v_scale)])
+    q_tables = None
     if rotary is not None:
         # q's rows are the last T positions after the append (bottom-right,
         # as the causal mask aligns them), the new keys the n_new from start
         rows = np.arange(n_batch, dtype=np.intp)[:, None]
         q_at = start[:, None] + (n_new - n_queries) + np.arange(n_queries, dtype=np.intp)
-        q = rotated_q(q, rotary, q_at, np.broadcast_to(rows, q_at.shape))
+        q, q_tables = rotate_queries(q, rotary, q_at, np.broadcast_to(rows, q_at.shape))
         if given is not None and n_new > 0:
             k_at = start[:, None] + np.arange(n_new, dtype=np.intp)
             k_rows = rotary.rotate(k_rows, k_at, np.broadcast_to(rows, k_at.shape), "k_new")
@@ -149,6 +150,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
             causal=causal, scale=scale, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
             num_threads=num_threads, kv_starts=kv_starts, out=out)
+        call.options.rotary = q_tables
         return call, appends, result_dtype(q.dtype, k_cache.dtype)
     # the attention over the cache as it will be after the append
     dense_call = prepare_dense(
@@ -157,6 +159,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         kv_lengths=start + n_new, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         kv_starts=_per_sequence(kv_starts, n_batch), out=out)
+    dense_call.options.rotary = q_tables
     return dense_call, appends, dense_call.result
 
 

@@ -16,7 +16,7 @@ from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
                      result_dtype, store_compute)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
 from .options import row_options
-from .rotary import Rotary, check_rotary, rotated_q
+from .rotary import Rotary, check_rotary, rotate_queries
 
 _Array = NDArray[Any]
 _Intp = NDArray[np.intp]
@@ -166,7 +166,8 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
         starts = check_sequence_starts(kv_starts, n_seq, max_pages * page_size,
                                        f"the positions block_table {table.shape} gives")
     if rotary is not None:
-        q, given = _rotated(rotary, q, given, cu_q, cu_new, q_lengths, old_lengths, n_new)
+        q, options.rotary, given = _rotated(rotary, q, given, cu_q, cu_new, q_lengths,
+                                            old_lengths, n_new)
     if given is not None:
         seq_index = cu_new[:-1] if cu_new is not None else np.arange(n_seq, dtype=np.intp)
         writes = (as_stored("k_new (rotated)" if rotary is not None else "k_new", given[0],
@@ -189,19 +190,20 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
 def _rotated(rotary: Rotary, q: _Array, given: Optional[tuple[_Array, _Array]],
              cu_q: Optional[_Intp], cu_new: Optional[_Intp], q_lengths: _Intp,
              old_lengths: NDArray[np.int64], n_new: _Intp,
-             ) -> tuple[_Array, Optional[tuple[_Array, _Array]]]:
-    """q and the new keys rotated at their positions: sequence b's queries
-    are the last of its positions after the append (bottom-right, as the
-    causal mask aligns them), its new keys those from old_lengths[b]."""
+             ) -> tuple[_Array, Optional[tuple[Any, ...]], Optional[tuple[_Array, _Array]]]:
+    """q (and the tables the driver rotates it with as it reads it) and the
+    new rows, their keys rotated: sequence b's queries are the last of its
+    positions after the append (bottom-right, as the causal mask aligns
+    them), its new keys those from old_lengths[b]."""
     new_lengths = (old_lengths + n_new).astype(np.intp)
     old = old_lengths.astype(np.intp)
     q_seq, q_row = _rows_of(cu_q, q_lengths, q.shape[2] if q.ndim == 4 else 0)
-    q = rotated_q(q, rotary, new_lengths[q_seq] - q_lengths[q_seq] + q_row, q_seq)
+    q, tables = rotate_queries(q, rotary, new_lengths[q_seq] - q_lengths[q_seq] + q_row, q_seq)
     if given is None:
-        return q, None
+        return q, tables, None
     k_new, v_new = given
     k_seq, k_row = _rows_of(cu_new, n_new, k_new.shape[2] if k_new.ndim == 4 else 0)
-    return q, (rotary.rotate(k_new, old[k_seq] + k_row, k_seq, "k_new"), v_new)
+    return q, tables, (rotary.rotate(k_new, old[k_seq] + k_row, k_seq, "k_new"), v_new)
 
 
 def _rows_of(cu: Optional[_Intp], counts: _Intp, n_rows: int) -> tuple[_Intp, _Intp]:

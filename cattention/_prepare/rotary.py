@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE) of the cache calls: the tables
-checked, the position of every row of q and of the new keys, and their
-rotation into scratch copies (the driver's ``rotate_rows``, compiled),
-all before anything is written.
+checked, the position of every row of q and of the new keys, and the
+rotation (compiled, rotary.pxd): of the new keys into scratch before they
+are stored, of q's rows as the driver reads them (16-bit q into scratch,
+then rounded to their dtype). All checks come before anything is written.
 
 A row at position p is rotated over its first ``rotary_dim = 2 * half``
 features, with ``c = cos[p, i]`` and ``s = sin[p, i]`` for ``i < half``::
@@ -47,6 +48,20 @@ class Rotary:
     def n_positions(self) -> int:
         return int(self.cos.shape[0])
 
+    def tables(self, positions: NDArray[np.intp]) -> tuple[_Array, _Array, int, bool]:
+        """(cos, sin, first, interleaved) as the driver reads them for
+        these positions (checked): the tables themselves when they are of
+        the compute dtype and readable in place, else the rows from the
+        first position used to the last, converted (exactly), first being
+        the position of their row 0."""
+        if all(t.dtype == self.compute and readable_in_place(t) for t in (self.cos, self.sin)):
+            return self.cos, self.sin, 0, self.interleaved
+        first = int(positions.min()) if positions.size else 0
+        last = int(positions.max()) if positions.size else -1
+        return (np.ascontiguousarray(self.cos[first:last + 1], dtype=self.compute),
+                np.ascontiguousarray(self.sin[first:last + 1], dtype=self.compute), first,
+                self.interleaved)
+
     def rotate(self, x: _Array, positions: NDArray[np.intp], sequences: NDArray[np.intp],
                name: str) -> _Array:
         """x, (A, H, T, d) with positions (A, T), or packed (N, H, d) with
@@ -60,14 +75,10 @@ class Rotary:
             rows = rows.astype(self.compute)
         elif not readable_in_place(rows):
             rows = np.array(rows, order="C")
-        at = np.ascontiguousarray(positions, dtype=np.intp).reshape(-1)
-        cos, sin = self.cos, self.sin
-        if not all(t.dtype == self.compute and readable_in_place(t) for t in (cos, sin)):
-            # only the rows of the positions used, converted (exactly)
-            cos = np.ascontiguousarray(cos.take(at, axis=0), dtype=self.compute)
-            sin = np.ascontiguousarray(sin.take(at, axis=0), dtype=self.compute)
-            at = np.arange(at.size, dtype=np.intp)
-        out = driver.rotate_rows(rows, cos, sin, at, self.interleaved)
+        cos, sin, first, _ = self.tables(positions)
+        out = driver.rotate_rows(rows, cos, sin, first,
+                                 np.ascontiguousarray(positions, dtype=np.intp).reshape(-1),
+                                 self.interleaved)
         return out[:, :, 0, :] if packed else out
 
     def check_positions(self, positions: NDArray[np.intp], sequences: NDArray[np.intp],
@@ -130,10 +141,15 @@ def check_rotary(rotary_cos: Optional[ArrayLike], rotary_sin: Optional[ArrayLike
     return Rotary(cos, sin, interleaved, compute)
 
 
-def rotated_q(q: _Array, rotary: Rotary, positions: NDArray[np.intp],
-              sequences: NDArray[np.intp]) -> _Array:
-    """q rotated, in its own dtype when that is float16 or bfloat16 (rounded
-    once, to nearest even: the call then reads it as it reads any such q),
-    else in the compute dtype."""
-    out = rotary.rotate(q, positions, sequences, "q")
-    return out.astype(q.dtype) if is_half(q.dtype) else out
+def rotate_queries(q: _Array, rotary: Rotary, positions: NDArray[np.intp],
+                   sequences: NDArray[np.intp]) -> tuple[_Array, Optional[tuple[Any, ...]]]:
+    """(q, the tables the driver rotates q's rows with as it reads them):
+    a q of the compute dtype (or one the call converts to it) is rotated
+    so, with no copy of its rows; a float16 or bfloat16 q is rotated here,
+    then rounded to its dtype (once, to nearest even), which the call reads
+    as it reads any such q. The positions are checked either way."""
+    if is_half(q.dtype):
+        out = rotary.rotate(q, positions, sequences, "q")
+        return out.astype(q.dtype), None
+    rotary.check_positions(positions, sequences, "q")
+    return q, rotary.tables(positions)
