@@ -16,7 +16,8 @@ SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd 
 	cattention/_driver/*.pyx cattention/_driver/*.pxd src/*.c src/*.h)
 
 .PHONY: install build run test typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
-	bench bench-deps bench-quick bench-pipeline bench-serving asan fuzz reliability clean distclean
+	bench bench-deps bench-quick bench-bf16 bench-pipeline bench-serving asan fuzz reliability \
+	clean distclean test-transformers bench-transformers
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,28 @@ run: $(BUILT)
 
 test: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pytest -q tests
+
+# cattention.integrations.transformers: the `transformers` extra (torch,
+# transformers, ml_dtypes) into the virtual environment, then its tests (make
+# test skips them without torch). The extra gives torch as a floor; TORCH
+# pins the CPU build here, a local wheel on the project's machines (elsewhere
+# point pip at PyTorch's CPU index): an unpinned torch pulls the multi-GB CUDA
+# build. Once installed, make test runs these tests too.
+TORCH ?= torch==2.13.0
+HF_DEPS := $(VENV)/.transformers-deps
+$(HF_DEPS): pyproject.toml tools/requirements.py | $(VPY)
+	$(REQUIREMENTS) transformers > $(VENV)/transformers-requirements.txt
+	$(PIP) "$(TORCH)" -r $(VENV)/transformers-requirements.txt
+	touch $@
+
+test-transformers: $(BUILT) $(TEST_DEPS) $(HF_DEPS)
+	$(VPY) -m pytest -q tests/test_transformers.py
+
+# A Llama-3.2-1B-shaped attention stack with random weights through
+# transformers: "sdpa", "cattention" and "eager", prefill and decode, batch 1
+# and a left-padded batch (benchmarks/transformers_e2e.py; --help for options)
+bench-transformers: $(BUILT) $(HF_DEPS)
+	$(VPY) benchmarks/transformers_e2e.py
 
 # The NEON table against the portable one on an emulated aarch64 CPU: the
 # kernels cross-compiled with Debian's gcc-aarch64-linux-gnu into a static
@@ -147,6 +170,11 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(VPY) benchmarks/attention.py --quick
+
+# the bfloat16 cases (beside float32 on the same values and the peers) on
+# every kernel table this CPU runs, 1 and 2 threads
+bench-bf16: bench-deps
+	$(VPY) benchmarks/attention.py --cases bfloat16 --simd all
 
 # cattention between NumPy BLAS calls and in a threaded service
 # (benchmarks/pipeline.py), in the default environment.

@@ -57,7 +57,9 @@ def test_public_function_docstring(name):
 
 def test_namespace_holds_only_the_public_api():
     import cattention as ca
-    # cython_attention is the public cimport module, an attribute once imported
-    public = {name for name in vars(ca) if not name.startswith("_")} - {"cython_attention"}
+    # cython_attention is the public cimport module and integrations the
+    # package of the adapters: each an attribute once imported
+    public = {name for name in vars(ca) if not name.startswith("_")} - {
+        "cython_attention", "integrations"}
     assert public == set(ca.__all__) - {"__version__"}
     assert not hasattr(ca, "np") and not hasattr(ca, "os")

@@ -45,7 +45,7 @@ from libc.math cimport isfinite
 from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
-    ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, intp_t)
+    ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, ca_simd_note, intp_t)
 from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
 from cattention._driver.schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size, compute_problem,
@@ -230,6 +230,12 @@ def set_simd(name):
 
 def compiler():
     return (<bytes>ca_compiler_version()).decode()
+
+
+def simd_note():
+    """Why a table this CPU has the instructions for is not available
+    (the AMX table when the OS or Linux refuses the tile state), or ""."""
+    return (<bytes>ca_simd_note()).decode()
 
 
 def register_bfloat16(int type_num):
