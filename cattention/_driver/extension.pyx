@@ -20,7 +20,7 @@ algorithm lives in the headers it cimports, read in order:
     runs.pxd          a Problem run without the GIL
     checks.pxd        the checks of scalar options, for both ways in
     appends.pxd       new rows written into a KV cache, the cache lengths
-    rotary.pxd        rotary embeddings of q and new keys, into scratch rows
+    rotary.pxd        rotary embeddings (q's rows as read, new keys into scratch)
     accepts.pxd       what a compiled shortcut takes as it is
     shortcuts.pxd     the compiled shortcut of each layout
 
