@@ -90,6 +90,21 @@ def _logit_ulp_atol(q, k, scale, ref_scores):
     return 2.0 * float(np.spacing(np.float32(largest_logit))) * float(np.max(np.abs(ref_scores)))
 
 
+def _logit_sum_ulp_atol(q, k, scale):
+    """Two float32 ulps of the largest |scale| * sum_c |q_c k_c|: the
+    magnitude a logit's partial sums reach, and so the rounding scale of a
+    float32 logit, which cancellation can leave far below it (an LSE is a
+    logit plus the log of a sum: with one visible key, the logit itself)."""
+    q = np.abs(np.asarray(q, dtype=np.float64))
+    k = np.abs(np.asarray(k, dtype=np.float64))
+    if q.size == 0 or k.size == 0:
+        return 0.0
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    largest = abs(float(scale)) * float(np.max(np.matmul(q, np.swapaxes(k, -1, -2))))
+    return 2.0 * float(np.spacing(np.float32(largest)))
+
+
 def rms_err(a, b):
     """Root-mean-square difference computed in float64 (0 for empty arrays)."""
     a = np.asarray(a, dtype=np.float64)
@@ -345,7 +360,8 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
     ``<= f32_abs_cap``
     (pass ``f32_abs_cap=None`` for data that is deliberately not unit scale).
     float64: ``err <= f64_abs_tol``. LSE: ``-inf`` exactly where the
-    reference's is, the rule on the finite entries.
+    reference's is, the rule on the finite entries, its ulp term at least
+    that of the logits' partial sums (``_logit_sum_ulp_atol``).
     """
     ref_attn, ref_scores, ref_lse = _attention(q, k, v, causal, mask, scale, np.float64,
                                                **options)
@@ -375,6 +391,9 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
             rms, np_rms = rms_err(got, ref), rms_err(np32[i], ref)
             # with few elements the RMS is itself noisy: allow the rounding
             # scale of V (whose rows ATTN combines) divided by sqrt(n)
+            if i == 2:
+                # each LSE carries the rounding of its logits
+                atol = max(atol, _logit_sum_ulp_atol(q, k, scale))
             rms_atol = atol
             if i == 0 and got.size:
                 rms_atol += float32_ulp_atol(v) / np.sqrt(got.size)
@@ -445,8 +464,8 @@ def assert_bfloat16_matches_reference(attn, scores, q, k, v, causal=False, mask=
         assert lse.dtype == np.float32, f"LSE dtype {lse.dtype} is not float32"
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref[2]))
         finite = np.isfinite(ref[2])
-        e = F32_RTOL_MAX * max_abs_err(np32[2][finite], ref[2][finite]) + float32_ulp_atol(
-            ref[2][finite])
+        e = F32_RTOL_MAX * max_abs_err(np32[2][finite], ref[2][finite]) + max(
+            float32_ulp_atol(ref[2][finite]), _logit_sum_ulp_atol(q, k, scale))
         assert max_abs_err(lse[finite], ref[2][finite]) <= e
 
 
