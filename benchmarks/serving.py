@@ -2,10 +2,14 @@
 a continuous-batching generation loop, beside the padded and contiguous
 equivalents and PyTorch SDPA on the padded batch (when torch is installed).
 
-    python benchmarks/serving.py [--threads 1 2] [--rounds 7] [--only varlen paged loop]
+    python benchmarks/serving.py [--threads 1 2] [--rounds 7] [--clock wall]
+                                 [--only varlen paged loop rotary]
 
 All float32, medians of back-to-back rounds in one process. Nothing is
-asserted: the tests check the results, this prints the times.
+asserted: the tests check the results, this prints the times. --clock cpu
+times the process's CPU time (of all its threads) instead of the wall
+clock: steadier on a machine other work shares, where a wall-clock round
+also counts the time the process waits for a core.
 
 - varlen: 8 sequences of 50-1000 tokens, H = 32, d = 128, causal:
   attention_varlen, one attention call per sequence (no padding either),
@@ -19,6 +23,13 @@ asserted: the tests check the results, this prints the times.
   lengths, at most 8 at a time, prompts prefilled in chunks of 256 while
   the others decode, one attention_with_paged_kvcache call per step (only
   the attention is timed): tokens (prompt and generated) per second.
+- rotary: rotary embeddings on append, H = 32, H_kv = 8, d = 128: a decode
+  step (1 new row, 4096 keys; float32 and float16 caches, and float32
+  pages of 16) and a 512-token prefill into an empty cache. The call with
+  rotary_cos / rotary_sin beside the same call on rows rotated before it
+  (what rotary itself costs: the target is at most 1.1x), rotating in
+  NumPy first then calling (the pass a caller saves), and torch SDPA after
+  a separate rotary step in torch (the cache append included).
 """
 
 from __future__ import annotations
@@ -30,6 +41,10 @@ import time
 import numpy as np
 
 import cattention as ca
+
+#: the clock every timing reads (main's --clock)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
 
 try:
     import torch
@@ -51,17 +66,17 @@ def round_robin_medians(cases, rounds):
             cases[name]()
         for _ in range(rounds):
             for name in ours:
-                start = time.perf_counter()
+                start = clock()
                 cases[name]()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
         for name in cases:
             if name in ours:
                 continue
             cases[name]()
             for _ in range(rounds):
-                start = time.perf_counter()
+                start = clock()
                 cases[name]()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -205,10 +220,10 @@ def loop(threads, rounds):
         cu = np.concatenate([[0], np.cumsum(counts)])
         q = rng.standard_normal((total, H, d)).astype(np.float32)
         kv = rng.standard_normal((total, H_kv, d)).astype(np.float32)
-        start = time.perf_counter()
+        start = clock()
         ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths, kv, kv,
                                         cu_seqlens_q=cu, num_threads=threads)
-        elapsed += time.perf_counter() - start
+        elapsed += clock() - start
         tokens += total
         steps += 1
         for s, a in enumerate(active):
@@ -226,16 +241,107 @@ def loop(threads, rounds):
           f"{elapsed / steps * 1e3:.2f} ms per step)")
 
 
+def _rope_tables(n_positions, half):
+    angles = np.arange(n_positions)[:, None] * 10000.0 ** (-np.arange(half) / half)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotate_numpy(x, cos, sin, positions):
+    """x (B, H, T, d) rotated at positions (T,) in NumPy, the half split
+    (cattention's documented formula, in float32)."""
+    half = cos.shape[1]
+    c, s = cos[positions], sin[positions]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]], axis=-1)
+
+
+def _rotate_torch(x, cos, sin):
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
+
+
+def rotary(threads, rounds):
+    rng = np.random.default_rng(3)
+    H, H_kv, d, page_size = 32, 8, 128, 16
+    n_positions = 8192
+    cos, sin = _rope_tables(n_positions, d // 2)
+    steps = [("decode, 4096 keys, float32 cache", 4095, 1, np.float32, False),
+             ("decode, 4096 keys, float16 cache", 4095, 1, np.float16, False),
+             ("decode, 4096 keys, float32 pages", 4095, 1, np.float32, True),
+             ("prefill, 512 tokens, float32 cache", 0, 512, np.float32, False)]
+    for title, start, T, cache_dtype, paged in steps:
+        S_max = 4096 + 64
+        k_cache = rng.standard_normal((1, H_kv, S_max, d)).astype(cache_dtype)
+        v_cache = rng.standard_normal((1, H_kv, S_max, d)).astype(cache_dtype)
+        q = rng.standard_normal((1, H, T, d)).astype(np.float32)
+        k_new = rng.standard_normal((1, H_kv, T, d)).astype(np.float32)
+        v_new = rng.standard_normal((1, H_kv, T, d)).astype(np.float32)
+        positions = start + np.arange(T)
+        q_rot, k_rot = (_rotate_numpy(x, cos, sin, positions) for x in (q, k_new))
+        lengths = np.array([start])
+        if paged:
+            n_pages = S_max // page_size
+            table = rng.permutation(n_pages)[None]
+            # the same contents in shuffled pages
+            k_store = np.empty((n_pages, H_kv, page_size, d), cache_dtype)
+            v_store = np.empty_like(k_store)
+            k_store[table[0]] = k_cache[0].reshape(H_kv, n_pages, page_size, d).swapaxes(0, 1)
+            v_store[table[0]] = v_cache[0].reshape(H_kv, n_pages, page_size, d).swapaxes(0, 1)
+
+            def call(q_, k_, **rope):
+                ca.attention_with_paged_kvcache(q_, k_store, v_store, table, lengths.copy(),
+                                                k_, v_new, num_threads=threads, **rope)
+        else:
+            def call(q_, k_, **rope):
+                ca.attention_with_kvcache(q_, k_cache, v_cache, lengths.copy(), k_, v_new,
+                                          num_threads=threads, **rope)
+
+        cases = {
+            "with rotary_cos, rotary_sin": lambda: call(q, k_new, rotary_cos=cos,
+                                                        rotary_sin=sin),
+            "without (rows rotated before)": lambda: call(q_rot, k_rot),
+            "NumPy rotation, then the call": lambda: call(
+                *(_rotate_numpy(x, cos, sin, positions) for x in (q, k_new))),
+        }
+        if torch is not None and not paged:
+            torch.set_num_threads(threads)
+            tq, tk, tv = (torch.from_numpy(x) for x in (q, k_new, v_new))
+            tk_cache = torch.from_numpy(k_cache.astype(np.float32))
+            tv_cache = torch.from_numpy(v_cache.astype(np.float32))
+            tcos = torch.from_numpy(cos[positions])
+            tsin = torch.from_numpy(sin[positions])
+            end = start + T
+
+            def torch_step():
+                tk_cache[:, :, start:end] = _rotate_torch(tk, tcos, tsin)
+                tv_cache[:, :, start:end] = tv
+                return F.scaled_dot_product_attention(
+                    _rotate_torch(tq, tcos, tsin), tk_cache[:, :, :end], tv_cache[:, :, :end],
+                    is_causal=T > 1, enable_gqa=True)
+            cases["torch rotary, then SDPA"] = torch_step
+        print(f"\nrotary on append, {title}: H={H}, H_kv={H_kv}, d={d}, rotary_dim {d}, "
+              f"{threads} thread(s)")
+        medians = round_robin_medians(cases, rounds)
+        base = medians["without (rows rotated before)"]
+        for name, t in medians.items():
+            print(f"  {name:34s} {t * 1e3:9.3f} ms  {t / base:5.3f}x the call without")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--only", nargs="+", default=["varlen", "paged", "loop"],
-                        choices=["varlen", "paged", "loop"])
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--only", nargs="+", default=["varlen", "paged", "loop", "rotary"],
+                        choices=["varlen", "paged", "loop", "rotary"])
     args = parser.parse_args(argv)
+    global clock
+    clock = CLOCKS[args.clock]
     for threads in args.threads:
         for name in args.only:
-            {"varlen": varlen, "paged": paged, "loop": loop}[name](threads, args.rounds)
+            {"varlen": varlen, "paged": paged, "loop": loop,
+             "rotary": rotary}[name](threads, args.rounds)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ __all__ = [
     "reference_attention_lse",
     "reference_lse",
     "numpy_attention_f32",
+    "reference_rotary",
     "visible_positions",
     "max_abs_err",
     "assert_matches_reference",
@@ -87,6 +88,21 @@ def _logit_ulp_atol(q, k, scale, ref_scores):
     logits = np.matmul(q, np.swapaxes(k, -1, -2))
     largest_logit = abs(float(scale)) * float(np.max(np.abs(logits)))
     return 2.0 * float(np.spacing(np.float32(largest_logit))) * float(np.max(np.abs(ref_scores)))
+
+
+def _logit_sum_ulp_atol(q, k, scale):
+    """Two float32 ulps of the largest |scale| * sum_c |q_c k_c|: the
+    magnitude a logit's partial sums reach, and so the rounding scale of a
+    float32 logit, which cancellation can leave far below it (an LSE is a
+    logit plus the log of a sum: with one visible key, the logit itself)."""
+    q = np.abs(np.asarray(q, dtype=np.float64))
+    k = np.abs(np.asarray(k, dtype=np.float64))
+    if q.size == 0 or k.size == 0:
+        return 0.0
+    if scale is None:
+        scale = 1.0 / np.sqrt(q.shape[-1])
+    largest = abs(float(scale)) * float(np.max(np.matmul(q, np.swapaxes(k, -1, -2))))
+    return 2.0 * float(np.spacing(np.float32(largest)))
 
 
 def rms_err(a, b):
@@ -294,6 +310,29 @@ def numpy_attention_f32(q, k, v, causal=False, mask=None, scale=None, **options)
     return _attention(q, k, v, causal, mask, scale, np.float32, **options)[:2]
 
 
+def reference_rotary(x, cos, sin, positions, interleaved=False):
+    """float64 rotary position embedding of x (..., d) at ``positions``
+    (broadcastable to x.shape[:-1]): each rotated pair of features is a
+    complex number multiplied by ``cos[p] + 1j * sin[p]`` (the rotation by
+    the angle of position p), the pair being features (i, i + r/2)
+    (GPT-NeoX) or (2i, 2i + 1) (interleaved, GPT-J) of the first
+    ``r = 2 * cos.shape[1]``; the other features stay."""
+    x = np.array(x, dtype=np.float64)
+    cos = np.asarray(cos, dtype=np.float64)
+    sin = np.asarray(sin, dtype=np.float64)
+    half = cos.shape[1]
+    at = np.broadcast_to(np.asarray(positions), x.shape[:-1])
+    turn = cos[at] + 1j * sin[at]
+    if interleaved:
+        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    else:
+        first, second = slice(0, half), slice(half, 2 * half)
+    pairs = (x[..., first] + 1j * x[..., second]) * turn
+    x[..., first] = pairs.real
+    x[..., second] = pairs.imag
+    return x
+
+
 # ---------------------------------------------------------------------------
 # Helpers for tests (still no cattention in here)
 # ---------------------------------------------------------------------------
@@ -321,7 +360,8 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
     ``<= f32_abs_cap``
     (pass ``f32_abs_cap=None`` for data that is deliberately not unit scale).
     float64: ``err <= f64_abs_tol``. LSE: ``-inf`` exactly where the
-    reference's is, the rule on the finite entries.
+    reference's is, the rule on the finite entries, its ulp term at least
+    that of the logits' partial sums (``_logit_sum_ulp_atol``).
     """
     ref_attn, ref_scores, ref_lse = _attention(q, k, v, causal, mask, scale, np.float64,
                                                **options)
@@ -351,6 +391,9 @@ def assert_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
             rms, np_rms = rms_err(got, ref), rms_err(np32[i], ref)
             # with few elements the RMS is itself noisy: allow the rounding
             # scale of V (whose rows ATTN combines) divided by sqrt(n)
+            if i == 2:
+                # each LSE carries the rounding of its logits
+                atol = max(atol, _logit_sum_ulp_atol(q, k, scale))
             rms_atol = atol
             if i == 0 and got.size:
                 rms_atol += float32_ulp_atol(v) / np.sqrt(got.size)
@@ -421,8 +464,8 @@ def assert_bfloat16_matches_reference(attn, scores, q, k, v, causal=False, mask=
         assert lse.dtype == np.float32, f"LSE dtype {lse.dtype} is not float32"
         np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref[2]))
         finite = np.isfinite(ref[2])
-        e = F32_RTOL_MAX * max_abs_err(np32[2][finite], ref[2][finite]) + float32_ulp_atol(
-            ref[2][finite])
+        e = F32_RTOL_MAX * max_abs_err(np32[2][finite], ref[2][finite]) + max(
+            float32_ulp_atol(ref[2][finite]), _logit_sum_ulp_atol(q, k, scale))
         assert max_abs_err(lse[finite], ref[2][finite]) <= e
 
 

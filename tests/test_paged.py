@@ -253,8 +253,11 @@ def _small_call():
     (lambda a: a.update(table=np.array([[0, 0, -1], [2, 3, 4]])),
      r"sequence 0's new position 4 would be written to page 0 row 0, which sequence 0 "
      r"holds \(its position 0\)"),
-    (lambda a: a.update(k_new=np.ones((2, 2, 3, 8), np.float32)),
+    # (new rows of another count than q's are appended: issue 43)
+    (lambda a: a.update(k_new=np.ones((2, 3, 2, 8), np.float32)),
      r"k_new must have shape \(2, 2, 2, 8\)"),
+    (lambda a: a.update(k_new=np.ones((2, 2, 3, 8), np.float32)),
+     r"v_new must have shape \(2, 2, 3, 8\)"),
     (lambda a: a.update(v_new=None), "k_new and v_new must be given together"),
     (lambda a: a.update(lengths=np.array([3.0, 8.0])),
      r"cache_lengths must be an integer ndarray of shape \(2,\)"),

@@ -149,8 +149,9 @@ def attention(
     return_lse : bool, default False
         Also return the log-sum-exp of each row's scaled, masked logits,
         the row's sink included when ``sinks`` is given (``-inf`` for a row
-        that sees no key and has no sink). Attention over disjoint key
-        chunks combines exactly with :func:`merge` using it.
+        that sees no key and has no sink: the log of an empty sum;
+        FlashAttention gives ``+inf``, see :func:`merge`). Attention over
+        disjoint key chunks combines exactly with :func:`merge` using it.
     enable_gqa : bool, default False
         Grouped-query attention: q has H query heads on axis -3 and k, v
         have H_kv heads there, H a multiple of H_kv; query head h uses

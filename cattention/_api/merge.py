@@ -25,7 +25,16 @@ def merge(
     union of the chunks, up to rounding. Chunks that see no key
     (``lse_i = -inf``) contribute nothing; if no chunk sees a key the row is
     zero with ``lse = -inf``, as from :func:`attention`. A row where some
-    ``lse_i`` is NaN or +inf (a NaN row of attention) is NaN. With attention
+    ``lse_i`` is NaN or +inf (a NaN row of attention) is NaN.
+
+    Every cattention call gives ``-inf`` for a row that sees no key: the
+    log of its empty sum, so ``exp(lse_i - lse)`` weighs it 0 with no
+    special case. FlashAttention's kernels give ``+inf`` for such a row
+    (``-inf`` in their split-key partials), which this merge reads as a NaN
+    row: map their chunks' LSE first, ``np.where(lse == np.inf, -np.inf,
+    lse)``, so that both libraries' empty rows weigh nothing (their
+    kernels give ``+inf`` to a row whose sum is NaN too; its output, NaN,
+    then weighs nothing either). With attention
     sinks, pass ``sinks=`` to exactly one chunk's call: its log-sum-exp then
     carries the sink (even if that chunk sees no key), and the merge equals
     attention with the sinks over all keys. See :ref:`conventions-lse`.

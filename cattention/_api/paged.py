@@ -31,6 +31,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[False] = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
@@ -46,6 +48,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[True],
     num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
@@ -61,6 +65,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
@@ -75,6 +81,8 @@ def attention_with_paged_kvcache(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[NDArray[np.float32]] = None,
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
+    cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
+    rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
     num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
@@ -85,10 +93,12 @@ def attention_with_paged_kvcache(
     page_size]`` (for every K/V head). The new rows are written there at
     positions ``cache_lengths[b]`` onwards, ``cache_lengths`` is advanced
     **in place**, then each sequence's queries attend to its valid
-    positions with bottom-right causal alignment (its new tokens are the
-    last of them). Pages are read where they are, never gathered. The
-    results are bitwise the same for any thread count and any order of the
-    pages; they agree with those of the same keys held contiguously
+    positions with bottom-right causal alignment (its queries are the last
+    of them; a sequence may append another number of rows than it has
+    queries). With rotary tables, q and the new keys are rotated at their
+    positions as they are read and appended. Pages are read where they
+    are, never gathered. The results are bitwise the same for any thread
+    count and any order of the pages; they agree with those of the same keys held contiguously
     (:func:`cattention.attention_with_kvcache`) to rounding, not bitwise: a
     decode step's key steps end where pages do, and how its keys are split
     into chunks depends on the shapes (a contiguous cache's S_max among
@@ -109,15 +119,23 @@ def attention_with_paged_kvcache(
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence, updated in place; its dtype must
         hold max_pages * page_size.
-    k_new, v_new : array_like, shapes (B, H_kv, T, d_k) and (B, H_kv, T, d_v), optional
-        Rows to append (both or neither), in q's layout: packed
-        ``(total_q, H_kv, d)`` with ``cu_seqlens_q``.
+    k_new, v_new : array_like, shapes (B, H_kv, T_new, d_k) and (B, H_kv, T_new, d_v), optional
+        Rows to append (both or neither), in q's layout: padded with any
+        T_new (T_new = T for a step whose every new token is a query, as in
+        the contiguous call), or packed ``(total_new, H_kv, d)``, sequence
+        b's from ``cu_seqlens_k_new[b]`` (by default ``cu_seqlens_q``: one
+        new row per query row).
     cu_seqlens_q : array_like of int, shape (B + 1,), optional
         Continuous batching: q, k_new and v_new are packed along the token
         axis, sequence b bringing ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``
         tokens (a prompt chunk, 1 for a decoding sequence, or 0).
+    cu_seqlens_k_new : array_like of int, shape (B + 1,), optional
+        With packed rows: where each sequence's new rows start in k_new and
+        v_new, when their counts differ from its queries' (speculative
+        decoding, a chunk appended without all of its queries).
     causal, scale, window, softcap, return_lse, num_threads
-        As in :func:`cattention.attention`.
+        As in :func:`cattention.attention`. The log-sum-exp of a row that
+        sees no key is ``-inf`` (see :func:`cattention.merge`).
     kv_starts : array_like of int, shape (B,), optional
         The first valid position of each sequence (left padding): sequence
         b attends to positions ``kv_starts[b] <= j < cache_lengths[b]``
@@ -125,8 +143,17 @@ def attention_with_paged_kvcache(
         are never read.
     out : ndarray, shape of q with d_v last, optional
         Where to write ATTN, as :func:`cattention.attention`'s ``out``.
-    alibi_slopes, sinks : array_like, shape (H,), optional
-        One ALiBi slope, or one sink logit (-inf: none), per query head.
+    alibi_slopes, sinks : array_like, shape (H,) or (B, H), optional
+        One ALiBi slope, or one sink logit (-inf: none), per query head, or
+        per sequence and query head.
+    rotary_cos, rotary_sin : array_like, shape (max_position, rotary_dim / 2), optional
+    rotary_interleaved : bool, default False
+        Rotary position embeddings, as in
+        :func:`cattention.attention_with_kvcache`: sequence b's new keys at
+        positions ``cache_lengths[b] + t``, its queries at the last of its
+        positions after the append, the pages holding rotated keys; bitwise
+        the call without tables on rows rotated first by the formula
+        documented there.
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
         With int8 pages (and only then): each row's scale, written as rows
         are appended (k_new and v_new are then float, quantized on append).
@@ -153,7 +180,9 @@ def attention_with_paged_kvcache(
         with another of them, q, k_new or v_new; new rows holding a value
         the pages cannot store (beyond a float dtype's range, or NaN or
         infinite for int8 pages); negative lengths; an option out of range,
-        or one the compute dtype cannot hold.
+        or one the compute dtype cannot hold; ``cu_seqlens_k_new`` without
+        packed new rows, or not describing k_new; rotary tables as
+        :func:`cattention.attention_with_kvcache` refuses them.
     TypeError
         On pages that differ in dtype or are not in native byte order, a q
         wider than the pages, new rows that cannot be cast to the pages'
@@ -178,17 +207,21 @@ def attention_with_paged_kvcache(
     >>> lengths
     array([3, 9])
     """
-    fast = driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
-                                 v_new, cu_seqlens_q, causal, scale, window, softcap,
-                                 alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
-                                 return_lse, num_threads, local.limit)
+    fast = (driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
+                                  v_new, cu_seqlens_q, causal, scale, window, softcap,
+                                  alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
+                                  return_lse, num_threads, local.limit, rotary_cos, rotary_sin,
+                                  rotary_interleaved)
+            if cu_seqlens_k_new is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends, result = prepare_paged(
         q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
         cu_seqlens_q=cu_seqlens_q, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out)
+        return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out,
+        cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
         attn, lse = entries.run(call, result)

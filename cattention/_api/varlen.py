@@ -87,13 +87,15 @@ def attention_varlen(
         Sequences of length 0 are allowed.
     causal, scale, window, softcap, num_threads
         As in :func:`cattention.attention`, within each sequence.
-    alibi_slopes, sinks : array_like, shape (H,), optional
-        One ALiBi slope, or one sink logit (-inf: none), per query head.
+    alibi_slopes, sinks : array_like, shape (H,) or (n_seq, H), optional
+        One ALiBi slope, or one sink logit (-inf: none), per query head, or
+        per sequence and query head.
     enable_gqa : bool, default False
         Allow H to be a multiple of H_kv: query head h reads K/V head
         h // (H // H_kv).
     return_lse : bool, default False
-        Also return the log-sum-exp of each row, shape (total_q, H).
+        Also return the log-sum-exp of each row, shape (total_q, H);
+        ``-inf`` for a row that sees no key (see :func:`cattention.merge`).
     out : ndarray, shape (total_q, H, d_v), optional
         Where to write ATTN, as :func:`cattention.attention`'s ``out``.
 

@@ -20,6 +20,7 @@ algorithm lives in the headers it cimports, read in order:
     runs.pxd          a Problem run without the GIL
     checks.pxd        the checks of scalar options, for both ways in
     appends.pxd       new rows written into a KV cache, the cache lengths
+    rotary.pxd        rotary embeddings (q's rows as read, new keys into scratch)
     accepts.pxd       what a compiled shortcut takes as it is
     shortcuts.pxd     the compiled shortcut of each layout
 
@@ -45,7 +46,7 @@ from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
     ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, ca_simd_note, intp_t)
-from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
+from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
 from cattention._driver.schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size, compute_problem,
     omp_get_max_threads)
@@ -60,6 +61,7 @@ from cattention._driver.from_entries cimport (
 from cattention._driver.runs cimport run_dense, run_plan
 from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows as _append_rows, cache_rows_of)
+from cattention._driver.rotary cimport rotary_of, rotated as _rotated
 from cattention._driver.shortcuts cimport (
     attention_shortcut as _attention_shortcut, kvcache_shortcut as _kvcache_shortcut,
     paged_shortcut as _paged_shortcut)
@@ -325,14 +327,21 @@ def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask):
 # ------------------------------------------------------------ the runs
 
 cdef inline void read_row_options(object options, RowOptions *row,
-                                  const double[::1] alibi, const double[::1] sinks):
-    """The driver's RowOptions of a ``_prepare.options.RowOptions``."""
+                                  const double[::1] alibi, const double[::1] sinks,
+                                  Rotary *rotary):
+    """The driver's RowOptions of a ``_prepare.options.RowOptions`` (its
+    rotary tables described in ``rotary``, which the row then points to)."""
     row.causal = options.causal
     row.scale = options.scale
     row.window_left, row.window_right = options.window
     row.softcap = options.softcap
     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
+    row.rotary = NULL
+    if options.rotary is not None:
+        cos, sin, first, interleaved = options.rotary
+        rotary_of(rotary, cos, sin, first, interleaved)
+        row.rotary = rotary
 
 
 def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
@@ -360,12 +369,13 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
     cdef const double[::1] alibi = options.alibi
     cdef const double[::1] sinks = options.sinks
     cdef RowOptions row
+    cdef Rotary rotary
     cdef Py_ssize_t n_batch_dims = len(batch_shape)
     cdef Py_ssize_t shape[64]
     cdef Py_ssize_t d
     for d in range(n_batch_dims):
         shape[d] = batch_shape[d]
-    read_row_options(options, &row, alibi, sinks)
+    read_row_options(options, &row, alibi, sinks, &rotary)
     run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,
               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
               &kv_starts[0] if kv_starts is not None and kv_starts.shape[0] > 0 else NULL,
@@ -409,7 +419,8 @@ def run_entries(object call):
                                              else None)
     cdef EntryPlan plan
     cdef RowOptions row
-    read_row_options(call.options, &row, None, None)
+    cdef Rotary rotary
+    read_row_options(call.options, &row, None, None, &rotary)
     plan.n_seq = q_lengths.shape[0]
     plan.n_heads = call.n_heads
     plan.n_kv_heads = call.n_kv_heads
@@ -464,6 +475,21 @@ def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offse
                  cnp.PyArray_DIM(cache, 3))
 
 
+# ----------------------------------------------------------------- rotary
+
+def rotate_rows(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, Py_ssize_t first,
+                const intp_t[::1] positions, bint interleaved):
+    """A new C-contiguous array of the rows of x rotated (rotary.pxd), row
+    (a, h, t) at positions[a * T + t], without the GIL. Preconditions
+    (checked by the caller): x 4-D (A, H, T, d) float32 or float64, and the
+    tables (n_positions, half) of its dtype, each aligned, native, strides
+    multiples of the itemsize, whose row p - first holds position p; 2 *
+    half <= d; every position one the tables hold."""
+    cdef Rotary rotary
+    rotary_of(&rotary, cos, sin, first, interleaved)
+    return _rotated(x, &rotary, &positions[0] if positions.shape[0] > 0 else NULL)
+
+
 # -------------------------------------------------------------- shortcuts
 
 def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,
@@ -479,20 +505,23 @@ def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, 
 
 def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,
                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
-                     kv_starts, out, return_lse, num_threads, thread_limit):
+                     kv_starts, out, return_lse, num_threads, thread_limit, rotary_cos,
+                     rotary_sin, rotary_interleaved):
     """The result of ``attention_with_kvcache`` for a common serving step,
     else None before anything is written (shortcuts.pxd)."""
     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
-                             v_scale, kv_starts, out, return_lse, num_threads, thread_limit)
+                             v_scale, kv_starts, out, return_lse, num_threads, thread_limit,
+                             rotary_cos, rotary_sin, rotary_interleaved)
 
 
 def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
-                   v_scale, kv_starts, out, return_lse, num_threads, thread_limit):
+                   v_scale, kv_starts, out, return_lse, num_threads, thread_limit, rotary_cos,
+                   rotary_sin, rotary_interleaved):
     """The result of ``attention_with_paged_kvcache`` for a common serving
     step, else None before anything is written (shortcuts.pxd)."""
     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,
                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
                            sinks, k_scale, v_scale, kv_starts, out, return_lse, num_threads,
-                           thread_limit)
+                           thread_limit, rotary_cos, rotary_sin, rotary_interleaved)

@@ -1,7 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
-"""Packing: query rows into the workspace, K^T into cache-line panels and V
-into padded rows, block by block (float16 converted on the way), and the
+"""Packing: query rows into the workspace (rotated at their positions when
+the call has rotary tables), K^T into cache-line panels and V into padded
+rows, block by block (float16 converted on the way), and the
 handling of non-finite values in V (a NaN or Inf value row is kept out of
 the SIMD P.V tile and added exactly where its weight is nonzero)."""
 
@@ -11,7 +12,8 @@ from cattention._driver.kernel_table cimport (
     CA_PANEL_F32, CA_PANEL_F64, ca_bfloat16_to_float, ca_half_to_float)
 from cattention._driver.problem cimport (
     K_BLOCK, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, key_extent,
-    key_first, round_up)
+    key_first, query_position, round_up)
+from cattention._driver.rotary cimport rotate_row
 from cattention._driver.operands cimport (
     contiguous_run, copy_rows, features_contiguous, row_offset, rows_in_place)
 from cattention._driver.workspace cimport Workspace
@@ -21,12 +23,20 @@ cdef inline void pack_queries(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
                               Py_ssize_t n_rows, floating *q_packed,
                               Py_ssize_t ld) noexcept nogil:
     """Query rows row0.. of entry b into q_packed (rows ld apart), features
-    contiguous; float16 and bfloat16 queries converted on the way."""
+    contiguous; float16 and bfloat16 queries converted on the way, queries
+    of the compute dtype rotated at their positions when the call has
+    rotary tables."""
     cdef const floating *q = <const floating *>pb.q.data + pb.q.batch_offset[b]
     cdef Py_ssize_t i, c
     cdef const floating *q_row
     if pb.q.storage != STORE_COMPUTE:
         copy_rows(pb, &pb.q, b, row0, n_rows, pb.d_k, q_packed, ld)
+        return
+    if pb.rotary != NULL:
+        for i in range(n_rows):
+            rotate_row(pb.rotary, <const char *>(q + (row0 + i) * pb.q.row_stride),
+                       pb.q.col_stride, <char *>(q_packed + i * ld),
+                       query_position(pb, b, row0 + i), pb.d_k, sizeof(floating))
         return
     for i in range(n_rows):
         q_row = q + (row0 + i) * pb.q.row_stride
@@ -39,10 +49,11 @@ cdef inline const floating *query_rows(const Problem *pb, Py_ssize_t b, Py_ssize
                                        Py_ssize_t *ldq) noexcept nogil:
     """Query rows row0.. of entry b with contiguous features (row stride in
     *ldq): where the caller keeps them, or copied into q_packed (rows ld
-    apart) when their features are strided. The score kernels read the same
-    values either way; a copy would cost its own pass over Q (3% of a
-    BERT-sized call)."""
-    if pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1):
+    apart) when their features are strided or they are rotated. The score
+    kernels read the same values either way; a copy would cost its own pass
+    over Q (3% of a BERT-sized call)."""
+    if (pb.q.storage == STORE_COMPUTE and (pb.q.col_stride == 1 or pb.d_k <= 1)
+            and pb.rotary == NULL):
         ldq[0] = pb.q.row_stride
         return <const floating *>pb.q.data + pb.q.batch_offset[b] + row0 * pb.q.row_stride
     pack_queries(pb, b, row0, n_rows, q_packed, ld)

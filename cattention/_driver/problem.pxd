@@ -106,6 +106,18 @@ cdef struct Operand:
     Py_ssize_t scale_page_stride
 
 
+cdef struct Rotary:
+    # Rotary embedding tables (rotary.pxd): the cos and sin of position p are
+    # row p - first of cos and sin, of the compute dtype, half values each
+    # (byte strides of rows and columns); pairs of features interleaved or
+    # split in halves
+    const char *cos
+    const char *sin
+    Py_ssize_t cos_row, cos_col, sin_row, sin_col
+    Py_ssize_t first, half
+    bint interleaved
+
+
 cdef struct RowOptions:
     # What every row of a call obeys, whatever the layout (the driver's
     # side of _prepare/options.py's RowOptions; the thread count is the
@@ -117,6 +129,7 @@ cdef struct RowOptions:
     double softcap               # logits -> softcap * tanh(logits / softcap); 0: off
     const double *alibi_slope    # per group of query_period rows, or NULL
     const double *sink           # per group of query_period rows, or NULL
+    const Rotary *rotary         # query rows rotated at their positions, or NULL
 
 
 cdef struct Problem:
@@ -145,6 +158,8 @@ cdef struct Problem:
     const double *alibi_slope    # -slope * |position - j| added to the logits,
                                  # the slope of query head row // query_period as
                                  # for the sinks; NULL: none
+    const Rotary *rotary         # query rows (of the compute dtype) rotated at
+                                 # their positions as they are read; NULL: none
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
     # Entries of their own lengths (packed variable-length sequences, paged
     # caches; NULL: every entry has T rows, at b * T * ld_out in ATTN and
@@ -238,6 +253,7 @@ cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_quer
     pb.softcap = row.softcap
     pb.alibi_slope = row.alibi_slope
     pb.sink = row.sink
+    pb.rotary = row.rotary
     pb.mask_kind = MASK_NONE
     pb.query_period = n_queries
     pb.ld_out = d_v
@@ -247,7 +263,7 @@ cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_quer
 
 
 cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) noexcept nogil:
-    """Row options with no window, softcap, ALiBi or sinks."""
+    """Row options with no window, softcap, ALiBi, sinks or rotary tables."""
     row.causal = causal
     row.scale = scale
     row.window_left = -1
@@ -255,6 +271,7 @@ cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) n
     row.softcap = 0
     row.alibi_slope = NULL
     row.sink = NULL
+    row.rotary = NULL
 
 
 cdef inline void problem_finish(Problem *pb) noexcept nogil:
@@ -301,3 +318,15 @@ cdef inline Py_ssize_t key_extent(const Problem *pb, Py_ssize_t kv) noexcept nog
 cdef inline Py_ssize_t key_first(const Problem *pb, Py_ssize_t kv) noexcept nogil:
     """The first key of packed K/V entry kv that may be read."""
     return pb.kv_first[kv] if pb.kv_first != NULL else 0
+
+
+cdef inline Py_ssize_t query_position(const Problem *pb, Py_ssize_t b,
+                                      Py_ssize_t row) noexcept nogil:
+    """Key position of query row ``row`` of batch entry b: the queries are
+    the last positions of the entry's valid keys (bottom-right alignment,
+    repeating every query_period rows when heads are stacked), the position
+    the causal mask, windows and ALiBi measure from and rotary tables
+    rotate at."""
+    cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
+    cdef Py_ssize_t period = query_period_of(pb, b)
+    return row % period + n_valid - period

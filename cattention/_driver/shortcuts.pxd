@@ -18,7 +18,7 @@ from cattention._driver.accepts cimport (
     apart, are_ndarrays, compute_type, entry_positions, entry_reals, half_holds,
     new_rows_shaped, out_usable, output_fits, plain_lengths, serving_step_arrays,
     serving_step_dtypes, step_arrays_fit, usable_input, writes_apart)
-from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
+from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
 from cattention._driver.checks cimport (
     check_alibi_slopes, check_flag, check_key_positions, check_scale, check_sinks,
     check_softcap, check_window, resolve_threads)
@@ -26,6 +26,7 @@ from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
 from cattention._driver.from_entries cimport EntryPlan, Place, stacks_grouped_rows
 from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows, cache_rows_of, load_length, new_rows_of, store_lengths)
+from cattention._driver.rotary cimport rotary_step_usable, rotated_new_rows, step_rotary
 from cattention._driver.runs cimport run_dense, run_plan, run_then_free
 
 
@@ -292,7 +293,7 @@ cdef inline object kvcache_shortcut(
         object k_new, object v_new, object causal_flag, object scale, object gqa_flag,
         object window, object softcap, object alibi_slopes, object sinks, object k_scale,
         object v_scale, object kv_starts, object out_arg, object lse_flag, object num_threads,
-        object thread_limit):
+        object thread_limit, object rotary_cos, object rotary_sin, object interleaved_flag):
     """``attention_with_kvcache`` for a serving step of float caches: q
     float32, float64 or bfloat16 of shape (B, H, T, d_k), caches of q's
     dtype (or float16 or bfloat16 beside a float32 q) of shape (B, H_kv,
@@ -304,7 +305,9 @@ cdef inline object kvcache_shortcut(
     within S_max; no int8 scales; kv_starts an int32 or int64 ndarray (B,),
     alibi_slopes and sinks float32 or float64 ndarrays of shape (H,) or (B,
     H); out an ndarray it writes (out_usable) apart from the caches and
-    lengths. Else None, before anything is written."""
+    lengths; rotary tables the step reads in place (rotary.pxd: q and new
+    rows of the compute type, every position within the tables). Else
+    None, before anything is written."""
     if k_scale is not None or v_scale is not None:
         return None
     if (not serving_step_arrays(q, k_cache, v_cache, cache_lengths, k_new, v_new)
@@ -367,15 +370,31 @@ cdef inline object kvcache_shortcut(
         return None
     cdef int compute = compute_type(q_type)
     cdef bint in_float32 = compute == cnp.NPY_FLOAT32
+    cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+                              and interleaved_flag is False)
+    if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+                                           compute, d_k):
+        return None
     cdef RowOptions row
     plain_row_options(&row, causal, check_scale(scale, d_k, in_float32))
     check_window(window, causal, &row.window_left, &row.window_right)
     row.softcap = check_softcap(softcap, in_float32)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
-    # everything that may decline comes before the append: the per-entry
-    # options (the lengths after the append are filled in below), float32
-    # rows for a float16 cache converted as the general path converts them
+    # everything that may decline comes before the append: the new keys
+    # rotated (q is rotated as it is read), the per-entry options (the
+    # lengths after the append are filled in below), float32 rows for a
+    # float16 cache converted as the general path converts them
+    cdef Rotary rotary
+    if rotating:
+        if not step_rotary(&rotary, rotary_cos, rotary_sin, interleaved_flag, lengths, n_batch,
+                           n_queries, n_new):
+            return None
+        if appending:
+            kn = rotated_new_rows(kn, &rotary, lengths)
+            if kn is None:
+                return None
+        row.rotary = &rotary
     cdef Py_ssize_t shape[4]
     shape[0] = n_batch
     shape[1] = n_heads
@@ -497,7 +516,8 @@ cdef inline object paged_shortcut(
         object cache_lengths, object k_new, object v_new, object cu_seqlens_q,
         object causal_flag, object scale, object window, object softcap, object alibi_slopes,
         object sinks, object k_scale, object v_scale, object kv_starts, object out_arg,
-        object lse_flag, object num_threads, object thread_limit):
+        object lse_flag, object num_threads, object thread_limit, object rotary_cos,
+        object rotary_sin, object interleaved_flag):
     """``attention_with_paged_kvcache`` for a decode or prefill step of float
     pages: q float32 or float64 of shape (B, H, T, d_k) (no cu_seqlens_q),
     pages of q's dtype (or float16 beside a float32 q) of shape (n_pages,
@@ -510,7 +530,8 @@ cdef inline object paged_shortcut(
     used once (pages_written_once); no int8 scales; kv_starts an int32 or
     int64 ndarray (B,), alibi_slopes and sinks float32 or float64 ndarrays
     of shape (H,); out an ndarray it writes (out_usable) apart from the
-    pages, table and lengths. Else None, before anything is written."""
+    pages, table and lengths; rotary tables the step reads in place (as for
+    kvcache_shortcut). Else None, before anything is written."""
     if cu_seqlens_q is not None or k_scale is not None or v_scale is not None:
         return None
     if (not serving_step_arrays(q, k_pages, v_pages, cache_lengths, k_new, v_new)
@@ -583,11 +604,28 @@ cdef inline object paged_shortcut(
     cdef int compute = compute_type(q_type)
     cdef bint in_float32 = compute == cnp.NPY_FLOAT32
     cdef bint causal = causal_flag is True
+    cdef bint rotating = not (rotary_cos is None and rotary_sin is None
+                              and interleaved_flag is False)
+    if rotating and not rotary_step_usable(qa, kn, rotary_cos, rotary_sin, interleaved_flag,
+                                           compute, d_k):
+        return None
     plain_row_options(&row, causal, check_scale(scale, d_k, in_float32))
     check_window(window, causal, &row.window_left, &row.window_right)
     row.softcap = check_softcap(softcap, in_float32)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
     cdef bint return_lse = lse_flag is True
+    cdef Rotary rotary
+    if rotating:
+        # q is rotated as it is read, the new keys before anything else
+        # allocates
+        if not step_rotary(&rotary, rotary_cos, rotary_sin, interleaved_flag, lengths, n_seq,
+                           n_queries, n_new):
+            return None
+        if appending:
+            kn = rotated_new_rows(kn, &rotary, lengths)
+            if kn is None:
+                return None
+        row.rotary = &rotary
     # the per-head options as per (sequence, head) values: the dense
     # gathering over the batch (n_seq, H)
     cdef Py_ssize_t shape[2]

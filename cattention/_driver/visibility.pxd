@@ -9,7 +9,8 @@ from libc.math cimport INFINITY
 from libc.stdint cimport uint8_t
 from libc.stdlib cimport labs
 from cattention._driver.kernel_table cimport intp_t, kernel_softcap
-from cattention._driver.problem cimport MASK_BOOL, MASK_F32, MASK_NONE, Problem, query_period_of
+from cattention._driver.problem cimport (
+    MASK_BOOL, MASK_F32, MASK_NONE, Problem, query_period_of, query_position)
 
 
 cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
@@ -21,12 +22,9 @@ cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0
     cdef Py_ssize_t i, lo, hi, position
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
-    cdef Py_ssize_t period = query_period_of(pb, b)
-    # alignment is bottom-right: the queries are the last T positions of the
-    # valid keys, so query row r sits at key position r + (n_valid - T)
-    cdef Py_ssize_t offset = n_valid - period
     for i in range(n_rows):
-        position = (row0 + i) % period + offset
+        # bottom-right: the queries are the last T positions of the valid keys
+        position = query_position(pb, b, row0 + i)
         lo = start
         hi = n_valid
         if pb.causal and position + 1 < hi:
@@ -131,9 +129,7 @@ cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
         if pb.alibi_slope != NULL:
             # one slope per group of query_period rows, as the sinks
             slope = pb.alibi_slope[(b * pb.n_queries + row0 + i) // pb.query_period]
-            position = (row0 + i) % query_period_of(pb, b) + (
-                (pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
-                - query_period_of(pb, b))
+            position = query_position(pb, b, row0 + i)
             for j in range(lo, hi):
                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))
         if pb.mask_kind == MASK_NONE:

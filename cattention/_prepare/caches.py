@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._native import driver
-from .arrays import array, is_bfloat16, is_half, readable_in_place
+from .arrays import array, compute_dtype, is_bfloat16, is_half, readable_in_place
 from .int8 import SCALE_RANGE, cache_rows, scales_in_range
 
 _Array = NDArray[Any]
@@ -107,6 +107,39 @@ def check_cache_lengths(cache_lengths: object, n_seq: int, capacity: int) -> _Ar
     return cache_lengths
 
 
+def store_compute(store_dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype a cache (or pages) of store_dtype is computed in: float16,
+    bfloat16 and int8 in float32, float32 and float64 in their own."""
+    if is_half(store_dtype) or store_dtype == np.int8:
+        return np.dtype(np.float32)
+    return store_dtype
+
+
+def result_dtype(q_dtype: np.dtype[Any], store_dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype a cache call returns: the compute dtype, except that a
+    16-bit q with a cache of its dtype or int8 gives its dtype, as attention
+    would (with float16 and bfloat16 mixed, NumPy's promotion gives
+    float32)."""
+    compute = store_compute(store_dtype)
+    if compute != np.float32:
+        return compute
+    return compute_dtype(q_dtype, q_dtype if store_dtype == np.int8 else store_dtype)[1]
+
+
+def check_sequence_starts(kv_starts: object, n_seq: int, capacity: int,
+                          capacity_text: str) -> NDArray[np.intp]:
+    """kv_starts of sequences of their own places: integers, one start per
+    sequence (n_seq,), within the positions a sequence can hold."""
+    starts = np.asarray(kv_starts)
+    if starts.shape != (n_seq,) or starts.dtype.kind not in "iu":
+        raise ValueError(f"kv_starts must be integers, one start per sequence, shape "
+                         f"({n_seq},); got shape {starts.shape}, dtype {starts.dtype}")
+    if n_seq and (int(starts.min()) < 0 or int(starts.max()) > capacity):
+        raise ValueError(f"kv_starts must lie in [0, {capacity}] ({capacity_text}); got "
+                         f"values from {int(starts.min())} to {int(starts.max())}")
+    return starts.astype(np.intp)
+
+
 def check_new_rows_dtype(name: str, new: _Array, cache_dtype: np.dtype[Any], what: str) -> None:
     """New rows a cache can take: float (quantized on append) for an int8
     cache, else castable to its dtype."""
@@ -162,7 +195,10 @@ class Appends:
     start: NDArray[np.intp]          # before the call
     n_new: NDArray[np.intp]          # rows each sequence appends
     writes: list[Write]
-    page_ids: Optional[NDArray[np.intp]] = None   # a paged cache's table, flattened
+    # a paged cache's table, flattened; for a contiguous cache whose entries
+    # are not the sequences' own (cache_batch_idx), the entry of each
+    # sequence, as a table of one page of S_max rows each
+    page_ids: Optional[NDArray[np.intp]] = None
     pages_per_seq: int = 0
 
     @contextlib.contextmanager

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import (array, as_input, check_out, compute_dtype, output, to_compute,
+from .arrays import (array, as_input, check_out, compute_dtype, native, output, to_compute,
                      writes_in_place)
 from .options import RowOptions, check_alibi_values, check_sink_values, row_options
 
@@ -94,18 +94,32 @@ def cu_seqlens(values: object, name: str, total: int, total_name: str) -> _Intp:
     return offsets.astype(np.intp)
 
 
-def _per_head(values: Optional[ArrayLike], n_heads: int,
+def _per_head(values: Optional[ArrayLike], n_seq: int, n_heads: int,
               name: str) -> Optional[NDArray[np.float64]]:
-    """alibi_slopes or sinks: one real number per query head, shape (H,)."""
+    """alibi_slopes or sinks as float64: one real number per query head,
+    shape (H,), or per (sequence, query head), (n_seq, H), or a shape that
+    broadcasts to it."""
     if values is None:
         return None
-    arr = array(values, name)
+    arr = native(array(values, name))
     if arr.dtype.kind not in "fiu":
         raise TypeError(f"{name} must be real numbers, got dtype {arr.dtype}")
-    if arr.shape != (n_heads,):
+    target = (n_seq, n_heads)
+    try:
+        fits = arr.ndim <= 2 and np.broadcast_shapes(arr.shape, target) == target
+    except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(f"{name} must hold one real number per query head, shape "
-                         f"({n_heads},); got shape {arr.shape}, dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.float64)
+                         f"({n_heads},), or one per sequence and query head, shape "
+                         f"({n_seq}, {n_heads}); got shape {arr.shape}, dtype {arr.dtype}")
+    return arr.astype(np.float64)
+
+
+def _per_sequence_and_head(values: NDArray[np.float64], n_seq: int,
+                           n_heads: int) -> NDArray[np.float64]:
+    """values broadcast to (n_seq, H), flattened in (sequence, head) order."""
+    return np.ascontiguousarray(np.broadcast_to(values, (n_seq, n_heads))).reshape(-1)
 
 
 def head_options(options: RowOptions, alibi_slopes: Optional[ArrayLike],
@@ -113,14 +127,14 @@ def head_options(options: RowOptions, alibi_slopes: Optional[ArrayLike],
                  compute: np.dtype[Any]) -> None:
     """ALiBi slopes and sink logits per (sequence, query head), checked (and
     the sinks fitted to the compute dtype) as a dense call checks them."""
-    alibi = _per_head(alibi_slopes, n_heads, "alibi_slopes")
+    alibi = _per_head(alibi_slopes, n_seq, n_heads, "alibi_slopes")
     if alibi is not None:
         check_alibi_values(alibi, compute)
-        options.alibi = np.ascontiguousarray(np.tile(alibi, n_seq))
-    sink_logits = _per_head(sinks, n_heads, "sinks")
+        options.alibi = _per_sequence_and_head(alibi, n_seq, n_heads)
+    sink_logits = _per_head(sinks, n_seq, n_heads, "sinks")
     if sink_logits is not None:
         sink_logits = check_sink_values(sink_logits, compute)
-        options.sinks = np.ascontiguousarray(np.tile(sink_logits, n_seq), dtype=np.float64)
+        options.sinks = _per_sequence_and_head(sink_logits, n_seq, n_heads)
 
 
 def outputs(q: _Array, cu_q: Optional[_Intp], n_seq: int, n_heads: int, d_v: int,

@@ -44,6 +44,9 @@ class RowOptions:
     threads: int = 1
     alibi: Optional[NDArray[np.float64]] = None   # a slope per batch entry
     sinks: Optional[NDArray[np.float64]] = None   # a logit per group of query_period rows
+    # the cache calls' rotary tables of q's rows, (cos, sin, first,
+    # interleaved) as rotary.Rotary.tables gives them; None: no rotation
+    rotary: Optional[tuple[Any, ...]] = None
 
 
 def row_options(*, causal: bool, scale: object, d_k: int, compute: np.dtype[Any],

@@ -10,11 +10,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import array, as_input, check_out, compute_dtype, is_half, refuse_shared_memory
+from .arrays import array, as_input, check_out, is_half, refuse_shared_memory
 from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
-                     check_new_rows_dtype, check_storage, new_rows)
+                     check_new_rows_dtype, check_sequence_starts, check_storage, new_rows,
+                     result_dtype, store_compute)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
 from .options import row_options
+from .rotary import Rotary, check_rotary, rotate_queries
 
 _Array = NDArray[Any]
 _Intp = NDArray[np.intp]
@@ -28,7 +30,9 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                   sinks: Optional[ArrayLike], k_scale: Optional[_Array],
                   v_scale: Optional[_Array], return_lse: object,
                   num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
-                  out: Optional[_Array] = None,
+                  out: Optional[_Array] = None, cu_seqlens_k_new: Optional[ArrayLike] = None,
+                  rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
+                  rotary_interleaved: object = False,
                   ) -> tuple[EntriesCall, Appends, np.dtype[Any]]:
     """The entries call over the pages after the append, the append, and
     the result dtype."""
@@ -78,16 +82,40 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
         raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
                         "(copy) every page; pass q in the pages' dtype")
     lengths = check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
+    compute = store_compute(k_pages.dtype)
+    rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, d_k, compute)
 
     given = new_rows(k_new, v_new)
+    if cu_seqlens_k_new is not None and (given is None or not packed):
+        raise ValueError("cu_seqlens_k_new goes with packed new rows: pass it with "
+                         "cu_seqlens_q, k_new and v_new")
+    # the new rows: in q's layout, padded (n_seq, H_kv, T_new, d) with any
+    # T_new, or packed (total_new, H_kv, d), sequence b's from
+    # cu_seqlens_k_new[b] (by default cu_seqlens_q: as many as its queries)
+    cu_new = cu_q
+    n_new = np.zeros(n_seq, dtype=np.intp)
     if given is not None:
+        if packed and cu_seqlens_k_new is not None:
+            cu_new = cu_seqlens(cu_seqlens_k_new, "cu_seqlens_k_new", given[0].shape[0],
+                                "total_new (k_new.shape[0])")
+            if cu_new.size != n_seq + 1:
+                raise ValueError(f"cu_seqlens_k_new describes {cu_new.size - 1} sequences, "
+                                 f"block_table {table.shape} {n_seq}")
         for name, new, d in zip(("k_new", "v_new"), given, (d_k, d_v)):
-            want = ((q.shape[0], n_kv_heads, d) if packed
-                    else (n_seq, n_kv_heads, q.shape[2], d))
+            want: tuple[int, ...]
+            if cu_new is not None:
+                want = (int(cu_new[-1]), n_kv_heads, d)
+            else:
+                want = (n_seq, n_kv_heads, given[0].shape[2] if given[0].ndim == 4
+                        else q.shape[2], d)
             if new.shape != want:
-                raise ValueError(f"{name} must have shape {want} to match q {q.shape} and "
+                against = ("cu_seqlens_k_new" if cu_seqlens_k_new is not None
+                           else f"q {q.shape}")
+                raise ValueError(f"{name} must have shape {want} to match {against} and "
                                  f"the pages; got {new.shape}")
             check_new_rows_dtype(name, new, k_pages.dtype, "pages")
+        n_new = (np.diff(cu_new) if cu_new is not None
+                 else np.full(n_seq, given[0].shape[2], dtype=np.intp))
         writable = [k_pages, v_pages, lengths] + (
             [k_scale, v_scale] if int8 else [])
         if not all(a.flags.writeable for a in writable if a is not None):
@@ -97,7 +125,6 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
             [("k_pages", k_pages), ("v_pages", v_pages), ("cache_lengths", lengths)]
             + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
             [("q", q), ("k_new", given[0]), ("v_new", given[1])])
-    n_new = q_lengths if given is not None else np.zeros(n_seq, dtype=np.intp)
     # in Python ints: a uint64 length beyond int64 would wrap around in int64
     needed = [int(old) + int(new) for old, new in zip(lengths.tolist(), n_new.tolist())]
     if needed and max(needed) > max_pages * page_size:
@@ -119,9 +146,6 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                          f"{b} uses it")
     causal = driver.check_flag(causal, "causal")
     return_lse = driver.check_flag(return_lse, "return_lse")
-    # float16, bfloat16 and int8 pages are computed in float32
-    compute = (np.dtype(np.float32) if is_half(k_pages.dtype) or k_pages.dtype == np.int8
-               else k_pages.dtype)
     options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
                           softcap=softcap, num_threads=num_threads)
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
@@ -131,18 +155,7 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     writes = []
     if given is not None:
         _refuse_clashing_writes(table, old_lengths, n_new, page_size, n_pages)
-        seq_index = cu_q[:-1] if cu_q is not None else np.arange(n_seq, dtype=np.intp)
-        writes = (as_stored("k_new", given[0], k_pages, k_scale, seq_index)
-                  + as_stored("v_new", given[1], v_pages, v_scale, seq_index))
-    appends = Appends(lengths, old_lengths.astype(np.intp), n_new.astype(np.intp), writes,
-                      table.reshape(-1), max_pages)
-
-    # a 16-bit q with pages of its dtype or int8 gives its dtype, as attention
-    # would (with float16 and bfloat16 mixed, NumPy's promotion gives float32)
-    result = compute
-    if compute == np.float32:
-        partner = q.dtype if k_pages.dtype == np.int8 else k_pages.dtype
-        result = compute_dtype(q.dtype, partner)[1]
+    result = result_dtype(q.dtype, k_pages.dtype)
     if out is not None:
         out = check_out(out, q.shape[:-1] + (d_v,), result,
                         [("q", q), ("k_pages", k_pages), ("v_pages", v_pages),
@@ -150,15 +163,18 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                         + ([("k_new", given[0]), ("v_new", given[1])] if given else []))
     starts = None
     if kv_starts is not None:
-        starts = np.asarray(kv_starts)
-        if starts.shape != (n_seq,) or starts.dtype.kind not in "iu":
-            raise ValueError(f"kv_starts must be integers, one start per sequence, shape "
-                             f"({n_seq},); got shape {starts.shape}, dtype {starts.dtype}")
-        if n_seq and (int(starts.min()) < 0 or int(starts.max()) > max_pages * page_size):
-            raise ValueError(f"kv_starts must lie in [0, {max_pages * page_size}] (the "
-                             f"positions block_table {table.shape} gives); got values from "
-                             f"{int(starts.min())} to {int(starts.max())}")
-        starts = starts.astype(np.intp)
+        starts = check_sequence_starts(kv_starts, n_seq, max_pages * page_size,
+                                       f"the positions block_table {table.shape} gives")
+    if rotary is not None:
+        q, options.rotary, given = _rotated(rotary, q, given, cu_q, cu_new, q_lengths,
+                                            old_lengths, n_new)
+    if given is not None:
+        seq_index = cu_new[:-1] if cu_new is not None else np.arange(n_seq, dtype=np.intp)
+        writes = (as_stored("k_new (rotated)" if rotary is not None else "k_new", given[0],
+                            k_pages, k_scale, seq_index)
+                  + as_stored("v_new", given[1], v_pages, v_scale, seq_index))
+    appends = Appends(lengths, old_lengths.astype(np.intp), n_new.astype(np.intp), writes,
+                      table.reshape(-1), max_pages)
     attn, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse, out)
     zeros = np.zeros(n_seq, dtype=np.intp)
     call = EntriesCall(
@@ -169,6 +185,35 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
         np.ascontiguousarray(q_lengths, np.intp), new_lengths.astype(np.intp), n_heads,
         n_kv_heads, d_k, d_v, options, table.reshape(-1), max_pages, page_size, starts, out)
     return call, appends, result
+
+
+def _rotated(rotary: Rotary, q: _Array, given: Optional[tuple[_Array, _Array]],
+             cu_q: Optional[_Intp], cu_new: Optional[_Intp], q_lengths: _Intp,
+             old_lengths: NDArray[np.int64], n_new: _Intp,
+             ) -> tuple[_Array, Optional[tuple[Any, ...]], Optional[tuple[_Array, _Array]]]:
+    """q (and the tables the driver rotates it with as it reads it) and the
+    new rows, their keys rotated: sequence b's queries are the last of its
+    positions after the append (bottom-right, as the causal mask aligns
+    them), its new keys those from old_lengths[b]."""
+    new_lengths = (old_lengths + n_new).astype(np.intp)
+    old = old_lengths.astype(np.intp)
+    q_seq, q_row = _rows_of(cu_q, q_lengths, q.shape[2] if q.ndim == 4 else 0)
+    q, tables = rotate_queries(q, rotary, new_lengths[q_seq] - q_lengths[q_seq] + q_row, q_seq)
+    if given is None:
+        return q, tables, None
+    k_new, v_new = given
+    k_seq, k_row = _rows_of(cu_new, n_new, k_new.shape[2] if k_new.ndim == 4 else 0)
+    return q, tables, (rotary.rotate(k_new, old[k_seq] + k_row, k_seq, "k_new"), v_new)
+
+
+def _rows_of(cu: Optional[_Intp], counts: _Intp, n_rows: int) -> tuple[_Intp, _Intp]:
+    """(sequence, row within it) of each row: packed, of the rows from
+    cu[b] (shape (total,)); padded, n_rows each (shape (n_seq, n_rows))."""
+    if cu is None:
+        grid = np.indices((counts.size, n_rows), dtype=np.intp)
+        return grid[0], grid[1]
+    sequence = np.repeat(np.arange(counts.size, dtype=np.intp), counts)
+    return sequence, np.arange(sequence.size, dtype=np.intp) - cu[:-1][sequence]
 
 
 def _refuse_clashing_writes(table: _Intp, old_lengths: NDArray[np.int64], n_new: _Intp,
