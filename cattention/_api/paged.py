@@ -147,13 +147,14 @@ def attention_with_paged_kvcache(
         One ALiBi slope, or one sink logit (-inf: none), per query head, or
         per sequence and query head.
     rotary_cos, rotary_sin : array_like, shape (max_position, rotary_dim / 2), optional
-    rotary_interleaved : bool, default False
         Rotary position embeddings, as in
         :func:`cattention.attention_with_kvcache`: sequence b's new keys at
         positions ``cache_lengths[b] + t``, its queries at the last of its
         positions after the append, the pages holding rotated keys; bitwise
         the call without tables on rows rotated first by the formula
         documented there.
+    rotary_interleaved : bool, default False
+        Rotate the pairs ``(x[2i], x[2i + 1])`` instead (GPT-J's layout).
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
         With int8 pages (and only then): each row's scale, written as rows
         are appended (k_new and v_new are then float, quantized on append).
