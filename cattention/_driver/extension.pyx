@@ -54,7 +54,7 @@ from cattention._driver.checks cimport (
     check_softcap as _check_softcap, check_window as _check_window, holds,
     resolve_threads as _resolve_threads)
 from cattention._driver.from_arrays cimport (
-    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets)
+    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets, set_query_offset)
 from cattention._driver.from_entries cimport (
     EntryPlan, EntryTable, Place, free_tables, plan_entries, problem_from_table,
     stacks_grouped_rows as _stacks_grouped_rows)
@@ -310,7 +310,8 @@ cdef inline void read_row_options(object options, RowOptions *row,
 def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
                cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
                Py_ssize_t kv_group, Py_ssize_t query_period,
-               const intp_t[::1] kv_lengths, const intp_t[::1] kv_starts, object options,
+               const intp_t[::1] kv_lengths, const intp_t[::1] kv_starts,
+               const intp_t[::1] query_offset, object options,
                cnp.ndarray out, cnp.ndarray scores, cnp.ndarray lse):
     """Run a dense call (``_prepare/dense.py``) into ``out`` (batch + (T,
     d_v): C-contiguous, or any non-negative strides with contiguous
@@ -324,7 +325,8 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
     on its last axis); ``mask`` is None or an aligned native bool, float32
     or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None
     or n_batch valid key counts in [0, S], ``kv_starts`` None or the first
-    valid key of each batch entry; ``query_period`` > 0 says the
+    valid key of each batch entry, ``query_offset`` None or the key position
+    of each batch entry's query row 0, in [-2^62, 2^62]; ``query_period`` > 0 says the
     rows are stacked groups of that many positions; the options' alibi is
     one slope per batch entry and its sinks one logit per group of
     query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
@@ -348,6 +350,8 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
         set_kv_lengths(&pb, &kv_lengths[0], index)
     if kv_starts is not None and kv_starts.shape[0] > 0:
         set_kv_starts(&pb, &kv_starts[0])
+    if query_offset is not None and query_offset.shape[0] > 0:
+        set_query_offset(&pb, &query_offset[0])
     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
         set_out_offsets(&pb, out, n_batch_dims, shape, index)
     run_then_free(&pb, index, _kernels, options.threads, out, scores)

@@ -134,6 +134,9 @@ cdef struct Problem:
     double scale                 # multiplies q.k
     const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
     const intp_t *kv_start       # and the first of them (left padding), or NULL (0)
+    const intp_t *query_offset   # key position of each batch entry's query row 0
+                                 # (query_offset=), or NULL: bottom-right, the
+                                 # end of the valid keys (see query_position_offset)
     Py_ssize_t query_period      # query rows are positions 0..period-1 repeated
                                  # (grouped-query heads stacked as rows); = T
     Py_ssize_t window_left       # sliding window: keys at most this far before
@@ -282,6 +285,19 @@ cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept
     """Positions of entry b's query rows before they repeat (stacked heads):
     its own row count for entries of their own lengths."""
     return pb.q_length[b] if pb.q_length != NULL else pb.query_period
+
+
+cdef inline Py_ssize_t query_position_offset(const Problem *pb, Py_ssize_t b) noexcept nogil:
+    """The key position of batch entry b's query row 0: row r sits at
+    ``r % period + query_position_offset``. The one place the alignment is
+    decided: the caller's query_offset[b] (a chunk of a longer sequence at
+    its global position, cattention.dask), else bottom-right, the queries
+    being the last positions of the valid keys (n_valid - T). The callers
+    keep their sums within 64 bits for offsets of magnitude up to 2^62."""
+    if pb.query_offset != NULL:
+        return pb.query_offset[b]
+    return ((pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
+            - query_period_of(pb, b))
 
 
 cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,
