@@ -111,10 +111,11 @@ def chunk_attention(q: _Array, k: Optional[_Array], v: Optional[_Array],
 
 def merge_partials(*partials: Partial) -> Partial:
     """The exact log-sum-exp merge (:func:`cattention.merge`) of partial
-    results over disjoint key chunks, in float64 whatever their dtype: the
+    results over disjoint key chunks, in float64 whatever their dtype (the
+    float64 log-sum-exp makes it so; the outputs are read as they are): the
     merge then adds a rounding of about 1e-16 per level of the tree, and
     the result is rounded to its dtype once, at the end (finish)."""
-    return merge([o.astype(np.float64, copy=False) for o, _ in partials],
+    return merge([o for o, _ in partials],
                  [x.astype(np.float64, copy=False) for _, x in partials])
 
 
