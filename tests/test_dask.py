@@ -147,7 +147,9 @@ def test_bitwise_the_same_for_a_chunking_whatever_runs_it(client):
 
 
 def _leaves(array):
-    """The (query chunk, key chunk) tasks of a graph: (row chunk, key chunk)."""
+    """The (query chunk, key chunk) tasks of a graph: (row chunk, key chunk).
+    (With return_lse=True: without it a query chunk's root task runs
+    inside its output's.)"""
     graph = dict(array.__dask_graph__())
     return sorted((key[-2], key[-1]) for key in graph
                   if isinstance(key, tuple) and key[0].startswith("attention-chunks-")
@@ -158,17 +160,19 @@ def test_pairs_that_see_no_key_are_no_tasks():
     q, k, v = make_qkv(6, (1, 1, 64, 8), (1, 1, 64, 8), (1, 1, 64, 8), np.float64)
     chunks = {-2: 16}
     # causal: the lower triangle of the 4 x 4 chunk pairs
-    out = cad.attention(q, k, v, causal=True, chunks=chunks)
+    out, _ = cad.attention(q, k, v, causal=True, chunks=chunks, return_lse=True)
     assert _leaves(out) == [(t, s) for t in range(4) for s in range(t + 1)]
     # a window of 10 keys back: the diagonal and the pair before it
-    out = cad.attention(q, k, v, causal=True, window=(10, None), chunks=chunks)
+    out, _ = cad.attention(q, k, v, causal=True, window=(10, None), chunks=chunks,
+                           return_lse=True)
     assert _leaves(out) == [(0, 0), (1, 0), (1, 1), (2, 1), (2, 2), (3, 2), (3, 3)]
     # no key past the length (every entry): those chunks are not read
-    out = cad.attention(q, k, v, kv_lengths=20, chunks=chunks)
+    out, _ = cad.attention(q, k, v, kv_lengths=20, chunks=chunks, return_lse=True)
     assert _leaves(out) == [(t, s) for t in range(4) for s in range(2)]
     # T > S under causal: the first rows see nothing; their chunk is one
     # task over zero keys, which reads no K/V chunk
-    out = cad.attention(q, k[..., :16, :], v[..., :16, :], causal=True, chunks=chunks)
+    out, _ = cad.attention(q, k[..., :16, :], v[..., :16, :], causal=True, chunks=chunks,
+                           return_lse=True)
     assert _leaves(out) == [(0, -1), (1, -1), (2, -1), (3, 0)]
     np.testing.assert_allclose(out.compute(scheduler="sync"),
                                ca.attention(q, k[..., :16, :], v[..., :16, :], causal=True),
@@ -178,7 +182,7 @@ def test_pairs_that_see_no_key_are_no_tasks():
 def test_the_merge_tree_follows_split_every():
     q, k, v = make_qkv(7, (1, 1, 8, 8), (1, 1, 80, 8), (1, 1, 80, 8), np.float64)
     for every, merges in ((2, 9), (3, 5), (8, 3), (10, 1)):
-        out = cad.attention(q, k, v, chunks={-2: 8}, split_every=every)
+        out, _ = cad.attention(q, k, v, chunks={-2: 8}, split_every=every, return_lse=True)
         graph = dict(out.__dask_graph__())
         assert sum(1 for key in graph if isinstance(key, tuple)
                    and key[0].startswith("attention-chunks-") and key[1] == "merge") == merges
@@ -199,9 +203,20 @@ def test_grouped_heads_read_their_kv_chunk_in_place():
     graph = dict(out.__dask_graph__())
     kv_keys = {key for key in graph if isinstance(key, tuple) and key[0] in (dk.name, dv.name)}
     assert len(kv_keys) == 4                           # the inputs' own chunks
-    reads = [task for key, task in graph.items() if isinstance(key, tuple)
-             and key[0].startswith("attention-chunks-")]
-    assert len(reads) == 4
+
+
+    def keys_in(task):
+        if isinstance(task, tuple) and task and task[0] in (dk.name, dv.name):
+            return {task}
+        if isinstance(task, (tuple, list)):
+            return set().union(*(keys_in(t) for t in task))
+        return set()
+
+    # query head chunk h (heads 2h, 2h + 1) reads K/V chunk h // 2, as it is
+    reads = {key[2]: keys_in(task) for key, task in graph.items()
+             if isinstance(key, tuple) and key[0] == out.name}
+    assert reads == {h: {(dk.name, 0, h // 2, 0, 0), (dv.name, 0, h // 2, 0, 0)}
+                     for h in range(4)}
     np.testing.assert_allclose(out.compute(scheduler="sync"),
                                ca.attention(q, k, v, enable_gqa=True, causal=True), atol=1e-6)
     # straddling chunks: (3, 5) heads with groups of 4 become (3, 1, 4)

@@ -156,13 +156,20 @@ def build(layout: Layout, *, return_lse: bool, split_every: int,
                                    (v.name, *v_index, j, 0), call)
                 leaves.append(leaf)
             root = _merge_tree(parts, parts_name, (*index, ti), leaves, split_every)
-            outs[(out_name, *index, ti, 0)] = (finish_out, root, layout.result)
-            lses[(lse_name, *index, ti)] = (finish_lse, root, layout.compute)
+            if return_lse:
+                outs[(out_name, *index, ti, 0)] = (finish_out, root, layout.result)
+                lses[(lse_name, *index, ti)] = (finish_lse, root, layout.compute)
+            else:
+                # the root's task runs inside the output's: one task less
+                # per query chunk, and its partial result never travels
+                outs[(out_name, *index, ti, 0)] = (finish_out, parts.pop(root),
+                                                   layout.result)
 
     graph = HighLevelGraph.from_collections(parts_name, parts, dependencies=[q, k, v])
     chunks = layout.batch_chunks + (q.chunks[-2],)
     out_graph = HighLevelGraph({**graph.layers, out_name: outs},
-                               {**graph.dependencies, out_name: {parts_name}})
+                               {**graph.dependencies,
+                                out_name: {parts_name, q.name, k.name, v.name}})
     out = da.Array(out_graph, out_name, chunks + ((v.shape[-1],),), dtype=layout.result)
     if not return_lse:
         return out, None
