@@ -83,7 +83,8 @@ def _case_arrays(case, dtype, seed):
     rng = np.random.default_rng(seed)
     chunked = []
     for x in (q, k, v):
-        chunks = tuple(_random_chunks(rng, n) for n in x.shape[:-1]) + (x.shape[-1],)
+        # features too (a task takes them whole: they are rechunked)
+        chunks = tuple(_random_chunks(rng, n) for n in x.shape)
         chunked.append(da.from_array(x, chunks=chunks))
     return (q, k, v), chunked, dict(options)
 
