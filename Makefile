@@ -15,8 +15,9 @@ BUILT := build/.cattention-built
 SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd \
 	cattention/_driver/*.pyx cattention/_driver/*.pxd src/*.c src/*.h)
 
-.PHONY: install build run test typecheck lint annotate wheel wheel-test bench bench-deps bench-quick \
-	bench-pipeline bench-serving bench-dask asan fuzz reliability clean distclean
+.PHONY: install build run test typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
+	bench bench-deps bench-quick bench-pipeline bench-serving bench-dask asan fuzz reliability \
+	clean distclean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -114,6 +115,27 @@ wheel: $(BUILD_DEPS)
 wheel-test: wheel
 	PYTHON=$(PYTHON) .ci/test-wheel
 
+# The wheels for pip (tools/wheels.sh, root): the sdist, then from it
+# manylinux2014 (manylinux_2_17) wheels, x86-64 for CPython 3.9 to 3.13 and
+# aarch64 for 3.9, built against Debian bullseye (glibc 2.31) in chroots under
+# build/ (aarch64 under qemu) and repaired there, libgomp inside, into
+# $(WHEELHOUSE). The chroots stay for the next run (make clean keeps them,
+# make distclean removes them). `make wheels-test` checks every wheel:
+# auditwheel's tag, the test suite in a fresh environment (in the chroot where
+# that Python runs there, else on the host; tests/test_core.py under qemu for
+# aarch64) and the fingerprints. `make wheels-ci`: the 3.9 x86-64 wheel alone,
+# built and tested in the chroot (.ci/run).
+wheels: $(BUILD_DEPS)
+	$(VPY) -m pip install -q build
+	PYTHON=$(abspath $(VPY)) tools/wheels.sh build
+
+wheels-test: wheels
+	PYTHON=$(abspath $(VPY)) tools/wheels.sh test
+
+wheels-ci: $(BUILD_DEPS)
+	$(VPY) -m pip install -q build
+	PYTHON=$(abspath $(VPY)) tools/wheels.sh ci
+
 # The peers are optional (the `bench` extra); PyTorch is pinned to the CPU
 # build (an unpinned torch pulls a multi-GB CUDA build). Without them the
 # benchmark runs without those columns.
@@ -191,11 +213,19 @@ reliability: $(BUILT) $(TEST_DEPS)
 	CATTENTION_HYPOTHESIS_PROFILE=long $(VPY) tools/reliability_report.py \
 		--fuzz-seconds $(RELIABILITY_FUZZ_SECONDS)
 
+# build/ keeps the wheel chroots (build/bullseye, build/bullseye-arm64) and
+# the wheel builds' environments (build/wheels); distclean unmounts and
+# removes them
+WHEEL_CACHES := build/bullseye build/bullseye-arm64 build/wheels
 clean:
-	rm -rf build dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \
+	rm -rf $(filter-out $(WHEEL_CACHES),$(wildcard build/*)) build/.cattention-built \
+		$(addprefix build/wheels/,src raw repaired tmp tree *.log) \
+		dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \
 		cattention/_driver/*.so cattention/_driver/*.c cattention/_driver/*.html \
 		.pytest_cache .hypothesis
-	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -path ./build -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	if [ -e build/bullseye ] || [ -e build/bullseye-arm64 ] || [ -e build/wheels ]; then \
+		tools/wheels.sh destroy; fi
+	rm -rf build $(VENV)

@@ -74,6 +74,27 @@ def get_include() -> str:
     return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
 
 
+_BFLOAT16_CONVERTED = ("converted to float32 as rows are read (this table has no "
+                       "bfloat16 instructions)")
+_BFLOAT16_BY_TABLE = {
+    "amx": ("AMX tiles: Q.K^T (TDPBF16PS) and P.V (P split into three bfloat16 parts) "
+            "on every layout's prompt rows; decode (at most 8 rows) reads K and V as "
+            "float32"),
+    "avx512bf16": ("Q.K^T with VDPBF16PS on every layout's prompt rows; P.V and decode "
+                   "in float32"),
+}
+
+
+def _ml_dtypes_version() -> str:
+    """ml_dtypes' version, read from its metadata (cattention never imports
+    it: bfloat16 arrays come from code that does)."""
+    from importlib import metadata
+    try:
+        return metadata.version("ml_dtypes")
+    except metadata.PackageNotFoundError:
+        return "not installed (bfloat16 arrays need it)"
+
+
 def show_config() -> None:
     """Print the build and run-time configuration, e.g. for a bug report.
 
@@ -82,7 +103,9 @@ def show_config() -> None:
     thread count a call would use (:func:`get_num_threads`); the OpenMP
     runtime library loaded (libgomp, libomp, or the copy inside a wheel); how
     its idle threads wait (see "Threads" in the README); the SIMD kernel table
-    in use, those compiled in and those this CPU can run; the NumPy version.
+    in use, those compiled in and those this CPU can run (and why one it
+    has the instructions for is not); how that table computes bfloat16
+    inputs; the NumPy version (and ml_dtypes', which bfloat16 arrays need).
 
     Returns
     -------
@@ -99,6 +122,7 @@ def show_config() -> None:
       runtime:  ...
       waiting:  ...
       SIMD:     ... (compiled: ...; available: ...)
+      bfloat16: ...
       NumPy:    ...
     """
     if not _driver.openmp_enabled():
@@ -119,6 +143,11 @@ def show_config() -> None:
         f"(compiled: {', '.join(_driver.compiled_simd())}; "
         f"available: {', '.join(_driver.available_simd())}; "
         "CATTENTION_SIMD selects one)",
-        f"  NumPy:    {_np.__version__}",
+    ]
+    if _driver.simd_note():
+        lines.append(f"            ({_driver.simd_note()})")
+    lines += [
+        f"  bfloat16: {_BFLOAT16_BY_TABLE.get(_driver.get_simd(), _BFLOAT16_CONVERTED)}",
+        f"  NumPy:    {_np.__version__}; ml_dtypes: {_ml_dtypes_version()}",
     ]
     print("\n".join(lines))

@@ -277,7 +277,19 @@ typedef struct ca_kernels {
        with per-thread state (AMX's tile configuration) gives it up; NULL
        for the others. */
     void (*end_of_thread)(void);
+
+    /* The table's fastest multiply-add loop, n_steps times over data that
+       stays in registers (vector FMAs into independent sums; AMX: tile
+       products into four accumulator tiles), for the benchmark's share of
+       it. Returns the floating-point operations done. */
+    double (*loop_flops)(long n_steps);
 } ca_kernels;
+
+/* The loop_flops of a table: a table file with another loop defines
+   CA_LOOP_FLOPS before it lists its table. */
+#ifndef CA_LOOP_FLOPS
+#define CA_LOOP_FLOPS loop_flops
+#endif
 
 /* The bfloat16 tile entries of a table that has none (the default of
    CA_DEFINE_KERNEL_TABLE): a table file that has them defines
@@ -326,6 +338,7 @@ typedef struct ca_kernels {
         .score_direct_bf16 = score_direct_bf16, \
         .pv_direct_bf16 = pv_direct_bf16, \
         CA_BF16_TILE_ENTRIES \
+        .loop_flops = CA_LOOP_FLOPS, \
     }
 
 /* Tables, one per instruction set compiled in (listed in dispatch.c). */

@@ -7,13 +7,13 @@
  * as the float32 tiles sum them, then scaled.
  *
  * P.V keeps float32's accuracy: P is float32, so each weight p is split
- * into three bfloat16 parts, p = hi + mid + lo (hi = p rounded to
- * bfloat16, mid = the rest rounded, lo = what is left rounded: 3 x 8
- * significant bits, every bit of p's 24 for a normal float), and P.V is
- * the sum of the three tile products, each exact per product and summed
- * in float32, in runs of CA_SUM_KEYS keys from zero as the float32 tiles
- * sum them. (Only weights below 2^-110 lose their low part to bfloat16's
- * flushing of denormals: at most 2^-126 |v| each.)
+ * into three bfloat16 parts, p = hi + mid + lo (hi = p's leading 16 bits,
+ * mid the leading 16 bits of p - hi, lo = what is left: 3 x 8 significant
+ * bits, every bit of p's 24 for a normal float, each difference exact),
+ * and P.V is the sum of the three tile products, each exact per product
+ * and summed in float32, in runs of CA_SUM_KEYS keys from zero as the
+ * float32 tiles sum them. (Only weights below 2^-110 lose their low part
+ * to bfloat16's flushing of denormals: at most 2^-126 |v| each.)
  */
 #include "kernels.h"
 
@@ -301,6 +301,34 @@ static void end_of_thread(void)
 {
     amx_release();
 }
+
+/* the tile loop (kernels.h: loop_flops): four accumulator tiles, each step
+   adding the products of two A tiles and two B tiles (of zeros: the rate
+   does not depend on the values) */
+CA_AMX_TARGET static double amx_loop_flops(long n_steps)
+{
+    static const uint16_t zeros[16 * 32] __attribute__((aligned(64)));
+    amx_configure();
+    _tile_zero(AMX_C0);
+    _tile_zero(AMX_C1);
+    _tile_zero(AMX_C2);
+    _tile_zero(AMX_C3);
+    _tile_loadd(AMX_A0, zeros, 64);
+    _tile_loadd(AMX_A1, zeros, 64);
+    _tile_loadd(AMX_A2, zeros, 64);
+    _tile_loadd(AMX_B, zeros, 64);
+    for (long s = 0; s < n_steps; ++s) {
+        _tile_dpbf16ps(AMX_C0, AMX_A0, AMX_B);
+        _tile_dpbf16ps(AMX_C1, AMX_A0, AMX_A2);
+        _tile_dpbf16ps(AMX_C2, AMX_A1, AMX_B);
+        _tile_dpbf16ps(AMX_C3, AMX_A1, AMX_A2);
+    }
+    amx_release();
+    /* 16 x 16 sums of 32 products each, four tiles a step */
+    return 4.0 * 16 * 16 * 32 * 2 * (double)n_steps;
+}
+#undef CA_LOOP_FLOPS
+#define CA_LOOP_FLOPS amx_loop_flops
 
 #undef CA_BF16_TILE_ENTRIES
 #define CA_BF16_TILE_ENTRIES \

@@ -317,4 +317,19 @@ CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, double, CA_AS_IS, f64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_half_to_float, f16)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_bfloat16_to_float, bf16)
 
+/* the multiply-add loop (kernels.h: loop_flops) in plain C: what the
+   compiler makes of independent scalar multiply-adds */
+static double loop_flops(long n_steps)
+{
+    float sum[8];
+    for (int i = 0; i < 8; ++i)
+        sum[i] = (float)i;
+    for (long s = 0; s < n_steps; ++s)
+        for (int i = 0; i < 8; ++i)
+            sum[i] = sum[i] * 0.5f + 0.5f;
+    volatile float keep = sum[0] + sum[7];
+    (void)keep;
+    return 2.0 * 8 * (double)n_steps;
+}
+
 CA_DEFINE_KERNEL_TABLE(ca_kernels_baseline, "baseline");

@@ -38,18 +38,21 @@ typedef struct {
 /* whether this thread has loaded the configuration (and so holds tile state) */
 static __thread int amx_configured;
 
+/* The configuration lives in constant memory, not on the stack: gcc's
+   _tile_loadconfig tells the compiler it reads 8 bytes of its operand, so
+   stores into a local configuration beyond them may be dropped as dead
+   (leaving the rows and widths to whatever the stack held). */
+static const ca_tile_config amx_config __attribute__((aligned(64))) = {
+    .palette_id = 1,
+    .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
 CA_AMX_TARGET static inline void amx_configure(void)
 {
     if (amx_configured)
         return;
-    ca_tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
+    _tile_loadconfig(&amx_config);
     amx_configured = 1;
 }
 

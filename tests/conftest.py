@@ -82,6 +82,22 @@ def restore_threads():
 
 
 @pytest.fixture
+def general_path(monkeypatch):
+    """general_path(name): a context in which the compiled entry ``name`` of
+    the driver hands every call to the general path (so that a test can
+    compare the two ways in on one call)."""
+    import contextlib
+    from cattention._native import driver as _attention
+
+    @contextlib.contextmanager
+    def forced(name):
+        with monkeypatch.context() as patch:
+            patch.setattr(_attention, name, lambda *args: None)
+            yield
+    return forced
+
+
+@pytest.fixture
 def compiled_path(monkeypatch):
     """compiled_path(name): a list that gets True for each call of the
     compiled entry ``name`` of the driver (cattention._native.driver) that took the call,

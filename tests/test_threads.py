@@ -201,6 +201,19 @@ def test_show_config_reports_active_simd_level(capsys, simd):
     assert simd in capsys.readouterr().out
 
 
+def test_show_config_says_how_bfloat16_is_computed(capsys, simd):
+    """The bfloat16 line names the tile instructions of a table that has
+    them and says the others convert; ml_dtypes is not imported by it."""
+    if simd is None:
+        pytest.skip("private SIMD API unavailable (reported by test_private_simd_api)")
+    imported = "ml_dtypes" in sys.modules
+    ca.show_config()
+    line = re.search(r"bfloat16: +(.*)", capsys.readouterr().out).group(1)
+    expected = {"amx": "TDPBF16PS", "avx512bf16": "VDPBF16PS"}.get(simd, "converted to float32")
+    assert expected in line, (simd, line)
+    assert ("ml_dtypes" in sys.modules) == imported
+
+
 def test_omp_num_threads_is_honoured():
     """num_threads=None follows OpenMP's setting, read at call time."""
     if not ca._native.driver.openmp_enabled():

@@ -1,6 +1,7 @@
 """Attention variants against the float64 reference: grouped-query attention,
 kv_lengths, the KV cache, float16 K/V, windows, softcap and ALiBi."""
 
+import contextlib
 import subprocess
 import sys
 import warnings
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import cattention as ca
+from cattention._native import driver
 from reference import (
     assert_bitwise_equal,
     assert_matches_reference,
@@ -31,11 +33,10 @@ def repeat_kv(x, group):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("return_scores", [False, True], ids=["attn", "scores"])
 def test_gqa_compiled_path_matches_reference_and_general_path(
-        compiled_path, dtype, heads, kv_heads, T, causal, return_scores):
-    """enable_gqa=True without other options runs the compiled path: its
-    results match the float64 reference and are bitwise those of the general
-    path (taken here with window=(None, None), which is no window), for
-    batch dimensions before the heads and a strided q."""
+        compiled_path, general_path, dtype, heads, kv_heads, T, causal, return_scores):
+    """enable_gqa=True runs the compiled path: its results match the float64
+    reference and are bitwise those of the general path, for batch
+    dimensions before the heads and a strided q."""
     taken = compiled_path("attention_shortcut")
     S = 70
     q, k, v = make_qkv(52, (2, heads, T, 16), (2, kv_heads, S, 16), (2, kv_heads, S, 5),
@@ -43,11 +44,10 @@ def test_gqa_compiled_path_matches_reference_and_general_path(
     for q_in in (q, np.ascontiguousarray(q.swapaxes(-1, -2)).swapaxes(-1, -2)):
         got = ca.attention(q_in, k, v, causal=causal, enable_gqa=True,
                            return_scores=return_scores)
-        expected = ca.attention(q_in, k, v, causal=causal, enable_gqa=True,
-                                return_scores=return_scores, window=(None, None))
-        # the first call took the compiled path; the second (with an option)
-        # was handed to the general path
-        assert taken[-2:] == [True, False]
+        with general_path("attention_shortcut"):
+            expected = ca.attention(q_in, k, v, causal=causal, enable_gqa=True,
+                                    return_scores=return_scores)
+        assert taken[-1:] == [True]
         for a, b in zip(got if return_scores else (got,),
                         expected if return_scores else (expected,)):
             assert a.shape == b.shape
@@ -818,10 +818,10 @@ def test_kvcache_failed_computation_gives_the_rows_back(monkeypatch):
         raise MemoryError("cattention: could not allocate scratch memory")
 
     monkeypatch.setattr("cattention._prepare.dense.run", out_of_memory)
-    # (window=(None, None) is no window, and takes the general path)
+    monkeypatch.setattr(driver, "kvcache_shortcut", lambda *args: None)
     with pytest.raises(MemoryError):
         ca.attention_with_kvcache(np.ones((2, 2, 2, 4), np.float32), k_cache, v_cache,
-                                  lengths, new, new, window=(None, None))
+                                  lengths, new, new)
     assert lengths.tolist() == [3, 1]
 
 
@@ -882,7 +882,7 @@ def _serving_case(seed, dtype, cache_dtype, new_dtype, heads, kv_heads, T, lengt
 @pytest.mark.parametrize("append", [True, False], ids=["append", "read"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_kvcache_serving_step_matches_reference_and_general_path(
-        compiled_path, heads, kv_heads, T, types, append, causal):
+        compiled_path, general_path, heads, kv_heads, T, types, append, causal):
     """The serving step (float caches, no options) runs a compiled path of
     its own: its output matches the float64 reference, and its output,
     caches and lengths are bitwise those of the general path."""
@@ -899,11 +899,9 @@ def test_kvcache_serving_step_matches_reference_and_general_path(
         general = [a.copy() for a in (k_cache, v_cache, cache_lengths)]
         out = ca.attention_with_kvcache(q, k_cache, v_cache, cache_lengths, *step,
                                         causal=causal)
-        expected = ca.attention_with_kvcache(q, *general, *step, causal=causal,
-                                             window=(None, None))
-        # the first call took the compiled path; the second (with an option)
-        # was handed to the general path
-        assert taken == [True, False] * (seed + 1)
+        with general_path("kvcache_shortcut"):
+            expected = ca.attention_with_kvcache(q, *general, *step, causal=causal)
+        assert taken == [True] * (seed + 1)
         assert out.dtype == np.dtype(dtype) and out.shape == expected.shape
         assert_bitwise_equal(out, expected)
         for got, want in zip((k_cache, v_cache, cache_lengths), general):
@@ -918,7 +916,8 @@ def test_kvcache_serving_step_matches_reference_and_general_path(
                                      repeat_kv(v_seen, group), causal=causal)
 
 
-def test_kvcache_serving_step_leaves_self_overlapping_caches_to_the_general_path():
+def test_kvcache_serving_step_leaves_self_overlapping_caches_to_the_general_path(
+        general_path):
     """A writable cache whose rows overlap (an as_strided view) is written
     element by element in NumPy's order, as the general path writes it, not
     row by row: the cache ends the same either way."""
@@ -928,9 +927,10 @@ def test_kvcache_serving_step_leaves_self_overlapping_caches_to_the_general_path
                                                   (800, 800, 4, 4))[:, :, ::-1]
         v_cache = np.zeros((1, 1, 16, 4), np.float32)
         k_new = (np.arange(8, dtype=np.float32) + 1000).reshape(1, 1, 2, 4)
-        out = ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache, v_cache,
-                                        np.array([3]), k_new, np.ones((1, 1, 2, 4), np.float32),
-                                        **(dict(window=(None, None)) if general else {}))
+        with general_path("kvcache_shortcut") if general else contextlib.nullcontext():
+            out = ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache,
+                                            v_cache, np.array([3]), k_new,
+                                            np.ones((1, 1, 2, 4), np.float32))
         return out, buffer
 
     fast, general = step(False), step(True)

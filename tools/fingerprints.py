@@ -5,9 +5,10 @@
 
 Each case is one call on seeded inputs; its fingerprint is the sha256 of the
 bytes of every array it returns. The cases cover every option of every entry
-point, both dtypes, float16 and int8 K/V, SCORES, LSE, grouped heads, the decode
-(direct) path with and without split keys, the packed and per-entry paths,
-and every kernel table this CPU runs. ``check`` compares the tables both
+point, both dtypes, float16 and int8 K/V, bfloat16 (when ml_dtypes is
+installed), SCORES, LSE, grouped heads, the decode (direct) path with and
+without split keys, the packed and per-entry paths, and every kernel table
+this CPU runs. ``check`` compares the tables both
 runs have and exits 1 on any difference; ``record`` replaces the tables this
 CPU runs and keeps the file's others (an AVX2 machine keeps the avx512
 fingerprints an AVX-512 machine recorded).
@@ -26,6 +27,11 @@ import numpy as np
 
 import cattention as ca
 from cattention._native import driver as _attention
+
+try:
+    from ml_dtypes import bfloat16
+except ImportError:      # the bfloat16 cases are then neither run nor compared
+    bfloat16 = None
 
 #: (T, S): decode (direct path, split keys at S >= 1024), tails, packed paths
 #: (700 keys: P.V tiles of several runs joining a non-zero accumulator)
@@ -172,6 +178,12 @@ def all_cases():
     yield from kvcache_cases(np.float32, np.float16)
     yield from attention_cases(np.float32, np.int8)
     yield from kvcache_cases(np.float32, np.int8)
+    if bfloat16 is not None:
+        # the tile tables' (amx, avx512bf16) own products and sums
+        yield from attention_cases(bfloat16, bfloat16)
+        yield from deep_cases(bfloat16)
+        yield from kvcache_cases(bfloat16, bfloat16)
+        yield from kvcache_cases(np.float32, bfloat16)
 
 
 def fingerprints():
@@ -211,6 +223,8 @@ def main(argv):
     compared = 0
     for table in sorted(set(recorded) & set(current)):
         for key, value in recorded[table].items():
+            if bfloat16 is None and "bfloat16" in key:
+                continue
             compared += 1
             if current[table].get(key) != value:
                 differences += 1

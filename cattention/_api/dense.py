@@ -319,8 +319,9 @@ def attention(
     """
     fast = (driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
                                       enable_gqa, kv_lengths, window, softcap, alibi_slopes,
-                                      sinks, k_scale, v_scale, num_threads, local.limit)
-            if kv_starts is None and out is None and query_offset is None else None)
+                                      sinks, k_scale, v_scale, kv_starts, out, num_threads,
+                                      local.limit)
+            if query_offset is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     causal = driver.check_flag(causal, "causal")

@@ -172,10 +172,10 @@ def attention_with_kvcache(
     >>> out.shape, lengths
     ((1, 2, 3, 8), array([3]))
     """
-    fast = (driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
-                                    scale, enable_gqa, window, softcap, alibi_slopes, sinks,
-                                    k_scale, v_scale, return_lse, num_threads, local.limit)
-            if kv_starts is None and out is None else None)
+    fast = driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
+                                   scale, enable_gqa, window, softcap, alibi_slopes, sinks,
+                                   k_scale, v_scale, kv_starts, out, return_lse, num_threads,
+                                   local.limit)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends = prepare_kvcache(

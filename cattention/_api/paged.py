@@ -179,11 +179,10 @@ def attention_with_paged_kvcache(
     >>> lengths
     array([3, 9])
     """
-    fast = (driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
-                                  v_new, cu_seqlens_q, causal, scale, window, softcap,
-                                  alibi_slopes, sinks, k_scale, v_scale, return_lse,
-                                  num_threads, local.limit)
-            if kv_starts is None and out is None else None)
+    fast = driver.paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new,
+                                 v_new, cu_seqlens_q, causal, scale, window, softcap,
+                                 alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
+                                 return_lse, num_threads, local.limit)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     call, appends, result = prepare_paged(

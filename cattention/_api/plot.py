@@ -81,7 +81,9 @@ def _as_labels(labels: Sequence[object] | None, name: str, expected: int,
 def _tick_positions(count: int) -> NDArray[np.intp]:
     if count <= _MAX_LABELLED_TICKS:
         return np.arange(count)
-    return np.unique(np.linspace(0, count - 1, _MAX_LABELLED_TICKS).round().astype(int))
+    ticks: NDArray[np.intp] = np.unique(
+        np.linspace(0, count - 1, _MAX_LABELLED_TICKS).round().astype(int))
+    return ticks
 
 
 def plot_scores(scores: ArrayLike, query_labels: Sequence[object] | None = None,

@@ -7,7 +7,7 @@ sends the call to the general path, which names what is wrong)."""
 
 cimport numpy as cnp
 from libc.math cimport fabs
-from cattention._driver.kernel_table cimport ca_bfloat16_type
+from cattention._driver.kernel_table cimport ca_bfloat16_type, intp_t
 
 
 cdef inline bint usable_input(cnp.ndarray arr, int type_num) noexcept:
@@ -205,3 +205,136 @@ cdef inline bint step_arrays_fit(cnp.ndarray q, cnp.ndarray k_store, cnp.ndarray
             and cnp.PyArray_DIM(q, 3) > 0 and cnp.PyArray_DIM(v_store, 3) > 0
             and cnp.PyArray_DIM(q, 1) > 0 and cnp.PyArray_DIM(q, 2) > 0
             and cnp.PyArray_DIM(q, 1) % cnp.PyArray_DIM(k_store, 1) == 0)
+
+
+cdef inline bint entry_offsets(object given, Py_ssize_t n_batch_dims,
+                               const Py_ssize_t *batch_shape, bint per_sequence,
+                               intp_t *offsets) noexcept:
+    """The byte offset in the ndarray given of each batch entry's value (C
+    order over batch_shape), where given broadcasts to batch_shape by
+    NumPy's rule (its axes the trailing ones); with per_sequence, a 1-D
+    given whose length is the batch's first axis (and not 1) instead holds
+    one value per index of that axis, as the general path reads
+    kv_lengths. False for anything else."""
+    if type(given) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray>given
+    cdef int ndim = cnp.PyArray_NDIM(arr)
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t d, e, per_index
+    cdef Py_ssize_t index[64]
+    cdef Py_ssize_t stride[64]
+    cdef Py_ssize_t offset = 0
+    for d in range(n_batch_dims):
+        n_batch *= batch_shape[d]
+    if (per_sequence and ndim == 1 and n_batch_dims >= 2
+            and cnp.PyArray_DIM(arr, 0) != 1):
+        if cnp.PyArray_DIM(arr, 0) != batch_shape[0]:
+            return False
+        per_index = n_batch // batch_shape[0]
+        for e in range(n_batch):
+            offsets[e] = (e // per_index) * cnp.PyArray_STRIDE(arr, 0)
+        return True
+    if ndim > n_batch_dims:
+        return False
+    for d in range(n_batch_dims):
+        index[d] = 0
+        stride[d] = 0
+        if d >= n_batch_dims - ndim:
+            if cnp.PyArray_DIM(arr, d - (n_batch_dims - ndim)) == batch_shape[d]:
+                stride[d] = cnp.PyArray_STRIDE(arr, d - (n_batch_dims - ndim))
+            elif cnp.PyArray_DIM(arr, d - (n_batch_dims - ndim)) != 1:
+                return False
+    for e in range(n_batch):
+        offsets[e] = offset
+        # the next entry: the last axis first, carrying into the ones before
+        d = n_batch_dims - 1
+        while d >= 0:
+            index[d] += 1
+            offset += stride[d]
+            if index[d] < batch_shape[d]:
+                break
+            offset -= stride[d] * batch_shape[d]
+            index[d] = 0
+            d -= 1
+    return True
+
+
+cdef inline bint entry_positions(object given, Py_ssize_t n_batch_dims,
+                                 const Py_ssize_t *batch_shape, intp_t *values) noexcept:
+    """kv_lengths or kv_starts as the general path reads them (per_sequence
+    in entry_offsets), one per batch entry, from an int32 or int64 ndarray
+    usable in place; False for anything else."""
+    if type(given) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray>given
+    cdef int type_num = cnp.PyArray_TYPE(arr)
+    if not (usable_input(arr, cnp.NPY_INT64) or usable_input(arr, cnp.NPY_INT32)):
+        return False
+    if not entry_offsets(arr, n_batch_dims, batch_shape, True, values):
+        return False
+    cdef const char *data = <const char *>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t d, e
+    for d in range(n_batch_dims):
+        n_batch *= batch_shape[d]
+    for e in range(n_batch):
+        if type_num == cnp.NPY_INT64:
+            values[e] = <intp_t>(<const long long *>(data + values[e]))[0]
+        else:
+            values[e] = (<const int *>(data + values[e]))[0]
+    return True
+
+
+cdef inline bint entry_reals(object given, Py_ssize_t n_batch_dims,
+                             const Py_ssize_t *batch_shape, intp_t *scratch,
+                             double *values) noexcept:
+    """ALiBi slopes or sinks, one per batch entry, from a float32 or float64
+    ndarray usable in place that broadcasts to batch_shape (scratch: room
+    for the offsets); False for anything else."""
+    if type(given) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray arr = <cnp.ndarray>given
+    cdef int type_num = cnp.PyArray_TYPE(arr)
+    if not (usable_input(arr, cnp.NPY_FLOAT64) or usable_input(arr, cnp.NPY_FLOAT32)):
+        return False
+    if not entry_offsets(arr, n_batch_dims, batch_shape, False, scratch):
+        return False
+    cdef const char *data = <const char *>cnp.PyArray_DATA(arr)
+    cdef Py_ssize_t n_batch = 1
+    cdef Py_ssize_t d, e
+    for d in range(n_batch_dims):
+        n_batch *= batch_shape[d]
+    for e in range(n_batch):
+        if type_num == cnp.NPY_FLOAT64:
+            values[e] = (<const double *>(data + scratch[e]))[0]
+        else:
+            values[e] = (<const float *>(data + scratch[e]))[0]
+    return True
+
+
+cdef inline bint out_usable(object given, cnp.ndarray like, Py_ssize_t d_v,
+                            int type_num) noexcept:
+    """out= a shortcut writes: an ndarray of like's shape with d_v
+    features, of type_num, writable, usable in place with non-negative
+    strides, contiguous features, no element twice, certainly apart from
+    like (the other inputs are the caller's to test)."""
+    if type(given) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray out = <cnp.ndarray>given
+    cdef int ndim = cnp.PyArray_NDIM(out)
+    cdef int d
+    # (without_self_overlap looks at up to 8 axes)
+    if (ndim != cnp.PyArray_NDIM(like) or ndim > 8
+            or cnp.PyArray_DIM(out, ndim - 1) != d_v):
+        return False
+    for d in range(ndim - 1):
+        if cnp.PyArray_DIM(out, d) != cnp.PyArray_DIM(like, d):
+            return False
+    if not (usable_input(out, type_num) and cnp.PyArray_ISWRITEABLE(out)
+            and without_self_overlap(out) and apart(out, like)):
+        return False
+    for d in range(ndim):
+        if cnp.PyArray_STRIDE(out, d) < 0:
+            return False
+    return d_v <= 1 or cnp.PyArray_STRIDE(out, ndim - 1) == cnp.PyArray_ITEMSIZE(out)

@@ -1,14 +1,17 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: cdivision=True, initializedcheck=False
-"""The checks of a call's scalar options, compiled once for both ways in:
-the general path (``_prepare``, through the extension's wrappers) and the
+"""The checks of a call's options, compiled once for both ways in: the
+general path (``_prepare``, through the extension's wrappers) and the
 compiled shortcuts call these same functions, so an option is accepted or
 refused, and a value resolved, by one piece of code. Each raises the
-ValueError or TypeError that names the argument; none touches an array."""
+ValueError or TypeError that names the argument. Scalar options are checked
+as given; per-entry ones (key positions, ALiBi slopes, sinks) once laid out
+one value per batch entry, by whichever path laid them out."""
 
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.float cimport DBL_MAX, FLT_MAX
-from libc.math cimport fabs, isfinite, sqrt
+from libc.math cimport INFINITY, fabs, isfinite, isnan, sqrt
+from cattention._driver.kernel_table cimport intp_t
 from cattention._driver.problem cimport MAX_THREADS
 
 cdef extern from "<float.h>" nogil:
@@ -180,3 +183,71 @@ cdef inline Py_ssize_t resolve_threads(object num_threads, object limit) except 
         return <Py_ssize_t>limit
     current = omp_get_max_threads()
     return current if current >= 1 else 1
+
+
+# ------------------------------------------------- per-entry option values
+
+cdef inline int check_key_positions(const intp_t *values, Py_ssize_t n, Py_ssize_t n_keys,
+                                    str name) except -1:
+    """kv_lengths or kv_starts, one per batch entry: key positions in [0, S]."""
+    cdef Py_ssize_t i
+    cdef intp_t low, high
+    if n == 0:
+        return 0
+    low = high = values[0]
+    for i in range(1, n):
+        if values[i] < low:
+            low = values[i]
+        if values[i] > high:
+            high = values[i]
+    if low < 0 or high > n_keys:
+        raise ValueError(f"{name} must lie in [0, S] = [0, {n_keys}]; got values from "
+                         f"{low} to {high}")
+    return 0
+
+
+cdef inline int check_alibi_slopes(const double *slopes, Py_ssize_t n,
+                                   bint in_float32) except -1:
+    """Finite slopes the compute dtype holds: the biases are logits of that
+    dtype, and a slope beyond it makes every bias off the diagonal infinite
+    (NaN rows). A slope within it times a long distance can still leave the
+    dtype's range, as any logit can (a +inf logit makes its row NaN)."""
+    cdef Py_ssize_t i
+    cdef double limit = FLT_MAX if in_float32 else DBL_MAX
+    cdef double largest = 0
+    for i in range(n):
+        if not isfinite(slopes[i]):
+            raise ValueError("alibi_slopes must be finite")
+        if fabs(slopes[i]) > largest:
+            largest = fabs(slopes[i])
+    if largest > limit:
+        compute = "float32" if in_float32 else "float64"
+        raise ValueError(
+            f"alibi_slopes must lie in [-{limit:.4g}, {limit:.4g}] (the range of {compute}, "
+            f"the compute dtype of these inputs); got {largest:.4g} in magnitude")
+    return 0
+
+
+cdef inline int check_sinks(double *sinks, Py_ssize_t n, bint in_float32) except -1:
+    """Sink logits join each row's softmax and its log-sum-exp in the
+    compute dtype: NaN, +inf or one above its range would be an infinite
+    log-sum-exp, refused; one below it weighs nothing and becomes -inf (in
+    place), no sink, so that every path gives the bits of no sink (the
+    kernels tell a sink by its float64 value)."""
+    cdef Py_ssize_t i
+    cdef double limit = FLT_MAX if in_float32 else DBL_MAX
+    cdef double largest = -INFINITY
+    for i in range(n):
+        if isnan(sinks[i]) or sinks[i] == INFINITY:
+            raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
+        if sinks[i] > largest:
+            largest = sinks[i]
+    if largest > limit:
+        compute = "float32" if in_float32 else "float64"
+        raise ValueError(
+            f"sinks must be at most {limit:.4g} (the largest {compute}, the compute dtype "
+            f"of these inputs); got {largest:.4g}")
+    for i in range(n):
+        if sinks[i] < -limit:
+            sinks[i] = -INFINITY
+    return 0

@@ -44,21 +44,20 @@ from libc.math cimport isfinite
 from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
-    ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, intp_t)
+    ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, ca_simd_note, intp_t)
 from cattention._driver.problem cimport Problem, RowOptions, plain_row_options
 from cattention._driver.schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size, compute_problem,
     omp_get_max_threads)
 from cattention._driver.checks cimport (
-    check_flag as _check_flag, check_num_threads as _check_num_threads, check_scale as _check_scale,
-    check_softcap as _check_softcap, check_window as _check_window, holds,
-    resolve_threads as _resolve_threads)
-from cattention._driver.from_arrays cimport (
-    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets, set_query_offset)
+    check_alibi_slopes as _check_alibi_slopes, check_flag as _check_flag,
+    check_key_positions as _check_key_positions, check_num_threads as _check_num_threads,
+    check_scale as _check_scale, check_sinks as _check_sinks, check_softcap as _check_softcap,
+    check_window as _check_window, holds, resolve_threads as _resolve_threads)
 from cattention._driver.from_entries cimport (
     EntryPlan, EntryTable, Place, free_tables, plan_entries, problem_from_table,
     stacks_grouped_rows as _stacks_grouped_rows)
-from cattention._driver.runs cimport run_plan, run_then_free
+from cattention._driver.runs cimport run_dense, run_plan
 from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows as _append_rows, cache_rows_of)
 from cattention._driver.shortcuts cimport (
@@ -202,6 +201,16 @@ def simd_tile():
     return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)
 
 
+def loop_flops(long n_steps):
+    """Run the multiply-add loop of the table in use n_steps times on this
+    thread (the benchmark times it: the rate no kernel of the table can
+    pass); returns the floating-point operations done."""
+    cdef double flops
+    with nogil:
+        flops = _kernels.loop_flops(n_steps)
+    return flops
+
+
 def set_simd(name):
     """Use the kernel table called ``name`` (for tests and benchmarks).
 
@@ -219,6 +228,12 @@ def set_simd(name):
 
 def compiler():
     return (<bytes>ca_compiler_version()).decode()
+
+
+def simd_note():
+    """Why a table this CPU has the instructions for is not available
+    (the AMX table when the OS or Linux refuses the tile state), or ""."""
+    return (<bytes>ca_simd_note()).decode()
 
 
 def register_bfloat16(int type_num):
@@ -261,7 +276,7 @@ def forked_after_parallel():
     return bool(ca_forked_after_parallel())
 
 
-# ------------------------------------------- the checks of scalar options
+# ------------------------------------------------- the checks of options
 # (checks.pxd), for the general path
 
 def check_flag(value, str name):
@@ -290,8 +305,21 @@ def resolve_threads(num_threads, limit):
     return _resolve_threads(num_threads, limit)
 
 
-def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask, bint has_alibi):
-    return _stacks_grouped_rows(group, n_rows, has_mask, has_alibi)
+def check_key_positions(const intp_t[::1] values, Py_ssize_t n_keys, str name):
+    _check_key_positions(&values[0] if values.shape[0] else NULL, values.shape[0], n_keys,
+                         name)
+
+
+def check_alibi_slopes(const double[::1] slopes, bint in_float32):
+    _check_alibi_slopes(&slopes[0] if slopes.shape[0] else NULL, slopes.shape[0], in_float32)
+
+
+def check_sinks(double[::1] sinks, bint in_float32):
+    _check_sinks(&sinks[0] if sinks.shape[0] else NULL, sinks.shape[0], in_float32)
+
+
+def stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask):
+    return _stacks_grouped_rows(group, n_rows, has_mask)
 
 
 # ------------------------------------------------------------ the runs
@@ -334,27 +362,18 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
     cdef const double[::1] alibi = options.alibi
     cdef const double[::1] sinks = options.sinks
     cdef RowOptions row
-    cdef Problem pb
     cdef Py_ssize_t n_batch_dims = len(batch_shape)
     cdef Py_ssize_t shape[64]
     cdef Py_ssize_t d
     for d in range(n_batch_dims):
         shape[d] = batch_shape[d]
     read_row_options(options, &row, alibi, sinks)
-    cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
-                                             n_batch_dims, shape, kv_group, &row)
-    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
-    if query_period > 0:
-        pb.query_period = query_period
-    if kv_lengths is not None and kv_lengths.shape[0] > 0:
-        set_kv_lengths(&pb, &kv_lengths[0], index)
-    if kv_starts is not None and kv_starts.shape[0] > 0:
-        set_kv_starts(&pb, &kv_starts[0])
-    if query_offset is not None and query_offset.shape[0] > 0:
-        set_query_offset(&pb, &query_offset[0])
-    if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
-        set_out_offsets(&pb, out, n_batch_dims, shape, index)
-    run_then_free(&pb, index, _kernels, options.threads, out, scores)
+    run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,
+              &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
+              &kv_starts[0] if kv_starts is not None and kv_starts.shape[0] > 0 else NULL,
+              &row, _kernels, options.threads, out, scores, lse,
+              &query_offset[0] if query_offset is not None and query_offset.shape[0] > 0
+              else NULL)
 
 
 cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):
@@ -453,30 +472,31 @@ def append_rows(cnp.ndarray cache, cnp.ndarray rows, const intp_t[::1] seq_offse
 
 def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,
                        kv_lengths, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
-                       num_threads, thread_limit):
+                       kv_starts, out, num_threads, thread_limit):
     """The result of ``attention`` when the call is the common case, else None
     (shortcuts.pxd)."""
     return _attention_shortcut(_kernels, q, k, v, causal, mask, scale, return_scores,
                                return_lse, enable_gqa, kv_lengths, window, softcap,
-                               alibi_slopes, sinks, k_scale, v_scale, num_threads,
-                               thread_limit)
+                               alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
+                               num_threads, thread_limit)
 
 
 def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,
                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
-                     return_lse, num_threads, thread_limit):
+                     kv_starts, out, return_lse, num_threads, thread_limit):
     """The result of ``attention_with_kvcache`` for a common serving step,
     else None before anything is written (shortcuts.pxd)."""
     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
-                             v_scale, return_lse, num_threads, thread_limit)
+                             v_scale, kv_starts, out, return_lse, num_threads, thread_limit)
 
 
 def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
-                   v_scale, return_lse, num_threads, thread_limit):
+                   v_scale, kv_starts, out, return_lse, num_threads, thread_limit):
     """The result of ``attention_with_paged_kvcache`` for a common serving
     step, else None before anything is written (shortcuts.pxd)."""
     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,
                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
-                           sinks, k_scale, v_scale, return_lse, num_threads, thread_limit)
+                           sinks, k_scale, v_scale, kv_starts, out, return_lse, num_threads,
+                           thread_limit)

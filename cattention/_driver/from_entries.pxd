@@ -8,7 +8,7 @@ sequence's rows lie, how many query rows and valid keys it has) becomes one
 or two entry tables (plan_entries), each one run of the driver:
 
 - sequences with one new query row, when the heads are grouped (1 < G <=
-  DIRECT_ROWS, no ALiBi): one entry per (sequence, K/V head), its G query
+  DIRECT_ROWS): one entry per (sequence, K/V head), its G query
   heads stacked as rows, so that each K/V head's keys are read once per
   decode step;
 - every other sequence: one entry per (sequence, query head), its rows its
@@ -78,21 +78,24 @@ cdef struct EntryTable:
     void *storage
 
 
-cdef inline bint stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows, bint has_mask,
-                                     bint has_alibi) noexcept nogil:
+cdef inline bint stacks_grouped_rows(Py_ssize_t group, Py_ssize_t n_rows,
+                                     bint has_mask) noexcept nogil:
     """Whether the G query heads of a K/V head, n_rows rows each, are
     stacked as the rows of one entry (its keys then read once for all of
-    them): only a decode-sized stack, and only when every row's logits come
-    from its K/V head alone (no mask or ALiBi of its own query head)."""
-    return 1 < group and group * n_rows <= DIRECT_ROWS and not has_mask and not has_alibi
+    them): only a decode-sized stack, and not under a mask (read per query
+    head as a batch entry; ALiBi slopes and sinks are read per group of
+    query_period rows, so they stack)."""
+    return 1 < group and group * n_rows <= DIRECT_ROWS and not has_mask
 
 
-cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_option_values,
-                          bint with_alibi) noexcept nogil:
-    """Allocate the arrays of an n_entries table (and n_option_values sinks,
-    n_entries ALiBi slopes); 0, or -1 if there is no memory."""
+cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_row_values,
+                          bint with_sinks, bint with_alibi) noexcept nogil:
+    """Allocate the arrays of an n_entries table (and n_row_values sinks,
+    ALiBi slopes, each if asked for: one per group of query_period rows);
+    0, or -1 if there is no memory."""
     cdef Py_ssize_t n = n_entries if n_entries > 0 else 1
-    cdef Py_ssize_t n_doubles = n_option_values + (n_entries if with_alibi else 0)
+    cdef Py_ssize_t n_sinks = n_row_values if with_sinks else 0
+    cdef Py_ssize_t n_doubles = n_sinks + (n_row_values if with_alibi else 0)
     t.storage = malloc(12 * n * sizeof(intp_t) + (n_doubles + 1) * sizeof(double))
     if t.storage == NULL:
         return -1
@@ -103,7 +106,7 @@ cdef inline int table_new(EntryTable *t, Py_ssize_t n_entries, Py_ssize_t n_opti
     t.k_scale_offset, t.v_scale_offset = slots + 9 * n, slots + 10 * n
     t.kv_start = slots + 11 * n
     t.sinks = <double *>(slots + 12 * n)
-    t.alibi = t.sinks + n_option_values
+    t.alibi = t.sinks + n_sinks
     t.n_entries = n_entries
     return 0
 
@@ -127,8 +130,8 @@ cdef inline int stacked_table(const EntryPlan *plan, EntryTable *t,
     as rows, for the sequences of one query row."""
     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
     cdef Py_ssize_t s, kv_head, g, head, e = 0
-    if table_new(t, n_stacked * plan.n_kv_heads,
-                 n_stacked * plan.n_heads if plan.sinks != NULL else 0, False) != 0:
+    if table_new(t, n_stacked * plan.n_kv_heads, n_stacked * plan.n_heads, plan.sinks != NULL,
+                 plan.alibi != NULL) != 0:
         return -1
     t.n_queries = group
     t.n_keys = 0
@@ -150,9 +153,11 @@ cdef inline int stacked_table(const EntryPlan *plan, EntryTable *t,
                 t.lse_offset[e] = plan.lse.seq_offset[s] + head * plan.lse.h_stride
             t.kv_index[e] = e
             set_kv_place(plan, t, e, s, kv_head)
-            if plan.sinks != NULL:
-                for g in range(group):
+            for g in range(group):
+                if plan.sinks != NULL:
                     t.sinks[e * group + g] = plan.sinks[s * plan.n_heads + head + g]
+                if plan.alibi != NULL:
+                    t.alibi[e * group + g] = plan.alibi[s * plan.n_heads + head + g]
             e += 1
     t.n_kv = t.n_entries
     return 0
@@ -165,7 +170,7 @@ cdef inline int per_head_table(const EntryPlan *plan, EntryTable *t, Py_ssize_t 
     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
     cdef Py_ssize_t s, head, at, e = 0
     cdef Py_ssize_t rest = 0
-    if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads if plan.sinks != NULL else 0,
+    if table_new(t, n_rest * plan.n_heads, n_rest * plan.n_heads, plan.sinks != NULL,
                  plan.alibi != NULL) != 0:
         return -1
     t.n_queries = 0
@@ -205,7 +210,7 @@ cdef inline int plan_entries(const EntryPlan *plan, EntryTable *tables,
     """The (up to two) tables of a plan, into tables[0..n_tables); free them
     with free_tables. 0, or -1 if there is no memory."""
     cdef Py_ssize_t group = plan.n_heads // plan.n_kv_heads
-    cdef bint stacking = stacks_grouped_rows(group, 1, False, plan.alibi != NULL)
+    cdef bint stacking = stacks_grouped_rows(group, 1, False)
     cdef Py_ssize_t s, n_stacked = 0, n_rest = 0
     for s in range(plan.n_seq):
         if stacking and plan.q_lengths[s] == 1:

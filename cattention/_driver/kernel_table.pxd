@@ -126,6 +126,7 @@ cdef extern from "kernels.h" nogil:
                         float *acc, Py_ssize_t ldacc, const void *ahead,
                         Py_ssize_t ahead_bytes) noexcept nogil
         void (*end_of_thread)() noexcept nogil
+        double (*loop_flops)(long n_steps) noexcept nogil
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64

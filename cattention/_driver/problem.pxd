@@ -115,7 +115,7 @@ cdef struct RowOptions:
     Py_ssize_t window_left       # sliding window: keys at most this far before
     Py_ssize_t window_right      # / after the query's position; -1: unbounded
     double softcap               # logits -> softcap * tanh(logits / softcap); 0: off
-    const double *alibi_slope    # per batch entry, or NULL
+    const double *alibi_slope    # per group of query_period rows, or NULL
     const double *sink           # per group of query_period rows, or NULL
 
 
@@ -145,8 +145,9 @@ cdef struct Problem:
     const double *sink           # attention sinks: one logit with no value in each
                                  # row's softmax, of query head row // query_period
                                  # (rows counted b * T + r), -inf: none; NULL: none
-    const double *alibi_slope    # per batch entry: -slope * |position - j| added
-                                 # to the logits, or NULL
+    const double *alibi_slope    # -slope * |position - j| added to the logits,
+                                 # the slope of query head row // query_period as
+                                 # for the sinks; NULL: none
     void *lse                    # (n_batch, T) log-sum-exp of each row, or NULL
     # Entries of their own lengths (packed variable-length sequences, paged
     # caches; NULL: every entry has T rows, at b * T * ld_out in ATTN and

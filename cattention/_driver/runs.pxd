@@ -11,6 +11,8 @@ from cattention._driver.problem cimport Problem, RowOptions
 from cattention._driver.schedule cimport compute_problem
 from cattention._driver.from_entries cimport (
     EntryPlan, EntryTable, free_tables, plan_entries, problem_from_table)
+from cattention._driver.from_arrays cimport (
+    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets, set_query_offset)
 
 
 cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
@@ -54,6 +56,37 @@ cdef inline int run_then_free(Problem *pb, intp_t *index, const ca_kernels *kern
     if status != 0:
         raise MemoryError("cattention: could not allocate scratch memory")
     return 0
+
+
+cdef inline int run_dense(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
+                          cnp.ndarray k_scale, cnp.ndarray v_scale, Py_ssize_t n_batch_dims,
+                          const Py_ssize_t *batch_shape, Py_ssize_t kv_group,
+                          Py_ssize_t query_period, const intp_t *kv_lengths,
+                          const intp_t *kv_starts, const RowOptions *row,
+                          const ca_kernels *kern, Py_ssize_t n_threads, cnp.ndarray out,
+                          cnp.ndarray scores, cnp.ndarray lse,
+                          const intp_t *query_offset=NULL) except -1:
+    """Build and run a dense call's Problem (problem_from_arrays): its rows
+    stacked groups of query_period positions when that is > 0, kv_lengths
+    and kv_starts one per batch entry or NULL, ATTN into out as it lies (C
+    contiguous, or any non-negative strides with contiguous features), C
+    contiguous scores and lse, any of the three None; query_offset the key
+    position of each batch entry's query row 0, or NULL (bottom-right)."""
+    cdef Problem pb
+    cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
+                                             n_batch_dims, batch_shape, kv_group, row)
+    pb.lse = cnp.PyArray_DATA(lse) if lse is not None else NULL
+    if query_period > 0:
+        pb.query_period = query_period
+    if kv_lengths != NULL:
+        set_kv_lengths(&pb, kv_lengths, index)
+    if kv_starts != NULL:
+        set_kv_starts(&pb, kv_starts)
+    if query_offset != NULL:
+        set_query_offset(&pb, query_offset)
+    if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
+        set_out_offsets(&pb, out, n_batch_dims, batch_shape, index)
+    return run_then_free(&pb, index, kern, n_threads, out, scores)
 
 
 cdef inline int run_plan(const EntryPlan *plan, const RowOptions *row, const ca_kernels *kern,

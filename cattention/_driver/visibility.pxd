@@ -132,7 +132,8 @@ cdef inline void mask_scores(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
         if pb.softcap > 0:
             kernel_softcap(pb.kern, s_row + lo, hi - lo, pb.softcap)
         if pb.alibi_slope != NULL:
-            slope = pb.alibi_slope[b]
+            # one slope per group of query_period rows, as the sinks
+            slope = pb.alibi_slope[(b * pb.n_queries + row0 + i) // pb.query_period]
             position = (row0 + i) % query_period_of(pb, b) + query_position_offset(pb, b)
             for j in range(lo, hi):
                 s_row[j] = s_row[j] - <floating>(slope * labs(position - (key0 + j)))

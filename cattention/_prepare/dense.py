@@ -203,8 +203,7 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
                      out, query_offset)
     # lengths, starts and offsets given per head might differ within a group
     per_kv_head = all(a.ndim == 0 or a.shape[-1] == 1 for a in given)
-    if (driver.stacks_grouped_rows(group, n_queries, mask is not None,
-                                   alibi_slopes is not None) and per_kv_head):
+    if driver.stacks_grouped_rows(group, n_queries, mask is not None) and per_kv_head:
         _stack_grouped_rows(call)
     return call
 
@@ -228,8 +227,8 @@ def _stack_grouped_rows(call: DenseCall) -> None:
         call.kv_starts = np.ascontiguousarray(call.kv_starts[::group])
     if call.query_offset is not None:
         call.query_offset = np.ascontiguousarray(call.query_offset[::group])
-    # the sinks, one per (K/V head, g), are already one per group of
-    # query_period rows
+    # the ALiBi slopes and sinks, one per (K/V head, g), are already one per
+    # group of query_period rows
     call.kv_group = 1
     call.query_period = n_queries
 

@@ -60,38 +60,17 @@ def row_options(*, causal: bool, scale: object, d_k: int, compute: np.dtype[Any]
 
 def check_sink_values(sinks: NDArray[np.float64], compute: np.dtype[Any],
                       ) -> NDArray[np.float64]:
-    """Sink logits join each row's softmax and its log-sum-exp in the
-    compute dtype: NaN, +inf or one above its range would be an infinite
-    log-sum-exp, refused; one below it weighs nothing and becomes -inf, no
-    sink, so that every path gives the bits of no sink (the kernels tell a
-    sink by its float64 value)."""
-    if np.any(np.isnan(sinks)) or np.any(sinks == np.inf):
-        raise ValueError("sinks must be finite, or -inf for no sink; got NaN or +inf")
-    if not sinks.size:
-        return sinks
-    limit = float(np.finfo(compute).max)
-    if float(sinks.max()) > limit:
-        raise ValueError(
-            f"sinks must be at most {limit:.4g} (the largest {compute}, the compute dtype "
-            f"of these inputs); got {float(sinks.max()):.4g}")
-    if float(sinks.min()) < -limit:
-        sinks = np.where(sinks < -limit, -np.inf, sinks)
+    """Sink logits, checked by the driver (checks.pxd); those below the
+    compute dtype's range become -inf (no sink), in a copy."""
+    sinks = np.array(sinks, dtype=np.float64, order="C")
+    driver.check_sinks(sinks.reshape(-1), compute == np.float32)
     return sinks
 
 
 def check_alibi_values(slopes: NDArray[np.float64], compute: np.dtype[Any]) -> None:
-    """Finite slopes the compute dtype holds: the biases are logits of that
-    dtype, and a slope beyond it makes every bias off the diagonal infinite
-    (NaN rows). A slope within it times a long distance can still leave the
-    dtype's range, as any logit can (a +inf logit makes its row NaN)."""
-    if not np.all(np.isfinite(slopes)):
-        raise ValueError("alibi_slopes must be finite")
-    limit = float(np.finfo(compute).max)
-    if slopes.size and float(np.abs(slopes).max()) > limit:
-        raise ValueError(
-            f"alibi_slopes must lie in [-{limit:.4g}, {limit:.4g}] (the range of {compute}, "
-            f"the compute dtype of these inputs); got {float(np.abs(slopes).max()):.4g} in "
-            "magnitude")
+    """ALiBi slopes, checked by the driver (checks.pxd)."""
+    driver.check_alibi_slopes(np.ascontiguousarray(slopes, dtype=np.float64).reshape(-1),
+                              compute == np.float32)
 
 
 _PER_HEAD_HINT = "expected (H,) or (B, H)"
@@ -117,16 +96,15 @@ def per_entry_alibi(alibi_slopes: ArrayLike, batch_shape: tuple[int, ...],
 def per_entry_key_positions(values: ArrayLike, batch_shape: tuple[int, ...], n_keys: int,
                             name: str) -> NDArray[np.intp]:
     """kv_lengths or kv_starts: a key position in [0, S], one intp per batch
-    entry."""
+    entry (checked by the driver, checks.pxd)."""
     given = np.asarray(values)
     full = per_batch_entry(given, batch_shape, name, "iu", "integers",
                            np.intp, "the dimensions before T")
-    # the range of the values given, in Python ints: a uint64 beyond intp
-    # wraps around in ``full``
-    if full.size and (int(given.min()) < 0 or int(given.max()) > n_keys):
-        raise ValueError(
-            f"{name} must lie in [0, S] = [0, {n_keys}]; got values from "
-            f"{int(given.min())} to {int(given.max())}")
+    if given.dtype.kind == "u" and given.size and int(given.max()) > np.iinfo(np.intp).max:
+        # beyond intp, where ``full`` wraps around: out of [0, S] whatever S
+        raise ValueError(f"{name} must lie in [0, S] = [0, {n_keys}]; got values from "
+                         f"{int(given.min())} to {int(given.max())}")
+    driver.check_key_positions(full, n_keys, name)
     return full
 
 
