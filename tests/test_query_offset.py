@@ -223,3 +223,55 @@ def test_a_refused_offset_writes_nothing_into_out():
     with pytest.raises(ValueError):
         ca.attention(q, k, v, query_offset=2**63, out=out)
     assert np.all(out == 7.0)
+
+
+def _other_inputs(kind):
+    """(q, k, v, options, reference K and V): a mask, float16 or int8 K/V,
+    at offsets before, inside and past the keys."""
+    rng = np.random.default_rng(50)
+    q, k, v = make_qkv(50, (2, 2, 11, 16), (2, 2, 40, 16), (2, 2, 40, 16), np.float32)
+    options = dict(causal=True)
+    ref_k, ref_v = k, v
+    if kind == "bool mask":
+        options["mask"] = rng.random((11, 40)) > 0.3
+    elif kind == "additive mask":
+        options["mask"] = np.where(rng.random((11, 40)) > 0.3, rng.standard_normal((11, 40)),
+                                   -np.inf)
+    elif kind == "float16 kv":
+        k, v = k.astype(np.float16), v.astype(np.float16)
+        ref_k, ref_v = k.astype(np.float32), v.astype(np.float32)
+    elif kind == "int8 kv":
+        (k, k_scale), (v, v_scale) = ca.quantize_kv(k), ca.quantize_kv(v)
+        options.update(k_scale=k_scale, v_scale=v_scale)
+        ref_k = k.astype(np.float32) * k_scale[..., None]
+        ref_v = v.astype(np.float32) * v_scale[..., None]
+    return q, k, v, options, ref_k, ref_v
+
+
+@pytest.mark.parametrize("kind", ["bool mask", "additive mask", "float16 kv", "int8 kv"])
+def test_query_offset_with_masks_and_narrow_kv(kind):
+    q, k, v, options, ref_k, ref_v = _other_inputs(kind)
+    offsets = np.array([-5, 22])
+    out, lse = ca.attention(q, k, v, query_offset=offsets, return_lse=True, **options)
+    ref_options = {name: value for name, value in options.items()
+                   if name not in ("k_scale", "v_scale")}
+    assert_matches_reference(out, None, q, ref_k, ref_v, query_offset=offsets[:, None],
+                             lse=lse, **ref_options)
+
+
+def test_query_offset_with_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")
+    from reference import assert_bfloat16_matches_reference
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in
+               make_qkv(51, (2, 2, 13, 16), (2, 2, 60, 16), (2, 2, 60, 16), np.float32))
+    offsets = np.array([30, -3])
+    out, lse = ca.attention(q, k, v, causal=True, window=(20, None), query_offset=offsets,
+                            return_lse=True)
+    assert_bfloat16_matches_reference(out, None, q, k, v, True, window=(20, None),
+                                      query_offset=offsets[:, None], lse=lse)
+
+
+def test_a_ragged_query_offset_is_named():
+    x = np.ones((2, 1, 3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"^query_offset is not a regular array"):
+        ca.attention(x, x, x, query_offset=[[1, 2], [3]])
