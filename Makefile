@@ -1,7 +1,8 @@
 # Every target works from a fresh clone with only Python 3 and a C compiler:
 # a local virtual environment (.venv) gets what each target needs, taken from
 # pyproject.toml (tools/requirements.py): the build requirements for `make
-# run`, the `test` extra for `make test`, the `bench` extra for `make bench`.
+# run`, the `test` extra for `make test`, the `bench` extra for `make bench`,
+# the `docs` extra for `make docs`.
 # Stamps make a second run with nothing changed skip the installs and the build.
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,9 +16,9 @@ BUILT := build/.cattention-built
 SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd \
 	cattention/_driver/*.pyx cattention/_driver/*.pxd src/*.c src/*.h)
 
-.PHONY: install build run test typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
-	bench bench-deps bench-quick bench-pipeline bench-serving bench-dask asan fuzz reliability \
-	clean distclean
+.PHONY: install build run test docs typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
+	bench bench-deps bench-quick bench-bf16 bench-pipeline bench-serving bench-dask asan fuzz \
+	reliability clean distclean test-transformers bench-transformers
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +50,43 @@ run: $(BUILT)
 
 test: $(BUILT) $(TEST_DEPS)
 	$(VPY) -m pytest -q tests
+
+# cattention.integrations.transformers: the `transformers` extra (torch,
+# transformers, ml_dtypes) into the virtual environment, then its tests (make
+# test skips them without torch). The extra gives torch as a floor; TORCH
+# pins the CPU build here, a local wheel on the project's machines (elsewhere
+# point pip at PyTorch's CPU index): an unpinned torch pulls the multi-GB CUDA
+# build. Once installed, make test runs these tests too.
+TORCH ?= torch==2.13.0
+HF_DEPS := $(VENV)/.transformers-deps
+$(HF_DEPS): pyproject.toml tools/requirements.py | $(VPY)
+	$(REQUIREMENTS) transformers > $(VENV)/transformers-requirements.txt
+	$(PIP) "$(TORCH)" -r $(VENV)/transformers-requirements.txt
+	touch $@
+
+test-transformers: $(BUILT) $(TEST_DEPS) $(HF_DEPS)
+	$(VPY) -m pytest -q tests/test_transformers.py
+
+# A Llama-3.2-1B-shaped attention stack with random weights through
+# transformers: "sdpa", "cattention" and "eager", prefill and decode, batch 1
+# and a left-padded batch (benchmarks/transformers_e2e.py; --help for options)
+bench-transformers: $(BUILT) $(HF_DEPS)
+	$(VPY) benchmarks/transformers_e2e.py
+
+# The documentation site (docs/, Sphinx) into docs/_build/html, warnings as
+# errors; the API reference is generated from the docstrings and the
+# examples run as it builds, so the extension is built first. Once the site
+# is built, `make test` opens pages of it in headless Chromium.
+DOCS_DEPS := $(VENV)/.docs-deps
+DOCS_HTML := docs/_build/html
+$(DOCS_DEPS): pyproject.toml tools/requirements.py | $(VPY)
+	$(REQUIREMENTS) docs > $(VENV)/docs-requirements.txt
+	$(PIP) -r $(VENV)/docs-requirements.txt
+	touch $@
+
+docs: $(BUILT) $(DOCS_DEPS)
+	MPLBACKEND=Agg $(VPY) -m sphinx -W --keep-going -q -b html docs $(DOCS_HTML)
+	@echo "open $(DOCS_HTML)/index.html"
 
 # The NEON table against the portable one on an emulated aarch64 CPU: the
 # kernels cross-compiled with Debian's gcc-aarch64-linux-gnu into a static
@@ -149,6 +187,11 @@ bench: bench-deps
 bench-quick: bench-deps
 	$(VPY) benchmarks/attention.py --quick
 
+# the bfloat16 cases (beside float32 on the same values and the peers) on
+# every kernel table this CPU runs, 1 and 2 threads
+bench-bf16: bench-deps
+	$(VPY) benchmarks/attention.py --cases bfloat16 --simd all
+
 # cattention between NumPy BLAS calls and in a threaded service
 # (benchmarks/pipeline.py), in the default environment.
 bench-pipeline: $(BUILT)
@@ -222,7 +265,8 @@ clean:
 		$(addprefix build/wheels/,src raw repaired tmp tree *.log) \
 		dist *.egg-info cattention/*.so cattention/*.c cattention/*.html \
 		cattention/_driver/*.so cattention/_driver/*.c cattention/_driver/*.html \
-		.pytest_cache .hypothesis
+		.pytest_cache .hypothesis docs/_build docs/auto_examples docs/api/generated \
+		docs/sg_execution_times.rst
 	find . -path ./build -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

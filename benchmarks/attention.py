@@ -12,10 +12,24 @@ Implementations
     ``torch-explicit``  torch matmul + softmax + matmul, also returns weights
     ``onnxruntime``     the ONNX Attention operator (opset 23) in onnxruntime
     ``openvino``        OpenVINO's ScaledDotProductAttention (opset 13), f32
+    ``cattention-f32``  bfloat16 cases only: cattention in float32 on the
+                        same values (what a runtime pays by upcasting)
 
 The peers that materialise T x S (``cattention+S``, ``numpy``,
-``torch-explicit``) are run only where B*H*T*S is moderate; the torch peers
-only when torch is importable (it is imported lazily).
+``torch-explicit``) are run only where B*H*T*S is moderate, and not on the
+bfloat16 cases; the torch peers only when torch is importable (it is
+imported lazily).
+
+bfloat16 cases (issues 41 and 48; they need ml_dtypes, and are left out
+without it) give cattention ``ml_dtypes.bfloat16`` arrays, PyTorch SDPA the
+same bits as ``torch.bfloat16`` tensors, and OpenVINO bf16 parameters with
+``INFERENCE_PRECISION_HINT: bf16``. onnxruntime is asked for a bfloat16
+Attention (opset 23), then com.microsoft MultiHeadAttention, through I/O
+binding; where its CPU provider has neither (1.32 has not), its row says so
+instead of a time. The bfloat16 decode case is one step of
+``attention_with_kvcache`` (the cache holds S - 1 keys, the call appends the
+S-th), and ``cattention-f32`` the same step over a float32 cache; the peers
+attend over the S keys in place, without the append.
 
 Method
     * Each thread count is a separate pass. cattention gets ``num_threads=N``
@@ -30,9 +44,10 @@ Method
     * Errors are max |out - ref| against a float64 NumPy reference computed
       one (batch, head) slice at a time, once per case.
     * Throughput is GFLOP/s with FLOPs = 4*B*H*T*S*d (halved for causal with
-      T == S), or for decode (T == 1) the GB/s of K and V read, also as a
-      fraction of a DRAM bandwidth probe (``np.dot`` of two large float32
-      vectors) measured in the same pass.
+      T == S), or for decode (T == 1) the GB/s of K and V read (in the
+      dtype each implementation reads: float32 for ``cattention-f32``),
+      also as a fraction of a DRAM bandwidth probe (``np.dot`` of two large
+      float32 vectors) measured in the same pass.
     * "vs ca" is peer time / cattention time (above 1: cattention is faster);
       "vs ca+S" compares the peers that return the weights with
       ``cattention+S``.
@@ -41,6 +56,22 @@ Method
       own register-tiled kernel on the same cores; its fastest round) measured
       in the same pass: about the rate the two matmuls inside attention
       could reach.
+    * cattention's GFLOP/s is also given as a share of the fastest
+      multiply-add loop of the kernel table its kernels ran on
+      (``driver.loop_flops``: vector FMAs, or AMX tile products on the
+      ``amx`` table), timed in the same run per table and thread count in
+      process CPU time, so that other processes' load does not count; at 2
+      threads two Python threads run it at once (:func:`measure_loop_rate`).
+      bfloat16 calls take the loop of the table in use
+      (``driver.get_simd()``), float32 ones that of the table whose FMA
+      kernels they run (the ``amx`` table's float32 is ``avx512``'s). On
+      ``avx512bf16`` the loop is the FMA loop, while VDPBF16PS (its scores)
+      does two multiply-adds per lane where an FMA does one.
+    * ``--simd TABLE[,TABLE]`` (or ``all``) runs every case on each kernel
+      table in turn (``driver.set_simd``), a pass per table and thread
+      count; ``make bench-bf16`` runs the bfloat16 cases on every table
+      this CPU runs, so bf16 and float32 can be set side by side for the
+      avx2, avx512bf16 and amx tables in one run.
     * A separate memory probe runs one long causal case in a fresh
       subprocess and reports its peak RSS increase (see
       :func:`measure_memory`).
@@ -74,7 +105,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cattention import attention, show_config
+from cattention import attention, attention_with_kvcache, show_config
+from cattention._native import driver
 
 __all__ = ["Case", "DEFAULT_CASES", "add_arguments", "main", "run_benchmark"]
 
@@ -108,6 +140,7 @@ MEMORY_SHAPE = (1, 1, 32768, 32768, 64)
 
 CATTENTION = "cattention"
 CATTENTION_SCORES = "cattention+S"
+CATTENTION_F32 = "cattention-f32"
 NUMPY = "numpy"
 TORCH_SDPA = "torch-sdpa"
 TORCH_EXPLICIT = "torch-explicit"
@@ -115,6 +148,11 @@ ONNXRUNTIME = "onnxruntime"
 OPENVINO = "openvino"
 PROBE = "np.dot"
 GEMM_PROBE = "np.matmul"
+LOOP_PROBE = "loop_flops"
+
+#: ml_dtypes' bfloat16 (an optional dependency: without it the bfloat16
+#: cases are left out, and the run says so)
+BFLOAT16 = "bfloat16"
 
 
 # ---------------------------------------------------------------------------
@@ -126,7 +164,9 @@ class Case:
     """One attention shape: q (B, H, T, d), k and v (B, H_kv, S, d).
 
     ``kv_heads`` below ``heads`` is grouped-query attention; ``kv_dtype``
-    (e.g. float16, a halved KV cache) may differ from q's ``dtype``."""
+    (e.g. float16, a halved KV cache) may differ from q's ``dtype``.
+    ``kvcache`` makes a decode case one step of ``attention_with_kvcache``:
+    the cache holds S - 1 keys and the call appends the S-th."""
 
     batch: int
     heads: int
@@ -139,6 +179,7 @@ class Case:
     kv_heads: int = 0    # 0: as many as query heads
     kv_dtype: str = ""   # "": as q
     window: int = 0      # > 0: causal sliding window of this many earlier keys
+    kvcache: bool = False
 
     @property
     def n_kv_heads(self):
@@ -158,6 +199,8 @@ class Case:
             name += f" kv-{np.dtype(self.kv_type).name}"
         if self.window:
             name += f" window{self.window}"
+        if self.kvcache:
+            name += " kvcache"
         return name
 
     @property
@@ -191,9 +234,10 @@ class Case:
     def flops(self):
         return 4.0 * self.score_elements * self.dim * self.visible_fraction
 
-    @property
-    def kv_bytes(self):
-        itemsize = np.dtype(self.kv_type).itemsize
+    def kv_bytes(self, dtype=None):
+        """Bytes of K and V read, stored in ``dtype`` (default: the case's)."""
+        dtype = dtype or self.kv_type
+        itemsize = 2 if dtype == BFLOAT16 else np.dtype(dtype).itemsize
         return 2.0 * self.batch * self.n_kv_heads * self.n_keys * self.dim * itemsize
 
     def matches(self, patterns):
@@ -226,17 +270,46 @@ DEFAULT_CASES = (
     Case(1, 2, 8192, 8192, 64, causal=True, window=1024),
     Case(1, 8, 1024, 1024, 64, causal=False, dtype="float64"),
     Case(1, 8, 1024, 1024, 64, causal=True, dtype="float64"),
+    # bfloat16 (issues 41 and 48), each beside cattention in float32 on the
+    # same values; the decode step appends to a bfloat16 cache, beside the
+    # same step over a float32 cache
+    Case(1, 8, 1024, 1024, 64, dtype=BFLOAT16, quick=True),
+    Case(4, 32, 512, 512, 128, dtype=BFLOAT16),
+    Case(8, 12, 512, 512, 64, dtype=BFLOAT16),
+    Case(1, 8, 2048, 2048, 64, causal=True, dtype=BFLOAT16),
+    Case(1, 32, 1, 8192, 128, dtype=BFLOAT16, kvcache=True, quick=True),
 )
 
 
+def bfloat16_dtype():
+    """ml_dtypes.bfloat16 as a NumPy dtype, or None without ml_dtypes."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def numpy_dtype(name):
+    """The NumPy dtype called ``name``, bfloat16 included (needs ml_dtypes)."""
+    if name == BFLOAT16:
+        dtype = bfloat16_dtype()
+        if dtype is None:
+            raise ImportError("bfloat16 cases need ml_dtypes: pip install ml_dtypes")
+        return dtype
+    return np.dtype(name)
+
+
 def make_inputs(case):
-    """Standard-normal q, k, v for ``case``; the same arrays on every call."""
+    """Standard-normal q, k, v for ``case``; the same arrays on every call
+    (bfloat16: float32 draws rounded to bfloat16)."""
     rng = np.random.default_rng(0)
-    dtype = np.dtype(case.dtype)
+    dtype = numpy_dtype(case.dtype)
+    draw = np.float32 if case.dtype == BFLOAT16 else dtype
     q_shape = (case.batch, case.heads, case.n_queries, case.dim)
     kv_shape = (case.batch, case.n_kv_heads, case.n_keys, case.dim)
-    q = rng.standard_normal(q_shape, dtype=dtype)
-    k, v = (rng.standard_normal(kv_shape, dtype=dtype).astype(case.kv_type)
+    q = rng.standard_normal(q_shape, dtype=draw).astype(dtype, copy=False)
+    k, v = (rng.standard_normal(kv_shape, dtype=draw).astype(numpy_dtype(case.kv_type))
             for _ in range(2))
     return q, k, v
 
@@ -245,7 +318,7 @@ def full_heads(case, x):
     """K or V with each head repeated for its query heads, in q's dtype (what
     peers without grouped-query support or float16 need)."""
     group = case.heads // case.n_kv_heads
-    x = x.astype(case.dtype, copy=False)
+    x = x.astype(numpy_dtype(case.dtype), copy=False)
     return np.repeat(x, group, axis=-3) if group > 1 else x
 
 
@@ -293,20 +366,23 @@ def _import_torch():
     return torch
 
 
-def build_implementations(case, q, k, v, threads, torch):
+def build_implementations(case, q, k, v, threads, torch, notes=None):
     """{name: callable() -> ATTN} for the implementations that run on ``case``.
 
     Conversions (torch views, masks) happen here, outside the timed calls.
+    A peer that is installed but cannot take the case (onnxruntime without
+    bfloat16 kernels) is left out with its reason in ``notes`` ({name: why}).
     """
     scale = 1.0 / math.sqrt(case.dim)
-    causal = case.causal
-    gqa = case.n_kv_heads != case.heads
-    window = (case.window, 0) if case.window else None
-    impls = {
-        CATTENTION: lambda: attention(q, k, v, causal=causal, scale=scale,
-                                      enable_gqa=gqa, window=window, num_threads=threads),
-    }
-    if case.materialise:
+    impls = {CATTENTION: cattention_call(case, q, k, v, threads)}
+    if case.dtype == BFLOAT16:
+        # the same values in float32: what a runtime without bfloat16 support
+        # computes after upcasting (issue 41's "our own float32")
+        impls[CATTENTION_F32] = cattention_call(
+            case, *(a.astype(np.float32) for a in (q, k, v)), threads)
+    elif case.materialise:
+        causal = case.causal
+        gqa = case.n_kv_heads != case.heads
         impls[CATTENTION_SCORES] = lambda: attention(
             q, k, v, causal=causal, scale=scale, return_scores=True, enable_gqa=gqa,
             num_threads=threads)[0]
@@ -316,31 +392,154 @@ def build_implementations(case, q, k, v, threads, torch):
                                                causal, scale)[0]
     if torch is not None:
         impls.update(_torch_implementations(case, q, k, v, scale, torch))
-    impls.update(_runtime_implementations(case, q, k, v, scale, threads))
+    impls.update(_runtime_implementations(case, q, k, v, scale, threads,
+                                          {} if notes is None else notes))
     return impls
 
 
-def _runtime_implementations(case, q, k, v, scale, threads):
+def cattention_call(case, q, k, v, threads):
+    """callable() -> ATTN: ``attention`` on the case, or for a KV-cache case
+    one decode step of ``attention_with_kvcache``: the cache (k, v) holds
+    S - 1 keys and the call appends the last row (the values already there,
+    so the cache is the same after every call) and attends to all S."""
+    scale = 1.0 / math.sqrt(case.dim)
+    if case.kvcache:
+        k_new, v_new = k[..., -1:, :].copy(), v[..., -1:, :].copy()
+        held = case.n_keys - 1
+        # the call advances the lengths in place: a fresh array each step
+        return lambda: attention_with_kvcache(
+            q, k, v, np.full(case.batch, held), k_new, v_new, scale=scale,
+            enable_gqa=case.n_kv_heads != case.heads, num_threads=threads)
+    window = (case.window, 0) if case.window else None
+    return lambda: attention(q, k, v, causal=case.causal, scale=scale,
+                             enable_gqa=case.n_kv_heads != case.heads, window=window,
+                             num_threads=threads)
+
+
+class NotRun(Exception):
+    """A peer that is installed but cannot run a case; the message says why
+    (shown in the peer's row)."""
+
+
+def _runtime_implementations(case, q, k, v, scale, threads, notes):
     """onnxruntime's Attention operator (ONNX opset 23) and OpenVINO's
     ScaledDotProductAttention (opset 13), each a one-operator graph compiled
     for ``threads`` threads, where installed and where they express the case:
     both align a causal mask top-left, so causal cases need T == S; sliding
     windows are left out (neither has them without a full mask). A float16
     cache is cast to float32 inside the graph, as their users do. OpenVINO's
-    CPU plugin has no float64 precision, so float64 cases leave it out."""
+    CPU plugin has no float64 precision, so float64 cases leave it out.
+
+    bfloat16: OpenVINO takes the bfloat16 tensors and computes with a bf16
+    inference precision; onnxruntime runs whichever of its CPU provider's
+    Attention (opset 23) and com.microsoft MultiHeadAttention takes
+    bfloat16, and where neither does its reason goes into ``notes``."""
     impls = {}
     if case.window or (case.causal and case.n_queries != case.n_keys):
         return impls
     try:
-        impls[ONNXRUNTIME] = _onnxruntime_attention(case, q, k, v, scale, threads)
+        if case.dtype == BFLOAT16:
+            impls[ONNXRUNTIME] = _onnxruntime_bfloat16(case, q, k, v, threads)
+        else:
+            impls[ONNXRUNTIME] = _onnxruntime_attention(case, q, k, v, scale, threads)
     except ImportError:
         pass
+    except NotRun as why:
+        notes[ONNXRUNTIME] = str(why)
     if case.dtype != "float64":  # OpenVINO's CPU plugin computes in f32 at most
         try:
             impls[OPENVINO] = _openvino_attention(case, q, k, v, scale, threads)
         except ImportError:
             pass
     return impls
+
+
+#: The onnxruntime operators tried for bfloat16, in order.
+ORT_BFLOAT16_OPERATORS = ("Attention", "MultiHeadAttention")
+
+
+def _onnxruntime_bfloat16(case, q, k, v, threads):
+    """The first of :data:`ORT_BFLOAT16_OPERATORS` that onnxruntime's CPU
+    provider runs in bfloat16 (:func:`onnxruntime_runner`); NotRun if none.
+
+    onnxruntime 1.32 has neither: Attention is expanded into its ONNX
+    function, whose Expand has no bfloat16 CPU kernel, and MultiHeadAttention
+    has no bfloat16 CPU kernel (nor have MatMul and Softmax)."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNotImplemented
+
+    for op in ORT_BFLOAT16_OPERATORS:
+        try:
+            return onnxruntime_runner(case, q, k, v, threads, op)
+        except OrtNotImplemented:
+            pass
+    raise NotRun(f"onnxruntime {ort.__version__}'s CPU provider has no bfloat16 Attention "
+                 "(opset 23) or com.microsoft MultiHeadAttention kernel")
+
+
+def onnxruntime_runner(case, q, k, v, threads, op="Attention"):
+    """callable() -> ATTN: one ONNX ``op`` node on onnxruntime's CPU
+    provider, inputs and output bound once through I/O binding (the way a
+    bfloat16 tensor reaches onnxruntime from NumPy: its Python layer
+    converts no bfloat16 array, either way). ``op`` is "Attention" (opset
+    23; q, k and v as (B, H, T, d)) or "MultiHeadAttention" (com.microsoft;
+    q as (B, T, H*d), made here, K and V as (B, H, S, d)); q, k and v of one
+    dtype. Raises onnxruntime's NotImplemented where the provider has no
+    kernel for the dtype."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+            BFLOAT16: TensorProto.BFLOAT16}[case.dtype]
+    stored = np.uint16 if case.dtype == BFLOAT16 else q.dtype  # the bits as NumPy holds them
+    batch, heads, n_queries, _ = q.shape
+    d_v = v.shape[-1]
+    scale = 1.0 / math.sqrt(case.dim)
+    if op == "Attention":
+        node = helper.make_node("Attention", ["q", "k", "v"], ["out"], scale=scale,
+                                is_causal=int(case.causal))
+        opsets = [helper.make_opsetid("", 23)]
+        query, out_shape = q, (batch, heads, n_queries, d_v)
+    elif op == "MultiHeadAttention":
+        node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["out"],
+                                domain="com.microsoft", num_heads=heads, scale=scale,
+                                unidirectional=int(case.causal))
+        opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+        query = q.transpose(0, 2, 1, 3).reshape(batch, n_queries, -1)
+        out_shape = (batch, n_queries, heads * d_v)
+    else:
+        raise ValueError(f"unknown operator {op!r}")
+    feeds = {name: np.ascontiguousarray(a).view(stored)
+             for name, a in (("q", query), ("k", k), ("v", v))}
+    graph = helper.make_graph(
+        [node], "attention",
+        [helper.make_tensor_value_info(name, elem, a.shape) for name, a in feeds.items()],
+        [helper.make_tensor_value_info("out", elem, None)])
+    model = helper.make_model(graph, opset_imports=opsets)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    out = np.empty(out_shape, dtype=stored)
+    binding = session.io_binding()
+    # the OrtValues hold their arrays; the binding holds only the tensors
+    values = {name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a, elem)
+              for name, a in feeds.items()}
+    values["out"] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(out, elem)
+    for name in feeds:
+        binding.bind_ortvalue_input(name, values[name])
+    binding.bind_ortvalue_output("out", values["out"])
+    result = out.view(q.dtype)
+    if op == "MultiHeadAttention":
+        result = result.reshape(batch, n_queries, heads, d_v).transpose(0, 2, 1, 3)
+
+    def run():
+        session.run_with_iobinding(binding)
+        return result
+
+    run.bound = values
+    return run
 
 
 def _onnxruntime_attention(case, q, k, v, scale, threads):
@@ -378,7 +577,9 @@ def _openvino_attention(case, q, k, v, scale, threads):
     import openvino as ov
     from openvino import opset13
 
-    types = {"float32": ov.Type.f32, "float64": ov.Type.f64, "float16": ov.Type.f16}
+    types = {"float32": ov.Type.f32, "float64": ov.Type.f64, "float16": ov.Type.f16,
+             BFLOAT16: ov.Type.bf16}
+    bfloat16 = case.dtype == BFLOAT16
     group = case.heads // case.n_kv_heads
     q_in = opset13.parameter(list(q.shape), types[case.dtype], name="q")
     k_in = opset13.parameter(list(k.shape), types[case.kv_type], name="k")
@@ -392,23 +593,35 @@ def _openvino_attention(case, q, k, v, scale, threads):
         query = opset13.reshape(query, [b, case.n_kv_heads, group, t, d], False)
         key = opset13.unsqueeze(key, 2)
         value = opset13.unsqueeze(value, 2)
-    out = opset13.scaled_dot_product_attention(
-        query, key, value, scale=opset13.constant(np.array(scale, dtype=q.dtype)),
-        causal=case.causal)
+    # bfloat16: no scale input (a bf16 constant would round 1/sqrt(d) for
+    # d = 128); the operator's default is the same 1/sqrt(d)
+    scale_input = ({} if bfloat16
+                   else {"scale": opset13.constant(np.array(scale, dtype=q.dtype))})
+    out = opset13.scaled_dot_product_attention(query, key, value, causal=case.causal,
+                                               **scale_input)
     if group > 1:
         out = opset13.reshape(out, list(q.shape[:-1]) + [v.shape[-1]], False)
     model = ov.Model([out], [q_in, k_in, v_in], "attention")
-    # f32 precision, not the bf16/f16 an AVX-512 or AMX CPU would pick
-    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads,
-                                                      "INFERENCE_PRECISION_HINT": "f32"})
+    # f32 precision, not the bf16/f16 an AVX-512 or AMX CPU would pick; bf16
+    # for bfloat16 inputs
+    compiled = ov.Core().compile_model(model, "CPU", {
+        "INFERENCE_NUM_THREADS": threads,
+        "INFERENCE_PRECISION_HINT": "bf16" if bfloat16 else "f32"})
     request = compiled.create_infer_request()
-    return lambda: request.infer([q, k, v])[0]
+    if not bfloat16:
+        return lambda: request.infer([q, k, v])[0]
+    # OpenVINO's Python layer holds bfloat16 as 16-bit words (its arrays say
+    # float16): the tensors wrap the bits, and the output's bits are viewed
+    # as bfloat16
+    feeds = [ov.Tensor(np.ascontiguousarray(a).view(np.uint16), list(a.shape), ov.Type.bf16)
+             for a in (q, k, v)]
+    return lambda: request.infer(feeds)[0].view(np.uint16).view(q.dtype)
 
 
 def _torch_implementations(case, q, k, v, scale, torch):
     import torch.nn.functional as F
 
-    tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+    tq, tk, tv = (torch_tensor(a, torch) for a in (q, k, v))
     T, S = case.n_queries, case.n_keys
     sdpa_kwargs = {"scale": scale}
     if case.n_kv_heads != case.heads:
@@ -444,9 +657,17 @@ def _torch_implementations(case, q, k, v, scale, torch):
             return torch.matmul(weights, v_full), weights
 
     impls = {TORCH_SDPA: sdpa}
-    if case.materialise:
+    if case.materialise and case.dtype != BFLOAT16:
         impls[TORCH_EXPLICIT] = lambda: explicit()[0]
     return impls
+
+
+def torch_tensor(a, torch):
+    """A torch tensor sharing ``a``'s memory (bfloat16: its bits viewed as
+    torch.bfloat16; torch.from_numpy takes no ml_dtypes array)."""
+    if a.dtype.name == BFLOAT16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 #: Implementations that also return the attention weights.
@@ -559,7 +780,12 @@ def relative_spread(times):
 
 
 def _as_numpy(result):
-    return result.numpy() if hasattr(result, "numpy") else np.asarray(result)
+    if hasattr(result, "numpy"):  # a torch tensor
+        if str(result.dtype) == "torch.bfloat16":  # which .numpy() refuses
+            import torch
+            return result.view(torch.int16).numpy().view(bfloat16_dtype())
+        return result.numpy()
+    return np.asarray(result)
 
 
 def measure_dram_bandwidth(threads, n_elements, rounds=PROBE_ROUNDS):
@@ -610,6 +836,93 @@ def measure_gemm_rate(threads, size, rounds=PROBE_ROUNDS):
     }
 
 
+#: Process CPU seconds per thread of a round of the multiply-add loop, and
+#: its rounds (the fastest is kept).
+LOOP_SECONDS = 0.1
+LOOP_ROUNDS = 3
+#: The table whose multiply-add loop bounds float32 calls made on a table
+#: whose own loop is another: the AMX table's tiles take bfloat16 only, and
+#: it multiplies float32 with the AVX-512 FMA kernels.
+FLOAT32_TABLE = {"amx": "avx512"}
+#: What a table's loop_flops runs (the vector FMA loop unless listed).
+LOOP_KINDS = {"amx": "AMX tile", "baseline": "plain C"}
+
+
+def loop_table(table, compute_dtype):
+    """The kernel table whose multiply-add loop bounds a call computed in
+    ``compute_dtype`` (bfloat16 or float32) on ``table``: bfloat16 calls run
+    on the table itself, float32 calls on its float32 kernels' table."""
+    return table if compute_dtype == BFLOAT16 else FLOAT32_TABLE.get(table, table)
+
+
+def _run_loop(steps, threads):
+    """(flops, process CPU seconds) of ``threads`` Python threads each
+    running ``driver.loop_flops(steps)`` at once (it releases the GIL)."""
+    if threads == 1:
+        t0 = time.process_time()
+        flops = driver.loop_flops(steps)
+        return flops, time.process_time() - t0
+    start = threading.Barrier(threads)
+    done = []
+
+    def work():
+        start.wait()
+        done.append(driver.loop_flops(steps))
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    t0 = time.process_time()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(done), time.process_time() - t0
+
+
+def measure_loop_rate(table, threads, seconds=LOOP_SECONDS, rounds=LOOP_ROUNDS):
+    """Record for kernel table ``table``'s fastest multiply-add loop
+    (``driver.loop_flops``: vector FMAs, or AMX tile products): the GFLOP/s
+    no kernel of the table can pass on ``threads`` cores.
+
+    Timed in process CPU time (``time.process_time``), so that time slices
+    other processes take on a loaded machine do not count. With several
+    threads, that many Python threads run the loop at once and the rate is
+    ``threads`` x flops / CPU seconds: the rate of that many cores busy
+    together, measured, not twice one core's (two hyperthreads of one core
+    would show as one core). Rounds of about ``seconds`` CPU seconds per
+    thread; the fastest round is kept (a peak, as the GEMM probe's)."""
+    previous = driver.get_simd()
+    driver.set_simd(table)
+    try:
+        steps = 1 << 10
+        flops, cpu = _run_loop(steps, 1)
+        while cpu < seconds / 10:  # calibrate on one thread
+            steps *= 4
+            flops, cpu = _run_loop(steps, 1)
+        steps = max(1, round(steps * seconds / cpu))
+        rates, per_thread = [], []
+        for _ in range(rounds):
+            flops, cpu = _run_loop(steps, threads)
+            rates.append(threads * flops / cpu / 1e9)
+            per_thread.append(cpu / threads)
+    finally:
+        driver.set_simd(previous)
+    kind = LOOP_KINDS.get(table, "FMA")
+    return {
+        "case": f"{kind} loop: {table} table",
+        "kind": "probe",
+        "dtype": BFLOAT16 if table == "amx" else "float32",
+        "threads": threads,
+        "simd": table,
+        "impl": LOOP_PROBE,
+        "clock": "process_time",
+        "median_ms": statistics.median(per_thread) * 1e3,
+        "times_ms": [t * 1e3 for t in per_thread],
+        "spread": relative_spread(per_thread),
+        "gflops": max(rates),
+        "gbps": None,
+    }
+
+
 @contextlib.contextmanager
 def thread_limits(threads, torch):
     """Limit NumPy's BLAS and torch to ``threads`` (restored afterwards)."""
@@ -634,7 +947,8 @@ def benchmark_case(case, threads, rounds, torch, reference=None, wake=WAKE_SECON
     ``wake`` the seconds the cores are kept busy after each settle pause.
     """
     q, k, v = make_inputs(case)
-    impls = build_implementations(case, q, k, v, threads, torch)
+    notes = {}
+    impls = build_implementations(case, q, k, v, threads, torch, notes)
     # with several threads, pause after the peers whose idle workers spin
     # (OpenBLAS, PyTorch's OpenMP) so they do not slow whatever runs next
     settle = ({name: BLAS_SETTLE_SECONDS
@@ -644,7 +958,8 @@ def benchmark_case(case, threads, rounds, torch, reference=None, wake=WAKE_SECON
     for name, fn in impls.items():  # warm-up, and the output for the error
         out = _as_numpy(fn())
         if reference is not None:
-            errors[name] = float(np.max(np.abs(out - reference), initial=0.0))
+            errors[name] = float(np.max(np.abs(out.astype(np.float64) - reference),
+                                        initial=0.0))
         del out
     if threads > 1:  # after NumPy and the reference
         time.sleep(BLAS_SETTLE_SECONDS)
@@ -671,7 +986,9 @@ def benchmark_case(case, threads, rounds, torch, reference=None, wake=WAKE_SECON
             "times_ms": [t * 1e3 for t in ts],
             "spread": relative_spread(ts),
             "gflops": case.flops / median / 1e9,
-            "gbps": case.kv_bytes / median / 1e9 if case.is_decode else None,
+            # cattention-f32 reads a float32 copy of the K/V
+            "gbps": (case.kv_bytes("float32" if name == CATTENTION_F32 else None)
+                     / median / 1e9 if case.is_decode else None),
             "vs_ca": median / medians[CATTENTION],
             "vs_ca_scores": (median / medians[CATTENTION_SCORES]
                              if name in RETURNS_WEIGHTS and CATTENTION_SCORES in medians
@@ -680,29 +997,60 @@ def benchmark_case(case, threads, rounds, torch, reference=None, wake=WAKE_SECON
             "background_cores": background,
         }
         records.append(record)
+    for name, note in notes.items():  # installed, but not able to run the case
+        records.append({
+            "case": case.name, "kind": "decode" if case.is_decode else "attention",
+            "shape": [case.batch, case.heads, case.n_queries, case.n_keys, case.dim],
+            "causal": case.causal, "dtype": case.dtype, "threads": threads, "impl": name,
+            "median_ms": None, "times_ms": [], "spread": None, "gflops": None, "gbps": None,
+            "vs_ca": None, "vs_ca_scores": None, "max_abs_err": None,
+            "background_cores": background, "note": note})
     return records
 
 
+def compute_dtype(case, impl):
+    """The dtype cattention's kernels multiply in for ``impl`` on ``case``
+    (float16 caches are widened to float32), or None for a peer."""
+    if impl == CATTENTION_F32:
+        return "float32"
+    if impl not in (CATTENTION, CATTENTION_SCORES):
+        return None
+    return case.dtype if case.dtype in ("float64", BFLOAT16) else "float32"
+
+
 def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_ROUNDS,
-                  probe_elements=None, on_records=None, gemm_size=None, wake=WAKE_SECONDS):
+                  probe_elements=None, on_records=None, gemm_size=None, wake=WAKE_SECONDS,
+                  simd=None, loop_seconds=None):
     """Run every case at every thread count; returns the list of records.
 
-    One pass per thread count; each pass starts with the DRAM probe of
-    ``probe_elements`` float32 elements per vector (default
-    ``PROBE_ELEMENTS``; 0 skips it), whose GB/s is attached to decode records
-    as ``probe_fraction``, and the GEMM probe of order ``gemm_size`` (default
-    ``GEMM_SIZE``; 0 skips it), whose GFLOP/s is attached to the other
-    float32 records as ``gemm_fraction``. ``on_records(records)`` is called
-    as each case (and probe) completes, for progressive output. In passes
-    of more than one thread the cores are kept busy for ``wake`` seconds
-    after each settle pause (default :data:`WAKE_SECONDS`).
+    One pass per thread count and kernel table (``simd``: names from
+    ``driver.available_simd()``; default: the table in use, as chosen at
+    import or by CATTENTION_SIMD); the table in use is restored at the end.
+    Each thread count starts with the DRAM probe of ``probe_elements``
+    float32 elements per vector (default ``PROBE_ELEMENTS``; 0 skips it),
+    whose GB/s is attached to decode records as ``probe_fraction``, and the
+    GEMM probe of order ``gemm_size`` (default ``GEMM_SIZE``; 0 skips it),
+    whose GFLOP/s is attached to the other float32 records as
+    ``gemm_fraction``. Each table starts with the multiply-add loops its
+    calls run on (:func:`measure_loop_rate`, rounds of ``loop_seconds``,
+    default :data:`LOOP_SECONDS`; 0 skips them): cattention's records other
+    than decode and float64 get ``loop_fraction``, their GFLOP/s over the
+    loop of ``loop_table`` (:func:`loop_table`). ``on_records(records)`` is
+    called as each case (and probe) completes, for progressive output. In
+    passes of more than one thread the cores are kept busy for ``wake``
+    seconds after each settle pause (default :data:`WAKE_SECONDS`).
     """
     if probe_elements is None:
         probe_elements = PROBE_ELEMENTS
     if gemm_size is None:
         gemm_size = GEMM_SIZE
+    if loop_seconds is None:
+        loop_seconds = LOOP_SECONDS
+    in_use = driver.get_simd()
+    tables = list(simd) if simd else [in_use]
     torch = _import_torch()
     references = {}
+    loops = {}  # (table, threads): loop record
     records = []
 
     def emit(new):
@@ -710,31 +1058,60 @@ def run_benchmark(cases=DEFAULT_CASES, threads=DEFAULT_THREADS, rounds=DEFAULT_R
         if on_records is not None:
             on_records(new)
 
-    for n in threads:
-        with thread_limits(n, torch):
-            probe = measure_dram_bandwidth(n, probe_elements) if probe_elements else None
-            if probe is not None:
-                emit([probe])
-            gemm = measure_gemm_rate(n, gemm_size) if gemm_size else None
-            if gemm is not None:
-                emit([gemm])
-            for case in cases:
-                if case not in references:
-                    q, k, v = make_inputs(case)
-                    references[case] = (
-                        reference_attention(q, full_heads(case, k), full_heads(case, v),
-                                            case.causal, 1.0 / math.sqrt(case.dim))
-                        if case.score_elements <= REFERENCE_LIMIT and not case.window
-                        else None)
-                new = benchmark_case(case, n, rounds, torch, references[case], wake)
-                for record in new:
-                    if record["gbps"] is not None and probe is not None:
-                        record["probe_fraction"] = record["gbps"] / probe["gbps"]
-                    elif (record["gbps"] is None and record["dtype"] == "float32"
-                          and gemm is not None):
-                        record["gemm_fraction"] = record["gflops"] / gemm["gflops"]
-                emit(new)
+    try:
+        for n in threads:
+            with thread_limits(n, torch):
+                probe = measure_dram_bandwidth(n, probe_elements) if probe_elements else None
+                if probe is not None:
+                    emit([probe])
+                gemm = measure_gemm_rate(n, gemm_size) if gemm_size else None
+                if gemm is not None:
+                    emit([gemm])
+                for table in tables:
+                    driver.set_simd(table)
+                    for needed in dict.fromkeys((loop_table(table, "float32"),
+                                                 loop_table(table, BFLOAT16))):
+                        if loop_seconds and (needed, n) not in loops:
+                            loops[needed, n] = measure_loop_rate(needed, n, loop_seconds)
+                            emit([loops[needed, n]])
+                    for case in cases:
+                        if case not in references:
+                            references[case] = _reference(case)
+                        new = benchmark_case(case, n, rounds, torch, references[case], wake)
+                        used = driver.get_simd()  # the table the calls ran on
+                        for record in new:
+                            _attach_fractions(record, case, used, probe, gemm, loops)
+                        emit(new)
+    finally:
+        driver.set_simd(in_use)
     return records
+
+
+def _reference(case):
+    """float64 ATTN of ``case`` (None where too large or windowed)."""
+    if case.score_elements > REFERENCE_LIMIT or case.window:
+        return None
+    q, k, v = make_inputs(case)
+    return reference_attention(q, full_heads(case, k), full_heads(case, v), case.causal,
+                               1.0 / math.sqrt(case.dim))
+
+
+def _attach_fractions(record, case, table, probe, gemm, loops):
+    """Add the kernel table and the shares of the probes and loops to a
+    record of ``case`` run on ``table``."""
+    record["simd"] = table
+    if record["median_ms"] is None:  # a note
+        return
+    if record["gbps"] is not None and probe is not None:
+        record["probe_fraction"] = record["gbps"] / probe["gbps"]
+    elif record["gbps"] is None and record["dtype"] == "float32" and gemm is not None:
+        record["gemm_fraction"] = record["gflops"] / gemm["gflops"]
+    dtype = compute_dtype(case, record["impl"])
+    if record["gbps"] is None and dtype in ("float32", BFLOAT16):
+        loop = loops.get((loop_table(table, dtype), record["threads"]))
+        if loop is not None:
+            record["loop_table"] = loop["simd"]
+            record["loop_fraction"] = record["gflops"] / loop["gflops"]
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""
@@ -892,9 +1269,12 @@ def format_config(config):
     return "\n".join(lines)
 
 
-_COLUMNS = (("case", 26, "<"), ("dtype", 7, "<"), ("thr", 3, ">"), ("impl", 14, "<"),
-            ("median ms", 10, ">"), ("iqr", 4, ">"), ("throughput", 23, "<"), ("vs ca", 7, ">"),
+_COLUMNS = (("case", 28, "<"), ("dtype", 5, "<"), ("thr", 3, ">"), ("simd", 10, "<"),
+            ("impl", 14, "<"), ("median ms", 10, ">"), ("iqr", 4, ">"),
+            ("throughput", 23, "<"), ("of loop", 7, ">"), ("vs ca", 7, ">"),
             ("vs ca+S", 7, ">"), ("max err", 8, ">"))
+#: The dtype column's short names.
+_DTYPES = {"float16": "f16", "float32": "f32", "float64": "f64", BFLOAT16: "bf16"}
 
 
 def _row(cells):
@@ -925,24 +1305,42 @@ def _number(x):
     return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
 
 
+def _share(fraction):
+    """A share of a loop: whole percent, one decimal below 10 %."""
+    return f"{fraction:.1%}" if fraction < 0.1 else f"{fraction:.0%}"
+
+
+def _group(record):
+    return record["case"], record["dtype"], record["threads"], record.get("simd")
+
+
 def format_records(records):
-    """Table rows; case, dtype and threads are shown on a group's first row."""
+    """Table rows; case, dtype, threads and table are shown on a group's
+    first row. A peer that could not run the case says why."""
     lines = []
     for i, record in enumerate(records):
-        first = i == 0 or records[i - 1]["case"] != record["case"]
+        first = i == 0 or _group(records[i - 1]) != _group(record)
         busy = (record.get("background_cores") or 0) >= BACKGROUND_FLAG
+        head = [
+            record["case"] + (" *" if busy else "") if first else "",
+            _DTYPES.get(record["dtype"], record["dtype"]) if first else "",
+            str(record["threads"]) if first else "",
+            record.get("simd", "") if first else "",
+            record["impl"],
+        ]
+        if record["median_ms"] is None:
+            lines.append(f"{_row(head)} not run: {record.get('note', '')}")
+            continue
         ratio = record.get("vs_ca")
         ratio_scores = record.get("vs_ca_scores")
         error = record.get("max_abs_err")
-        lines.append(_row([
-            record["case"] + (" *" if busy else "") if first else "",
-            record["dtype"].replace("float", "f") if first else "",
-            str(record["threads"]) if first else "",
-            record["impl"],
+        share = record.get("loop_fraction")
+        lines.append(_row(head + [
             f"{record['median_ms']:.2f}" if record["median_ms"] >= 1
             else f"{record['median_ms']:.3g}",
             f"{record['spread']:.0%}",
             _throughput(record),
+            _share(share) if share is not None else "",
             f"{ratio:.2f}x" if ratio is not None else "",
             f"{ratio_scores:.2f}x" if ratio_scores is not None else "",
             f"{error:.1e}" if error is not None else "-",
@@ -1026,6 +1424,7 @@ def plot_results(records, path):
                          "(or pip install matplotlib)") from None
     selected = [r for r in records
                 if r["kind"] == "attention" and r["dtype"] == "float32"
+                and r["gflops"] is not None
                 and r["shape"][4] == 64 and r["shape"][2] == r["shape"][3]
                 and r["shape"][2] >= 256]
     impls = list(dict.fromkeys(r["impl"] for r in selected))
@@ -1075,7 +1474,12 @@ def add_arguments(parser):
                         help="a small subset of cases, fewer rounds, no memory probe")
     parser.add_argument("--cases", metavar="SUBSTR[,SUBSTR]",
                         help="run only cases whose label (e.g. '1x8x1024x1024x64 "
-                             "causal float32', 'decode') contains one of these")
+                             "causal float32', 'decode', 'bfloat16', 'kvcache') contains "
+                             "one of these")
+    parser.add_argument("--simd", metavar="TABLE[,TABLE]",
+                        help="run every case on each of these kernel tables (names as in "
+                             "show_config(), or 'all' for every table this CPU runs; "
+                             "default: the table in use, which CATTENTION_SIMD sets)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="plot GFLOP/s against sequence length (needs matplotlib)")
@@ -1087,6 +1491,22 @@ def add_arguments(parser):
                              f"(default {WAKE_SECONDS:g}: idle cores of a virtual machine "
                              "can take 100 ms to reach full speed)")
     return parser
+
+
+def parse_simd(value):
+    """The kernel tables of ``--simd`` (None: the one in use), checked
+    against those this CPU runs."""
+    available = driver.available_simd()
+    if not value:
+        return [driver.get_simd()]
+    if value.strip() == "all":
+        return available
+    tables = [name.strip() for name in value.split(",") if name.strip()]
+    for name in tables:
+        if name not in available:
+            raise SystemExit(f"--simd: {name!r} is not a kernel table this CPU runs; "
+                             f"available: {', '.join(available)} (or all)")
+    return list(dict.fromkeys(tables))
 
 
 def main(args=None):
@@ -1108,17 +1528,28 @@ def main(args=None):
         raise SystemExit("--threads and --rounds must be positive")
     if not args.wake >= 0:
         raise SystemExit("--wake must be 0 or more seconds")
+    tables = parse_simd(args.simd)
+    skipped = [c for c in cases if BFLOAT16 in (c.dtype, c.kv_type)]
+    if skipped and bfloat16_dtype() is None:
+        cases = [c for c in cases if c not in skipped]
+        print(f"{len(skipped)} bfloat16 case(s) left out: ml_dtypes is not installed "
+              "(pip install ml_dtypes)")
 
     torch = _import_torch()
     config = machine_config(torch)
     print(format_config(config))
     print()
     print(textwrap.fill(
-        f"{len(cases)} cases x threads {threads}, {rounds} rounds round-robin; median "
-        "times, iqr = interquartile range / median. 'vs ca' = peer time / cattention "
-        "time (above 1: cattention is faster); 'vs ca+S' the same against "
-        "cattention+S, for the peers that also return the weights. max err: max abs "
-        "error of ATTN against a float64 NumPy reference.", width=100))
+        f"{len(cases)} cases x threads {threads} x kernel tables {tables}, {rounds} rounds "
+        "round-robin; median times, iqr = interquartile range / median. 'vs ca' = peer "
+        "time / cattention time (above 1: cattention is faster; for cattention-f32, "
+        "float32 on the bfloat16 case's values, the bfloat16 speed-up); 'vs ca+S' the "
+        "same against cattention+S, for the peers that also return the weights. 'of "
+        "loop': cattention's GFLOP/s over the multiply-add loop of the table its kernels "
+        "ran on (the loop_flops rows: process CPU time, with 2 threads two threads at "
+        "once; float32 on the amx table runs the avx512 FMA kernels). max err: max abs "
+        "error of ATTN against a float64 NumPy reference (bfloat16: of the upcast "
+        "inputs).", width=100))
     print()
     print(table_header())
 
@@ -1126,7 +1557,8 @@ def main(args=None):
         print(format_records(new), flush=True)
 
     counters, t0 = _cpu_counters(), time.perf_counter()
-    records = run_benchmark(cases, threads, rounds, on_records=show, wake=args.wake)
+    records = run_benchmark(cases, threads, rounds, on_records=show, wake=args.wake,
+                            simd=tables)
     background = background_cores(counters, _cpu_counters(), time.perf_counter() - t0)
     flagged = sum(1 for r in records if r["impl"] == CATTENTION
                   and (r.get("background_cores") or 0) >= BACKGROUND_FLAG)
@@ -1162,7 +1594,7 @@ def main(args=None):
             json.dump({"config": config,
                        "settings": {"threads": threads, "rounds": rounds,
                                     "quick": args.quick, "cases": patterns,
-                                    "wake_s": args.wake},
+                                    "wake_s": args.wake, "simd": tables},
                        "records": records, "memory": memory, "generation": generation,
                        "elapsed_s": elapsed,
                        "background_cores": background},

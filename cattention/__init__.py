@@ -4,8 +4,10 @@
     attn, scores = cattention.attention(q, k, v, return_scores=True)
     cattention.plot_scores(scores[0, 0])    # heatmap of one head (needs matplotlib)
 
-See ``attention`` for the conventions (bottom-right causal alignment, True
-in a bool mask means "may attend", zero rows for rows that see no key).
+The conventions every call shares (bottom-right causal alignment, True in a
+bool mask means "may attend", zero rows for rows that see no key, dtypes,
+broadcasting) are set out once, on the Conventions page of the user guide
+(docs/user-guide/conventions.rst; ``make docs`` builds the site).
 """
 
 import os as _os
@@ -58,7 +60,7 @@ _warn_of_an_unusable_simd_request()
 
 def get_include() -> str:
     """Directory of the C header that Cython code cimporting cattention's
-    C-level API (``cattention/cython_driver.pxd``) compiles against.
+    C-level API (``cattention/cython_attention.pxd``) compiles against.
 
     Returns
     -------
@@ -102,10 +104,11 @@ def show_config() -> None:
     extension; whether it was built with OpenMP (and which version) and the
     thread count a call would use (:func:`get_num_threads`); the OpenMP
     runtime library loaded (libgomp, libomp, or the copy inside a wheel); how
-    its idle threads wait (see "Threads" in the README); the SIMD kernel table
-    in use, those compiled in and those this CPU can run (and why one it
-    has the instructions for is not); how that table computes bfloat16
-    inputs; the NumPy version (and ml_dtypes', which bfloat16 arrays need).
+    its idle threads wait (see "Inside NumPy pipelines" in the user guide);
+    the SIMD kernel table in use, those compiled in and those this CPU can
+    run (and why one it has the instructions for is not; see "SIMD tables"
+    in the user guide); how that table computes bfloat16 inputs; the NumPy
+    version (and ml_dtypes', which bfloat16 arrays need).
 
     Returns
     -------

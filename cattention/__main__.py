@@ -43,7 +43,7 @@ def _numpy_attention(q: NDArray[Any], k: NDArray[Any], v: NDArray[Any], causal: 
 #: Seconds the demo waits before timing cattention after NumPy's matmuls:
 #: NumPy's OpenBLAS workers keep spinning on a core for about 0.1 s after
 #: each call, and a 2-thread call timed among them ran at its one-thread
-#: speed (README, Threads).
+#: speed (the user guide's "Inside NumPy pipelines").
 BLAS_SETTLE_SECONDS = 0.25
 
 
@@ -96,7 +96,8 @@ def demo(batch: int, heads: int, n_queries: int, n_keys: int, dim: int, repeats:
     ok = worst <= 1.0
     if threads > 1:
         print(f"(cattention timed after a {BLAS_SETTLE_SECONDS} s pause: NumPy's BLAS "
-              "threads hold a core for about 0.1 s after each call; see README, Threads)")
+              "threads hold a core for about 0.1 s after each call; see the user guide, "
+              "Inside NumPy pipelines)")
     print()
     print("check against float64 reference:", "OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -75,30 +75,30 @@ CA_AMX_TARGET static void score_bf16_amx(const uint16_t *q, ptrdiff_t ldq, ptrdi
             /* one pass at least: d_k = 0 gives zeros */
             for (ptrdiff_t r0 = 0; r0 == 0 || r0 < n_steps; r0 += run_steps) {
                 const ptrdiff_t r1 = n_steps - r0 > run_steps ? r0 + run_steps : n_steps;
-                _tile_zero(AMX_C0);
-                _tile_zero(AMX_C1);
-                _tile_zero(AMX_C2);
-                _tile_zero(AMX_C3);
+                amx_tile_zero(AMX_C0);
+                amx_tile_zero(AMX_C1);
+                amx_tile_zero(AMX_C2);
+                amx_tile_zero(AMX_C3);
                 for (ptrdiff_t t = r0; t < r1; ++t) {
                     /* A: 16 query rows x 32 features; B: 16 pairs x 16 keys */
-                    _tile_loadd(AMX_A0, q_i + t * AMX_STEP_FEATURES, ldq * 2);
-                    _tile_loadd(AMX_A2, panel + t * 16 * 32, 64);
-                    _tile_dpbf16ps(AMX_C0, AMX_A0, AMX_A2);
+                    amx_tile_load(AMX_A0, q_i + t * AMX_STEP_FEATURES, ldq * 2);
+                    amx_tile_load(AMX_A2, panel + t * 16 * 32, 64);
+                    amx_tile_dpbf16ps(AMX_C0, AMX_A0, AMX_A2);
                     if (two_panels) {
-                        _tile_loadd(AMX_B, panel + kt_panel_stride + t * 16 * 32, 64);
-                        _tile_dpbf16ps(AMX_C1, AMX_A0, AMX_B);
+                        amx_tile_load(AMX_B, panel + kt_panel_stride + t * 16 * 32, 64);
+                        amx_tile_dpbf16ps(AMX_C1, AMX_A0, AMX_B);
                     }
                     if (two_row_tiles) {
-                        _tile_loadd(AMX_A1, q_i + 16 * ldq + t * AMX_STEP_FEATURES, ldq * 2);
-                        _tile_dpbf16ps(AMX_C2, AMX_A1, AMX_A2);
+                        amx_tile_load(AMX_A1, q_i + 16 * ldq + t * AMX_STEP_FEATURES, ldq * 2);
+                        amx_tile_dpbf16ps(AMX_C2, AMX_A1, AMX_A2);
                         if (two_panels)
-                            _tile_dpbf16ps(AMX_C3, AMX_A1, AMX_B);
+                            amx_tile_dpbf16ps(AMX_C3, AMX_A1, AMX_B);
                     }
                 }
-                _tile_stored(AMX_C0, tiles[0], 64);
-                _tile_stored(AMX_C1, tiles[1], 64);
-                _tile_stored(AMX_C2, tiles[2], 64);
-                _tile_stored(AMX_C3, tiles[3], 64);
+                amx_tile_store(AMX_C0, tiles[0], 64);
+                amx_tile_store(AMX_C1, tiles[1], 64);
+                amx_tile_store(AMX_C2, tiles[2], 64);
+                amx_tile_store(AMX_C3, tiles[3], 64);
                 const int first = r0 == 0;
                 const int last = r1 >= n_steps;
                 const ptrdiff_t rows0 = n_rows - i < 16 ? n_rows - i : 16;
@@ -207,19 +207,19 @@ CA_AMX_TARGET static inline void split_weights(const float *p, ptrdiff_t ldp, pt
    tiles (A), four accumulators interleaved (a tile register is not
    renamed, and an accumulator's next product waits for its last) */
 #define AMX_PV_STEP(parts0, parts1, part_stride, b0, b1, two_rows, two_cols) \
-    _tile_loadd(AMX_A2, (b0), 64); \
+    amx_tile_load(AMX_A2, (b0), 64); \
     if (two_cols) \
-        _tile_loadd(AMX_B, (b1), 64); \
+        amx_tile_load(AMX_B, (b1), 64); \
     for (int part_ = 0; part_ < 3; ++part_) { \
-        _tile_loadd(AMX_A0, (parts0) + part_ * (part_stride), 64); \
-        _tile_dpbf16ps(AMX_C0, AMX_A0, AMX_A2); \
+        amx_tile_load(AMX_A0, (parts0) + part_ * (part_stride), 64); \
+        amx_tile_dpbf16ps(AMX_C0, AMX_A0, AMX_A2); \
         if (two_cols) \
-            _tile_dpbf16ps(AMX_C1, AMX_A0, AMX_B); \
+            amx_tile_dpbf16ps(AMX_C1, AMX_A0, AMX_B); \
         if (two_rows) { \
-            _tile_loadd(AMX_A1, (parts1) + part_ * (part_stride), 64); \
-            _tile_dpbf16ps(AMX_C2, AMX_A1, AMX_A2); \
+            amx_tile_load(AMX_A1, (parts1) + part_ * (part_stride), 64); \
+            amx_tile_dpbf16ps(AMX_C2, AMX_A1, AMX_A2); \
             if (two_cols) \
-                _tile_dpbf16ps(AMX_C3, AMX_A1, AMX_B); \
+                amx_tile_dpbf16ps(AMX_C3, AMX_A1, AMX_B); \
         } \
     }
 
@@ -256,20 +256,20 @@ CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n
                 for (ptrdiff_t c0 = 0; c0 < chunk_cols; c0 += 32) {
                     const int two_cols = chunk_cols - c0 > 16;
                     const uint16_t *panel = v + ((c_chunk + c0) / 16) * v_panel_stride;
-                    _tile_zero(AMX_C0);
-                    _tile_zero(AMX_C1);
-                    _tile_zero(AMX_C2);
-                    _tile_zero(AMX_C3);
+                    amx_tile_zero(AMX_C0);
+                    amx_tile_zero(AMX_C1);
+                    amx_tile_zero(AMX_C2);
+                    amx_tile_zero(AMX_C3);
                     for (ptrdiff_t t = 0; t < steps; ++t) {
                         const ptrdiff_t pair_row = (k0 + t * AMX_STEP_KEYS) / 2;
                         AMX_PV_STEP(parts[0][t], parts[1][t], PART, panel + pair_row * 32,
                                     panel + v_panel_stride + pair_row * 32, two_rows,
                                     two_cols)
                     }
-                    _tile_stored(AMX_C0, tiles[0], 64);
-                    _tile_stored(AMX_C1, tiles[1], 64);
-                    _tile_stored(AMX_C2, tiles[2], 64);
-                    _tile_stored(AMX_C3, tiles[3], 64);
+                    amx_tile_store(AMX_C0, tiles[0], 64);
+                    amx_tile_store(AMX_C1, tiles[1], 64);
+                    amx_tile_store(AMX_C2, tiles[2], 64);
+                    amx_tile_store(AMX_C3, tiles[3], 64);
                     for (int x = 0; x < 4; ++x) {
                         const int row_tile = x / 2, col = x % 2;
                         if (col && !two_cols)
@@ -309,19 +309,19 @@ CA_AMX_TARGET static double amx_loop_flops(long n_steps)
 {
     static const uint16_t zeros[16 * 32] __attribute__((aligned(64)));
     amx_configure();
-    _tile_zero(AMX_C0);
-    _tile_zero(AMX_C1);
-    _tile_zero(AMX_C2);
-    _tile_zero(AMX_C3);
-    _tile_loadd(AMX_A0, zeros, 64);
-    _tile_loadd(AMX_A1, zeros, 64);
-    _tile_loadd(AMX_A2, zeros, 64);
-    _tile_loadd(AMX_B, zeros, 64);
+    amx_tile_zero(AMX_C0);
+    amx_tile_zero(AMX_C1);
+    amx_tile_zero(AMX_C2);
+    amx_tile_zero(AMX_C3);
+    amx_tile_load(AMX_A0, zeros, 64);
+    amx_tile_load(AMX_A1, zeros, 64);
+    amx_tile_load(AMX_A2, zeros, 64);
+    amx_tile_load(AMX_B, zeros, 64);
     for (long s = 0; s < n_steps; ++s) {
-        _tile_dpbf16ps(AMX_C0, AMX_A0, AMX_B);
-        _tile_dpbf16ps(AMX_C1, AMX_A0, AMX_A2);
-        _tile_dpbf16ps(AMX_C2, AMX_A1, AMX_B);
-        _tile_dpbf16ps(AMX_C3, AMX_A1, AMX_A2);
+        amx_tile_dpbf16ps(AMX_C0, AMX_A0, AMX_B);
+        amx_tile_dpbf16ps(AMX_C1, AMX_A0, AMX_A2);
+        amx_tile_dpbf16ps(AMX_C2, AMX_A1, AMX_B);
+        amx_tile_dpbf16ps(AMX_C3, AMX_A1, AMX_A2);
     }
     amx_release();
     /* 16 x 16 sums of 32 products each, four tiles a step */

@@ -21,9 +21,57 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The tile instructions: the compiler's intrinsics where it has them (GCC
+   11, clang 11 and later); for older compilers (GCC 10 builds the portable
+   wheels, on glibc 2.17-era systems) their encodings, written as bytes, so
+   the assembler need not know them either. The byte forms take the address
+   in rax and the row stride in rcx (SIB: base rax, index rcx, scale 1); the
+   tile numbers are constants (%c0 prints one without its '$'). */
+#if defined(__clang__)
+#define CA_AMX_INTRINSICS (__clang_major__ >= 11)
+#elif defined(__GNUC__)
+#define CA_AMX_INTRINSICS (__GNUC__ >= 11)
+#else
+#define CA_AMX_INTRINSICS 0
+#endif
+
+#if CA_AMX_INTRINSICS
 #define CA_AMX_TARGET \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16," \
                           "amx-tile,amx-bf16")))
+#define amx_load_config(config) _tile_loadconfig(config)
+#define amx_tile_release() _tile_release()
+#define amx_tile_zero(tile) _tile_zero(tile)
+#define amx_tile_load(tile, base, stride) _tile_loadd(tile, base, stride)
+#define amx_tile_store(tile, base, stride) _tile_stored(tile, base, stride)
+#define amx_tile_dpbf16ps(c, a, b) _tile_dpbf16ps(c, a, b)
+#else
+#define CA_AMX_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,avx512bf16")))
+/* LDTILECFG [rax] */
+#define amx_load_config(config) \
+    __asm__ volatile(".byte 0xc4,0xe2,0x78,0x49,0x00" : : "a"(config) : "memory")
+/* TILERELEASE */
+#define amx_tile_release() __asm__ volatile(".byte 0xc4,0xe2,0x78,0x49,0xc0")
+/* TILEZERO tmm */
+#define amx_tile_zero(tile) __asm__ volatile(".byte 0xc4,0xe2,0x7b,0x49,0xc0+8*%c0" : : "i"(tile))
+/* TILELOADD tmm, [rax + rcx] */
+#define amx_tile_load(tile, base, stride) \
+    __asm__ volatile(".byte 0xc4,0xe2,0x7b,0x4b,0x04+8*%c0,0x08" \
+                     : \
+                     : "i"(tile), "a"(base), "c"((ptrdiff_t)(stride)) \
+                     : "memory")
+/* TILESTORED [rax + rcx], tmm */
+#define amx_tile_store(tile, base, stride) \
+    __asm__ volatile(".byte 0xc4,0xe2,0x7a,0x4b,0x04+8*%c0,0x08" \
+                     : \
+                     : "i"(tile), "a"(base), "c"((ptrdiff_t)(stride)) \
+                     : "memory")
+/* TDPBF16PS tmm_c, tmm_a, tmm_b: c in ModRM.reg, a in ModRM.rm, b in VEX.vvvv
+   (stored inverted: bits 6-3 of the third byte are 15 - b) */
+#define amx_tile_dpbf16ps(c, a, b) \
+    __asm__ volatile(".byte 0xc4,0xe2,0x7a-8*%c2,0x5c,0xc0+8*%c0+%c1" : : "i"(c), "i"(a), "i"(b))
+#endif
 
 /* palette 1: every tile of 16 rows x 64 bytes (the largest); tails are
    handled by zero rows and columns, so one configuration serves a call */
@@ -52,7 +100,7 @@ CA_AMX_TARGET static inline void amx_configure(void)
 {
     if (amx_configured)
         return;
-    _tile_loadconfig(&amx_config);
+    amx_load_config(&amx_config);
     amx_configured = 1;
 }
 
@@ -60,7 +108,7 @@ CA_AMX_TARGET static void amx_release(void)
 {
     if (!amx_configured)
         return;
-    _tile_release();
+    amx_tile_release();
     amx_configured = 0;
 }
 

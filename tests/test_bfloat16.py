@@ -114,6 +114,7 @@ def test_bfloat16_is_the_float32_computation_on_the_upcast_inputs_rounded_once()
     ((BF16, np.float32, np.float32), np.float32),
     ((BF16, np.float16, np.float16), np.float32),  # NumPy's promotion with ml_dtypes
     ((BF16, BF16, np.float64), np.float64),
+    ((BF16, BF16, np.int16), np.float32),
 ])
 def test_dtypes_follow_numpy_promotion(dtypes, result):
     q, k, v = make_qkv(5, (2, 7, 8), (2, 9, 8), (2, 9, 8), np.float32)

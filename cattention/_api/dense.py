@@ -119,8 +119,9 @@ def attention(
     Parameters
     ----------
     q : array_like, shape (..., T, d_k)
-        Queries: float16, float32 or float64, or integer or bool (computed
-        as float64); see Notes for mixed dtypes.
+        Queries: float16, bfloat16 (``ml_dtypes.bfloat16``), float32 or
+        float64, or integer or bool (computed as float64); see Notes for
+        mixed dtypes.
     k : array_like, shape (..., S, d_k)
         Keys, of the same kinds of dtype.
     v : array_like, shape (..., S, d_v)
@@ -281,22 +282,18 @@ def attention(
 
     Notes
     -----
-    Leading (batch) dimensions of q, k, v and mask broadcast by NumPy's
-    rules; a K/V with leading dimensions of size 1 is shared, not copied.
-    Any strides are accepted (transposed, negative, zero, read-only), and
-    so is either byte order (a big-endian array from a file is converted);
-    each gives bitwise the same result as a native contiguous copy. Results
-    are also bitwise the same for any thread count. The GIL is released
-    while computing.
-
-    dtypes: float32 and float64 are computed in their own precision; mixed
-    inputs follow ``np.result_type``; integer and bool inputs are computed as
-    float64; float16 is computed in float32 and returned as float16.
-
-    Rows that can see no key (fully masked, T > S under ``causal``, S == 0)
-    are zero in ATTN and SCORES. Masked keys take no part at all: a NaN or
-    Inf in a masked-out key or value cannot reach the output. More generally
-    a key whose weight is exactly zero never touches the output.
+    The conventions every call shares are set out once, in the user guide
+    (:ref:`conventions`): leading dimensions broadcast by NumPy's rules (a
+    K/V with leading dimensions of size 1 is shared, not copied); any
+    strides and either byte order give bitwise the result of a native
+    contiguous copy, and so does any thread count; float32 and float64 are
+    computed in their own precision, mixed inputs follow ``np.result_type``,
+    integer and bool inputs are computed as float64, float16 and bfloat16
+    in float32 and returned in their own dtype; rows that see no key (fully
+    masked, T > S under ``causal``, S == 0) are zero in ATTN and SCORES;
+    a key whose weight is exactly zero (a masked key) never touches the
+    output, not even with a NaN or Inf in it. The GIL is released while
+    computing.
 
     Memory: without SCORES nothing of size T x S is allocated; the extra
     memory is per-thread scratch of about
@@ -355,15 +352,18 @@ def attention_scores(
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
     Same conventions as :func:`attention` (causal alignment, mask meaning,
-    dtypes, broadcasting, zero rows for rows that see no key).
+    dtypes, broadcasting, zero rows for rows that see no key), set out in
+    the user guide: :ref:`conventions`.
 
     Parameters
     ----------
     q : array_like, shape (..., T, d_k)
+        Queries, of the dtypes :func:`attention` accepts.
     k : array_like, shape (..., S, d_k)
-        Queries and keys, of the dtypes :func:`attention` accepts.
-    causal, mask, scale, enable_gqa, kv_lengths, window, softcap, alibi_slopes, sinks
-    k_scale, query_offset, num_threads
+        Keys, likewise.
+    causal, mask, scale, enable_gqa, kv_lengths, window
+        As in :func:`attention`.
+    softcap, alibi_slopes, sinks, k_scale, query_offset, num_threads
         As in :func:`attention`.
 
     Returns

@@ -80,28 +80,30 @@ def attention_with_kvcache(
     advanced by ``T_new`` **in place**, and ``q[b]`` attends to the first
     ``cache_lengths[b]`` keys (after the update) with bottom-right causal
     alignment: the T queries are the last T of those positions. The caches
-    are never reallocated or copied.
+    are never reallocated or copied. The rules shared with every call
+    (dtypes, zero rows, masks and options per logit) are in
+    :ref:`conventions`.
 
     Parameters
     ----------
     q : ndarray, shape (B, H, T, d_k)
         Queries; H may be a multiple of H_kv (grouped-query attention).
-    k_cache : ndarray, shape (B, H_kv, S_max, d_k)
-    v_cache : ndarray, shape (B, H_kv, S_max, d_v)
-        Writable arrays of one dtype, owned by the caller: float32, float64,
-        or float16 or int8 with a float32 (or float16) q, in which case the
-        cache is converted block by block as it is read (a half or a quarter
-        of the bytes per decode step) and the result is float32 (float16
-        for a float16 q).
+    k_cache, v_cache : ndarray, shapes (B, H_kv, S_max, d_k) and (B, H_kv, S_max, d_v)
+        The caches: writable arrays of one dtype, owned by the caller:
+        float32, float64, or float16 (bfloat16) or int8 with a float32 (or
+        float16) q, in which case the cache is converted block by block as
+        it is read (a half or a quarter of the bytes per decode step) and
+        the result is float32 (float16 for a float16 q).
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence; a writable integer array, updated
         in place. Its dtype must hold S_max (``int32`` or ``int64`` always
         do; ``uint8`` holds at most 255, ``int16`` 32767) so that advancing
         it cannot wrap around.
-    k_new : array_like, shape (B, H_kv, T_new, d_k), optional
-    v_new : array_like, shape (B, H_kv, T_new, d_v), optional
+    k_new, v_new : array_like, shapes (B, H_kv, T_new, d_k) and (B, H_kv, T_new, d_v), optional
         Keys and values to append (both or neither), cast to the cache dtype.
     causal : bool, default True
+        Bottom-right causal alignment: the T queries are the last T of the
+        sequence's positions. False lets every query see every valid key.
     scale, window, softcap, alibi_slopes, sinks, return_lse, num_threads
         As in :func:`cattention.attention` (a sliding window, Mistral's, a
         softcap, Gemma 2's, and attention sinks, gpt-oss's, apply in

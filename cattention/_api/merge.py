@@ -28,7 +28,7 @@ def merge(
     ``lse_i`` is NaN or +inf (a NaN row of attention) is NaN. With attention
     sinks, pass ``sinks=`` to exactly one chunk's call: its log-sum-exp then
     carries the sink (even if that chunk sees no key), and the merge equals
-    attention with the sinks over all keys.
+    attention with the sinks over all keys. See :ref:`conventions-lse`.
 
     Parameters
     ----------

@@ -92,14 +92,13 @@ def attention_with_paged_kvcache(
     (:func:`cattention.attention_with_kvcache`) to rounding, not bitwise: a
     decode step's key steps end where pages do, and how its keys are split
     into chunks depends on the shapes (a contiguous cache's S_max among
-    them).
+    them). The rules shared with every call are in :ref:`conventions`.
 
     Parameters
     ----------
     q : array_like, shape (B, H, T, d_k), or (total_q, H, d_k) with cu_seqlens_q
         Queries; H may be a multiple of H_kv (grouped-query attention).
-    k_pages : ndarray, shape (n_pages, H_kv, page_size, d_k)
-    v_pages : ndarray, shape (n_pages, H_kv, page_size, d_v)
+    k_pages, v_pages : ndarray, shapes (n_pages, H_kv, page_size, d_k) and (..., d_v)
         Writable pages of one dtype: float32 or float64 (with a q no wider:
         the result has the wider dtype of the two), float16 (read block by
         block as float32, with a float16 or float32 q), or int8 with
@@ -110,9 +109,9 @@ def attention_with_paged_kvcache(
     cache_lengths : ndarray of int, shape (B,)
         Filled positions of each sequence, updated in place; its dtype must
         hold max_pages * page_size.
-    k_new : array_like, shape (B, H_kv, T, d_k), or (total_q, H_kv, d_k)
-    v_new : array_like, shape (B, H_kv, T, d_v), or (total_q, H_kv, d_v)
-        Rows to append (both or neither), in q's layout.
+    k_new, v_new : array_like, shapes (B, H_kv, T, d_k) and (B, H_kv, T, d_v), optional
+        Rows to append (both or neither), in q's layout: packed
+        ``(total_q, H_kv, d)`` with ``cu_seqlens_q``.
     cu_seqlens_q : array_like of int, shape (B + 1,), optional
         Continuous batching: q, k_new and v_new are packed along the token
         axis, sequence b bringing ``cu_seqlens_q[b+1] - cu_seqlens_q[b]``

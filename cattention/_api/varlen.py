@@ -69,15 +69,19 @@ def attention_varlen(
     conventions of :func:`cattention.attention` applied to each sequence
     alone: causal alignment is bottom-right (a sequence's T_i queries are
     the last T_i of its S_i positions), a row that sees no key gives zeros
-    (LSE -inf). The time follows the real tokens: nothing is padded.
+    (LSE -inf); see :ref:`conventions`. The time follows the real tokens:
+    nothing is padded.
 
     Parameters
     ----------
     q : array_like, shape (total_q, H, d_k)
+        Queries of every sequence, packed along the first axis; any
+        strides. float32 or float64 (see ``v`` for half-size k and v).
     k : array_like, shape (total_k, H_kv, d_k)
+        Keys, packed likewise.
     v : array_like, shape (total_k, H_kv, d_v)
-        Any strides. float32 or float64; float16 k and v with a float32 q
-        are converted block by block as they are read.
+        Values, packed likewise. float16 k and v with a float32 q are
+        converted block by block as they are read.
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (n_seq + 1,)
         Cumulative lengths: non-decreasing, from 0 to total_q (total_k).
         Sequences of length 0 are allowed.

@@ -80,7 +80,17 @@ def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
 def compute_dtype(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(compute dtype, result dtype) for the inputs (arrays or dtypes), by
     np.result_type."""
-    common = np.result_type(*arrays)
+    try:
+        common = np.result_type(*arrays)
+    except TypeError:
+        # ml_dtypes 0.5 (the last release for Python 3.9) promotes bfloat16
+        # with neither float16 nor integers wider than 8 bits, where 0.7 does;
+        # taking bfloat16 as float32 then gives 0.7's result for every mix
+        # with NumPy's float, integer and bool types
+        dtypes = [np.result_type(x) for x in arrays]
+        if not any(is_bfloat16(dtype) for dtype in dtypes):
+            raise
+        common = np.result_type(*(np.float32 if is_bfloat16(dtype) else dtype for dtype in dtypes))
     if common.kind in "iub":
         return np.dtype(np.float64), np.dtype(np.float64)
     if is_half(common):

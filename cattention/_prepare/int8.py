@@ -10,12 +10,13 @@ of the cache is made.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from .arrays import array, is_half
+from .arrays import array, is_bfloat16, is_half
 
 #: The largest magnitude of a quantized value (symmetric: -127..127).
 INT8_LEVELS = 127
@@ -95,9 +96,12 @@ def cache_rows(new: NDArray[Any], cache_dtype: np.dtype[Any], name: str,
         overflow &= np.isfinite(new)
         if overflow.any():
             index = tuple(int(i) for i in np.argwhere(overflow)[0])
+            # np.finfo knows bfloat16 only with later ml_dtypes than 0.5 (the
+            # last for Python 3.9); ml_dtypes.finfo knows it in every version
+            finfo = sys.modules["ml_dtypes"].finfo if is_bfloat16(cache_dtype) else np.finfo
             raise ValueError(f"{name}{list(index)} = {float(new[index])!r} is beyond the range "
                              f"of the {cache_dtype} cache (largest "
-                             f"{float(np.finfo(cache_dtype).max)!r}): it would be stored as inf")
+                             f"{float(finfo(cache_dtype).max)!r}): it would be stored as inf")
     return rows, None
 
 

@@ -1,4 +1,4 @@
-/* Constants of cattention's C-level API (cattention/_attention.pxd).
+/* Constants of cattention's C-level API (cattention/cython_attention.pxd).
  *
  * Cython code that cimports the API compiles against this header:
  * include_dirs=[cattention.get_include()]. The functions themselves are

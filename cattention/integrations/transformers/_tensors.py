@@ -1,0 +1,53 @@
+"""CPU torch tensors seen as NumPy arrays, and NumPy results seen as
+tensors, without copies.
+
+``Tensor.numpy()`` shares the tensor's memory for the dtypes NumPy has.
+bfloat16, which NumPy lacks, goes through the tensor's 16-bit pattern
+(``view(torch.int16)``) and ml_dtypes' bfloat16, which stores the same bits:
+both are the top half of a float32, so the view is the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+# the dtypes of q, K and V that cattention computes (float16 and bfloat16 in
+# float32); masks may also be bool
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SHARED_DTYPES = (torch.float16, torch.float32, torch.float64, torch.bool)
+
+
+def _bfloat16() -> np.dtype[Any]:
+    try:
+        import ml_dtypes
+    except ImportError as error:
+        raise ImportError(
+            "bfloat16 tensors need ml_dtypes for their NumPy view: "
+            'pip install "cattention[transformers]" (or "cattention[bfloat16]")') from error
+    bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
+
+
+def as_array(tensor: torch.Tensor, what: str) -> NDArray[Any]:
+    """The tensor's memory as an ndarray of its shape and strides (no copy).
+
+    Raises TypeError for a dtype cattention does not take (what names the
+    argument in the message)."""
+    dtype = tensor.dtype
+    if dtype in _SHARED_DTYPES:
+        return tensor.numpy()  # type: ignore[no-any-return]
+    if dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_bfloat16())  # type: ignore[no-any-return]
+    raise TypeError(f"cattention takes float16, bfloat16, float32 and float64 tensors "
+                    f"(and bool masks); {what} is {dtype}")
+
+
+def as_tensor(array: NDArray[Any]) -> torch.Tensor:
+    """The ndarray's memory as a tensor (no copy); bfloat16 stays bfloat16."""
+    if array.dtype.kind == "V" and array.dtype.itemsize == 2:   # ml_dtypes.bfloat16
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
