@@ -203,7 +203,8 @@ bench-serving: bench-deps
 
 # cattention.dask on a LocalCluster of 1 and 2 single-thread workers against
 # one ca.attention call with 1 and 2 threads (benchmarks/dask_scaleout.py),
-# with the 'dask' extra; BENCH_DASK_ARGS=--quick for sizes 1/16 the work.
+# with the 'dask' extra; BENCH_DASK_ARGS=--quick for sizes 1/16 the work,
+# --sync for the same graphs on the synchronous scheduler in one process.
 BENCH_DASK_ARGS ?=
 bench-dask: $(BUILT)
 	$(REQUIREMENTS) dask > $(VENV)/dask-requirements.txt

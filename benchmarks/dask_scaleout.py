@@ -3,7 +3,7 @@ single-thread worker processes, against one ca.attention call with 1 and 2
 threads on the same data.
 
     python benchmarks/dask_scaleout.py [--quick] [--chunks 4096 8192] [--rounds 1]
-                                       [--only long docs]
+                                       [--only long docs] [--sync] [--no-cluster]
 
 Two causal float32 workloads, H = 8, d = 64:
 - long: one context of T = S = 65536 (--quick: 16384), chunked along the
@@ -34,6 +34,12 @@ compute time of every task, from the task stream) per task, which holds
 the scheduler's latency, transfers and the idle end of the run. The
 largest difference from the single call is printed too (the result is
 the same to rounding). Medians of --rounds rounds; nothing is asserted.
+
+--sync also computes each graph on Dask's synchronous scheduler in this
+process, timed in process CPU against the single call on one thread: what
+the chunking itself costs (the leaves' calls, the merges), without the
+distributed runtime. --no-cluster leaves the cluster runs out (the inputs
+are then made here, the same values).
 """
 
 from __future__ import annotations
@@ -121,13 +127,7 @@ def run_cluster(shape, chunks, n_workers, rounds):
     result and the inputs."""
     with cluster(n_workers) as local, distributed.Client(local) as client:
         client.wait_for_workers(n_workers)
-        # the same values whatever the chunks: made in chunks of one
-        # document or 4096 positions, then rechunked
-        rng = da.random.default_rng(0)
-        made = (1, HEADS, min(shape[2], 4096), D)
-        q, k, v = (rng.standard_normal(shape, dtype=np.float32, chunks=made).rechunk(chunks)
-                   for _ in range(3))
-        q, k, v = client.persist([q, k, v])
+        q, k, v = client.persist(make_inputs(shape, chunks))
         wait([q, k, v])
         # event loops, heartbeats and monitors of the idle cluster: this
         # much CPU per second of wall time, whatever runs
@@ -160,6 +160,33 @@ def run_cluster(shape, chunks, n_workers, rounds):
                 empty=overhead, idle=statistics.median(idle), result=result, inputs=inputs)
 
 
+def make_inputs(shape, chunks):
+    """q, k and v as lazy Dask arrays: the same values whatever the chunks
+    (made in chunks of one document or 4096 positions, then rechunked)."""
+    rng = da.random.default_rng(0)
+    made = (1, HEADS, min(shape[2], 4096), D)
+    return [rng.standard_normal(shape, dtype=np.float32, chunks=made).rechunk(chunks)
+            for _ in range(3)]
+
+
+def run_sync(inputs, chunks, rounds):
+    """The graph over NumPy inputs, computed on the synchronous scheduler in
+    this process, each task on one thread, its chunks kept as they are
+    (persist, as on the cluster: no concatenation into one array): medians
+    of wall and process CPU seconds, and the result."""
+    out = cad.attention(*inputs, causal=True, chunks=chunks, num_threads=1)
+    walls, cpus = [], []
+    kept = None
+    for _ in range(rounds):
+        del kept
+        cpu = process_cpu()
+        start = time.perf_counter()
+        (kept,) = dask.persist(out, scheduler="sync")
+        walls.append(time.perf_counter() - start)
+        cpus.append(process_cpu() - cpu)
+    return statistics.median(walls), statistics.median(cpus), kept.compute(scheduler="sync")
+
+
 def run_single(q, k, v, threads, rounds):
     ca.attention(q[:1, :1, :256], k[:1, :1, :256], v[:1, :1, :256], causal=True,
                  num_threads=threads)
@@ -182,6 +209,9 @@ def main():
                         "--quick: 2048 4096)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", nargs="+", choices=["long", "docs"], default=["long", "docs"])
+    parser.add_argument("--sync", action="store_true",
+                        help="also time each graph on the synchronous scheduler in this process")
+    parser.add_argument("--no-cluster", action="store_true", help="no LocalCluster runs")
     args = parser.parse_args()
     chunk_sizes = args.chunks or ([2048, 4096] if args.quick else [4096, 8192])
     print(f"cattention {ca.__version__}, dask {dask.__version__}, distributed "
@@ -198,15 +228,19 @@ def main():
             cases = [(shape[2], (1, HEADS, shape[2], D))]
         single = {}
         inputs = None
+
+        def singles():
+            for threads in (1, 2):
+                single[threads] = run_single(*inputs, threads, args.rounds)
+                print(f"  one ca.attention call, {threads} thread(s): "
+                      f"{single[threads][0]:8.2f} s (CPU {single[threads][1]:.2f} s)")
+
         for chunk, chunks in cases:
-            for n_workers in (1, 2):
+            for n_workers in () if args.no_cluster else (1, 2):
                 run = run_cluster(shape, chunks, n_workers, args.rounds)
                 if inputs is None:
                     inputs = run["inputs"]
-                    for threads in (1, 2):
-                        single[threads] = run_single(*inputs, threads, args.rounds)
-                        print(f"  one ca.attention call, {threads} thread(s): "
-                              f"{single[threads][0]:8.2f} s (CPU {single[threads][1]:.2f} s)")
+                    singles()
                 base_wall, base_cpu, reference = single[n_workers]
                 wall, cpu = run["wall"], run["cpu"]
                 own = run["background"] * wall
@@ -218,6 +252,16 @@ def main():
                 print(f"      {run['tasks']} tasks, {run['transfers'][0]} transfers "
                       f"({run['transfers'][1]:.2f} s); per task: empty task "
                       f"{run['empty'] * 1e3:.2f} ms, not computing {run['idle'] * 1e3:.1f} ms; "
+                      f"max |diff| {diff:.2g}")
+            if args.sync:
+                if inputs is None:
+                    inputs = [x.compute(scheduler="sync") for x in make_inputs(shape, chunks)]
+                    singles()
+                base_wall, base_cpu, reference = single[1]
+                wall, cpu, result = run_sync(inputs, chunks, args.rounds)
+                diff = float(np.max(np.abs(result - reference)))
+                print(f"  chunks of {chunk:5d}, synchronous scheduler here: {wall:8.2f} s, CPU "
+                      f"{cpu:.2f} s = {cpu / base_cpu:.3f}x the call's at 1 thread; "
                       f"max |diff| {diff:.2g}")
 
 
