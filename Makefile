@@ -17,8 +17,8 @@ SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd 
 	cattention/_driver/*.pyx cattention/_driver/*.pxd src/*.c src/*.h)
 
 .PHONY: install build run test docs typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
-	bench bench-deps bench-quick bench-bf16 bench-pipeline bench-serving asan fuzz reliability \
-	clean distclean test-transformers bench-transformers
+	bench bench-deps bench-quick bench-bf16 bench-pipeline bench-serving bench-dask asan fuzz \
+	reliability clean distclean test-transformers bench-transformers
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -200,6 +200,16 @@ bench-pipeline: $(BUILT)
 # packed variable-length prefill, a paged decode step, a continuous-batching loop
 bench-serving: bench-deps
 	$(VPY) benchmarks/serving.py
+
+# cattention.dask on a LocalCluster of 1 and 2 single-thread workers against
+# one ca.attention call with 1 and 2 threads (benchmarks/dask_scaleout.py),
+# with the 'dask' extra; BENCH_DASK_ARGS=--quick for sizes 1/16 the work,
+# --sync for the same graphs on the synchronous scheduler in one process.
+BENCH_DASK_ARGS ?=
+bench-dask: $(BUILT)
+	$(REQUIREMENTS) dask > $(VENV)/dask-requirements.txt
+	$(PIP) -r $(VENV)/dask-requirements.txt
+	$(VPY) benchmarks/dask_scaleout.py $(BENCH_DASK_ARGS)
 
 # The test suite under AddressSanitizer and UndefinedBehaviorSanitizer: the
 # extension is rebuilt instrumented (any report aborts the run), then rebuilt

@@ -160,21 +160,27 @@ def visible_positions(T, S, causal=False, mask=None):
     return visible
 
 
-def _positions(batch, T, S, kv_lengths):
+def _positions(batch, T, S, kv_lengths, query_offset=None):
     """(n_valid, pos): the valid key count of every batch entry, shape batch +
     (1, 1), and the key position of every query row, shape batch + (T, 1):
-    bottom-right alignment, the queries are the last T of the valid keys."""
+    bottom-right alignment, the queries are the last T of the valid keys;
+    or, with query_offset, row t at position query_offset + t."""
     n_valid = np.broadcast_to(S if kv_lengths is None else np.asarray(kv_lengths),
                               batch).astype(np.int64)[..., None, None]
-    pos = np.arange(T)[:, None] + (n_valid - T)
+    if query_offset is None:
+        pos = np.arange(T)[:, None] + (n_valid - T)
+    else:
+        # Python ints: positions near 2**62 plus a window must not wrap
+        first = np.broadcast_to(np.asarray(query_offset, dtype=object), batch)[..., None, None]
+        pos = np.arange(T).astype(object)[:, None] + first
     return n_valid, pos
 
 
 def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slopes,
-                      kv_starts=None):
+                      kv_starts=None, query_offset=None):
     """Visibility (batch + (T, S) bool) and the additive ALiBi term (float64
     or None), written out explicitly for every option."""
-    n_valid, pos = _positions(batch, T, S, kv_lengths)
+    n_valid, pos = _positions(batch, T, S, kv_lengths, query_offset)
     j = np.arange(S)[None, :]
     visible = np.broadcast_to(j < n_valid, batch + (T, S))
     if kv_starts is not None:
@@ -199,11 +205,13 @@ def _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window, alibi_slope
     if alibi_slopes is not None:
         slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float64), batch)
         alibi = -slopes[..., None, None] * np.abs(pos - j).astype(np.float64)
+    visible = np.asarray(visible, dtype=bool)
     return np.broadcast_to(visible, batch + (T, S)), alibi
 
 
 def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None,
-               softcap=None, alibi_slopes=None, sinks=None, kv_starts=None):
+               softcap=None, alibi_slopes=None, sinks=None, kv_starts=None,
+               query_offset=None):
     """(attn, scores, lse) in dtype. Per logit: scale * q.k, softcap, + ALiBi,
     + additive mask; keys outside causal / window / kv_lengths / bool mask
     take no part; a sink joins each row's softmax as one more logit with no
@@ -225,7 +233,7 @@ def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None
     scale = dtype(scale)
 
     batch = _batch_shape(q, k, v, mask)
-    for option in (kv_lengths, alibi_slopes, sinks, kv_starts):
+    for option in (kv_lengths, alibi_slopes, sinks, kv_starts, query_offset):
         if option is not None:
             batch = np.broadcast_shapes(batch, np.shape(option))
     q = np.broadcast_to(q, batch + (T, d_k))
@@ -233,7 +241,7 @@ def _attention(q, k, v, causal, mask, scale, dtype, kv_lengths=None, window=None
     v = np.broadcast_to(v, batch + (S, d_v))
 
     visible, alibi = _visible_and_bias(batch, T, S, causal, mask, kv_lengths, window,
-                                       alibi_slopes, kv_starts)
+                                       alibi_slopes, kv_starts, query_offset)
     additive = None
     if mask is not None and np.asarray(mask).dtype != np.bool_:
         additive = np.asarray(mask).astype(dtype)
@@ -293,10 +301,10 @@ def reference_lse(q, k, causal=False, mask=None, scale=None, **options):
 def reference_attention(q, k, v, causal=False, mask=None, scale=None, **options):
     """float64 ground truth.  Returns ``(attn, scores)``, both float64.
 
-    ``options``: ``kv_lengths`` (broadcastable to the batch shape),
-    ``window`` ((left, right), None for unbounded), ``softcap``,
-    ``alibi_slopes`` and ``sinks`` (broadcastable to the batch shape), with
-    the semantics of ``cattention.attention``."""
+    ``options``: ``kv_lengths``, ``kv_starts`` and ``query_offset``
+    (broadcastable to the batch shape), ``window`` ((left, right), None for
+    unbounded), ``softcap``, ``alibi_slopes`` and ``sinks`` (broadcastable to
+    the batch shape), with the semantics of ``cattention.attention``."""
     return _attention(q, k, v, causal, mask, scale, np.float64, **options)[:2]
 
 

@@ -35,6 +35,14 @@ def test_docstring_examples(module):
     assert result.failed == 0
 
 
+def test_dask_docstring_examples():
+    pytest.importorskip("dask.array", reason="cattention.dask needs dask[array]")
+    import cattention.dask
+    result = doctest.testmod(cattention.dask, raise_on_error=False)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
 def has_section(doc, title):
     """A NumPy-style section: the title, then a line of dashes under it."""
     return re.search(rf"^\s*{title}\n\s*-{{{len(title)}}}\s*$", doc, re.MULTILINE) is not None
@@ -107,10 +115,11 @@ def test_the_parameter_check_sees_a_gap():
 
 def test_namespace_holds_only_the_public_api():
     import cattention as ca
-    # cython_attention is the public cimport module and integrations the
-    # package of the adapters: each an attribute once imported
+    # cython_attention is the public cimport module, integrations the
+    # package of the adapters and dask the optional Dask layer: each an
+    # attribute once imported
     public = {name for name in vars(ca) if not name.startswith("_")} - {
-        "cython_attention", "integrations"}
+        "cython_attention", "integrations", "dask"}
     assert public == set(ca.__all__) - {"__version__"}
     assert not hasattr(ca, "np") and not hasattr(ca, "os")
 

@@ -241,3 +241,21 @@ def test_nan_in_never_attended_keys_and_values_has_no_effect(problem, bad):
     dirty = ca.attention(q, k_dirty, v_dirty, causal=causal, mask=mask, return_scores=True)
     assert_bitwise_equal(dirty[0], clean[0])
     assert_bitwise_equal(dirty[1], clean[1])
+
+
+@given(problems(), st.data())
+def test_query_offset_matches_reference(problem, data):
+    """Rows placed anywhere against the keys (before them, inside, past
+    them), one offset per batch entry, with a window or none."""
+    q, k, v, causal, mask = problem
+    T, S = q.shape[-2], k.shape[-2]
+    batch = q.shape[:-2]
+    n = int(np.prod(batch))
+    drawn = data.draw(st.lists(st.integers(-T - 3, S + 3), min_size=n, max_size=n))
+    offsets = np.array(drawn).reshape(batch) if batch else drawn[0]
+    window = data.draw(st.sampled_from([None, (3, None), (0, 2), (17, 5)]))
+    check = (assert_matches_reference if q.dtype in (np.float32, np.float64)
+             else assert_bfloat16_matches_reference)
+    attn, scores = ca.attention(q, k, v, causal=causal, mask=mask, window=window,
+                                query_offset=offsets, return_scores=True)
+    check(attn, scores, q, k, v, causal, mask, window=window, query_offset=offsets)

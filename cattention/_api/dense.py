@@ -32,6 +32,7 @@ def attention(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    query_offset: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]: ...
 
@@ -46,6 +47,7 @@ def attention(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    query_offset: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -60,6 +62,7 @@ def attention(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    query_offset: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
@@ -74,6 +77,7 @@ def attention(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    query_offset: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
            NDArray[np.floating[Any]]]: ...
@@ -89,6 +93,7 @@ def attention(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    query_offset: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
 
@@ -102,6 +107,7 @@ def attention(
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
+    query_offset: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Scaled dot-product attention.
@@ -177,10 +183,24 @@ def attention(
         its window and its ALiBi distances are those of the same row
         without the padding. Key blocks before the start are never read.
         Values in [0, S]; a start at or past the end leaves no key.
+    query_offset : array_like of int, optional
+        The key position that query row 0 sits at, shaped and read as
+        ``kv_lengths`` (one value per batch entry): query row i sits at
+        position ``i + query_offset[b]``, which the causal mask, the window
+        and the ALiBi distances use in place of the default
+        ``i + (S - T)`` (``i + (kv_lengths[b] - T)``). None (the default) keeps
+        that bottom-right alignment. With it, a chunk of query rows
+        ``[t0, t1)`` against a chunk of keys ``[s0, s1)`` of a longer
+        sequence is computed at its global position by passing
+        ``query_offset = t0 - s0 + (S - T)`` for the whole sequence's
+        (S, T) (``t0 - s0`` when T == S); the chunks then combine with
+        :func:`merge`. Any integer of magnitude up to 2**62: a row whose
+        position lies before every key sees none under ``causal`` (zero
+        rows), one far past them sees them all.
     window : (int or None, int or None), optional
         Sliding-window (local) attention: key j is visible to query i iff
         ``i + off - left <= j <= i + off + right`` with ``off = S - T`` (or
-        ``kv_lengths[b] - T``); None on a side means unbounded (so does a
+        ``kv_lengths[b] - T``, or ``query_offset``); None on a side means unbounded (so does a
         width past every key, however large). ``causal`` implies
         ``right = 0``. Cost scales with the window, not with S.
     softcap : float, optional
@@ -189,7 +209,8 @@ def attention(
         holds (float32: 1.4e-45 to 3.4e38).
     alibi_slopes : array_like, shape (H,) or (B, H), optional
         Adds ``-slope * |i + off - j|`` to the logits (FlashAttention's
-        convention), the slope of each query head.
+        convention), the slope of each query head; ``off`` as for
+        ``window``.
     k_scale, v_scale : array_like, optional
         With an int8 k or v (a quantized cache, see :func:`quantize_kv`):
         the float32 scale of each row, of shape ``k.shape[:-1]`` /
@@ -243,7 +264,8 @@ def attention(
         option of the wrong type (``causal``, ``return_scores``,
         ``return_lse`` or ``enable_gqa`` not a bool, ``scale`` or
         ``softcap`` not a real number, ``window`` not a pair of integers or
-        None, ``kv_lengths`` not integers, ``alibi_slopes`` not real).
+        None, ``kv_lengths``, ``kv_starts`` or ``query_offset`` not
+        integers, ``alibi_slopes`` not real).
     ValueError
         Shapes that do not match or broadcast (d_k of q and k, S of k and v,
         the batch dimensions, the mask, the heads under ``enable_gqa``, the
@@ -252,7 +274,8 @@ def attention(
         dimensions or not a regular array (a ragged list), an option out of
         range (``scale`` non-finite or beyond the compute dtype,
         ``num_threads`` not an integer in [1, 2**31 - 1], a negative window
-        side, ``kv_lengths`` outside [0, S], ``softcap`` <= 0, ``alibi_slopes``
+        side, ``kv_lengths`` outside [0, S], ``query_offset`` beyond
+        [-2**62, 2**62], ``softcap`` <= 0, ``alibi_slopes``
         non-finite or beyond the compute dtype), d_k == 0 with no ``scale``,
         or ``v`` None (use :func:`attention_scores` for SCORES alone).
     MemoryError
@@ -292,10 +315,11 @@ def attention(
     >>> bool(np.allclose(scores.sum(axis=-1), 1))
     True
     """
-    fast = driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
-                                     enable_gqa, kv_lengths, window, softcap, alibi_slopes,
-                                     sinks, k_scale, v_scale, kv_starts, out, num_threads,
-                                     local.limit)
+    fast = (driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
+                                      enable_gqa, kv_lengths, window, softcap, alibi_slopes,
+                                      sinks, k_scale, v_scale, kv_starts, out, num_threads,
+                                      local.limit)
+            if query_offset is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
     causal = driver.check_flag(causal, "causal")
@@ -309,7 +333,7 @@ def attention(
         want_scores=return_scores, want_lse=return_lse, enable_gqa=enable_gqa,
         num_threads=num_threads, kv_lengths=kv_lengths, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        kv_starts=kv_starts, out=out)
+        kv_starts=kv_starts, query_offset=query_offset, out=out)
     attn, scores, lse = dense.run(call)
     result = (attn,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     # run fills every array it is asked for
@@ -324,7 +348,7 @@ def attention_scores(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
-    num_threads: Optional[SupportsIndex] = None,
+    query_offset: Optional[ArrayLike] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]:
     """The attention weights ``softmax(Q K^T * scale + mask)`` alone.
 
@@ -340,7 +364,7 @@ def attention_scores(
         Keys, likewise.
     causal, mask, scale, enable_gqa, kv_lengths, window
         As in :func:`attention`.
-    softcap, alibi_slopes, sinks, k_scale, num_threads
+    softcap, alibi_slopes, sinks, k_scale, query_offset, num_threads
         As in :func:`attention`.
 
     Returns
@@ -368,6 +392,6 @@ def attention_scores(
         want_out=False, want_scores=True, want_lse=False,
         enable_gqa=driver.check_flag(enable_gqa, "enable_gqa"), num_threads=num_threads,
         kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks, k_scale=k_scale, v_scale=None)
+        sinks=sinks, k_scale=k_scale, v_scale=None, query_offset=query_offset)
     _, scores, _ = dense.run(call)
     return cast("NDArray[np.floating[Any]]", scores)

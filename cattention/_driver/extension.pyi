@@ -49,6 +49,7 @@ def run_arrays(
     query_period: int,
     kv_lengths: Optional[NDArray[np.intp]],
     kv_starts: Optional[NDArray[np.intp]],
+    query_offset: Optional[NDArray[np.intp]],
     options: Any,
     out: Optional[NDArray[np.floating[Any]]],
     scores: Optional[NDArray[np.floating[Any]]],

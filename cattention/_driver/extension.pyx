@@ -347,7 +347,8 @@ cdef inline void read_row_options(object options, RowOptions *row,
 def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
                cnp.ndarray k_scale, cnp.ndarray v_scale, tuple batch_shape,
                Py_ssize_t kv_group, Py_ssize_t query_period,
-               const intp_t[::1] kv_lengths, const intp_t[::1] kv_starts, object options,
+               const intp_t[::1] kv_lengths, const intp_t[::1] kv_starts,
+               const intp_t[::1] query_offset, object options,
                cnp.ndarray out, cnp.ndarray scores, cnp.ndarray lse):
     """Run a dense call (``_prepare/dense.py``) into ``out`` (batch + (T,
     d_v): C-contiguous, or any non-negative strides with contiguous
@@ -361,7 +362,8 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
     on its last axis); ``mask`` is None or an aligned native bool, float32
     or float64 array broadcastable to batch + (T, S); ``kv_lengths`` is None
     or n_batch valid key counts in [0, S], ``kv_starts`` None or the first
-    valid key of each batch entry; ``query_period`` > 0 says the
+    valid key of each batch entry, ``query_offset`` None or the key position
+    of each batch entry's query row 0, in [-2^62, 2^62]; ``query_period`` > 0 says the
     rows are stacked groups of that many positions; the options' alibi is
     one slope per batch entry and its sinks one logit per group of
     query_period rows; ``k_scale`` / ``v_scale`` are the float32 row scales
@@ -379,7 +381,9 @@ def run_arrays(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray mask,
     run_dense(q, k, v, mask, k_scale, v_scale, n_batch_dims, shape, kv_group, query_period,
               &kv_lengths[0] if kv_lengths is not None and kv_lengths.shape[0] > 0 else NULL,
               &kv_starts[0] if kv_starts is not None and kv_starts.shape[0] > 0 else NULL,
-              &row, _kernels, options.threads, out, scores, lse)
+              &row, _kernels, options.threads, out, scores, lse,
+              &query_offset[0] if query_offset is not None and query_offset.shape[0] > 0
+              else NULL)
 
 
 cdef inline void read_place(Place *place, object given, const intp_t[::1] seq_offset):

@@ -241,6 +241,13 @@ cdef inline void set_kv_starts(Problem *pb, const intp_t *kv_start) noexcept nog
     pb.kv_start = kv_start
 
 
+cdef inline void set_query_offset(Problem *pb, const intp_t *query_offset) noexcept nogil:
+    """Entry b's query row 0 sits at key position query_offset[b] (a chunk
+    of a longer sequence computed at its global position), not at the end
+    of its valid keys."""
+    pb.query_offset = query_offset
+
+
 cdef inline void set_kv_lengths(Problem *pb, const intp_t *kv_length,
                                 intp_t *index) noexcept nogil:
     """Entry b sees only its first kv_length[b] keys. Each distinct K/V is

@@ -147,6 +147,9 @@ cdef struct Problem:
     double scale                 # multiplies q.k
     const intp_t *kv_length      # valid keys of each batch entry, or NULL (all S)
     const intp_t *kv_start       # and the first of them (left padding), or NULL (0)
+    const intp_t *query_offset   # key position of each batch entry's query row 0
+                                 # (query_offset=), or NULL: bottom-right, the
+                                 # end of the valid keys (see query_position_offset)
     Py_ssize_t query_period      # query rows are positions 0..period-1 repeated
                                  # (grouped-query heads stacked as rows); = T
     Py_ssize_t window_left       # sliding window: keys at most this far before
@@ -302,6 +305,19 @@ cdef inline Py_ssize_t query_period_of(const Problem *pb, Py_ssize_t b) noexcept
     return pb.q_length[b] if pb.q_length != NULL else pb.query_period
 
 
+cdef inline Py_ssize_t query_position_offset(const Problem *pb, Py_ssize_t b) noexcept nogil:
+    """The key position of batch entry b's query row 0: row r sits at
+    ``r % period + query_position_offset``. The one place the alignment is
+    decided: the caller's query_offset[b] (a chunk of a longer sequence at
+    its global position, cattention.dask), else bottom-right, the queries
+    being the last positions of the valid keys (n_valid - T). The callers
+    keep their sums within 64 bits for offsets of magnitude up to 2^62."""
+    if pb.query_offset != NULL:
+        return pb.query_offset[b]
+    return ((pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
+            - query_period_of(pb, b))
+
+
 cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,
                                       Py_ssize_t row) noexcept nogil:
     """Element offset of ATTN row ``row`` of batch entry b."""
@@ -326,7 +342,5 @@ cdef inline Py_ssize_t query_position(const Problem *pb, Py_ssize_t b,
     the last positions of the entry's valid keys (bottom-right alignment,
     repeating every query_period rows when heads are stacked), the position
     the causal mask, windows and ALiBi measure from and rotary tables
-    rotate at."""
-    cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
-    cdef Py_ssize_t period = query_period_of(pb, b)
-    return row % period + n_valid - period
+    rotate at; query_offset places it elsewhere (query_position_offset)."""
+    return row % query_period_of(pb, b) + query_position_offset(pb, b)

@@ -12,7 +12,7 @@ from cattention._driver.schedule cimport compute_problem
 from cattention._driver.from_entries cimport (
     EntryPlan, EntryTable, free_tables, plan_entries, problem_from_table)
 from cattention._driver.from_arrays cimport (
-    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets)
+    problem_from_arrays, set_kv_lengths, set_kv_starts, set_out_offsets, set_query_offset)
 
 
 cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
@@ -64,12 +64,14 @@ cdef inline int run_dense(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarr
                           Py_ssize_t query_period, const intp_t *kv_lengths,
                           const intp_t *kv_starts, const RowOptions *row,
                           const ca_kernels *kern, Py_ssize_t n_threads, cnp.ndarray out,
-                          cnp.ndarray scores, cnp.ndarray lse) except -1:
+                          cnp.ndarray scores, cnp.ndarray lse,
+                          const intp_t *query_offset=NULL) except -1:
     """Build and run a dense call's Problem (problem_from_arrays): its rows
     stacked groups of query_period positions when that is > 0, kv_lengths
     and kv_starts one per batch entry or NULL, ATTN into out as it lies (C
     contiguous, or any non-negative strides with contiguous features), C
-    contiguous scores and lse, any of the three None."""
+    contiguous scores and lse, any of the three None; query_offset the key
+    position of each batch entry's query row 0, or NULL (bottom-right)."""
     cdef Problem pb
     cdef intp_t *index = problem_from_arrays(&pb, q, k, v, mask, k_scale, v_scale,
                                              n_batch_dims, batch_shape, kv_group, row)
@@ -80,6 +82,8 @@ cdef inline int run_dense(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarr
         set_kv_lengths(&pb, kv_lengths, index)
     if kv_starts != NULL:
         set_kv_starts(&pb, kv_starts)
+    if query_offset != NULL:
+        set_query_offset(&pb, query_offset)
     if out is not None and not cnp.PyArray_IS_C_CONTIGUOUS(out):
         set_out_offsets(&pb, out, n_batch_dims, batch_shape, index)
     return run_then_free(&pb, index, kern, n_threads, out, scores)

@@ -10,7 +10,7 @@ from libc.stdint cimport uint8_t
 from libc.stdlib cimport labs
 from cattention._driver.kernel_table cimport intp_t, kernel_softcap
 from cattention._driver.problem cimport (
-    MASK_BOOL, MASK_F32, MASK_NONE, Problem, query_period_of, query_position)
+    MASK_BOOL, MASK_F32, MASK_NONE, Problem, query_position, query_position_offset)
 
 
 cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0,
@@ -18,18 +18,23 @@ cdef inline void visible_ranges(const Problem *pb, Py_ssize_t b, Py_ssize_t row0
     """Keys each query row of batch entry b may see before the explicit mask:
     [row_lo, row_hi). Only the keys kv_start[b] .. kv_length[b] exist when
     starts and lengths are given (left and right padding, as in a batched
-    KV cache); the alignment is against the end of that range."""
+    KV cache); the alignment is against the end of that range unless the
+    call gives each entry's query_offset (query_position_offset)."""
     cdef Py_ssize_t i, lo, hi, position
     cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
     for i in range(n_rows):
-        # bottom-right: the queries are the last T positions of the valid keys
+        # bottom-right (the queries are the last T positions of the valid
+        # keys) unless query_offset places them
         position = query_position(pb, b, row0 + i)
         lo = start
         hi = n_valid
-        if pb.causal and position + 1 < hi:
+        # compared as position < hi - 1 - right, not position + right + 1 <
+        # hi: a position near 2^62 (a query_offset far past the keys) plus a
+        # window of up to 2^62 would overflow 64 bits
+        if pb.causal and position < hi - 1:
             hi = position + 1
-        if pb.window_right >= 0 and position + pb.window_right + 1 < hi:
+        if pb.window_right >= 0 and position < hi - 1 - pb.window_right:
             hi = position + pb.window_right + 1
         if pb.window_left >= 0 and position - pb.window_left > lo:
             lo = position - pb.window_left
@@ -76,12 +81,12 @@ cdef inline Py_ssize_t first_visible_key(const Problem *pb, Py_ssize_t b) noexce
     """No query row of batch entry b sees a key before this one: its first
     valid key, or the start of its sliding window at its first position
     (visible_ranges' lo for a row at position offset) if that is later."""
-    cdef Py_ssize_t n_valid = pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys
     cdef Py_ssize_t start = pb.kv_start[b] if pb.kv_start != NULL else 0
     cdef Py_ssize_t first
     if pb.window_left < 0:
         return start
-    first = n_valid - query_period_of(pb, b) - pb.window_left
+    # at least -2^62 - 2^62: within 64 bits
+    first = query_position_offset(pb, b) - pb.window_left
     return first if first > start else start
 
 

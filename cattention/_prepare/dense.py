@@ -21,8 +21,8 @@ from .._native import driver
 from .arrays import (array, as_input, broadcast_shapes, check_out, compute_dtype, gqa_hint,
                      output, prepare_mask, to_compute, writes_in_place)
 from .int8 import int8_scale
-from .options import (RowOptions, per_entry_alibi, per_entry_key_positions, per_entry_sinks,
-                      per_sequence, row_options)
+from .options import (RowOptions, per_entry_alibi, per_entry_key_positions,
+                      per_entry_query_offset, per_entry_sinks, per_sequence, row_options)
 
 _Array = NDArray[Any]
 
@@ -55,6 +55,8 @@ class DenseCall:
     want_scores: bool
     want_lse: bool
     out: Optional[_Array] = None     # the caller's array for ATTN (out=)
+    query_offset: Optional[NDArray[np.intp]] = None   # per batch entry: the key
+                                     # position of query row 0 (None: bottom-right)
 
 
 Results = tuple[Optional[_Array], Optional[_Array], Optional[_Array]]
@@ -105,7 +107,8 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
                   window: Any, softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
                   sinks: Optional[ArrayLike], k_scale: Optional[ArrayLike],
                   v_scale: Optional[ArrayLike], kv_starts: Optional[ArrayLike] = None,
-                  out: Optional[_Array] = None) -> DenseCall:
+                  out: Optional[_Array] = None,
+                  query_offset: Optional[ArrayLike] = None) -> DenseCall:
     """Every check of a dense call, in the order its errors are reported."""
     q = as_input(q, "q")
     k = as_input(k, "k")
@@ -121,14 +124,17 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
         kv_lengths = per_sequence(kv_lengths, q, k, v, mask, "kv_lengths")
     if kv_starts is not None:
         kv_starts = per_sequence(kv_starts, q, k, v, mask, "kv_starts")
-    given = [a for a in (kv_lengths, kv_starts) if a is not None]
+    if query_offset is not None:
+        query_offset = per_sequence(query_offset, q, k, v, mask, "query_offset")
+    given = [a for a in (kv_lengths, kv_starts, query_offset) if a is not None]
     operands = (q, k) if v is None else (q, k, v)
     compute, result = compute_dtype(*operands)
     group = _group_heads(q, k, v) if enable_gqa else 1
     n_heads = q.shape[-3] if enable_gqa else 1
     if enable_gqa:
         for what, arr in (("mask", mask), ("kv_lengths", kv_lengths), ("kv_starts", kv_starts),
-                          ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+                          ("query_offset", query_offset), ("alibi_slopes", alibi_slopes),
+                          ("sinks", sinks)):
             _per_query_head(arr, n_heads, what, q.shape)
 
     n_queries, d_k = q.shape[-2:]
@@ -173,6 +179,8 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
         kv_lengths = per_entry_key_positions(kv_lengths, batch_shape, n_keys, "kv_lengths")
     if kv_starts is not None:
         kv_starts = per_entry_key_positions(kv_starts, batch_shape, n_keys, "kv_starts")
+    if query_offset is not None:
+        query_offset = per_entry_query_offset(query_offset, batch_shape)
     if alibi_slopes is not None:
         options.alibi = per_entry_alibi(alibi_slopes, batch_shape, compute)
     if sinks is not None:
@@ -192,8 +200,8 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
                          ("v_scale", vs)])
     call = DenseCall(q, k, v, mask, ks, vs, batch_shape, group, 0, kv_lengths, kv_starts,
                      options, compute, result, batch_shape, want_out, want_scores, want_lse,
-                     out)
-    # lengths and starts given per head might differ within a group
+                     out, query_offset)
+    # lengths, starts and offsets given per head might differ within a group
     per_kv_head = all(a.ndim == 0 or a.shape[-1] == 1 for a in given)
     if driver.stacks_grouped_rows(group, n_queries, mask is not None) and per_kv_head:
         _stack_grouped_rows(call)
@@ -217,6 +225,8 @@ def _stack_grouped_rows(call: DenseCall) -> None:
         call.kv_lengths = np.ascontiguousarray(call.kv_lengths[::group])
     if call.kv_starts is not None:
         call.kv_starts = np.ascontiguousarray(call.kv_starts[::group])
+    if call.query_offset is not None:
+        call.query_offset = np.ascontiguousarray(call.query_offset[::group])
     # the ALiBi slopes and sinks, one per (K/V head, g), are already one per
     # group of query_period rows
     call.kv_group = 1
@@ -262,7 +272,8 @@ def run(call: DenseCall) -> Results:
     if rows > 0 and math.prod(batch) > 0:
         driver.run_arrays(call.q, call.k, call.v, call.mask, call.k_scale, call.v_scale,
                           batch, call.kv_group, call.query_period, call.kv_lengths,
-                          call.kv_starts, call.options, out, scores, lse)
+                          call.kv_starts, call.query_offset, call.options, out, scores,
+                          lse)
     if call.query_period:
         # stacked rows back to q's heads: (..., H_kv, G * T, *) -> (..., H, T, *)
         lead = call.result_shape

@@ -111,6 +111,41 @@ def per_entry_key_positions(values: ArrayLike, batch_shape: tuple[int, ...], n_k
     return full
 
 
+#: The largest magnitude of a query_offset: positions of +-2^62 and windows
+#: of up to 2^62 (checks.pxd's widest_window) keep visibility.pxd's sums
+#: within 64 bits. Offsets that far from any key already make every row see
+#: every key or none.
+QUERY_OFFSET_LIMIT = 1 << 62
+
+
+def per_entry_query_offset(values: ArrayLike,
+                           batch_shape: tuple[int, ...]) -> NDArray[np.intp]:
+    """query_offset: the key position of query row 0, one intp per batch
+    entry; any integer of magnitude up to QUERY_OFFSET_LIMIT (negative, or
+    past S: rows then see no key or every key)."""
+    given = native(array(values, "query_offset"))
+    if given.dtype == object and given.size and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in given.flat):
+        # Python ints beyond 64 bits (NumPy keeps them as objects)
+        raise ValueError(
+            f"query_offset must lie in [-2**62, 2**62]; got values from {min(given.flat)} "
+            f"to {max(given.flat)}")
+    full = per_batch_entry(given, batch_shape, "query_offset", "iu", "integers",
+                           np.intp, "the dimensions before T")
+    # the range of the values given, in Python ints: a uint64 beyond intp
+    # wraps around in ``full``
+    if given.size and (int(given.min()) < -QUERY_OFFSET_LIMIT
+                       or int(given.max()) > QUERY_OFFSET_LIMIT):
+        raise ValueError(
+            f"query_offset must lie in [-2**62, 2**62]; got values from "
+            f"{int(given.min())} to {int(given.max())}")
+    return full
+
+
+_PER_SEQUENCE_VALUE = {"kv_lengths": "length", "kv_starts": "start",
+                       "query_offset": "offset"}
+
+
 def per_sequence(values: ArrayLike, q: NDArray[Any], k: NDArray[Any],
                  v: Optional[NDArray[Any]], mask: Optional[ArrayLike] = None,
                  name: str = "kv_lengths") -> NDArray[Any]:
@@ -148,7 +183,7 @@ def per_sequence(values: ArrayLike, q: NDArray[Any], k: NDArray[Any],
         raise ValueError(
             f"{name} of shape {arr.shape} is ambiguous for batch dimensions "
             f"{batch_shape}: a 1-D {name} holds one "
-            f"{'length' if name == 'kv_lengths' else 'start'} per sequence and must "
+            f"{_PER_SEQUENCE_VALUE.get(name, 'value')} per sequence and must "
             f"have length B = {batch_shape[0]}; for other layouts pass an array that "
             f"broadcasts to {batch_shape}, e.g. shape {batch_shape[:1] + batch_shape[1:]} "
             f"or {(1,) + batch_shape[1:]}")
