@@ -51,6 +51,36 @@ def native(arr: NDArray[Any]) -> NDArray[Any]:
     return arr.astype(arr.dtype.newbyteorder("="))
 
 
+def _reshape_takes_copy() -> bool:
+    """ndarray.reshape takes copy= (NumPy 2.1 and later)."""
+    try:
+        np.empty(0).reshape(0, copy=False)  # type: ignore[call-overload, unused-ignore]
+    except TypeError:
+        return False
+    return True
+
+
+RESHAPE_TAKES_COPY = _reshape_takes_copy()
+
+
+def view_as(arr: NDArray[Any], shape: tuple[int, ...]) -> Optional[NDArray[Any]]:
+    """A view of arr (of arr.size elements) in the given shape, or None
+    where its strides have no view of that shape (a reshape would copy).
+    reshape(copy=False) on NumPy 2.1 and later; setting the shape of a view
+    before (NumPy 2.5 deprecates that)."""
+    if RESHAPE_TAKES_COPY:
+        try:
+            return arr.reshape(shape, copy=False)  # type: ignore[call-overload, unused-ignore]
+        except ValueError:
+            return None
+    view = arr.view()
+    try:
+        view.shape = shape
+    except AttributeError:
+        return None
+    return view
+
+
 def array(x: object, name: str) -> NDArray[Any]:
     """np.asarray(x), or an error that names the argument."""
     try:
