@@ -70,9 +70,11 @@ def view_as(arr: NDArray[Any], shape: tuple[int, ...]) -> Optional[NDArray[Any]]
     before (NumPy 2.5 deprecates that)."""
     if RESHAPE_TAKES_COPY:
         try:
-            return arr.reshape(shape, copy=False)  # type: ignore[call-overload, unused-ignore]
+            view: NDArray[Any] = arr.reshape(  # type: ignore[call-overload, unused-ignore]
+                shape, copy=False)
         except ValueError:
             return None
+        return view
     view = arr.view()
     try:
         view.shape = shape
