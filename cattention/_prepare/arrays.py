@@ -83,13 +83,25 @@ def view_as(arr: NDArray[Any], shape: tuple[int, ...]) -> Optional[NDArray[Any]]
     return view
 
 
+#: NumPy before 1.24 makes a ragged nested list an object array of its
+#: sequences (with a VisibleDeprecationWarning) where later ones raise
+RAGGED_AS_OBJECTS = np.lib.NumpyVersion(np.__version__) < "1.24.0"
+
+
 def array(x: object, name: str) -> NDArray[Any]:
     """np.asarray(x), or an error that names the argument."""
     try:
-        return np.asarray(x)
+        arr = np.asarray(x)
     except ValueError as exc:
         # e.g. a ragged nested list: NumPy's message does not say which argument
         raise ValueError(f"{name} is not a regular array: {exc}") from None
+    if (RAGGED_AS_OBJECTS and arr.dtype == object and not isinstance(x, np.ndarray)
+            and any(isinstance(item, (list, tuple, np.ndarray)) for item in arr.flat)):
+        # the sequences NumPy stopped at: their lengths differ
+        raise ValueError(f"{name} is not a regular array: its nested sequences have an "
+                         f"inhomogeneous shape after {arr.ndim} dimensions (the detected "
+                         f"shape was {arr.shape})")
+    return arr
 
 
 def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
