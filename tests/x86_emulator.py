@@ -16,10 +16,13 @@ shape the code are repeated where they matter.
 """
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import mmap
 import os
 import struct
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -113,6 +116,29 @@ def _preload_glibc_shim(workdir):
     ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
 
 
+def import_bochscpu():
+    """import bochscpu, and return it. bochscpu 0.4.0's wheel for Python 3.12
+    and later is tagged cp312-abi3 (built for the stable ABI) but names its
+    extension _bochscpu.cpython-312-x86_64-linux-gnu.so, a name no other
+    Python imports: there the extension is loaded by its path first (an
+    ImportError of it, such as an old glibc's, is the import's)."""
+    name = "bochscpu._bochscpu"
+    spec = importlib.util.find_spec("bochscpu")
+    if name not in sys.modules and spec is not None and spec.submodule_search_locations:
+        package = Path(list(spec.submodule_search_locations)[0])
+        names = {"_bochscpu" + suffix for suffix in importlib.machinery.EXTENSION_SUFFIXES}
+        built = sorted(package.glob("_bochscpu.*.so"))
+        if built and not any(path.name in names for path in built):
+            loader = importlib.machinery.ExtensionFileLoader(name, str(built[0]))
+            module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+            loader.exec_module(module)
+            sys.modules[name] = module
+    import bochscpu
+    if not hasattr(bochscpu, "_bochscpu"):
+        bochscpu._bochscpu = sys.modules[name]
+    return bochscpu
+
+
 def _select_cpu_model(bochscpu_module, index):
     """Set the emulated CPU model through the library's parameter tree (must
     precede the Session)."""
@@ -164,6 +190,7 @@ class Machine:
         global _host_base
         self._tmp = tempfile.TemporaryDirectory(prefix="cattention-bochs-")
         _preload_glibc_shim(self._tmp.name)
+        import_bochscpu()
         import bochscpu
         import bochscpu.cpu
         self._bochscpu = bochscpu

@@ -40,6 +40,25 @@ cdef inline cnp.ndarray np_empty4(Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t n2, P
 
 # ------------------------------------------------------------------ dense
 
+cdef inline object view_as(object arr, tuple shape):
+    """A view of arr (of arr.size elements) in the given shape, or None
+    where its strides have no view of that shape (a reshape would copy):
+    reshape(copy=False) on NumPy 2.1 and later; setting the shape of a view
+    before (NumPy 2.5 deprecates that). As _prepare.arrays.view_as."""
+    try:
+        return arr.reshape(shape, copy=False)
+    except ValueError:
+        return None
+    except TypeError:
+        pass  # NumPy before 2.1: reshape takes no copy=
+    view = arr.view()
+    try:
+        view.shape = shape
+    except AttributeError:
+        return None
+    return view
+
+
 cdef struct EntryOptions:
     # the per-entry options of a dense call, one value per batch entry of
     # q's batch (NULL: not given), in one allocation (storage)
@@ -161,12 +180,10 @@ cdef inline object run_dense_call(
         qa = qa.reshape((<object>qa).shape[:ndim - 3]
                         + (shape[ndim - 3] // group, group * n_queries, d_k))
         if not cnp.PyArray_IS_C_CONTIGUOUS(attn):
-            stacked = (<object>attn).view()
-            try:
-                # (refused where the view would need a copy)
-                stacked.shape = (<object>qa).shape[:ndim - 1] + (d_v,)
+            stacked = view_as(attn, (<object>qa).shape[:ndim - 1] + (d_v,))
+            if stacked is not None:
                 written = <cnp.ndarray>stacked
-            except AttributeError:
+            else:
                 aside = cnp.PyArray_EMPTY(ndim, cnp.PyArray_DIMS(attn), compute, 0)
                 written = aside
         shape[ndim - 3] //= group

@@ -51,13 +51,57 @@ def native(arr: NDArray[Any]) -> NDArray[Any]:
     return arr.astype(arr.dtype.newbyteorder("="))
 
 
+def _reshape_takes_copy() -> bool:
+    """ndarray.reshape takes copy= (NumPy 2.1 and later)."""
+    try:
+        np.empty(0).reshape(0, copy=False)  # type: ignore[call-overload, unused-ignore]
+    except TypeError:
+        return False
+    return True
+
+
+RESHAPE_TAKES_COPY = _reshape_takes_copy()
+
+
+def view_as(arr: NDArray[Any], shape: tuple[int, ...]) -> Optional[NDArray[Any]]:
+    """A view of arr (of arr.size elements) in the given shape, or None
+    where its strides have no view of that shape (a reshape would copy).
+    reshape(copy=False) on NumPy 2.1 and later; setting the shape of a view
+    before (NumPy 2.5 deprecates that)."""
+    if RESHAPE_TAKES_COPY:
+        try:
+            view: NDArray[Any] = arr.reshape(  # type: ignore[call-overload, unused-ignore]
+                shape, copy=False)
+        except ValueError:
+            return None
+        return view
+    view = arr.view()
+    try:
+        view.shape = shape
+    except AttributeError:
+        return None
+    return view
+
+
+#: NumPy before 1.24 makes a ragged nested list an object array of its
+#: sequences (with a VisibleDeprecationWarning) where later ones raise
+RAGGED_AS_OBJECTS = np.lib.NumpyVersion(np.__version__) < "1.24.0"
+
+
 def array(x: object, name: str) -> NDArray[Any]:
     """np.asarray(x), or an error that names the argument."""
     try:
-        return np.asarray(x)
+        arr = np.asarray(x)
     except ValueError as exc:
         # e.g. a ragged nested list: NumPy's message does not say which argument
         raise ValueError(f"{name} is not a regular array: {exc}") from None
+    if (RAGGED_AS_OBJECTS and arr.dtype == object and not isinstance(x, np.ndarray)
+            and any(isinstance(item, (list, tuple, np.ndarray)) for item in arr.flat)):
+        # the sequences NumPy stopped at: their lengths differ
+        raise ValueError(f"{name} is not a regular array: its nested sequences have an "
+                         f"inhomogeneous shape after {arr.ndim} dimensions (the detected "
+                         f"shape was {arr.shape})")
+    return arr
 
 
 def as_input(x: ArrayLike, name: str) -> NDArray[Any]:

@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .arrays import (array, as_input, broadcast_shapes, check_out, compute_dtype, gqa_hint,
-                     output, prepare_mask, to_compute, writes_in_place)
+                     output, prepare_mask, to_compute, view_as, writes_in_place)
 from .int8 import int8_scale
 from .options import (RowOptions, per_entry_alibi, per_entry_key_positions,
                       per_entry_query_offset, per_entry_sinks, per_sequence, row_options)
@@ -242,13 +242,7 @@ def _attn_in_place(call: DenseCall, shape: tuple[int, ...]) -> Optional[_Array]:
     out = call.out
     if out is None or out.dtype != call.compute or not writes_in_place(out):
         return None
-    view = out.view()
-    try:
-        # (setting the shape refuses where the view would need a copy)
-        view.shape = shape
-    except AttributeError:
-        return None
-    return view
+    return view_as(out, shape)
 
 
 def run(call: DenseCall) -> Results:
