@@ -7,6 +7,7 @@ sends the call to the general path, which names what is wrong)."""
 
 cimport numpy as cnp
 from libc.math cimport fabs
+from cattention._driver.from_arrays cimport fill_strided
 from cattention._driver.kernel_table cimport ca_bfloat16_type, intp_t
 
 
@@ -222,9 +223,7 @@ cdef inline bint entry_offsets(object given, Py_ssize_t n_batch_dims,
     cdef int ndim = cnp.PyArray_NDIM(arr)
     cdef Py_ssize_t n_batch = 1
     cdef Py_ssize_t d, e, per_index
-    cdef Py_ssize_t index[64]
     cdef Py_ssize_t stride[64]
-    cdef Py_ssize_t offset = 0
     for d in range(n_batch_dims):
         n_batch *= batch_shape[d]
     if (per_sequence and ndim == 1 and n_batch_dims >= 2
@@ -238,25 +237,13 @@ cdef inline bint entry_offsets(object given, Py_ssize_t n_batch_dims,
     if ndim > n_batch_dims:
         return False
     for d in range(n_batch_dims):
-        index[d] = 0
         stride[d] = 0
         if d >= n_batch_dims - ndim:
             if cnp.PyArray_DIM(arr, d - (n_batch_dims - ndim)) == batch_shape[d]:
                 stride[d] = cnp.PyArray_STRIDE(arr, d - (n_batch_dims - ndim))
             elif cnp.PyArray_DIM(arr, d - (n_batch_dims - ndim)) != 1:
                 return False
-    for e in range(n_batch):
-        offsets[e] = offset
-        # the next entry: the last axis first, carrying into the ones before
-        d = n_batch_dims - 1
-        while d >= 0:
-            index[d] += 1
-            offset += stride[d]
-            if index[d] < batch_shape[d]:
-                break
-            offset -= stride[d] * batch_shape[d]
-            index[d] = 0
-            d -= 1
+    fill_strided(n_batch_dims, batch_shape, stride, offsets)
     return True
 
 
