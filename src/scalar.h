@@ -20,6 +20,11 @@ float ca_half_to_float(uint16_t h);
 /* bfloat16 (the upper half of a binary32) to binary32, exact: a shift. */
 float ca_bfloat16_to_float(uint16_t b);
 
+/* binary32 to bfloat16, rounded to nearest even, bit for bit as ml_dtypes
+   (Eigen) rounds: subnormals kept, a NaN becomes the quiet NaN of its sign
+   (0x7FC0 or 0xFFC0). dst[i] for i < n. */
+void ca_round_to_bfloat16(const float *src, uint16_t *dst, ptrdiff_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -309,3 +309,26 @@ def test_cattention_works_without_ml_dtypes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "float32"
+
+
+def test_results_round_to_bfloat16_as_ml_dtypes_does():
+    """The driver rounds float32 results to bfloat16 itself (a compiled loop,
+    not ml_dtypes' cast): bit for bit ml_dtypes' rounding on every upper half
+    with the lower halves that decide it (ties to even either way, just
+    below and above a tie), so NaN payloads, subnormals, infinities and
+    overflow to infinity included; into out= of either layout too."""
+    from cattention._native import driver
+    driver.register_bfloat16(BF16.num)
+    upper = np.arange(1 << 16, dtype=np.uint32) << 16
+    lower = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000], dtype=np.uint32)
+    values = (upper[:, None] | lower[None, :]).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        want = values.astype(BF16)
+    assert_bitwise_equal(driver.round_to_bfloat16(values).view(np.uint16),
+                         want.view(np.uint16))
+    into = np.empty(values.shape, BF16)
+    assert driver.round_to_bfloat16(values, into) is into
+    assert_bitwise_equal(into.view(np.uint16), want.view(np.uint16))
+    strided = np.empty((values.shape[1], values.shape[0]), BF16).T
+    assert driver.round_to_bfloat16(values, strided) is strided
+    assert_bitwise_equal(strided.view(np.uint16), want.view(np.uint16))

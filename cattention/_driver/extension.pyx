@@ -47,6 +47,7 @@ from cattention._driver.kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
     ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, ca_simd_note, intp_t)
 from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
+from cattention._driver.results cimport rounded_to_bfloat16
 from cattention._driver.schedule cimport (
     CA_HAVE_OPENMP, CA_OPENMP_VERSION, ca_openmp_runtime, ca_team_size, compute_problem,
     omp_get_max_threads)
@@ -243,6 +244,13 @@ def register_bfloat16(int type_num):
     when ml_dtypes is imported): operands of it are stored as bfloat16 and
     computed in float32, and the shortcuts take them."""
     ca_set_bfloat16_type(type_num)
+
+
+def round_to_bfloat16(cnp.ndarray result, into=None):
+    """A float32 result rounded once to bfloat16 (nearest even, as
+    ml_dtypes rounds), into ``into`` (a bfloat16 array of its shape) or a
+    new array; returns it."""
+    return rounded_to_bfloat16(result, into)
 
 
 def openmp_enabled():

@@ -139,6 +139,7 @@ cdef extern from "kernels.h" nogil:
 cdef extern from "scalar.h" nogil:
     float ca_half_to_float(uint16_t h)
     float ca_bfloat16_to_float(uint16_t b)
+    void ca_round_to_bfloat16(const float *src, uint16_t *dst, Py_ssize_t n)
     void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
 
 

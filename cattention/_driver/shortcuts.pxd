@@ -28,6 +28,7 @@ from cattention._driver.appends cimport (
     CacheRows, NewRows, append_rows, cache_rows_of, load_length, new_rows_of, store_lengths)
 from cattention._driver.rotary cimport rotary_step_usable, rotated_new_rows, step_rotary
 from cattention._driver.runs cimport run_dense, run_plan, run_then_free
+from cattention._driver.results cimport rounded_to_bfloat16
 
 
 cdef inline cnp.ndarray np_empty4(Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t n2, Py_ssize_t n3,
@@ -202,13 +203,13 @@ cdef inline object run_dense_call(
     if out_arg is not None:
         if type_num != compute:
             # bfloat16: rounded once into out=
-            cnp.PyArray_CopyInto(<cnp.ndarray>out_arg, attn)
+            rounded_to_bfloat16(attn, out_arg)
         attn = <cnp.ndarray>out_arg
     elif type_num != compute:
         # bfloat16 in: the results rounded once to it
-        attn = cnp.PyArray_Cast(attn, type_num)
+        attn = rounded_to_bfloat16(attn, None)
     if return_scores and type_num != compute:
-        scores = cnp.PyArray_Cast(scores, type_num)
+        scores = rounded_to_bfloat16(scores, None)
     if return_scores and return_lse:
         return attn, scores, lse
     if return_scores:
@@ -775,11 +776,11 @@ cdef inline object paged_shortcut(
     if out_arg is not None:
         if q_type != compute:
             # bfloat16: rounded once into out=
-            cnp.PyArray_CopyInto(<cnp.ndarray>out_arg, out)
+            rounded_to_bfloat16(out, out_arg)
         out = <cnp.ndarray>out_arg
     elif q_type != compute:
         # bfloat16 in: the result rounded once to it
-        out = cnp.PyArray_Cast(out, q_type)
+        out = rounded_to_bfloat16(out, None)
     if return_lse:
         return out, lse
     return out

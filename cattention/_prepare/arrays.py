@@ -205,6 +205,20 @@ def readable_in_place(arr: NDArray[Any]) -> bool:
     return bool(arr.flags.aligned) and not any(s % arr.itemsize for s in arr.strides)
 
 
+def to_result(values: NDArray[Any], dtype: np.dtype[Any],
+              into: Optional[NDArray[Any]] = None) -> NDArray[Any]:
+    """values (a result in the compute dtype) as ``dtype``, rounded once to
+    nearest even, into ``into`` when given: bfloat16 by the driver's
+    compiled rounding (bit for bit ml_dtypes', at memory speed), the rest by
+    NumPy's cast."""
+    if is_bfloat16(dtype) and values.dtype == np.float32:
+        return driver.round_to_bfloat16(values, into)
+    if into is not None:
+        np.copyto(into, values, casting="same_kind")
+        return into
+    return values.astype(dtype)
+
+
 def to_compute(arr: NDArray[Any], dtype: np.dtype[Any]) -> NDArray[Any]:
     """arr as dtype, copied only if the dtype differs or the kernel cannot read
     it; float16 and bfloat16 arrays computed in float32 stay as they are

@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .arrays import (array, as_input, broadcast_shapes, check_out, compute_dtype, gqa_hint,
-                     output, prepare_mask, to_compute, view_as, writes_in_place)
+                     output, prepare_mask, to_compute, to_result, view_as, writes_in_place)
 from .int8 import int8_scale
 from .options import (RowOptions, per_entry_alibi, per_entry_key_positions,
                       per_entry_query_offset, per_entry_sinks, per_sequence, row_options)
@@ -278,13 +278,13 @@ def run(call: DenseCall) -> Results:
     if call.out is not None and out is not None:
         if not in_place:
             # another dtype (rounded once, to nearest even) or layout
-            np.copyto(call.out, out, casting="same_kind")
+            to_result(out, call.out.dtype, call.out)
         out = call.out
     elif call.result != call.compute and out is not None:
         # float16 or bfloat16 in: ATTN back to it, rounded once (to nearest
         # even)
-        out = out.astype(call.result)
+        out = to_result(out, call.result)
     if call.result != call.compute and scores is not None:
         # so is SCORES; the log-sum-exp stays float32
-        scores = scores.astype(call.result)
+        scores = to_result(scores, call.result)
     return out, scores, lse

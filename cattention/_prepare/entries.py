@@ -15,7 +15,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .arrays import (array, as_input, check_out, compute_dtype, native, output, to_compute,
-                     writes_in_place)
+                     to_result, writes_in_place)
 from .options import RowOptions, check_alibi_values, check_sink_values, row_options
 
 _Array = NDArray[Any]
@@ -179,10 +179,10 @@ def run(call: EntriesCall, result: np.dtype[Any]) -> tuple[_Array, Optional[_Arr
     if call.out_given is not None:
         if out is not call.out_given:
             # another dtype (rounded once, to nearest even) or layout
-            np.copyto(call.out_given, out, casting="same_kind")
+            to_result(out, call.out_given.dtype, call.out_given)
         return call.out_given, lse
     if result != out.dtype:
-        out = out.astype(result)
+        out = to_result(out, result)
     return out, lse
 
 
