@@ -332,3 +332,35 @@ def test_results_round_to_bfloat16_as_ml_dtypes_does():
     strided = np.empty((values.shape[1], values.shape[0]), BF16).T
     assert driver.round_to_bfloat16(values, strided) is strided
     assert_bitwise_equal(strided.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("n_queries,n_keys", [(9, 3), (9, 700), (40, 300)])
+def test_bfloat16_values_near_the_largest_float_give_their_weighted_mean(simd, n_queries,
+                                                                          n_keys):
+    """As test_errors' float32 case, on the prompt path whose rows are
+    rounded into the bfloat16 ATTN as they are finished: the weighted sum of
+    values of 2e38 passes float32's range, the row is redone scaled, and
+    comes out the rounding of the weighted mean; a row that sees an infinite
+    value is inf; the other head keeps the bits of unit-scale values."""
+    rng = np.random.default_rng(n_keys)
+    q, k, v = bf16(rng.standard_normal((2, n_queries, 8)), rng.standard_normal((2, n_keys, 8)),
+                   rng.standard_normal((2, n_keys, 3)))
+    unit_scale = v.copy()
+    v[0, :, 0] = bf16(2e38 * (0.75 + 0.25 * rng.random(n_keys)))
+    q[0] = 0    # every weight of head 0 is 1: its sum of weighted values passes float32's range
+    mask = np.ones((n_queries, n_keys), bool)
+    mask[:-1, -1] = False
+    v[0, -1, 0] = np.inf
+    for out in (ca.attention(q, k, v, mask=mask),
+                ca.attention(q, k, v, mask=mask, out=np.empty((2, n_queries, 3), BF16))):
+        assert out.dtype == BF16
+        assert np.isinf(out[0, -1, 0]) and np.all(np.isfinite(out[0, :-1]))
+        assert_bfloat16_matches_reference(out[:, :-1], None, q[:, :-1], k[:, :-1], v[:, :-1])
+        assert_bitwise_equal(out[1], ca.attention(q, k, unit_scale, mask=mask)[1])
+    # without a mask (the compiled shortcut) and without the infinite value
+    v[0, -1, 0] = v[0, 0, 0]
+    for out in (ca.attention(q, k, v), ca.attention(q, k, v, out=np.empty((2, n_queries, 3), BF16)),
+                ca.attention(q, k, v, out=np.empty((n_queries, 2, 3), BF16).transpose(1, 0, 2))):
+        assert out.dtype == BF16 and np.all(np.isfinite(out))
+        assert_bfloat16_matches_reference(out, None, q, k, v)
+        assert_bitwise_equal(out[1], ca.attention(q, k, unit_scale)[1])

@@ -9,8 +9,8 @@ from libc.math cimport INFINITY
 from libc.stdint cimport uint16_t
 from libc.string cimport memset
 from cattention._driver.kernel_table cimport (
-    ca_kernels, kernel_exp_sum, kernel_pv, kernel_pv_direct, kernel_row_max, kernel_score,
-    kernel_score_direct)
+    ca_kernels, ca_round_to_bfloat16, kernel_exp_sum, kernel_pv, kernel_pv_direct,
+    kernel_row_max, kernel_score, kernel_score_direct)
 from cattention._driver.problem cimport K_BLOCK, Problem, ROW_GROUP, out_row_offset, round_up
 from cattention._driver.operands cimport rows_in_place
 from cattention._driver.workspace cimport Workspace
@@ -158,6 +158,15 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
             if nonfinite_flag(pb, ws, block)[0]:
                 add_nonfinite_values(pb, b, key0, n_keys, s, K_BLOCK, n_rows, acc, pb.ld_v)
             key0 += K_BLOCK
+    if floating is float:
+        if pb.out_bf16 != NULL:
+            # bfloat16 ATTN: the rows finished in place in the accumulator,
+            # then rounded into it while they are in cache (no float32 ATTN)
+            finish_rows(pb, ws, n_rows, acc, pb.ld_v, b * pb.n_queries + row0)
+            for i in range(n_rows):
+                ca_round_to_bfloat16(acc + i * pb.ld_v,
+                                     pb.out_bf16 + out_row_offset(pb, b, row0 + i), pb.d_v)
+            return
     finish_rows(pb, ws, n_rows, out + out_row_offset(pb, b, row0), pb.ld_out,
                 b * pb.n_queries + row0)
 

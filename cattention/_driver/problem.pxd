@@ -8,7 +8,7 @@ Every entry builds its Problem this way: from arrays (from_arrays.pxd) or
 from an entry table (from_entries.pxd)."""
 
 from libc.math cimport cbrt, ceil
-from libc.stdint cimport uint8_t
+from libc.stdint cimport uint8_t, uint16_t
 from libc.string cimport memset
 from cattention._driver.kernel_table cimport ca_kernels, intp_t
 
@@ -181,6 +181,10 @@ cdef struct Problem:
     # S): d_v and S from Python, any row stride through the C-level API
     Py_ssize_t ld_out
     Py_ssize_t ld_scores
+    # ATTN of bfloat16 (float32 computations, no SCORES, the packed path):
+    # each block's rows are rounded into it as they are finished, at the
+    # offsets above, instead of into the float32 out; NULL: out
+    uint16_t *out_bf16
     # K^T and V are packed once per distinct K/V batch entry, shared by every
     # query block that reads them (a K/V broadcast over heads is packed once)
     Py_ssize_t n_kv              # distinct K/V batch entries
@@ -316,6 +320,13 @@ cdef inline Py_ssize_t query_position_offset(const Problem *pb, Py_ssize_t b) no
         return pb.query_offset[b]
     return ((pb.kv_length[b] if pb.kv_length != NULL else pb.n_keys)
             - query_period_of(pb, b))
+
+
+cdef inline bint direct_rows(Py_ssize_t n_queries) noexcept nogil:
+    """Whether a Problem of n_queries rows per entry takes the direct path
+    (K and V read in place), as compute_problem decides it: by the shape
+    alone."""
+    return n_queries <= DIRECT_ROWS
 
 
 cdef inline Py_ssize_t out_row_offset(const Problem *pb, Py_ssize_t b,

@@ -6,7 +6,8 @@ entry plan."""
 
 cimport numpy as cnp
 from libc.stdlib cimport free
-from cattention._driver.kernel_table cimport ca_kernels, intp_t
+from libc.stdint cimport uint16_t
+from cattention._driver.kernel_table cimport ca_bfloat16_type, ca_kernels, intp_t
 from cattention._driver.problem cimport Problem, RowOptions
 from cattention._driver.schedule cimport compute_problem
 from cattention._driver.from_entries cimport (
@@ -18,7 +19,8 @@ from cattention._driver.from_arrays cimport (
 cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n_threads,
                                cnp.ndarray out, cnp.ndarray scores):
     """Run with the GIL released on float or double outputs (either may be
-    None); 0, or -1 if memory ran out."""
+    None), or a bfloat16 out without scores on the packed path (rounded as
+    its rows are finished: Problem.out_bf16); 0, or -1 if memory ran out."""
     cdef int status
     cdef int threads = <int>n_threads if n_threads < 1 << 30 else 1 << 30
     cdef float *out_f32 = NULL
@@ -34,7 +36,9 @@ cdef inline int run_on_outputs(Problem *pb, const ca_kernels *kern, Py_ssize_t n
         with nogil:
             status = compute_problem(pb, kern, threads, out_f64, scores_f64)
     else:
-        if out is not None:
+        if out is not None and cnp.PyArray_TYPE(out) == ca_bfloat16_type:
+            pb.out_bf16 = <uint16_t *>cnp.PyArray_DATA(out)
+        elif out is not None:
             out_f32 = <float *>cnp.PyArray_DATA(out)
         if scores is not None:
             scores_f32 = <float *>cnp.PyArray_DATA(scores)
@@ -53,6 +57,9 @@ cdef inline int run_then_free(Problem *pb, intp_t *index, const ca_kernels *kern
         status = run_on_outputs(pb, kern, n_threads, out, scores)
     finally:
         free(index)
+    if status == -2:
+        raise RuntimeError("cattention: a bfloat16 ATTN on a path that does not round "
+                           "its rows (the direct path, or SCORES)")
     if status != 0:
         raise MemoryError("cattention: could not allocate scratch memory")
     return 0

@@ -15,16 +15,18 @@ _item_direct)."""
 
 from cython cimport floating
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport uint8_t
+from libc.stdint cimport uint8_t, uint16_t
 from cattention._driver.kernel_table cimport (
     CA_SCRATCH_PACKED, CA_SCRATCH_PARTIAL, ca_forked_after_parallel, ca_kernels,
-    ca_note_parallel_region, ca_scratch_acquire, ca_scratch_release, intp_t)
+    ca_note_parallel_region, ca_round_to_bfloat16, ca_scratch_acquire, ca_scratch_release,
+    intp_t)
 from libc.math cimport ldexp
 from libc.stdlib cimport free, malloc, qsort
 from cattention._driver.problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
-    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, STORE_BF16, entry_rows, fold_period,
+    Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, STORE_BF16, direct_rows, entry_rows,
+    fold_period,
     key_extent, out_row_offset, round_up)
 from cattention._driver.operands cimport operand_itemsize, rows_span
 from cattention._driver.workspace cimport (
@@ -152,6 +154,15 @@ cdef inline Py_ssize_t entries_per_kv(const Problem *pb) noexcept nogil:
     return group
 
 
+cdef inline bint bfloat16_row_is_finite(const uint16_t *row, Py_ssize_t n) noexcept nogil:
+    """Whether no value of a bfloat16 row is inf or NaN (exponent all ones)."""
+    cdef Py_ssize_t c
+    for c in range(n):
+        if (row[c] & 0x7F80) == 0x7F80:
+            return False
+    return True
+
+
 cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int n_threads,
                                        floating *out) noexcept nogil:
     """ATTN rows that came out inf or NaN although their logits are finite.
@@ -192,19 +203,35 @@ cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int 
         shift += 1
     pb.weight_shift = shift
     pb.lse = NULL
+    # the second run writes float32 rows into the scratch, bfloat16 ATTN or not
+    cdef uint16_t *out_bf16 = pb.out_bf16
+    pb.out_bf16 = NULL
     if pb.direct:
         status = schedule_decode(pb, kern, n_threads, scratch)
     else:
         status = schedule_packed(pb, kern, n_threads, scratch, <floating *>NULL)
     pb.weight_shift = 0
     pb.lse = lse
+    pb.out_bf16 = out_bf16
     factor = <floating>ldexp(1.0, shift)
     if status == 0:
         for b in range(pb.n_batch):
             for i in range(entry_rows(pb, b)):
+                redone = scratch + out_row_offset(pb, b, i)
+                if floating is float:
+                    if out_bf16 != NULL:
+                        # a bfloat16 row is inf or NaN where its float32 row
+                        # was, or where that row's finite values round to inf
+                        # (then the redone row rounds to inf again)
+                        if not bfloat16_row_is_finite(out_bf16 + out_row_offset(pb, b, i),
+                                                      pb.d_v):
+                            for c in range(pb.d_v):
+                                redone[c] = redone[c] * factor
+                            ca_round_to_bfloat16(redone, out_bf16 + out_row_offset(pb, b, i),
+                                                 pb.d_v)
+                        continue
                 out_row = out + out_row_offset(pb, b, i)
                 if not row_is_finite(out_row, pb.d_v):
-                    redone = scratch + out_row_offset(pb, b, i)
                     for c in range(pb.d_v):
                         out_row[c] = redone[c] * factor
     free(scratch)
@@ -213,7 +240,8 @@ cdef inline int redo_rows_beyond_range(Problem *pb, const ca_kernels *kern, int 
 
 cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threads,
                                 floating *out, floating *scores) noexcept nogil:
-    """Returns 0, or -1 if memory ran out."""
+    """Returns 0, -1 if memory ran out, or -2 if pb.out_bf16 is set for a
+    path that does not round into it (the direct path, SCORES)."""
     cdef double flops = (2.0 * pb.n_batch * pb.n_queries * pb.n_keys
                          * (pb.d_k + pb.d_v + 1))
     cdef int n_procs
@@ -235,7 +263,11 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
     pb.itemsize = sizeof(floating)
     pb.kern = kern
     # the path depends on the shape alone, never on the layout or threads
-    pb.direct = pb.n_queries <= DIRECT_ROWS
+    pb.direct = direct_rows(pb.n_queries)
+    if pb.out_bf16 != NULL and (floating is double or pb.direct or scores != NULL):
+        # only the packed path without SCORES rounds its rows into bfloat16
+        # (the callers ask for it only there)
+        return -2
     # bfloat16 q and K (V) on a table with bfloat16 tiles: the packed path
     # multiplies them as they are (decode reads its rows in place); packed
     # K^T rows and query rows hold the padded pairs

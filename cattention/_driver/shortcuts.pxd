@@ -18,7 +18,8 @@ from cattention._driver.accepts cimport (
     apart, are_ndarrays, compute_type, entry_positions, entry_reals, half_holds,
     new_rows_shaped, out_usable, output_fits, plain_lengths, serving_step_arrays,
     serving_step_dtypes, step_arrays_fit, usable_input, writes_apart)
-from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
+from cattention._driver.problem cimport (
+    Problem, Rotary, RowOptions, direct_rows, plain_row_options)
 from cattention._driver.checks cimport (
     check_alibi_slopes, check_flag, check_key_positions, check_scale, check_sinks,
     check_softcap, check_window, resolve_threads)
@@ -159,21 +160,28 @@ cdef inline object run_dense_call(
     cdef cnp.ndarray lse = None
     cdef cnp.ndarray aside = None
     cdef Py_ssize_t query_period = 0
-    # ATTN lands in the caller's out= when it takes the compute dtype, else
-    # in a new array (rounded into out= at the end)
+    cdef bint stacks = stacks_grouped_rows(group, n_queries, False) and opts.alike
+    # bfloat16 in, without SCORES, on the packed path: the driver rounds each
+    # block of rows into a bfloat16 ATTN as it finishes them (no float32 ATTN)
+    cdef bint rounds_rows = (type_num != compute and not return_scores and not stacks
+                             and not direct_rows(n_queries))
+    # ATTN lands in the caller's out= when it takes the compute dtype (or the
+    # driver rounds into it), else in a new array (rounded into out= at the
+    # end)
     shape[ndim - 2] = n_queries
     shape[ndim - 1] = d_v
-    if out_arg is not None and type_num == compute:
+    if out_arg is not None and (type_num == compute or rounds_rows):
         attn = <cnp.ndarray>out_arg
     else:
-        attn = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
+        attn = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape,
+                                 type_num if rounds_rows else compute, 0)
     if return_scores:
         shape[ndim - 1] = n_keys
         scores = cnp.PyArray_EMPTY(ndim, <cnp.npy_intp *>shape, compute, 0)
     if return_lse:
         lse = cnp.PyArray_EMPTY(ndim - 1, <cnp.npy_intp *>shape, compute, 0)
     written = attn
-    if stacks_grouped_rows(group, n_queries, False) and opts.alike:
+    if stacks:
         # a decode step: the G query heads' rows stacked as their K/V head's
         # rows (C-contiguous outputs are the same memory either way; an out=
         # of other strides is viewed so where it can be, else ATTN is written
@@ -201,11 +209,11 @@ cdef inline object run_dense_call(
     if aside is not None:
         cnp.PyArray_CopyInto(attn, aside)
     if out_arg is not None:
-        if type_num != compute:
+        if type_num != compute and not rounds_rows:
             # bfloat16: rounded once into out=
             rounded_to_bfloat16(attn, out_arg)
         attn = <cnp.ndarray>out_arg
-    elif type_num != compute:
+    elif type_num != compute and not rounds_rows:
         # bfloat16 in: the results rounded once to it
         attn = rounded_to_bfloat16(attn, None)
     if return_scores and type_num != compute:
