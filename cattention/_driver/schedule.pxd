@@ -26,8 +26,7 @@ from cattention._driver.problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
     Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, STORE_BF16, direct_rows, entry_rows,
-    fold_period,
-    key_extent, out_row_offset, round_up)
+    fold_period, key_extent, out_row_offset, round_up)
 from cattention._driver.operands cimport operand_itemsize, rows_span
 from cattention._driver.workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
