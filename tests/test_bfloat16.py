@@ -220,6 +220,48 @@ def test_a_bfloat16_cache_appends_and_attends(simd, q_dtype, new_dtype):
     del v_before
 
 
+def test_bfloat16_prompt_rows_through_the_cache_calls(simd):
+    """A bfloat16 prompt (more rows than the decode path takes) through
+    attention_with_kvcache and the paged call: the rows the driver rounds
+    as it finishes them meet the bfloat16 rule, land in out= of either
+    layout with the same bits, and the paged call gives the contiguous
+    one's bits."""
+    rng = np.random.default_rng(16)
+    B, H, H_kv, S_max, d, T = 2, 4, 2, 96, 16, 21
+    k_cache, v_cache = bf16(rng.standard_normal((B, H_kv, S_max, d)),
+                            rng.standard_normal((B, H_kv, S_max, d)))
+    lengths = np.array([30, 70])
+    q, k_new, v_new = bf16(rng.standard_normal((B, H, T, d)),
+                           rng.standard_normal((B, H_kv, T, d)),
+                           rng.standard_normal((B, H_kv, T, d)))
+    cache = k_cache.copy(), v_cache.copy()
+    out = ca.attention_with_kvcache(q, cache[0], cache[1], lengths.copy(), k_new, v_new)
+    assert out.dtype == BF16 and out.shape == (B, H, T, d)
+    for b, start in enumerate(lengths):
+        keys = np.repeat(cache[0][b, :, :start + T], 2, axis=0)
+        values = np.repeat(cache[1][b, :, :start + T], 2, axis=0)
+        assert_bfloat16_matches_reference(out[b], None, q[b], keys, values, causal=True)
+    for given in (np.empty((B, H, T, d), BF16), np.empty((B, T, H, d), BF16).transpose(0, 2, 1, 3)):
+        cache = k_cache.copy(), v_cache.copy()
+        got = ca.attention_with_kvcache(q, cache[0], cache[1], lengths.copy(), k_new, v_new,
+                                        out=given)
+        assert got is given
+        assert_bitwise_equal(got, out)
+    # the same sequences in pages of 16 rows, pages in reverse order
+    page = 16
+    n_pages = S_max // page
+    k_pages = np.empty((B * n_pages, H_kv, page, d), BF16)
+    v_pages = np.empty_like(k_pages)
+    table = np.arange(B * n_pages)[::-1].reshape(B, n_pages).copy()
+    for b in range(B):
+        for p in range(n_pages):
+            k_pages[table[b, p]] = k_cache[b, :, p * page:(p + 1) * page]
+            v_pages[table[b, p]] = v_cache[b, :, p * page:(p + 1) * page]
+    paged = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths.copy(),
+                                            k_new, v_new)
+    assert_bitwise_equal(paged, out)
+
+
 def test_a_bfloat16_cache_refuses_float16_and_integer_rows():
     k_cache = np.zeros((1, 1, 8, 4), BF16)
     v_cache = np.zeros((1, 1, 8, 4), BF16)

@@ -735,15 +735,20 @@ cdef inline object paged_shortcut(
     plan.page_ids = page_ids
     plan.pages_per_seq = max_pages
     plan.page_size = page_size
-    # ATTN in the caller's out= when it takes the compute dtype, else in a
-    # new array (rounded into out= at the end)
+    # bfloat16 q, prompt rows (the packed path): the driver rounds each
+    # block of rows into a bfloat16 ATTN as it finishes them
+    cdef bint rounds_rows = q_type != compute and not direct_rows(n_queries)
+    # ATTN in the caller's out= when it takes the compute dtype (or the
+    # driver rounds into it), else in a new array (rounded into out= at the
+    # end)
     cdef cnp.ndarray out
     cdef cnp.ndarray lse = None
     try:
-        if out_arg is not None and q_type == compute:
+        if out_arg is not None and (q_type == compute or rounds_rows):
             out = <cnp.ndarray>out_arg
         else:
-            out = np_empty4(n_seq, n_heads, n_queries, d_v, compute)
+            out = np_empty4(n_seq, n_heads, n_queries, d_v,
+                            q_type if rounds_rows else compute)
         if return_lse:
             lse_dims[0], lse_dims[1], lse_dims[2] = n_seq, n_heads, n_queries
             lse = cnp.PyArray_EMPTY(3, lse_dims, compute, 0)
@@ -782,11 +787,11 @@ cdef inline object paged_shortcut(
         free(page_ids)
         free(opts.storage)
     if out_arg is not None:
-        if q_type != compute:
+        if q_type != compute and not rounds_rows:
             # bfloat16: rounded once into out=
             rounded_to_bfloat16(out, out_arg)
         out = <cnp.ndarray>out_arg
-    elif q_type != compute:
+    elif q_type != compute and not rounds_rows:
         # bfloat16 in: the result rounded once to it
         out = rounded_to_bfloat16(out, None)
     if return_lse:
