@@ -3,9 +3,9 @@
 """Results back in the caller's dtype: a float32 result rounded once to
 bfloat16 (to nearest even, bit for bit as ml_dtypes rounds) by a compiled
 loop, where NumPy's cast goes through ml_dtypes' loop at a few nanoseconds a
-value (up to a quarter of a bfloat16 prompt call's time). The dense
-shortcut's prompt calls need neither: the driver rounds their rows as it
-finishes them (Problem.out_bf16)."""
+value (up to a quarter of a bfloat16 prompt call's time). The compiled
+shortcuts' prompt calls (dense and cache calls) need neither: the driver
+rounds their rows as it finishes them (Problem.out_bf16)."""
 
 cimport numpy as cnp
 from libc.stdint cimport uint16_t
