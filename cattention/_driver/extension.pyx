@@ -65,7 +65,7 @@ from cattention._driver.appends cimport (
 from cattention._driver.rotary cimport rotary_of, rotated as _rotated
 from cattention._driver.shortcuts cimport (
     attention_shortcut as _attention_shortcut, kvcache_shortcut as _kvcache_shortcut,
-    paged_shortcut as _paged_shortcut)
+    paged_shortcut as _paged_shortcut, view_as as _view_as)
 
 # The table's register tile and the list of tables compiled in: only this
 # module's introspection reads them, so they are declared here rather than
@@ -244,6 +244,12 @@ def register_bfloat16(int type_num):
     when ml_dtypes is imported): operands of it are stored as bfloat16 and
     computed in float32, and the shortcuts take them."""
     ca_set_bfloat16_type(type_num)
+
+
+def view_as(arr, tuple shape):
+    """A view of arr in shape, or None where a reshape would copy (the one
+    rule the shortcuts and _prepare share)."""
+    return _view_as(arr, shape)
 
 
 def round_to_bfloat16(cnp.ndarray result, into=None):

@@ -46,7 +46,8 @@ cdef inline object view_as(object arr, tuple shape):
     """A view of arr (of arr.size elements) in the given shape, or None
     where its strides have no view of that shape (a reshape would copy):
     reshape(copy=False) on NumPy 2.1 and later; setting the shape of a view
-    before (NumPy 2.5 deprecates that). As _prepare.arrays.view_as."""
+    before (NumPy 2.5 deprecates that). _prepare.arrays.view_as calls it
+    (extension.view_as)."""
     try:
         return arr.reshape(shape, copy=False)
     except ValueError:

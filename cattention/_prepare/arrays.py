@@ -51,36 +51,11 @@ def native(arr: NDArray[Any]) -> NDArray[Any]:
     return arr.astype(arr.dtype.newbyteorder("="))
 
 
-def _reshape_takes_copy() -> bool:
-    """ndarray.reshape takes copy= (NumPy 2.1 and later)."""
-    try:
-        np.empty(0).reshape(0, copy=False)  # type: ignore[call-overload, unused-ignore]
-    except TypeError:
-        return False
-    return True
-
-
-RESHAPE_TAKES_COPY = _reshape_takes_copy()
-
-
 def view_as(arr: NDArray[Any], shape: tuple[int, ...]) -> Optional[NDArray[Any]]:
     """A view of arr (of arr.size elements) in the given shape, or None
-    where its strides have no view of that shape (a reshape would copy).
-    reshape(copy=False) on NumPy 2.1 and later; setting the shape of a view
-    before (NumPy 2.5 deprecates that)."""
-    if RESHAPE_TAKES_COPY:
-        try:
-            view: NDArray[Any] = arr.reshape(  # type: ignore[call-overload, unused-ignore]
-                shape, copy=False)
-        except ValueError:
-            return None
-        return view
-    view = arr.view()
-    try:
-        view.shape = shape
-    except AttributeError:
-        return None
-    return view
+    where its strides have no view of that shape (a reshape would copy):
+    the driver's rule, which the compiled shortcuts use too."""
+    return driver.view_as(arr, tuple(shape))
 
 
 #: NumPy before 1.24 makes a ragged nested list an object array of its
