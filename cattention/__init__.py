@@ -18,7 +18,7 @@ from ._native import driver as _driver, wait_policy as _wait_policy
 from ._api.dense import attention, attention_scores
 from ._api.kvcache import attention_with_kvcache
 from ._api.merge import merge
-from ._api.paged import attention_with_paged_kvcache
+from ._api.paged import attention_with_paged_kvcache, paged_append
 from ._api.plot import plot_scores
 from ._api.quantize import quantize_kv
 from ._api.threads import get_num_threads, limit_threads, set_num_threads
@@ -36,6 +36,7 @@ __all__ = [
     "get_num_threads",
     "limit_threads",
     "merge",
+    "paged_append",
     "plot_scores",
     "quantize_kv",
     "set_num_threads",

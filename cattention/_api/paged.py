@@ -2,7 +2,8 @@
 caller, addressed through a block table (vLLM's PagedAttention layout),
 appended to in place and read where they are; with packed queries, one call
 serves a continuous-batching step (prompt chunks being prefilled beside
-sequences being decoded)."""
+sequences being decoded). An engine that places rows itself writes them at
+its own slots (``paged_append``)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from numpy.typing import ArrayLike, NDArray
 from .._native import driver
 from .._prepare import entries
 from .._prepare.options import local
-from .._prepare.paged import prepare_paged
+from .._prepare.paged import prepare_paged, prepare_slot_append
 
-__all__ = ["attention_with_paged_kvcache"]
+__all__ = ["attention_with_paged_kvcache", "paged_append"]
 
 _Float = NDArray[np.floating[Any]]
 
@@ -229,3 +230,67 @@ def attention_with_paged_kvcache(
     if lse is not None:
         return attn, lse
     return attn
+
+
+def paged_append(k_pages: NDArray[Any], v_pages: NDArray[Any], slot_mapping: ArrayLike,
+                 k_new: ArrayLike, v_new: ArrayLike, *,
+                 k_scale: Optional[NDArray[np.float32]] = None,
+                 v_scale: Optional[NDArray[np.float32]] = None) -> None:
+    """Write new key and value rows into pages at the slots an engine chose.
+
+    Row i of ``k_new`` and ``v_new`` (every K/V head) goes to slot
+    ``slot_mapping[i]``: row ``slot % page_size`` of page ``slot //
+    page_size``, in place; a negative slot marks a row to skip (an
+    engine's padding). This is the write of a serving engine whose
+    scheduler places each new token itself (vLLM's ``slot_mapping``, with
+    pages shared by prefix caching); :func:`attention_with_paged_kvcache`
+    then reads the pages through the block table without appending. The
+    rows are converted (or quantized) as that function appends them, by
+    the same compiled loop.
+
+    Parameters
+    ----------
+    k_pages, v_pages : ndarray, shapes (n_pages, H_kv, page_size, d_k) and (..., d_v)
+        Writable pages of one dtype, any strides (e.g. the K and V halves
+        of one engine cache tensor), as :func:`attention_with_paged_kvcache`
+        takes them.
+    slot_mapping : array_like of int, shape (n_rows,)
+        The slot of each new row, ``page * page_size + row``, or negative.
+    k_new, v_new : array_like, shapes (n_rows, H_kv, d_k) and (n_rows, H_kv, d_v)
+        The rows, any strides: castable to the pages' dtype (bfloat16
+        pages take bfloat16, float32 or float64 rows), or float rows for
+        int8 pages, quantized per row with their scales written to
+        ``k_scale``/``v_scale``.
+    k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
+        With int8 pages (and only then): the scale of each row.
+
+    Raises
+    ------
+    ValueError
+        On a shape mismatch, a slot past the last page, two rows given one
+        slot, read-only pages, pages that share memory with each other's
+        rows or with the new rows, values the pages cannot store (beyond a
+        float dtype's range; NaN or infinite for int8 pages).
+    TypeError
+        On pages that differ in dtype or are not in native byte order, new
+        rows that cannot be cast to the pages' dtype.
+
+    Every check runs before anything is written: a refused call leaves
+    the pages as they were.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cattention as ca
+    >>> k_pages = np.zeros((4, 2, 8, 16), np.float32)    # 4 pages of 8 positions
+    >>> v_pages = np.zeros((4, 2, 8, 16), np.float32)
+    >>> rows = np.ones((3, 2, 16), np.float32)
+    >>> ca.paged_append(k_pages, v_pages, [17, -1, 3], rows, rows)   # the second is padding
+    >>> float(k_pages[2, 0, 1, 0]), float(k_pages[0, 1, 3, 0]), float(k_pages.sum())
+    (1.0, 1.0, 64.0)
+    """
+    writes = prepare_slot_append(k_pages, v_pages, slot_mapping, k_new, v_new, k_scale, v_scale)
+    # every check has passed
+    for write in writes.writes:
+        driver.append_rows(write.cache, write.rows, write.seq_offset, write.row_axis,
+                           write.head_axis, writes.start, writes.n_new, writes.page_ids, 1)

@@ -1,9 +1,11 @@
 """A step against a paged KV cache, checked once: the pages' own checks
 (caches.py), the block table, the rows each sequence appends and where
-they land, and the attention options, all before anything is written."""
+they land, and the attention options, all before anything is written; and
+an engine's append of new rows at the slots it chose (slot_mapping)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, SupportsIndex
 
 import numpy as np
@@ -11,7 +13,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .arrays import array, as_input, check_out, is_half, refuse_shared_memory
-from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
+from .caches import (Appends, Write, as_stored, check_cache_lengths, check_int8_scales,
                      check_new_rows_dtype, check_sequence_starts, check_storage, new_rows,
                      result_dtype, store_compute)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
@@ -255,3 +257,74 @@ def _refuse_clashing_writes(table: _Intp, old_lengths: NDArray[np.int64], n_new:
             f"{int(holder[h])} holds (its position "
             f"{int(slot[h]) * page_size + int(row[n])}): the block table gives a page "
             "a sequence still holds to later positions")
+
+
+@dataclasses.dataclass
+class SlotWrites:
+    """New rows bound for page slots, checked: each Write's row i goes to
+    row ``start[i]`` of page ``page_ids[i]`` (``n_new``: ones, one row per
+    slot, as the append loop counts them)."""
+
+    writes: list[Write]
+    start: _Intp
+    n_new: _Intp
+    page_ids: _Intp
+
+
+def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLike,
+                        k_new: ArrayLike, v_new: ArrayLike, k_scale: Optional[_Array],
+                        v_scale: Optional[_Array]) -> SlotWrites:
+    """The writes of ``paged_append``, every check made: row i of k_new and
+    v_new goes to slot ``slot_mapping[i]`` (page ``slot // page_size``, row
+    ``slot % page_size``), a negative slot marking a row to skip."""
+    k_pages, v_pages = check_storage(k_pages, v_pages, ("k_pages", "v_pages"),
+                                     "(n_pages, H_kv, page_size, d)",
+                                     "(n_pages, H_kv, page_size)", "pages")
+    n_pages, n_kv_heads, page_size, d_k = k_pages.shape
+    d_v = v_pages.shape[3]
+    given = new_rows(k_new, v_new)
+    assert given is not None
+    slots = array(slot_mapping, "slot_mapping")
+    if slots.dtype.kind not in "iu" or slots.ndim != 1:
+        raise ValueError(f"slot_mapping must be a 1-D integer array, one slot per new row; "
+                         f"got shape {slots.shape}, dtype {slots.dtype}")
+    for name, new, d in zip(("k_new", "v_new"), given, (d_k, d_v)):
+        want = (slots.size, n_kv_heads, d)
+        if new.shape != want:
+            raise ValueError(f"{name} must have shape {want} (n_rows, H_kv, d) to match "
+                             f"slot_mapping {slots.shape} and the pages; got {new.shape}")
+        check_new_rows_dtype(name, new, k_pages.dtype, "pages")
+    int8 = k_pages.dtype == np.int8
+    if int8:
+        check_int8_scales(k_pages, k_scale, v_scale, np.dtype(np.float32), "pages",
+                          "(n_pages, H_kv, page_size)")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with int8 pages; these are {k_pages.dtype}")
+    slots = slots.astype(np.int64)
+    capacity = n_pages * page_size
+    if slots.size and int(slots.max()) >= capacity:
+        row = int(np.argmax(slots))
+        raise ValueError(f"slot_mapping[{row}] = {int(slots[row])} is past the last slot "
+                         f"{capacity - 1} ({n_pages} pages of {page_size})")
+    used = slots >= 0
+    if not used.all():
+        # padding rows are neither converted nor checked: only what is written
+        given = (given[0][used], given[1][used])
+        slots = slots[used]
+    if np.unique(slots).size != slots.size:
+        values, counts = np.unique(slots, return_counts=True)
+        raise ValueError(f"slot {int(values[counts > 1][0])} is given to more than one new "
+                         "row of slot_mapping: which row it holds would depend on the order "
+                         "of the writes")
+    writable = [k_pages, v_pages] + ([k_scale, v_scale] if int8 else [])
+    if not all(a.flags.writeable for a in writable if a is not None):
+        raise ValueError("k_pages, v_pages (and k_scale, v_scale) must be writable to append")
+    refuse_shared_memory(
+        [("k_pages", k_pages), ("v_pages", v_pages)]
+        + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
+        [("k_new", given[0]), ("v_new", given[1])])
+    row_index = np.arange(slots.size, dtype=np.intp)
+    writes = (as_stored("k_new", given[0], k_pages, k_scale, row_index)
+              + as_stored("v_new", given[1], v_pages, v_scale, row_index))
+    return SlotWrites(writes, (slots % page_size).astype(np.intp),
+                      np.ones(slots.size, dtype=np.intp), (slots // page_size).astype(np.intp))
