@@ -18,7 +18,7 @@ SOURCES := setup.py pyproject.toml $(wildcard cattention/*.pyx cattention/*.pxd 
 
 .PHONY: install build run test docs typecheck lint annotate wheel wheel-test wheels wheels-test wheels-ci \
 	bench bench-deps bench-quick bench-bf16 bench-pipeline bench-serving bench-dask asan fuzz \
-	reliability clean distclean test-transformers bench-transformers
+	reliability clean distclean test-transformers bench-transformers test-vllm bench-vllm
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,35 @@ test-transformers: $(BUILT) $(TEST_DEPS) $(HF_DEPS)
 # and a left-padded batch (benchmarks/transformers_e2e.py; --help for options)
 bench-transformers: $(BUILT) $(HF_DEPS)
 	$(VPY) benchmarks/transformers_e2e.py
+
+# cattention.integrations.vllm: vLLM's CPU build pins torch and its own
+# transformers, so it gets a virtual environment of its own ($(VLLM_VENV)):
+# the `vllm` extra, the build requirements and pytest, then cattention in
+# place. PyPI's torchvision, torchaudio and torchcodec do not load beside
+# torch's CPU build (vLLM serves text models without them): removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip install -q --disable-pip-version-check
+VLLM_DEPS := $(VLLM_VENV)/.vllm-deps
+VLLM_BUILT := $(VLLM_VENV)/.cattention-built
+$(VLLM_DEPS): pyproject.toml tools/requirements.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(REQUIREMENTS) build vllm > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_PIP) -r $(VLLM_VENV)/vllm-requirements.txt "pytest>=7"
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_BUILT): $(VLLM_DEPS) $(SOURCES)
+	@echo "building cattention into $(VLLM_VENV) (log: $(VLLM_VENV)/build.log)"
+	@$(VLLM_PIP) --no-build-isolation --no-deps -e . > $(VLLM_VENV)/build.log 2>&1 \
+		|| { cat $(VLLM_VENV)/build.log; exit 1; }
+	touch $@
+
+# the backend layer by layer against the float64 reference and vLLM's op,
+# then real engines with each backend side by side (tests/test_vllm_*.py)
+test-vllm: $(VLLM_BUILT)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py \
+		tests/test_vllm_engine.py
 
 # The documentation site (docs/, Sphinx) into docs/_build/html, warnings as
 # errors; the API reference is generated from the docstrings and the

@@ -440,10 +440,27 @@ def assert_bfloat16_matches_reference(attn, scores, q, k, v, causal=False, mask=
     e the float32 rule's allowed max error (4 x plain float32 NumPy's plus
     two float32 ulps); the float32 LSE meets that max error itself."""
     import ml_dtypes
+    _assert_rounded_matches_reference(np.dtype(ml_dtypes.bfloat16), attn, scores, q, k, v,
+                                      causal, mask, scale, lse, **options)
+
+
+def assert_half_matches_reference(attn, scores, q, k, v, causal=False, mask=None,
+                                  scale=None, lse=None, **options):
+    """The rule of assert_bfloat16_matches_reference for results of either
+    16-bit float dtype, bfloat16 or float16 (the dtype of ``attn``)."""
+    _assert_rounded_matches_reference(np.asarray(attn).dtype, attn, scores, q, k, v, causal,
+                                      mask, scale, lse, **options)
+
+
+def _assert_rounded_matches_reference(half, attn, scores, q, k, v, causal, mask, scale, lse,
+                                      **options):
+    import ml_dtypes
+    assert half in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)), (
+        f"{half} is not a 16-bit float dtype")
 
     def upcast(x):
         x = np.asarray(x)
-        return x.astype(np.float32) if x.dtype == ml_dtypes.bfloat16 else x
+        return x.astype(np.float32) if x.dtype in (ml_dtypes.bfloat16, np.float16) else x
 
     q, k, v = upcast(q), upcast(k), upcast(v)
     mask = upcast(mask) if mask is not None else None
@@ -453,18 +470,18 @@ def assert_bfloat16_matches_reference(attn, scores, q, k, v, causal=False, mask=
         if got is None:
             continue
         got = np.asarray(got)
-        assert got.dtype == ml_dtypes.bfloat16, f"{name} dtype {got.dtype} is not bfloat16"
+        assert got.dtype == half, f"{name} dtype {got.dtype} is not {half}"
         assert got.shape == ref[i].shape, f"{name} shape {got.shape} != {ref[i].shape}"
         atol = max(float32_ulp_atol(ref[i]), float32_ulp_atol(v) if i == 0 else 0.0)
         if i == 1:
             atol = max(atol, _logit_ulp_atol(q, k, scale, ref[i]))
         e = F32_RTOL_MAX * max_abs_err(np32[i], ref[i]) + atol
-        low = (ref[i] - e).astype(ml_dtypes.bfloat16).astype(np.float64)
-        high = (ref[i] + e).astype(ml_dtypes.bfloat16).astype(np.float64)
+        low = (ref[i] - e).astype(half).astype(np.float64)
+        high = (ref[i] + e).astype(half).astype(np.float64)
         got64 = got.astype(np.float64)
         outside = ~((low <= got64) & (got64 <= high))
         assert not outside.any(), (
-            f"{name}: {int(outside.sum())} of {got.size} bfloat16 values are no rounding "
+            f"{name}: {int(outside.sum())} of {got.size} {half} values are no rounding "
             f"of a float32 result within {e:.3g} of the reference (max error "
             f"{max_abs_err(got64, ref[i]):.3g})")
     if lse is not None:

@@ -19,7 +19,7 @@ import torch
 import cattention
 
 from ._masks import MaskStructure
-from ._tensors import FLOAT_DTYPES, as_array, as_tensor
+from .._torch import FLOAT_DTYPES, as_array, as_tensor
 
 _ALTERNATIVE = 'attn_implementation="sdpa" (or "eager")'
 

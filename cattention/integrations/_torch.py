@@ -1,5 +1,6 @@
 """CPU torch tensors seen as NumPy arrays, and NumPy results seen as
-tensors, without copies.
+tensors, without copies (for the integrations with torch runtimes:
+transformers, vLLM).
 
 ``Tensor.numpy()`` shares the tensor's memory for the dtypes NumPy has.
 bfloat16, which NumPy lacks, goes through the tensor's 16-bit pattern
@@ -27,7 +28,8 @@ def _bfloat16() -> np.dtype[Any]:
     except ImportError as error:
         raise ImportError(
             "bfloat16 tensors need ml_dtypes for their NumPy view: "
-            'pip install "cattention[transformers]" (or "cattention[bfloat16]")') from error
+            'pip install "cattention[bfloat16]" (the transformers and vllm extras bring '
+            "it)") from error
     bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
     return bfloat16
 
@@ -51,3 +53,11 @@ def as_tensor(array: NDArray[Any]) -> torch.Tensor:
     if array.dtype.kind == "V" and array.dtype.itemsize == 2:   # ml_dtypes.bfloat16
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
+
+
+def as_index_array(tensor: torch.Tensor, what: str) -> NDArray[Any]:
+    """An int32 or int64 tensor (lengths, offsets, block tables, slots) as
+    an ndarray sharing its memory."""
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{what} must be an int32 or int64 tensor; got {tensor.dtype}")
+    return tensor.numpy()  # type: ignore[no-any-return]

@@ -1,0 +1,324 @@
+"""cattention.integrations.vllm's backend, one layer at a time (no engine):
+its steps against the float64 reference of each request's keys (gathered
+from the cache through the block table), beside vLLM's own CPU_ATTN op on
+the same rows for the conventions (windows, ALiBi, softcap, sinks, encoder
+attention), and its refusals. Skipped where vLLM is absent (make test-vllm
+runs it in vLLM's environment)."""
+
+import numpy as np
+import pytest
+
+from reference import assert_bitwise_equal, assert_half_matches_reference, assert_matches_reference
+
+try:
+    import torch
+    import vllm  # noqa: F401
+except ImportError as error:
+    pytest.skip(f"needs vLLM's CPU build ({error}; make test-vllm runs these tests)",
+                allow_module_level=True)
+
+import ml_dtypes  # noqa: E402
+from vllm import _custom_ops as vllm_ops  # noqa: E402
+
+from cattention.integrations.vllm._backend import (CattentionBackend,  # noqa: E402
+                                                   CattentionImpl, step_metadata)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}
+
+
+class Step:
+    """A mixed step of vLLM's: requests with query rows (a prompt chunk, a
+    decode, a whole prompt) at the end of their keys, in a paged cache whose
+    blocks are shuffled and whose first block two requests share (a prefix
+    cache hit). Every key row already written holds random values."""
+
+    def __init__(self, seed, query_lens, seq_lens, n_heads, n_kv_heads, head_size,
+                 block_size, dtype, shared_prefix=True):
+        rng = np.random.default_rng(seed)
+        self.query_lens = np.array(query_lens)
+        self.seq_lens = np.array(seq_lens, dtype=np.int32)
+        self.n_heads, self.n_kv_heads, self.head_size = n_heads, n_kv_heads, head_size
+        self.block_size = block_size
+        self.dtype = TORCH_DTYPES[dtype]
+        blocks = -(-self.seq_lens // block_size)
+        n_blocks = int(blocks.sum()) + 5
+        ids = rng.permutation(n_blocks)
+        table = np.full((len(seq_lens), int(blocks.max())), -1, np.int32)
+        used = 0
+        for b, n in enumerate(blocks):
+            table[b, :n] = ids[used:used + n]
+            used += n
+        self.shared = shared_prefix and len(seq_lens) > 1 and min(seq_lens[:2]) > block_size
+        if self.shared:
+            table[1, 0] = table[0, 0]     # request 1 reads request 0's first block
+        self.block_table = table
+        self.kv_cache = torch.zeros((n_blocks, n_kv_heads, block_size, 2 * head_size),
+                                    dtype=self.dtype)
+        # each request's keys and values by position (request 1's first block
+        # is request 0's)
+        self.keys = [torch.from_numpy(rng.standard_normal((n, n_kv_heads, head_size))).to(
+            self.dtype) for n in self.seq_lens]
+        self.values = [torch.from_numpy(rng.standard_normal((n, n_kv_heads, head_size))).to(
+            self.dtype) for n in self.seq_lens]
+        if self.shared:
+            self.keys[1][:block_size] = self.keys[0][:block_size]
+            self.values[1][:block_size] = self.values[0][:block_size]
+        total = int(self.query_lens.sum())
+        self.query = torch.from_numpy(
+            rng.standard_normal((total, n_heads, head_size))).to(self.dtype)
+        self.query_start_loc = np.concatenate([[0], np.cumsum(self.query_lens)]).astype(
+            np.int32)
+
+    def slots(self, b, positions):
+        page = self.block_table[b, positions // self.block_size]
+        return page.astype(np.int64) * self.block_size + positions % self.block_size
+
+    def rows_to_write(self):
+        """Every key row, once (the shared block by its first request), with
+        its slot, in one append."""
+        keys, values, slots = [], [], []
+        for b, n in enumerate(self.seq_lens):
+            first = self.block_size if b == 1 and self.shared else 0
+            positions = np.arange(first, n)
+            keys.append(self.keys[b][first:])
+            values.append(self.values[b][first:])
+            slots.append(self.slots(b, positions))
+        return (torch.cat(keys), torch.cat(values),
+                torch.from_numpy(np.concatenate(slots)))
+
+    def metadata(self, causal=True):
+        return step_metadata(int(self.query_lens.sum()), self.query_start_loc, self.seq_lens,
+                             self.block_table, causal)
+
+
+def _impl(step, **options):
+    return CattentionImpl(step.n_heads, step.head_size, options.pop("scale", 0.3),
+                          step.n_kv_heads, **options)
+
+
+def _run(step, impl, causal=True, threads=None):
+    key, value, slots = step.rows_to_write()
+    impl.do_kv_cache_update(None, key, value, step.kv_cache, slots)
+    output = torch.empty((step.query.shape[0], step.n_heads * step.head_size),
+                         dtype=step.dtype)
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    try:
+        impl.forward(None, step.query, key, value, step.kv_cache, step.metadata(causal), output)
+    finally:
+        if threads is not None:
+            torch.set_num_threads(before)
+    return output.view(-1, step.n_heads, step.head_size)
+
+
+def _as_numpy(tensor):
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _check_against_reference(step, output, causal=True, **options):
+    """Each request's rows against reference.py's float64 attention over its
+    keys (query rows the last of its positions)."""
+    group = step.n_heads // step.n_kv_heads
+    got = _as_numpy(output)
+    for b, n in enumerate(step.seq_lens):
+        rows = slice(step.query_start_loc[b], step.query_start_loc[b + 1])
+        q = np.swapaxes(_as_numpy(step.query[rows]).astype(np.float64), 0, 1)
+        k = np.repeat(np.swapaxes(step.keys[b].to(torch.float64).numpy(), 0, 1), group, 0)
+        v = np.repeat(np.swapaxes(step.values[b].to(torch.float64).numpy(), 0, 1), group, 0)
+        attn = np.swapaxes(got[rows], 0, 1)
+        if step.dtype == torch.float32:
+            assert_matches_reference(attn, None, q.astype(np.float32), k, v, causal=causal,
+                                     **options)
+        else:
+            assert_half_matches_reference(attn, None, q, k, v, causal=causal, **options)
+
+
+MIXED = dict(query_lens=[37, 1, 1, 200], seq_lens=[300, 129, 1000, 200])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 160, 256])
+def test_mixed_step_matches_reference(dtype, head_size):
+    step = Step(head_size, **MIXED, n_heads=8, n_kv_heads=2, head_size=head_size,
+                block_size=32, dtype=dtype)
+    output = _run(step, _impl(step, scale=head_size ** -0.5))
+    _check_against_reference(step, output, scale=head_size ** -0.5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 33, 128])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [5, 5, 5, 5], [37, 1, 1, 200]],
+                         ids=["decode", "uniform", "mixed"])
+def test_block_sizes_and_step_kinds(block_size, query_lens):
+    step = Step(block_size, query_lens, [300, 129, 1000, 200], 4, 4, 64, block_size,
+                "float32")
+    output = _run(step, _impl(step))
+    _check_against_reference(step, output, scale=0.3)
+
+
+OPTIONS = {
+    "window": dict(sliding_window=64),
+    "softcap": dict(logits_soft_cap=3.0),
+    "sinks": dict(sinks=torch.linspace(-2.0, 3.0, 8)),
+    "alibi": dict(alibi_slopes=[2.0 ** (-i - 1) for i in range(8)]),
+    "all": dict(sliding_window=100, logits_soft_cap=5.0, sinks=torch.full((8,), 0.5)),
+}
+
+
+def _reference_options(vllm_options):
+    options = {}
+    if "sliding_window" in vllm_options:
+        options["window"] = (vllm_options["sliding_window"] - 1, 0)
+    if "logits_soft_cap" in vllm_options:
+        options["softcap"] = vllm_options["logits_soft_cap"]
+    if "sinks" in vllm_options:
+        options["sinks"] = vllm_options["sinks"].numpy().astype(np.float64)
+    if "alibi_slopes" in vllm_options:
+        options["alibi_slopes"] = np.array(vllm_options["alibi_slopes"])
+    return options
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_options_match_reference(dtype, name):
+    step = Step(7, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype=dtype)
+    output = _run(step, _impl(step, **OPTIONS[name]))
+    _check_against_reference(step, output, scale=0.3, **_reference_options(OPTIONS[name]))
+
+
+def _vllm_step(step, scale, causal=True, sliding_window=None, logits_soft_cap=None,
+               alibi_slopes=None, sinks=None):
+    """The same step through vLLM's CPU_ATTN op, on a cache in its layout."""
+    isa = "vec" if step.head_size % 32 == 0 and step.block_size % 32 == 0 else "vec16"
+    cache = torch.zeros((step.kv_cache.shape[0], step.n_kv_heads, 2 * step.block_size,
+                         step.head_size), dtype=step.dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    key, value, slots = step.rows_to_write()
+    vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    seq_lens = torch.from_numpy(step.seq_lens)
+    query_start_loc = torch.from_numpy(step.query_start_loc)
+    window = -1 if sliding_window is None else sliding_window
+    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
+        len(step.seq_lens), step.n_heads, step.n_kv_heads, step.head_size, seq_lens,
+        step.dtype, query_start_loc, causal, window, isa, True)
+    output = torch.empty_like(step.query)
+    vllm_ops.cpu_attention_with_kv_cache(
+        step.query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
+        None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32),
+        window, torch.from_numpy(step.block_table), logits_soft_cap or 0.0, metadata, sinks)
+    return output
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_options_agree_with_vllm_op(name):
+    """vLLM's options mean what the backend makes of them: vLLM's op on the
+    same rows gives the same result to float32 rounding."""
+    step = Step(11, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="float32")
+    ours = _run(step, _impl(step, **OPTIONS[name]))
+    theirs = _vllm_step(step, 0.3, **OPTIONS[name])
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["window", "softcap", "sinks"])
+def test_non_causal_options_agree_with_vllm_op(name):
+    """Cross-attention (the decoder's queries see every encoder row): a
+    window reaches both ways, as in vLLM's op."""
+    step = Step(12, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="float32")
+    ours = _run(step, _impl(step, **OPTIONS[name]), causal=False)
+    theirs = _vllm_step(step, 0.3, causal=False, **OPTIONS[name])
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=0, atol=2e-5)
+
+
+def test_non_causal_alibi_is_flash_attentions():
+    """Without causality ALiBi adds -slope * |i - j| (FlashAttention's
+    convention, and the models' own, e.g. JinaBERT's), where vLLM's CPU op
+    adds slope * (j - i), which grows towards later keys; the user guide
+    says so."""
+    step = Step(13, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="float32")
+    output = _run(step, _impl(step, **OPTIONS["alibi"]), causal=False)
+    _check_against_reference(step, output, causal=False, scale=0.3,
+                             **_reference_options(OPTIONS["alibi"]))
+
+
+def test_encoder_only_matches_reference():
+    """Encoder-only layers (embedding models): each request attends to its
+    own rows both ways, nothing cached; a window reaches both sides."""
+    rng = np.random.default_rng(5)
+    query_start_loc = np.array([0, 50, 51, 170], np.int32)
+    total, n_heads, n_kv_heads, d = 170, 4, 2, 64
+    q, k, v = (torch.from_numpy(rng.standard_normal((total, h, d)).astype(np.float32))
+               for h in (n_heads, n_kv_heads, n_kv_heads))
+    for window in (None, 16):
+        impl = CattentionImpl(n_heads, d, 0.125, n_kv_heads, sliding_window=window,
+                              attn_type="encoder_only")
+        output = torch.empty((total, n_heads * d))
+        meta = step_metadata(total, query_start_loc, np.diff(query_start_loc), None, False)
+        impl.forward(None, q, k, v, torch.empty(0), meta, output)
+        got = output.view(total, n_heads, d).numpy()
+        for b in range(3):
+            rows = slice(query_start_loc[b], query_start_loc[b + 1])
+            qb, kb, vb = (np.swapaxes(x[rows].numpy(), 0, 1) for x in (q, k, v))
+            kb, vb = np.repeat(kb, 2, 0).astype(np.float64), np.repeat(vb, 2, 0).astype(
+                np.float64)
+            options = {} if window is None else {"window": (window - 1, window - 1)}
+            assert_matches_reference(np.swapaxes(got[rows], 0, 1), None, qb, kb, vb,
+                                     scale=0.125, **options)
+
+
+def test_any_thread_count_is_bitwise_the_same():
+    step = Step(3, **MIXED, n_heads=8, n_kv_heads=2, head_size=128, block_size=32,
+                dtype="float32")
+    one = _run(step, _impl(step), threads=1).clone()
+    for threads in (2, 3):
+        assert_bitwise_equal(_run(step, _impl(step), threads=threads).numpy(), one.numpy())
+
+
+def test_cache_views_are_read_in_place():
+    """The K and V pages are views of vLLM's cache tensor: rows written by
+    the append are in the tensor, at K's and V's places of their block."""
+    step = Step(1, [1], [70], 2, 2, 16, 32, "float32", shared_prefix=False)
+    impl = _impl(step)
+    key, value, slots = step.rows_to_write()
+    impl.do_kv_cache_update(None, key, value, step.kv_cache, slots)
+    k_pages, v_pages = impl.pages(step.kv_cache)
+    assert np.shares_memory(k_pages, step.kv_cache.numpy())
+    block = step.block_table[0, 69 // 32]
+    flat = step.kv_cache.view(step.kv_cache.shape[0], 2, -1).numpy()
+    np.testing.assert_array_equal(flat[block, 0, 32 * 16 + 5 * 16:32 * 16 + 6 * 16],
+                                  value[69, 0].numpy())
+    np.testing.assert_array_equal(k_pages[block, 1, 5], key[69, 1].numpy())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_caches_are_refused_at_start(kv_cache_dtype):
+    with pytest.raises(NotImplementedError, match=f"kv_cache_dtype='{kv_cache_dtype}'"):
+        CattentionImpl(8, 64, 0.125, 2, kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(num_heads=8, num_kv_heads=3), "8 query heads are not a multiple of 3"),
+    (dict(sinks=torch.zeros(4)), r"sinks of shape \(4,\) for 8 query heads"),
+    (dict(alibi_slopes=[1.0, 2.0]), "2 ALiBi slopes for 8 query heads"),
+])
+def test_layers_the_backend_cannot_serve_are_refused(arguments, message):
+    options = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2) | arguments
+    with pytest.raises(ValueError, match=message):
+        CattentionImpl(**options)
+
+
+def test_backend_declares_what_it_serves():
+    assert CattentionBackend.get_name() == "CPU_ATTN"
+    assert not CattentionBackend.forward_includes_kv_cache_update
+    for dtype in TORCH_DTYPES.values():
+        assert CattentionBackend.supports_dtype(dtype)
+    for attn_type in ("decoder", "encoder", "encoder_only", "encoder_decoder"):
+        assert CattentionBackend.supports_attn_type(attn_type)
+    for head_size in (32, 80, 96, 112, 160, 256):
+        assert CattentionBackend.supports_head_size(head_size)
