@@ -98,6 +98,8 @@ def _impl(step, **options):
 
 
 def _run(step, impl, causal=True, threads=None):
+    """The step through the backend: its rows appended at their slots, then
+    the layer's call; causal may be one flag per request."""
     key, value, slots = step.rows_to_write()
     impl.do_kv_cache_update(None, key, value, step.kv_cache, slots)
     output = torch.empty((step.query.shape[0], step.n_heads * step.head_size),
@@ -121,10 +123,16 @@ def _as_numpy(tensor):
 
 def _check_against_reference(step, output, causal=True, **options):
     """Each request's rows against reference.py's float64 attention over its
-    keys (query rows the last of its positions)."""
+    keys (query rows the last of its positions); causal may be one flag per
+    request, a window reaching both ways where a request is not causal."""
     group = step.n_heads // step.n_kv_heads
     got = _as_numpy(output)
+    flags = np.broadcast_to(causal, step.seq_lens.shape)
     for b, n in enumerate(step.seq_lens):
+        causal = bool(flags[b])
+        request_options = dict(options)
+        if not causal and "window" in options:
+            request_options["window"] = (options["window"][0], options["window"][0])
         rows = slice(step.query_start_loc[b], step.query_start_loc[b + 1])
         q = np.swapaxes(_as_numpy(step.query[rows]).astype(np.float64), 0, 1)
         k = np.repeat(np.swapaxes(step.keys[b].to(torch.float64).numpy(), 0, 1), group, 0)
@@ -132,9 +140,10 @@ def _check_against_reference(step, output, causal=True, **options):
         attn = np.swapaxes(got[rows], 0, 1)
         if step.dtype == torch.float32:
             assert_matches_reference(attn, None, q.astype(np.float32), k, v, causal=causal,
-                                     **options)
+                                     **request_options)
         else:
-            assert_half_matches_reference(attn, None, q, k, v, causal=causal, **options)
+            assert_half_matches_reference(attn, None, q, k, v, causal=causal,
+                                          **request_options)
 
 
 MIXED = dict(query_lens=[37, 1, 1, 200], seq_lens=[300, 129, 1000, 200])
@@ -191,7 +200,7 @@ def test_options_match_reference(dtype, name):
 
 
 def _vllm_step(step, scale, causal=True, sliding_window=None, logits_soft_cap=None,
-               alibi_slopes=None, sinks=None):
+               alibi_slopes=None, sinks=None, dynamic_causal=None):
     """The same step through vLLM's CPU_ATTN op, on a cache in its layout."""
     isa = "vec" if step.head_size % 32 == 0 and step.block_size % 32 == 0 else "vec16"
     cache = torch.zeros((step.kv_cache.shape[0], step.n_kv_heads, 2 * step.block_size,
@@ -204,12 +213,13 @@ def _vllm_step(step, scale, causal=True, sliding_window=None, logits_soft_cap=No
     window = -1 if sliding_window is None else sliding_window
     metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
         len(step.seq_lens), step.n_heads, step.n_kv_heads, step.head_size, seq_lens,
-        step.dtype, query_start_loc, causal, window, isa, True)
+        step.dtype, query_start_loc, causal, window, isa, True, dynamic_causal)
     output = torch.empty_like(step.query)
     vllm_ops.cpu_attention_with_kv_cache(
         step.query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
         None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32),
-        window, torch.from_numpy(step.block_table), logits_soft_cap or 0.0, metadata, sinks)
+        window, torch.from_numpy(step.block_table), logits_soft_cap or 0.0, metadata, sinks,
+        dynamic_causal)
     return output
 
 
@@ -245,6 +255,22 @@ def test_non_causal_alibi_is_flash_attentions():
     output = _run(step, _impl(step, **OPTIONS["alibi"]), causal=False)
     _check_against_reference(step, output, causal=False, scale=0.3,
                              **_reference_options(OPTIONS["alibi"]))
+
+
+@pytest.mark.parametrize("name", ["plain", "window"])
+def test_causal_flag_per_request(name):
+    """vLLM's dynamic causal: each request causal or not by its own flag,
+    against the reference and vLLM's op."""
+    options = {} if name == "plain" else OPTIONS["window"]
+    step = Step(14, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="float32")
+    flags = np.array([True, False, True, False])
+    ours = _run(step, _impl(step, **options), causal=flags)
+    theirs = _vllm_step(step, 0.3, causal=False,
+                        dynamic_causal=torch.from_numpy(flags.astype(np.int32)),
+                        **options)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=0, atol=2e-5)
+    _check_against_reference(step, ours, causal=flags, scale=0.3, **_reference_options(options))
 
 
 def test_encoder_only_matches_reference():
@@ -322,3 +348,38 @@ def test_backend_declares_what_it_serves():
         assert CattentionBackend.supports_attn_type(attn_type)
     for head_size in (32, 80, 96, 112, 160, 256):
         assert CattentionBackend.supports_head_size(head_size)
+
+
+@pytest.fixture
+def cpu_attn_slot():
+    """CPU_ATTN's class path, put back after the test."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    before = AttentionBackendEnum.CPU_ATTN.get_path()
+    yield AttentionBackendEnum.CPU_ATTN
+    register_backend(AttentionBackendEnum.CPU_ATTN, before)
+
+
+@pytest.mark.parametrize("value, registered", [("1", True), ("0", False), ("", False),
+                                               (None, False)])
+def test_plugin_registers_only_when_asked(monkeypatch, cpu_attn_slot, value, registered):
+    import cattention.integrations.vllm as ca_vllm
+    before = cpu_attn_slot.get_path()
+    if value is None:
+        monkeypatch.delenv("CATTENTION_VLLM", raising=False)
+    else:
+        monkeypatch.setenv("CATTENTION_VLLM", value)
+    ca_vllm.plugin()
+    assert cpu_attn_slot.get_path() == (ca_vllm.BACKEND if registered else before)
+
+
+def test_plugin_refuses_other_values(monkeypatch, cpu_attn_slot):
+    import cattention.integrations.vllm as ca_vllm
+    monkeypatch.setenv("CATTENTION_VLLM", "yes")
+    with pytest.raises(ValueError, match="CATTENTION_VLLM='yes': set it to 1"):
+        ca_vllm.plugin()
+
+
+def test_plugin_is_vllms_general_plugin():
+    from importlib.metadata import entry_points
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "cattention"]
+    assert [e.value for e in found] == ["cattention.integrations.vllm:plugin"]

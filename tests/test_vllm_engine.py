@@ -180,3 +180,30 @@ def test_llama_float32_tokens_are_transformers_eager(runs, models):
             assert int(logprobs.argmax()) == token, f"step {step}"
             assert abs(float(logprobs[token]) - ours["top2"][step][0][1]) <= F32_LOGPROB_ATOL
             ids = torch.cat([ids, torch.tensor([[token]])], 1)
+
+
+def test_environment_variable_switches_every_process(models, runs, tmp_path):
+    """CATTENTION_VLLM=1 with vLLM's engine core in a process of its own (as
+    in vllm serve): the plugin puts cattention there, and says so in vLLM's
+    log; the tokens are those of the in-process engine."""
+    script = tmp_path / "engine.py"
+    script.write_text(f"""
+import json, vllm
+from vllm.inputs import TokensPrompt
+from vllm_engine_runs import _prompt
+if __name__ == "__main__":
+    llm = vllm.LLM(model={str(models / "llama")!r}, dtype="float32", skip_tokenizer_init=True,
+                   enforce_eager=True, max_model_len=1024, block_size=32)
+    out = llm.generate([TokensPrompt(prompt_token_ids=_prompt(1, 17))],
+                       vllm.SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    print("TOKENS", json.dumps(list(out[0].outputs[0].token_ids)))
+""")
+    environment = dict(os.environ, CATTENTION_VLLM="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+                       PYTHONPATH=os.pathsep.join([str(RUNS.parent)] + sys.path))
+    done = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True,
+                          text=True, timeout=600)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-4000:]
+    assert "cattention" in text and "serves vLLM's attention" in text
+    tokens = json.loads(text.split("TOKENS ")[1].splitlines()[0])
+    assert tokens == runs["cattention"]["llama/float32"]["batch"][0]["tokens"]

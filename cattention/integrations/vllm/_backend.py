@@ -96,6 +96,8 @@ class CattentionMetadata:
     # every request brings this many query rows (decode steps: 1), else 0:
     # the step is then padded (B, H, T, d), the paged call's compiled path
     uniform_query_len: int
+    # vLLM's dynamic causal (DFlash's drafts): a causal flag per request
+    causal_per_request: Optional[NDArray[np.bool_]] = None
 
 
 class CattentionMetadataBuilder(AttentionMetadataBuilder[CattentionMetadata]):  # type: ignore[misc]
@@ -109,30 +111,34 @@ class CattentionMetadataBuilder(AttentionMetadataBuilder[CattentionMetadata]):  
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CattentionMetadata:
         meta = common_attn_metadata
-        if isinstance(meta.causal, torch.Tensor):
-            # a causal flag per request (speculative decoding with DFlash)
-            raise NotImplementedError(
-                "cattention's vLLM backend does not serve a causal flag per request "
-                "(dynamic causal); unset CATTENTION_VLLM to run vLLM's CPU_ATTN")
         n_reqs = meta.num_reqs
+        causal: Any = meta.causal
+        if isinstance(causal, torch.Tensor):
+            # a causal flag per request (vLLM's dynamic causal, int32: 1 causal)
+            causal = causal[:n_reqs].numpy().astype(bool)
+        else:
+            causal = bool(causal) and not self.is_cross_attention
         return step_metadata(
             meta.num_actual_tokens,
             as_index_array(meta.query_start_loc_cpu[:n_reqs + 1], "query_start_loc"),
             as_index_array(meta.seq_lens[:n_reqs], "seq_lens"),
-            as_index_array(meta.block_table_tensor[:n_reqs], "block_table"),
-            bool(meta.causal) and not self.is_cross_attention)
+            as_index_array(meta.block_table_tensor[:n_reqs], "block_table"), causal)
 
 
 def step_metadata(num_actual_tokens: int, query_start_loc: NDArray[np.integer[Any]],
                   seq_lens: NDArray[np.integer[Any]], block_table: NDArray[np.integer[Any]],
-                  causal: bool) -> CattentionMetadata:
+                  causal: Any) -> CattentionMetadata:
     """A step's metadata from its arrays (the requests' query rows from
-    query_start_loc, their keys, their blocks)."""
+    query_start_loc, their keys, their blocks); causal a flag for the step
+    or a bool array, one flag per request."""
     query_lens = np.diff(query_start_loc)
     uniform = (int(query_lens[0]) if query_lens.size and (query_lens == query_lens[0]).all()
                else 0)
+    if isinstance(causal, np.ndarray):
+        return CattentionMetadata(num_actual_tokens, query_start_loc, seq_lens, block_table,
+                                  False, 0, causal)
     return CattentionMetadata(num_actual_tokens, query_start_loc, seq_lens, block_table,
-                              causal, uniform)
+                              bool(causal), uniform)
 
 
 class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
@@ -221,6 +227,28 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
 
     # ----------------------------------------------------------- the step
 
+    def _paged(self, q: _Array, out: _Array, pages: tuple[_Array, _Array], table: _Array,
+               seq_lens: _Array, query_start_loc: _Array, uniform_query_len: int,
+               causal: bool, options: dict[str, Any]) -> None:
+        """One paged call: packed rows (n_rows, H, d) of the requests of
+        query_start_loc into out, bottom-right causal or not."""
+        n_reqs = seq_lens.shape[0]
+        rows = uniform_query_len
+        window = _window(self.window_reach, causal)
+        if rows and rows * n_reqs == q.shape[0]:
+            # every request brings `rows` query rows (decode steps): the padded
+            # layout (B, H, T, d) as views of the packed rows
+            q4 = q.reshape(n_reqs, rows, self.num_heads, -1).transpose(0, 2, 1, 3)
+            out4 = out.reshape(n_reqs, rows, self.num_heads, -1).transpose(0, 2, 1, 3)
+            cattention.attention_with_paged_kvcache(q4, pages[0], pages[1], table, seq_lens,
+                                                    causal=causal, window=window, out=out4,
+                                                    **options)
+        else:
+            cattention.attention_with_paged_kvcache(q, pages[0], pages[1], table, seq_lens,
+                                                    cu_seqlens_q=query_start_loc,
+                                                    causal=causal, window=window, out=out,
+                                                    **options)
+
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Optional[CattentionMetadata], output: torch.Tensor,
@@ -236,34 +264,43 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         n_tokens = meta.num_actual_tokens
         q = as_array(query[:n_tokens], "query")
         out = as_array(output[:n_tokens].view(n_tokens, self.num_heads, -1), "output")
-        causal = meta.causal and self.attn_type not in _ENCODER_TYPES
+        encoder = self.attn_type in _ENCODER_TYPES
         reach = self.window_reach
         options: dict[str, Any] = dict(
-            scale=self.scale, softcap=self.softcap,
-            window=None if reach is None else (reach, 0 if causal else reach),
-            alibi_slopes=self.alibi_slopes, num_threads=torch.get_num_threads(),
+            scale=self.scale, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
+            num_threads=torch.get_num_threads(),
             sinks=None if self.sinks is None else as_array(
                 self.sinks.detach().to(torch.float32), "sinks"))
-        if self.attn_type in _ENCODER_TYPES:
+        if encoder:
             k = as_array(key[:n_tokens], "key")
             v = as_array(value[:n_tokens], "value")
             cattention.attention_varlen(q, k, v, meta.query_start_loc, meta.query_start_loc,
-                                        causal=False, enable_gqa=True, out=out, **options)
+                                        causal=False, enable_gqa=True, out=out,
+                                        window=_window(reach, False), **options)
             return output
-        k_pages, v_pages = self.pages(kv_cache)
-        n_reqs = meta.seq_lens.shape[0]
-        rows = meta.uniform_query_len
-        if rows and rows * n_reqs == n_tokens:
-            # every request brings `rows` query rows (decode steps): the padded
-            # layout (B, H, T, d) as views of the packed rows
-            q4 = q.reshape(n_reqs, rows, self.num_heads, -1).transpose(0, 2, 1, 3)
-            out4 = out.reshape(n_reqs, rows, self.num_heads, -1).transpose(0, 2, 1, 3)
-            cattention.attention_with_paged_kvcache(
-                q4, k_pages, v_pages, meta.block_table, meta.seq_lens, causal=causal,
-                out=out4, **options)
-        else:
-            cattention.attention_with_paged_kvcache(
-                q, k_pages, v_pages, meta.block_table, meta.seq_lens,
-                cu_seqlens_q=meta.query_start_loc, causal=causal, out=out, **options)
+        pages = self.pages(kv_cache)
+        if meta.causal_per_request is None:
+            self._paged(q, out, pages, meta.block_table, meta.seq_lens, meta.query_start_loc,
+                        meta.uniform_query_len, meta.causal, options)
+            return output
+        # each request with its own flag: the causal requests in one call,
+        # the others in another (their query rows gathered, then put back)
+        query_lens = np.diff(meta.query_start_loc)
+        for causal in (True, False):
+            chosen = np.flatnonzero(meta.causal_per_request == causal)
+            if chosen.size == 0:
+                continue
+            rows = np.concatenate([np.arange(meta.query_start_loc[b],
+                                             meta.query_start_loc[b + 1]) for b in chosen])
+            part = np.empty((rows.size,) + out.shape[1:], dtype=out.dtype)
+            cu = np.concatenate([[0], np.cumsum(query_lens[chosen])]).astype(np.int64)
+            self._paged(q[rows], part, pages, meta.block_table[chosen],
+                        meta.seq_lens[chosen], cu, 0, causal, options)
+            out[rows] = part
         return output
 
+
+def _window(reach: Optional[int], causal: bool) -> Optional[tuple[int, int]]:
+    """vLLM's window as cattention's: it reaches back, and forward too where
+    attention is not causal."""
+    return None if reach is None else (reach, 0 if causal else reach)
