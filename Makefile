@@ -102,6 +102,13 @@ test-vllm: $(VLLM_BUILT)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_backend.py \
 		tests/test_vllm_engine.py
 
+# one layer's call against CPU_ATTN's op, then whole engines on a
+# Llama-3.2-1B-shaped model (benchmarks/vllm_op.py, benchmarks/vllm_engine.py;
+# --help for options), each backend in processes of its own
+bench-vllm: $(VLLM_BUILT)
+	$(VLLM_PY) benchmarks/vllm_op.py
+	$(VLLM_PY) benchmarks/vllm_engine.py
+
 # The documentation site (docs/, Sphinx) into docs/_build/html, warnings as
 # errors; the API reference is generated from the docstrings and the
 # examples run as it builds, so the extension is built first. Once the site
