@@ -322,6 +322,20 @@ def test_cache_views_are_read_in_place():
     np.testing.assert_array_equal(k_pages[block, 1, 5], key[69, 1].numpy())
 
 
+def test_a_cache_it_cannot_view_is_refused():
+    """Pages are views of the cache tensor: one whose (block, head) is not
+    one run of rows, or of another head size, is refused, nothing written."""
+    impl = CattentionImpl(2, 16, 0.25, 2)
+    rows = torch.ones((1, 2, 16))
+    strided = torch.zeros((4, 2, 8, 64))[..., ::2]
+    with pytest.raises(ValueError, match="is not contiguous"):
+        impl.do_kv_cache_update(None, rows, rows, strided, torch.tensor([3]))
+    assert not strided.any()
+    with pytest.raises(ValueError, match=r"a KV cache of shape \(4, 2, 8, 24\) for 2 K/V heads "
+                                         "of size 16"):
+        impl.do_kv_cache_update(None, rows, rows, torch.zeros((4, 2, 8, 24)), torch.tensor([3]))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_fp8_caches_are_refused_at_start(kv_cache_dtype):
     with pytest.raises(NotImplementedError, match=f"kv_cache_dtype='{kv_cache_dtype}'"):

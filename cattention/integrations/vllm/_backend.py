@@ -182,7 +182,7 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         # before it, and in non-causal layers the W - 1 after it too
         self.window_reach = (sliding_window - 1 if sliding_window is not None
                              and sliding_window > 0 else None)
-        self._pages: Optional[tuple[int, _Array, _Array]] = None
+        self._pages: Optional[tuple[Any, _Array, _Array]] = None
         logger.info_once("cattention %s serves vLLM's attention (CPU_ATTN): kernel table %s, "
                          "OpenMP runtime %s, threads as torch's (%d now)", cattention.__version__,
                          driver.get_simd(), driver.openmp_runtime(),
@@ -195,15 +195,21 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         cache tensor (n_blocks, H_kv, block_size, 2 d), whose (block, head)
         holds block_size rows of K, then block_size rows of V. The tensor
         stays the same from step to step: the views are made once."""
-        if self._pages is None or self._pages[0] != kv_cache.data_ptr():
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+        if self._pages is None or self._pages[0] != key:
             cache = as_array(kv_cache, "kv_cache")
             n_blocks, n_kv_heads, block_size, row = cache.shape
             d = row // 2
+            item = cache.itemsize
             if n_kv_heads != self.num_kv_heads or d != self.head_size or row != 2 * d:
                 raise ValueError(f"cattention's vLLM backend: a KV cache of shape "
                                  f"{cache.shape} for {self.num_kv_heads} K/V heads of size "
                                  f"{self.head_size}")
-            item = cache.itemsize
+            if cache.strides[2:] != (row * item, item):
+                # each (block, head) must be one run of rows: the pages below
+                # are views into it (a copy would take the appends away)
+                raise ValueError(f"cattention's vLLM backend: a KV cache whose (block, head) "
+                                 f"is not contiguous (strides {cache.strides})")
             # strides: (block, head) as in the tensor; row j of K at j * d,
             # of V at (block_size + j) * d within the (block, head)
             strides = (cache.strides[0], cache.strides[1], d * item, item)
@@ -211,7 +217,7 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
             k_pages = np.lib.stride_tricks.as_strided(cache, shape, strides)
             first_v = cache.reshape(n_blocks, n_kv_heads, -1)[:, :, block_size * d:]
             v_pages = np.lib.stride_tricks.as_strided(first_v, shape, strides)
-            self._pages = (kv_cache.data_ptr(), k_pages, v_pages)
+            self._pages = (key, k_pages, v_pages)
         return self._pages[1], self._pages[2]
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
