@@ -107,6 +107,10 @@ def _arguments():
 @pytest.mark.parametrize("change, error, message", [
     (dict(slot_mapping=np.array([1, 2, 32])), ValueError,
      r"slot_mapping\[2\] = 32 is past the last slot 31 \(4 pages of 8\)"),
+    (dict(slot_mapping=np.array([1, 2, 2 ** 63], np.uint64)), ValueError,
+     r"slot_mapping\[2\] = 9223372036854775808 is past the last slot 31"),
+    (dict(k_new=None, v_new=None), ValueError, "needs the rows to write: k_new and v_new"),
+    (dict(v_new=None), ValueError, "k_new and v_new must be given together"),
     (dict(slot_mapping=np.array([1, 5, 5])), ValueError,
      "slot 5 is given to more than one new row"),
     (dict(slot_mapping=np.array([[1, 2, 3]])), ValueError,

@@ -283,7 +283,8 @@ def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLik
     n_pages, n_kv_heads, page_size, d_k = k_pages.shape
     d_v = v_pages.shape[3]
     given = new_rows(k_new, v_new)
-    assert given is not None
+    if given is None:
+        raise ValueError("paged_append needs the rows to write: k_new and v_new")
     slots = array(slot_mapping, "slot_mapping")
     if slots.dtype.kind not in "iu" or slots.ndim != 1:
         raise ValueError(f"slot_mapping must be a 1-D integer array, one slot per new row; "
@@ -300,12 +301,13 @@ def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLik
                           "(n_pages, H_kv, page_size)")
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"k_scale and v_scale go with int8 pages; these are {k_pages.dtype}")
-    slots = slots.astype(np.int64)
     capacity = n_pages * page_size
+    # (in Python ints, before any cast: a uint64 slot past int64 would wrap)
     if slots.size and int(slots.max()) >= capacity:
         row = int(np.argmax(slots))
         raise ValueError(f"slot_mapping[{row}] = {int(slots[row])} is past the last slot "
                          f"{capacity - 1} ({n_pages} pages of {page_size})")
+    slots = slots.astype(np.int64)
     used = slots >= 0
     if not used.all():
         # padding rows are neither converted nor checked: only what is written
