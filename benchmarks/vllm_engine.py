@@ -10,8 +10,9 @@ of each.
 
 Each (dtype, threads) runs in one process per backend, the two backends
 alternately (--rounds times); the engine core stays in the process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) with its OpenMP threads bound to the
-first --threads cores (VLLM_CPU_OMP_THREADS_BIND). Prefix caching is off
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), on --threads threads (OMP_NUM_THREADS:
+vLLM applies VLLM_CPU_OMP_THREADS_BIND only to workers of their own, and
+an engine in the process keeps torch's count). Prefix caching is off
 (every repeat prefills), block size and batching are vLLM's CPU defaults.
 Time to first token: ``generate`` of one token; decode per token: the time
 of 1 + --tokens tokens less that, over --tokens. Attention: the layers'
@@ -162,8 +163,11 @@ def main():
                                    "--prompts", *map(str, args.prompts),
                                    "--batches", *map(str, args.batches),
                                    "--max-batch-tokens", str(args.max_batch_tokens)]
+                        # (the engine in this process does not apply vLLM's
+                        # binding: torch takes its count from OMP_NUM_THREADS)
                         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                                   OMP_NUM_THREADS=str(threads),
                                    VLLM_LOGGING_LEVEL="ERROR",
                                    VLLM_CPU_KVCACHE_SPACE=os.environ.get(
                                        "VLLM_CPU_KVCACHE_SPACE", "6"))

@@ -273,29 +273,33 @@ def test_causal_flag_per_request(name):
     _check_against_reference(step, ours, causal=flags, scale=0.3, **_reference_options(options))
 
 
-def test_encoder_only_matches_reference():
+@pytest.mark.parametrize("window, softcap", [(None, None), (16, None), (None, 2.0),
+                                             (16, 2.0)])
+def test_encoder_only_matches_reference(window, softcap):
     """Encoder-only layers (embedding models): each request attends to its
-    own rows both ways, nothing cached; a window reaches both sides."""
+    own rows both ways, nothing cached; a window reaches both sides; softcap
+    as in decoders."""
     rng = np.random.default_rng(5)
     query_start_loc = np.array([0, 50, 51, 170], np.int32)
     total, n_heads, n_kv_heads, d = 170, 4, 2, 64
     q, k, v = (torch.from_numpy(rng.standard_normal((total, h, d)).astype(np.float32))
                for h in (n_heads, n_kv_heads, n_kv_heads))
-    for window in (None, 16):
-        impl = CattentionImpl(n_heads, d, 0.125, n_kv_heads, sliding_window=window,
-                              attn_type="encoder_only")
-        output = torch.empty((total, n_heads * d))
-        meta = step_metadata(total, query_start_loc, np.diff(query_start_loc), None, False)
-        impl.forward(None, q, k, v, torch.empty(0), meta, output)
-        got = output.view(total, n_heads, d).numpy()
-        for b in range(3):
-            rows = slice(query_start_loc[b], query_start_loc[b + 1])
-            qb, kb, vb = (np.swapaxes(x[rows].numpy(), 0, 1) for x in (q, k, v))
-            kb, vb = np.repeat(kb, 2, 0).astype(np.float64), np.repeat(vb, 2, 0).astype(
-                np.float64)
-            options = {} if window is None else {"window": (window - 1, window - 1)}
-            assert_matches_reference(np.swapaxes(got[rows], 0, 1), None, qb, kb, vb,
-                                     scale=0.125, **options)
+    impl = CattentionImpl(n_heads, d, 0.125, n_kv_heads, sliding_window=window,
+                          logits_soft_cap=softcap, attn_type="encoder_only")
+    output = torch.empty((total, n_heads * d))
+    meta = step_metadata(total, query_start_loc, np.diff(query_start_loc), None, False)
+    impl.forward(None, q, k, v, torch.empty(0), meta, output)
+    got = output.view(total, n_heads, d).numpy()
+    options = {} if window is None else {"window": (window - 1, window - 1)}
+    if softcap is not None:
+        options["softcap"] = softcap
+    for b in range(3):
+        rows = slice(query_start_loc[b], query_start_loc[b + 1])
+        qb, kb, vb = (np.swapaxes(x[rows].numpy(), 0, 1) for x in (q, k, v))
+        kb, vb = np.repeat(kb, 2, 0).astype(np.float64), np.repeat(vb, 2, 0).astype(
+            np.float64)
+        assert_matches_reference(np.swapaxes(got[rows], 0, 1), None, qb, kb, vb, scale=0.125,
+                                 **options)
 
 
 def test_any_thread_count_is_bitwise_the_same():

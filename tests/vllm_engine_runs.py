@@ -105,13 +105,17 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def _generated(outputs) -> list[dict]:
-    """Each request's tokens and, per step, its top-2 (token, logprob)."""
+    """Each request's tokens and, per step, its top-2 (token, logprob); and
+    the logprob of each prompt token after the ones before it (teacher-
+    forced: comparable between runs whatever they generate)."""
     runs = []
     for output in outputs:
         completion = output.outputs[0]
         steps = [sorted(((int(t), float(lp.logprob)) for t, lp in step.items()),
                         key=lambda pair: -pair[1])[:2] for step in completion.logprobs]
-        runs.append({"tokens": list(completion.token_ids), "top2": steps})
+        prompt = [float(position[token].logprob) for token, position in
+                  zip(output.prompt_token_ids[1:], (output.prompt_logprobs or [])[1:])]
+        runs.append({"tokens": list(completion.token_ids), "top2": steps, "prompt": prompt})
     return runs
 
 
@@ -126,10 +130,14 @@ def _scenarios(llm, kind: str) -> dict:
                             for out in llm.embed(prompts, use_tqdm=False)]
         return results
     greedy = vllm.SamplingParams(max_tokens=8, temperature=0, logprobs=2)
-    # a batch whose long prompt is prefilled in chunks beside decodes
+    # a batch whose long prompt is prefilled in chunks beside decodes, with
+    # each prompt token's logprob (which vLLM computes without the prefix
+    # cache: the prefix scenarios below go without)
     batch = [TokensPrompt(prompt_token_ids=_prompt(s, n))
              for s, n in ((1, 17), (2, 100), (3, 300))]
-    results["batch"] = _generated(llm.generate(batch, greedy, use_tqdm=False))
+    results["batch"] = _generated(llm.generate(
+        batch, vllm.SamplingParams(max_tokens=8, temperature=0, logprobs=2, prompt_logprobs=0),
+        use_tqdm=False))
     # a prompt, then one sharing its first 160 tokens (5 cached blocks)
     first = _prompt(4, 200)
     results["prefix_first"] = _generated(llm.generate(
@@ -172,7 +180,8 @@ def _preemption(models_dir: Path) -> dict:
                   max_num_batched_tokens=256, max_model_len=320)
     try:
         prompts = [TokensPrompt(prompt_token_ids=_prompt(10 + s, 90)) for s in range(4)]
-        params = vllm.SamplingParams(max_tokens=48, temperature=0, logprobs=2)
+        params = vllm.SamplingParams(max_tokens=48, temperature=0, logprobs=2,
+                                     prompt_logprobs=0)
         runs = _generated(llm.generate(prompts, params, use_tqdm=False))
         return {"runs": runs, "preemptions": _counter(llm, "vllm:num_preemptions")}
     finally:
