@@ -20,7 +20,7 @@ from ._api.kvcache import attention_with_kvcache
 from ._api.merge import merge
 from ._api.paged import attention_with_paged_kvcache, paged_append
 from ._api.plot import plot_scores
-from ._api.quantize import quantize_kv
+from ._api.quantize import quantize_kv, quantize_kv_fp8
 from ._api.threads import get_num_threads, limit_threads, set_num_threads
 from ._api.varlen import attention_varlen
 from ._version import __version__
@@ -39,6 +39,7 @@ __all__ = [
     "paged_append",
     "plot_scores",
     "quantize_kv",
+    "quantize_kv_fp8",
     "set_num_threads",
     "show_config",
 ]

@@ -215,6 +215,35 @@ typedef struct ca_kernels {
                          ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v, const float *scale,
                          ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc);
 
+    /* fp8 K/V (8-bit float caches, format CA_FP8_E4M3FN or CA_FP8_E5M2 of
+       scalar.h) with one float32 scale per row (scale_stride 0: one for
+       every row), as int8's: fp8_rows_to_f32 gives each value times its
+       scale, one rounding; the direct kernels read the codes where they
+       lie, widen them exactly in registers (E5M2 is the upper byte of a
+       binary16; E4M3FN is moved into a binary16 by shifts and its NaN
+       codes made NaN) and apply the scales outside the products:
+       s[r * lds + j] = (factor * sum_c q[r * ldq + c] * k_j[c])
+                        * scale[j * scale_stride], and
+       acc[r * ldacc + c] += sum_j (p[r * ldp + j] * scale[j * scale_stride])
+                             * v_j[c], keys of weight 0 skipped. The
+       prefetches as score_direct_f32's and pv_direct_f32's. */
+    void (*fp8_rows_to_f32)(const uint8_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                            ptrdiff_t n_rows, ptrdiff_t n_cols, int format,
+                            const float *scale, ptrdiff_t scale_stride, float *dst,
+                            ptrdiff_t ld_dst);
+    void (*score_direct_fp8)(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                             const uint8_t *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                             ptrdiff_t d_k, int format, float factor, const float *scale,
+                             ptrdiff_t scale_stride, float *s, ptrdiff_t lds,
+                             const void *ahead, ptrdiff_t ahead_stride,
+                             ptrdiff_t ahead_bytes);
+    void (*pv_direct_fp8)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                          const uint8_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                          ptrdiff_t d_v, int format, const float *scale,
+                          ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc,
+                          const void *ahead, ptrdiff_t ahead_stride,
+                          ptrdiff_t ahead_bytes);
+
     /* score_direct_f32 and pv_direct_f32 with float16 K or V, read where
        they lie and converted in registers (ldk, ldv in elements): the bits
        of converting the rows to float32 first and calling those. */
@@ -332,6 +361,9 @@ typedef struct ca_kernels {
         .int8_rows_to_f32 = int8_rows_to_f32, \
         .score_direct_i8 = score_direct_i8, \
         .pv_direct_i8 = pv_direct_i8, \
+        .fp8_rows_to_f32 = fp8_rows_to_f32, \
+        .score_direct_fp8 = score_direct_fp8, \
+        .pv_direct_fp8 = pv_direct_fp8, \
         .score_direct_f16 = score_direct_f16, \
         .pv_direct_f16 = pv_direct_f16, \
         .bf16_rows_to_f32 = bf16_rows_to_f32, \

@@ -316,6 +316,23 @@ CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, float, CA_AS_IS, f32)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(double, double, CA_AS_IS, f64)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_half_to_float, f16)
 CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint16_t, ca_bfloat16_to_float, bf16)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint8_t, ca_e4m3fn_to_float, e4m3)
+CA_DEFINE_PORTABLE_DIRECT_KERNELS(float, uint8_t, ca_e5m2_to_float, e5m2)
+#include "kernels_fp8.h"
+
+/* fp8 rows times their scale: exact widening, one rounding */
+static void fp8_rows_to_f32(const uint8_t *src, ptrdiff_t src_row, ptrdiff_t src_col,
+                            ptrdiff_t n_rows, ptrdiff_t n_cols, int format,
+                            const float *scale, ptrdiff_t scale_stride, float *dst,
+                            ptrdiff_t ld_dst)
+{
+    float (*widen)(uint8_t) = format == CA_FP8_E4M3FN ? ca_e4m3fn_to_float : ca_e5m2_to_float;
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const float row_scale = scale[r * scale_stride];
+        for (ptrdiff_t c = 0; c < n_cols; ++c)
+            dst[r * ld_dst + c] = widen(src[r * src_row + c * src_col]) * row_scale;
+    }
+}
 
 /* the multiply-add loop (kernels.h: loop_flops) in plain C: what the
    compiler makes of independent scalar multiply-adds */

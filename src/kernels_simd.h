@@ -189,12 +189,36 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_KV_T uint16_t
 #define CA_KV_LOAD(p) vf32_load_half(p)
 #define CA_KV_LOAD_LANES(p, m) vf32_load_half_lanes(p, m)
+#define CA_KV_SHARED_ROWS
 #define CA_DIRECT_NAME(x) x##_f16
 #include "kernels_simd_direct.h"
 #define CA_KV_T uint16_t
 #define CA_KV_LOAD(p) vf32_load_bf16(p)
 #define CA_KV_LOAD_LANES(p, m) vf32_load_bf16_lanes(p, m)
+#define CA_KV_SHARED_ROWS
 #define CA_DIRECT_NAME(x) x##_bf16
+#include "kernels_simd_direct.h"
+/* fp8 K and V: E4M3FN as 2^-8 times its value (vf32_load_e4m3), E5M2 as it
+   is; kernels_fp8.h scales them, and picks for E4M3FN rows without a NaN
+   code the kernels that skip the NaN codes' fixing (e4m3) */
+#define CA_KV_T uint8_t
+#define CA_KV_LOAD(p) vf32_load_e4m3_finite(p)
+#define CA_KV_LOAD_LANES(p, m) vf32_load_e4m3_lanes(p, m)
+#define CA_KV_SHARED_ROWS
+#define CA_DIRECT_NAME(x) x##_e4m3
+#include "kernels_simd_direct.h"
+#define CA_KV_T uint8_t
+#define CA_KV_LOAD(p) vf32_load_e4m3(p)
+#define CA_KV_LOAD_LANES(p, m) vf32_load_e4m3_lanes(p, m)
+#define CA_KV_SHARED_ROWS
+#define CA_DIRECT_NAME(x) x##_e4m3nan
+#include "kernels_simd_direct.h"
+#define CA_E4M3_NAN_KERNELS
+#define CA_KV_T uint8_t
+#define CA_KV_LOAD(p) vf32_load_e5m2(p)
+#define CA_KV_LOAD_LANES(p, m) vf32_load_e5m2_lanes(p, m)
+#define CA_KV_SHARED_ROWS
+#define CA_DIRECT_NAME(x) x##_e5m2
 #include "kernels_simd_direct.h"
 #undef CA_T
 #undef CA_V
@@ -256,6 +280,40 @@ CA_SIMD_TARGET static void int8_rows_to_f32(const int8_t *src, ptrdiff_t src_row
             out[c] = (float)row[c * src_col] * row_scale;
     }
 }
+
+/* fp8 rows times their scale: widened exactly in registers, then one
+   rounding (E4M3FN's 2^-8 moved into the scale, exactly) */
+#define CA_E4M3_UNIT 0x1p-8f
+CA_SIMD_TARGET static void fp8_rows_to_f32(const uint8_t *src, ptrdiff_t src_row,
+                                           ptrdiff_t src_col, ptrdiff_t n_rows,
+                                           ptrdiff_t n_cols, int format, const float *scale,
+                                           ptrdiff_t scale_stride, float *dst, ptrdiff_t ld_dst)
+{
+    const int e4m3 = format == CA_FP8_E4M3FN;
+    for (ptrdiff_t r = 0; r < n_rows; ++r) {
+        const uint8_t *row = src + r * src_row;
+        float *out = dst + r * ld_dst;
+        const float row_scale = scale[r * scale_stride];
+        ptrdiff_t c = 0;
+        if (src_col == 1) {
+            if (r + PREFETCH_KEYS < n_rows)
+                prefetch_row(src + (r + PREFETCH_KEYS) * src_row, n_cols);
+            if (e4m3) {
+                const vf32 scale_v = vf32_set1(row_scale * (1.0f / CA_E4M3_UNIT));
+                for (; c + LANES <= n_cols; c += LANES)
+                    vf32_store(out + c, vf32_mul(vf32_load_e4m3(row + c), scale_v));
+            } else {
+                const vf32 scale_v = vf32_set1(row_scale);
+                for (; c + LANES <= n_cols; c += LANES)
+                    vf32_store(out + c, vf32_mul(vf32_load_e5m2(row + c), scale_v));
+            }
+        }
+        for (; c < n_cols; ++c)
+            out[c] = (e4m3 ? ca_e4m3fn_to_float(row[c * src_col])
+                           : ca_e5m2_to_float(row[c * src_col])) * row_scale;
+    }
+}
+#include "kernels_fp8.h"
 
 /* int8 keys read in place: four keys share one horizontal reduction, as in
    score_direct_f32; the row scale multiplies each dot product */

@@ -8,6 +8,9 @@
  *   CA_KV_LOAD(p)           CA_LANES elements at p as a CA_VEC
  *   CA_KV_LOAD_LANES(p, m)  the leading lanes m of them, the others 0
  *   CA_DIRECT_NAME(x)       the name of kernel x for this pair of types
+ *   CA_KV_SHARED_ROWS       (defined or not) P.V widens each vector of V
+ *                           once for several rows (types narrower than the
+ *                           compute type)
  * A narrower type is converted exactly in registers, so each kernel gives
  * the bits of converting K and V first and calling the compute type's.
  */
@@ -230,33 +233,134 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
         }
 }
 
+#ifdef CA_KV_SHARED_ROWS
+/* pv_direct_cols for ROWS rows at once (ROWS * NV <= DIRECT_VECS
+   accumulators), for K/V stored narrower than the compute type: each
+   vector of V is widened once for every row, where rows one at a time
+   widen it once each (grouped heads stack 4 or more rows on one K/V head,
+   and the widening, not the memory, bounds such a step). Every row's sums
+   take the steps they take alone: its keys of weight 0 are skipped, the
+   others added in order, in runs of CA_SUM_KEYS. */
+CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_rows_cols)(
+    const CA_T *p, ptrdiff_t ldp, const CA_KV_T *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+    ptrdiff_t n_bytes_row, int prefetch, const void *ahead, ptrdiff_t ahead_stride,
+    ptrdiff_t ahead_bytes, CA_MASK tail, CA_T *acc, ptrdiff_t ldacc, const int NV,
+    const int ROWS)
+{
+    CA_VEC run[4][DIRECT_VECS];
+    const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
+    for (int i = 0; i < ROWS; ++i)
+        for (int x = 0; x < NV; ++x)
+            run[i][x] = CA_V(zero)();
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        if (j % CA_SUM_KEYS == 0 && j > 0)
+            for (int i = 0; i < ROWS; ++i)
+                for (int x = 0; x < NV; ++x) {
+                    CA_T *acc_x = acc + i * ldacc + CA_LANES * x;
+                    CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[i][x]));
+                    run[i][x] = CA_V(zero)();
+                }
+        if (prefetch) {
+            if (j + keys_ahead < n_keys)
+                prefetch_row(v + (j + keys_ahead) * ldv, n_bytes_row);
+            prefetch_ahead(ahead, ahead_stride, ahead_bytes, j);
+        }
+        int used = 0;
+        for (int i = 0; i < ROWS; ++i)
+            used |= p[i * ldp + j] != 0;
+        if (!used)
+            continue;
+        const CA_KV_T *v_j = v + j * ldv;
+        CA_VEC v_x[DIRECT_VECS];
+        for (int x = 0; x < NV - 1; ++x)
+            v_x[x] = CA_KV_LOAD(v_j + CA_LANES * x);
+        v_x[NV - 1] = CA_KV_LOAD_LANES(v_j + CA_LANES * (NV - 1), tail);
+        for (int i = 0; i < ROWS; ++i) {
+            if (p[i * ldp + j] == 0)
+                continue;
+            const CA_VEC p_j = CA_V(set1)(p[i * ldp + j]);
+            for (int x = 0; x < NV; ++x)
+                run[i][x] = CA_V(fmadd)(p_j, v_x[x], run[i][x]);
+        }
+    }
+    if (n_keys > 0)
+        for (int i = 0; i < ROWS; ++i)
+            for (int x = 0; x < NV; ++x) {
+                CA_T *acc_x = acc + i * ldacc + CA_LANES * x;
+                CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[i][x]));
+            }
+}
+
+#endif
+
+/* rows rows of pv_direct from row r: one, or (CA_KV_SHARED_ROWS) 2 or 4
+   sharing each widened V vector, DIRECT_VECS / rows vectors of columns
+   per pass */
+CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_group)(
+    const CA_T *p, ptrdiff_t ldp, ptrdiff_t r, const int rows, const CA_KV_T *v, ptrdiff_t ldv,
+    ptrdiff_t n_keys, ptrdiff_t d_v, CA_T *acc, ptrdiff_t ldacc, const void *ahead,
+    ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
+{
+    const ptrdiff_t pass_cols = (DIRECT_VECS / rows) * CA_LANES;
+    for (ptrdiff_t c = 0; c < d_v; c += pass_cols) {
+        const ptrdiff_t width = d_v - c < pass_cols ? d_v - c : pass_cols;
+        const int n_vec = (int)((width + CA_LANES - 1) / CA_LANES);
+        const CA_MASK tail = CA_V(lanes)(width - CA_LANES * (n_vec - 1));
+        /* the first pass over V brings its rows in for the others */
+        const int prefetch = r == 0 && c == 0;
+        const CA_T *p_r = p + r * ldp;
+        CA_T *acc_rc = acc + r * ldacc + c;
+        const ptrdiff_t row_bytes = d_v * (ptrdiff_t)sizeof(CA_KV_T);
+#ifdef CA_KV_SHARED_ROWS
+        /* (NV above DIRECT_VECS / ROWS is never taken: such cases
+           instantiate the pass for one vector) */
+#define CA_PV_SHARED_PASS(NV, ROWS) \
+        CA_DIRECT_NAME(pv_direct_rows_cols)(p_r, ldp, v + c, ldv, n_keys, row_bytes, prefetch, \
+                                            ahead, ahead_stride, ahead_bytes, tail, acc_rc, \
+                                            ldacc, (NV) * (ROWS) <= DIRECT_VECS ? (NV) : 1, ROWS)
+#define CA_PV_SHARED_PAIR(NV) CA_PV_SHARED_PASS(NV, 2)
+#define CA_PV_SHARED_QUAD(NV) CA_PV_SHARED_PASS(NV, 4)
+        if (rows == 4) {
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_SHARED_QUAD)
+            continue;
+        }
+        if (rows == 2) {
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_SHARED_PAIR)
+            continue;
+        }
+#undef CA_PV_SHARED_QUAD
+#undef CA_PV_SHARED_PAIR
+#undef CA_PV_SHARED_PASS
+#endif
+#define CA_PV_DIRECT_PASS(NV) \
+        CA_DIRECT_NAME(pv_direct_cols)(p_r, v + c, ldv, n_keys, row_bytes, prefetch, ahead, \
+                                       ahead_stride, ahead_bytes, tail, acc_rc, NV)
+        CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_DIRECT_PASS)
+#undef CA_PV_DIRECT_PASS
+    }
+}
+
 CA_SIMD_TARGET static void CA_DIRECT_NAME(pv_direct)(
     const CA_T *p, ptrdiff_t ldp, ptrdiff_t n_rows, const CA_KV_T *v, ptrdiff_t ldv,
     ptrdiff_t n_keys, ptrdiff_t d_v, CA_T *acc, ptrdiff_t ldacc, const void *ahead,
     ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
 {
-    const ptrdiff_t pass_cols = DIRECT_VECS * CA_LANES;
-    for (ptrdiff_t r = 0; r < n_rows; ++r) {
-        /* up to DIRECT_VECS vectors of columns per pass */
-        for (ptrdiff_t c = 0; c < d_v; c += pass_cols) {
-            const ptrdiff_t width = d_v - c < pass_cols ? d_v - c : pass_cols;
-            const int n_vec = (int)((width + CA_LANES - 1) / CA_LANES);
-            const CA_MASK tail = CA_V(lanes)(width - CA_LANES * (n_vec - 1));
-            /* the first pass over V brings its rows in for the others */
-            const int prefetch = r == 0 && c == 0;
-            const CA_T *p_r = p + r * ldp;
-            CA_T *acc_rc = acc + r * ldacc + c;
-#define CA_PV_DIRECT_PASS(NV) \
-            CA_DIRECT_NAME(pv_direct_cols)(p_r, v + c, ldv, n_keys, \
-                                           d_v * (ptrdiff_t)sizeof(CA_KV_T), prefetch, ahead, \
-                                           ahead_stride, ahead_bytes, tail, acc_rc, NV)
-            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_DIRECT_PASS)
-#undef CA_PV_DIRECT_PASS
-        }
-    }
+    ptrdiff_t r = 0;
+#ifdef CA_KV_SHARED_ROWS
+    for (; r + 4 <= n_rows; r += 4)
+        CA_DIRECT_NAME(pv_direct_group)(p, ldp, r, 4, v, ldv, n_keys, d_v, acc, ldacc, ahead,
+                                        ahead_stride, ahead_bytes);
+    for (; r + 2 <= n_rows; r += 2)
+        CA_DIRECT_NAME(pv_direct_group)(p, ldp, r, 2, v, ldv, n_keys, d_v, acc, ldacc, ahead,
+                                        ahead_stride, ahead_bytes);
+#endif
+    for (; r < n_rows; ++r)
+        CA_DIRECT_NAME(pv_direct_group)(p, ldp, r, 1, v, ldv, n_keys, d_v, acc, ldacc, ahead,
+                                        ahead_stride, ahead_bytes);
 }
 
 #undef CA_KV_T
 #undef CA_KV_LOAD
 #undef CA_KV_LOAD_LANES
+#undef CA_KV_SHARED_ROWS
 #undef CA_DIRECT_NAME

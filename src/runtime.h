@@ -1,6 +1,6 @@
 /*
  * What the driver needs from its surroundings, beside the kernels: the
- * compiler that built it and the run-time type number of bfloat16
+ * compiler that built it and the run-time type numbers of bfloat16 and fp8
  * (build_info.c), fork safety (fork_safety.c), and per-thread scratch and
  * aligned memory (scratch.c).
  */
@@ -22,6 +22,13 @@ const char *ca_compiler_version(void);
    computed in float32. */
 extern int ca_bfloat16_type;
 void ca_set_bfloat16_type(int type_num);
+
+/* Likewise NumPy's type numbers of ml_dtypes.float8_e4m3fn and
+   float8_e5m2 (-1 until met): K and V of them are fp8 caches, widened to
+   float32 as they are read. */
+extern int ca_e4m3fn_type;
+extern int ca_e5m2_type;
+void ca_set_fp8_types(int e4m3fn, int e5m2);
 
 /* Fork safety. GNU OpenMP cannot start a parallel region in a child forked
    after the parent ran one (the child inherits a thread pool whose threads

@@ -53,3 +53,40 @@ float ca_half_to_float(uint16_t h)
     }
     return ca_f32_from_bits(bits);
 }
+
+float ca_e4m3fn_to_float(uint8_t code)
+{
+    const uint32_t sign = (uint32_t)(code & 0x80u) << 24;
+    const uint32_t exponent = (code >> 3) & 0xfu;
+    const uint32_t mantissa = code & 0x7u;
+    if ((code & 0x7fu) == 0x7fu)
+        return ca_f32_from_bits(sign | 0x7fc00000u);           /* NaN */
+    if (exponent == 0) {
+        /* subnormal (or zero): mantissa * 2^-9, exact in binary32 */
+        const float magnitude = (float)mantissa * 0x1p-9f;
+        return sign ? -magnitude : magnitude;
+    }
+    return ca_f32_from_bits(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+float ca_e5m2_to_float(uint8_t code)
+{
+    return ca_half_to_float((uint16_t)(code << 8));
+}
+
+uint64_t ca_read_words(const uint64_t *words, size_t n)
+{
+    /* eight independent lanes of sums, so that no chain of additions
+       bounds the loop and the compiler vectorises it */
+    uint64_t lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; ++l)
+            lanes[l] ^= words[i + l];
+    for (; i < n; ++i)
+        lanes[0] ^= words[i];
+    uint64_t total = 0;
+    for (int l = 0; l < 8; ++l)
+        total ^= lanes[l];
+    return total;
+}

@@ -183,6 +183,58 @@ CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+/* fp8 codes (8 bytes) as float32 lanes, through binary16: an E5M2 code is
+   the upper byte of a binary16, exactly. An E4M3FN code moved into a
+   binary16 (sign kept, exponent and mantissa one bit lower) is its value
+   times 2^-8 (the binary16 bias is 8 above E4M3FN's), subnormals
+   included; its NaN codes (S.1111.111, which no finite value reaches
+   above 448 = S.1111.110) are set to all ones, a NaN. */
+CA_SIMD_INLINE __m128i fp8_codes_high(const uint8_t *p)
+{
+    return _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+}
+CA_SIMD_INLINE vf32 vf32_load_e5m2(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(fp8_codes_high(p));
+}
+CA_SIMD_INLINE __m128i e4m3_as_half(const uint8_t *p)
+{
+    return _mm_and_si128(_mm_srai_epi16(fp8_codes_high(p), 1), _mm_set1_epi16((short)0xBFFF));
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3(const uint8_t *p)
+{
+    const __m128i half = e4m3_as_half(p);
+    const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(half, _mm_set1_epi16(0x7FFF)),
+                                        _mm_set1_epi16(0x3F00));
+    return _mm256_cvtph_ps(_mm_or_si128(half, nan));
+}
+/* codes known to hold no NaN code: half the work */
+CA_SIMD_INLINE vf32 vf32_load_e4m3_finite(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(e4m3_as_half(p));
+}
+/* the leading lanes m of them, the others 0, through a zeroed copy */
+__attribute__((noinline)) CA_SIMD_TARGET static vf32 load_fp8_part(const uint8_t *p, mf32 m,
+                                                                   int e4m3)
+{
+    uint8_t lanes[CA_LANES_F32] = {0};
+    const int n = __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m)));
+    for (int l = 0; l < n; ++l)
+        lanes[l] = p[l];
+    return e4m3 ? vf32_load_e4m3(lanes) : vf32_load_e5m2(lanes);
+}
+CA_SIMD_INLINE int all_lanes(mf32 m)
+{
+    return _mm256_movemask_ps(_mm256_castsi256_ps(m)) == 0xFF;
+}
+CA_SIMD_INLINE vf32 vf32_load_e5m2_lanes(const uint8_t *p, mf32 m)
+{
+    return all_lanes(m) ? vf32_load_e5m2(p) : load_fp8_part(p, m, 0);
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3_lanes(const uint8_t *p, mf32 m)
+{
+    return all_lanes(m) ? vf32_load_e4m3(p) : load_fp8_part(p, m, 1);
+}
 
 /* rows r[0..8) of an 8 x 8 block become its columns */
 CA_SIMD_INLINE void vf32_transpose(vf32 r[8])

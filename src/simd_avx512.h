@@ -153,6 +153,47 @@ CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* fp8 codes (16 bytes) as float32 lanes, through binary16 (see
+   simd_avx2.h: E5M2 exactly, E4M3FN as 2^-8 times its value, NaN codes
+   NaN); the masked form reads only the leading lanes m */
+CA_SIMD_INLINE vf32 fp8_e5m2_from_bytes(__m128i bytes)
+{
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
+}
+CA_SIMD_INLINE __m256i e4m3_as_half(__m128i bytes)
+{
+    return _mm256_and_si256(
+        _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8), 1),
+        _mm256_set1_epi16((short)0xBFFF));
+}
+CA_SIMD_INLINE vf32 fp8_e4m3_from_bytes(__m128i bytes)
+{
+    const __m256i half = e4m3_as_half(bytes);
+    const __mmask16 nan = _mm256_cmpgt_epi16_mask(
+        _mm256_and_si256(half, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F00));
+    return _mm512_cvtph_ps(_mm256_mask_mov_epi16(half, nan, _mm256_set1_epi16(-1)));
+}
+CA_SIMD_INLINE vf32 vf32_load_e5m2(const uint8_t *p)
+{
+    return fp8_e5m2_from_bytes(_mm_loadu_si128((const __m128i *)p));
+}
+CA_SIMD_INLINE vf32 vf32_load_e5m2_lanes(const uint8_t *p, mf32 m)
+{
+    return fp8_e5m2_from_bytes(_mm_maskz_loadu_epi8(m, p));
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3(const uint8_t *p)
+{
+    return fp8_e4m3_from_bytes(_mm_loadu_si128((const __m128i *)p));
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3_lanes(const uint8_t *p, mf32 m)
+{
+    return fp8_e4m3_from_bytes(_mm_maskz_loadu_epi8(m, p));
+}
+/* codes known to hold no NaN code: half the work */
+CA_SIMD_INLINE vf32 vf32_load_e4m3_finite(const uint8_t *p)
+{
+    return _mm512_cvtph_ps(e4m3_as_half(_mm_loadu_si128((const __m128i *)p)));
+}
 
 /* rows r[0..16) of a 16 x 16 block become its columns: 4 x 4 transposes
    within each 128-bit lane, then a 4 x 4 transpose of the lanes */

@@ -145,6 +145,54 @@ CA_SIMD_INLINE vf32 vf32_load_bf16_lanes(const uint16_t *p, mf32 n)
         lanes[l] = p[l];
     return vf32_load_bf16(lanes);
 }
+/* fp8 codes (4 bytes) as float32 lanes, through binary16 (see
+   simd_avx2.h: E5M2 exactly, E4M3FN as 2^-8 times its value, NaN codes
+   NaN); the _lanes forms read the leading n and give 0 for the others */
+CA_SIMD_INLINE uint16x4_t fp8_codes_high(const uint8_t *p)
+{
+    uint32_t word;
+    memcpy(&word, p, 4);
+    return vget_low_u16(vshll_n_u8(vreinterpret_u8_u32(vdup_n_u32(word)), 8));
+}
+CA_SIMD_INLINE vf32 vf32_load_e5m2(const uint8_t *p)
+{
+    return vcvt_f32_f16(vreinterpret_f16_u16(fp8_codes_high(p)));
+}
+CA_SIMD_INLINE uint16x4_t e4m3_as_half(const uint8_t *p)
+{
+    return vand_u16(vreinterpret_u16_s16(vshr_n_s16(vreinterpret_s16_u16(fp8_codes_high(p)), 1)),
+                    vdup_n_u16(0xBFFF));
+}
+/* codes known to hold no NaN code: half the work */
+CA_SIMD_INLINE vf32 vf32_load_e4m3_finite(const uint8_t *p)
+{
+    return vcvt_f32_f16(vreinterpret_f16_u16(e4m3_as_half(p)));
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3(const uint8_t *p)
+{
+    const uint16x4_t half = e4m3_as_half(p);
+    const uint16x4_t nan = vcgt_u16(vand_u16(half, vdup_n_u16(0x7FFF)), vdup_n_u16(0x3F00));
+    return vcvt_f32_f16(vreinterpret_f16_u16(vorr_u16(half, nan)));
+}
+CA_SIMD_INLINE vf32 load_fp8_lanes(const uint8_t *p, mf32 n, int e4m3)
+{
+    uint8_t lanes[4] = {0, 0, 0, 0};
+    const uint8_t *codes = p;
+    if (n < 4) {
+        for (ptrdiff_t l = 0; l < n; ++l)
+            lanes[l] = p[l];
+        codes = lanes;
+    }
+    return e4m3 ? vf32_load_e4m3(codes) : vf32_load_e5m2(codes);
+}
+CA_SIMD_INLINE vf32 vf32_load_e5m2_lanes(const uint8_t *p, mf32 n)
+{
+    return load_fp8_lanes(p, n, 0);
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3_lanes(const uint8_t *p, mf32 n)
+{
+    return load_fp8_lanes(p, n, 1);
+}
 CA_SIMD_INLINE vf32 vf32_load_i8(const int8_t *p)
 {
     int32_t word;

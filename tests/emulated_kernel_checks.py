@@ -32,6 +32,12 @@ SUFFIX = {np.float32: "f32", np.float64: "f64"}
 EPS = {np.float32: np.finfo(np.float32).eps, np.float64: np.finfo(np.float64).eps}
 #: failures kept per check: the first few say enough
 MAX_FAILURES = 5
+#: the fp8 format codes of scalar.h
+FP8_FORMATS = {"e4m3fn": 0, "e5m2": 1}
+#: codes that are NaN in both fp8 formats (S.1111.111), and E5M2's infinities
+FP8_NAN = (0x7F, 0xFF)
+E5M2_INF = (0x7C, 0xFC)
+F32_MAX = float(np.finfo(np.float32).max)
 
 CHECKS = [
     "score_f32", "score_f64", "pv_f32", "pv_f64", "row_max_f32", "row_max_f64",
@@ -40,6 +46,7 @@ CHECKS = [
     "pack_v_f32", "int8_rows_to_f32", "score_direct_i8", "pv_direct_i8",
     "score_direct_f16", "pv_direct_f16", "divide_rows_f32", "divide_rows_f64",
     "bf16_rows_to_f32", "score_direct_bf16", "pv_direct_bf16",
+    "fp8_rows_to_f32", "score_direct_fp8", "pv_direct_fp8",
 ]
 
 
@@ -66,6 +73,28 @@ def within(a, b, bound):
         return False
     bound = np.broadcast_to(np.asarray(bound, np.float64), a.shape)
     return bool(np.all(np.abs(a[finite] - b[finite]) <= bound[finite]))
+
+
+def fp8_widened(codes, fmt):
+    """fp8 codes (uint8) as float32, exactly, computed here rather than by
+    the portable table: E5M2 is the upper byte of a binary16; E4M3FN has
+    bias 7, subnormals of 2^-9, no infinities, NaN at S.1111.111."""
+    codes = np.asarray(codes, np.uint8)
+    if fmt == "e5m2":
+        return (codes.astype(np.uint16) << 8).view(np.float16).astype(np.float32)
+    exponent = (codes >> 3) & 0xF
+    mantissa = (codes & 0x7).astype(np.float64)
+    magnitude = np.where(exponent == 0, mantissa * 2.0 ** -9,
+                         (1 + mantissa / 8) * np.exp2(exponent.astype(np.float64) - 7))
+    value = np.where(codes & 0x80, -magnitude, magnitude)
+    value[(codes & 0x7F) == 0x7F] = np.nan
+    return value.astype(np.float32)
+
+
+def fp8_finite_codes(fmt):
+    """Every code of the format that is neither NaN nor infinite."""
+    every = np.arange(256, dtype=np.uint8)
+    return every[np.isfinite(fp8_widened(every, fmt))]
 
 
 class Checks:
@@ -502,6 +531,210 @@ class Checks:
                 if not within(out["avx512"], out["baseline"], bound):
                     self.fail(f"differs from baseline: d_v={d_v} n_keys={n_keys}")
 
+    # ---- fp8 K and V ----
+
+    def fp8_rows(self, fmt, n_rows, n_cols):
+        """Random finite codes of fmt, their magnitudes spread over the
+        format's range (subnormals and zeros included)."""
+        return self.rng.choice(fp8_finite_codes(fmt), (n_rows, n_cols)).astype(np.uint8)
+
+    def check_score_direct_fp8(self):
+        """s = (factor * q . widen(k_j)) * scale_j: every table against the
+        portable one within a rounding bound, and the portable one against
+        float64 sums of the exactly widened codes; NaN codes (and E5M2's
+        infinities) give NaN and infinities in the same places; columns of
+        s past n_keys kept; codes past d_k (NaN here) never read."""
+        case = 0
+        for fmt, code in FP8_FORMATS.items():
+            for d_k in list(range(1, 36)) + [64, 127, 128]:
+                for n_keys in (1, 3, 4, 5, 9):
+                    for n_rows in (1, 2, 3):
+                        case += 1
+                        q = self.rng.standard_normal((n_rows, d_k + 1)).astype(np.float32)
+                        k = self.fp8_rows(fmt, n_keys, d_k + 3)
+                        k[:, d_k:] = 0x7F               # past d_k: never read
+                        if n_keys >= 3 and case % 3 == 0:
+                            k[1, self.rng.integers(d_k)] = FP8_NAN[case % 2]
+                            if fmt == "e5m2":
+                                k[2, self.rng.integers(d_k)] = E5M2_INF[case % 2]
+                        scale_stride = 0 if case % 4 == 0 else 2
+                        scale = (self.rng.random(max(1, scale_stride * n_keys)) * 0.05
+                                 + 1e-3).astype(np.float32)
+                        if n_keys == 9 and scale_stride:
+                            scale[2 * scale_stride] = 0.0  # a key of scale 0
+                        factor = -0.61
+                        lds = n_keys + 2
+                        with_ahead = case % 2 == 0
+                        out = {}
+                        for table in ("baseline", "avx2", "avx512"):
+                            self.m.reset_arena()
+                            q_at, k_at = self.m.put(q), self.m.put(k)
+                            scale_at = self.m.put(scale)
+                            s_at, s = self.m.empty((n_rows, lds), np.float32, fill=5.0)
+                            ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
+                            self.call(table, "score_direct_fp8", [
+                                self.ptr(q_at), ("i", d_k + 1), ("i", n_rows), self.ptr(k_at),
+                                ("i", d_k + 3), ("i", n_keys), ("i", d_k), ("i", code),
+                                ("f", factor), self.ptr(scale_at), ("i", scale_stride),
+                                self.ptr(s_at), ("i", lds),
+                                self.ptr(ahead if with_ahead else 0), ("i", 64), ("i", 64)])
+                            out[table] = s.copy()
+                        wide = fp8_widened(k[:, :d_k], fmt).astype(np.float64)
+                        key_scale = scale[::scale_stride][:n_keys] if scale_stride \
+                            else np.repeat(scale[:1], n_keys)
+                        key_scale = key_scale.astype(np.float64)
+                        finite = np.where(np.isfinite(wide), wide, 0.0)
+                        magnitude = (abs(factor) * (np.abs(q[:, :d_k]).astype(np.float64)
+                                                    @ np.abs(finite.T)) * key_scale)
+                        bound = np.zeros((n_rows, lds))
+                        bound[:, :n_keys] = 2 * (d_k + 3) * EPS[np.float32] * magnitude
+                        with np.errstate(invalid="ignore", over="ignore"):
+                            exact = np.full((n_rows, lds), 5.0)
+                            exact[:, :n_keys] = (factor * (q[:, :d_k].astype(np.float64)
+                                                           @ wide.T)) * key_scale
+                        where = (f"{fmt} d_k={d_k} n_keys={n_keys} n_rows={n_rows} "
+                                 f"scale_stride={scale_stride}")
+                        if not within(out["baseline"], exact, bound):
+                            self.fail(f"baseline differs from float64 sums: {where}")
+                        for table in ("avx2", "avx512"):
+                            if not within(out[table], out["baseline"], bound):
+                                self.fail(f"{table} differs from baseline: {where}")
+                        for table in ("baseline", "avx2", "avx512"):
+                            if not same_bits(out[table][:, n_keys:], np.full(
+                                    (n_rows, 2), 5.0, np.float32)):
+                                self.fail(f"{table} wrote past n_keys: {where}")
+
+    def check_pv_direct_fp8(self):
+        """acc += sum_j (p_j * scale_j) * widen(v_j), keys of weight 0
+        skipped (a NaN row of weight 0, by p or by its scale, takes no part):
+        every table against the portable one within a rounding bound, the
+        portable one against float64 sums, AVX-512 bitwise AVX2 (the same
+        chain of FMAs per column, see check_pv_direct), nothing written past
+        d_v rounded up to 16."""
+        case = 0
+        for fmt, code in FP8_FORMATS.items():
+            for d_v in list(range(1, 36)) + [127, 128, 129, 200]:
+                # 70 keys: a run of CA_SUM_KEYS summed from zero, then the rest;
+                # 9 rows: past the 8 rows of weights the wrapper holds
+                for n_keys in (1, 6, 70):
+                    for n_rows in (2, 8) + ((9,) if d_v in (33, 129) else ()):
+                        case += 1
+                        p = self.rng.random((n_rows, n_keys)).astype(np.float32)
+                        p[p < 0.25] = 0
+                        v = self.fp8_rows(fmt, n_keys, d_v + 1)
+                        v[:, d_v] = 0x7F                # past d_v: never read
+                        # a value row whose weights are all 0 takes no part
+                        p[:, 0] = 0
+                        v[0, :] = FP8_NAN[case % 2]
+                        scale_stride = 0 if case % 3 == 0 else 1
+                        scale = (self.rng.random(max(1, n_keys)) * 0.05
+                                 + 1e-3).astype(np.float32)
+                        if n_keys >= 6 and scale_stride:
+                            # weight 0 by its scale: a NaN code there takes no part
+                            scale[2] = 0.0
+                            v[2, self.rng.integers(d_v)] = FP8_NAN[case % 2]
+                            if fmt == "e5m2":
+                                v[4, self.rng.integers(d_v)] = E5M2_INF[case % 2]
+                        key_scale = scale[:n_keys] if scale_stride \
+                            else np.repeat(scale[:1], n_keys)
+                        rounded = -(-d_v // 16) * 16
+                        ldacc = rounded + 16
+                        acc0 = self.rng.standard_normal((n_rows, ldacc)).astype(np.float32)
+                        with_ahead = case % 2 == 1
+                        out = {}
+                        for table in ("baseline", "avx2", "avx512"):
+                            self.m.reset_arena()
+                            p_at, v_at = self.m.put(p), self.m.put(v)
+                            scale_at, acc_at = self.m.put(scale), self.m.put(acc0)
+                            ahead = self.m.put(np.zeros((n_keys, 64), np.uint8))
+                            self.call(table, "pv_direct_fp8", [
+                                self.ptr(p_at), ("i", n_keys), ("i", n_rows), self.ptr(v_at),
+                                ("i", d_v + 1), ("i", n_keys), ("i", d_v), ("i", code),
+                                self.ptr(scale_at), ("i", scale_stride), self.ptr(acc_at),
+                                ("i", ldacc), self.ptr(ahead if with_ahead else 0), ("i", 64),
+                                ("i", 64)])
+                            out[table] = self.m.read(acc_at, np.float32,
+                                                     acc0.size).reshape(acc0.shape)
+                        weight = (p * key_scale).astype(np.float64)     # float32 products
+                        wide = fp8_widened(v[:, :d_v], fmt).astype(np.float64)
+                        taking = weight != 0
+                        with np.errstate(invalid="ignore", over="ignore"):
+                            terms = np.where(taking[:, :, None],
+                                             weight[:, :, None] * wide[None, :, :], 0.0)
+                            finite = np.where(np.isfinite(wide), wide, 0.0)
+                        used = slice(0, d_v)
+                        exact = acc0[:, used].astype(np.float64) + terms.sum(axis=1)
+                        magnitude = np.abs(acc0[:, used]) + np.abs(weight) @ np.abs(finite)
+                        bound = 2 * (n_keys + 3) * EPS[np.float32] * magnitude
+                        where = (f"{fmt} d_v={d_v} n_keys={n_keys} n_rows={n_rows} "
+                                 f"scale_stride={scale_stride}")
+                        if not within(out["baseline"][:, used], exact, bound):
+                            self.fail(f"baseline differs from float64 sums: {where}")
+                        for table in ("avx2", "avx512"):
+                            if not within(out[table][:, used], out["baseline"][:, used], bound):
+                                self.fail(f"{table} differs from baseline: {where}")
+                        if not same_bits(out["avx512"][:, used], out["avx2"][:, used]):
+                            self.fail(f"not bitwise AVX2's: {where}")
+                        for table in ("baseline", "avx2", "avx512"):
+                            if not same_bits(out[table][:, rounded:], acc0[:, rounded:]):
+                                self.fail(f"{table} wrote past the rounded d_v: {where}")
+
+    def check_fp8_rows(self):
+        """Every code of both formats, then random rows of every tail length,
+        contiguous and strided, times scales of every kind (zeros of both
+        signs, subnormals, the largest the formats allow), one scale for all
+        rows and one per row: bit for bit NumPy's float32 product of the
+        exactly widened code and the scale, on every table."""
+        every_code = np.arange(256, dtype=np.uint8)
+        for fmt, code in FP8_FORMATS.items():
+            largest = {"e4m3fn": 448.0, "e5m2": 57344.0}[fmt]
+            scales = np.array([0.0371, -2.5, 0.0, -0.0, 1e-40, 1.4e-45, 2.0 ** -126, 1e-30,
+                               np.float32(F32_MAX / largest), -np.float32(F32_MAX / largest),
+                               3e33, 1.0, 0.5, 7.0, 1.7e-38, 2.0 ** -149], np.float32)
+            cases = [(every_code.reshape(8, 32), 1, 32, stride) for stride in (0, 1)]
+            for offset in range(0, scales.size, 8):
+                # every code times every scale (rows of one code each)
+                cases.append((np.tile(every_code, (8, 1)), 1, 256, 1, offset))
+            for n_cols in range(1, 41):
+                rows = self.rng.choice(every_code, (3, 2 * n_cols + 1)).astype(np.uint8)
+                for src_col in (1, 2):
+                    for stride in (0, 3):
+                        cases.append((rows, src_col, n_cols, stride))
+            for index, case in enumerate(cases):
+                src, src_col, n_cols, stride = case[:4]
+                n_rows = src.shape[0]
+                if len(case) == 5:
+                    row_scales = scales[case[4]:case[4] + n_rows]
+                else:
+                    row_scales = np.roll(scales, index)[:n_rows]
+                scale = np.zeros(max(1, stride * n_rows), np.float32)
+                if stride:
+                    scale[::stride] = row_scales
+                else:
+                    scale[0] = row_scales[0]
+                per_row = scale[::stride][:n_rows] if stride else np.repeat(scale[:1], n_rows)
+                values = fp8_widened(src[:, :src_col * n_cols:src_col], fmt)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    expected = np.full((n_rows, n_cols + 1), 9.0, np.float32)
+                    expected[:, :n_cols] = values * per_row[:, None]
+                where = f"{fmt} n_cols={n_cols} src_col={src_col} scale_stride={stride}"
+                for table in ("baseline", "avx2", "avx512"):
+                    self.m.reset_arena()
+                    dst_at, dst = self.m.empty((n_rows, n_cols + 1), np.float32, fill=9.0)
+                    self.call(table, "fp8_rows_to_f32", [
+                        self.ptr(self.m.put(src)), ("i", src.shape[1]), ("i", src_col),
+                        ("i", n_rows), ("i", n_cols), ("i", code),
+                        self.ptr(self.m.put(scale)), ("i", stride), self.ptr(dst_at),
+                        ("i", n_cols + 1)])
+                    equal = ((dst.view(np.uint32) == expected.view(np.uint32))
+                             | (np.isnan(dst) & np.isnan(expected)))
+                    if not equal.all():
+                        r, c = np.argwhere(~equal)[0]
+                        byte = f"{src[r, c * src_col]:#04x}" if c < n_cols else "none"
+                        self.fail(f"{table} not the exact product: {where}, first at "
+                                  f"({r}, {c}): code {byte} scale {per_row[r]!r}: "
+                                  f"{dst[r, c]!r} vs {expected[r, c]!r}")
+
     # ---- conversions and packing: exact ----
 
     def check_rows_16(self, name):
@@ -606,6 +839,7 @@ class Checks:
             "pack_kt": self.check_pack_kt,
             "pack_v": self.check_pack_v,
             "int8_rows_to": self.check_int8_rows,
+            "fp8_rows_to": self.check_fp8_rows,
         }
         if name in ("score_direct_f16", "score_direct_bf16"):
             self.check_score_direct_16(name.rsplit("_", 1)[1])
@@ -615,6 +849,10 @@ class Checks:
             self.check_score_direct_i8()
         elif name == "pv_direct_i8":
             self.check_pv_direct_i8()
+        elif name == "score_direct_fp8":
+            self.check_score_direct_fp8()
+        elif name == "pv_direct_fp8":
+            self.check_pv_direct_fp8()
         else:
             dispatch[name.rsplit("_", 1)[0]]()
         return list(self.failures)

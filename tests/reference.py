@@ -28,6 +28,8 @@ __all__ = [
     "assert_bitwise_equal",
     "assert_bfloat16_matches_reference",
     "make_qkv",
+    "FP8_MAX",
+    "saturated_fp8_codes",
     "shapes_regex",
     "F32_ABS_CAP",
     "F32_RTOL_RMS",
@@ -507,6 +509,21 @@ def assert_bitwise_equal(actual, expected):
         raise AssertionError(
             f"arrays differ bitwise in {int(diff.sum())} of {actual.size} "
             f"elements (max abs diff {max_abs_err(actual, expected):.3g})")
+
+
+#: the largest finite value of each fp8 format, by dtype name
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def saturated_fp8_codes(x, scale, fmt):
+    """The fp8 codes of x with a scale (broadcast against x.shape[:-1]):
+    x / scale computed in float32, saturated to [-fmax, fmax] (NaN stays
+    NaN, +-inf becomes +-fmax), rounded to nearest even by ml_dtypes' cast
+    to the format fmt."""
+    fmax = np.float32(FP8_MAX[np.dtype(fmt).name])
+    with np.errstate(all="ignore"):
+        y = np.asarray(x).astype(np.float32) / np.asarray(scale, np.float32)[..., None]
+    return np.clip(y, -fmax, fmax).astype(fmt)
 
 
 def make_qkv(seed, q_shape, k_shape, v_shape, dtype=np.float64):

@@ -367,7 +367,7 @@ def test_int8_cache_errors_write_nothing(change, error, match):
 
 def test_float_caches_refuse_scales():
     k_cache = np.zeros((1, 1, 8, 4), np.float32)
-    with pytest.raises(ValueError, match="k_scale and v_scale go with int8 caches"):
+    with pytest.raises(ValueError, match="k_scale and v_scale go with int8 and fp8 caches"):
         ca.attention_with_kvcache(np.ones((1, 1, 1, 4), np.float32), k_cache, k_cache.copy(),
                                   np.array([2]), k_scale=np.ones((1, 1, 8), np.float32))
 

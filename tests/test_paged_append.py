@@ -126,7 +126,7 @@ def _arguments():
     (dict(v_pages=np.zeros((4, 2, 8, 16), np.float16)), TypeError,
      r"k_pages \(float32\) and v_pages \(float16\) must share one dtype"),
     (dict(k_scale=np.zeros((4, 2, 8), np.float32)), ValueError,
-     "k_scale and v_scale go with int8 pages"),
+     "k_scale and v_scale go with int8 and fp8 pages"),
 ])
 def test_refusals_write_nothing(change, error, message):
     arguments = _arguments() | change

@@ -162,10 +162,9 @@ def test_varlen_bad_shapes():
     for name in ("alibi_slopes", "sinks"):
         with pytest.raises(TypeError, match=rf"^{name} must be real numbers, got dtype complex"):
             ca.attention_varlen(x, x, x, cu, cu, **{name: np.full(4, 1j)})
-    # beside a float q, int8 K/V are quantized ones, whose scales varlen does not take
+    # beside a float q, int8 K/V are quantized ones: without their scales, refused
     for k, v, name in ((x.astype(np.int8), x, "k"), (x, x.astype(np.int8), "v")):
-        with pytest.raises(ValueError, match=rf"^{name} is int8, which with a float q means "
-                                            "quantized K/V"):
+        with pytest.raises(ValueError, match=rf"^{name} is int8 but {name}_scale is missing"):
             ca.attention_varlen(x, k, v, cu, cu)
     # all-integer inputs are integers, as for attention
     ints = x.astype(np.int8)

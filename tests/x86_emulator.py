@@ -58,7 +58,8 @@ FIELDS = ["score_f32", "score_f64", "pv_f32", "pv_f64", "row_max_f32", "row_max_
           "pack_kt_f32", "pack_v_f32", "int8_rows_to_f32", "score_direct_i8",
           "pv_direct_i8", "tile_rows", "tile_cols_f32", "tile_cols_f64",
           "score_direct_f16", "pv_direct_f16", "divide_rows_f32", "divide_rows_f64",
-          "bf16_rows_to_f32", "score_direct_bf16", "pv_direct_bf16"]
+          "bf16_rows_to_f32", "score_direct_bf16", "pv_direct_bf16", "fp8_rows_to_f32",
+          "score_direct_fp8", "pv_direct_fp8"]
 TABLES = {"baseline": "ca_kernels_baseline", "avx2": "ca_kernels_avx2",
           "avx512": "ca_kernels_avx512"}
 

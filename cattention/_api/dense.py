@@ -219,6 +219,12 @@ def attention(
         never from a float copy. int8 K/V need a float32 (or float16) q;
         with a float q an int8 K or V without its scale is an error (with an
         integer q and no scales, integer inputs are computed as float64).
+        With an fp8 k or v (``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2``,
+        see :func:`quantize_kv_fp8`): scales that broadcast to
+        ``k.shape[:-1]`` (one per tensor, per entry and head, or per row;
+        none means 1), each in [0, float32's largest / the format's
+        largest]; fp8 K/V need a float32, float16 or bfloat16 q, are
+        widened exactly and computed in float32, and the result follows q.
     sinks : array_like, shape (H,) or (B, H), optional
         Attention sinks (gpt-oss): one logit per query head that joins each
         row's softmax with no value, ``p_j = e^(s_j - m) / (e^(sink - m) +

@@ -122,12 +122,21 @@ def attention_with_kvcache(
         decoding too); the window and ALiBi distances count from the last
         filled position.
     k_scale, v_scale : ndarray of float32, shape (B, H_kv, S_max), optional
-        With int8 caches (and only then): the scale of each cached row,
-        read in place and written as rows are appended; ``k_new`` and
-        ``v_new`` are then float and quantized on append
-        (:func:`cattention.quantize_kv`). Finite, >= 0 and at most float32's
-        largest value / 127 (2.68e36) everywhere (zeros where no row is
-        cached yet).
+        With int8 caches: the scale of each cached row, read in place and
+        written as rows are appended; ``k_new`` and ``v_new`` are then float
+        and quantized on append (:func:`cattention.quantize_kv`). Finite,
+        >= 0 and at most float32's largest value / 127 (2.68e36) everywhere
+        (zeros where no row is cached yet).
+        With fp8 caches (``ml_dtypes.float8_e4m3fn``, ``float8_e5m2``):
+        optional (none means 1), any float32 scales that broadcast to
+        ``(B, H_kv, S_max)``. One per tensor or per (entry, head) is fixed:
+        new rows are stored as ``value / scale`` in float32, rounded to
+        nearest even and saturated to the format's largest value (NaN
+        stays NaN), and must not meet a scale of 0. An array of exactly
+        ``(B, H_kv, S_max)`` holds a scale per row, written as rows are
+        appended (``max|row| / largest``, as
+        :func:`cattention.quantize_kv_fp8` computes). Each at most float32's
+        largest value / the format's largest, checked on every call.
     enable_gqa : bool, optional
         None (the default) infers grouped-query attention from the head
         counts (H a multiple of H_kv); True requires it; False requires

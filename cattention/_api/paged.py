@@ -157,12 +157,17 @@ def attention_with_paged_kvcache(
     rotary_interleaved : bool, default False
         Rotate the pairs ``(x[2i], x[2i + 1])`` instead (GPT-J's layout).
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
-        With int8 pages (and only then): each row's scale, written as rows
-        are appended (k_new and v_new are then float, quantized on append).
-        The scales of the rows a sequence holds must be finite, >= 0 and at
-        most float32's largest value / 127 (2.68e36; those this function
-        writes are); another gives NaN. They are not checked on every
-        call, which would read every page's scales.
+        With int8 pages: each row's scale, written as rows are appended
+        (k_new and v_new are then float, quantized on append). The scales
+        of the rows a sequence holds must be finite, >= 0 and at most
+        float32's largest value / 127 (2.68e36; those this function writes
+        are); another gives NaN. They are not checked on every call, which
+        would read every page's scales.
+        With fp8 pages: as for :func:`attention_with_kvcache`'s fp8
+        caches, scales that broadcast to ``(n_pages, H_kv, page_size)``:
+        one per tensor (vLLM's) or per (page, head) is fixed and divides
+        new rows; an array of exactly that shape is a scale per row,
+        written on append. Checked on every call.
 
     Returns
     -------
@@ -262,7 +267,9 @@ def paged_append(k_pages: NDArray[Any], v_pages: NDArray[Any], slot_mapping: Arr
         int8 pages, quantized per row with their scales written to
         ``k_scale``/``v_scale``.
     k_scale, v_scale : ndarray of float32, shape (n_pages, H_kv, page_size)
-        With int8 pages (and only then): the scale of each row.
+        With int8 pages: the scale of each row, written. With fp8 pages:
+        as :func:`attention_with_paged_kvcache` takes them (a fixed scale
+        divides the new rows, one per row is written).
 
     Raises
     ------

@@ -23,6 +23,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
     return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
@@ -35,6 +36,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
     return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
@@ -47,6 +49,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
@@ -58,6 +61,7 @@ def attention_varlen(
     window: Optional[tuple[Optional[SupportsIndex], Optional[SupportsIndex]]] = None,
     softcap: Optional[float] = None, alibi_slopes: Optional[ArrayLike] = None,
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
+    k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
     return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
@@ -81,7 +85,9 @@ def attention_varlen(
         Keys, packed likewise.
     v : array_like, shape (total_k, H_kv, d_v)
         Values, packed likewise. float16 k and v with a float32 q are
-        converted block by block as they are read.
+        converted block by block as they are read, and so are int8 and fp8
+        (``ml_dtypes.float8_e4m3fn``, ``float8_e5m2``) k and v with their
+        scales.
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (n_seq + 1,)
         Cumulative lengths: non-decreasing, from 0 to total_q (total_k).
         Sequences of length 0 are allowed.
@@ -93,6 +99,11 @@ def attention_varlen(
     enable_gqa : bool, default False
         Allow H to be a multiple of H_kv: query head h reads K/V head
         h // (H // H_kv).
+    k_scale, v_scale : array_like of float32, optional
+        The scales of int8 or fp8 k and v, as :func:`cattention.attention`
+        takes them, of the packed rows: one per row (total_k, H_kv), for
+        int8 required; for fp8 anything that broadcasts to (total_k, H_kv)
+        (a scalar: one per tensor), or none (1).
     return_lse : bool, default False
         Also return the log-sum-exp of each row, shape (total_q, H);
         ``-inf`` for a row that sees no key (see :func:`cattention.merge`).
@@ -110,8 +121,7 @@ def attention_varlen(
         On shapes that do not match (named with theirs), cumulative lengths
         that are not 1-D, do not start at 0, decrease or do not end at the
         total, H not a multiple of H_kv, int8 K or V beside a float q
-        (quantized K/V, whose scales this call does not take), or an option
-        out of range.
+        without its scales, a scale out of range, or an option out of range.
     TypeError
         On dtypes that cannot be computed, or non-integer lengths.
 
@@ -127,7 +137,8 @@ def attention_varlen(
     call, result = entries.prepare_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
-        return_lse=return_lse, num_threads=num_threads, out=out)
+        return_lse=return_lse, num_threads=num_threads, out=out, k_scale=k_scale,
+        v_scale=v_scale)
     attn, lse = entries.run(call, result)
     if lse is not None:
         return attn, lse

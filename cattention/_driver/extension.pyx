@@ -42,10 +42,12 @@ express.
 
 cimport numpy as cnp
 from libc.math cimport isfinite
+from libc.stdint cimport uint64_t
 from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
     ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
-    ca_kernels, ca_kernels_by_name, ca_set_bfloat16_type, ca_simd_note, intp_t)
+    ca_kernels, ca_kernels_by_name, ca_read_words, ca_set_bfloat16_type, ca_set_fp8_types,
+    ca_simd_note, intp_t)
 from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
 from cattention._driver.results cimport rounded_to_bfloat16
 from cattention._driver.schedule cimport (
@@ -214,6 +216,20 @@ def loop_flops(long n_steps):
     return flops
 
 
+def read_loop(cnp.ndarray words):
+    """Read every byte of ``words`` (a C-contiguous uint64 array) once on
+    this thread, without the GIL (the benchmark's read loop: the rate of
+    the memory the bytes come from); returns their exclusive or."""
+    cdef const uint64_t *data = <const uint64_t *>cnp.PyArray_DATA(words)
+    cdef size_t n = cnp.PyArray_SIZE(words)
+    cdef uint64_t total
+    if cnp.PyArray_TYPE(words) != cnp.NPY_UINT64 or not cnp.PyArray_IS_C_CONTIGUOUS(words):
+        raise TypeError("read_loop takes a C-contiguous uint64 array")
+    with nogil:
+        total = ca_read_words(data, n)
+    return total
+
+
 def set_simd(name):
     """Use the kernel table called ``name`` (for tests and benchmarks).
 
@@ -244,6 +260,12 @@ def register_bfloat16(int type_num):
     when ml_dtypes is imported): operands of it are stored as bfloat16 and
     computed in float32, and the shortcuts take them."""
     ca_set_bfloat16_type(type_num)
+
+
+def register_fp8(int e4m3fn, int e5m2):
+    """Tell the driver NumPy's type numbers of ml_dtypes.float8_e4m3fn and
+    float8_e5m2: K and V of them are fp8 caches, read with their scales."""
+    ca_set_fp8_types(e4m3fn, e5m2)
 
 
 def view_as(arr, tuple shape):

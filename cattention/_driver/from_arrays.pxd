@@ -6,11 +6,11 @@ found from the broadcast strides."""
 
 cimport numpy as cnp
 from libc.stdlib cimport malloc
-from cattention._driver.kernel_table cimport ca_bfloat16_type, intp_t
+from cattention._driver.kernel_table cimport (
+    ca_bfloat16_type, ca_e4m3fn_type, ca_e5m2_type, intp_t)
 from cattention._driver.problem cimport (
-    MASK_BOOL, MASK_F32, MASK_F64, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand,
-    Problem,
-    RowOptions, problem_finish, problem_init, set_operand)
+    MASK_BOOL, MASK_F32, MASK_F64, STORE_BF16, STORE_COMPUTE, STORE_E4M3, STORE_E5M2, STORE_F16,
+    STORE_I8, Operand, Problem, RowOptions, problem_finish, problem_init, set_operand)
 
 
 cdef inline void set_array_operand(Operand *op, cnp.ndarray arr, const intp_t *offsets):
@@ -107,7 +107,7 @@ cdef inline Py_ssize_t fill_shared_kv(cnp.ndarray k, cnp.ndarray v, cnp.ndarray 
 cdef inline void set_storage(Operand *op, cnp.ndarray arr, cnp.ndarray scale,
                              const intp_t *scale_offsets):
     """How q, K or V is stored: the compute dtype, float16, bfloat16, or int8
-    with its row scales
+    or fp8 with its row scales
     (K or V: an array of arr's shape with the features axis of size 1, whose
     batch offsets scale_offsets holds)."""
     cdef int type_num = cnp.PyArray_TYPE(arr)
@@ -116,8 +116,10 @@ cdef inline void set_storage(Operand *op, cnp.ndarray arr, cnp.ndarray scale,
         op.storage = STORE_F16
     elif type_num == ca_bfloat16_type:
         op.storage = STORE_BF16
-    elif type_num == cnp.NPY_INT8:
-        op.storage = STORE_I8
+    elif type_num == cnp.NPY_INT8 or (
+            type_num >= 0 and (type_num == ca_e4m3fn_type or type_num == ca_e5m2_type)):
+        op.storage = (STORE_I8 if type_num == cnp.NPY_INT8
+                      else STORE_E4M3 if type_num == ca_e4m3fn_type else STORE_E5M2)
         ndim = cnp.PyArray_NDIM(scale)
         op.scale = <const float *>cnp.PyArray_DATA(scale)
         op.scale_offset = scale_offsets

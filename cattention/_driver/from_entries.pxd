@@ -24,10 +24,11 @@ paged step; both build the tables here."""
 
 cimport numpy as cnp
 from libc.stdlib cimport free, malloc
-from cattention._driver.kernel_table cimport ca_bfloat16_type, intp_t
+from cattention._driver.kernel_table cimport (
+    ca_bfloat16_type, ca_e4m3fn_type, ca_e5m2_type, intp_t)
 from cattention._driver.problem cimport (
-    DIRECT_ROWS, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, RowOptions,
-    problem_finish, problem_init, set_operand)
+    DIRECT_ROWS, STORE_BF16, STORE_COMPUTE, STORE_E4M3, STORE_E5M2, STORE_F16, STORE_I8, Operand,
+    Problem, RowOptions, is_one_byte, problem_finish, problem_init, set_operand)
 
 
 cdef struct Place:
@@ -253,10 +254,15 @@ cdef inline void set_place_operand(Operand *op, const Place *place, const intp_t
 cdef inline void set_kv_operand(Operand *op, const Place *place, const intp_t *offsets,
                                 const Place *scale, const intp_t *scale_offsets,
                                 const EntryPlan *plan, const EntryTable *t) noexcept nogil:
-    """K or V of a plan: its int8 row scales, and its pages when paged."""
+    """K or V of a plan: its int8 or fp8 row scales, and its pages when paged."""
     set_place_operand(op, place, offsets, place.t_stride)
     if place.type_num == cnp.NPY_INT8:
         op.storage = STORE_I8
+    elif place.type_num == ca_e4m3fn_type and place.type_num >= 0:
+        op.storage = STORE_E4M3
+    elif place.type_num == ca_e5m2_type and place.type_num >= 0:
+        op.storage = STORE_E5M2
+    if is_one_byte(op.storage):
         op.scale = <const float *>scale.data
         op.scale_offset = scale_offsets
         op.scale_stride = scale.t_stride

@@ -2,19 +2,19 @@
 # cython: cdivision=True, initializedcheck=False
 """Work items of the direct (decode) path: up to DIRECT_ROWS query rows of a
 few batch entries against one chunk of keys, reading K and V where they are
-(copied only when their features are strided or float16; a paged cache page
-by page). The entries of an item step through the keys together (see
+(copied only when their features are strided; a paged cache page by page).
+The entries of an item step through the keys together (see
 rows_side_by_side in _schedule)."""
 
 from cython cimport floating
-from libc.stdint cimport int8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t
 from cattention._driver.kernel_table cimport (
     ca_kernels, ca_prefetch_l1, kernel_pv_direct, kernel_score_direct)
 from cattention._driver.problem cimport (
     DIRECT_GROUP, DIRECT_KEYS, K_BLOCK, NEXT_CALL_ROWS, STORE_BF16, STORE_F16, STORE_I8, Operand,
-    Problem, entry_rows, out_row_offset)
+    Problem, entry_rows, fp8_format, is_fp8, is_one_byte, out_row_offset)
 from cattention._driver.operands cimport (
-    contiguous_run, contiguous_rows, features_contiguous, int8_rows_for_kernel, operand_itemsize,
+    byte_rows_for_kernel, contiguous_run, contiguous_rows, features_contiguous, operand_itemsize,
     row_offset, row_scales, rows_in_place)
 from cattention._driver.workspace cimport Workspace
 from cattention._driver.packing cimport pack_queries
@@ -42,10 +42,10 @@ cdef inline void prefetch_first_rows(const Problem *pb, const Operand *op, Py_ss
 
 
 cdef inline Py_ssize_t direct_key_step(const Problem *pb) noexcept nogil:
-    # int8 rows are a quarter of float32's: twice the keys per step keep
-    # the step's K and V in L1 and halve the per-step bookkeeping (the
+    # int8 and fp8 rows are a quarter of float32's: twice the keys per step
+    # keep the step's K and V in L1 and halve the per-step bookkeeping (the
     # float paths keep DIRECT_KEYS, and so their results)
-    if pb.k.storage == STORE_I8 and pb.v.storage == STORE_I8:
+    if is_one_byte(pb.k.storage) and is_one_byte(pb.v.storage):
         return 2 * DIRECT_KEYS
     return DIRECT_KEYS
 
@@ -103,7 +103,7 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
     if floating is float and pb.k.storage == STORE_I8:
         # int8 keys with their scales, read where they are (gathered when
         # their features are strided)
-        k_int8 = int8_rows_for_kernel(&pb.k, b, key0 + j, run, pb.d_k,
+        k_int8 = byte_rows_for_kernel(&pb.k, b, key0 + j, run, pb.d_k,
                                       <int8_t *>(<floating *>ws.base + ws.off_k_rows),
                                       &ld_k_rows)
         kern.score_direct_i8(q_rows, pb.ld_k, n_rows, k_int8, ld_k_rows, run, pb.d_k,
@@ -113,6 +113,17 @@ cdef inline void score_run(const Problem *pb, const ca_kernels *kern, Workspace 
     v_rows = contiguous_rows(pb, &pb.v, b, key0 + j, run, pb.d_v)
     v_stride_bytes = pb.v.row_stride * operand_itemsize(pb, &pb.v)
     v_row_bytes = pb.d_v * operand_itemsize(pb, &pb.v)
+    if floating is float and is_fp8(pb.k.storage):
+        # fp8 keys read where they are (gathered when their features are
+        # strided), widened in registers; their scales join the logits
+        k_int8 = byte_rows_for_kernel(&pb.k, b, key0 + j, run, pb.d_k,
+                                      <int8_t *>(<floating *>ws.base + ws.off_k_rows),
+                                      &ld_k_rows)
+        kern.score_direct_fp8(q_rows, pb.ld_k, n_rows, <const uint8_t *>k_int8, ld_k_rows, run,
+                              pb.d_k, fp8_format(pb.k.storage), <float>pb.scale,
+                              row_scales(&pb.k, b, key0 + j), pb.k.scale_stride, s + j,
+                              K_BLOCK, v_rows, v_stride_bytes, v_row_bytes)
+        return
     if floating is float and features_contiguous(&pb.k, pb.d_k) and (
             pb.k.storage == STORE_F16 or pb.k.storage == STORE_BF16):
         # float16 and bfloat16 keys read where they lie (the run is within
@@ -142,7 +153,7 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
     cdef const char *next_k
     cdef Py_ssize_t k_stride_bytes, k_row_bytes
     if floating is float and pb.v.storage == STORE_I8:
-        v_int8 = int8_rows_for_kernel(&pb.v, b, key0 + j, run, pb.d_v,
+        v_int8 = byte_rows_for_kernel(&pb.v, b, key0 + j, run, pb.d_v,
                                       <int8_t *>(<floating *>ws.base + ws.off_v_rows),
                                       &ld_v_rows)
         kern.pv_direct_i8(s + j, K_BLOCK, n_rows, v_int8, ld_v_rows, run, pb.d_v,
@@ -155,6 +166,16 @@ cdef inline void pv_run(const Problem *pb, const ca_kernels *kern, Workspace *ws
         if (next_keys > j if pb.k.page_ids == NULL else next_keys >= j + run) else NULL)
     k_stride_bytes = pb.k.row_stride * operand_itemsize(pb, &pb.k)
     k_row_bytes = pb.d_k * operand_itemsize(pb, &pb.k)
+    if floating is float and is_fp8(pb.v.storage):
+        # fp8 values likewise, their scales joining the weights
+        v_int8 = byte_rows_for_kernel(&pb.v, b, key0 + j, run, pb.d_v,
+                                      <int8_t *>(<floating *>ws.base + ws.off_v_rows),
+                                      &ld_v_rows)
+        kern.pv_direct_fp8(s + j, K_BLOCK, n_rows, <const uint8_t *>v_int8, ld_v_rows, run,
+                           pb.d_v, fp8_format(pb.v.storage), row_scales(&pb.v, b, key0 + j),
+                           pb.v.scale_stride, acc, pb.ld_v, next_k, k_stride_bytes,
+                           k_row_bytes)
+        return
     if floating is float and features_contiguous(&pb.v, pb.d_v) and (
             pb.v.storage == STORE_F16 or pb.v.storage == STORE_BF16):
         # float16 and bfloat16 values read where they lie, as score_run's keys

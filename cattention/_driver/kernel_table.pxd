@@ -7,7 +7,7 @@ the fused trampolines that call a table's float32 or float64 entry."""
 
 cimport numpy as cnp
 from cython cimport floating
-from libc.stdint cimport int8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint64_t
 
 ctypedef cnp.intp_t intp_t
 
@@ -76,6 +76,22 @@ cdef extern from "kernels.h" nogil:
                              const int8_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
                              Py_ssize_t d_v, const float *scale, Py_ssize_t scale_stride,
                              float *acc, Py_ssize_t ldacc) noexcept nogil
+        void (*fp8_rows_to_f32)(const uint8_t *src, Py_ssize_t src_row, Py_ssize_t src_col,
+                                Py_ssize_t n_rows, Py_ssize_t n_cols, int format,
+                                const float *scale, Py_ssize_t scale_stride, float *dst,
+                                Py_ssize_t ld_dst) noexcept nogil
+        void (*score_direct_fp8)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
+                                 const uint8_t *k, Py_ssize_t ldk, Py_ssize_t n_keys,
+                                 Py_ssize_t d_k, int format, float factor, const float *scale,
+                                 Py_ssize_t scale_stride, float *s, Py_ssize_t lds,
+                                 const void *ahead, Py_ssize_t ahead_stride,
+                                 Py_ssize_t ahead_bytes) noexcept nogil
+        void (*pv_direct_fp8)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows,
+                              const uint8_t *v, Py_ssize_t ldv, Py_ssize_t n_keys,
+                              Py_ssize_t d_v, int format, const float *scale,
+                              Py_ssize_t scale_stride, float *acc, Py_ssize_t ldacc,
+                              const void *ahead, Py_ssize_t ahead_stride,
+                              Py_ssize_t ahead_bytes) noexcept nogil
         void (*score_direct_f16)(const float *q, Py_ssize_t ldq, Py_ssize_t n_rows,
                                  const uint16_t *k, Py_ssize_t ldk, Py_ssize_t n_keys,
                                  Py_ssize_t d_k, float factor, float *s, Py_ssize_t lds,
@@ -139,14 +155,22 @@ cdef extern from "kernels.h" nogil:
 cdef extern from "scalar.h" nogil:
     float ca_half_to_float(uint16_t h)
     float ca_bfloat16_to_float(uint16_t b)
+    float ca_e4m3fn_to_float(uint8_t code)
+    float ca_e5m2_to_float(uint8_t code)
+    enum: CA_FP8_E4M3FN
+    enum: CA_FP8_E5M2
     void ca_round_to_bfloat16(const float *src, uint16_t *dst, Py_ssize_t n)
     void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
+    uint64_t ca_read_words(const uint64_t *words, size_t n)
 
 
 cdef extern from "runtime.h" nogil:
     const char *ca_compiler_version()
     int ca_bfloat16_type
     void ca_set_bfloat16_type(int type_num)
+    int ca_e4m3fn_type
+    int ca_e5m2_type
+    void ca_set_fp8_types(int e4m3fn, int e5m2)
     void ca_note_parallel_region()
     int ca_forked_after_parallel()
     enum: CA_SCRATCH_WORKSPACE

@@ -4,14 +4,15 @@
 page table for a paged K/V cache (rows contiguous within a page); in place
 when its features are contiguous and its dtype is the compute dtype, else
 copied (strided features, rows of several pages) or converted (float16 and
-bfloat16 q, K and V, int8 K/V times their row scales) into scratch rows, a
-block at a time."""
+bfloat16 q, K and V, int8 and fp8 K/V times their row scales) into scratch
+rows, a block at a time."""
 
 from cython cimport floating
-from libc.stdint cimport int8_t, uint16_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t
 from cattention._driver.kernel_table cimport intp_t
 from cattention._driver.problem cimport (
-    STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem)
+    STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, fp8_format, is_fp8,
+    is_one_byte)
 
 
 cdef inline Py_ssize_t entry_row_offset(const Operand *op, const intp_t *start,
@@ -19,7 +20,7 @@ cdef inline Py_ssize_t entry_row_offset(const Operand *op, const intp_t *start,
                                         Py_ssize_t b, Py_ssize_t row) noexcept nogil:
     """Offset of row ``row`` of entry b in an array whose entry b starts at
     start[b] and whose rows are ``stride`` apart, paged as op is (then each
-    page id steps page_stride): the rows of op, or their int8 scales."""
+    page id steps page_stride): the rows of op, or their int8 / fp8 scales."""
     if op.page_ids == NULL:
         return start[b] + row * stride
     return (start[b] + op.page_ids[op.page_first[b] + row // op.page_size] * page_stride
@@ -34,7 +35,7 @@ cdef inline Py_ssize_t row_offset(const Operand *op, Py_ssize_t b,
 
 cdef inline Py_ssize_t scale_row_offset(const Operand *op, Py_ssize_t b,
                                         Py_ssize_t row) noexcept nogil:
-    """Offset from op.scale of the int8 scale of row ``row`` of entry b."""
+    """Offset from op.scale of the int8 / fp8 scale of row ``row`` of entry b."""
     return entry_row_offset(op, op.scale_offset, op.scale_stride, op.scale_page_stride, b, row)
 
 
@@ -61,7 +62,7 @@ cdef inline const floating *rows_in_place(const Problem *pb, const Operand *op, 
                                           Py_ssize_t *col) noexcept nogil:
     """Rows key0.. of K or V as compute-dtype values (row stride in *ld):
     where the caller keeps them, or copied into ``copy`` (rows ld_copy apart,
-    features contiguous) when they are float16 or int8 (converted), span
+    features contiguous) when they are float16, int8 or fp8 (converted), span
     pages (gathered) or are strided and col is NULL. With col, strided rows
     in one run may stay where they are, and *col is the feature stride of
     the rows returned (1 for a copy). The kernels see the same values
@@ -112,6 +113,13 @@ cdef inline void copy_rows(const Problem *pb, const Operand *op, Py_ssize_t b,
                                      op.scale + scale_row_offset(op, b, key0),
                                      op.scale_stride, copy, ld_copy)
         return
+    if is_fp8(op.storage):
+        if floating is float:
+            pb.kern.fp8_rows_to_f32(<const uint8_t *>op.data + at, op.row_stride,
+                                    op.col_stride, n_keys, n_features, fp8_format(op.storage),
+                                    op.scale + scale_row_offset(op, b, key0),
+                                    op.scale_stride, copy, ld_copy)
+        return
     for j in range(n_keys):
         row = <const floating *>op.data + at + j * op.row_stride
         if op.col_stride == 1:
@@ -138,7 +146,7 @@ cdef inline Py_ssize_t operand_itemsize(const Problem *pb, const Operand *op) no
     """Bytes per element as stored."""
     if op.storage == STORE_F16 or op.storage == STORE_BF16:
         return 2
-    if op.storage == STORE_I8:
+    if is_one_byte(op.storage):
         return 1
     return pb.itemsize
 
@@ -162,17 +170,18 @@ cdef inline const int8_t *int8_rows(const Operand *op, Py_ssize_t b,
     return <const int8_t *>op.data + row_offset(op, b, key0)
 
 
-cdef inline const int8_t *int8_rows_for_kernel(const Operand *op, Py_ssize_t b,
+cdef inline const int8_t *byte_rows_for_kernel(const Operand *op, Py_ssize_t b,
                                                Py_ssize_t key0, Py_ssize_t n_keys,
                                                Py_ssize_t n_features, int8_t *copy,
                                                Py_ssize_t *ld) noexcept nogil:
-    """int8 rows key0.. (within one page) with contiguous features, for the
-    direct int8 kernels (row stride in *ld): where they are, or their bytes
-    gathered into ``copy`` when the features are strided. Dequantizing
-    strided rows instead would round differently from the int8 kernels, and
-    every layout must give the bits of a contiguous copy."""
+    """int8 or fp8 rows key0.. (within one page) with contiguous features,
+    for the direct int8 and fp8 kernels (row stride in *ld): where they are,
+    or their bytes gathered into ``copy`` when the features are strided.
+    Dequantizing strided rows instead would round differently from the
+    direct kernels, and every layout must give the bits of a contiguous
+    copy."""
     cdef const int8_t *rows = int8_rows(op, b, key0)
-    # strides in locals: int8 stores may alias anything, *op included
+    # strides in locals: byte stores may alias anything, *op included
     cdef Py_ssize_t row_stride = op.row_stride
     cdef Py_ssize_t col_stride = op.col_stride
     cdef Py_ssize_t j, c

@@ -9,13 +9,15 @@ the SIMD P.V tile and added exactly where its weight is nonzero)."""
 from cython cimport floating
 from libc.stdint cimport uint8_t, uint16_t
 from cattention._driver.kernel_table cimport (
-    CA_PANEL_F32, CA_PANEL_F64, ca_bfloat16_to_float, ca_half_to_float)
+    CA_PANEL_F32, CA_PANEL_F64, ca_bfloat16_to_float, ca_e4m3fn_to_float, ca_e5m2_to_float,
+    ca_half_to_float)
 from cattention._driver.problem cimport (
-    K_BLOCK, STORE_BF16, STORE_COMPUTE, STORE_F16, STORE_I8, Operand, Problem, key_extent,
+    K_BLOCK, STORE_BF16, STORE_COMPUTE, STORE_E4M3, STORE_F16, STORE_I8, Operand, Problem, is_fp8,
+    key_extent,
     key_first, query_position, round_up)
 from cattention._driver.rotary cimport rotate_row
 from cattention._driver.operands cimport (
-    contiguous_run, copy_rows, features_contiguous, row_offset, rows_in_place)
+    contiguous_run, copy_rows, features_contiguous, row_offset, rows_in_place, scale_row_offset)
 from cattention._driver.workspace cimport Workspace
 
 
@@ -325,6 +327,7 @@ cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_
     pack_values zeroed, in rows where key j has a nonzero weight."""
     cdef const floating *v = <const floating *>pb.v.data
     cdef const uint16_t *v_half = <const uint16_t *>pb.v.data
+    cdef const uint8_t *v_code = <const uint8_t *>pb.v.data
     cdef Py_ssize_t i, j, c, at
     cdef floating x
     for j in range(n_keys):
@@ -332,7 +335,12 @@ cdef inline void add_nonfinite_values(const Problem *pb, Py_ssize_t b, Py_ssize_
             at = row_offset(&pb.v, b, key0 + j) + c * pb.v.col_stride
             if pb.v.storage == STORE_I8:
                 continue  # int8 times a finite scale is finite
-            if pb.v.storage == STORE_F16:
+            if is_fp8(pb.v.storage):
+                # as fp8_rows_to_f32 gave it: the code times its scale
+                x = <floating>((ca_e4m3fn_to_float(v_code[at]) if pb.v.storage == STORE_E4M3
+                                else ca_e5m2_to_float(v_code[at]))
+                               * pb.v.scale[scale_row_offset(&pb.v, b, key0 + j)])
+            elif pb.v.storage == STORE_F16:
                 x = <floating>ca_half_to_float(v_half[at])
             elif pb.v.storage == STORE_BF16:
                 x = <floating>ca_bfloat16_to_float(v_half[at])

@@ -10,7 +10,7 @@ from an entry table (from_entries.pxd)."""
 from libc.math cimport cbrt, ceil
 from libc.stdint cimport uint8_t, uint16_t
 from libc.string cimport memset
-from cattention._driver.kernel_table cimport ca_kernels, intp_t
+from cattention._driver.kernel_table cimport CA_FP8_E4M3FN, CA_FP8_E5M2, ca_kernels, intp_t
 
 
 cdef enum:
@@ -85,6 +85,8 @@ cdef enum Storage:
     STORE_F16 = 1                # float16 (computed in float32), converted as read
     STORE_I8 = 2                 # int8 times one float32 scale per row (K, V), likewise
     STORE_BF16 = 3               # bfloat16 (computed in float32), converted as read
+    STORE_E4M3 = 4               # fp8 E4M3FN times one float32 scale per row (K, V), as int8
+    STORE_E5M2 = 5               # fp8 E5M2 likewise
 
 cdef struct Operand:
     const char *data
@@ -92,18 +94,32 @@ cdef struct Operand:
     Py_ssize_t row_stride        # elements
     Py_ssize_t col_stride        # elements
     int storage                  # Storage of q, K and V (the mask: STORE_COMPUTE)
-    const float *scale           # STORE_I8: the scale of each row, at
+    const float *scale           # int8 and fp8: the scale of each row, at
     const intp_t *scale_offset   # scale + scale_offset[b] + row * scale_stride
     Py_ssize_t scale_stride
     # A paged K or V (NULL page_ids: rows at batch_offset[b] + row * row_stride):
     # row p of entry b lies in page page_ids[page_first[b] + p // page_size],
     # at batch_offset[b] + page * page_stride + (p % page_size) * row_stride,
-    # and its int8 scale at the same place with scale_page_stride, scale_stride
+    # and its int8 / fp8 scale at the same place with scale_page_stride, scale_stride
     const intp_t *page_ids
     const intp_t *page_first
     Py_ssize_t page_size
     Py_ssize_t page_stride
     Py_ssize_t scale_page_stride
+
+
+cdef inline bint is_fp8(int storage) noexcept nogil:
+    return storage == STORE_E4M3 or storage == STORE_E5M2
+
+
+cdef inline int fp8_format(int storage) noexcept nogil:
+    """The kernels' name (scalar.h) of an fp8 storage's format."""
+    return CA_FP8_E4M3FN if storage == STORE_E4M3 else CA_FP8_E5M2
+
+
+cdef inline bint is_one_byte(int storage) noexcept nogil:
+    """int8 or fp8: codes of one byte times a scale per row."""
+    return storage == STORE_I8 or is_fp8(storage)
 
 
 cdef struct Rotary:

@@ -19,7 +19,8 @@ from .._native import driver
 
 SUPPORTED_DTYPES = (
     "float16, bfloat16 (ml_dtypes), float32 and float64 (integer and bool inputs are "
-    "computed as float64)"
+    "computed as float64), and for k and v int8 and fp8 (ml_dtypes' float8_e4m3fn and "
+    "float8_e5m2) with their scales"
 )
 
 
@@ -34,6 +35,29 @@ def is_bfloat16(dtype: np.dtype[Any]) -> bool:
     if ml_dtypes is None or dtype != ml_dtypes.bfloat16:
         return False
     driver.register_bfloat16(dtype.num)
+    return True
+
+
+#: The finite range of each fp8 format (ml_dtypes' names).
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+_fp8_registered = False
+
+
+def is_fp8(dtype: np.dtype[Any]) -> bool:
+    """dtype is ml_dtypes.float8_e4m3fn or float8_e5m2 (recognised by
+    identity once ml_dtypes is imported, as bfloat16 is; the driver is told
+    their type numbers the first time)."""
+    global _fp8_registered
+    if dtype.itemsize != 1 or dtype.name not in FP8_MAX:
+        return False
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    if ml_dtypes is None or dtype != getattr(ml_dtypes, dtype.name):
+        return False
+    if not _fp8_registered:
+        driver.register_fp8(np.dtype(ml_dtypes.float8_e4m3fn).num,
+                            np.dtype(ml_dtypes.float8_e5m2).num)
+        _fp8_registered = True
     return True
 
 
@@ -85,7 +109,11 @@ def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
     arr = array(x, name)
-    if (arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8) and not is_bfloat16(arr.dtype):
+    if is_fp8(arr.dtype):
+        if name == "q":
+            raise TypeError(f"q has dtype {arr.dtype}: fp8 is a K/V (cache) format; pass "
+                            "q as float32, float16 or bfloat16")
+    elif (arr.dtype.kind not in "fiub" or arr.dtype.itemsize > 8) and not is_bfloat16(arr.dtype):
         raise TypeError(
             f"{name} has dtype {arr.dtype}; cattention supports {SUPPORTED_DTYPES}")
     arr = native(arr)
@@ -98,7 +126,10 @@ def as_input(x: ArrayLike, name: str) -> NDArray[Any]:
 
 def compute_dtype(*arrays: Any) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(compute dtype, result dtype) for the inputs (arrays or dtypes), by
-    np.result_type."""
+    np.result_type; fp8 K/V take no part (computed in float32, they leave
+    the result to q, as int8 K/V do)."""
+    if any(is_fp8(np.result_type(x)) for x in arrays):
+        arrays = tuple(x for x in arrays if not is_fp8(np.result_type(x)))
     try:
         common = np.result_type(*arrays)
     except TypeError:

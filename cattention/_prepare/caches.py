@@ -1,5 +1,5 @@
 """What contiguous and paged KV caches share: the checks of their storage
-(dtype, byte order, layout), of their int8 row scales and of the cache
+(dtype, byte order, layout), of their int8 and fp8 scales and of the cache
 lengths; the new rows as a cache stores them; and the append itself, with
 the lengths given back if the computation that follows it fails."""
 
@@ -14,7 +14,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._native import driver
-from .arrays import array, compute_dtype, is_bfloat16, is_half, readable_in_place
+from .arrays import array, compute_dtype, is_bfloat16, is_fp8, is_half, readable_in_place
+from .fp8 import checked_scale, quantize, to_codes
 from .int8 import SCALE_RANGE, cache_rows, scales_in_range
 
 _Array = NDArray[Any]
@@ -23,17 +24,18 @@ _Array = NDArray[Any]
 def check_storage(k: object, v: object, names: tuple[str, str], layout: str,
                   shared: str, what: str) -> tuple[_Array, _Array]:
     """Two caches (or sets of pages) of one float16, bfloat16, float32,
-    float64 or int8 dtype, 4-D, native, readable where they are, sharing their first
+    float64, int8 or fp8 dtype, 4-D, native, readable where they are, sharing their first
     three axes (``layout`` names the axes, ``shared`` the first three)."""
     whole = "every page" if what == "pages" else "the whole cache"
     for name, cache in zip(names, (k, v)):
         if not isinstance(cache, np.ndarray) or cache.ndim != 4:
             raise ValueError(f"{name} must be a 4-D ndarray {layout}; got "
                              f"{getattr(cache, 'shape', type(cache).__name__)}")
-        if cache.dtype != np.int8 and not is_bfloat16(cache.dtype) and (
-                cache.dtype.kind != "f" or cache.dtype.itemsize not in (2, 4, 8)):
+        if (cache.dtype != np.int8 and not is_bfloat16(cache.dtype) and not is_fp8(cache.dtype)
+                and (cache.dtype.kind != "f" or cache.dtype.itemsize not in (2, 4, 8))):
             raise TypeError(f"{name} has dtype {cache.dtype}; {what} must be float16, "
-                            "bfloat16, float32, float64 or int8 (with scales)")
+                            "bfloat16, float32, float64, int8 (with scales) or fp8 "
+                            "(float8_e4m3fn, float8_e5m2)")
         if not cache.dtype.isnative:
             raise TypeError(
                 f"{name} has non-native byte order ({cache.dtype.str}): reading it would "
@@ -76,6 +78,56 @@ def check_int8_scales(k: _Array, k_scale: object, v_scale: object, q_dtype: np.d
                              "(reading it otherwise would copy it on every call)")
 
 
+def check_fp8_scales(k: _Array, k_scale: Any, v_scale: Any, q_dtype: np.dtype[Any],
+                     what: str, axes: str) -> None:
+    """fp8 caches (or pages) come with a scale each for K and V (none: 1)
+    that broadcasts to their first three axes: one per tensor, per
+    (entry, head), or per row; an array of exactly those axes holds each
+    row's scale, written as rows are appended."""
+    if q_dtype != np.float32 and not is_half(q_dtype):
+        raise TypeError(f"fp8 {what} need a float32, float16 or bfloat16 q, got {q_dtype}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        checked_scale(scale, k.shape[:3], name, k.dtype)
+        if fp8_rows_scaled(scale, k) and (
+                scale.dtype != np.float32 or not scale.dtype.isnative
+                or not readable_in_place(scale)):
+            raise ValueError(f"{name} of shape {k.shape[:3]} {axes} (a scale per row, written "
+                             "as rows are appended) must be a native, aligned float32 ndarray")
+
+
+def fp8_rows_scaled(scale: object, cache: _Array) -> bool:
+    """Whether an fp8 cache's scale is one per row (an array of the cache's
+    first three axes): appended rows then get scales of their own."""
+    return isinstance(scale, np.ndarray) and scale.shape == cache.shape[:3]
+
+
+def fp8_divisor(name: str, scale: Any, cache: _Array,
+                at: tuple[_Array, _Array, _Array]) -> _Array:
+    """What new rows for an fp8 cache whose scales are fixed (not one per
+    row, which an append writes) are divided by: the scale at each row's
+    place, ``at`` the indices of the cache's first three axes (entry or
+    page, head, position) of each row, broadcast as the rows are without
+    their features axis."""
+    if scale is None:
+        return np.ones((), np.float32)
+    full = checked_scale(scale, cache.shape[:3], name, cache.dtype)
+    divisor = full[at]
+    if np.any(divisor == 0):
+        raise ValueError(f"{name} is 0 at places this call appends to: new values are "
+                         "stored divided by it; give a scale > 0 there")
+    return divisor[..., None]
+
+
+def fp8_read_scale(scale: Any, cache: _Array) -> _Array:
+    """An fp8 cache's scale (checked) as the call reads it: float32 of the
+    cache's first three axes, a view (1 where none is given)."""
+    if scale is None:
+        return np.broadcast_to(np.ones((), np.float32), cache.shape[:3])
+    return checked_scale(scale, cache.shape[:3], "scale", cache.dtype)
+
+
 def check_scales_hold(k_scale: _Array, v_scale: _Array) -> None:
     """The scales of an int8 cache that is appended to are all in range (a
     cache's rows are dequantized by them)."""
@@ -109,21 +161,22 @@ def check_cache_lengths(cache_lengths: object, n_seq: int, capacity: int) -> _Ar
 
 def store_compute(store_dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The dtype a cache (or pages) of store_dtype is computed in: float16,
-    bfloat16 and int8 in float32, float32 and float64 in their own."""
-    if is_half(store_dtype) or store_dtype == np.int8:
+    bfloat16, int8 and fp8 in float32, float32 and float64 in their own."""
+    if is_half(store_dtype) or store_dtype == np.int8 or is_fp8(store_dtype):
         return np.dtype(np.float32)
     return store_dtype
 
 
 def result_dtype(q_dtype: np.dtype[Any], store_dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The dtype a cache call returns: the compute dtype, except that a
-    16-bit q with a cache of its dtype or int8 gives its dtype, as attention
-    would (with float16 and bfloat16 mixed, NumPy's promotion gives
-    float32)."""
+    16-bit q with a cache of its dtype, int8 or fp8 gives its dtype, as
+    attention would (with float16 and bfloat16 mixed, NumPy's promotion
+    gives float32)."""
     compute = store_compute(store_dtype)
     if compute != np.float32:
         return compute
-    return compute_dtype(q_dtype, q_dtype if store_dtype == np.int8 else store_dtype)[1]
+    one_byte = store_dtype == np.int8 or is_fp8(store_dtype)
+    return compute_dtype(q_dtype, q_dtype if one_byte else store_dtype)[1]
 
 
 def check_sequence_starts(kv_starts: object, n_seq: int, capacity: int,
@@ -142,8 +195,14 @@ def check_sequence_starts(kv_starts: object, n_seq: int, capacity: int,
 
 def check_new_rows_dtype(name: str, new: _Array, cache_dtype: np.dtype[Any], what: str) -> None:
     """New rows a cache can take: float (quantized on append) for an int8
-    cache, else castable to its dtype."""
-    if cache_dtype == np.int8:
+    or fp8 cache, else castable to its dtype."""
+    if is_fp8(cache_dtype):
+        if is_fp8(new.dtype) or (new.dtype.kind != "f" and not is_bfloat16(new.dtype)):
+            raise TypeError(f"{name} of dtype {new.dtype} for "
+                            f"{what_of(cache_dtype, what)}: pass float16, bfloat16, float32 "
+                            "or float64 values, which are scaled and rounded into "
+                            f"{cache_dtype} as they are appended")
+    elif cache_dtype == np.int8:
         if (new.dtype.kind not in "fiu" and not is_bfloat16(new.dtype)) or new.dtype == np.int8:
             raise TypeError(f"{name} of dtype {new.dtype} for "
                             f"{'an int8 cache' if what == 'caches' else 'int8 pages'}: pass "
@@ -224,13 +283,24 @@ class Appends:
 
 
 def as_stored(name: str, new: _Array, cache: _Array, scale: Optional[_Array],
-              seq_index: NDArray[np.intp]) -> list[Write]:
+              seq_index: NDArray[np.intp],
+              at: Optional[tuple[_Array, _Array, _Array]] = None) -> list[Write]:
     """The Writes of new rows (``new``: (B, H_kv, T_new, d), or packed
     (total, H_kv, d) with sequence s from index seq_index[s] of its first
     axis) as the cache stores them: converted to its float dtype, or
-    quantized (int8 rows, and their scales into the scale cache as rows of
-    one feature)."""
-    rows, row_scale = cache_rows(new, cache.dtype, name)
+    quantized (int8 rows, or fp8 rows with scales of their own, and their
+    scales into the scale cache as rows of one feature; fp8 rows under
+    fixed scales divided by the scale at their place: ``at``, as
+    fp8_divisor takes it)."""
+    row_scale: Optional[_Array]
+    if is_fp8(cache.dtype) and fp8_rows_scaled(scale, cache):
+        rows, row_scale = quantize(new, cache.dtype, "row", name)
+    elif is_fp8(cache.dtype):
+        assert at is not None
+        rows = to_codes(new, fp8_divisor(f"{name[0]}_scale", scale, cache, at), cache.dtype)
+        row_scale = None
+    else:
+        rows, row_scale = cache_rows(new, cache.dtype, name)
     row_axis = 2 if new.ndim == 4 else 0
     writes = [Write(cache, rows, np.ascontiguousarray(seq_index * rows.strides[0], np.intp),
                     row_axis, 1)]

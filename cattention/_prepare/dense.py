@@ -20,7 +20,7 @@ from numpy.typing import ArrayLike, NDArray
 from .._native import driver
 from .arrays import (array, as_input, broadcast_shapes, check_out, compute_dtype, gqa_hint,
                      output, prepare_mask, to_compute, to_result, view_as, writes_in_place)
-from .int8 import int8_scale
+from .fp8 import kv_scale
 from .options import (RowOptions, per_entry_alibi, per_entry_key_positions,
                       per_entry_query_offset, per_entry_sinks, per_sequence, row_options)
 
@@ -38,7 +38,7 @@ class DenseCall:
     k: _Array
     v: Optional[_Array]              # None: SCORES alone
     mask: Optional[_Array]
-    k_scale: Optional[_Array]        # int8 K/V: row scales, features axis of size 1
+    k_scale: Optional[_Array]        # int8 / fp8 K/V: row scales, features axis of size 1
     v_scale: Optional[_Array]
     batch_shape: tuple[int, ...]
     kv_group: int                    # G > 1: query head h reads K/V head h // G
@@ -114,10 +114,10 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
     k = as_input(k, "k")
     if v is not None:
         v = as_input(v, "v")
-    ks = int8_scale(k, k_scale, "k", q.dtype)
+    ks = kv_scale(k, k_scale, "k", q.dtype)
     vs = None
     if v is not None:
-        vs = int8_scale(v, v_scale, "v", q.dtype)
+        vs = kv_scale(v, v_scale, "v", q.dtype)
     elif v_scale is not None:
         raise ValueError("v_scale is given without v")
     if kv_lengths is not None:
@@ -148,10 +148,10 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
             f"k and v must have the same number of keys S (second-to-last "
             f"dimension): k has shape {k.shape}, v has shape {v.shape}")
     if compute != np.float32 and (ks is not None or vs is not None):
-        raise TypeError(f"int8 K/V are computed in float32, but these inputs compute in "
-                        f"{compute} (q {q.dtype}, k {k.dtype}"
+        raise TypeError(f"int8 K/V are computed in float32 (as fp8 K/V are), but these inputs "
+                        f"compute in {compute} (q {q.dtype}, k {k.dtype}"
                         f"{f', v {v.dtype}' if v is not None else ''}); pass float32 q and "
-                        "float32 (or float16, bfloat16 or int8) k and v")
+                        "float32 (or float16, bfloat16, int8 or fp8) k and v")
 
     if mask is not None:
         mask = prepare_mask(mask, n_queries, n_keys, compute)

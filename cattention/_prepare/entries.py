@@ -16,6 +16,7 @@ from numpy.typing import ArrayLike, NDArray
 from .._native import driver
 from .arrays import (array, as_input, check_out, compute_dtype, native, output, to_compute,
                      to_result, writes_in_place)
+from .fp8 import kv_scale
 from .options import RowOptions, check_alibi_values, check_sink_values, row_options
 
 _Array = NDArray[Any]
@@ -56,7 +57,7 @@ class EntriesCall:
     v: Place
     out: Place
     lse: Optional[Place]
-    k_scale: Optional[Place]         # int8 K/V: their row scales
+    k_scale: Optional[Place]         # int8 / fp8 K/V: their row scales
     v_scale: Optional[Place]
     q_lengths: _Intp
     kv_lengths: _Intp
@@ -191,6 +192,7 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
                    window: Any, softcap: Optional[float], alibi_slopes: Optional[ArrayLike],
                    sinks: Optional[ArrayLike], enable_gqa: object, return_lse: object,
                    num_threads: Any, out: Optional[_Array] = None,
+                   k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
                    ) -> tuple[EntriesCall, np.dtype[Any]]:
     """A packed variable-length call, checked; and its result dtype."""
     q = as_input(q, "q")
@@ -223,26 +225,29 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
                          f"({cu_k.size - 1} sequences) must describe as many sequences")
     causal = driver.check_flag(causal, "causal")
     return_lse = driver.check_flag(return_lse, "return_lse")
-    for name, operand in (("k", k), ("v", v)):
-        if operand.dtype == np.int8 and q.dtype.kind == "f":
-            # beside a float q, cattention reads int8 K/V as quantized
-            raise ValueError(
-                f"{name} is int8, which with a float q means quantized K/V with row scales; "
-                "attention_varlen takes no scales: pass float K/V (int8 pages with their "
-                "scales go to attention_with_paged_kvcache)")
+    # int8 K/V (with a float q) and fp8 K/V are read with their scales
+    ks = kv_scale(k, k_scale, "k", q.dtype)
+    vs = kv_scale(v, v_scale, "v", q.dtype)
     compute, result = compute_dtype(q, k, v)
+    if compute != np.float32 and (ks is not None or vs is not None):
+        raise TypeError(f"int8 and fp8 K/V are computed in float32, but these inputs compute "
+                        f"in {compute} (q {q.dtype}, k {k.dtype}, v {v.dtype})")
     options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
                           softcap=softcap, num_threads=num_threads)
     n_seq = cu_q.size - 1
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
     d_v = v.shape[2]
     if out is not None:
-        out = check_out(out, (total_q, n_heads, d_v), result, [("q", q), ("k", k), ("v", v)])
+        out = check_out(out, (total_q, n_heads, d_v), result,
+                        [("q", q), ("k", k), ("v", v), ("k_scale", ks), ("v_scale", vs)])
     attn, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse, out)
     starts_k = cu_k[:-1]
     call = EntriesCall(queries(q, cu_q, compute),
-                       place(to_compute(k, compute), starts_k, 0, 1),
-                       place(to_compute(v, compute), starts_k, 0, 1),
-                       attn, lse, None, None, np.diff(cu_q), np.diff(cu_k), n_heads,
+                       place(k if ks is not None else to_compute(k, compute), starts_k, 0, 1),
+                       place(v if vs is not None else to_compute(v, compute), starts_k, 0, 1),
+                       attn, lse,
+                       place(ks, starts_k, 0, 1) if ks is not None else None,
+                       place(vs, starts_k, 0, 1) if vs is not None else None,
+                       np.diff(cu_q), np.diff(cu_k), n_heads,
                        n_kv_heads, d_k, d_v, options, out_given=out)
     return call, result

@@ -54,15 +54,7 @@ def quantize_rows(x: ArrayLike, caller: str) -> tuple[NDArray[np.int8], NDArray[
     """int8 values and float32 row scales of x (the rule quantize_kv
     documents); caller prefixes the errors ("quantize_kv", or the argument
     whose rows a cache quantizes as it appends them)."""
-    arr = array(x, f"{caller}: x")
-    if arr.dtype.kind not in "fiub":
-        raise TypeError(f"{caller} needs real values, got dtype {arr.dtype}")
-    if arr.ndim < 1:
-        raise ValueError(f"{caller} needs rows (an array with a last axis), got shape "
-                         f"{arr.shape}")
-    with np.errstate(over="ignore"):
-        # beyond float32's range becomes inf, refused below
-        values = arr.astype(np.float32)
+    values = float32_rows(x, caller)
     if not np.all(np.isfinite(values)):
         bad = np.argwhere(~np.all(np.isfinite(values), axis=-1))
         raise ValueError(f"{caller}: rows hold NaN or infinite values (first at row index "
@@ -105,6 +97,35 @@ def cache_rows(new: NDArray[Any], cache_dtype: np.dtype[Any], name: str,
     return rows, None
 
 
+def float32_rows(x: ArrayLike, caller: str) -> NDArray[np.float32]:
+    """Rows to quantize (any real dtype, bfloat16 included) as float32:
+    values beyond float32's range become infinite, for the caller to
+    refuse or saturate."""
+    arr = array(x, f"{caller}: x")
+    if arr.dtype.kind not in "fiub" and not is_bfloat16(arr.dtype):
+        raise TypeError(f"{caller} needs real values, got dtype {arr.dtype}")
+    if arr.ndim < 1:
+        raise ValueError(f"{caller} needs rows (an array with a last axis), got shape "
+                         f"{arr.shape}")
+    with np.errstate(over="ignore"):
+        values: NDArray[np.float32] = arr.astype(np.float32)
+    return values
+
+
+def float32_scales(scale: ArrayLike, name: str) -> NDArray[np.float32]:
+    """Scales (argument ``name``) as native, aligned float32 values, which
+    the driver reads in place; their range is the caller's to check."""
+    arr = array(scale, name)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be real numbers, got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):
+        # beyond float32's range becomes inf, which no range holds
+        arr = arr.astype(np.float32, copy=False)
+    if not arr.dtype.isnative or not arr.flags.aligned:
+        arr = np.array(arr, dtype=np.float32)
+    return arr
+
+
 def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
                q_dtype: np.dtype[Any]) -> NDArray[np.float32] | None:
     """The row scales of an int8 K or V as an aligned float32 array of the
@@ -118,7 +139,7 @@ def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
         # as float64 (int8 K/V beside a float q are a quantized cache)
         if scale is not None:
             raise ValueError(f"{scale_name} is given but {name} has dtype {operand.dtype}; "
-                             f"{scale_name} goes with an int8 {name}")
+                             f"{scale_name} goes with an int8 or fp8 {name}")
         return None
     if scale is None:
         raise ValueError(f"{name} is int8 but {scale_name} is missing: pass the float32 "
@@ -127,18 +148,11 @@ def int8_scale(operand: NDArray[Any], scale: ArrayLike | None, name: str,
     if q_dtype != np.float32 and not is_half(q_dtype):
         raise TypeError(f"int8 {name} needs a float32 (or float16) q, or a bfloat16 one, got "
                         f"q of dtype {q_dtype}; int8 caches are computed in float32")
-    arr = array(scale, scale_name)
-    if arr.dtype.kind not in "fiu":
-        raise TypeError(f"{scale_name} must be real numbers, got dtype {arr.dtype}")
+    arr = float32_scales(scale, scale_name)
     if arr.shape != operand.shape[:-1]:
         raise ValueError(f"{scale_name} of shape {arr.shape} does not match {name} of shape "
                          f"{operand.shape}: it needs one scale per row, shape "
                          f"{operand.shape[:-1]}")
-    with np.errstate(over="ignore"):
-        # beyond float32's range becomes inf, refused below
-        arr = arr.astype(np.float32, copy=False)
-    if not arr.dtype.isnative or not arr.flags.aligned:
-        arr = np.array(arr, dtype=np.float32)
     if not scales_in_range(arr):
         raise ValueError(f"{scale_name} must be {SCALE_RANGE}")
     return arr[..., None]

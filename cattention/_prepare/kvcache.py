@@ -13,10 +13,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import array, as_input, check_out, is_half, refuse_shared_memory
-from .caches import (Appends, as_stored, check_cache_lengths, check_int8_scales,
-                     check_new_rows_dtype, check_scales_hold, check_sequence_starts,
-                     check_storage, new_rows, result_dtype, store_compute)
+from .arrays import array, as_input, check_out, is_fp8, is_half, refuse_shared_memory
+from .caches import (Appends, as_stored, check_cache_lengths, check_fp8_scales,
+                     check_int8_scales, check_new_rows_dtype, check_scales_hold,
+                     check_sequence_starts, check_storage, fp8_read_scale, fp8_rows_scaled,
+                     new_rows, result_dtype, store_compute)
 from .dense import DenseCall, prepare_dense
 from .entries import EntriesCall, head_options, outputs, place, queries
 from .options import row_options
@@ -55,11 +56,19 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
     # not be wider than the cache, or the cache would be converted whole
     half_cache = is_half(k_cache.dtype) and (is_half(q.dtype) or q.dtype == np.float32)
     int8_cache = k_cache.dtype == np.int8
+    fp8_cache = is_fp8(k_cache.dtype)
+    # the scales the call writes: int8's, and fp8's given one per row
+    written_scales: list[tuple[str, Any]] = [(name, scale) for name, scale in (("k_scale", k_scale),
+                                                        ("v_scale", v_scale))
+                      if int8_cache or (fp8_cache and fp8_rows_scaled(scale, k_cache))]
     if int8_cache:
         check_int8_scales(k_cache, k_scale, v_scale, q.dtype, "caches", "(B, H_kv, S_max)")
+    elif fp8_cache:
+        check_fp8_scales(k_cache, k_scale, v_scale, q.dtype, "caches", "(B, H_kv, S_max)")
     elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale and v_scale go with int8 caches; these are {k_cache.dtype}")
-    if (not half_cache and not int8_cache
+        raise ValueError(f"k_scale and v_scale go with int8 and fp8 caches; these are "
+                         f"{k_cache.dtype}")
+    if (not half_cache and not int8_cache and not fp8_cache
             and np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype):
         raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "
                         "convert (copy) the cache; pass q in the cache's dtype")
@@ -98,15 +107,17 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         if not (k_cache.flags.writeable and v_cache.flags.writeable
                 and lengths.flags.writeable):
             raise ValueError("k_cache, v_cache and cache_lengths must be writable to append")
-        if int8_cache:
-            assert isinstance(k_scale, np.ndarray) and isinstance(v_scale, np.ndarray)
-            if not (k_scale.flags.writeable and v_scale.flags.writeable):
-                raise ValueError("k_scale and v_scale must be writable to append")
-            check_scales_hold(k_scale, v_scale)
+        if written_scales:
+            if not all(scale.flags.writeable for _, scale in written_scales):
+                raise ValueError(f"{' and '.join(name for name, _ in written_scales)} must "
+                                 "be writable to append (a scale per row is written with "
+                                 "each row)")
+            if int8_cache:
+                check_scales_hold(k_scale, v_scale)  # type: ignore[arg-type]
         if n_new > 0:
             refuse_shared_memory(
                 [("k_cache", k_cache), ("v_cache", v_cache), ("cache_lengths", lengths)]
-                + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8_cache else []),
+                + written_scales,
                 [("q", q), ("k_new", k_rows), ("v_new", v_rows)])
             if entry_of is not None:
                 _refuse_shared_entries(entry_of)
@@ -135,9 +146,14 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
     writes = []
     if given is not None and n_new > 0:
         sequences = np.arange(n_batch, dtype=np.intp)
+        entries = entry_of if entry_of is not None else sequences
+        # (entry, head, position) of each new row
+        at = (entries[:, None, None], np.arange(n_kv_heads)[None, :, None],
+              start[:, None, None] + np.arange(n_new)[None, None, :])
         writes = (as_stored("k_new (rotated)" if rotary is not None else "k_new", k_rows,
-                            k_cache, k_scale, sequences)
-                  + as_stored("v_new", v_rows, v_cache, v_scale, sequences))
+                            k_cache, k_scale, sequences, at)
+                  + as_stored("v_new", v_rows, v_cache, v_scale, sequences, at))
+
     # with cache_batch_idx, sequence b's rows go to cache entry entry_of[b]:
     # the caches as pages of S_max rows, one page per sequence
     appends = Appends(lengths, start, np.full(n_batch, n_new, dtype=np.intp), writes,
@@ -145,6 +161,11 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
     causal = driver.check_flag(causal, "causal")
     return_lse = driver.check_flag(return_lse, "return_lse")
     if entry_of is not None:
+        if fp8_cache:
+            # the scales as the entries read them: of the cache's first
+            # three axes (1 where none is given)
+            k_scale, v_scale = (fp8_read_scale(k_scale, k_cache),
+                                fp8_read_scale(v_scale, v_cache))
         call = _entries_over_cache(
             q, k_cache, v_cache, k_scale, v_scale, entry_of, start + n_new, compute,
             causal=causal, scale=scale, window=window, softcap=softcap,

@@ -12,10 +12,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
-from .arrays import array, as_input, check_out, is_half, refuse_shared_memory
-from .caches import (Appends, Write, as_stored, check_cache_lengths, check_int8_scales,
-                     check_new_rows_dtype, check_sequence_starts, check_storage, new_rows,
-                     result_dtype, store_compute)
+from .arrays import array, as_input, check_out, is_fp8, is_half, refuse_shared_memory
+from .caches import (Appends, Write, as_stored, check_cache_lengths, check_fp8_scales,
+                     check_int8_scales, check_new_rows_dtype, check_sequence_starts,
+                     check_storage, fp8_read_scale, fp8_rows_scaled, new_rows, result_dtype,
+                     store_compute)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
 from .options import row_options
 from .rotary import Rotary, check_rotary, rotate_queries
@@ -75,12 +76,10 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                          f"key/value heads of k_pages {k_pages.shape}")
     half = is_half(k_pages.dtype) and (is_half(q.dtype) or q.dtype == np.float32)
     int8 = k_pages.dtype == np.int8
-    if int8:
-        check_int8_scales(k_pages, k_scale, v_scale, q.dtype, "pages",
-                          "(n_pages, H_kv, page_size)")
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale and v_scale go with int8 pages; these are {k_pages.dtype}")
-    if not half and not int8 and np.result_type(q.dtype, k_pages.dtype) != k_pages.dtype:
+    fp8 = is_fp8(k_pages.dtype)
+    written_scales = _written_scales(k_pages, k_scale, v_scale, q.dtype)
+    if (not half and not int8 and not fp8
+            and np.result_type(q.dtype, k_pages.dtype) != k_pages.dtype):
         raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
                         "(copy) every page; pass q in the pages' dtype")
     lengths = check_cache_lengths(cache_lengths, n_seq, max_pages * page_size)
@@ -118,14 +117,13 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
             check_new_rows_dtype(name, new, k_pages.dtype, "pages")
         n_new = (np.diff(cu_new) if cu_new is not None
                  else np.full(n_seq, given[0].shape[2], dtype=np.intp))
-        writable = [k_pages, v_pages, lengths] + (
-            [k_scale, v_scale] if int8 else [])
+        writable = [k_pages, v_pages, lengths] + [scale for _, scale in written_scales]
         if not all(a.flags.writeable for a in writable if a is not None):
             raise ValueError("k_pages, v_pages, cache_lengths (and k_scale, v_scale) must "
                              "be writable to append")
         refuse_shared_memory(
             [("k_pages", k_pages), ("v_pages", v_pages), ("cache_lengths", lengths)]
-            + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
+            + written_scales,
             [("q", q), ("k_new", given[0]), ("v_new", given[1])])
     # in Python ints: a uint64 length beyond int64 would wrap around in int64
     needed = [int(old) + int(new) for old, new in zip(lengths.tolist(), n_new.tolist())]
@@ -172,21 +170,44 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                                             old_lengths, n_new)
     if given is not None:
         seq_index = cu_new[:-1] if cu_new is not None else np.arange(n_seq, dtype=np.intp)
+        at = _places_of_new_rows(table, old_lengths, n_new, cu_new, page_size, n_kv_heads)
         writes = (as_stored("k_new (rotated)" if rotary is not None else "k_new", given[0],
-                            k_pages, k_scale, seq_index)
-                  + as_stored("v_new", given[1], v_pages, v_scale, seq_index))
+                            k_pages, k_scale, seq_index, at)
+                  + as_stored("v_new", given[1], v_pages, v_scale, seq_index, at))
     appends = Appends(lengths, old_lengths.astype(np.intp), n_new.astype(np.intp), writes,
                       table.reshape(-1), max_pages)
     attn, lse = outputs(q, cu_q, n_seq, n_heads, d_v, compute, return_lse, out)
     zeros = np.zeros(n_seq, dtype=np.intp)
+    if fp8:
+        # the scales as the entries read them: of the pages' first three
+        # axes (1 where none is given)
+        k_scale, v_scale = fp8_read_scale(k_scale, k_pages), fp8_read_scale(v_scale, v_pages)
     call = EntriesCall(
         queries(q, cu_q, compute), place(k_pages, zeros, 2, 1, 0), place(v_pages, zeros, 2, 1, 0),
         attn, lse,
-        place(k_scale[..., None], zeros, 2, 1, 0) if int8 and k_scale is not None else None,
-        place(v_scale[..., None], zeros, 2, 1, 0) if int8 and v_scale is not None else None,
+        place(k_scale[..., None], zeros, 2, 1, 0) if k_scale is not None else None,
+        place(v_scale[..., None], zeros, 2, 1, 0) if v_scale is not None else None,
         np.ascontiguousarray(q_lengths, np.intp), new_lengths.astype(np.intp), n_heads,
         n_kv_heads, d_k, d_v, options, table.reshape(-1), max_pages, page_size, starts, out)
     return call, appends, result
+
+
+def _written_scales(k_pages: _Array, k_scale: object, v_scale: object,
+                    q_dtype: np.dtype[Any]) -> list[tuple[str, Any]]:
+    """The scales of int8 or fp8 pages, checked, and those an append writes
+    (int8's, and fp8's given one per row); none go with float pages."""
+    axes = "(n_pages, H_kv, page_size)"
+    if k_pages.dtype == np.int8:
+        check_int8_scales(k_pages, k_scale, v_scale, q_dtype, "pages", axes)
+        return [("k_scale", k_scale), ("v_scale", v_scale)]
+    if is_fp8(k_pages.dtype):
+        check_fp8_scales(k_pages, k_scale, v_scale, q_dtype, "pages", axes)
+        return [(name, scale) for name, scale in (("k_scale", k_scale), ("v_scale", v_scale))
+                if fp8_rows_scaled(scale, k_pages)]
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with int8 and fp8 pages; these are "
+                         f"{k_pages.dtype}")
+    return []
 
 
 def _rotated(rotary: Rotary, q: _Array, given: Optional[tuple[_Array, _Array]],
@@ -216,6 +237,23 @@ def _rows_of(cu: Optional[_Intp], counts: _Intp, n_rows: int) -> tuple[_Intp, _I
         return grid[0], grid[1]
     sequence = np.repeat(np.arange(counts.size, dtype=np.intp), counts)
     return sequence, np.arange(sequence.size, dtype=np.intp) - cu[:-1][sequence]
+
+
+def _places_of_new_rows(table: _Intp, old_lengths: NDArray[np.int64], n_new: _Intp,
+                        cu_new: Optional[_Intp], page_size: int,
+                        n_kv_heads: int) -> tuple[_Array, _Array, _Array]:
+    """(page, head, row in page) of each new row: padded rows (n_seq,
+    H_kv, T_new), or packed (total_new, H_kv) when cu_new is given."""
+    heads = np.arange(n_kv_heads)
+    if cu_new is None:
+        positions = old_lengths[:, None] + np.arange(int(n_new.max(initial=0)))
+        sequence = np.arange(table.shape[0])[:, None]
+        pages = table[sequence, positions // page_size]
+        return pages[:, None, :], heads[None, :, None], (positions % page_size)[:, None, :]
+    sequence = np.repeat(np.arange(table.shape[0]), n_new)
+    positions = old_lengths[sequence] + np.arange(sequence.size) - cu_new[:-1][sequence]
+    pages = table[sequence, positions // page_size]
+    return pages[:, None], heads[None, :], (positions % page_size)[:, None]
 
 
 def _refuse_clashing_writes(table: _Intp, old_lengths: NDArray[np.int64], n_new: _Intp,
@@ -295,12 +333,7 @@ def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLik
             raise ValueError(f"{name} must have shape {want} (n_rows, H_kv, d) to match "
                              f"slot_mapping {slots.shape} and the pages; got {new.shape}")
         check_new_rows_dtype(name, new, k_pages.dtype, "pages")
-    int8 = k_pages.dtype == np.int8
-    if int8:
-        check_int8_scales(k_pages, k_scale, v_scale, np.dtype(np.float32), "pages",
-                          "(n_pages, H_kv, page_size)")
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale and v_scale go with int8 pages; these are {k_pages.dtype}")
+    written_scales = _written_scales(k_pages, k_scale, v_scale, np.dtype(np.float32))
     capacity = n_pages * page_size
     # (in Python ints, before any cast: a uint64 slot past int64 would wrap)
     if slots.size and int(slots.max()) >= capacity:
@@ -318,15 +351,16 @@ def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLik
         raise ValueError(f"slot {int(values[counts > 1][0])} is given to more than one new "
                          "row of slot_mapping: which row it holds would depend on the order "
                          "of the writes")
-    writable = [k_pages, v_pages] + ([k_scale, v_scale] if int8 else [])
+    writable = [k_pages, v_pages] + [scale for _, scale in written_scales]
     if not all(a.flags.writeable for a in writable if a is not None):
         raise ValueError("k_pages, v_pages (and k_scale, v_scale) must be writable to append")
     refuse_shared_memory(
-        [("k_pages", k_pages), ("v_pages", v_pages)]
-        + ([("k_scale", k_scale), ("v_scale", v_scale)] if int8 else []),
+        [("k_pages", k_pages), ("v_pages", v_pages)] + written_scales,
         [("k_new", given[0]), ("v_new", given[1])])
     row_index = np.arange(slots.size, dtype=np.intp)
-    writes = (as_stored("k_new", given[0], k_pages, k_scale, row_index)
-              + as_stored("v_new", given[1], v_pages, v_scale, row_index))
+    at = ((slots // page_size)[:, None], np.arange(n_kv_heads)[None, :],
+          (slots % page_size)[:, None])
+    writes = (as_stored("k_new", given[0], k_pages, k_scale, row_index, at)
+              + as_stored("v_new", given[1], v_pages, v_scale, row_index, at))
     return SlotWrites(writes, (slots % page_size).astype(np.intp),
                       np.ones(slots.size, dtype=np.intp), (slots // page_size).astype(np.intp))

@@ -1,7 +1,7 @@
 /*
  * The NEON kernel table against the portable one, as a static aarch64
  * program run under qemu-aarch64 (`make test-arm`): every kernel on random
- * inputs, every tail length, -inf, NaN, every float16 and int8 value. Exact
+ * inputs, every tail length, -inf, NaN, every float16, int8 and fp8 value. Exact
  * kernels (conversions, packing, row max) must match bit for bit; the
  * others within a rounding bound of the terms' magnitudes. Also checks that
  * dispatch picks NEON by default on aarch64.
@@ -9,6 +9,7 @@
  * Prints one line per failure (at most a few per kernel) and a summary;
  * exits 1 on any failure.
  */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -521,6 +522,254 @@ static void check_int8(void)
         }
 }
 
+/* fp8 codes widened here, not by scalar.c: E4M3FN (bias 7, subnormals of
+   2^-9, no infinities, NaN at S.1111.111) and E5M2 (bias 15, the upper byte
+   of a binary16) */
+static float fp8_value(uint8_t code, int format)
+{
+    const int negative = code >> 7;
+    float magnitude;
+    if (format == CA_FP8_E4M3FN) {
+        const int exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
+        if ((code & 0x7F) == 0x7F)
+            return negative ? -NAN : NAN;
+        magnitude = exponent == 0 ? ldexpf((float)mantissa, -9)
+                                  : ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
+    } else {
+        const int exponent = (code >> 2) & 0x1F, mantissa = code & 0x3;
+        if (exponent == 31)
+            magnitude = mantissa ? NAN : INFINITY;
+        else
+            magnitude = exponent == 0 ? ldexpf((float)mantissa, -16)
+                                      : ldexpf(1.0f + mantissa / 4.0f, exponent - 15);
+    }
+    return negative ? -magnitude : magnitude;
+}
+
+/* a random code of the format that is neither NaN nor infinite */
+static uint8_t fp8_finite_code(int format)
+{
+    for (;;) {
+        const uint8_t code = (uint8_t)(uniform() * 256);
+        if (isfinite(fp8_value(code, format)))
+            return code;
+    }
+}
+
+/* fp8 K/V: fp8_rows_to_f32 bit for bit the portable table's and the exact
+   product of the widened code and its row's scale (every code of both
+   formats times scales of every kind, every tail, contiguous and strided,
+   one scale for all rows and one per row); the direct kernels within a
+   rounding bound of the portable ones, NaN codes (and E5M2's infinities)
+   giving NaN and infinities in the same places, keys of weight 0 (by the
+   weight or by the scale) skipped, NaN codes or not, nothing written past
+   n_keys or past d_v rounded up to 16, codes past d_k / d_v never read */
+static void check_fp8(void)
+{
+    begin("fp8_rows_to_f32 / score_direct_fp8 / pv_direct_fp8");
+    static const char *const format_names[2] = {"e4m3fn", "e5m2"};
+    static const float largest[2] = {448.0f, 57344.0f};
+    /* NaN in both formats (S.1111.111), and E5M2's infinities */
+    static const uint8_t nan_codes[2] = {0x7F, 0xFF}, inf_codes[2] = {0x7C, 0xFC};
+    for (int format = 0; format < 2; ++format) {
+        const char *fmt = format_names[format];
+        /* the codes themselves */
+        for (int code = 0; code < 256; ++code) {
+            const float got = ca_e4m3fn_to_float((uint8_t)code);
+            const float got5 = ca_e5m2_to_float((uint8_t)code);
+            CHECK(same_f32(format ? got5 : got, fp8_value((uint8_t)code, format)),
+                  "%s code %#04x widens to %g, not %g", fmt, code,
+                  (double)(format ? got5 : got), (double)fp8_value((uint8_t)code, format));
+        }
+        const float scales[16] = {0.0371f, -2.5f, 0.0f, -0.0f, 1e-40f, 0x1p-149f, 0x1p-126f,
+                                  1e-30f, FLT_MAX / largest[format],
+                                  -(FLT_MAX / largest[format]), 3e33f, 1.0f, 0.5f, 7.0f,
+                                  1.7e-38f, 0x1p-140f};
+        /* every code (a row of each) times every scale, then random rows of
+           every tail length */
+        enum { MAX_COLS = 256 };
+        uint8_t *src = alloc(16 * 2 * MAX_COLS + 16);
+        float *scale = alloc(sizeof(float) * 16 * 3);
+        float *dst_ref = alloc(sizeof(float) * 16 * (MAX_COLS + 1));
+        float *dst_neon = alloc(sizeof(float) * 16 * (MAX_COLS + 1));
+        for (int n_cols = 1; n_cols <= 41; ++n_cols)
+            for (int src_col = 1; src_col <= 2; ++src_col)
+                for (int stride = 0; stride <= 3; stride += 3) {
+                    /* n_cols 41: the 256 codes in each of 16 rows */
+                    const int every = n_cols == 41;
+                    if (every && src_col == 2)
+                        continue;
+                    const int cols = every ? 256 : n_cols;
+                    const int n_rows = every ? 16 : 3, src_row = 2 * cols + 1, ld = cols + 1;
+                    for (int r = 0; r < n_rows; ++r)
+                        for (int c = 0; c < src_row; ++c)
+                            src[r * src_row + c] = every ? (uint8_t)(c / src_col)
+                                                         : (uint8_t)(uniform() * 256);
+                    for (int i = 0; i < 16 * 3; ++i)
+                        scale[i] = scales[(i / 3 + n_cols) % 16];
+                    for (int i = 0; i < n_rows * ld; ++i)
+                        dst_ref[i] = dst_neon[i] = 9.0f;
+                    REF->fp8_rows_to_f32(src, src_row, src_col, n_rows, cols, format, scale,
+                                         stride, dst_ref, ld);
+                    NEON->fp8_rows_to_f32(src, src_row, src_col, n_rows, cols, format, scale,
+                                          stride, dst_neon, ld);
+                    for (int r = 0; r < n_rows; ++r)
+                        for (int c = 0; c < ld; ++c) {
+                            const uint8_t code = src[r * src_row + c * src_col];
+                            const float row_scale = scale[r * stride];
+                            const float exact = c < cols ? fp8_value(code, format) * row_scale
+                                                         : 9.0f;
+                            const int i = r * ld + c;
+                            CHECK(same_f32(dst_ref[i], exact),
+                                  "portable rows %s n_cols=%d src_col=%d scale_stride=%d "
+                                  "at (%d, %d) code %#04x scale %g: %g vs %g", fmt, cols,
+                                  src_col, stride, r, c, code, (double)row_scale,
+                                  (double)dst_ref[i], (double)exact);
+                            CHECK(same_f32(dst_neon[i], exact),
+                                  "rows %s n_cols=%d src_col=%d scale_stride=%d at (%d, %d) "
+                                  "code %#04x scale %g: %g vs %g", fmt, cols, src_col, stride,
+                                  r, c, code, (double)row_scale, (double)dst_neon[i],
+                                  (double)exact);
+                        }
+                }
+        free(src); free(scale); free(dst_ref); free(dst_neon);
+
+        /* score_direct_fp8 */
+        static const int score_keys[5] = {1, 3, 4, 5, 9};
+        static const int score_widths[3] = {64, 127, 128};     /* after 1 .. 35 */
+        int score_case = 0;
+        for (int wi = 0; wi < 35 + 3; ++wi)
+            for (int ki = 0; ki < 5; ++ki)
+                for (int n_rows = 1; n_rows <= 3; ++n_rows) {
+                    const int d_k = wi < 35 ? wi + 1 : score_widths[wi - 35];
+                    const int n_keys = score_keys[ki], ldq = d_k + 1, ldk = d_k + 3;
+                    const int lds = n_keys + 2;
+                    const int stride = ++score_case % 4 == 0 ? 0 : 2;
+                    float *q = alloc(sizeof(float) * n_rows * ldq);
+                    uint8_t *k = alloc((size_t)n_keys * ldk);
+                    float *key_scale = alloc(sizeof(float) * 2 * n_keys);
+                    float *s_ref = alloc(sizeof(float) * n_rows * lds);
+                    float *s_neon = alloc(sizeof(float) * n_rows * lds);
+                    for (int i = 0; i < n_rows * ldq; ++i)
+                        q[i] = (float)normal();
+                    for (int j = 0; j < n_keys; ++j)
+                        for (int c = 0; c < ldk; ++c)
+                            k[j * ldk + c] = c < d_k ? fp8_finite_code(format) : 0x7F;
+                    if (n_keys >= 3 && score_case % 3 == 0) {
+                        k[ldk + (int)(uniform() * d_k)] = nan_codes[score_case % 2];
+                        if (format == CA_FP8_E5M2)
+                            k[2 * ldk + (int)(uniform() * d_k)] = inf_codes[score_case % 2];
+                    }
+                    for (int i = 0; i < 2 * n_keys; ++i)
+                        key_scale[i] = (float)(uniform() * 0.05 + 1e-3);
+                    if (n_keys == 9 && stride)
+                        key_scale[2 * stride] = 0.0f;   /* a key of scale 0 */
+                    for (int i = 0; i < n_rows * lds; ++i)
+                        s_ref[i] = s_neon[i] = 5.0f;
+                    const void *ahead = score_case % 2 ? k : NULL;
+                    REF->score_direct_fp8(q, ldq, n_rows, k, ldk, n_keys, d_k, format, -0.61f,
+                                          key_scale, stride, s_ref, lds, ahead, ldk, 64);
+                    NEON->score_direct_fp8(q, ldq, n_rows, k, ldk, n_keys, d_k, format, -0.61f,
+                                           key_scale, stride, s_neon, lds, ahead, ldk, 64);
+                    for (int r = 0; r < n_rows; ++r)
+                        for (int j = 0; j < lds; ++j) {
+                            const int i = r * lds + j;
+                            if (j >= n_keys) {
+                                CHECK(same_f32(s_neon[i], 5.0f) && same_f32(s_ref[i], 5.0f),
+                                      "score %s d_k=%d n_keys=%d: wrote s past n_keys", fmt,
+                                      d_k, n_keys);
+                                continue;
+                            }
+                            double magnitude = 0;
+                            for (int c = 0; c < d_k; ++c) {
+                                const float x = fp8_value(k[j * ldk + c], format);
+                                magnitude += isfinite(x) ? fabs((double)q[r * ldq + c] * x) : 0;
+                            }
+                            magnitude *= 0.61 * key_scale[j * stride];
+                            CHECK(close_to(s_neon[i], s_ref[i],
+                                           2 * (d_k + 3) * 0x1.0p-23 * magnitude),
+                                  "score %s d_k=%d n_keys=%d n_rows=%d scale_stride=%d at "
+                                  "(%d, %d): %g vs %g", fmt, d_k, n_keys, n_rows, stride, r, j,
+                                  (double)s_neon[i], (double)s_ref[i]);
+                        }
+                    free(q); free(k); free(key_scale); free(s_ref); free(s_neon);
+                }
+
+        /* pv_direct_fp8; 70 keys: a run of CA_SUM_KEYS, then the rest; 9
+           rows: past the rows of weights the wrapper holds at a time */
+        static const int pv_keys[3] = {1, 6, 70};
+        static const int pv_widths[4] = {127, 128, 129, 200};  /* after 1 .. 35 */
+        int pv_case = 0;
+        for (int wi = 0; wi < 35 + 4; ++wi)
+            for (int ki = 0; ki < 3; ++ki)
+                for (int n_rows = 2; n_rows <= 9; n_rows = n_rows == 2 ? 8 : n_rows + 1) {
+                    const int d_v = wi < 35 ? wi + 1 : pv_widths[wi - 35];
+                    if (n_rows == 9 && d_v != 33 && d_v != 129)
+                        continue;
+                    const int n_keys = pv_keys[ki], ldv = d_v + 1;
+                    const int rounded = (d_v + 15) / 16 * 16, ldacc = rounded + 16;
+                    const int stride = ++pv_case % 3 == 0 ? 0 : 1;
+                    float *p = alloc(sizeof(float) * n_rows * n_keys);
+                    uint8_t *v = alloc((size_t)n_keys * ldv);
+                    float *key_scale = alloc(sizeof(float) * n_keys);
+                    float *acc0 = alloc(sizeof(float) * n_rows * ldacc);
+                    float *acc_ref = alloc(sizeof(float) * n_rows * ldacc);
+                    float *acc_neon = alloc(sizeof(float) * n_rows * ldacc);
+                    for (int i = 0; i < n_rows * n_keys; ++i) {
+                        const double x = uniform();
+                        /* key 0 has weight 0 in every row */
+                        p[i] = (float)(x < 0.25 || i % n_keys == 0 ? 0 : x);
+                    }
+                    for (int j = 0; j < n_keys; ++j)
+                        for (int c = 0; c < ldv; ++c)
+                            v[j * ldv + c] = j == 0 ? nan_codes[pv_case % 2]
+                                             : c < d_v ? fp8_finite_code(format) : 0x7F;
+                    for (int j = 0; j < n_keys; ++j)
+                        key_scale[j] = (float)(uniform() * 0.05 + 1e-3);
+                    if (n_keys >= 6 && stride) {
+                        /* weight 0 by its scale: a NaN code there takes no part */
+                        key_scale[2] = 0.0f;
+                        v[2 * ldv + (int)(uniform() * d_v)] = nan_codes[pv_case % 2];
+                        if (format == CA_FP8_E5M2)
+                            v[4 * ldv + (int)(uniform() * d_v)] = inf_codes[pv_case % 2];
+                    }
+                    for (int i = 0; i < n_rows * ldacc; ++i)
+                        acc0[i] = acc_ref[i] = acc_neon[i] = (float)normal();
+                    const void *ahead = pv_case % 2 ? v : NULL;
+                    REF->pv_direct_fp8(p, n_keys, n_rows, v, ldv, n_keys, d_v, format,
+                                       key_scale, stride, acc_ref, ldacc, ahead, ldv, 64);
+                    NEON->pv_direct_fp8(p, n_keys, n_rows, v, ldv, n_keys, d_v, format,
+                                        key_scale, stride, acc_neon, ldacc, ahead, ldv, 64);
+                    for (int r = 0; r < n_rows; ++r)
+                        for (int c = 0; c < ldacc; ++c) {
+                            const int i = r * ldacc + c;
+                            if (c >= d_v && c < rounded)
+                                continue; /* may be rewritten */
+                            if (c >= rounded) {
+                                CHECK(same_f32(acc_neon[i], acc0[i])
+                                      && same_f32(acc_ref[i], acc0[i]),
+                                      "pv %s d_v=%d n_keys=%d: wrote past d_v rounded up", fmt,
+                                      d_v, n_keys);
+                                continue;
+                            }
+                            double magnitude = fabs((double)acc0[i]);
+                            for (int j = 0; j < n_keys; ++j) {
+                                const float x = fp8_value(v[j * ldv + c], format);
+                                const float w = p[r * n_keys + j] * key_scale[j * stride];
+                                magnitude += w != 0 && isfinite(x) ? fabs((double)w * x) : 0;
+                            }
+                            CHECK(close_to(acc_neon[i], acc_ref[i],
+                                           2 * (n_keys + 3) * 0x1.0p-23 * magnitude),
+                                  "pv %s d_v=%d n_keys=%d n_rows=%d scale_stride=%d at "
+                                  "(%d, %d): %g vs %g", fmt, d_v, n_keys, n_rows, stride, r, c,
+                                  (double)acc_neon[i], (double)acc_ref[i]);
+                        }
+                    free(p); free(v); free(key_scale); free(acc0); free(acc_ref);
+                    free(acc_neon);
+                }
+    }
+}
+
 static void check_softcap(void)
 {
     begin("softcap_f32");
@@ -614,6 +863,7 @@ int main(void)
     check_direct_16(0);
     check_direct_16(1);
     check_int8();
+    check_fp8();
     check_softcap();
     check_packing();
     check_dispatch();

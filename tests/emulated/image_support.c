@@ -88,5 +88,6 @@ const int64_t ca_image_fields[] = {
     offsetof(ca_kernels, score_direct_f16), offsetof(ca_kernels, pv_direct_f16),
     offsetof(ca_kernels, divide_rows_f32), offsetof(ca_kernels, divide_rows_f64),
     offsetof(ca_kernels, bf16_rows_to_f32), offsetof(ca_kernels, score_direct_bf16),
-    offsetof(ca_kernels, pv_direct_bf16),
+    offsetof(ca_kernels, pv_direct_bf16), offsetof(ca_kernels, fp8_rows_to_f32),
+    offsetof(ca_kernels, score_direct_fp8), offsetof(ca_kernels, pv_direct_fp8),
 };

@@ -1,0 +1,120 @@
+/*
+ * fp8 K/V for a table (kernels.h: score_direct_fp8, pv_direct_fp8), written
+ * once over the table's unscaled decode kernels of each format, which the
+ * including file defines first (score_direct_e4m3 / _e5m2, pv_direct_e4m3 /
+ * _e5m2: the decode kernels of kernels_simd_direct.h, or the portable
+ * ones, with K and V read as CA_E4M3_UNIT times the E4M3FN value, exactly,
+ * and as the E5M2 value).
+ *
+ * A table whose E4M3FN widening needs extra steps for NaN codes defines
+ * CA_E4M3_NAN_KERNELS and a second pair, score_direct_e4m3nan and
+ * pv_direct_e4m3nan, that take them; the pair without is then used only on
+ * rows a scan finds free of NaN codes (every cache but one that stored a
+ * NaN): the scan costs a few byte operations per 32 codes, the fixing three
+ * vector operations per vector.
+ *
+ * The scales join outside the products, as int8's do: a key's scale
+ * multiplies its finished logit, a value's scale its weight. A per-tensor
+ * scale so costs nothing per feature, and a per-row one no more.
+ *
+ * CA_E4M3_UNIT is a power of two (a SIMD table widens E4M3FN into a
+ * binary16 2^8 below its value, see vf32_load_e4m3), so dividing it out of
+ * the scale is exact: every product, sum and rounding is the one of the
+ * values themselves (outside float32's subnormal range).
+ */
+#ifndef CA_E4M3_UNIT
+#define CA_E4M3_UNIT 1.0f
+#endif
+#ifndef CA_SIMD_TARGET
+#define CA_SIMD_TARGET
+#endif
+
+/* rows of a P.V call whose weights one pass holds (the driver's decode
+   items have at most DIRECT_ROWS = 8) */
+#define CA_FP8_WEIGHT_ROWS 8
+
+#ifdef CA_E4M3_NAN_KERNELS
+/* whether any of n_rows rows of n_cols E4M3FN codes (ld apart) is a NaN
+   code, S.1111.111: its low seven bits plus one carry into the eighth
+   (byte arithmetic, which the compiler vectorises) */
+CA_SIMD_TARGET static int e4m3_has_nan(const uint8_t *rows, ptrdiff_t ld, ptrdiff_t n_rows,
+                                       ptrdiff_t n_cols)
+{
+    uint8_t seen = 0;
+    if (ld == n_cols) {
+        /* rows back to back: one run, one reduction of the vector lanes */
+        n_cols *= n_rows;
+        n_rows = 1;
+    }
+    for (ptrdiff_t r = 0; r < n_rows; ++r)
+        for (ptrdiff_t c = 0; c < n_cols; ++c)
+            seen |= (uint8_t)((rows[r * ld + c] & 0x7Fu) + 1u);
+    return (seen & 0x80u) != 0;
+}
+#define CA_E4M3_KERNEL(name, codes, ld, n_rows, n_cols) \
+    (e4m3_has_nan(codes, ld, n_rows, n_cols) ? name##_e4m3nan : name##_e4m3)
+#else
+#define CA_E4M3_KERNEL(name, codes, ld, n_rows, n_cols) name##_e4m3
+#endif
+
+CA_SIMD_TARGET static void score_direct_fp8(const float *q, ptrdiff_t ldq, ptrdiff_t n_rows,
+                                            const uint8_t *k, ptrdiff_t ldk, ptrdiff_t n_keys,
+                                            ptrdiff_t d_k, int format, float factor,
+                                            const float *scale, ptrdiff_t scale_stride,
+                                            float *s, ptrdiff_t lds, const void *ahead,
+                                            ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
+{
+    const float per_unit = format == CA_FP8_E4M3FN ? 1.0f / CA_E4M3_UNIT : 1.0f;
+    if (format == CA_FP8_E4M3FN)
+        CA_E4M3_KERNEL(score_direct, k, ldk, n_keys, d_k)(q, ldq, n_rows, k, ldk, n_keys, d_k,
+                                                         factor, s, lds, ahead, ahead_stride,
+                                                         ahead_bytes);
+    else
+        score_direct_e5m2(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds, ahead,
+                          ahead_stride, ahead_bytes);
+    for (ptrdiff_t j = 0; j < n_keys; ++j) {
+        const float key_scale = scale[j * scale_stride] * per_unit;
+        for (ptrdiff_t r = 0; r < n_rows; ++r)
+            s[r * lds + j] *= key_scale;
+    }
+}
+
+CA_SIMD_TARGET static void pv_direct_fp8(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
+                                         const uint8_t *v, ptrdiff_t ldv, ptrdiff_t n_keys,
+                                         ptrdiff_t d_v, int format, const float *scale,
+                                         ptrdiff_t scale_stride, float *acc, ptrdiff_t ldacc,
+                                         const void *ahead, ptrdiff_t ahead_stride,
+                                         ptrdiff_t ahead_bytes)
+{
+    const float per_unit = format == CA_FP8_E4M3FN ? 1.0f / CA_E4M3_UNIT : 1.0f;
+    /* the weights of CA_SUM_KEYS keys at a time: the kernel sums runs of
+       that many keys from zero, so its runs are those of one call */
+    float weight[CA_FP8_WEIGHT_ROWS * CA_SUM_KEYS];
+    void (*pv_e4m3)(const float *, ptrdiff_t, ptrdiff_t, const uint8_t *, ptrdiff_t, ptrdiff_t,
+                    ptrdiff_t, float *, ptrdiff_t, const void *, ptrdiff_t, ptrdiff_t) =
+        format == CA_FP8_E4M3FN ? CA_E4M3_KERNEL(pv_direct, v, ldv, n_keys, d_v) : NULL;
+    for (ptrdiff_t r0 = 0; r0 < n_rows; r0 += CA_FP8_WEIGHT_ROWS) {
+        const ptrdiff_t rows = n_rows - r0 < CA_FP8_WEIGHT_ROWS ? n_rows - r0
+                                                                : CA_FP8_WEIGHT_ROWS;
+        for (ptrdiff_t j0 = 0; j0 < n_keys; j0 += CA_SUM_KEYS) {
+            const ptrdiff_t keys = n_keys - j0 < CA_SUM_KEYS ? n_keys - j0 : CA_SUM_KEYS;
+            for (ptrdiff_t r = 0; r < rows; ++r)
+                for (ptrdiff_t j = 0; j < keys; ++j)
+                    weight[r * CA_SUM_KEYS + j] =
+                        (p[(r0 + r) * ldp + j0 + j] * scale[(j0 + j) * scale_stride])
+                        * per_unit;
+            /* the first rows prefetch what the caller asked for, once */
+            const void *ahead_j = r0 == 0 && ahead != NULL
+                                      ? (const char *)ahead + j0 * ahead_stride : NULL;
+            if (format == CA_FP8_E4M3FN)
+                pv_e4m3(weight, CA_SUM_KEYS, rows, v + j0 * ldv, ldv, keys, d_v, acc + r0 * ldacc,
+                        ldacc, ahead_j, ahead_stride, ahead_bytes);
+            else
+                pv_direct_e5m2(weight, CA_SUM_KEYS, rows, v + j0 * ldv, ldv, keys, d_v,
+                               acc + r0 * ldacc, ldacc, ahead_j, ahead_stride, ahead_bytes);
+        }
+    }
+}
+
+#undef CA_FP8_WEIGHT_ROWS
+#undef CA_E4M3_KERNEL
