@@ -5,10 +5,13 @@ the same rows for the conventions (windows, ALiBi, softcap, sinks, encoder
 attention), and its refusals. Skipped where vLLM is absent (make test-vllm
 runs it in vLLM's environment)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from reference import assert_bitwise_equal, assert_half_matches_reference, assert_matches_reference
+from reference import (FP8_MAX, assert_bitwise_equal, assert_half_matches_reference,
+                       assert_matches_reference, reference_attention, saturated_fp8_codes)
 
 try:
     import torch
@@ -25,6 +28,9 @@ from cattention.integrations.vllm._backend import (CattentionBackend,  # noqa: E
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
+#: vLLM's fp8 kv_cache_dtype values and the format each stores
+FP8 = {"fp8": np.dtype(ml_dtypes.float8_e4m3fn), "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+       "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
 
 
 class Step:
@@ -34,7 +40,7 @@ class Step:
     cache hit). Every key row already written holds random values."""
 
     def __init__(self, seed, query_lens, seq_lens, n_heads, n_kv_heads, head_size,
-                 block_size, dtype, shared_prefix=True):
+                 block_size, dtype, shared_prefix=True, kv_cache_dtype="auto"):
         rng = np.random.default_rng(seed)
         self.query_lens = np.array(query_lens)
         self.seq_lens = np.array(seq_lens, dtype=np.int32)
@@ -53,8 +59,9 @@ class Step:
         if self.shared:
             table[1, 0] = table[0, 0]     # request 1 reads request 0's first block
         self.block_table = table
+        # vLLM keeps an fp8 cache as bytes
         self.kv_cache = torch.zeros((n_blocks, n_kv_heads, block_size, 2 * head_size),
-                                    dtype=self.dtype)
+                                    dtype=torch.uint8 if kv_cache_dtype in FP8 else self.dtype)
         # each request's keys and values by position (request 1's first block
         # is request 0's)
         self.keys = [torch.from_numpy(rng.standard_normal((n, n_kv_heads, head_size))).to(
@@ -97,18 +104,20 @@ def _impl(step, **options):
                           step.n_kv_heads, **options)
 
 
-def _run(step, impl, causal=True, threads=None):
+def _run(step, impl, causal=True, threads=None, layer=None):
     """The step through the backend: its rows appended at their slots, then
-    the layer's call; causal may be one flag per request."""
+    the layer's call; causal may be one flag per request; layer carries an
+    fp8 cache's scales."""
     key, value, slots = step.rows_to_write()
-    impl.do_kv_cache_update(None, key, value, step.kv_cache, slots)
+    impl.do_kv_cache_update(layer, key, value, step.kv_cache, slots)
     output = torch.empty((step.query.shape[0], step.n_heads * step.head_size),
                          dtype=step.dtype)
     if threads is not None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
     try:
-        impl.forward(None, step.query, key, value, step.kv_cache, step.metadata(causal), output)
+        impl.forward(layer, step.query, key, value, step.kv_cache, step.metadata(causal),
+                     output)
     finally:
         if threads is not None:
             torch.set_num_threads(before)
@@ -121,29 +130,37 @@ def _as_numpy(tensor):
     return tensor.numpy()
 
 
-def _check_against_reference(step, output, causal=True, **options):
-    """Each request's rows against reference.py's float64 attention over its
-    keys (query rows the last of its positions); causal may be one flag per
-    request, a window reaching both ways where a request is not causal."""
+def _requests(step, output, causal=True, stored=None, **options):
+    """Each request's output rows with what reference.py's float64
+    attention takes for them: q, its keys and values in float64 (query
+    rows the last of its positions), and its options; causal may be one
+    flag per request, a window reaching both ways where a request is not
+    causal; stored: (keys, values) as an fp8 cache holds them, in step's
+    place."""
+    keys, values = stored or (step.keys, step.values)
     group = step.n_heads // step.n_kv_heads
     got = _as_numpy(output)
     flags = np.broadcast_to(causal, step.seq_lens.shape)
     for b, n in enumerate(step.seq_lens):
-        causal = bool(flags[b])
-        request_options = dict(options)
-        if not causal and "window" in options:
+        request_options = dict(options, causal=bool(flags[b]))
+        if not flags[b] and "window" in options:
             request_options["window"] = (options["window"][0], options["window"][0])
         rows = slice(step.query_start_loc[b], step.query_start_loc[b + 1])
         q = np.swapaxes(_as_numpy(step.query[rows]).astype(np.float64), 0, 1)
-        k = np.repeat(np.swapaxes(step.keys[b].to(torch.float64).numpy(), 0, 1), group, 0)
-        v = np.repeat(np.swapaxes(step.values[b].to(torch.float64).numpy(), 0, 1), group, 0)
-        attn = np.swapaxes(got[rows], 0, 1)
+        k = np.repeat(np.swapaxes(keys[b].to(torch.float64).numpy(), 0, 1), group, 0)
+        v = np.repeat(np.swapaxes(values[b].to(torch.float64).numpy(), 0, 1), group, 0)
+        yield np.swapaxes(got[rows], 0, 1), q, k, v, request_options
+
+
+def _check_against_reference(step, output, causal=True, stored=None, **options):
+    """Each request's rows (_requests) against reference.py's float64
+    attention, by the rule of the step's dtype."""
+    for attn, q, k, v, request_options in _requests(step, output, causal, stored, **options):
         if step.dtype == torch.float32:
-            assert_matches_reference(attn, None, q.astype(np.float32), k, v, causal=causal,
+            assert_matches_reference(attn, None, q.astype(np.float32), k, v,
                                      **request_options)
         else:
-            assert_half_matches_reference(attn, None, q, k, v, causal=causal,
-                                          **request_options)
+            assert_half_matches_reference(attn, None, q, k, v, **request_options)
 
 
 MIXED = dict(query_lens=[37, 1, 1, 200], seq_lens=[300, 129, 1000, 200])
@@ -200,26 +217,30 @@ def test_options_match_reference(dtype, name):
 
 
 def _vllm_step(step, scale, causal=True, sliding_window=None, logits_soft_cap=None,
-               alibi_slopes=None, sinks=None, dynamic_causal=None):
+               alibi_slopes=None, sinks=None, dynamic_causal=None, kv_cache_dtype="auto",
+               k_scale=1.0, v_scale=1.0):
     """The same step through vLLM's CPU_ATTN op, on a cache in its layout."""
     isa = "vec" if step.head_size % 32 == 0 and step.block_size % 32 == 0 else "vec16"
     cache = torch.zeros((step.kv_cache.shape[0], step.n_kv_heads, 2 * step.block_size,
-                         step.head_size), dtype=step.dtype)
+                         step.head_size), dtype=step.kv_cache.dtype)
     key_cache, value_cache = cache.chunk(2, dim=2)
     key, value, slots = step.rows_to_write()
-    vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    quantized = dict(k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=kv_cache_dtype)
+    vllm_ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                        **quantized)
     seq_lens = torch.from_numpy(step.seq_lens)
     query_start_loc = torch.from_numpy(step.query_start_loc)
     window = -1 if sliding_window is None else sliding_window
     metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
         len(step.seq_lens), step.n_heads, step.n_kv_heads, step.head_size, seq_lens,
-        step.dtype, query_start_loc, causal, window, isa, True, dynamic_causal)
+        step.dtype, query_start_loc, causal, window, isa, True, dynamic_causal,
+        kv_cache_dtype)
     output = torch.empty_like(step.query)
     vllm_ops.cpu_attention_with_kv_cache(
         step.query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
         None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32),
         window, torch.from_numpy(step.block_table), logits_soft_cap or 0.0, metadata, sinks,
-        dynamic_causal)
+        dynamic_causal, **quantized)
     return output
 
 
@@ -302,12 +323,15 @@ def test_encoder_only_matches_reference(window, softcap):
                                  **options)
 
 
-def test_any_thread_count_is_bitwise_the_same():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_any_thread_count_is_bitwise_the_same(kv_cache_dtype):
     step = Step(3, **MIXED, n_heads=8, n_kv_heads=2, head_size=128, block_size=32,
-                dtype="float32")
-    one = _run(step, _impl(step), threads=1).clone()
+                dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    impl, layer = _impl(step, kv_cache_dtype=kv_cache_dtype), _scales(0.5, 0.5)
+    one = _run(step, impl, threads=1, layer=layer).clone()
     for threads in (2, 3):
-        assert_bitwise_equal(_run(step, _impl(step), threads=threads).numpy(), one.numpy())
+        assert_bitwise_equal(_run(step, impl, threads=threads, layer=layer).numpy(),
+                             one.numpy())
 
 
 def test_cache_views_are_read_in_place():
@@ -340,9 +364,109 @@ def test_a_cache_it_cannot_view_is_refused():
         impl.do_kv_cache_update(None, rows, rows, torch.zeros((4, 2, 8, 24)), torch.tensor([3]))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
-def test_fp8_caches_are_refused_at_start(kv_cache_dtype):
-    with pytest.raises(NotImplementedError, match=f"kv_cache_dtype='{kv_cache_dtype}'"):
+# ---- fp8 caches: vLLM's bytes, its per-tensor scales ----------------------
+
+def _scales(k_scale, v_scale):
+    """What the backend reads of vLLM's attention layer: its scales."""
+    return SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=v_scale)
+
+
+def _fp8_stored(step, kv_cache_dtype, k_scale, v_scale):
+    """Each request's keys and values as its fp8 cache must hold them:
+    checks the cache's bytes at the rows' slots against the rule
+    (reference.saturated_fp8_codes: value / scale in float32, saturated,
+    rounded to nearest even), and gives the values the codes stand for
+    (code * scale, float64), in the shape of step.keys and step.values."""
+    fmt = FP8[kv_cache_dtype]
+    # a (block, head) holds block_size rows of K, then block_size rows of V
+    halves = step.kv_cache.numpy().view(fmt).reshape(
+        -1, step.n_kv_heads, 2, step.block_size, step.head_size)
+    keys, values = [], []
+    for b, n in enumerate(step.seq_lens):
+        slots = step.slots(b, np.arange(n))
+        at = (slots // step.block_size, slice(None))
+        for given, half, scale, into in ((step.keys[b], 0, k_scale, keys),
+                                         (step.values[b], 1, v_scale, values)):
+            codes = saturated_fp8_codes(given.to(torch.float32).numpy(), np.float32(scale), fmt)
+            stored = halves[at + (half, slots % step.block_size)]
+            np.testing.assert_array_equal(stored.view(np.uint8), codes.view(np.uint8),
+                                          err_msg=f"request {b}")
+            into.append(torch.from_numpy(codes.astype(np.float64) * np.float32(scale)))
+    return keys, values
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kv_cache_dtype", list(FP8))
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+def test_fp8_cache_holds_rounded_rows_and_matches_reference(dtype, kv_cache_dtype, head_size):
+    """New rows go into the cache's bytes as value / scale rounded to the
+    format; the step matches the reference over the values the codes stand
+    for."""
+    step = Step(21, **MIXED, n_heads=8, n_kv_heads=2, head_size=head_size, block_size=32,
+                dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    output = _run(step, _impl(step, kv_cache_dtype=kv_cache_dtype), layer=_scales(0.5, 0.125))
+    _check_against_reference(step, output, scale=0.3,
+                             stored=_fp8_stored(step, kv_cache_dtype, 0.5, 0.125))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_rows_beyond_the_format_are_saturated(kv_cache_dtype):
+    """Scales that put a tenth of the values beyond the format's largest:
+    those are stored as +-largest, never NaN or inf."""
+    fmax = FP8_MAX[FP8[kv_cache_dtype].name]
+    step = Step(22, **MIXED, n_heads=4, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="float32", kv_cache_dtype=kv_cache_dtype)
+    scale = 1.6 / fmax
+    output = _run(step, _impl(step, kv_cache_dtype=kv_cache_dtype), layer=_scales(scale, scale))
+    keys, values = _fp8_stored(step, kv_cache_dtype, scale, scale)
+    largest = fmax * float(np.float32(scale))
+    saturated = np.mean([np.mean(np.abs(k.numpy()) == largest) for k in keys])
+    assert 0.05 < saturated < 0.2, saturated
+    _check_against_reference(step, output, scale=0.3, stored=(keys, values))
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_fp8_options_match_reference(name):
+    step = Step(23, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="bfloat16", kv_cache_dtype="fp8")
+    output = _run(step, _impl(step, kv_cache_dtype="fp8", **OPTIONS[name]),
+                  layer=_scales(0.25, 1.0))
+    _check_against_reference(step, output, scale=0.3, stored=_fp8_stored(step, "fp8", 0.25, 1.0),
+                             **_reference_options(OPTIONS[name]))
+
+
+def _error_of_unquantized(step, output):
+    """The RMS error of a step's output against the float64 reference over
+    the keys and values before any quantization."""
+    errors = [np.ravel(attn.astype(np.float64) - reference_attention(q, k, v, **options)[0])
+              for attn, q, k, v, options in _requests(step, output, scale=0.3)]
+    return float(np.sqrt(np.mean(np.square(np.concatenate(errors)))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", list(FP8))
+def test_fp8_errs_less_than_cpu_attns_fp8(dtype, kv_cache_dtype):
+    """vLLM's scales mean the same to both backends: against the reference
+    over the values before quantization, the backend's error is at most
+    vLLM's op's on an fp8 cache of the same scales (measured: half of it,
+    rows rounded to nearest where vLLM's op truncates)."""
+    step = Step(24, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    try:
+        theirs = _vllm_step(step, 0.3, kv_cache_dtype=kv_cache_dtype, k_scale=0.5,
+                            v_scale=0.125)
+    except (NotImplementedError, RuntimeError) as error:
+        pytest.skip(f"vLLM's op has no fp8 cache on this CPU: {error}")
+    ours = _run(step, _impl(step, kv_cache_dtype=kv_cache_dtype), layer=_scales(0.5, 0.125))
+    ours_error, theirs_error = _error_of_unquantized(step, ours), _error_of_unquantized(
+        step, theirs)
+    assert 0 < ours_error <= theirs_error, (ours_error, theirs_error)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_inc", "fp8_ds_mla", "int8"])
+def test_caches_it_cannot_read_are_refused_at_start(kv_cache_dtype):
+    with pytest.raises(NotImplementedError,
+                       match=f"does not serve kv_cache_dtype='{kv_cache_dtype}'.*'fp8_e5m2'"):
         CattentionImpl(8, 64, 0.125, 2, kv_cache_dtype=kv_cache_dtype)
 
 

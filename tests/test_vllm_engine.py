@@ -8,11 +8,13 @@ prefilled in chunks beside decodes, prefix-cache hits, preemption.
 
 Float32: the greedy tokens are CPU_ATTN's and their log-probabilities, and
 those of every prompt token, agree to float32 rounding carried through the
-model. 16-bit: both backends are measured against the float32 run of the
-same model (every prompt token's log-probability, and the generated ones
-up to the first step where a run is nearly tied between its two best
-tokens, where the tokens are CPU_ATTN's) and cattention's RMS error is at
-most twice CPU_ATTN's (the FlashAttention rule, end to end). The two
+model. 16-bit models and fp8 caches: both backends are measured against the
+float32 run of the same model (every prompt token's log-probability, and
+the generated ones while the runs share their tokens; 16-bit runs pick
+CPU_ATTN's tokens up to the first step where a run is nearly tied between
+its two best) and cattention's RMS error is at most twice CPU_ATTN's (the
+FlashAttention rule, end to end). Llama and Qwen3 also run over fp8
+caches (E4M3FN and E5M2, vLLM's scales). The two
 backends run in processes of their own, side by side, once for the whole
 module. Skipped where vLLM is absent (make test-vllm).
 """
@@ -74,8 +76,12 @@ def runs(models, tmp_path_factory):
 
 
 def _models(kind="generate"):
-    return [f"{name}/{dtype}" for name, (_, dtypes, k) in vllm_engine_runs._configs().items()
+    """The runs of each model and dtype, then (generate) those over fp8
+    caches, model/dtype/kv_cache_dtype."""
+    runs = [f"{name}/{dtype}" for name, (_, dtypes, k) in vllm_engine_runs._configs().items()
             if k == kind for dtype in dtypes]
+    return runs + (["/".join(run) for run in vllm_engine_runs.FP8_RUNS]
+                   if kind == "generate" else [])
 
 
 def _pair(runs, key):
@@ -111,23 +117,28 @@ def test_float32_tokens_and_logprobs_are_cpu_attns(runs, key):
                                        atol=F32_LOGPROB_ATOL, err_msg=scenario)
 
 
-def _until_near_tie(*requests):
+def _until(*requests, other_token=True):
     """The steps of one request's runs before the first step where a run's
-    two best tokens are within NEAR_TIE or the runs' tokens differ."""
+    two best tokens are within NEAR_TIE, or (other_token) where the runs'
+    tokens differ."""
     steps = 0
     for step in zip(*(r["top2"] for r in requests)):
         if (any(len(s) > 1 and s[0][1] - s[1][1] < NEAR_TIE for s in step)
-                or len({s[0][0] for s in step}) > 1):
+                or (other_token and len({s[0][0] for s in step}) > 1)):
             break
         steps += 1
     return steps
 
 
 @pytest.mark.parametrize("key", [k for k in _models() if not k.endswith("float32")])
-def test_16_bit_runs_err_no_more_than_cpu_attns(runs, key):
-    """Against the float32 run: the log-probability of every prompt token
-    (teacher-forced, hundreds per model) and of the generated tokens up to
-    the first near tie."""
+def test_16_bit_and_fp8_runs_err_no_more_than_cpu_attns(runs, key):
+    """Against the float32 run (float32 caches): the log-probability of
+    every prompt token (teacher-forced, hundreds per model) and of the
+    generated tokens up to the first near tie. Over fp8 caches (scales 1)
+    the errors are large for both backends (a few tenths of a nat on Llama),
+    and cattention's was 0.7-0.9 of CPU_ATTN's: it rounds new rows to
+    nearest where CPU_ATTN truncates them. CPU_ATTN has fp8 caches only on
+    AVX-512 and AMX: elsewhere it refuses them and the test is skipped."""
     ours, theirs = _pair(runs, key)
     truth = runs["CPU_ATTN"][key.split("/")[0] + "/float32"]
     our_errors, their_errors = [], []
@@ -136,10 +147,12 @@ def test_16_bit_runs_err_no_more_than_cpu_attns(runs, key):
                                       strict=True):
             our_errors += list(np.subtract(mine["prompt"], exact["prompt"]))
             their_errors += list(np.subtract(vllms["prompt"], exact["prompt"]))
-            steps = _until_near_tie(mine, vllms, exact)
-            # before any near tie, the three runs pick the same tokens
-            assert mine["tokens"][:steps] == vllms["tokens"][:steps], scenario
-            for step in range(steps):
+            if "fp8" not in key:
+                # before any near tie, the 16-bit runs pick the same tokens
+                ties = _until(mine, vllms, exact, other_token=False)
+                assert mine["tokens"][:ties] == vllms["tokens"][:ties], scenario
+            # the generated logprobs compared while the runs share their tokens
+            for step in range(_until(mine, vllms, exact)):
                 best = exact["top2"][step][0][1]
                 our_errors.append(mine["top2"][step][0][1] - best)
                 their_errors.append(vllms["top2"][step][0][1] - best)

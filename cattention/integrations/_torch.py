@@ -48,6 +48,16 @@ def as_array(tensor: torch.Tensor, what: str) -> NDArray[Any]:
                     f"(and bool masks); {what} is {dtype}")
 
 
+def as_fp8_array(tensor: torch.Tensor, fp8: np.dtype[Any], what: str) -> NDArray[Any]:
+    """An fp8 tensor's memory as an ndarray of the fp8 dtype (no copy): its
+    bytes (torch.uint8, as vLLM keeps fp8 caches) or torch's own fp8 dtype
+    of that format."""
+    if tensor.dtype not in (torch.uint8, getattr(torch, fp8.name, torch.uint8)):
+        raise TypeError(f"{what} must hold {fp8.name} codes, as torch.uint8 bytes or "
+                        f"torch.{fp8.name}; got {tensor.dtype}")
+    return tensor.view(torch.uint8).numpy().view(fp8)  # type: ignore[no-any-return]
+
+
 def as_tensor(array: NDArray[Any]) -> torch.Tensor:
     """The ndarray's memory as a tensor (no copy); bfloat16 stays bfloat16."""
     if array.dtype.kind == "V" and array.dtype.itemsize == 2:   # ml_dtypes.bfloat16

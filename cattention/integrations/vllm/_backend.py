@@ -25,27 +25,29 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CrossAttentionSpec, KVCach
 import cattention
 
 from ..._native import driver
-from .._torch import as_array, as_index_array
+from .._torch import as_array, as_fp8_array, as_index_array
 
 logger = init_logger("vllm.cattention")  # under vLLM's logger, so its log shows it
 
 _Array = NDArray[Any]
 _ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+# vLLM's fp8 caches (bytes, uint8 tensors) as the ml_dtypes format they hold
+_FP8_CACHES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+               "fp8_e5m2": "float8_e5m2"}
 
 
 # (vLLM's classes are Any to mypy, which follows no vLLM import: pyproject.toml)
 class CattentionBackend(AttentionBackend):  # type: ignore[misc]
     """cattention in ``CPU_ATTN``'s place: float32, bfloat16 and float16
-    models, any head size and block size, decoder, encoder, encoder-only
-    and cross-attention, windows, softcap, ALiBi, sinks."""
+    models, caches of the model's dtype or fp8 (E4M3FN, E5M2, with vLLM's
+    per-tensor scales), any head size and block size, decoder, encoder,
+    encoder-only and cross-attention, windows, softcap, ALiBi, sinks."""
 
     # the append is its own call (do_kv_cache_update), at vLLM's slots
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    # fp8 caches are refused in the implementation, with the reason: vLLM's
-    # own check would only say "kv_cache_dtype not supported"
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(_FP8_CACHES) + ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -151,11 +153,11 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
                  attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: Optional[str] = None,
                  sinks: Optional[torch.Tensor] = None) -> None:
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in _FP8_CACHES:
             raise NotImplementedError(
-                f"cattention's vLLM backend does not serve kv_cache_dtype={kv_cache_dtype!r} "
-                "yet: cattention reads float32, float16 and bfloat16 caches here (fp8 caches "
-                "are planned); use kv_cache_dtype='auto', or unset CATTENTION_VLLM to run "
+                f"cattention's vLLM backend does not serve kv_cache_dtype={kv_cache_dtype!r}: "
+                f"it reads caches of the model's dtype ('auto') and fp8 ones "
+                f"({', '.join(map(repr, _FP8_CACHES))}); unset CATTENTION_VLLM to run "
                 "vLLM's CPU_ATTN")
         n_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if n_kv_heads < 1 or num_heads % n_kv_heads:
@@ -169,6 +171,11 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         self.num_kv_heads = n_kv_heads
         self.scale = float(scale)
         self.kv_cache_dtype = kv_cache_dtype
+        # an fp8 cache's bytes as their format (ml_dtypes, the vllm extra's)
+        self.fp8: Optional[np.dtype[Any]] = None
+        if kv_cache_dtype in _FP8_CACHES:
+            import ml_dtypes
+            self.fp8 = np.dtype(getattr(ml_dtypes, _FP8_CACHES[kv_cache_dtype]))
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
@@ -197,7 +204,9 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         stays the same from step to step: the views are made once."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
         if self._pages is None or self._pages[0] != key:
-            cache = as_array(kv_cache, "kv_cache")
+            # vLLM keeps fp8 caches as bytes: read as the codes they are
+            cache = (as_array(kv_cache, "kv_cache") if self.fp8 is None
+                     else as_fp8_array(kv_cache, self.fp8, "kv_cache"))
             n_blocks, n_kv_heads, block_size, row = cache.shape
             d = row // 2
             item = cache.itemsize
@@ -210,14 +219,10 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
                 # are views into it (a copy would take the appends away)
                 raise ValueError(f"cattention's vLLM backend: a KV cache whose (block, head) "
                                  f"is not contiguous (strides {cache.strides})")
-            # strides: (block, head) as in the tensor; row j of K at j * d,
-            # of V at (block_size + j) * d within the (block, head)
-            strides = (cache.strides[0], cache.strides[1], d * item, item)
-            shape = (n_blocks, n_kv_heads, block_size, d)
-            k_pages = np.lib.stride_tricks.as_strided(cache, shape, strides)
-            first_v = cache.reshape(n_blocks, n_kv_heads, -1)[:, :, block_size * d:]
-            v_pages = np.lib.stride_tricks.as_strided(first_v, shape, strides)
-            self._pages = (key, k_pages, v_pages)
+            # row j of K at j * d, of V at (block_size + j) * d within the
+            # (block, head), one run of rows: split without a copy
+            halves = cache.reshape(n_blocks, n_kv_heads, 2, block_size, d)
+            self._pages = (key, halves[:, :, 0], halves[:, :, 1])
         return self._pages[1], self._pages[2]
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor,
@@ -229,7 +234,17 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         k_pages, v_pages = self.pages(kv_cache)
         n_rows = slot_mapping.shape[0]
         cattention.paged_append(k_pages, v_pages, as_index_array(slot_mapping, "slot_mapping"),
-                               as_array(key[:n_rows], "key"), as_array(value[:n_rows], "value"))
+                               as_array(key[:n_rows], "key"), as_array(value[:n_rows], "value"),
+                               **self._scales(layer))
+
+    def _scales(self, layer: Any) -> dict[str, Any]:
+        """An fp8 cache's scales: vLLM's per tensor, one for K and one for V
+        (1 unless the checkpoint gives them), stored value = value / scale;
+        none for other caches."""
+        if self.fp8 is None:
+            return {}
+        return {"k_scale": np.float32(layer._k_scale_float),
+                "v_scale": np.float32(layer._v_scale_float)}
 
     # ----------------------------------------------------------- the step
 
@@ -285,6 +300,7 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
                                         window=_window(reach, False), **options)
             return output
         pages = self.pages(kv_cache)
+        options.update(self._scales(layer))
         if meta.causal_per_request is None:
             self._paged(q, out, pages, meta.block_table, meta.seq_lens, meta.query_start_loc,
                         meta.uniform_query_len, meta.causal, options)
