@@ -219,6 +219,7 @@ bench-deps: $(BUILT)
 
 bench: bench-deps
 	$(VPY) benchmarks/attention.py
+	$(VPY) benchmarks/decode_kv.py
 
 bench-quick: bench-deps
 	$(VPY) benchmarks/attention.py --quick

@@ -162,9 +162,10 @@ CA_SIMD_INLINE vf32 fp8_e5m2_from_bytes(__m128i bytes)
 }
 CA_SIMD_INLINE __m256i e4m3_as_half(__m128i bytes)
 {
-    return _mm256_and_si256(
-        _mm256_srai_epi16(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8), 1),
-        _mm256_set1_epi16((short)0xBFFF));
+    /* sign-extended, the sign lands on bits 15 and 14 of the shifted code:
+       one shift and one mask, where a zero-extended code takes two shifts */
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                            _mm256_set1_epi16((short)0xBFFF));
 }
 CA_SIMD_INLINE vf32 fp8_e4m3_from_bytes(__m128i bytes)
 {
