@@ -448,6 +448,44 @@ def test_fp8_nan_and_infinity_codes_in_hidden_keys_never_reach_the_output(fmt, T
                              mask=mask, lse=lse, **options)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scores", [False, True], ids=["attn", "scores"])
+def test_fp8_keys_under_bfloat16_queries_on_prompt_rows(fmt, scores, simd):
+    """A bfloat16 prompt over fp8 keys: on the tables with bfloat16 tiles
+    the codes are multiplied as bfloat16 (every code is one) and each key's
+    scale joins its logits; zero, subnormal, largest codes and scale 0
+    (special_codes), causal, grouped heads, with and without SCORES."""
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((2, 4, 70, 16)).astype(BF16)
+    k, ks = special_codes(rng, (2, 2, 150, 16), fmt)
+    v, vs = fp8_operand(rng, (2, 2, 150, 8), fmt, "row")
+    result = ca.attention(q, k, v, k_scale=ks, v_scale=vs, causal=True, enable_gqa=True,
+                          return_scores=scores)
+    attn, weights = result if scores else (result, None)
+    check(attn, weights, q, repeat_kv(dequantize(k, ks), 2), repeat_kv(dequantize(v, vs), 2),
+          causal=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_nan_keys_under_bfloat16_queries_on_prompt_rows(fmt, simd):
+    """A NaN code in a key under bfloat16 prompt rows: the rows that see it
+    are NaN, the others exact (NaN stays NaN through the bfloat16 tiles)."""
+    rng = np.random.default_rng(32)
+    q = rng.standard_normal((1, 2, 40, 16)).astype(BF16)
+    k, ks = fp8_operand(rng, (1, 2, 40, 16), fmt, "row")
+    v, vs = fp8_operand(rng, (1, 2, 40, 8), fmt, "row")
+    kb = k.view(np.uint8).copy()
+    kb[0, 1, 23, 5] = NAN_CODES[fmt][0]
+    k = from_bytes(kb, fmt)
+    attn = ca.attention(q, k, v, k_scale=ks, v_scale=vs, causal=True)
+    kd, vd = dequantize(k, ks), dequantize(v, vs)
+    ref = reference_attention(q.astype(np.float64), kd, vd, causal=True)[0]
+    assert np.isnan(ref[0, 1, 23:]).all() and not np.isnan(ref[0, 1, :23]).any()
+    np.testing.assert_array_equal(np.isnan(attn), np.isnan(ref))
+    check(attn[:, :1], None, q[:, :1], kd[:, :1], vd[:, :1], causal=True)
+    check(attn[:, 1:, :23], None, q[:, 1:, :23], kd[:, 1:, :23], vd[:, 1:, :23], causal=True)
+
+
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_e5m2_infinity_codes(T, simd):
     """+-inf in V: +-inf in the column of every row that sees it. +inf in a

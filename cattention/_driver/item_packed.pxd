@@ -11,8 +11,9 @@ from libc.string cimport memset
 from cattention._driver.kernel_table cimport (
     ca_kernels, ca_round_to_bfloat16, kernel_exp_sum, kernel_pv, kernel_pv_direct,
     kernel_row_max, kernel_score, kernel_score_direct)
-from cattention._driver.problem cimport K_BLOCK, Problem, ROW_GROUP, out_row_offset, round_up
-from cattention._driver.operands cimport rows_in_place
+from cattention._driver.problem cimport (
+    K_BLOCK, Problem, ROW_GROUP, is_fp8, out_row_offset, round_up)
+from cattention._driver.operands cimport rows_in_place, scale_row_offset
 from cattention._driver.workspace cimport Workspace
 from cattention._driver.packing cimport (
     add_nonfinite_values, bf16_query_rows, nonfinite_flag, packed_keys, packed_values,
@@ -40,20 +41,32 @@ cdef inline const floating *block_query_rows(const Problem *pb, Py_ssize_t b,
 
 cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const floating *q_rows,
                              Py_ssize_t ldq, Py_ssize_t first_row, Py_ssize_t n_rows,
-                             const floating *kt, Py_ssize_t n_cols, floating *s,
-                             Py_ssize_t lds, const void *ahead=NULL,
-                             Py_ssize_t ahead_bytes=0) noexcept nogil:
-    """Logits of rows first_row.. (of block_query_rows) against a packed K^T
-    block: the table's bfloat16 tiles, or its score kernel."""
+                             Py_ssize_t b, Py_ssize_t key0, Py_ssize_t n_keys,
+                             const floating *kt, floating *s, Py_ssize_t lds,
+                             const void *ahead=NULL, Py_ssize_t ahead_bytes=0) noexcept nogil:
+    """Logits of rows first_row.. (of block_query_rows) against keys key0..
+    of entry b, a packed K^T block: the table's bfloat16 tiles, or its score
+    kernel. Columns past n_keys up to the block's last panel are written
+    too (masked later)."""
     cdef Py_ssize_t P = panel_width(kt)
+    cdef Py_ssize_t i, j
+    cdef float key_scales[K_BLOCK]
     if floating is float:
         if pb.bf16_score:
             kern.score_bf16(<const uint16_t *>q_rows + first_row * ldq, ldq, n_rows,
-                            <const uint16_t *>kt, pb.ld_k * 2 * P, n_cols, pb.d_k,
-                            <float>pb.scale, s, lds, ahead, ahead_bytes)
+                            <const uint16_t *>kt, pb.ld_k * 2 * P, round_up(n_keys, P),
+                            pb.d_k, <float>pb.scale, s, lds, ahead, ahead_bytes)
+            if is_fp8(pb.k.storage):
+                # the tiles multiplied the codes: each key's scale joins its
+                # logits, (scale * q.code) * key_scale as the direct kernels
+                for j in range(n_keys):
+                    key_scales[j] = pb.k.scale[scale_row_offset(&pb.k, b, key0 + j)]
+                for i in range(n_rows):
+                    for j in range(n_keys):
+                        s[i * lds + j] *= key_scales[j]
             return
-    kernel_score(kern, q_rows + first_row * ldq, ldq, n_rows, kt, pb.ld_k * P, n_cols, pb.d_k,
-                 pb.scale, s, lds, ahead, ahead_bytes)
+    kernel_score(kern, q_rows + first_row * ldq, ldq, n_rows, kt, pb.ld_k * P,
+                 round_up(n_keys, P), pb.d_k, pb.scale, s, lds, ahead, ahead_bytes)
 
 
 cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const floating *p,
@@ -131,16 +144,15 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
                     group_keys[group] = n_keys
             if group_keys[0] == n_keys:
                 # the first rows see the whole block, so all do: one call
-                score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), s,
+                score_tiles(pb, kern, q_rows, ldq, 0, n_rows, b, key0, n_keys, kt, s,
                             K_BLOCK, next_kt, k_block_bytes)
             else:
                 for i in range(n_groups):
                     group0 = i * ROW_GROUP
                     group_rows = min(ROW_GROUP, n_rows - group0)
                     if group_keys[i] > 0:
-                        score_tiles(pb, kern, q_rows, ldq, group0, group_rows, kt,
-                                    round_up(group_keys[i], P), s + group0 * K_BLOCK,
-                                    K_BLOCK)
+                        score_tiles(pb, kern, q_rows, ldq, group0, group_rows, b, key0,
+                                    group_keys[i], kt, s + group0 * K_BLOCK, K_BLOCK)
             # columns a group skipped lie past its rows' visible range, so
             # masking overwrites them with -inf before anything reads them
             mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, s, K_BLOCK)
@@ -258,8 +270,7 @@ cdef inline void attend_query_block_with_scores(const Problem *pb, const ca_kern
                                 pb.d_k, pb.scale, tile, ld_tile, NULL, 0, 0)
         else:
             kt = <const floating *>packed_keys(pb, ws, first_packed + key0 // K_BLOCK)
-            score_tiles(pb, kern, q_rows, ldq, 0, n_rows, kt, round_up(n_keys, P), tile,
-                        ld_tile)
+            score_tiles(pb, kern, q_rows, ldq, 0, n_rows, b, key0, n_keys, kt, tile, ld_tile)
         mask_scores(pb, b, row0, n_rows, key0, n_keys, ws.row_lo, ws.row_hi, tile, ld_tile)
         for i in range(n_rows):
             s_row = tile + i * ld_tile

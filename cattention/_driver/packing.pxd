@@ -7,7 +7,7 @@ handling of non-finite values in V (a NaN or Inf value row is kept out of
 the SIMD P.V tile and added exactly where its weight is nonzero)."""
 
 from cython cimport floating
-from libc.stdint cimport uint8_t, uint16_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t
 from cattention._driver.kernel_table cimport (
     CA_PANEL_F32, CA_PANEL_F64, ca_bfloat16_to_float, ca_e4m3fn_to_float, ca_e5m2_to_float,
     ca_half_to_float)
@@ -86,6 +86,31 @@ cdef inline const uint16_t *bf16_rows(const Operand *op, Py_ssize_t b, Py_ssize_
         for c in range(n_features):
             copy[j * ld_copy + c] = data[at + c * op.col_stride]
     ld[0] = ld_copy
+    return copy
+
+
+cdef inline const uint16_t *fp8_codes_as_bf16(const Operand *op, Py_ssize_t b,
+                                              Py_ssize_t row0, Py_ssize_t n_rows,
+                                              Py_ssize_t n_features, uint16_t *copy,
+                                              Py_ssize_t ld_copy) noexcept nogil:
+    """fp8 rows row0.. of entry b as the bfloat16 bits of their codes
+    (unscaled) into copy (rows ld_copy apart): every E4M3FN and E5M2 value,
+    NaN and infinities included, is a bfloat16, so the table's bfloat16
+    tiles multiply the codes exactly and the row scales join the logits
+    (score_tiles)."""
+    cdef uint16_t as_bf16[256]
+    cdef float value
+    cdef Py_ssize_t j, c, at
+    cdef const uint8_t *data = <const uint8_t *>op.data
+    for c in range(256):
+        value = (ca_e4m3fn_to_float(<uint8_t>c) if op.storage == STORE_E4M3
+                 else ca_e5m2_to_float(<uint8_t>c))
+        # the upper half of the float32: the whole value, exactly
+        as_bf16[c] = (<uint32_t *>&value)[0] >> 16
+    for j in range(n_rows):
+        at = row_offset(op, b, row0 + j)
+        for c in range(n_features):
+            copy[j * ld_copy + c] = as_bf16[data[at + c * op.col_stride]]
     return copy
 
 
@@ -282,10 +307,17 @@ cdef inline void pack_block(Problem *pb, Workspace *ws, Py_ssize_t block,
     cdef const uint16_t *bf16
     if floating is float:
         if pb.bf16_score:
-            # bfloat16 keys in the table's pair panels, their bits as they are
-            bf16 = bf16_rows(&pb.k, b, key0, n_keys, pb.d_k,
-                             <uint16_t *>(<floating *>ws.base + ws.off_k_rows), pb.ld_k,
-                             &ld_k_rows)
+            # bfloat16 keys in the table's pair panels, their bits as they
+            # are (fp8 keys: their codes as bfloat16)
+            if is_fp8(pb.k.storage):
+                ld_k_rows = pb.ld_k
+                bf16 = fp8_codes_as_bf16(&pb.k, b, key0, n_keys, pb.d_k,
+                                         <uint16_t *>(<floating *>ws.base + ws.off_k_rows),
+                                         ld_k_rows)
+            else:
+                bf16 = bf16_rows(&pb.k, b, key0, n_keys, pb.d_k,
+                                 <uint16_t *>(<floating *>ws.base + ws.off_k_rows), pb.ld_k,
+                                 &ld_k_rows)
             pb.kern.pack_kt_bf16(bf16, ld_k_rows, n_keys, pb.d_k, <uint16_t *>kt,
                                  pb.ld_k * 2 * CA_PANEL_F32)
         if pb.bf16_pv:

@@ -26,7 +26,7 @@ from cattention._driver.problem cimport (
     DIRECT_GROUP, DIRECT_ROWS, GROUP_ITEMS_PER_THREAD, K_BLOCK, MIN_FLOPS_PER_THREAD,
     PER_ENTRY_ALIKE_ENTRIES, PER_ENTRY_MAX_BLOCKS, PER_ENTRY_MIN_ENTRIES, Operand, Problem,
     Q_BLOCK, SPLIT_MIN_KEYS, SPLIT_TARGET_ITEMS, STORE_BF16, direct_rows, entry_rows,
-    fold_period, key_extent, out_row_offset, round_up)
+    fold_period, is_fp8, key_extent, out_row_offset, round_up)
 from cattention._driver.operands cimport operand_itemsize, rows_span
 from cattention._driver.workspace cimport (
     Workspace, packed_k_bytes, packed_v_bytes, workspace_delete, workspace_new,
@@ -269,9 +269,12 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
         return -2
     # bfloat16 q and K (V) on a table with bfloat16 tiles: the packed path
     # multiplies them as they are (decode reads its rows in place); packed
-    # K^T rows and query rows hold the padded pairs
+    # K^T rows and query rows hold the padded pairs. fp8 keys go in as
+    # their codes, which bfloat16 holds exactly, their scales applied to
+    # the logits
     pb.bf16_score = (floating is float and not pb.direct and kern.score_bf16 != NULL
-                     and pb.q.storage == STORE_BF16 and pb.k.storage == STORE_BF16
+                     and pb.q.storage == STORE_BF16
+                     and (pb.k.storage == STORE_BF16 or is_fp8(pb.k.storage))
                      and pb.d_k > 0)
     pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
