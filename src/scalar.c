@@ -74,6 +74,42 @@ float ca_e5m2_to_float(uint8_t code)
     return ca_half_to_float((uint16_t)(code << 8));
 }
 
+void ca_float_to_fp8(const float *src, uint8_t *dst, ptrdiff_t n, int format)
+{
+    const int e4m3 = format == CA_FP8_E4M3FN;
+    const uint32_t mantissa_bits = e4m3 ? 3u : 2u, bias = e4m3 ? 7u : 15u;
+    const uint32_t nan_code = e4m3 ? 0x7fu : 0x7eu;
+    const uint32_t drop = 23u - mantissa_bits;
+    /* below the smallest normal (2^(1 - bias)) the codes step by the
+       subnormal quantum 2^(1 - bias - mantissa_bits): adding a float whose
+       unit in the last place is that quantum rounds to nearest even in the
+       hardware, and the low bits left are the code */
+    const uint32_t smallest_normal = (128u - bias) << 23;
+    const uint32_t subnormal_magic = (127u - bias + drop + 1u) << 23;
+    for (ptrdiff_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        memcpy(&bits, src + i, sizeof bits);
+        const uint32_t sign = (bits >> 24) & 0x80u;
+        uint32_t magnitude = bits & 0x7fffffffu;
+        uint32_t code;
+        if (magnitude > 0x7f800000u) {
+            code = nan_code;
+        } else if (magnitude < smallest_normal) {
+            const float sum = ca_f32_from_bits(magnitude) + ca_f32_from_bits(subnormal_magic);
+            uint32_t sum_bits;
+            memcpy(&sum_bits, &sum, sizeof sum_bits);
+            code = sum_bits - subnormal_magic;
+        } else {
+            /* rebias the exponent, then round the dropped bits to nearest
+               even: add half a step less one, plus the kept bit's parity */
+            const uint32_t odd = (magnitude >> drop) & 1u;
+            magnitude += ((bias - 127u) << 23) + (1u << (drop - 1u)) - 1u + odd;
+            code = magnitude >> drop;
+        }
+        dst[i] = (uint8_t)(sign | code);
+    }
+}
+
 uint64_t ca_read_words(const uint64_t *words, size_t n)
 {
     /* eight independent lanes of sums, so that no chain of additions

@@ -42,12 +42,12 @@ express.
 
 cimport numpy as cnp
 from libc.math cimport isfinite
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint8_t, uint64_t
 from libc.stdlib cimport free
 from cattention._driver.kernel_table cimport (
-    ca_available_kernels, ca_compiler_version, ca_default_kernels, ca_forked_after_parallel,
-    ca_kernels, ca_kernels_by_name, ca_read_words, ca_set_bfloat16_type, ca_set_fp8_types,
-    ca_simd_note, intp_t)
+    CA_FP8_E4M3FN, CA_FP8_E5M2, ca_available_kernels, ca_compiler_version, ca_default_kernels,
+    ca_float_to_fp8, ca_forked_after_parallel, ca_kernels, ca_kernels_by_name, ca_read_words,
+    ca_set_bfloat16_type, ca_set_fp8_types, ca_simd_note, intp_t)
 from cattention._driver.problem cimport Problem, Rotary, RowOptions, plain_row_options
 from cattention._driver.results cimport rounded_to_bfloat16
 from cattention._driver.schedule cimport (
@@ -279,6 +279,23 @@ def round_to_bfloat16(cnp.ndarray result, into=None):
     ml_dtypes rounds), into ``into`` (a bfloat16 array of its shape) or a
     new array; returns it."""
     return rounded_to_bfloat16(result, into)
+
+
+def float32_to_fp8(cnp.ndarray values, cnp.ndarray codes, bint e4m3fn):
+    """Float32 values already within the format's finite range (or NaN)
+    into the fp8 codes (a uint8 array of their size; E4M3FN or E5M2),
+    rounded to nearest even as ml_dtypes casts them, without the GIL."""
+    cdef Py_ssize_t n = cnp.PyArray_SIZE(values)
+    if (cnp.PyArray_TYPE(values) != cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(codes) != cnp.NPY_UINT8
+            or not cnp.PyArray_IS_C_CONTIGUOUS(values)
+            or not cnp.PyArray_IS_C_CONTIGUOUS(codes) or cnp.PyArray_SIZE(codes) != n):
+        raise TypeError("float32_to_fp8 takes C-contiguous float32 values and uint8 codes "
+                        "of their size")
+    cdef const float *src = <const float *>cnp.PyArray_DATA(values)
+    cdef uint8_t *dst = <uint8_t *>cnp.PyArray_DATA(codes)
+    cdef int fmt = CA_FP8_E4M3FN if e4m3fn else CA_FP8_E5M2
+    with nogil:
+        ca_float_to_fp8(src, dst, n, fmt)
 
 
 def openmp_enabled():
