@@ -34,9 +34,11 @@ outputs are undefined.
 """
 
 # the flags and status codes (cattention.h), as the driver declares them
+from libc.stdint cimport uint8_t
 from cattention._driver.extension cimport (
-    CATTENTION_CAUSAL, CATTENTION_ERR_FLAGS, CATTENTION_ERR_NO_MEMORY, CATTENTION_ERR_POINTER,
-    CATTENTION_ERR_SCALE, CATTENTION_ERR_SIZE, CATTENTION_ERR_STRIDE, CATTENTION_OK)
+    CATTENTION_CAUSAL, CATTENTION_ERR_FLAGS, CATTENTION_ERR_FORMAT, CATTENTION_ERR_NO_MEMORY,
+    CATTENTION_ERR_POINTER, CATTENTION_ERR_SCALE, CATTENTION_ERR_SIZE, CATTENTION_ERR_STRIDE,
+    CATTENTION_FP8_E4M3FN, CATTENTION_FP8_E5M2, CATTENTION_OK)
 
 cdef int attention_f32(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
                        Py_ssize_t d_v,
@@ -57,3 +59,25 @@ cdef int attention_f64(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
                        double *out, Py_ssize_t out_row_stride,
                        double *scores, Py_ssize_t scores_row_stride,
                        double *lse, int n_threads) noexcept nogil
+
+# float32 q over fp8 K and V (KV caches of 8-bit floats): K and V hold
+# codes of fp8_format (CATTENTION_FP8_E4M3FN or CATTENTION_FP8_E5M2), each
+# row standing for its codes times its float32 scale, k_scale[j *
+# k_scale_stride] for key j (a stride of 0: one scale for all; NULL: 1),
+# likewise V. Each scale must be finite, >= 0 and at most float's largest
+# value over the format's largest (448, 57344): they are not checked, and
+# another gives NaN or infinities. The codes are widened exactly as they
+# are read; the result is that of attention_f32 over K and V holding codes
+# times scales, to float32 rounding. An unknown format returns
+# CATTENTION_ERR_FORMAT; the rest as attention_f32.
+cdef int attention_f32_fp8(Py_ssize_t n_queries, Py_ssize_t n_keys, Py_ssize_t d_k,
+                           Py_ssize_t d_v,
+                           const float *q, Py_ssize_t q_row_stride,
+                           const uint8_t *k, Py_ssize_t k_row_stride,
+                           const float *k_scale, Py_ssize_t k_scale_stride,
+                           const uint8_t *v, Py_ssize_t v_row_stride,
+                           const float *v_scale, Py_ssize_t v_scale_stride,
+                           int fp8_format, double scale, int flags,
+                           float *out, Py_ssize_t out_row_stride,
+                           float *scores, Py_ssize_t scores_row_stride,
+                           float *lse, int n_threads) noexcept nogil

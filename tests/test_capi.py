@@ -103,6 +103,48 @@ def test_thread_counts_give_the_same_bits(downstream, shape):
         assert_bitwise_equal(out, results[0])
 
 
+@pytest.mark.parametrize("with_scales", [True, False], ids=["scales", "none"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("shape", [(1, 300, 4, 64, 64), (37, 300, 4, 16, 24)], ids=str)
+def test_fp8_heads_in_prange(downstream, shape, fmt, with_scales):
+    """attention_f32_fp8: fp8 codes (bytes) of K and V with a float32 scale
+    per row, or none, against the float64 reference over codes times
+    scales."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dtype = np.dtype(getattr(ml_dtypes, fmt))
+    n_queries, n_keys, n_heads, d_k, d_v = shape
+    q, k, v = interleaved(4, n_queries, n_keys, n_heads, d_k, d_v, np.float32)
+    # with scales: one per row (max |row| / the format's largest); without:
+    # the codes hold the values themselves
+    rule = "row" if with_scales else np.float32(1)
+    k8, k_scale = ca.quantize_kv_fp8(heads_first(k), dtype, rule)
+    v8, v_scale = ca.quantize_kv_fp8(heads_first(v), dtype, rule)
+    # (heads, keys) rows of scales, as the downstream call reads them
+    k_scale = np.ascontiguousarray(np.broadcast_to(k_scale, k8.shape[:-1]))
+    v_scale = np.ascontiguousarray(np.broadcast_to(v_scale, v8.shape[:-1]))
+    out = np.full((n_queries, n_heads, d_v), np.nan, np.float32)
+    assert downstream.heads_f32_fp8(
+        q, np.ascontiguousarray(heads_first(k8)).view(np.uint8), k_scale,
+        np.ascontiguousarray(heads_first(v8)).view(np.uint8), v_scale, out,
+        0 if fmt == "float8_e4m3fn" else 1, with_scales, 0.25, True, 2) == 0
+    kd = k8.astype(np.float64) * k_scale[..., None]
+    vd = v8.astype(np.float64) * v_scale[..., None]
+    assert_matches_reference(heads_first(out), None, heads_first(q), kd, vd, causal=True,
+                             scale=0.25)
+
+
+def test_fp8_unknown_format_is_refused(downstream):
+    header = (Path(ca.get_include()) / "cattention.h").read_text()
+    assert "#define CATTENTION_ERR_FORMAT 7" in header
+    q = np.ones((2, 1, 4), np.float32)
+    codes = np.zeros((2, 1, 4), np.uint8)
+    out = np.full((2, 1, 4), -7.0, np.float32)
+    scales = np.ones((1, 2), np.float32)
+    assert downstream.heads_f32_fp8(q, codes, scales, codes, scales, out, 2, True, 1.0,
+                                    False, 1) == 7
+    assert np.all(out == -7)
+
+
 @pytest.mark.parametrize("case, status", [
     ("ok", "CATTENTION_OK"),
     ("scores only", "CATTENTION_OK"),

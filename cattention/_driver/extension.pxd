@@ -7,6 +7,9 @@ contract: arguments, strides, status codes)."""
 cdef extern from "cattention.h":
     enum:
         CATTENTION_CAUSAL
+        CATTENTION_FP8_E4M3FN
+        CATTENTION_FP8_E5M2
+        CATTENTION_ERR_FORMAT
         CATTENTION_OK
         CATTENTION_ERR_SIZE
         CATTENTION_ERR_POINTER
@@ -35,6 +38,13 @@ cdef struct HeadCall:
     Py_ssize_t scores_row_stride
     void *lse
     int n_threads
+    # fp8 K and V (attention_f32_fp8): their format (-1: K and V of
+    # type_num) and float32 row scales, scale_stride apart (NULL: 1)
+    int fp8_format
+    const float *k_scale
+    Py_ssize_t k_scale_stride
+    const float *v_scale
+    Py_ssize_t v_scale_stride
 
 
 cdef int head_attention(const HeadCall *call) noexcept nogil

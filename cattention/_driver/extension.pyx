@@ -59,7 +59,8 @@ from cattention._driver.checks cimport (
     check_scale as _check_scale, check_sinks as _check_sinks, check_softcap as _check_softcap,
     check_window as _check_window, holds, resolve_threads as _resolve_threads)
 from cattention._driver.from_entries cimport (
-    EntryPlan, EntryTable, Place, free_tables, plan_entries, problem_from_table,
+    PLACE_E4M3FN, PLACE_E5M2, EntryPlan, EntryTable, Place, free_tables, plan_entries,
+    problem_from_table,
     stacks_grouped_rows as _stacks_grouped_rows)
 from cattention._driver.runs cimport run_dense, run_plan
 from cattention._driver.appends cimport (
@@ -107,6 +108,8 @@ cdef int head_attention(const HeadCall *call) noexcept nogil:
     """One head through the same driver as the Python API: a plan of one
     sequence and one head."""
     cdef bint in_float32 = call.type_num == cnp.NPY_FLOAT32
+    cdef int kv_type = call.type_num
+    cdef float one = 1
     cdef intp_t zero[1]
     cdef intp_t n_rows[1]
     cdef intp_t n_valid[1]
@@ -122,6 +125,12 @@ cdef int head_attention(const HeadCall *call) noexcept nogil:
         return CATTENTION_ERR_SIZE
     if call.flags & ~CATTENTION_CAUSAL:
         return CATTENTION_ERR_FLAGS
+    if call.fp8_format == CATTENTION_FP8_E4M3FN:
+        kv_type = PLACE_E4M3FN
+    elif call.fp8_format == CATTENTION_FP8_E5M2:
+        kv_type = PLACE_E5M2
+    elif call.fp8_format != -1:
+        return CATTENTION_ERR_FORMAT
     if not isfinite(call.scale) or not holds(call.scale, in_float32):
         return CATTENTION_ERR_SCALE
     if not with_out and call.scores == NULL:
@@ -146,14 +155,24 @@ cdef int head_attention(const HeadCall *call) noexcept nogil:
     plan.kv_lengths = n_valid
     plan.kv_starts = NULL
     head_place(&plan.q, call.q, call.type_num, zero, call.q_row_stride)
-    head_place(&plan.k, call.k, call.type_num, zero, call.k_row_stride)
+    head_place(&plan.k, call.k, kv_type, zero, call.k_row_stride)
     # SCORES alone: V is not read
-    head_place(&plan.v, call.v if with_out else call.k, call.type_num, zero,
+    head_place(&plan.v, call.v if with_out else call.k, kv_type, zero,
                call.v_row_stride if with_out else call.k_row_stride)
     head_place(&plan.out, call.out, call.type_num, zero, call.out_row_stride)
     head_place(&plan.lse, call.lse, call.type_num, zero, 1)
     plan.k_scale.data = NULL
     plan.v_scale.data = NULL
+    if kv_type != call.type_num:
+        # fp8 rows times their scales (none given: 1 for every row)
+        head_place(&plan.k_scale, call.k_scale if call.k_scale != NULL else &one,
+                   cnp.NPY_FLOAT32, zero, call.k_scale_stride if call.k_scale != NULL else 0)
+        if with_out:
+            head_place(&plan.v_scale, call.v_scale if call.v_scale != NULL else &one,
+                       cnp.NPY_FLOAT32, zero,
+                       call.v_scale_stride if call.v_scale != NULL else 0)
+        else:
+            plan.v_scale = plan.k_scale
     plan.alibi = NULL
     plan.sinks = NULL
     plan.page_ids = NULL

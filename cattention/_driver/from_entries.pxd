@@ -31,6 +31,13 @@ from cattention._driver.problem cimport (
     Problem, RowOptions, is_one_byte, problem_finish, problem_init, set_operand)
 
 
+# the type numbers of fp8 K/V given without a registered ml_dtypes type
+# (the C API's): never a NumPy type number
+cdef enum:
+    PLACE_E4M3FN = -2
+    PLACE_E5M2 = -3
+
+
 cdef struct Place:
     # an operand of a plan: row t of head h of sequence i at seq_offset[i] +
     # t * t_stride + h * h_stride elements from data (for a paged K/V,
@@ -258,9 +265,11 @@ cdef inline void set_kv_operand(Operand *op, const Place *place, const intp_t *o
     set_place_operand(op, place, offsets, place.t_stride)
     if place.type_num == cnp.NPY_INT8:
         op.storage = STORE_I8
-    elif place.type_num == ca_e4m3fn_type and place.type_num >= 0:
+    elif place.type_num == PLACE_E4M3FN or (
+            place.type_num == ca_e4m3fn_type and place.type_num >= 0):
         op.storage = STORE_E4M3
-    elif place.type_num == ca_e5m2_type and place.type_num >= 0:
+    elif place.type_num == PLACE_E5M2 or (
+            place.type_num == ca_e5m2_type and place.type_num >= 0):
         op.storage = STORE_E5M2
     if is_one_byte(op.storage):
         op.scale = <const float *>scale.data

@@ -95,7 +95,6 @@ cdef inline void attend_query_block(const Problem *pb, const ca_kernels *kern, W
     cdef floating *s = <floating *>ws.base + ws.off_s
     cdef floating *acc = <floating *>ws.base + ws.off_acc
     cdef Py_ssize_t first_packed = pb.kv_of_batch[b] * pb.n_key_blocks
-    cdef Py_ssize_t P = panel_width(q_packed)
     cdef Py_ssize_t key0, n_keys, first_key, last_key, block, group0, group_rows, i
     # keys seen by each group of ROW_GROUP rows (Q_BLOCK / ROW_GROUP <= 16)
     cdef Py_ssize_t group_keys[16]

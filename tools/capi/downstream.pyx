@@ -4,9 +4,10 @@
 
 from cython cimport floating
 from cython.parallel cimport prange
+from libc.stdint cimport uint8_t
 
 from cattention.cython_attention cimport (
-    CATTENTION_CAUSAL, CATTENTION_OK, attention_f32, attention_f64)
+    CATTENTION_CAUSAL, CATTENTION_OK, attention_f32, attention_f32_fp8, attention_f64)
 
 
 def heads_f32(const float[:, :, ::1] q, const float[:, :, ::1] k,
@@ -44,6 +45,31 @@ def heads_f64(const double[:, :, ::1] q, const double[:, :, ::1] k,
                          NULL, 1) != CATTENTION_OK:
             failures += 1
     return failures
+
+
+def heads_f32_fp8(const float[:, :, ::1] q, const uint8_t[:, :, ::1] k,
+                  const float[:, ::1] k_scale, const uint8_t[:, :, ::1] v,
+                  const float[:, ::1] v_scale, float[:, :, ::1] out, int fp8_format,
+                  bint with_scales, double scale, bint causal, int n_threads):
+    """heads_f32 over fp8 codes of K and V (their bytes) with a scale per
+    row of each head (k_scale[h, j]), or none (NULL) unless with_scales;
+    returns the failed calls, or the first call's status when it is not
+    CATTENTION_OK and n_heads is 1."""
+    cdef Py_ssize_t n_heads = q.shape[1], h
+    cdef Py_ssize_t d_k = q.shape[2], d_v = v.shape[2]
+    cdef int flags = CATTENTION_CAUSAL if causal else 0
+    cdef int failures = 0, status = CATTENTION_OK
+    for h in prange(n_heads, nogil=True, num_threads=n_threads, schedule="static"):
+        status = attention_f32_fp8(q.shape[0], k.shape[0], d_k, d_v,
+                                   &q[0, h, 0], n_heads * d_k, &k[0, h, 0], n_heads * d_k,
+                                   &k_scale[h, 0] if with_scales else NULL, 1,
+                                   &v[0, h, 0], n_heads * d_v,
+                                   &v_scale[h, 0] if with_scales else NULL, 1,
+                                   fp8_format, scale, flags, &out[0, h, 0], n_heads * d_v,
+                                   NULL, 0, NULL, 1)
+        if status != CATTENTION_OK:
+            failures += 1
+    return status if n_heads == 1 and failures else failures
 
 
 CASES = ["ok", "negative size", "null query", "null key", "null value",
