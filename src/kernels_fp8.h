@@ -65,11 +65,19 @@ CA_SIMD_TARGET static void score_direct_fp8(const float *q, ptrdiff_t ldq, ptrdi
                                             ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
 {
     const float per_unit = format == CA_FP8_E4M3FN ? 1.0f / CA_E4M3_UNIT : 1.0f;
-    if (format == CA_FP8_E4M3FN)
-        CA_E4M3_KERNEL(score_direct, k, ldk, n_keys, d_k)(q, ldq, n_rows, k, ldk, n_keys, d_k,
-                                                         factor, s, lds, ahead, ahead_stride,
-                                                         ahead_bytes);
-    else
+    if (format == CA_FP8_E4M3FN) {
+        score_direct_e4m3(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds, ahead,
+                          ahead_stride, ahead_bytes);
+#ifdef CA_E4M3_NAN_KERNELS
+        /* the keys' scan after the kernel, which brought them in (before
+           it, the scan would be their first read from memory, a third of
+           a decode step measured): a NaN code, rare, takes the step again
+           with the kernel that keeps it, whose logits replace these */
+        if (e4m3_has_nan(k, ldk, n_keys, d_k))
+            score_direct_e4m3nan(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds, NULL, 0,
+                                 0);
+#endif
+    } else
         score_direct_e5m2(q, ldq, n_rows, k, ldk, n_keys, d_k, factor, s, lds, ahead,
                           ahead_stride, ahead_bytes);
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
