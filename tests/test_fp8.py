@@ -470,14 +470,18 @@ def test_fp8_nan_and_infinity_codes_in_hidden_keys_never_reach_the_output(fmt, T
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scores", [False, True], ids=["attn", "scores"])
-def test_fp8_keys_under_bfloat16_queries_on_prompt_rows(fmt, scores, simd):
+@pytest.mark.parametrize("kind", ["special", "head", "tensor"])
+def test_fp8_keys_under_bfloat16_queries_on_prompt_rows(fmt, scores, kind, simd):
     """A bfloat16 prompt over fp8 keys: on the tables with bfloat16 tiles
     the codes are multiplied as bfloat16 (every code is one) and each key's
-    scale joins its logits; zero, subnormal, largest codes and scale 0
-    (special_codes), causal, grouped heads, with and without SCORES."""
+    scale joins its logits (a scale shared by a block's keys, per tensor or
+    per entry and head, through the logits' factor); zero, subnormal,
+    largest codes and scale 0 (special_codes, a scale per row), causal,
+    grouped heads, with and without SCORES."""
     rng = np.random.default_rng(31)
     q = rng.standard_normal((2, 4, 70, 16)).astype(BF16)
-    k, ks = special_codes(rng, (2, 2, 150, 16), fmt)
+    k, ks = (special_codes(rng, (2, 2, 150, 16), fmt) if kind == "special"
+             else fp8_operand(rng, (2, 2, 150, 16), fmt, kind))
     v, vs = fp8_operand(rng, (2, 2, 150, 8), fmt, "row")
     result = ca.attention(q, k, v, k_scale=ks, v_scale=vs, causal=True, enable_gqa=True,
                           return_scores=scores)

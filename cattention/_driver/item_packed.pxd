@@ -51,14 +51,24 @@ cdef inline void score_tiles(const Problem *pb, const ca_kernels *kern, const fl
     cdef Py_ssize_t P = panel_width(kt)
     cdef Py_ssize_t i, j
     cdef float key_scales[K_BLOCK]
+    cdef float factor = <float>pb.scale
+    cdef bint per_key = False
     if floating is float:
         if pb.bf16_score:
+            if is_fp8(pb.k.storage) and n_keys > 0:
+                # the tiles multiply the codes: the keys' scales join their
+                # logits, folded into the factor where the block's keys share
+                # one (a scale per tensor, or per entry and head: a pass
+                # over the block's logits less)
+                if pb.k.scale_stride == 0 and pb.k.scale_page_stride == 0:
+                    factor = <float>(pb.scale * pb.k.scale[scale_row_offset(&pb.k, b, key0)])
+                else:
+                    per_key = True
             kern.score_bf16(<const uint16_t *>q_rows + first_row * ldq, ldq, n_rows,
                             <const uint16_t *>kt, pb.ld_k * 2 * P, round_up(n_keys, P),
-                            pb.d_k, <float>pb.scale, s, lds, ahead, ahead_bytes)
-            if is_fp8(pb.k.storage):
-                # the tiles multiplied the codes: each key's scale joins its
-                # logits, (scale * q.code) * key_scale as the direct kernels
+                            pb.d_k, factor, s, lds, ahead, ahead_bytes)
+            if per_key:
+                # (scale * q.code) * key_scale, as the direct kernels
                 for j in range(n_keys):
                     key_scales[j] = pb.k.scale[scale_row_offset(&pb.k, b, key0 + j)]
                 for i in range(n_rows):
