@@ -5,8 +5,8 @@
 
 Each case is one call on seeded inputs; its fingerprint is the sha256 of the
 bytes of every array it returns. The cases cover every option of every entry
-point, both dtypes, float16 and int8 K/V, bfloat16 (when ml_dtypes is
-installed), SCORES, LSE, grouped heads, the decode (direct) path with and
+point, both dtypes, float16, int8 and fp8 K/V, bfloat16 (fp8 and bfloat16
+when ml_dtypes is installed), SCORES, LSE, grouped heads, the decode (direct) path with and
 without split keys, the packed and per-entry paths, and every kernel table
 this CPU runs. ``check`` compares the tables both
 runs have and exits 1 on any difference; ``record`` replaces the tables this
@@ -29,9 +29,9 @@ import cattention as ca
 from cattention._native import driver as _attention
 
 try:
-    from ml_dtypes import bfloat16
-except ImportError:      # the bfloat16 cases are then neither run nor compared
-    bfloat16 = None
+    from ml_dtypes import bfloat16, float8_e4m3fn, float8_e5m2
+except ImportError:      # the bfloat16 and fp8 cases are then neither run nor compared
+    bfloat16 = float8_e4m3fn = float8_e5m2 = None
 
 
 def cast(values, dtype):
@@ -41,6 +41,18 @@ def cast(values, dtype):
     if bfloat16 is not None and np.dtype(dtype) == np.dtype(bfloat16):
         return values.astype(np.float32).astype(dtype)
     return values.astype(dtype)
+
+def quantized(x, kv_dtype, rule="row"):
+    """int8 or fp8 codes of float32 x with their scales (per row, or for
+    fp8 the rule of quantize_kv_fp8)."""
+    if kv_dtype == np.int8:
+        return ca.quantize_kv(x)
+    return ca.quantize_kv_fp8(x, kv_dtype, rule)
+
+
+def is_quantized(kv_dtype):
+    return np.dtype(kv_dtype).itemsize == 1
+
 
 #: (T, S): decode (direct path, split keys at S >= 1024), tails, packed paths
 #: (700 keys: P.V tiles of several runs joining a non-zero accumulator)
@@ -82,11 +94,11 @@ def attention_cases(dtype, kv_dtype):
             kv_heads = 2 if option.get("enable_gqa") else heads
             q = cast(rng.standard_normal((2, heads, T, 16)), dtype)
             kwargs = dict(option)
-            if kv_dtype == np.int8:
-                # int8 K/V with their row scales, quantized from float32
+            if is_quantized(kv_dtype):
+                # int8 or fp8 K/V with their row scales, quantized from float32
                 (k, kwargs["k_scale"]), (v, kwargs["v_scale"]) = (
-                    ca.quantize_kv(cast(rng.standard_normal((2, kv_heads, S, d)), np.float32))
-                    for d in (16, 12))
+                    quantized(cast(rng.standard_normal((2, kv_heads, S, d)), np.float32),
+                              kv_dtype) for d in (16, 12))
             else:
                 k = cast(rng.standard_normal((2, kv_heads, S, 16)), kv_dtype)
                 v = cast(rng.standard_normal((2, kv_heads, S, 12)), kv_dtype)
@@ -122,19 +134,22 @@ def layout_cases(dtype):
     yield f"{name}/layout/2d", lambda: (ca.attention(q[0], k[0], v[0], causal=True),)
 
 
-def kvcache_cases(dtype, cache_dtype):
+def kvcache_cases(dtype, cache_dtype, rule="row"):
+    """Steps of attention_with_kvcache; an int8 or fp8 cache with its scales
+    per row (written on append), or for fp8 a scale per tensor (fixed)."""
     for T_new in (1, 4, 40):
         for option in ({}, dict(window=(9, 0), softcap=2.0,
                                 alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05]))):
             def run(T_new=T_new, option=option):
                 rng = np.random.default_rng(T_new)
-                float_cache = np.float32 if cache_dtype == np.int8 else cache_dtype
+                float_cache = np.float32 if is_quantized(cache_dtype) else cache_dtype
                 k_cache = cast(rng.standard_normal((2, 2, 96, 16)), float_cache)
                 v_cache = cast(rng.standard_normal((2, 2, 96, 8)), float_cache)
                 scales = {}
-                if cache_dtype == np.int8:
+                if is_quantized(cache_dtype):
                     (k_cache, scales["k_scale"]), (v_cache, scales["v_scale"]) = (
-                        ca.quantize_kv(k_cache), ca.quantize_kv(v_cache))
+                        quantized(k_cache, cache_dtype, rule),
+                        quantized(v_cache, cache_dtype, rule))
                 lengths = np.array([10, 50])
                 q = cast(rng.standard_normal((2, 4, T_new, 16)), dtype)
                 new_k = cast(rng.standard_normal((2, 2, T_new, 16)), float_cache)
@@ -144,7 +159,8 @@ def kvcache_cases(dtype, cache_dtype):
                                                      **scales)
                 return (out, lse, k_cache, v_cache, lengths) + tuple(scales.values())
             yield (f"{np.dtype(dtype).name}/{np.dtype(cache_dtype).name}/kvcache/{T_new}/"
-                   f"{'options' if option else 'plain'}"), run
+                   f"{'options' if option else 'plain'}" + ("" if rule == "row" else f"/{rule}")
+                   ), run
 
 
 def merge_cases(dtype):
@@ -193,6 +209,11 @@ def all_cases():
         yield from deep_cases(bfloat16)
         yield from kvcache_cases(bfloat16, bfloat16)
         yield from kvcache_cases(np.float32, bfloat16)
+        for fp8 in (float8_e4m3fn, float8_e5m2):
+            yield from attention_cases(np.float32, fp8)
+            yield from attention_cases(bfloat16, fp8)
+            yield from kvcache_cases(np.float32, fp8)
+            yield from kvcache_cases(bfloat16, fp8, "tensor")
 
 
 def fingerprints():
@@ -232,7 +253,7 @@ def main(argv):
     compared = 0
     for table in sorted(set(recorded) & set(current)):
         for key, value in recorded[table].items():
-            if bfloat16 is None and "bfloat16" in key:
+            if bfloat16 is None and ("bfloat16" in key or "float8" in key):
                 continue
             compared += 1
             if current[table].get(key) != value:
