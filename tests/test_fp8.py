@@ -537,6 +537,30 @@ def test_e5m2_infinity_codes(T, simd):
     assert_matches_reference(attn[:, 1:, even], None, q[:, 1:, even], kd[:, 1:], vd[:, 1:])
 
 
+@pytest.mark.parametrize("kv", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"])
+@pytest.mark.parametrize("S", [37, 300])
+@pytest.mark.parametrize("d", [64, 128])
+def test_grouped_decode_rows_give_each_heads_bits(kv, S, d, simd):
+    """Four query heads on one K/V head of a narrow dtype (fp8, bfloat16,
+    float16): the decode kernels widen each key once for the four rows
+    (and each value once in P.V), and every row gets the bits it gets
+    alone, on every table."""
+    rng = np.random.default_rng(S + d)
+    q = rng.standard_normal((2, 8, 1, d)).astype(np.float32)
+    x = rng.standard_normal((2, 2, S, d)).astype(np.float32)
+    if kv.startswith("float8"):
+        k, ks = ca.quantize_kv_fp8(x, kv, "row")
+        scales = dict(k_scale=ks, v_scale=ks)
+    else:
+        k, scales = x.astype(BF16 if kv == "bfloat16" else np.float16), {}
+    grouped = ca.attention(q, k, k, enable_gqa=True, **scales)
+    for h in range(8):
+        kv_head = slice(h // 4, h // 4 + 1)
+        alone = ca.attention(q[:, h:h + 1], k[:, kv_head], k[:, kv_head],
+                             **{name: value[:, kv_head] for name, value in scales.items()})
+        assert_bitwise_equal(grouped[:, h:h + 1], alone)
+
+
 def _threads_case(case, rng):
     if case == "decode":
         q = rng.standard_normal((2, 8, 1, 128)).astype(np.float32)
