@@ -74,9 +74,10 @@ float ca_e5m2_to_float(uint8_t code)
     return ca_half_to_float((uint16_t)(code << 8));
 }
 
-void ca_float_to_fp8(const float *src, uint8_t *dst, ptrdiff_t n, int format)
+void ca_float_to_fp8(const float *src, uint8_t *dst, ptrdiff_t n, float divisor, int format)
 {
     const int e4m3 = format == CA_FP8_E4M3FN;
+    const float largest = e4m3 ? 448.0f : 57344.0f;
     const uint32_t mantissa_bits = e4m3 ? 3u : 2u, bias = e4m3 ? 7u : 15u;
     const uint32_t nan_code = e4m3 ? 0x7fu : 0x7eu;
     const uint32_t drop = 23u - mantissa_bits;
@@ -87,8 +88,14 @@ void ca_float_to_fp8(const float *src, uint8_t *dst, ptrdiff_t n, int format)
     const uint32_t smallest_normal = (128u - bias) << 23;
     const uint32_t subnormal_magic = (127u - bias + drop + 1u) << 23;
     for (ptrdiff_t i = 0; i < n; ++i) {
+        float value = src[i] / divisor;
+        /* saturated (a NaN fails both tests and stays) */
+        if (value > largest)
+            value = largest;
+        else if (value < -largest)
+            value = -largest;
         uint32_t bits;
-        memcpy(&bits, src + i, sizeof bits);
+        memcpy(&bits, &value, sizeof bits);
         const uint32_t sign = (bits >> 24) & 0x80u;
         uint32_t magnitude = bits & 0x7fffffffu;
         uint32_t code;

@@ -30,12 +30,13 @@ enum { CA_FP8_E4M3FN = 0, CA_FP8_E5M2 = 1 };
 float ca_e4m3fn_to_float(uint8_t code);
 float ca_e5m2_to_float(uint8_t code);
 
-/* binary32 values already within the format's finite range (or NaN) to
-   fp8 codes of the format, rounded to nearest even, bit for bit as
-   ml_dtypes casts them: subnormals kept, -0 kept, a NaN becomes the NaN
-   code of its sign (S.1111.111 for E4M3FN, S.11111.10 for E5M2). A value
-   beyond the range is the caller's to saturate first. dst[i] for i < n. */
-void ca_float_to_fp8(const float *src, uint8_t *dst, ptrdiff_t n, int format);
+/* binary32 values divided by `divisor` (in binary32), saturated to the
+   format's finite range (+-inf too; NaN stays NaN) and rounded to nearest
+   even into fp8 codes of the format, bit for bit as ml_dtypes casts the
+   saturated quotients: subnormals kept, -0 kept, a NaN becomes the NaN
+   code of its sign (S.1111.111 for E4M3FN, S.11111.10 for E5M2). dst[i]
+   for i < n. */
+void ca_float_to_fp8(const float *src, uint8_t *dst, ptrdiff_t n, float divisor, int format);
 
 /* binary32 to bfloat16, rounded to nearest even, bit for bit as ml_dtypes
    (Eigen) rounds: subnormals kept, a NaN becomes the quiet NaN of its sign

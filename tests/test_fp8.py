@@ -157,22 +157,27 @@ def test_quantize_kv_fp8_refuses_bad_scales(fmt, bad):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_kv_fp8_rounds_every_float32_as_ml_dtypes(fmt):
+@pytest.mark.parametrize("given", ["one scale", "a scale per row"])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_quantize_kv_fp8_rounds_every_float32_as_ml_dtypes(fmt, given, scale):
     """Rounding to nearest even, bit for bit ml_dtypes' cast of the float32
     quotient: float32 values across every exponent (a bit pattern in 4099),
     every code's value, every midpoint between neighbouring codes and the
     floats either side of it, NaN of both signs, both zeros, and values
-    beyond the range (saturated first)."""
+    beyond the range (saturated first); divided by one scale or by a scale
+    per row (of the same value)."""
     every = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
     values = np.sort(finite_codes(fmt).view(fmt).astype(np.float32))
     midpoints = ((values[1:].astype(np.float64) + values[:-1]) / 2).astype(np.float32)
     x = np.concatenate([every, values, midpoints, np.nextafter(midpoints, np.float32(np.inf)),
                         np.nextafter(midpoints, np.float32(-np.inf)),
                         np.array([np.nan, -np.nan, 0.0, -0.0], np.float32)])
-    codes, _ = ca.quantize_kv_fp8(x[:, None], fmt, scale=np.ones(x.size, np.float32))
+    divisor = np.float32(scale)
+    scales = divisor if given == "one scale" else np.full(x.size, divisor)
+    codes, _ = ca.quantize_kv_fp8(x[:, None], fmt, scale=scales)
     fmax = np.float32(FMAX[fmt])
-    with np.errstate(invalid="ignore"):
-        expected = np.clip(x, -fmax, fmax).astype(fmt)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = np.clip(x / divisor, -fmax, fmax).astype(fmt)[:, None]
     np.testing.assert_array_equal(codes.view(np.uint8), expected.view(np.uint8))
 
 

@@ -300,10 +300,11 @@ def round_to_bfloat16(cnp.ndarray result, into=None):
     return rounded_to_bfloat16(result, into)
 
 
-def float32_to_fp8(cnp.ndarray values, cnp.ndarray codes, bint e4m3fn):
-    """Float32 values already within the format's finite range (or NaN)
-    into the fp8 codes (a uint8 array of their size; E4M3FN or E5M2),
-    rounded to nearest even as ml_dtypes casts them, without the GIL."""
+def float32_to_fp8(cnp.ndarray values, cnp.ndarray codes, float divisor, bint e4m3fn):
+    """Float32 values / divisor (in float32) into fp8 codes (a uint8 array
+    of their size; E4M3FN or E5M2): saturated to the format's finite range
+    (NaN stays NaN) and rounded to nearest even as ml_dtypes casts them,
+    without the GIL."""
     cdef Py_ssize_t n = cnp.PyArray_SIZE(values)
     if (cnp.PyArray_TYPE(values) != cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(codes) != cnp.NPY_UINT8
             or not cnp.PyArray_IS_C_CONTIGUOUS(values)
@@ -314,7 +315,7 @@ def float32_to_fp8(cnp.ndarray values, cnp.ndarray codes, bint e4m3fn):
     cdef uint8_t *dst = <uint8_t *>cnp.PyArray_DATA(codes)
     cdef int fmt = CA_FP8_E4M3FN if e4m3fn else CA_FP8_E5M2
     with nogil:
-        ca_float_to_fp8(src, dst, n, fmt)
+        ca_float_to_fp8(src, dst, n, divisor, fmt)
 
 
 def openmp_enabled():

@@ -160,7 +160,8 @@ cdef extern from "scalar.h" nogil:
     enum: CA_FP8_E4M3FN
     enum: CA_FP8_E5M2
     void ca_round_to_bfloat16(const float *src, uint16_t *dst, Py_ssize_t n)
-    void ca_float_to_fp8(const float *src, uint8_t *dst, Py_ssize_t n, int format)
+    void ca_float_to_fp8(const float *src, uint8_t *dst, Py_ssize_t n, float divisor,
+                         int format)
     void ca_softcap_f64(double *x, Py_ssize_t n, double cap)
     uint64_t ca_read_words(const uint64_t *words, size_t n)
 

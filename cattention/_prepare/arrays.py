@@ -24,40 +24,52 @@ SUPPORTED_DTYPES = (
 )
 
 
+# the type numbers of ml_dtypes' bfloat16 and fp8 formats once seen (a
+# check by number is what every call of a serving step makes, many times)
+_bfloat16_numbers: tuple[int, ...] = ()
+_fp8_numbers: tuple[int, ...] = ()
+
+
 def is_bfloat16(dtype: np.dtype[Any]) -> bool:
     """dtype is ml_dtypes.bfloat16. Its type number is assigned when
     ml_dtypes is imported, so it is recognised by identity; an array of it
     exists only once ml_dtypes is imported, and cattention never imports it
     itself. The driver is told its number, for the shortcuts."""
-    if dtype.kind != "V" or dtype.itemsize != 2 or dtype.name != "bfloat16":
+    global _bfloat16_numbers
+    if dtype.kind != "V" or dtype.itemsize != 2:
+        return False
+    if dtype.num in _bfloat16_numbers:
+        return True
+    if dtype.name != "bfloat16":
         return False
     ml_dtypes = sys.modules.get("ml_dtypes")
     if ml_dtypes is None or dtype != ml_dtypes.bfloat16:
         return False
     driver.register_bfloat16(dtype.num)
+    _bfloat16_numbers = (dtype.num,)
     return True
 
 
 #: The finite range of each fp8 format (ml_dtypes' names).
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
-_fp8_registered = False
-
-
 def is_fp8(dtype: np.dtype[Any]) -> bool:
     """dtype is ml_dtypes.float8_e4m3fn or float8_e5m2 (recognised by
     identity once ml_dtypes is imported, as bfloat16 is; the driver is told
     their type numbers the first time)."""
-    global _fp8_registered
-    if dtype.itemsize != 1 or dtype.name not in FP8_MAX:
+    global _fp8_numbers
+    if dtype.itemsize != 1:
+        return False
+    if dtype.num in _fp8_numbers:
+        return True
+    if dtype.name not in FP8_MAX:
         return False
     ml_dtypes = sys.modules.get("ml_dtypes")
     if ml_dtypes is None or dtype != getattr(ml_dtypes, dtype.name):
         return False
-    if not _fp8_registered:
-        driver.register_fp8(np.dtype(ml_dtypes.float8_e4m3fn).num,
-                            np.dtype(ml_dtypes.float8_e5m2).num)
-        _fp8_registered = True
+    _fp8_numbers = (np.dtype(ml_dtypes.float8_e4m3fn).num,
+                    np.dtype(ml_dtypes.float8_e5m2).num)
+    driver.register_fp8(*_fp8_numbers)
     return True
 
 

@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from .._native import driver
 from .arrays import array, compute_dtype, is_bfloat16, is_fp8, is_half, readable_in_place
 from .fp8 import checked_scale, quantize, to_codes
-from .int8 import SCALE_RANGE, cache_rows, scales_in_range
+from .int8 import SCALE_RANGE, cache_rows, float32_scales, scales_in_range
 
 _Array = NDArray[Any]
 
@@ -112,6 +112,13 @@ def fp8_divisor(name: str, scale: Any, cache: _Array,
     their features axis."""
     if scale is None:
         return np.ones((), np.float32)
+    if np.ndim(scale) == 0:
+        # one scale (checked with the cache): it divides every row
+        one = float32_scales(scale, name)
+        if one == 0:
+            raise ValueError(f"{name} is 0: new values are stored divided by it; give a "
+                             "scale > 0")
+        return one
     full = checked_scale(scale, cache.shape[:3], name, cache.dtype)
     divisor = full[at]
     if np.any(divisor == 0):

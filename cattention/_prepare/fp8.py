@@ -70,6 +70,12 @@ def checked_scale(scale: ArrayLike, shape: tuple[int, ...], name: str,
     its features axis), as float32 broadcast to that shape (a view: a scale
     per tensor or per (entry, head) is never repeated in memory)."""
     arr = float32_scales(scale, name)
+    if arr.ndim == 0:
+        # one scale (vLLM's, every step of every layer): no shapes to match
+        if not 0 <= arr <= FP8_MAX_SCALE[dtype.name]:
+            raise ValueError(f"{name} must be {scale_range(dtype)}")
+        one: NDArray[np.float32] = np.broadcast_to(arr, shape)
+        return one
     try:
         broadcast_shapes(arr.shape, shape)
         fits = len(arr.shape) <= len(shape) and broadcast_shapes(arr.shape, shape) == shape
@@ -113,15 +119,18 @@ def to_codes(values: NDArray[Any], divisor: Union[NDArray[np.float32], np.float3
     and rounded to nearest even (ml_dtypes' cast of the float32 quotient);
     NaN stays NaN, +-inf becomes +-largest (as values beyond float32's
     range do)."""
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        scaled = values.astype(np.float32) / np.asarray(divisor, dtype=np.float32)
-    fmax = FP8_MAX[dtype.name]
-    # np.clip keeps NaN: a value beyond the range would otherwise become NaN
-    # (E4M3FN has no infinity) or inf (E5M2)
-    saturated = np.ascontiguousarray(np.clip(scaled, -fmax, fmax, out=scaled))
-    codes: NDArray[Any] = np.empty(saturated.shape, dtype)
-    # rounded in compiled code, as ml_dtypes' cast rounds (a quarter of its time)
-    driver.float32_to_fp8(saturated, codes.view(np.uint8), dtype.name == "float8_e4m3fn")
+    # one divisor (a scale per tensor, every step of a serving engine): the
+    # compiled loop divides; several: NumPy divides, the loop by 1 (exact)
+    one = np.ndim(divisor) == 0
+    if one:
+        quotients = np.ascontiguousarray(values, dtype=np.float32)
+    else:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            quotients = np.ascontiguousarray(values.astype(np.float32) / divisor)
+    codes: NDArray[Any] = np.empty(quotients.shape, dtype)
+    # saturated (NaN kept) and rounded as ml_dtypes' cast rounds, compiled
+    driver.float32_to_fp8(quotients, codes.view(np.uint8),
+                          float(divisor) if one else 1.0, dtype.name == "float8_e4m3fn")
     return codes
 
 
@@ -136,7 +145,9 @@ def quantize(x: ArrayLike, dtype: object, rule: Union[str, ArrayLike], caller: s
         divisor = checked_scale(rule, values.shape[:-1], f"{caller}: scale", fmt)
         if np.any(divisor == 0):
             raise ValueError(f"{caller}: scale must be > 0 (values / scale are stored)")
-        return to_codes(values, divisor[..., None], fmt), np.array(rule, np.float32)
+        # one scale: the compiled loop divides by it
+        by = float32_scales(rule, caller) if np.ndim(rule) == 0 else divisor[..., None]
+        return to_codes(values, by, fmt), np.array(rule, np.float32)
     if rule not in SCALE_RULES:
         raise ValueError(f"{caller}: scale must be one of {', '.join(map(repr, SCALE_RULES))} "
                          f"or the scales themselves; got {rule!r}")
