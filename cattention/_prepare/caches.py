@@ -97,6 +97,24 @@ def check_fp8_scales(k: _Array, k_scale: Any, v_scale: Any, q_dtype: np.dtype[An
                              "as rows are appended) must be a native, aligned float32 ndarray")
 
 
+def check_scales(k: _Array, k_scale: Any, v_scale: Any, q_dtype: np.dtype[Any], what: str,
+                 axes: str) -> list[tuple[str, Any]]:
+    """The scales of int8 or fp8 caches (or pages, ``what``), checked, and
+    those an append writes, by name: int8's, and fp8's given one per row;
+    no scales go with float caches."""
+    if k.dtype == np.int8:
+        check_int8_scales(k, k_scale, v_scale, q_dtype, what, axes)
+        return [("k_scale", k_scale), ("v_scale", v_scale)]
+    if is_fp8(k.dtype):
+        check_fp8_scales(k, k_scale, v_scale, q_dtype, what, axes)
+        return [(name, scale) for name, scale in (("k_scale", k_scale), ("v_scale", v_scale))
+                if fp8_rows_scaled(scale, k)]
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with int8 and fp8 {what}; these are "
+                         f"{k.dtype}")
+    return []
+
+
 def fp8_rows_scaled(scale: object, cache: _Array) -> bool:
     """Whether an fp8 cache's scale is one per row (an array of the cache's
     first three axes): appended rows then get scales of their own."""
@@ -119,8 +137,7 @@ def fp8_divisor(name: str, scale: Any, cache: _Array,
             raise ValueError(f"{name} is 0: new values are stored divided by it; give a "
                              "scale > 0")
         return one
-    full = checked_scale(scale, cache.shape[:3], name, cache.dtype)
-    divisor = full[at]
+    divisor = fp8_read_scale(scale, cache)[at]
     if np.any(divisor == 0):
         raise ValueError(f"{name} is 0 at places this call appends to: new values are "
                          "stored divided by it; give a scale > 0 there")
@@ -128,11 +145,13 @@ def fp8_divisor(name: str, scale: Any, cache: _Array,
 
 
 def fp8_read_scale(scale: Any, cache: _Array) -> _Array:
-    """An fp8 cache's scale (checked) as the call reads it: float32 of the
-    cache's first three axes, a view (1 where none is given)."""
-    if scale is None:
-        return np.broadcast_to(np.ones((), np.float32), cache.shape[:3])
-    return checked_scale(scale, cache.shape[:3], "scale", cache.dtype)
+    """An fp8 cache's scale, as check_scales has checked it (shape and
+    range: not again, a scale per row is a pass over the scales), as the
+    call reads it: float32 of the cache's first three axes, a view (1 where
+    none is given)."""
+    given = np.ones((), np.float32) if scale is None else float32_scales(scale, "scale")
+    read: _Array = np.broadcast_to(given, cache.shape[:3])
+    return read
 
 
 def check_scales_hold(k_scale: _Array, v_scale: _Array) -> None:

@@ -14,10 +14,9 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .arrays import array, as_input, check_out, is_fp8, is_half, refuse_shared_memory
-from .caches import (Appends, as_stored, check_cache_lengths, check_fp8_scales,
-                     check_int8_scales, check_new_rows_dtype, check_scales_hold,
-                     check_sequence_starts, check_storage, fp8_read_scale, fp8_rows_scaled,
-                     new_rows, result_dtype, store_compute)
+from .caches import (Appends, as_stored, check_cache_lengths, check_new_rows_dtype,
+                     check_scales, check_scales_hold, check_sequence_starts, check_storage,
+                     fp8_read_scale, new_rows, result_dtype, store_compute)
 from .dense import DenseCall, prepare_dense
 from .entries import EntriesCall, head_options, outputs, place, queries
 from .options import row_options
@@ -57,17 +56,9 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
     half_cache = is_half(k_cache.dtype) and (is_half(q.dtype) or q.dtype == np.float32)
     int8_cache = k_cache.dtype == np.int8
     fp8_cache = is_fp8(k_cache.dtype)
-    # the scales the call writes: int8's, and fp8's given one per row
-    written_scales: list[tuple[str, Any]] = [(name, scale) for name, scale in (("k_scale", k_scale),
-                                                        ("v_scale", v_scale))
-                      if int8_cache or (fp8_cache and fp8_rows_scaled(scale, k_cache))]
-    if int8_cache:
-        check_int8_scales(k_cache, k_scale, v_scale, q.dtype, "caches", "(B, H_kv, S_max)")
-    elif fp8_cache:
-        check_fp8_scales(k_cache, k_scale, v_scale, q.dtype, "caches", "(B, H_kv, S_max)")
-    elif k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale and v_scale go with int8 and fp8 caches; these are "
-                         f"{k_cache.dtype}")
+    # checked, and those the call writes with the rows it appends
+    written_scales = check_scales(k_cache, k_scale, v_scale, q.dtype, "caches",
+                                  "(B, H_kv, S_max)")
     if (not half_cache and not int8_cache and not fp8_cache
             and np.result_type(q.dtype, k_cache.dtype) != k_cache.dtype):
         raise TypeError(f"q of dtype {q.dtype} with a {k_cache.dtype} cache would "

@@ -13,16 +13,17 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .arrays import array, as_input, check_out, is_fp8, is_half, refuse_shared_memory
-from .caches import (Appends, Write, as_stored, check_cache_lengths, check_fp8_scales,
-                     check_int8_scales, check_new_rows_dtype, check_sequence_starts,
-                     check_storage, fp8_read_scale, fp8_rows_scaled, new_rows, result_dtype,
-                     store_compute)
+from .caches import (Appends, Write, as_stored, check_cache_lengths, check_new_rows_dtype,
+                     check_scales, check_sequence_starts, check_storage, fp8_read_scale,
+                     new_rows, result_dtype, store_compute)
 from .entries import (EntriesCall, cu_seqlens, head_options, outputs, place, queries)
 from .options import row_options
 from .rotary import Rotary, check_rotary, rotate_queries
 
 _Array = NDArray[Any]
 _Intp = NDArray[np.intp]
+# the axes of pages and their row scales, as messages name them
+_PAGE_AXES = "(n_pages, H_kv, page_size)"
 
 
 def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: ArrayLike,
@@ -41,7 +42,7 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     the result dtype."""
     k_pages, v_pages = check_storage(k_pages, v_pages, ("k_pages", "v_pages"),
                                      "(n_pages, H_kv, page_size, d)",
-                                     "(n_pages, H_kv, page_size)", "pages")
+                                     _PAGE_AXES, "pages")
     if k_pages.shape[2] < 1:
         raise ValueError(f"page_size (axis 2 of k_pages {k_pages.shape}) must be >= 1")
     n_pages, n_kv_heads, page_size, d_k = k_pages.shape
@@ -77,7 +78,7 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     half = is_half(k_pages.dtype) and (is_half(q.dtype) or q.dtype == np.float32)
     int8 = k_pages.dtype == np.int8
     fp8 = is_fp8(k_pages.dtype)
-    written_scales = _written_scales(k_pages, k_scale, v_scale, q.dtype)
+    written_scales = check_scales(k_pages, k_scale, v_scale, q.dtype, "pages", _PAGE_AXES)
     if (not half and not int8 and not fp8
             and np.result_type(q.dtype, k_pages.dtype) != k_pages.dtype):
         raise TypeError(f"q of dtype {q.dtype} with {k_pages.dtype} pages would convert "
@@ -192,24 +193,6 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     return call, appends, result
 
 
-def _written_scales(k_pages: _Array, k_scale: object, v_scale: object,
-                    q_dtype: np.dtype[Any]) -> list[tuple[str, Any]]:
-    """The scales of int8 or fp8 pages, checked, and those an append writes
-    (int8's, and fp8's given one per row); none go with float pages."""
-    axes = "(n_pages, H_kv, page_size)"
-    if k_pages.dtype == np.int8:
-        check_int8_scales(k_pages, k_scale, v_scale, q_dtype, "pages", axes)
-        return [("k_scale", k_scale), ("v_scale", v_scale)]
-    if is_fp8(k_pages.dtype):
-        check_fp8_scales(k_pages, k_scale, v_scale, q_dtype, "pages", axes)
-        return [(name, scale) for name, scale in (("k_scale", k_scale), ("v_scale", v_scale))
-                if fp8_rows_scaled(scale, k_pages)]
-    if k_scale is not None or v_scale is not None:
-        raise ValueError(f"k_scale and v_scale go with int8 and fp8 pages; these are "
-                         f"{k_pages.dtype}")
-    return []
-
-
 def _rotated(rotary: Rotary, q: _Array, given: Optional[tuple[_Array, _Array]],
              cu_q: Optional[_Intp], cu_new: Optional[_Intp], q_lengths: _Intp,
              old_lengths: NDArray[np.int64], n_new: _Intp,
@@ -317,7 +300,7 @@ def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLik
     ``slot % page_size``), a negative slot marking a row to skip."""
     k_pages, v_pages = check_storage(k_pages, v_pages, ("k_pages", "v_pages"),
                                      "(n_pages, H_kv, page_size, d)",
-                                     "(n_pages, H_kv, page_size)", "pages")
+                                     _PAGE_AXES, "pages")
     n_pages, n_kv_heads, page_size, d_k = k_pages.shape
     d_v = v_pages.shape[3]
     given = new_rows(k_new, v_new)
@@ -333,7 +316,8 @@ def prepare_slot_append(k_pages: object, v_pages: object, slot_mapping: ArrayLik
             raise ValueError(f"{name} must have shape {want} (n_rows, H_kv, d) to match "
                              f"slot_mapping {slots.shape} and the pages; got {new.shape}")
         check_new_rows_dtype(name, new, k_pages.dtype, "pages")
-    written_scales = _written_scales(k_pages, k_scale, v_scale, np.dtype(np.float32))
+    written_scales = check_scales(k_pages, k_scale, v_scale, np.dtype(np.float32), "pages",
+                                  _PAGE_AXES)
     capacity = n_pages * page_size
     # (in Python ints, before any cast: a uint64 slot past int64 would wrap)
     if slots.size and int(slots.max()) >= capacity:
