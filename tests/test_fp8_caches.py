@@ -289,6 +289,18 @@ def paged_values(pages, scale, table, b, n):
     return np.swapaxes(rows, 0, 1)
 
 
+def check_paged_sequence(attn, q, k_pages, v_pages, k_scale, v_scale, table, b, n,
+                         **options):
+    """Sequence b's rows of a paged call against the float64 reference over
+    the n keys its pages hold (paged_values), query heads grouped on the
+    pages' K/V heads, bottom-right causal."""
+    group = q.shape[1] // k_pages.shape[1]
+    assert_matches_reference(attn[b], None, q[b],
+                             repeat_kv(paged_values(k_pages, k_scale, table, b, n), group),
+                             repeat_kv(paged_values(v_pages, v_scale, table, b, n), group),
+                             True, f32_abs_cap=None, **options)
+
+
 def slots_of(table, b, positions, page_size):
     positions = np.asarray(positions)
     return table[b, positions // page_size] * page_size + positions % page_size
@@ -327,10 +339,7 @@ def test_fp8_pages_quantize_appended_rows_per_row(fmt, page_size, simd):
     attn = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths.copy(),
                                            k_scale=k_scale, v_scale=v_scale)
     for b, n in enumerate(lengths):
-        assert_matches_reference(attn[b], None, q[b],
-                                 repeat_kv(paged_values(k_pages, k_scale, table, b, n), 2),
-                                 repeat_kv(paged_values(v_pages, v_scale, table, b, n), 2),
-                                 True, f32_abs_cap=None)
+        check_paged_sequence(attn, q, k_pages, v_pages, k_scale, v_scale, table, b, n)
     # a 3-row step appended by the call itself, with a window
     q = rng.standard_normal((n_seq, H, 3, d)).astype(np.float32)
     k_new = rng.standard_normal((n_seq, H_kv, 3, d)).astype(np.float32)
@@ -348,10 +357,8 @@ def test_fp8_pages_quantize_appended_rows_per_row(fmt, page_size, simd):
             codes.view(np.uint8))
         np.testing.assert_array_equal(v_scale[slots // page_size, :, slots % page_size],
                                       quantize_reference(v_new[b].swapaxes(0, 1), fmt)[1])
-        assert_matches_reference(attn[b], None, q[b],
-                                 repeat_kv(paged_values(k_pages, k_scale, table, b, n), 2),
-                                 repeat_kv(paged_values(v_pages, v_scale, table, b, n), 2),
-                                 True, lse=lse[b], f32_abs_cap=None, window=(9, 0))
+        check_paged_sequence(attn, q, k_pages, v_pages, k_scale, v_scale, table, b, n,
+                             lse=lse[b], window=(9, 0))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -406,10 +413,7 @@ def test_fp8_paged_append_with_fixed_scales_saturates(fmt, kind, simd):
     attn = ca.attention_with_paged_kvcache(q, k_pages, v_pages, table, lengths.copy(),
                                            k_scale=scale, v_scale=scale)
     for b, n in enumerate(lengths):
-        assert_matches_reference(attn[b], None, q[b],
-                                 repeat_kv(paged_values(k_pages, scale, table, b, n), 2),
-                                 repeat_kv(paged_values(v_pages, scale, table, b, n), 2),
-                                 True, f32_abs_cap=None)
+        check_paged_sequence(attn, q, k_pages, v_pages, scale, scale, table, b, n)
 
 
 def _paged_arguments(rng):
