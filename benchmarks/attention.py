@@ -14,6 +14,10 @@ Implementations
     ``openvino``        OpenVINO's ScaledDotProductAttention (opset 13), f32
     ``cattention-f32``  bfloat16 cases only: cattention in float32 on the
                         same values (what a runtime pays by upcasting)
+    ``cattention-medium`` bfloat16 full-attention cases only: cattention at
+                        ``precision="medium"`` (P rounded to bfloat16 for
+                        P.V, the peers' numerics); ``cattention`` runs the
+                        default, ``"high"``
 
 The peers that materialise T x S (``cattention+S``, ``numpy``,
 ``torch-explicit``) are run only where B*H*T*S is moderate, and not on the
@@ -141,6 +145,7 @@ MEMORY_SHAPE = (1, 1, 32768, 32768, 64)
 CATTENTION = "cattention"
 CATTENTION_SCORES = "cattention+S"
 CATTENTION_F32 = "cattention-f32"
+CATTENTION_MEDIUM = "cattention-medium"
 NUMPY = "numpy"
 TORCH_SDPA = "torch-sdpa"
 TORCH_EXPLICIT = "torch-explicit"
@@ -380,6 +385,8 @@ def build_implementations(case, q, k, v, threads, torch, notes=None):
         # computes after upcasting (issue 41's "our own float32")
         impls[CATTENTION_F32] = cattention_call(
             case, *(a.astype(np.float32) for a in (q, k, v)), threads)
+        if not case.kvcache:
+            impls[CATTENTION_MEDIUM] = cattention_call(case, q, k, v, threads, "medium")
     elif case.materialise:
         causal = case.causal
         gqa = case.n_kv_heads != case.heads
@@ -397,8 +404,9 @@ def build_implementations(case, q, k, v, threads, torch, notes=None):
     return impls
 
 
-def cattention_call(case, q, k, v, threads):
-    """callable() -> ATTN: ``attention`` on the case, or for a KV-cache case
+def cattention_call(case, q, k, v, threads, precision=None):
+    """callable() -> ATTN: ``attention`` on the case (at ``precision``), or
+    for a KV-cache case
     one decode step of ``attention_with_kvcache``: the cache (k, v) holds
     S - 1 keys and the call appends the last row (the values already there,
     so the cache is the same after every call) and attends to all S."""
@@ -413,7 +421,7 @@ def cattention_call(case, q, k, v, threads):
     window = (case.window, 0) if case.window else None
     return lambda: attention(q, k, v, causal=case.causal, scale=scale,
                              enable_gqa=case.n_kv_heads != case.heads, window=window,
-                             num_threads=threads)
+                             precision=precision, num_threads=threads)
 
 
 class NotRun(Exception):
@@ -1013,7 +1021,7 @@ def compute_dtype(case, impl):
     (float16 caches are widened to float32), or None for a peer."""
     if impl == CATTENTION_F32:
         return "float32"
-    if impl not in (CATTENTION, CATTENTION_SCORES):
+    if impl not in (CATTENTION, CATTENTION_SCORES, CATTENTION_MEDIUM):
         return None
     return case.dtype if case.dtype in ("float64", BFLOAT16) else "float32"
 

@@ -84,9 +84,22 @@ _BFLOAT16_BY_TABLE = {
     "amx": ("AMX tiles: Q.K^T (TDPBF16PS) and P.V (P split into three bfloat16 parts) "
             "on every layout's prompt rows; decode (at most 8 rows) reads K and V as "
             "float32"),
-    "avx512bf16": ("Q.K^T with VDPBF16PS on every layout's prompt rows; P.V and decode "
-                   "in float32"),
+    "avx512bf16": ("Q.K^T with VDPBF16PS on every layout's prompt rows; P.V (VDPBF16PS "
+                   "at the medium precision) and decode in float32"),
 }
+
+
+def _precision_levels() -> str:
+    """What P.V of a bfloat16 result's prompt rows takes at each precision
+    level on the table in use (its bf16_pv_parts)."""
+    def weights(parts: int) -> str:
+        if parts == 0:
+            return "float32 weights"
+        if parts == 1:
+            return "P rounded to bfloat16"
+        return f"P in {parts} bfloat16 parts"
+    return "; ".join(f"{level}: {weights(parts)}" for level, parts in
+                     zip(("highest", "high", "medium"), _driver.bf16_pv_parts()))
 
 
 def _ml_dtypes_version() -> str:
@@ -109,7 +122,8 @@ def show_config() -> None:
     its idle threads wait (see "Inside NumPy pipelines" in the user guide);
     the SIMD kernel table in use, those compiled in and those this CPU can
     run (and why one it has the instructions for is not; see "SIMD tables"
-    in the user guide); how that table computes bfloat16 inputs; the NumPy
+    in the user guide); how that table computes bfloat16 inputs, and P.V at
+    each ``precision=`` level (see :ref:`precision`); the NumPy
     version (and ml_dtypes', which bfloat16 arrays need).
 
     Returns
@@ -128,6 +142,7 @@ def show_config() -> None:
       waiting:  ...
       SIMD:     ... (compiled: ...; available: ...)
       bfloat16: ...
+      precision: highest: ...
       NumPy:    ...
     """
     if not _driver.openmp_enabled():
@@ -153,6 +168,8 @@ def show_config() -> None:
         lines.append(f"            ({_driver.simd_note()})")
     lines += [
         f"  bfloat16: {_BFLOAT16_BY_TABLE.get(_driver.get_simd(), _BFLOAT16_CONVERTED)}",
+        f"  precision: {_precision_levels()} (precision=; default high for bfloat16 "
+        "and float16 results, float32 and float64 ones always highest)",
         f"  NumPy:    {_np.__version__}; ml_dtypes: {_ml_dtypes_version()}",
     ]
     print("\n".join(lines))

@@ -72,6 +72,20 @@ static inline void ca_prefetch_l1(const void *address)
    call take a smaller tail tile. */
 #define CA_ROW_QUANTUM 24
 
+/* Precision levels of a 16-bit (bfloat16, float16) result (the Python
+   layer's precision=): what its value before its one rounding must be.
+   HIGHEST: float32-accurate. HIGH: each weight of P within 2^-15 of
+   itself in P.V (two bfloat16 parts of P hold it to 2^-16), so the
+   rounded value is one of the two neighbours of the exact one up to the
+   conditioning of the weighted sum. MEDIUM: P rounded once to bfloat16
+   for P.V (PyTorch's, oneDNN's and vLLM's bfloat16 numerics). float32 and
+   float64 results take HIGHEST whatever is asked; a table may run a level
+   as a higher one (bf16_pv_parts). */
+#define CA_PRECISION_HIGHEST 0
+#define CA_PRECISION_HIGH 1
+#define CA_PRECISION_MEDIUM 2
+#define CA_PRECISION_LEVELS 3
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -294,14 +308,21 @@ typedef struct ca_kernels {
                        ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
                        const void *ahead, ptrdiff_t ahead_bytes);
     /* V of a key block in the table's own bfloat16 layout, and acc += p . v
-       as pv_f32 with p float32 (exact: see the table); NULL: V is packed
-       as float32 and P.V takes pv_f32. pack_v_bf16 returns nonzero if any
-       value is NaN or infinite (it leaves them 0, as pack_v_f32). */
+       as pv_f32 with p float32 split into `parts` bfloat16 parts, each
+       part's products exact and summed in float32 (see the table); NULL:
+       V is packed as float32 and P.V takes pv_f32. pack_v_bf16 returns
+       nonzero if any value is NaN or infinite (it leaves them 0, as
+       pack_v_f32). */
     int (*pack_v_bf16)(const uint16_t *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v,
                        uint16_t *v_packed, ptrdiff_t v_panel_stride);
     void (*pv_bf16)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const uint16_t *v,
                     ptrdiff_t v_panel_stride, ptrdiff_t n_keys, ptrdiff_t n_vcols,
-                    float *acc, ptrdiff_t ldacc, const void *ahead, ptrdiff_t ahead_bytes);
+                    float *acc, ptrdiff_t ldacc, int parts, const void *ahead,
+                    ptrdiff_t ahead_bytes);
+    /* The parts of P that pv_bf16 takes at each precision level
+       (CA_PRECISION_*) of a bfloat16 result with bfloat16 V; 0: V packed
+       as float32 and pv_f32 (float32 weights, the highest level's). */
+    int bf16_pv_parts[CA_PRECISION_LEVELS];
     /* Called by each thread when it has done its part of a call: a table
        with per-thread state (AMX's tile configuration) gives it up; NULL
        for the others. */
@@ -326,7 +347,8 @@ typedef struct ca_kernels {
 #ifndef CA_BF16_TILE_ENTRIES
 #define CA_BF16_TILE_ENTRIES \
         .bf16_k_align = 0, .pack_kt_bf16 = NULL, .score_bf16 = NULL, \
-        .pack_v_bf16 = NULL, .pv_bf16 = NULL, .end_of_thread = NULL,
+        .pack_v_bf16 = NULL, .pv_bf16 = NULL, .bf16_pv_parts = {0, 0, 0}, \
+        .end_of_thread = NULL,
 #endif
 
 /* The table of one instruction set, from the file that defines a static

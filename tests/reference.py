@@ -27,6 +27,8 @@ __all__ = [
     "assert_matches_reference",
     "assert_bitwise_equal",
     "assert_bfloat16_matches_reference",
+    "assert_level_matches_reference",
+    "LEVEL_WEIGHT_ERROR",
     "make_qkv",
     "FP8_MAX",
     "saturated_fp8_codes",
@@ -452,6 +454,76 @@ def assert_half_matches_reference(attn, scores, q, k, v, causal=False, mask=None
     16-bit float dtype, bfloat16 or float16 (the dtype of ``attn``)."""
     _assert_rounded_matches_reference(np.asarray(attn).dtype, attn, scores, q, k, v, causal,
                                       mask, scale, lse, **options)
+
+
+#: The precision levels of a 16-bit result and the relative error each
+#: allows a weight of P in P.V before the one rounding (the conditioning
+#: term ``LEVEL_WEIGHT_ERROR * sum_j w_j |v_j|``): none beyond the float32
+#: rule at "highest"; 2^-15 at "high" (two bfloat16 parts of P hold a
+#: weight to 2^-16, and as much again for a cheaper exp); bfloat16's unit
+#: roundoff 2^-8 at "medium" (P rounded once to bfloat16).
+LEVEL_WEIGHT_ERROR = {"highest": 0.0, "high": 2.0 ** -15, "medium": 2.0 ** -8}
+
+
+def assert_level_matches_reference(attn, q, k, v, precision, causal=False, mask=None,
+                                   scale=None, **options):
+    """The rule of a 16-bit ATTN (bfloat16 or float16, the dtype of attn) at
+    a precision level, against the float64 reference of the upcast inputs.
+    With ``e`` the float32 rule's allowed max error (as in
+    assert_bfloat16_matches_reference) and ``c = LEVEL_WEIGHT_ERROR[level] *
+    sum_j w_j |v_j|`` (the reference's weights times |V|: the conditioning
+    of a weighted sum whose weights are each that close):
+
+    * "highest": each element is a rounding to nearest of a value within
+      ``e`` of the reference (between the roundings of ``ref - e`` and
+      ``ref + e``);
+    * "high": faithful: each element is one of the two neighbours of a value
+      within ``e + c`` of the reference (between the roundings down of
+      ``ref - e - c`` and up of ``ref + e + c``);
+    * "medium": a rounding to nearest of a value within ``e + c``."""
+    import ml_dtypes
+    half = np.asarray(attn).dtype
+    assert half in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)), half
+    up = [np.asarray(x).astype(np.float32) if np.asarray(x).dtype == half else x
+          for x in (q, k, v)]
+    mask = (np.asarray(mask).astype(np.float32)
+            if mask is not None and np.asarray(mask).dtype == half else mask)
+    ref = _attention(*up, causal, mask, scale, np.float64, **options)[0]
+    np32 = _attention(*up, causal, mask, scale, np.float32, **options)[0]
+    weighted_abs = _attention(up[0], up[1], np.abs(np.asarray(up[2], dtype=np.float64)),
+                              causal, mask, scale, np.float64, **options)[0]
+    e = (F32_RTOL_MAX * max_abs_err(np32, ref)
+         + max(float32_ulp_atol(ref), float32_ulp_atol(up[2])))
+    bound = e + LEVEL_WEIGHT_ERROR[precision] * weighted_abs
+    got = np.asarray(attn)
+    assert got.shape == ref.shape, f"ATTN shape {got.shape} != {ref.shape}"
+    if precision == "high":
+        low, high = _round_down(ref - bound, half), _round_up(ref + bound, half)
+    else:
+        low = (ref - bound).astype(half).astype(np.float64)
+        high = (ref + bound).astype(half).astype(np.float64)
+    got64 = got.astype(np.float64)
+    outside = ~((low <= got64) & (got64 <= high))
+    assert not outside.any(), (
+        f"precision={precision!r}: {int(outside.sum())} of {got.size} {half} values "
+        f"outside the level's rule (max error {max_abs_err(got64, ref):.3g}, float32 "
+        f"rule {e:.3g}, conditioning term up to {float(np.max(bound - e, initial=0)):.3g})")
+
+
+def _round_down(x, half):
+    """The largest value of dtype half at or below each float64 x."""
+    nearest = x.astype(half)
+    below = nearest.astype(np.float64) > x
+    nearest[below] = np.nextafter(nearest[below], np.array(-np.inf, half))
+    return nearest.astype(np.float64)
+
+
+def _round_up(x, half):
+    """The smallest value of dtype half at or above each float64 x."""
+    nearest = x.astype(half)
+    above = nearest.astype(np.float64) < x
+    nearest[above] = np.nextafter(nearest[above], np.array(np.inf, half))
+    return nearest.astype(np.float64)
 
 
 def _assert_rounded_matches_reference(half, attn, scores, q, k, v, causal, mask, scale, lse,

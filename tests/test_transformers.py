@@ -500,3 +500,31 @@ def test_benchmark_harness_on_a_tiny_model(monkeypatch):
     assert results["cattention"]["dense_masks"] == 0
     assert results["sdpa"]["dense_masks"] > 0
     assert results["cattention"]["tokens"] == results["sdpa"]["tokens"]
+
+
+def test_register_binds_a_precision_level(monkeypatch):
+    """register(precision=) hands the level to every call under its name
+    (bfloat16 logits within the rule of the default's); a bad level is
+    refused at register, naming it."""
+    import cattention
+    fast = ca_hf.register("cattention_medium", precision="medium")
+    assert transformers.AttentionInterface()[fast] is not ca_hf.attention_forward
+    with pytest.raises(ValueError, match="precision"):
+        ca_hf.register("cattention_bad", precision="fastest")
+    seen = []
+    attention = cattention.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("precision"))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(cattention, "attention", spy)
+    pytest.importorskip("ml_dtypes")
+    ids, mask, positions = batch(PROMPTS, "left")
+    truth = forward("llama", tiny_model("llama", torch.float64, REFERENCE), ids, mask, positions)
+    eager = forward("llama", tiny_model("llama", torch.bfloat16, "eager"), ids, mask, positions)
+    ours = forward("llama", tiny_model("llama", torch.bfloat16, fast), ids, mask, positions)
+    assert seen and set(seen) == {"medium"}
+    ours, eager, truth = (real_rows("llama", x, mask).double() for x in (ours, eager, truth))
+    assert rms_err(ours.numpy(), truth.numpy()) <= F32_RTOL_RMS * rms_err(eager.numpy(),
+                                                                          truth.numpy())

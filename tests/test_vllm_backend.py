@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from reference import (FP8_MAX, assert_bitwise_equal, assert_half_matches_reference,
-                       assert_matches_reference, reference_attention, saturated_fp8_codes)
+                       assert_level_matches_reference, assert_matches_reference,
+                       reference_attention, saturated_fp8_codes)
 
 try:
     import torch
@@ -525,3 +526,27 @@ def test_plugin_is_vllms_general_plugin():
     from importlib.metadata import entry_points
     found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "cattention"]
     assert [e.value for e in found] == ["cattention.integrations.vllm:plugin"]
+
+
+@pytest.mark.parametrize("level", ["highest", "high", "medium"])
+def test_precision_from_the_environment(monkeypatch, level):
+    """CATTENTION_PRECISION, read as a layer is made, is the level of its
+    bfloat16 calls: each request of a mixed step meets the level's rule.
+    (CPU_ATTN's vec kernel, which this machine kind runs, keeps P in
+    float32; its amx kernel rounds P to bfloat16, as "medium" does.)"""
+    monkeypatch.setenv("CATTENTION_PRECISION", level)
+    step = Step(11, **MIXED, n_heads=8, n_kv_heads=2, head_size=64, block_size=32,
+                dtype="bfloat16")
+    impl = _impl(step)
+    assert impl.precision == level
+    output = _run(step, impl)
+    for attn, q, k, v, options in _requests(step, output, scale=0.3):
+        assert_level_matches_reference(attn, q, k, v, level, **options)
+
+
+def test_a_bad_precision_is_refused_at_start(monkeypatch):
+    monkeypatch.setenv("CATTENTION_PRECISION", "fast")
+    with pytest.raises(ValueError, match="CATTENTION_PRECISION='fast'"):
+        CattentionImpl(8, 64, 0.125, 2)
+    monkeypatch.setenv("CATTENTION_PRECISION", "")
+    assert CattentionImpl(8, 64, 0.125, 2).precision is None

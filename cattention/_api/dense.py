@@ -17,7 +17,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .._prepare import dense
-from .._prepare.options import local
+from .._prepare.options import Precision, local
 
 __all__ = ["attention", "attention_scores"]
 
@@ -33,7 +33,8 @@ def attention(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
     query_offset: Optional[ArrayLike] = None,
-    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
+    out: Optional[NDArray[Any]] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]: ...
 
 
@@ -48,7 +49,8 @@ def attention(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
     query_offset: Optional[ArrayLike] = None,
-    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
+    out: Optional[NDArray[Any]] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -63,7 +65,8 @@ def attention(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
     query_offset: Optional[ArrayLike] = None,
-    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
+    out: Optional[NDArray[Any]] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -78,7 +81,8 @@ def attention(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
     query_offset: Optional[ArrayLike] = None,
-    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
+    out: Optional[NDArray[Any]] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]],
            NDArray[np.floating[Any]]]: ...
 
@@ -94,7 +98,8 @@ def attention(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
     query_offset: Optional[ArrayLike] = None,
-    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
+    out: Optional[NDArray[Any]] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]: ...
 
 
@@ -108,7 +113,8 @@ def attention(
     sinks: Optional[ArrayLike] = None, k_scale: Optional[ArrayLike] = None,
     v_scale: Optional[ArrayLike] = None, kv_starts: Optional[ArrayLike] = None,
     query_offset: Optional[ArrayLike] = None,
-    out: Optional[NDArray[Any]] = None, num_threads: Optional[SupportsIndex] = None,
+    out: Optional[NDArray[Any]] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Scaled dot-product attention.
 
@@ -243,6 +249,13 @@ def attention(
         sharing no memory with the inputs. It is returned; its values are
         bitwise those of the call without ``out=``. A call refused for its
         arguments writes nothing.
+    precision : {"highest", "high", "medium"}, optional
+        How accurate a bfloat16 or float16 result is before its one
+        rounding (default "high": faithfully rounded; "highest":
+        float32-accurate; "medium": P rounded once to bfloat16 for P.V, as
+        PyTorch and serving engines compute). float32 and float64 results
+        are the highest at every level. The bounds, and what each kernel
+        table runs: :ref:`precision`.
     num_threads : int, optional
         Threads for this call; default ``get_num_threads()`` (which
         :func:`limit_threads` sets for the calling Python thread). A call
@@ -324,7 +337,7 @@ def attention(
     fast = (driver.attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse,
                                       enable_gqa, kv_lengths, window, softcap, alibi_slopes,
                                       sinks, k_scale, v_scale, kv_starts, out, num_threads,
-                                      local.limit)
+                                      local.limit, precision)
             if query_offset is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
@@ -339,7 +352,7 @@ def attention(
         want_scores=return_scores, want_lse=return_lse, enable_gqa=enable_gqa,
         num_threads=num_threads, kv_lengths=kv_lengths, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        kv_starts=kv_starts, query_offset=query_offset, out=out)
+        kv_starts=kv_starts, query_offset=query_offset, out=out, precision=precision)
     attn, scores, lse = dense.run(call)
     result = (attn,) + ((scores,) if return_scores else ()) + ((lse,) if return_lse else ())
     # run fills every array it is asked for

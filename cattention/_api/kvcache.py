@@ -10,7 +10,7 @@ from numpy.typing import ArrayLike, NDArray
 from .._native import driver
 from .._prepare import dense, entries
 from .._prepare.kvcache import prepare_kvcache
-from .._prepare.options import local
+from .._prepare.options import Precision, local
 
 __all__ = ["attention_with_kvcache"]
 
@@ -28,7 +28,8 @@ def attention_with_kvcache(
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
     rotary_interleaved: bool = False, cache_batch_idx: Optional[ArrayLike] = None,
-    return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
+    return_lse: Literal[False] = False,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]]: ...
 
 
@@ -45,7 +46,8 @@ def attention_with_kvcache(
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
     rotary_interleaved: bool = False, cache_batch_idx: Optional[ArrayLike] = None,
-    return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
+    return_lse: Literal[True],
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]: ...
 
 
@@ -62,7 +64,8 @@ def attention_with_kvcache(
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
     rotary_interleaved: bool = False, cache_batch_idx: Optional[ArrayLike] = None,
-    return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
+    return_lse: bool = False,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> (NDArray[np.floating[Any]]
       | tuple[NDArray[np.floating[Any]], NDArray[np.floating[Any]]]): ...
 
@@ -79,7 +82,8 @@ def attention_with_kvcache(
     kv_starts: Optional[ArrayLike] = None, out: Optional[NDArray[Any]] = None,
     rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
     rotary_interleaved: bool = False, cache_batch_idx: Optional[ArrayLike] = None,
-    return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
+    return_lse: bool = False,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> NDArray[np.floating[Any]] | tuple[NDArray[np.floating[Any]], ...]:
     """Append new keys and values to a KV cache in place, then attend to it.
 
@@ -116,7 +120,7 @@ def attention_with_kvcache(
     causal : bool, default True
         Bottom-right causal alignment: the T queries are the last T of the
         sequence's positions. False lets every query see every valid key.
-    scale, window, softcap, alibi_slopes, sinks, return_lse, num_threads
+    scale, window, softcap, alibi_slopes, sinks, return_lse, precision, num_threads
         As in :func:`cattention.attention` (a sliding window, Mistral's, a
         softcap, Gemma 2's, and attention sinks, gpt-oss's, apply in
         decoding too); the window and ALiBi distances count from the last
@@ -260,7 +264,8 @@ def attention_with_kvcache(
     fast = (driver.kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                                     scale, enable_gqa, window, softcap, alibi_slopes, sinks,
                                     k_scale, v_scale, kv_starts, out, return_lse, num_threads,
-                                    local.limit, rotary_cos, rotary_sin, rotary_interleaved)
+                                    local.limit, rotary_cos, rotary_sin, rotary_interleaved,
+                                    precision)
             if cache_batch_idx is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
@@ -270,7 +275,7 @@ def attention_with_kvcache(
         sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
         num_threads=num_threads, kv_starts=kv_starts, out=out, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        cache_batch_idx=cache_batch_idx)
+        cache_batch_idx=cache_batch_idx, precision=precision)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
         if isinstance(call, entries.EntriesCall):

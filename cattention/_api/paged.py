@@ -14,7 +14,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .._native import driver
 from .._prepare import entries
-from .._prepare.options import local
+from .._prepare.options import Precision, local
 from .._prepare.paged import prepare_paged, prepare_slot_append
 
 __all__ = ["attention_with_paged_kvcache", "paged_append"]
@@ -35,7 +35,7 @@ def attention_with_paged_kvcache(
     cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
     rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[False] = False,
-    num_threads: Optional[SupportsIndex] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
 
 
@@ -52,7 +52,7 @@ def attention_with_paged_kvcache(
     cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
     rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: Literal[True],
-    num_threads: Optional[SupportsIndex] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
 
 
@@ -69,7 +69,7 @@ def attention_with_paged_kvcache(
     cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
     rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
-    num_threads: Optional[SupportsIndex] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
 
 
@@ -85,7 +85,7 @@ def attention_with_paged_kvcache(
     cu_seqlens_k_new: Optional[ArrayLike] = None, rotary_cos: Optional[ArrayLike] = None,
     rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: bool = False,
     v_scale: Optional[NDArray[np.float32]] = None, return_lse: bool = False,
-    num_threads: Optional[SupportsIndex] = None,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
     """Append to a paged KV cache in place, then attend to it.
 
@@ -134,7 +134,7 @@ def attention_with_paged_kvcache(
         With packed rows: where each sequence's new rows start in k_new and
         v_new, when their counts differ from its queries' (speculative
         decoding, a chunk appended without all of its queries).
-    causal, scale, window, softcap, return_lse, num_threads
+    causal, scale, window, softcap, return_lse, precision, num_threads
         As in :func:`cattention.attention`. The log-sum-exp of a row that
         sees no key is ``-inf`` (see :func:`cattention.merge`).
     kv_starts : array_like of int, shape (B,), optional
@@ -218,7 +218,7 @@ def attention_with_paged_kvcache(
                                   v_new, cu_seqlens_q, causal, scale, window, softcap,
                                   alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
                                   return_lse, num_threads, local.limit, rotary_cos, rotary_sin,
-                                  rotary_interleaved)
+                                  rotary_interleaved, precision)
             if cu_seqlens_k_new is None else None)
     if fast is not None:
         return fast  # type: ignore[no-any-return]
@@ -228,7 +228,7 @@ def attention_with_paged_kvcache(
         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         return_lse=return_lse, num_threads=num_threads, kv_starts=kv_starts, out=out,
         cu_seqlens_k_new=cu_seqlens_k_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved)
+        rotary_interleaved=rotary_interleaved, precision=precision)
     # every check has passed: nothing below can fail half-way on bad input
     with appends.written():
         attn, lse = entries.run(call, result)

@@ -10,6 +10,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .._prepare import entries
+from .._prepare.options import Precision
 
 __all__ = ["attention_varlen"]
 
@@ -25,7 +26,8 @@ def attention_varlen(
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
     k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
-    return_lse: Literal[False] = False, num_threads: Optional[SupportsIndex] = None,
+    return_lse: Literal[False] = False,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> _Float: ...
 
 
@@ -38,7 +40,8 @@ def attention_varlen(
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
     k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
-    return_lse: Literal[True], num_threads: Optional[SupportsIndex] = None,
+    return_lse: Literal[True],
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> tuple[_Float, _Float]: ...
 
 
@@ -51,7 +54,8 @@ def attention_varlen(
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
     k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
-    return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
+    return_lse: bool = False,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]": ...
 
 
@@ -63,7 +67,8 @@ def attention_varlen(
     sinks: Optional[ArrayLike] = None, enable_gqa: bool = False,
     k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
     out: Optional[NDArray[Any]] = None,
-    return_lse: bool = False, num_threads: Optional[SupportsIndex] = None,
+    return_lse: bool = False,
+    precision: Optional[Precision] = None, num_threads: Optional[SupportsIndex] = None,
 ) -> "_Float | tuple[_Float, _Float]":
     """Attention over a batch of sequences of different lengths, packed
     along the token axis (FlashAttention's varlen layout).
@@ -91,7 +96,7 @@ def attention_varlen(
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (n_seq + 1,)
         Cumulative lengths: non-decreasing, from 0 to total_q (total_k).
         Sequences of length 0 are allowed.
-    causal, scale, window, softcap, num_threads
+    causal, scale, window, softcap, precision, num_threads
         As in :func:`cattention.attention`, within each sequence.
     alibi_slopes, sinks : array_like, shape (H,) or (n_seq, H), optional
         One ALiBi slope, or one sink logit (-inf: none), per query head, or
@@ -138,7 +143,7 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, scale=scale, window=window,
         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, enable_gqa=enable_gqa,
         return_lse=return_lse, num_threads=num_threads, out=out, k_scale=k_scale,
-        v_scale=v_scale)
+        v_scale=v_scale, precision=precision)
     attn, lse = entries.run(call, result)
     if lse is not None:
         return attn, lse

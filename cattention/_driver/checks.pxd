@@ -11,7 +11,8 @@ one value per batch entry, by whichever path laid them out."""
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from libc.float cimport DBL_MAX, FLT_MAX
 from libc.math cimport INFINITY, fabs, isfinite, isnan, sqrt
-from cattention._driver.kernel_table cimport intp_t
+from cattention._driver.kernel_table cimport (
+    CA_PRECISION_HIGH, CA_PRECISION_HIGHEST, CA_PRECISION_MEDIUM, intp_t)
 from cattention._driver.problem cimport MAX_THREADS
 
 cdef extern from "<float.h>" nogil:
@@ -108,6 +109,29 @@ cdef inline double check_softcap(object softcap, bint in_float32) except? -1:
         raise ValueError(f"softcap must be a positive finite number, got {value}")
     check_holds(value, in_float32, "softcap")
     return value
+
+
+cdef inline int check_precision(object precision, bint half_result) except -1:
+    """The CA_PRECISION_* level of precision= ("highest", "high" or
+    "medium"; None: "high") for a call whose result is 16-bit (bfloat16,
+    float16); a float32 or float64 result takes the highest at every level
+    (the value is checked all the same)."""
+    cdef int level
+    if precision is None:
+        level = CA_PRECISION_HIGH
+    elif not isinstance(precision, str):
+        raise TypeError(f"precision must be 'highest', 'high', 'medium' or None, got "
+                        f"{type(precision).__name__} {precision!r}")
+    elif precision == "highest":
+        level = CA_PRECISION_HIGHEST
+    elif precision == "high":
+        level = CA_PRECISION_HIGH
+    elif precision == "medium":
+        level = CA_PRECISION_MEDIUM
+    else:
+        raise ValueError(f"precision must be 'highest', 'high', 'medium' or None, got "
+                         f"{precision!r}")
+    return level if half_result else CA_PRECISION_HIGHEST
 
 
 cdef inline object as_integer(object value):

@@ -56,7 +56,8 @@ from cattention._driver.schedule cimport (
 from cattention._driver.checks cimport (
     check_alibi_slopes as _check_alibi_slopes, check_flag as _check_flag,
     check_key_positions as _check_key_positions, check_num_threads as _check_num_threads,
-    check_scale as _check_scale, check_sinks as _check_sinks, check_softcap as _check_softcap,
+    check_precision as _check_precision, check_scale as _check_scale,
+    check_sinks as _check_sinks, check_softcap as _check_softcap,
     check_window as _check_window, holds, resolve_threads as _resolve_threads)
 from cattention._driver.from_entries cimport (
     PLACE_E4M3FN, PLACE_E5M2, EntryPlan, EntryTable, Place, free_tables, plan_entries,
@@ -225,6 +226,12 @@ def simd_tile():
     return (tile.tile_rows, tile.tile_cols_f32, tile.tile_cols_f64)
 
 
+def bf16_pv_parts():
+    """The parts of P the table in use takes for P.V of bfloat16 V at each
+    precision level (highest, high, medium); 0: float32 weights."""
+    return tuple(_kernels.bf16_pv_parts[level] for level in range(3))
+
+
 def loop_flops(long n_steps):
     """Run the multiply-add loop of the table in use n_steps times on this
     thread (the benchmark times it: the rate no kernel of the table can
@@ -366,6 +373,10 @@ def check_softcap(softcap, bint in_float32):
     return _check_softcap(softcap, in_float32)
 
 
+def check_precision(precision, bint half_result):
+    return _check_precision(precision, half_result)
+
+
 def check_window(window, bint causal):
     cdef Py_ssize_t left, right
     _check_window(window, causal, &left, &right)
@@ -408,6 +419,7 @@ cdef inline void read_row_options(object options, RowOptions *row,
     row.scale = options.scale
     row.window_left, row.window_right = options.window
     row.softcap = options.softcap
+    row.precision = options.precision
     row.alibi_slope = &alibi[0] if alibi is not None and alibi.shape[0] > 0 else NULL
     row.sink = &sinks[0] if sinks is not None and sinks.shape[0] > 0 else NULL
     row.rotary = NULL
@@ -571,34 +583,35 @@ def rotate_rows(cnp.ndarray x, cnp.ndarray cos, cnp.ndarray sin, Py_ssize_t firs
 
 def attention_shortcut(q, k, v, causal, mask, scale, return_scores, return_lse, enable_gqa,
                        kv_lengths, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
-                       kv_starts, out, num_threads, thread_limit):
+                       kv_starts, out, num_threads, thread_limit, precision):
     """The result of ``attention`` when the call is the common case, else None
     (shortcuts.pxd)."""
     return _attention_shortcut(_kernels, q, k, v, causal, mask, scale, return_scores,
                                return_lse, enable_gqa, kv_lengths, window, softcap,
                                alibi_slopes, sinks, k_scale, v_scale, kv_starts, out,
-                               num_threads, thread_limit)
+                               num_threads, thread_limit, precision)
 
 
 def kvcache_shortcut(q, k_cache, v_cache, cache_lengths, k_new, v_new, causal, scale,
                      enable_gqa, window, softcap, alibi_slopes, sinks, k_scale, v_scale,
                      kv_starts, out, return_lse, num_threads, thread_limit, rotary_cos,
-                     rotary_sin, rotary_interleaved):
+                     rotary_sin, rotary_interleaved, precision):
     """The result of ``attention_with_kvcache`` for a common serving step,
     else None before anything is written (shortcuts.pxd)."""
     return _kvcache_shortcut(_kernels, q, k_cache, v_cache, cache_lengths, k_new, v_new, causal,
                              scale, enable_gqa, window, softcap, alibi_slopes, sinks, k_scale,
                              v_scale, kv_starts, out, return_lse, num_threads, thread_limit,
-                             rotary_cos, rotary_sin, rotary_interleaved)
+                             rotary_cos, rotary_sin, rotary_interleaved, precision)
 
 
 def paged_shortcut(q, k_pages, v_pages, block_table, cache_lengths, k_new, v_new,
                    cu_seqlens_q, causal, scale, window, softcap, alibi_slopes, sinks, k_scale,
                    v_scale, kv_starts, out, return_lse, num_threads, thread_limit, rotary_cos,
-                   rotary_sin, rotary_interleaved):
+                   rotary_sin, rotary_interleaved, precision):
     """The result of ``attention_with_paged_kvcache`` for a common serving
     step, else None before anything is written (shortcuts.pxd)."""
     return _paged_shortcut(_kernels, q, k_pages, v_pages, block_table, cache_lengths, k_new,
                            v_new, cu_seqlens_q, causal, scale, window, softcap, alibi_slopes,
                            sinks, k_scale, v_scale, kv_starts, out, return_lse, num_threads,
-                           thread_limit, rotary_cos, rotary_sin, rotary_interleaved)
+                           thread_limit, rotary_cos, rotary_sin, rotary_interleaved,
+                           precision)

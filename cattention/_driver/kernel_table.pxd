@@ -139,13 +139,17 @@ cdef extern from "kernels.h" nogil:
                            Py_ssize_t v_panel_stride) noexcept nogil
         void (*pv_bf16)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows, const uint16_t *v,
                         Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
-                        float *acc, Py_ssize_t ldacc, const void *ahead,
+                        float *acc, Py_ssize_t ldacc, int parts, const void *ahead,
                         Py_ssize_t ahead_bytes) noexcept nogil
+        int bf16_pv_parts[3]
         void (*end_of_thread)() noexcept nogil
         double (*loop_flops)(long n_steps) noexcept nogil
 
     enum: CA_PANEL_F32
     enum: CA_PANEL_F64
+    enum: CA_PRECISION_HIGHEST
+    enum: CA_PRECISION_HIGH
+    enum: CA_PRECISION_MEDIUM
     const ca_kernels *ca_default_kernels()
     const ca_kernels *ca_kernels_by_name(const char *name)
     int ca_available_kernels(const char **names, int capacity)

@@ -10,7 +10,8 @@ from an entry table (from_entries.pxd)."""
 from libc.math cimport cbrt, ceil
 from libc.stdint cimport uint8_t, uint16_t
 from libc.string cimport memset
-from cattention._driver.kernel_table cimport CA_FP8_E4M3FN, CA_FP8_E5M2, ca_kernels, intp_t
+from cattention._driver.kernel_table cimport (
+    CA_FP8_E4M3FN, CA_FP8_E5M2, CA_PRECISION_HIGHEST, ca_kernels, intp_t)
 
 
 cdef enum:
@@ -146,6 +147,8 @@ cdef struct RowOptions:
     const double *alibi_slope    # per group of query_period rows, or NULL
     const double *sink           # per group of query_period rows, or NULL
     const Rotary *rotary         # query rows rotated at their positions, or NULL
+    int precision                # CA_PRECISION_* of a 16-bit result (HIGHEST
+                                 # for float32 and float64 ones)
 
 
 cdef struct Problem:
@@ -220,6 +223,8 @@ cdef struct Problem:
     # (kernels.h); q rows packed as padded bfloat16
     bint bf16_score
     bint bf16_pv
+    int precision                # CA_PRECISION_* (RowOptions)
+    int pv_parts                 # bfloat16 parts of P pv_bf16 takes (bf16_pv)
     Py_ssize_t itemsize          # of the compute dtype
     const ca_kernels *kern       # conversions while packing, the final division of ATTN rows
     # direct path: keys split into chunks of split_keys (a multiple of
@@ -277,6 +282,7 @@ cdef inline void problem_init(Problem *pb, Py_ssize_t n_batch, Py_ssize_t n_quer
     pb.alibi_slope = row.alibi_slope
     pb.sink = row.sink
     pb.rotary = row.rotary
+    pb.precision = row.precision
     pb.mask_kind = MASK_NONE
     pb.query_period = n_queries
     pb.ld_out = d_v
@@ -295,6 +301,7 @@ cdef inline void plain_row_options(RowOptions *row, bint causal, double scale) n
     row.alibi_slope = NULL
     row.sink = NULL
     row.rotary = NULL
+    row.precision = CA_PRECISION_HIGHEST
 
 
 cdef inline void problem_finish(Problem *pb) noexcept nogil:

@@ -22,7 +22,7 @@ from cattention._driver.problem cimport (
     Problem, Rotary, RowOptions, direct_rows, plain_row_options)
 from cattention._driver.checks cimport (
     check_alibi_slopes, check_flag, check_key_positions, check_scale, check_sinks,
-    check_softcap, check_window, resolve_threads)
+    check_precision, check_softcap, check_window, resolve_threads)
 from cattention._driver.from_arrays cimport problem_from_arrays, set_kv_lengths
 from cattention._driver.from_entries cimport EntryPlan, Place, stacks_grouped_rows
 from cattention._driver.appends cimport (
@@ -233,7 +233,7 @@ cdef inline object attention_shortcut(
         object scale, object scores_flag, object lse_flag, object gqa_flag, object kv_lengths,
         object window, object softcap, object alibi_slopes, object sinks, object k_scale,
         object v_scale, object kv_starts, object out_arg, object num_threads,
-        object thread_limit):
+        object thread_limit, object precision):
     """``attention`` for ndarrays q, k, v of one dtype (float32, float64 or
     bfloat16) and one ndim, with equal leading dimensions (or, under
     enable_gqa, H_kv heads on axis -3 dividing q's H), aligned, native,
@@ -301,6 +301,7 @@ cdef inline object attention_shortcut(
     plain_row_options(&row, causal, check_scale(scale, d_k, in_float32))
     check_window(window, causal, &row.window_left, &row.window_right)
     row.softcap = check_softcap(softcap, in_float32)
+    row.precision = check_precision(precision, type_num != compute)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
     cdef EntryOptions opts
     if not gather_entry_options(&opts, ndim - 2, shape, n_keys, kv_lengths, kv_starts,
@@ -320,7 +321,8 @@ cdef inline object kvcache_shortcut(
         object k_new, object v_new, object causal_flag, object scale, object gqa_flag,
         object window, object softcap, object alibi_slopes, object sinks, object k_scale,
         object v_scale, object kv_starts, object out_arg, object lse_flag, object num_threads,
-        object thread_limit, object rotary_cos, object rotary_sin, object interleaved_flag):
+        object thread_limit, object rotary_cos, object rotary_sin, object interleaved_flag,
+        object precision):
     """``attention_with_kvcache`` for a serving step of float caches: q
     float32, float64 or bfloat16 of shape (B, H, T, d_k), caches of q's
     dtype (or float16 or bfloat16 beside a float32 q) of shape (B, H_kv,
@@ -406,6 +408,8 @@ cdef inline object kvcache_shortcut(
     plain_row_options(&row, causal, check_scale(scale, d_k, in_float32))
     check_window(window, causal, &row.window_left, &row.window_right)
     row.softcap = check_softcap(softcap, in_float32)
+    # a 16-bit q with caches of its dtype gives its dtype
+    row.precision = check_precision(precision, q_type != compute)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
 
     # everything that may decline comes before the append: the new keys
@@ -544,7 +548,7 @@ cdef inline object paged_shortcut(
         object causal_flag, object scale, object window, object softcap, object alibi_slopes,
         object sinks, object k_scale, object v_scale, object kv_starts, object out_arg,
         object lse_flag, object num_threads, object thread_limit, object rotary_cos,
-        object rotary_sin, object interleaved_flag):
+        object rotary_sin, object interleaved_flag, object precision):
     """``attention_with_paged_kvcache`` for a decode or prefill step of float
     pages: q float32 or float64 of shape (B, H, T, d_k) (no cu_seqlens_q),
     pages of q's dtype (or float16 beside a float32 q) of shape (n_pages,
@@ -639,6 +643,8 @@ cdef inline object paged_shortcut(
     plain_row_options(&row, causal, check_scale(scale, d_k, in_float32))
     check_window(window, causal, &row.window_left, &row.window_right)
     row.softcap = check_softcap(softcap, in_float32)
+    # a 16-bit q with caches of its dtype gives its dtype
+    row.precision = check_precision(precision, q_type != compute)
     cdef Py_ssize_t threads = resolve_threads(num_threads, thread_limit)
     cdef bint return_lse = lse_flag is True
     cdef Rotary rotary

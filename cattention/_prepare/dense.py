@@ -108,7 +108,8 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
                   sinks: Optional[ArrayLike], k_scale: Optional[ArrayLike],
                   v_scale: Optional[ArrayLike], kv_starts: Optional[ArrayLike] = None,
                   out: Optional[_Array] = None,
-                  query_offset: Optional[ArrayLike] = None) -> DenseCall:
+                  query_offset: Optional[ArrayLike] = None,
+                  precision: object = None) -> DenseCall:
     """Every check of a dense call, in the order its errors are reported."""
     q = as_input(q, "q")
     k = as_input(k, "k")
@@ -173,8 +174,9 @@ def prepare_dense(q: ArrayLike, k: ArrayLike, v: Optional[ArrayLike], *, causal:
             f"(leading shapes {', '.join(str(s) for s in leading)})"
             f"{gqa_hint(q, k)}") from None
 
-    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
-                          softcap=softcap, num_threads=num_threads)
+    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, result=result,
+                          window=window, softcap=softcap, precision=precision,
+                          num_threads=num_threads)
     if kv_lengths is not None:
         kv_lengths = per_entry_key_positions(kv_lengths, batch_shape, n_keys, "kv_lengths")
     if kv_starts is not None:

@@ -193,7 +193,7 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
                    sinks: Optional[ArrayLike], enable_gqa: object, return_lse: object,
                    num_threads: Any, out: Optional[_Array] = None,
                    k_scale: Optional[ArrayLike] = None, v_scale: Optional[ArrayLike] = None,
-                   ) -> tuple[EntriesCall, np.dtype[Any]]:
+                   precision: object = None) -> tuple[EntriesCall, np.dtype[Any]]:
     """A packed variable-length call, checked; and its result dtype."""
     q = as_input(q, "q")
     k = as_input(k, "k")
@@ -232,8 +232,9 @@ def prepare_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
     if compute != np.float32 and (ks is not None or vs is not None):
         raise TypeError(f"int8 and fp8 K/V are computed in float32, but these inputs compute "
                         f"in {compute} (q {q.dtype}, k {k.dtype}, v {v.dtype})")
-    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
-                          softcap=softcap, num_threads=num_threads)
+    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, result=result,
+                          window=window, softcap=softcap, precision=precision,
+                          num_threads=num_threads)
     n_seq = cu_q.size - 1
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
     d_v = v.shape[2]

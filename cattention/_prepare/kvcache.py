@@ -34,7 +34,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
                     num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
                     out: Optional[_Array] = None, rotary_cos: Optional[ArrayLike] = None,
                     rotary_sin: Optional[ArrayLike] = None, rotary_interleaved: object = False,
-                    cache_batch_idx: Optional[ArrayLike] = None,
+                    cache_batch_idx: Optional[ArrayLike] = None, precision: object = None,
                     ) -> tuple[Union[DenseCall, EntriesCall], Appends, np.dtype[Any]]:
     """The call over the cache after the append (dense, or an entries call
     with cache_batch_idx), the append, and the result dtype."""
@@ -161,7 +161,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
             q, k_cache, v_cache, k_scale, v_scale, entry_of, start + n_new, compute,
             causal=causal, scale=scale, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
-            num_threads=num_threads, kv_starts=kv_starts, out=out)
+            num_threads=num_threads, kv_starts=kv_starts, out=out, precision=precision)
         call.options.rotary = q_tables
         return call, appends, result_dtype(q.dtype, k_cache.dtype)
     # the attention over the cache as it will be after the append
@@ -170,7 +170,7 @@ def prepare_kvcache(q: ArrayLike, k_cache: object, v_cache: object, cache_length
         want_scores=False, want_lse=return_lse, enable_gqa=True, num_threads=num_threads,
         kv_lengths=start + n_new, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        kv_starts=_per_sequence(kv_starts, n_batch), out=out)
+        kv_starts=_per_sequence(kv_starts, n_batch), out=out, precision=precision)
     dense_call.options.rotary = q_tables
     return dense_call, appends, dense_call.result
 
@@ -228,15 +228,17 @@ def _entries_over_cache(q: _Array, k_cache: _Array, v_cache: _Array,
                         window: Any, softcap: Optional[float],
                         alibi_slopes: Optional[ArrayLike], sinks: Optional[ArrayLike],
                         return_lse: bool, num_threads: Optional[SupportsIndex],
-                        kv_starts: Optional[ArrayLike], out: Optional[_Array]) -> EntriesCall:
+                        kv_starts: Optional[ArrayLike], out: Optional[_Array],
+                        precision: object) -> EntriesCall:
     """The attention of batch row b over cache entry entry_of[b], read where
     it lies: the places of K and V (and their scales) start at each row's
     entry."""
     n_batch, n_heads = q.shape[:2]
     n_kv_heads, max_keys, d_k = k_cache.shape[1:]
     d_v = v_cache.shape[3]
-    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
-                          softcap=softcap, num_threads=num_threads)
+    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute,
+                          result=result_dtype(q.dtype, k_cache.dtype), window=window,
+                          softcap=softcap, precision=precision, num_threads=num_threads)
     head_options(options, alibi_slopes, sinks, n_batch, n_heads, compute)
     if out is not None:
         out = check_out(out, q.shape[:-1] + (d_v,), result_dtype(q.dtype, k_cache.dtype),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Optional, SupportsIndex
+from typing import Any, Literal, Optional, SupportsIndex
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -31,6 +31,9 @@ class ThreadLocalLimit(threading.local):
 
 local = ThreadLocalLimit()
 
+#: The precision levels of a bfloat16 or float16 result (``precision=``)
+Precision = Literal["highest", "high", "medium"]
+
 
 @dataclasses.dataclass
 class RowOptions:
@@ -42,6 +45,7 @@ class RowOptions:
     window: tuple[int, int] = (-1, -1)     # (left, right); -1: unbounded
     softcap: float = 0.0                   # 0: off
     threads: int = 1
+    precision: int = 0                     # CA_PRECISION_* (kernels.h): 0 highest
     alibi: Optional[NDArray[np.float64]] = None   # a slope per batch entry
     sinks: Optional[NDArray[np.float64]] = None   # a logit per group of query_period rows
     # the cache calls' rotary tables of q's rows, (cos, sin, first,
@@ -50,15 +54,17 @@ class RowOptions:
 
 
 def row_options(*, causal: bool, scale: object, d_k: int, compute: np.dtype[Any],
-                window: Any, softcap: object,
+                result: np.dtype[Any], window: Any, softcap: object, precision: object,
                 num_threads: Optional[SupportsIndex]) -> RowOptions:
     """The scalar options, checked; the per-entry ones are set by the
-    layout (per_entry_alibi, per_entry_sinks)."""
+    layout (per_entry_alibi, per_entry_sinks). The precision level applies
+    to a 16-bit result (result.itemsize 2)."""
     in_float32 = compute == np.float32
     left, right = driver.check_window(window, causal)
     return RowOptions(causal, driver.check_scale(scale, d_k, in_float32), (left, right),
                       driver.check_softcap(softcap, in_float32),
-                      driver.resolve_threads(num_threads, local.limit))
+                      driver.resolve_threads(num_threads, local.limit),
+                      precision=driver.check_precision(precision, result.itemsize == 2))
 
 
 def check_sink_values(sinks: NDArray[np.float64], compute: np.dtype[Any],

@@ -36,7 +36,7 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                   num_threads: Optional[SupportsIndex], kv_starts: Optional[ArrayLike] = None,
                   out: Optional[_Array] = None, cu_seqlens_k_new: Optional[ArrayLike] = None,
                   rotary_cos: Optional[ArrayLike] = None, rotary_sin: Optional[ArrayLike] = None,
-                  rotary_interleaved: object = False,
+                  rotary_interleaved: object = False, precision: object = None,
                   ) -> tuple[EntriesCall, Appends, np.dtype[Any]]:
     """The entries call over the pages after the append, the append, and
     the result dtype."""
@@ -147,8 +147,10 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
                          f"{b} uses it")
     causal = driver.check_flag(causal, "causal")
     return_lse = driver.check_flag(return_lse, "return_lse")
-    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, window=window,
-                          softcap=softcap, num_threads=num_threads)
+    result = result_dtype(q.dtype, k_pages.dtype)
+    options = row_options(causal=causal, scale=scale, d_k=d_k, compute=compute, result=result,
+                          window=window, softcap=softcap, precision=precision,
+                          num_threads=num_threads)
     head_options(options, alibi_slopes, sinks, n_seq, n_heads, compute)
     # a copy, always: cache_lengths, advanced by the append, may be a view of
     # the caller's table, whose page ids were checked against the old lengths
@@ -156,7 +158,6 @@ def prepare_paged(q: ArrayLike, k_pages: object, v_pages: object, block_table: A
     writes = []
     if given is not None:
         _refuse_clashing_writes(table, old_lengths, n_new, page_size, n_pages)
-    result = result_dtype(q.dtype, k_pages.dtype)
     if out is not None:
         out = check_out(out, q.shape[:-1] + (d_v,), result,
                         [("q", q), ("k_pages", k_pages), ("v_pages", v_pages),

@@ -22,6 +22,11 @@ them.
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
+from ..._native import driver
+
 _NEEDS = ("cattention.integrations.transformers needs torch and transformers>=5.4,<6: "
           "install PyTorch's CPU build, then pip install \"cattention[transformers]\"")
 try:
@@ -39,13 +44,18 @@ from ._masks import MaskStructure, structured_mask  # noqa: E402
 __all__ = ["MaskStructure", "attention_forward", "register", "structured_mask"]
 
 
-def register(name: str = "cattention") -> str:
+def register(name: str = "cattention", precision: Optional[str] = None) -> str:
     """Register cattention with transformers under ``name``.
 
     Parameters
     ----------
     name : str, default "cattention"
         The ``attn_implementation`` that selects it.
+    precision : {"highest", "high", "medium"}, optional
+        The ``precision=`` of :func:`cattention.attention` for bfloat16 and
+        float16 models (default: cattention's, "high"); float32 models
+        compute at the highest whatever is given. Register one name per
+        level to choose per model.
 
     Returns
     -------
@@ -58,6 +68,9 @@ def register(name: str = "cattention") -> str:
     >>> ca_hf.register()                                        # doctest: +SKIP
     'cattention'
     """
-    transformers.AttentionInterface.register(name, attention_forward)
+    driver.check_precision(precision, True)
+    forward = (attention_forward if precision is None
+               else functools.partial(attention_forward, precision=precision))
+    transformers.AttentionInterface.register(name, forward)
     transformers.AttentionMaskInterface.register(name, structured_mask)
     return name

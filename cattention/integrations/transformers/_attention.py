@@ -90,7 +90,7 @@ def attention_forward(
     is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
     softcap: Optional[float] = None, s_aux: Optional[torch.Tensor] = None,
     position_bias: Optional[torch.Tensor] = None, output_attentions: bool = False,
-    **kwargs: Any,
+    precision: Optional[str] = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """transformers' attention function contract, computed by cattention.
 
@@ -121,6 +121,8 @@ def attention_forward(
         An additive bias broadcastable to ``(B, H, T, S)`` (T5).
     output_attentions : bool
         Also return the attention weights ``(B, H, T, S)``.
+    precision : {"highest", "high", "medium"}, optional
+        :func:`cattention.attention`'s ``precision=`` (``register`` binds it).
 
     Returns
     -------
@@ -145,6 +147,8 @@ def attention_forward(
                                     "s_aux")
     if n_heads != key.shape[1]:
         options["enable_gqa"] = True
+    if precision is not None:
+        options["precision"] = precision
     q, k, v = as_array(query, "query"), as_array(key, "key"), as_array(value, "value")
     # the layout the output projection reads; cattention writes (B, H, T, d)
     # through a transposed view of it

@@ -21,6 +21,10 @@ are written at vLLM's ``slot_mapping`` by :func:`cattention.paged_append`;
 each layer's step (prompt chunks beside decodes, prefix-cache hits) is one
 packed paged call on the threads vLLM gives the layer (torch's thread
 count). What the backend cannot serve is refused when the engine starts.
+
+``CATTENTION_PRECISION`` (``highest``, ``high`` or ``medium``; unset:
+cattention's default, ``high``) sets the ``precision=`` of bfloat16 and
+float16 models' attention in every process, as the log line says.
 """
 
 from __future__ import annotations

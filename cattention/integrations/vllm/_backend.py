@@ -11,6 +11,7 @@ start, never at the first request.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar, Optional
 
 import numpy as np
@@ -190,10 +191,11 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         self.window_reach = (sliding_window - 1 if sliding_window is not None
                              and sliding_window > 0 else None)
         self._pages: Optional[tuple[Any, _Array, _Array]] = None
+        self.precision = precision_from_environment()
         logger.info_once("cattention %s serves vLLM's attention (CPU_ATTN): kernel table %s, "
-                         "OpenMP runtime %s, threads as torch's (%d now)", cattention.__version__,
-                         driver.get_simd(), driver.openmp_runtime(),
-                         torch.get_num_threads())
+                         "OpenMP runtime %s, threads as torch's (%d now), precision %s",
+                         cattention.__version__, driver.get_simd(), driver.openmp_runtime(),
+                         torch.get_num_threads(), self.precision or "default (high)")
 
     # ------------------------------------------------------------ the cache
 
@@ -289,7 +291,7 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
         reach = self.window_reach
         options: dict[str, Any] = dict(
             scale=self.scale, softcap=self.softcap, alibi_slopes=self.alibi_slopes,
-            num_threads=torch.get_num_threads(),
+            num_threads=torch.get_num_threads(), precision=self.precision,
             sinks=None if self.sinks is None else as_array(
                 self.sinks.detach().to(torch.float32), "sinks"))
         if encoder:
@@ -320,6 +322,23 @@ class CattentionImpl(AttentionImpl[CattentionMetadata]):  # type: ignore[misc]
                         meta.seq_lens[chosen], cu, 0, causal, options)
             out[rows] = part
         return output
+
+
+#: The precision level of bfloat16 and float16 models' attention
+#: (cattention's ``precision=``), read when the engine starts.
+PRECISION_VARIABLE = "CATTENTION_PRECISION"
+
+
+def precision_from_environment() -> Optional[str]:
+    """CATTENTION_PRECISION ("highest", "high" or "medium"), or None (unset
+    or empty: cattention's default); anything else is refused naming it."""
+    value = os.environ.get(PRECISION_VARIABLE, "") or None
+    try:
+        driver.check_precision(value, True)
+    except ValueError:
+        raise ValueError(f"{PRECISION_VARIABLE}={value!r}: set it to highest, high or medium, "
+                         "or unset it for cattention's default (high)") from None
+    return value
 
 
 def _window(reach: Optional[int], causal: bool) -> Optional[tuple[int, int]]:
