@@ -259,3 +259,24 @@ def test_attn_beside_scores_meets_its_level(simd, level):
     attn, scores = ca.attention(q, k, v, return_scores=True, precision=level, **options)
     _check(attn, q, k, v, level, options)
     assert_bitwise_equal(scores, ca.attention(q, k, v, return_scores=True, **options)[1])
+
+
+def test_property_every_level_meets_its_rule():
+    """Drawn problems (sizes at the tile and block edges, masks, causal,
+    batches; test_properties' strategy) at a drawn level and thread count:
+    the level's rule, and bitwise the one-thread result."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+    from test_properties import problems
+
+    @hypothesis.given(problems(allow_empty=False, dtypes=[BF16]), st.sampled_from(LEVELS),
+                      st.sampled_from([2, 3]))
+    def check(problem, level, threads):
+        q, k, v, causal, mask = problem
+        attn = ca.attention(q, k, v, causal=causal, mask=mask, precision=level,
+                            num_threads=1)
+        assert_level_matches_reference(attn, q, k, v, level, causal=causal, mask=mask)
+        assert_bitwise_equal(ca.attention(q, k, v, causal=causal, mask=mask, precision=level,
+                                          num_threads=threads), attn)
+
+    check()
