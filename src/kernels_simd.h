@@ -204,6 +204,9 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_KV_T uint8_t
 #define CA_KV_LOAD(p) vf32_load_e4m3_finite(p)
 #define CA_KV_LOAD_LANES(p, m) vf32_load_e4m3_lanes(p, m)
+#ifdef CA_HAVE_FP8_PAIRS
+#define CA_KV_LOAD_PAIR(p, a, b) vf32_load_e4m3_finite_pair(p, &(a), &(b))
+#endif
 #define CA_KV_SHARED_ROWS
 #define CA_DIRECT_NAME(x) x##_e4m3
 #include "kernels_simd_direct.h"
@@ -217,6 +220,9 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #define CA_KV_T uint8_t
 #define CA_KV_LOAD(p) vf32_load_e5m2(p)
 #define CA_KV_LOAD_LANES(p, m) vf32_load_e5m2_lanes(p, m)
+#ifdef CA_HAVE_FP8_PAIRS
+#define CA_KV_LOAD_PAIR(p, a, b) vf32_load_e5m2_pair(p, &(a), &(b))
+#endif
 #define CA_KV_SHARED_ROWS
 #define CA_DIRECT_NAME(x) x##_e5m2
 #include "kernels_simd_direct.h"

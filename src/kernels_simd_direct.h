@@ -11,6 +11,12 @@
  *   CA_KV_SHARED_ROWS       (defined or not) P.V widens each vector of V
  *                           once for several rows (types narrower than the
  *                           compute type)
+ *   CA_KV_LOAD_PAIR(p, a, b) (optional) 2 * CA_LANES elements at p as two
+ *                           CA_VECs in the mapping's pair order: P.V reads
+ *                           whole pairs of V's vectors so, and puts its
+ *                           sums back in order (CA_V(pair_in_order))
+ *                           before they join acc; every column's sum takes
+ *                           the same steps, so the bits are the same
  * A narrower type is converted exactly in registers, so each kernel gives
  * the bits of converting K and V first and calling the compute type's.
  */
@@ -191,11 +197,49 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(score_direct)(
     }
 }
 
-/* acc[0..NV vectors) += sum_j p[j] v_j[...], the last vector masked by tail */
+#ifdef CA_KV_LOAD_PAIR
+/* whether vectors x and x + 1 (x even) of a pass over NV vectors are read
+   as a pair: both whole (the last one is when LAST_FULL). NV and LAST_FULL
+   are constants of the instantiation, so that the vectors stay in
+   registers (a condition known only at run time, measured, made grouped
+   decodes a third slower) */
+#define CA_PAIRED(x, NV, LAST_FULL) ((x) + 1 < (NV) - 1 || ((x) + 1 == (NV) - 1 && (LAST_FULL)))
+
+/* the NV vectors of a row of V, whole pairs in pair order, the last vector
+   masked by tail */
+CA_SIMD_INLINE void CA_DIRECT_NAME(v_row)(const CA_KV_T *v_j, CA_MASK tail, CA_VEC *v_x,
+                                          const int NV, const int LAST_FULL)
+{
+    for (int x = 0; x < NV; x += 2) {
+        if (CA_PAIRED(x, NV, LAST_FULL)) {
+            CA_KV_LOAD_PAIR(v_j + CA_LANES * x, v_x[x], v_x[x + 1]);
+        } else if (x == NV - 1) {
+            v_x[x] = CA_KV_LOAD_LANES(v_j + CA_LANES * x, tail);
+        } else {
+            v_x[x] = CA_KV_LOAD(v_j + CA_LANES * x);
+            v_x[x + 1] = CA_KV_LOAD_LANES(v_j + CA_LANES * (x + 1), tail);
+        }
+    }
+}
+
+/* sums of v_row's vectors back in the columns' order */
+CA_SIMD_INLINE void CA_DIRECT_NAME(in_order)(CA_VEC *sums, const int NV, const int LAST_FULL)
+{
+    for (int x = 0; x + 1 < NV; x += 2)
+        if (CA_PAIRED(x, NV, LAST_FULL))
+            CA_V(pair_in_order)(&sums[x], &sums[x + 1]);
+}
+#define CA_RUNS_IN_ORDER(sums, NV) CA_DIRECT_NAME(in_order)(sums, NV, LAST_FULL)
+#else
+#define CA_RUNS_IN_ORDER(sums, NV) (void)LAST_FULL
+#endif
+
+/* acc[0..NV vectors) += sum_j p[j] v_j[...], the last vector masked by tail
+   (whole when LAST_FULL) */
 CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
     const CA_T *p, const CA_KV_T *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t n_bytes_row,
     int prefetch, const void *ahead, ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes,
-    CA_MASK tail, CA_T *acc, const int NV)
+    CA_MASK tail, CA_T *acc, const int NV, const int LAST_FULL)
 {
     /* runs of CA_SUM_KEYS keys are summed from zero and then added to acc */
     CA_VEC run[DIRECT_VECS];
@@ -204,11 +248,13 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
         run[x] = CA_V(zero)();
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
         if (j % CA_SUM_KEYS == 0) {
-            if (j > 0)
+            if (j > 0) {
+                CA_RUNS_IN_ORDER(run, NV);
                 for (int x = 0; x < NV; ++x) {
                     CA_T *acc_x = acc + CA_LANES * x;
                     CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[x]));
                 }
+            }
             for (int x = 0; x < NV; ++x)
                 run[x] = CA_V(zero)();
         }
@@ -221,16 +267,25 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
             continue;
         const CA_VEC p_j = CA_V(set1)(p[j]);
         const CA_KV_T *v_j = v + j * ldv;
+#ifdef CA_KV_LOAD_PAIR
+        CA_VEC v_x[DIRECT_VECS];
+        CA_DIRECT_NAME(v_row)(v_j, tail, v_x, NV, LAST_FULL);
+        for (int x = 0; x < NV; ++x)
+            run[x] = CA_V(fmadd)(p_j, v_x[x], run[x]);
+#else
         for (int x = 0; x < NV - 1; ++x)
             run[x] = CA_V(fmadd)(p_j, CA_KV_LOAD(v_j + CA_LANES * x), run[x]);
         run[NV - 1] = CA_V(fmadd)(p_j, CA_KV_LOAD_LANES(v_j + CA_LANES * (NV - 1), tail),
                                   run[NV - 1]);
+#endif
     }
-    if (n_keys > 0)
+    if (n_keys > 0) {
+        CA_RUNS_IN_ORDER(run, NV);
         for (int x = 0; x < NV; ++x) {
             CA_T *acc_x = acc + CA_LANES * x;
             CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[x]));
         }
+    }
 }
 
 #ifdef CA_KV_SHARED_ROWS
@@ -245,7 +300,7 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_rows_cols)(
     const CA_T *p, ptrdiff_t ldp, const CA_KV_T *v, ptrdiff_t ldv, ptrdiff_t n_keys,
     ptrdiff_t n_bytes_row, int prefetch, const void *ahead, ptrdiff_t ahead_stride,
     ptrdiff_t ahead_bytes, CA_MASK tail, CA_T *acc, ptrdiff_t ldacc, const int NV,
-    const int ROWS)
+    const int ROWS, const int LAST_FULL)
 {
     CA_VEC run[4][DIRECT_VECS];
     const ptrdiff_t keys_ahead = DIRECT_PREFETCH_KEYS(n_keys);
@@ -254,12 +309,14 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_rows_cols)(
             run[i][x] = CA_V(zero)();
     for (ptrdiff_t j = 0; j < n_keys; ++j) {
         if (j % CA_SUM_KEYS == 0 && j > 0)
-            for (int i = 0; i < ROWS; ++i)
+            for (int i = 0; i < ROWS; ++i) {
+                CA_RUNS_IN_ORDER(run[i], NV);
                 for (int x = 0; x < NV; ++x) {
                     CA_T *acc_x = acc + i * ldacc + CA_LANES * x;
                     CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[i][x]));
                     run[i][x] = CA_V(zero)();
                 }
+            }
         if (prefetch) {
             if (j + keys_ahead < n_keys)
                 prefetch_row(v + (j + keys_ahead) * ldv, n_bytes_row);
@@ -272,9 +329,13 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_rows_cols)(
             continue;
         const CA_KV_T *v_j = v + j * ldv;
         CA_VEC v_x[DIRECT_VECS];
+#ifdef CA_KV_LOAD_PAIR
+        CA_DIRECT_NAME(v_row)(v_j, tail, v_x, NV, LAST_FULL);
+#else
         for (int x = 0; x < NV - 1; ++x)
             v_x[x] = CA_KV_LOAD(v_j + CA_LANES * x);
         v_x[NV - 1] = CA_KV_LOAD_LANES(v_j + CA_LANES * (NV - 1), tail);
+#endif
         for (int i = 0; i < ROWS; ++i) {
             if (p[i * ldp + j] == 0)
                 continue;
@@ -284,11 +345,13 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_rows_cols)(
         }
     }
     if (n_keys > 0)
-        for (int i = 0; i < ROWS; ++i)
+        for (int i = 0; i < ROWS; ++i) {
+            CA_RUNS_IN_ORDER(run[i], NV);
             for (int x = 0; x < NV; ++x) {
                 CA_T *acc_x = acc + i * ldacc + CA_LANES * x;
                 CA_V(store)(acc_x, CA_V(add)(CA_V(load)(acc_x), run[i][x]));
             }
+        }
 }
 
 #endif
@@ -311,32 +374,46 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_group)(
         const CA_T *p_r = p + r * ldp;
         CA_T *acc_rc = acc + r * ldacc + c;
         const ptrdiff_t row_bytes = d_v * (ptrdiff_t)sizeof(CA_KV_T);
-#ifdef CA_KV_SHARED_ROWS
         /* (NV above DIRECT_VECS / ROWS is never taken: such cases
            instantiate the pass for one vector) */
-#define CA_PV_SHARED_PASS(NV, ROWS) \
+#define CA_PV_SHARED_PASS(NV, ROWS, LAST_FULL) \
         CA_DIRECT_NAME(pv_direct_rows_cols)(p_r, ldp, v + c, ldv, n_keys, row_bytes, prefetch, \
                                             ahead, ahead_stride, ahead_bytes, tail, acc_rc, \
-                                            ldacc, (NV) * (ROWS) <= DIRECT_VECS ? (NV) : 1, ROWS)
-#define CA_PV_SHARED_PAIR(NV) CA_PV_SHARED_PASS(NV, 2)
-#define CA_PV_SHARED_QUAD(NV) CA_PV_SHARED_PASS(NV, 4)
-        if (rows == 4) {
-            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_SHARED_QUAD)
-            continue;
-        }
-        if (rows == 2) {
-            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_SHARED_PAIR)
-            continue;
-        }
-#undef CA_PV_SHARED_QUAD
-#undef CA_PV_SHARED_PAIR
-#undef CA_PV_SHARED_PASS
-#endif
-#define CA_PV_DIRECT_PASS(NV) \
+                                            ldacc, (NV) * (ROWS) <= DIRECT_VECS ? (NV) : 1, \
+                                            ROWS, LAST_FULL)
+#define CA_PV_QUAD(NV) CA_PV_SHARED_PASS(NV, 4, CA_LAST_FULL)
+#define CA_PV_PAIR(NV) CA_PV_SHARED_PASS(NV, 2, CA_LAST_FULL)
+#define CA_PV_ONE(NV) \
         CA_DIRECT_NAME(pv_direct_cols)(p_r, v + c, ldv, n_keys, row_bytes, prefetch, ahead, \
-                                       ahead_stride, ahead_bytes, tail, acc_rc, NV)
-        CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_DIRECT_PASS)
-#undef CA_PV_DIRECT_PASS
+                                       ahead_stride, ahead_bytes, tail, acc_rc, NV, CA_LAST_FULL)
+#ifdef CA_KV_SHARED_ROWS
+#define CA_PV_PASS \
+        if (rows == 4) \
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_QUAD) \
+        else if (rows == 2) \
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_PAIR) \
+        else \
+            CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_ONE)
+#else
+#define CA_PV_PASS CA_SWITCH_DIRECT_VECS(n_vec, CA_PV_ONE)
+#endif
+#ifdef CA_KV_LOAD_PAIR
+        /* a whole last vector joins a pair: its own instantiation */
+        if (width == CA_LANES * n_vec) {
+#define CA_LAST_FULL 1
+            CA_PV_PASS
+#undef CA_LAST_FULL
+            continue;
+        }
+#endif
+#define CA_LAST_FULL 0
+        CA_PV_PASS
+#undef CA_LAST_FULL
+#undef CA_PV_PASS
+#undef CA_PV_ONE
+#undef CA_PV_PAIR
+#undef CA_PV_QUAD
+#undef CA_PV_SHARED_PASS
     }
 }
 
@@ -359,8 +436,11 @@ CA_SIMD_TARGET static void CA_DIRECT_NAME(pv_direct)(
                                         ahead_stride, ahead_bytes);
 }
 
+#undef CA_RUNS_IN_ORDER
+#undef CA_PAIRED
 #undef CA_KV_T
 #undef CA_KV_LOAD
 #undef CA_KV_LOAD_LANES
+#undef CA_KV_LOAD_PAIR
 #undef CA_KV_SHARED_ROWS
 #undef CA_DIRECT_NAME

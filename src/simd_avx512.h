@@ -195,6 +195,39 @@ CA_SIMD_INLINE vf32 vf32_load_e4m3_finite(const uint8_t *p)
 {
     return _mm512_cvtph_ps(e4m3_as_half(_mm_loadu_si128((const __m128i *)p)));
 }
+/* 32 codes as two vectors in the order in-lane unpacking leaves them:
+   *a holds codes 0-7 and 16-23, *b codes 8-15 and 24-31 (vf32_pair_in_order
+   puts sums of them back in order). Unpacking each byte under a zero byte
+   makes the binary16 of an E5M2 code in one instruction, where widening
+   16 codes in order takes a cross-lane widening and a shift: measured in
+   L1 on a Zen 5 core, a dot product over E5M2 codes ran at 64 GB/s of
+   codes against 39, over E4M3FN codes (no NaN code) 39 against 35. */
+#define CA_HAVE_FP8_PAIRS 1
+CA_SIMD_INLINE void vf32_load_e5m2_pair(const uint8_t *p, vf32 *a, vf32 *b)
+{
+    const __m256i codes = _mm256_loadu_si256((const __m256i *)p);
+    *a = _mm512_cvtph_ps(_mm256_unpacklo_epi8(_mm256_setzero_si256(), codes));
+    *b = _mm512_cvtph_ps(_mm256_unpackhi_epi8(_mm256_setzero_si256(), codes));
+}
+CA_SIMD_INLINE void vf32_load_e4m3_finite_pair(const uint8_t *p, vf32 *a, vf32 *b)
+{
+    /* the code in the upper byte, shifted right by one with its sign: the
+       sign on bits 15 and 14, cleared on 14 (as e4m3_as_half) */
+    const __m256i codes = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
+    *a = _mm512_cvtph_ps(_mm256_and_si256(
+        _mm256_srai_epi16(_mm256_unpacklo_epi8(_mm256_setzero_si256(), codes), 1), keep));
+    *b = _mm512_cvtph_ps(_mm256_and_si256(
+        _mm256_srai_epi16(_mm256_unpackhi_epi8(_mm256_setzero_si256(), codes), 1), keep));
+}
+/* lanes of a pair's order (columns 0-7, 16-23 | 8-15, 24-31) back to
+   columns 0-15 | 16-31 */
+CA_SIMD_INLINE void vf32_pair_in_order(vf32 *a, vf32 *b)
+{
+    const vf32 first = _mm512_shuffle_f32x4(*a, *b, 0x44);
+    *b = _mm512_shuffle_f32x4(*a, *b, 0xEE);
+    *a = first;
+}
 
 /* rows r[0..16) of a 16 x 16 block become its columns: 4 x 4 transposes
    within each 128-bit lane, then a 4 x 4 transpose of the lanes */
