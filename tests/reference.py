@@ -497,17 +497,25 @@ def assert_level_matches_reference(attn, q, k, v, precision, causal=False, mask=
     bound = e + LEVEL_WEIGHT_ERROR[precision] * weighted_abs
     got = np.asarray(attn)
     assert got.shape == ref.shape, f"ATTN shape {got.shape} != {ref.shape}"
-    if precision == "high":
-        low, high = _round_down(ref - bound, half), _round_up(ref + bound, half)
-    else:
-        low = (ref - bound).astype(half).astype(np.float64)
-        high = (ref + bound).astype(half).astype(np.float64)
-    got64 = got.astype(np.float64)
-    outside = ~((low <= got64) & (got64 <= high))
+    got64, outside = _outside_roundings(got, ref, bound, half, faithful=precision == "high")
     assert not outside.any(), (
         f"precision={precision!r}: {int(outside.sum())} of {got.size} {half} values "
         f"outside the level's rule (max error {max_abs_err(got64, ref):.3g}, float32 "
         f"rule {e:.3g}, conditioning term up to {float(np.max(bound - e, initial=0)):.3g})")
+
+
+def _outside_roundings(got, ref, e, half, faithful=False):
+    """got as float64, and where it is no rounding to dtype half of a value
+    within e of ref: to nearest (between the roundings of ref - e and
+    ref + e) or, faithful, to either neighbour (between the roundings down
+    of ref - e and up of ref + e)."""
+    if faithful:
+        low, high = _round_down(ref - e, half), _round_up(ref + e, half)
+    else:
+        low = (ref - e).astype(half).astype(np.float64)
+        high = (ref + e).astype(half).astype(np.float64)
+    got64 = np.asarray(got).astype(np.float64)
+    return got64, ~((low <= got64) & (got64 <= high))
 
 
 def _round_down(x, half):
@@ -550,10 +558,7 @@ def _assert_rounded_matches_reference(half, attn, scores, q, k, v, causal, mask,
         if i == 1:
             atol = max(atol, _logit_ulp_atol(q, k, scale, ref[i]))
         e = F32_RTOL_MAX * max_abs_err(np32[i], ref[i]) + atol
-        low = (ref[i] - e).astype(half).astype(np.float64)
-        high = (ref[i] + e).astype(half).astype(np.float64)
-        got64 = got.astype(np.float64)
-        outside = ~((low <= got64) & (got64 <= high))
+        got64, outside = _outside_roundings(got, ref[i], e, half)
         assert not outside.any(), (
             f"{name}: {int(outside.sum())} of {got.size} {half} values are no rounding "
             f"of a float32 result within {e:.3g} of the reference (max error "

@@ -280,3 +280,19 @@ def test_property_every_level_meets_its_rule():
                                           num_threads=threads), attn)
 
     check()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_each_level_rule_sees_a_wrong_value(level):
+    """The rules are not vacuous: one value moved by three ulps of its
+    dtype (past the neighbours the conditioning term allows on
+    well-conditioned rows) fails each of them."""
+    (q, k, v), options = _case("plain")
+    attn = ca.attention(q, k, v, precision="highest", **options)
+    wrong = attn.copy()
+    flat = wrong.reshape(-1)
+    at = int(np.argmax(np.abs(flat.astype(np.float32))))
+    for _ in range(3):
+        flat[at] = np.nextafter(flat[at], np.array(np.inf, BF16))
+    with pytest.raises(AssertionError, match="outside the level's rule"):
+        assert_level_matches_reference(wrong, q, k, v, level, **options)
