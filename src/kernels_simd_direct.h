@@ -16,9 +16,14 @@
  *                           whole pairs of V's vectors so, and puts its
  *                           sums back in order (CA_V(pair_in_order))
  *                           before they join acc; every column's sum takes
- *                           the same steps, so the bits are the same
+ *                           the same steps, so the bits are the same. A
+ *                           held query (score_rows_held) of an even number
+ *                           of vectors reads its keys in pairs too, its
+ *                           own features put in that order.
  * A narrower type is converted exactly in registers, so each kernel gives
- * the bits of converting K and V first and calling the compute type's.
+ * the bits of converting K and V first and calling the compute type's
+ * (but for the logits of keys read in pairs, whose lanes sum other
+ * features).
  */
 
 /* score_direct for ROWS (1 or 2) rows whose d_k = NV * CA_LANES features
@@ -39,6 +44,19 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(score_rows_held)(
     for (int i = 0; i < ROWS; ++i)
         for (int x = 0; x < NV; ++x)
             q_v[i][x] = CA_V(load)(q + i * ldq + x * CA_LANES);
+#ifdef CA_KV_LOAD_PAIR
+    /* keys read in pairs of vectors, q's features in the same order
+       (CA_V(pair_in_order) is its own inverse): a lane sums other
+       features than the loop below does, so these logits' bits are their
+       own (P.V's are not changed by pairs) */
+    const int PAIRS = NV % 2 == 0;
+    if (PAIRS)
+        for (int i = 0; i < ROWS; ++i)
+            for (int x = 0; x < NV; x += 2)
+                CA_V(pair_in_order)(&q_v[i][x], &q_v[i][x + 1]);
+#else
+    const int PAIRS = 0;
+#endif
     for (ptrdiff_t j = 0; j < n_keys; j += 4) {
         const ptrdiff_t n_group = n_keys - j < 4 ? n_keys - j : 4;
         const CA_KV_T *rows[4];
@@ -51,7 +69,20 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(score_rows_held)(
         CA_VEC dot[2][4];
         for (int l = 0; l < 4; ++l) {
             CA_VEC a0 = CA_V(zero)(), a1 = CA_V(zero)();
-            for (int x = 0; x < NV; ++x) {
+            for (int x = 0; x < NV; x += 1 + PAIRS) {
+#ifdef CA_KV_LOAD_PAIR
+                if (PAIRS) {
+                    CA_VEC k_a, k_b;
+                    CA_KV_LOAD_PAIR(rows[l] + x * CA_LANES, k_a, k_b);
+                    a0 = CA_V(fmadd)(q_v[0][x], k_a, a0);
+                    if (ROWS == 2)
+                        a1 = CA_V(fmadd)(q_v[1][x], k_a, a1);
+                    a0 = CA_V(fmadd)(q_v[0][x + 1], k_b, a0);
+                    if (ROWS == 2)
+                        a1 = CA_V(fmadd)(q_v[1][x + 1], k_b, a1);
+                    continue;
+                }
+#endif
                 const CA_VEC k_x = CA_KV_LOAD(rows[l] + x * CA_LANES);
                 a0 = CA_V(fmadd)(q_v[0][x], k_x, a0);
                 if (ROWS == 2)
