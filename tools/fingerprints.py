@@ -163,6 +163,23 @@ def kvcache_cases(dtype, cache_dtype, rule="row"):
                    ), run
 
 
+def wide_decode_cases(kv_dtype):
+    """Decode steps over an fp8 cache of 64 and 128 features: the direct
+    kernels' whole vectors (held query rows, pairs of vectors where a
+    table reads them so), one and four query rows per K/V head."""
+    for d in (64, 128):
+        for heads in (2, 8):
+            def run(d=d, heads=heads):
+                rng = np.random.default_rng(d + heads)
+                q = rng.standard_normal((2, heads, 1, d)).astype(np.float32)
+                (k, k_scale), (v, v_scale) = (
+                    quantized(rng.standard_normal((2, 2, 300, d)).astype(np.float32),
+                              kv_dtype) for _ in range(2))
+                return ca.attention(q, k, v, k_scale=k_scale, v_scale=v_scale,
+                                    enable_gqa=True, return_lse=True)
+            yield f"float32/{np.dtype(kv_dtype).name}/decode/d{d}/heads{heads}", run
+
+
 def merge_cases(dtype):
     rng = np.random.default_rng(9)
     q = cast(rng.standard_normal((2, 5, 8)), dtype)
@@ -214,6 +231,7 @@ def all_cases():
             yield from attention_cases(bfloat16, fp8)
             yield from kvcache_cases(np.float32, fp8)
             yield from kvcache_cases(bfloat16, fp8, "tensor")
+            yield from wide_decode_cases(fp8)
 
 
 def fingerprints():
