@@ -308,20 +308,21 @@ typedef struct ca_kernels {
                        ptrdiff_t d_k, float factor, float *s, ptrdiff_t lds,
                        const void *ahead, ptrdiff_t ahead_bytes);
     /* V of a key block in the table's own bfloat16 layout, and acc += p . v
-       as pv_f32 with p float32 split into `parts` bfloat16 parts, each
-       part's products exact and summed in float32 (see the table); NULL:
-       V is packed as float32 and P.V takes pv_f32. pack_v_bf16 returns
-       nonzero if any value is NaN or infinite (it leaves them 0, as
-       pack_v_f32). */
+       as pv_f32 with p float32 taken as the table's bfloat16 parts
+       (bf16_pv_parts), each part's products exact and summed in float32
+       (see the table); NULL: V is packed as float32 and P.V takes pv_f32.
+       pack_v_bf16 returns nonzero if any value is NaN or infinite (it
+       leaves them 0, as pack_v_f32). */
     int (*pack_v_bf16)(const uint16_t *v, ptrdiff_t ldv, ptrdiff_t n_keys, ptrdiff_t d_v,
                        uint16_t *v_packed, ptrdiff_t v_panel_stride);
     void (*pv_bf16)(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows, const uint16_t *v,
                     ptrdiff_t v_panel_stride, ptrdiff_t n_keys, ptrdiff_t n_vcols,
-                    float *acc, ptrdiff_t ldacc, int parts, const void *ahead,
+                    float *acc, ptrdiff_t ldacc, const void *ahead,
                     ptrdiff_t ahead_bytes);
-    /* The parts of P that pv_bf16 takes at each precision level
-       (CA_PRECISION_*) of a bfloat16 result with bfloat16 V; 0: V packed
-       as float32 and pv_f32 (float32 weights, the highest level's). */
+    /* At each precision level (CA_PRECISION_*) of a bfloat16 result with
+       bfloat16 V: the parts of P the table's pv_bf16 splits it into, where
+       that level takes pv_bf16; 0 where it takes V packed as float32 and
+       pv_f32 (float32 weights, the highest level's). */
     int bf16_pv_parts[CA_PRECISION_LEVELS];
     /* Called by each thread when it has done its part of a call: a table
        with per-thread state (AMX's tile configuration) gives it up; NULL

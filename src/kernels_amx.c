@@ -195,12 +195,9 @@ CA_AMX_TARGET static inline void split_weights(const float *p, ptrdiff_t ldp, pt
 CA_AMX_TARGET static void pv_bf16_amx(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                       const uint16_t *v, ptrdiff_t v_panel_stride,
                                       ptrdiff_t n_keys, ptrdiff_t n_vcols, float *acc,
-                                      ptrdiff_t ldacc, int n_parts, const void *ahead,
+                                      ptrdiff_t ldacc, const void *ahead,
                                       ptrdiff_t ahead_bytes)
 {
-    /* three parts at every level (bf16_pv_parts): fewer are not yet
-       measured on AMX hardware */
-    (void)n_parts;
     amx_configure();
     enum { STEPS = CA_SUM_KEYS / AMX_STEP_KEYS, PART = 16 * 32 };
     /* [row tile][step][part] 16 x 32 bfloat16 */
@@ -299,6 +296,8 @@ CA_AMX_TARGET static double amx_loop_flops(long n_steps)
 #undef CA_LOOP_FLOPS
 #define CA_LOOP_FLOPS amx_loop_flops
 
+/* P.V in three parts of P at every precision level: fewer are not yet
+   measured on AMX hardware */
 #undef CA_BF16_TILE_ENTRIES
 #define CA_BF16_TILE_ENTRIES \
         .bf16_k_align = AMX_STEP_FEATURES, .pack_kt_bf16 = pack_kt_bf16, \

@@ -302,16 +302,15 @@ CA_SIMD_INLINE CA_BF16_TARGET void bf16_pv_rows(const uint16_t *w, const uint16_
     }
 }
 
-/* acc += p . v (kernels.h: pv_bf16) with P rounded to bfloat16 (one part:
-   the table's bf16_pv_parts), V in pair panels (bf16_pack_v_pairs);
+/* acc += p . v (kernels.h: pv_bf16) with P rounded to bfloat16 (one part,
+   as the table's bf16_pv_parts say), V in pair panels (bf16_pack_v_pairs);
    n_vcols a multiple of 16 */
 CA_BF16_TARGET static void pv_bf16_vdp(const float *p, ptrdiff_t ldp, ptrdiff_t n_rows,
                                        const uint16_t *v, ptrdiff_t v_panel_stride,
                                        ptrdiff_t n_keys, ptrdiff_t n_vcols, float *acc,
-                                       ptrdiff_t ldacc, int parts, const void *ahead,
+                                       ptrdiff_t ldacc, const void *ahead,
                                        ptrdiff_t ahead_bytes)
 {
-    (void)parts;
     uint16_t w[BF16_PV_ROWS * BF16_PV_KEYS] __attribute__((aligned(64)));
     ca_ahead next = ahead_start(ahead, ahead_bytes, (n_rows + BF16_PV_ROWS - 1) / BF16_PV_ROWS);
     for (ptrdiff_t k0 = 0; k0 < n_keys; k0 += BF16_PV_KEYS) {

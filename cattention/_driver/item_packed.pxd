@@ -89,7 +89,7 @@ cdef inline void pv_tiles(const Problem *pb, const ca_kernels *kern, const float
     if floating is float:
         if pb.bf16_pv:
             kern.pv_bf16(p, ldp, n_rows, <const uint16_t *>v_packed, pb.block_keys * 2 * P,
-                         n_keys, pb.ld_v, acc, pb.ld_v, pb.pv_parts, ahead, ahead_bytes)
+                         n_keys, pb.ld_v, acc, pb.ld_v, ahead, ahead_bytes)
             return
     kernel_pv(kern, p, ldp, n_rows, v_packed, pb.block_keys * P, n_keys, pb.ld_v, acc,
               pb.ld_v, ahead, ahead_bytes)

@@ -139,7 +139,7 @@ cdef extern from "kernels.h" nogil:
                            Py_ssize_t v_panel_stride) noexcept nogil
         void (*pv_bf16)(const float *p, Py_ssize_t ldp, Py_ssize_t n_rows, const uint16_t *v,
                         Py_ssize_t v_panel_stride, Py_ssize_t n_keys, Py_ssize_t n_vcols,
-                        float *acc, Py_ssize_t ldacc, int parts, const void *ahead,
+                        float *acc, Py_ssize_t ldacc, const void *ahead,
                         Py_ssize_t ahead_bytes) noexcept nogil
         int bf16_pv_parts[3]
         void (*end_of_thread)() noexcept nogil

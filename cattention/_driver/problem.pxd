@@ -224,7 +224,6 @@ cdef struct Problem:
     bint bf16_score
     bint bf16_pv
     int precision                # CA_PRECISION_* (RowOptions)
-    int pv_parts                 # bfloat16 parts of P pv_bf16 takes (bf16_pv)
     Py_ssize_t itemsize          # of the compute dtype
     const ca_kernels *kern       # conversions while packing, the final division of ATTN rows
     # direct path: keys split into chunks of split_keys (a multiple of

@@ -276,10 +276,10 @@ cdef inline int compute_problem(Problem *pb, const ca_kernels *kern, int n_threa
                      and pb.q.storage == STORE_BF16
                      and (pb.k.storage == STORE_BF16 or is_fp8(pb.k.storage))
                      and pb.d_k > 0)
-    # ...and P.V of bfloat16 V in the table's parts of P at the call's level
-    # (none: float32 weights)
-    pb.pv_parts = kern.bf16_pv_parts[pb.precision] if kern.pv_bf16 != NULL else 0
-    pb.bf16_pv = (floating is float and not pb.direct and pb.pv_parts > 0
+    # ...and P.V of bfloat16 V in the table's parts of P where the call's
+    # level takes them (else float32 weights)
+    pb.bf16_pv = (floating is float and not pb.direct and kern.pv_bf16 != NULL
+                  and kern.bf16_pv_parts[pb.precision] > 0
                   and pb.v.storage == STORE_BF16 and pb.d_v > 0)
     if pb.bf16_score:
         pb.ld_k = max(pb.ld_k, round_up(pb.d_k, kern.bf16_k_align) // 2)
