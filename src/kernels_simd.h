@@ -200,12 +200,14 @@ CA_SIMD_INLINE void prefetch_ahead(const void *ahead, ptrdiff_t ahead_stride,
 #include "kernels_simd_direct.h"
 /* fp8 K and V: E4M3FN as 2^-8 times its value (vf32_load_e4m3), E5M2 as it
    is; kernels_fp8.h scales them, and picks for E4M3FN rows without a NaN
-   code the kernels that skip the NaN codes' fixing (e4m3) */
+   code the kernels that skip the NaN codes' fixing (e4m3), which read
+   CA_E4M3_FINITE_UNIT times the value where the mapping defines it */
 #define CA_KV_T uint8_t
 #define CA_KV_LOAD(p) vf32_load_e4m3_finite(p)
+#ifdef CA_E4M3_FINITE_UNIT
+#define CA_KV_LOAD_LANES(p, m) vf32_load_e4m3_finite_lanes(p, m)
+#else
 #define CA_KV_LOAD_LANES(p, m) vf32_load_e4m3_lanes(p, m)
-#ifdef CA_HAVE_FP8_PAIRS
-#define CA_KV_LOAD_PAIR(p, a, b) vf32_load_e4m3_finite_pair(p, &(a), &(b))
 #endif
 #define CA_KV_SHARED_ROWS
 #define CA_DIRECT_NAME(x) x##_e4m3

@@ -263,6 +263,69 @@ def test_fp8_nan_and_infinity_codes_in_hidden_keys_never_reach_the_output(fmt, T
                              mask=mask, lse=lse, **options)
 
 
+# E4M3FN has two decode routes on the AVX-512 tables: codes without a NaN code
+# read as 2^-120 times their values with q and the weights 2^120 up, where |q|
+# and the weights stay below 2^8 and the thread reads subnormals; else the
+# binary16 kernels. Powers of two moved between q (or the weights) and the
+# scales take a call from one route to the other and must keep every bit.
+
+@pytest.mark.parametrize("T", [1, 3, 8, 40])
+@pytest.mark.parametrize("d", [19, 64, 128])
+def test_e4m3_routes_give_the_same_bits(T, d, simd):
+    rng = np.random.default_rng(40 + T + d)
+    q = rng.standard_normal((1, 4, T, d)).astype(np.float32)
+    k, _ = fp8_operand(rng, (1, 2, 150, d), E4M3, "none")
+    v, _ = fp8_operand(rng, (1, 2, 150, d), E4M3, "none")
+    scale = np.float32(0.75)
+    base = ca.attention(q, k, v, k_scale=scale, v_scale=scale, enable_gqa=True)
+    assert_matches_reference(base, None, q, repeat_kv(dequantize(k, scale), 2),
+                             repeat_kv(dequantize(v, scale), 2))
+    # q 1024 times larger (beyond 2^8), K's scale 1024 times smaller
+    assert_bitwise_equal(
+        ca.attention(q * 1024, k, v, k_scale=scale / 1024, v_scale=scale, enable_gqa=True),
+        base)
+    # |q| of 2^8 and just below: the largest that stays finite 2^120 up
+    edge = q.copy()
+    edge[0, :, :, 0] = np.array([256, -256, 255.99998, -255.99998], np.float32)[:, None]
+    assert_bitwise_equal(
+        ca.attention(edge, k, v, k_scale=scale, v_scale=scale, enable_gqa=True),
+        ca.attention(edge / 1024, k, v, k_scale=scale * 1024, v_scale=scale, enable_gqa=True))
+    # weights beyond 2^8 on the keys near each row's largest logit
+    assert_bitwise_equal(
+        ca.attention(q, k, v, k_scale=scale, v_scale=scale * 1024, enable_gqa=True),
+        base * 1024)
+    # a NaN code in a masked key sends its step's keys and values to the
+    # binary16 kernels
+    mask = np.ones((T, 150), bool)
+    mask[:, 70] = False
+    hidden = ca.attention(q, k, v, k_scale=scale, v_scale=scale, mask=mask, enable_gqa=True)
+    kb, vb = k.view(np.uint8).copy(), v.view(np.uint8).copy()
+    kb[0, 0, 70, 3], vb[0, 1, 70, 5] = 0x7F, 0xFF
+    assert_bitwise_equal(
+        ca.attention(q, from_bytes(kb, E4M3), from_bytes(vb, E4M3), k_scale=scale,
+                     v_scale=scale, mask=mask, enable_gqa=True), hidden)
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_e4m3_subnormal_codes_where_the_thread_flushes_subnormals(T, simd):
+    """A thread that reads float32 subnormals as zero (torch.set_flush_denormal,
+    a library built with -ffast-math) still reads E4M3FN's subnormal codes,
+    which the fast route holds as float32 subnormals."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(50 + T)
+    q = rng.standard_normal((1, 2, T, 32)).astype(np.float32)
+    sign = (rng.integers(0, 2, (1, 2, 64, 32)) << 7).astype(np.uint8)
+    k = from_bytes(sign | rng.integers(1, 8, sign.shape).astype(np.uint8), E4M3)
+    v = from_bytes(sign[..., ::-1] | rng.integers(1, 8, sign.shape).astype(np.uint8), E4M3)
+    scale = np.float32(64)
+    assert torch.set_flush_denormal(True)
+    try:
+        attn = ca.attention(q, k, v, k_scale=scale, v_scale=scale, num_threads=1)
+    finally:
+        torch.set_flush_denormal(False)
+    assert_matches_reference(attn, None, q, dequantize(k, scale), dequantize(v, scale))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scores", [False, True], ids=["attn", "scores"])
 @pytest.mark.parametrize("kind", ["special", "head", "tensor"])
