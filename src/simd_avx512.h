@@ -194,9 +194,10 @@ CA_SIMD_INLINE vf32 vf32_load_e4m3_lanes(const uint8_t *p, mf32 m)
    below their values (CA_E4M3_FINITE_UNIT): the sign-extended code shifted
    so that its exponent and mantissa are float32's low exponent bits and
    high mantissa bits (an E4M3FN subnormal a float32 one, exactly), the
-   sign's copies above them cleared. Three integer steps where the binary16
-   route takes four and the conversion: measured in L1 on a Zen 5 core with
-   the FMA that uses them, 1.33 cycles per 16 codes against 1.75.
+   sign's copies above them cleared. Three integer steps and no conversion,
+   where the binary16 route takes three and the conversion: measured in L1
+   on a Zen 5 core with the FMA that uses them, 1.33 cycles per 16 codes
+   against 1.75.
    kernels_fp8.h gives q and the weights the 2^120 back (exactly, where they
    stay finite), and keeps to the binary16 route where the thread reads
    subnormal inputs as zero (MXCSR.DAZ, ca_subnormals_read). */
