@@ -38,6 +38,14 @@ _Static_assert(CA_ROW_QUANTUM % CA_TILE_ROWS == 0,
 /* vectors of columns per pass of the direct P.V kernels: 8 accumulators,
    the other registers for operands */
 #define DIRECT_VECS 8
+/* accumulators of the direct P.V kernels whose rows share each widened
+   vector of V (CA_KV_SHARED_ROWS), 2 or 4 rows of DIRECT_VECS at most:
+   as many as DIRECT_VECS, or more where the mapping has the registers */
+#ifndef CA_DIRECT_SHARED_VECS
+#define CA_DIRECT_SHARED_VECS DIRECT_VECS
+#endif
+_Static_assert(CA_DIRECT_SHARED_VECS / 2 <= DIRECT_VECS,
+               "two rows of shared accumulators fit one row's operands");
 
 /* `CALL(k)` for the constant k == n, for the row counts 1 .. CA_TILE_ROWS - 1
    of a tail tile; cases at or above CA_TILE_ROWS are dead code */

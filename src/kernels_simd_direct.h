@@ -320,7 +320,7 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_cols)(
 }
 
 #ifdef CA_KV_SHARED_ROWS
-/* pv_direct_cols for ROWS rows at once (ROWS * NV <= DIRECT_VECS
+/* pv_direct_cols for ROWS rows at once (ROWS * NV <= CA_DIRECT_SHARED_VECS
    accumulators), for K/V stored narrower than the compute type: each
    vector of V is widened once for every row, where rows one at a time
    widen it once each (grouped heads stack 4 or more rows on one K/V head,
@@ -387,15 +387,15 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_rows_cols)(
 
 #endif
 
-/* rows rows of pv_direct from row r: one, or (CA_KV_SHARED_ROWS) 2 or 4
-   sharing each widened V vector, DIRECT_VECS / rows vectors of columns
-   per pass */
+/* rows rows of pv_direct from row r: one, DIRECT_VECS vectors of columns
+   per pass, or (CA_KV_SHARED_ROWS) 2 or 4 sharing each widened V vector,
+   CA_DIRECT_SHARED_VECS / rows */
 CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_group)(
     const CA_T *p, ptrdiff_t ldp, ptrdiff_t r, const int rows, const CA_KV_T *v, ptrdiff_t ldv,
     ptrdiff_t n_keys, ptrdiff_t d_v, CA_T *acc, ptrdiff_t ldacc, const void *ahead,
     ptrdiff_t ahead_stride, ptrdiff_t ahead_bytes)
 {
-    const ptrdiff_t pass_cols = (DIRECT_VECS / rows) * CA_LANES;
+    const ptrdiff_t pass_cols = ((rows > 1 ? CA_DIRECT_SHARED_VECS : DIRECT_VECS) / rows) * CA_LANES;
     for (ptrdiff_t c = 0; c < d_v; c += pass_cols) {
         const ptrdiff_t width = d_v - c < pass_cols ? d_v - c : pass_cols;
         const int n_vec = (int)((width + CA_LANES - 1) / CA_LANES);
@@ -405,12 +405,12 @@ CA_SIMD_INLINE void CA_DIRECT_NAME(pv_direct_group)(
         const CA_T *p_r = p + r * ldp;
         CA_T *acc_rc = acc + r * ldacc + c;
         const ptrdiff_t row_bytes = d_v * (ptrdiff_t)sizeof(CA_KV_T);
-        /* (NV above DIRECT_VECS / ROWS is never taken: such cases
-           instantiate the pass for one vector) */
+        /* (NV above CA_DIRECT_SHARED_VECS / ROWS is never taken: such
+           cases instantiate the pass for one vector) */
 #define CA_PV_SHARED_PASS(NV, ROWS, LAST_FULL) \
         CA_DIRECT_NAME(pv_direct_rows_cols)(p_r, ldp, v + c, ldv, n_keys, row_bytes, prefetch, \
                                             ahead, ahead_stride, ahead_bytes, tail, acc_rc, \
-                                            ldacc, (NV) * (ROWS) <= DIRECT_VECS ? (NV) : 1, \
+                                            ldacc, (NV) * (ROWS) <= CA_DIRECT_SHARED_VECS ? (NV) : 1, \
                                             ROWS, LAST_FULL)
 #define CA_PV_QUAD(NV) CA_PV_SHARED_PASS(NV, 4, CA_LAST_FULL)
 #define CA_PV_PAIR(NV) CA_PV_SHARED_PASS(NV, 2, CA_LAST_FULL)

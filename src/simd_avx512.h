@@ -29,6 +29,9 @@
    alone holding 16 leaves too few registers for the keys in flight). */
 #define CA_DIRECT_ROW_VECS 8
 #define CA_DIRECT_PAIR_VECS 8
+/* rows sharing each widened vector of V in P.V: 16 accumulators (4 rows
+   of 4 vectors, 2 of 8) beside the vectors and weights, of 32 registers */
+#define CA_DIRECT_SHARED_VECS 16
 
 #define CA_LANES_F32 16
 #define CA_LANES_F64 8
