@@ -208,20 +208,33 @@ CA_SIMD_INLINE vf32 vf32_load_e4m3(const uint8_t *p)
                                         _mm_set1_epi16(0x3F00));
     return _mm256_cvtph_ps(_mm_or_si128(half, nan));
 }
-/* codes known to hold no NaN code: half the work */
+/* E4M3FN codes known to hold no NaN code as float32 lanes 2^-120 below
+   their values (CA_E4M3_FINITE_UNIT), in three integer steps and no
+   conversion: simd_avx512.h says how, and kernels_fp8.h when */
+#define CA_E4M3_FINITE_UNIT 0x1p-120f
 CA_SIMD_INLINE vf32 vf32_load_e4m3_finite(const uint8_t *p)
 {
-    return _mm256_cvtph_ps(e4m3_as_half(p));
+    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_slli_epi32(wide, 20), _mm256_set1_epi32((int)0x87FFFFFF)));
 }
-/* the leading lanes m of them, the others 0, through a zeroed copy */
+/* whether this thread's arithmetic reads float32 subnormals as themselves
+   (MXCSR.DAZ clear) */
+CA_SIMD_INLINE int ca_subnormals_read(void)
+{
+    return (_mm_getcsr() & 0x0040u) == 0;
+}
+/* the leading lanes m of them, the others 0, through a zeroed copy: E5M2
+   (format 0), E4M3FN (1), E4M3FN without NaN codes (2) */
 __attribute__((noinline)) CA_SIMD_TARGET static vf32 load_fp8_part(const uint8_t *p, mf32 m,
-                                                                   int e4m3)
+                                                                   int format)
 {
     uint8_t lanes[CA_LANES_F32] = {0};
     const int n = __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m)));
     for (int l = 0; l < n; ++l)
         lanes[l] = p[l];
-    return e4m3 ? vf32_load_e4m3(lanes) : vf32_load_e5m2(lanes);
+    return format == 2 ? vf32_load_e4m3_finite(lanes)
+         : format == 1 ? vf32_load_e4m3(lanes) : vf32_load_e5m2(lanes);
 }
 CA_SIMD_INLINE int all_lanes(mf32 m)
 {
@@ -234,6 +247,10 @@ CA_SIMD_INLINE vf32 vf32_load_e5m2_lanes(const uint8_t *p, mf32 m)
 CA_SIMD_INLINE vf32 vf32_load_e4m3_lanes(const uint8_t *p, mf32 m)
 {
     return all_lanes(m) ? vf32_load_e4m3(p) : load_fp8_part(p, m, 1);
+}
+CA_SIMD_INLINE vf32 vf32_load_e4m3_finite_lanes(const uint8_t *p, mf32 m)
+{
+    return all_lanes(m) ? vf32_load_e4m3_finite(p) : load_fp8_part(p, m, 2);
 }
 
 /* rows r[0..8) of an 8 x 8 block become its columns */
